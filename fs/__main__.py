@@ -1,0 +1,37 @@
+"""``python -m irdma.fs META_URL MOUNTPOINT``: the mount process (see irdma.fs.mount)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import sys
+
+import trio
+
+from irdma._errors import IrdmaError
+
+from .mount import serve_mount
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m irdma.fs")
+    ap.add_argument("meta_url")
+    ap.add_argument("mountpoint")
+    ap.add_argument("--transport", default="auto")
+    ap.add_argument("--debug", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        trio.run(functools.partial(serve_mount, args.meta_url, args.mountpoint, transport=args.transport, debug=args.debug))
+    except IrdmaError as exc:
+        logging.getLogger("irdma.fs").error("%s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

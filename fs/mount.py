@@ -1,0 +1,131 @@
+"""Running a mount: the FUSE main loop with the client beside it, and its start/stop.
+
+``irdma mount`` starts this module in a detached child process (``python -m irdma.fs``),
+waits until the mountpoint is mounted, and returns; ``irdma mount --foreground`` runs it
+in-process. The loop ends when the filesystem is unmounted (``irdma umount``) or on SIGTERM
+or SIGINT, which unmount it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyfuse3
+import trio
+
+from irdma._errors import IrdmaError
+from irdma.client import Client
+
+from .operations import IrdmaFS
+
+log = logging.getLogger("irdma.fs")
+
+
+async def serve_mount(meta_url: str, mountpoint: str, *, transport: str = "auto", debug: bool = False) -> None:
+    """Mount the namespace at ``mountpoint`` and serve it until unmounted.
+
+    Raises:
+        IrdmaError: the namespace cannot be opened.
+        RuntimeError: FUSE could not mount (``/dev/fuse`` missing, mountpoint busy).
+    """
+    async with Client.open(meta_url, transport=transport, client_name=f"irdma-mount {mountpoint}") as client:
+        fs = IrdmaFS(client)
+        options = set(pyfuse3.default_options)
+        options.add("fsname=irdma")
+        options.add("subtype=irdma")
+        if debug:
+            options.add("debug")
+        pyfuse3.init(fs, mountpoint, options)
+        unmounted = False
+        try:
+            async with trio.open_nursery() as nursery:
+                fs.nursery = nursery
+
+                async def on_signal() -> None:
+                    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                        async for _ in signals:
+                            log.info("signal: unmounting %s", mountpoint)
+                            pyfuse3.terminate()
+                            return
+
+                nursery.start_soon(on_signal)
+                log.info("mounted %s on %s (transport %s)", meta_url, mountpoint, client.transport.name)
+                await pyfuse3.main()
+                unmounted = True
+                nursery.cancel_scope.cancel()
+        finally:
+            # after terminate() the kernel mount is still there: take it down ourselves
+            pyfuse3.close(unmount=not unmounted or _still_mounted(mountpoint))
+
+
+def _still_mounted(mountpoint: str) -> bool:
+    return os.path.ismount(mountpoint)
+
+
+def spawn_mount(meta_url: str, mountpoint: str, *, transport: str, log_file: str, timeout: float = 30.0) -> int:
+    """Start a mount process in the background and wait until the mount is up.
+
+    Returns:
+        The mount process's pid.
+
+    Raises:
+        IrdmaError: the process died or the mount did not appear within ``timeout`` seconds;
+            the message carries the end of its log.
+    """
+    mountpoint = os.path.abspath(mountpoint)
+    if not os.path.isdir(mountpoint):
+        raise IrdmaError(f"mountpoint {mountpoint} is not a directory", f"mkdir -p {mountpoint}")
+    if os.path.ismount(mountpoint):
+        raise IrdmaError(f"{mountpoint} is already a mountpoint", f"irdma umount {mountpoint}")
+    with open(log_file, "ab") as logf:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "irdma.fs", meta_url, mountpoint, "--transport", transport],
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.ismount(mountpoint):
+            return proc.pid
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    else:
+        proc.terminate()
+    tail = _tail(log_file)
+    raise IrdmaError(f"mount of {mountpoint} failed (process exit {proc.poll()}); its log {log_file} ends:\n{tail}")
+
+
+def unmount(mountpoint: str, timeout: float = 30.0) -> None:
+    """Unmount with ``fusermount3 -u`` and wait until the mountpoint is free.
+
+    Raises:
+        IrdmaError: not mounted, or busy (a process still has files open there).
+    """
+    mountpoint = os.path.abspath(mountpoint)
+    if not os.path.ismount(mountpoint):
+        raise IrdmaError(f"{mountpoint} is not mounted")
+    res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise IrdmaError(
+            f"cannot unmount {mountpoint}: {res.stderr.strip()}",
+            f"close the files open there (`fuser -m {mountpoint}`), or `fusermount3 -uz {mountpoint}`",
+        )
+    deadline = time.monotonic() + timeout
+    while os.path.ismount(mountpoint) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _tail(path: str, n: int = 20) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,339 @@
+"""pyfuse3 operations for an irdma namespace.
+
+Reads are pulls, writes are pushes. Writes are asynchronous transfers (write-behind): a
+``write`` hands its bytes to a task that pushes them to the shards and returns at once;
+``flush`` (every ``close``) and ``fsync`` wait until every transfer of the file has been
+acknowledged by its shard, persist the file size, and report the first error a transfer met
+(as NFS does). So an ``fsync`` that returned means the bytes are on the shards. Overlapping
+writes are pushed in the order they were made, and a read waits for the writes it overlaps.
+
+A file whose update op is ``add`` (xattr ``user.irdma.update``) is opened with direct I/O,
+so the page cache never holds a delta in place of the sum. Other files use the page cache,
+dropped at each open (``keep_cache`` off), so a new open sees other workers' pushes.
+
+Inode and file-handle bookkeeping follows pyfuse3's ``examples/passthroughfs.py``.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import stat
+import time
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import pyfuse3
+import trio
+
+from irdma._errors import InvalidArgument, IrdmaError
+from irdma.client import Client, layout_of
+from irdma.meta import Inode
+from irdma.placement import Layout
+from irdma.protocol import UpdateOp
+
+from .errors import fuse_errors
+
+log = logging.getLogger("irdma.fs")
+
+#: Seconds the kernel may cache entries and attributes.
+ATTR_TIMEOUT = 1.0
+#: Write requests in flight per file before a write waits.
+MAX_INFLIGHT_WRITES = 64
+
+
+@dataclass
+class _Pending:
+    start: int
+    end: int
+    done: trio.Event = field(default_factory=trio.Event)
+
+
+@dataclass
+class _FileState:
+    """What this mount knows of an open file beyond the metadata engine."""
+
+    layout: Layout
+    open_count: int = 0
+    size: int = 0
+    dirty: bool = False  # size/mtime not yet persisted
+    pending: list[_Pending] = field(default_factory=list)
+    error: IrdmaError | None = None
+    slots: trio.Semaphore = field(default_factory=lambda: trio.Semaphore(MAX_INFLIGHT_WRITES))
+
+
+@dataclass
+class _Handle:
+    ino: int
+    op: UpdateOp
+    direct: bool
+
+
+class IrdmaFS(pyfuse3.Operations):
+    """The filesystem. ``nursery`` must be set before the FUSE main loop starts.
+
+    Args:
+        client: an open :class:`irdma.Client`.
+    """
+
+    enable_writeback_cache = False
+    supports_dot_lookup = True
+
+    def __init__(self, client: Client) -> None:
+        super().__init__()
+        self.client = client
+        self.meta = client.meta
+        self.nursery: trio.Nursery | None = None
+        self._files: dict[int, _FileState] = {}
+        self._handles: dict[int, _Handle] = {}
+        self._next_fh = 1
+
+    # ------------------------------------------------------------ helpers
+    def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = cast(pyfuse3.InodeT, inode.ino)
+        e.generation = 0
+        e.entry_timeout = ATTR_TIMEOUT
+        e.attr_timeout = ATTR_TIMEOUT
+        e.st_mode = inode.mode
+        e.st_nlink = max(inode.nlink, 0)
+        e.st_uid = inode.uid
+        e.st_gid = inode.gid
+        e.st_rdev = 0
+        st = self._files.get(inode.ino)
+        e.st_size = st.size if st is not None and st.dirty else inode.size
+        e.st_blksize = inode.chunk_size or 4096
+        e.st_blocks = (e.st_size + 511) // 512
+        e.st_atime_ns = inode.atime_ns
+        e.st_mtime_ns = inode.mtime_ns
+        e.st_ctime_ns = inode.ctime_ns
+        return e
+
+    async def _drain(self, st: _FileState, ino: int) -> None:
+        """Wait for every transfer of the file; persist its size; raise the first error."""
+        while st.pending:
+            await st.pending[0].done.wait()
+        if st.dirty:
+            st.dirty = False
+            self.meta.extend(ino, st.size, time.time_ns())
+        if st.error is not None:
+            err, st.error = st.error, None
+            raise err
+
+    async def _destroy(self, inode: Inode) -> None:
+        """Free the chunks of a file with no name and no open handle left, then its inode."""
+        if not inode.is_dir:
+            await self.client.truncate_data(layout_of(inode), 0)
+        self.meta.delete_inode(inode.ino)
+
+    async def _maybe_destroy(self, replaced: Inode | None) -> None:
+        if replaced is not None and replaced.nlink <= 0 and replaced.ino not in self._files:
+            await self._destroy(replaced)
+
+    # ------------------------------------------------------------ namespace
+    async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
+        with fuse_errors("lookup"):
+            return self._entry(self.meta.lookup(parent_inode, name))
+
+    async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
+        with fuse_errors("getattr"):
+            return self._entry(self.meta.getattr(inode))
+
+    async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any) -> pyfuse3.EntryAttributes:
+        with fuse_errors("setattr"):
+            kw: dict[str, int] = {}
+            if fields.update_size:
+                st = self._files.get(inode)
+                if st is not None:
+                    await self._drain(st, inode)
+                old = self.meta.getattr(inode)
+                if attr.st_size < old.size:
+                    await self.client.truncate_data(layout_of(old), attr.st_size)
+                kw["size"] = attr.st_size
+                if st is not None:
+                    st.size = attr.st_size
+            if fields.update_mode:
+                kw["mode"] = attr.st_mode
+            if fields.update_uid:
+                kw["uid"] = attr.st_uid
+            if fields.update_gid:
+                kw["gid"] = attr.st_gid
+            if fields.update_atime:
+                kw["atime_ns"] = attr.st_atime_ns
+            if fields.update_mtime:
+                kw["mtime_ns"] = attr.st_mtime_ns
+            return self._entry(self.meta.setattr(inode, **kw))
+
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> pyfuse3.EntryAttributes:
+        with fuse_errors("mkdir"):
+            inode = self.meta.create(parent_inode, name, stat.S_IFDIR | (mode & ~ctx.umask & 0o7777), ctx.uid, ctx.gid)
+            return self._entry(inode)
+
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
+        with fuse_errors("rmdir"):
+            self.meta.rmdir(parent_inode, name)
+
+    async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
+        with fuse_errors("unlink"):
+            await self._maybe_destroy(self.meta.unlink(parent_inode, name))
+
+    async def rename(
+        self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes, flags: int, ctx: Any
+    ) -> None:
+        with fuse_errors("rename"):
+            await self._maybe_destroy(self.meta.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags))
+
+    async def opendir(self, inode: int, ctx: Any) -> int:
+        with fuse_errors("opendir"):
+            if not self.meta.getattr(inode).is_dir:
+                raise pyfuse3.FUSEError(errno.ENOTDIR)
+            return inode
+
+    async def readdir(self, fh: int, start_id: int, token: Any) -> None:
+        with fuse_errors("readdir"):
+            entries = self.meta.readdir(fh)
+            for i, (name, inode) in enumerate(entries[start_id:], start=start_id + 1):
+                if not pyfuse3.readdir_reply(token, name, self._entry(inode), i):
+                    break
+
+    async def releasedir(self, fh: int) -> None:
+        return None
+
+    async def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
+        with fuse_errors("statfs"):
+            capacity = used = 0
+            for _, st, _why in await self.client.shard_stats():
+                if st is not None:
+                    capacity += st.capacity
+                    used += st.used
+            n_inodes, _ = self.meta.usage()
+            s = pyfuse3.StatvfsData()
+            s.f_bsize = s.f_frsize = 4096
+            s.f_blocks = capacity // 4096
+            s.f_bfree = s.f_bavail = (capacity - used) // 4096
+            s.f_files = n_inodes + (1 << 20)
+            s.f_ffree = s.f_favail = 1 << 20
+            s.f_namemax = 255
+            return s
+
+    # ------------------------------------------------------------ xattrs
+    async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
+        with fuse_errors("getxattr"):
+            return self.meta.getxattr(inode, name)
+
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
+        with fuse_errors("setxattr"):
+            self.meta.setxattr(inode, name, value)
+
+    async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
+        with fuse_errors("listxattr"):
+            return self.meta.listxattr(inode)
+
+    async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
+        with fuse_errors("removexattr"):
+            self.meta.removexattr(inode, name)
+
+    # ------------------------------------------------------------ files
+    def _open_handle(self, inode: Inode) -> pyfuse3.FileInfo:
+        st = self._files.get(inode.ino)
+        if st is None:
+            st = self._files[inode.ino] = _FileState(layout_of(inode), size=inode.size)
+        st.open_count += 1
+        op = UpdateOp.parse(inode.update_op or "assign")
+        direct = op != UpdateOp.ASSIGN
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = _Handle(inode.ino, op, direct)
+        return pyfuse3.FileInfo(fh=cast(pyfuse3.FileHandleT, fh), direct_io=direct, keep_cache=False)
+
+    async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
+        with fuse_errors("open"):
+            node = self.meta.getattr(inode)
+            if node.is_dir:
+                raise pyfuse3.FUSEError(errno.EISDIR)
+            return self._open_handle(node)
+
+    async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        with fuse_errors("create"):
+            inode = self.meta.create(parent_inode, name, stat.S_IFREG | (mode & ~ctx.umask & 0o7777), ctx.uid, ctx.gid)
+            return self._open_handle(inode), self._entry(inode)
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        with fuse_errors("read"):
+            h = self._handles[fh]
+            st = self._files[h.ino]
+            for p in list(st.pending):
+                if p.start < off + size and off < p.end:
+                    await p.done.wait()
+            file_size = st.size if st.dirty else self.meta.getattr(h.ino).size
+            st.size = max(st.size, file_size)
+            n = max(0, min(size, file_size - off))
+            buf = bytearray(n)
+            if n:
+                await self.client.read_into(st.layout, off, memoryview(buf))
+            return bytes(buf)
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        with fuse_errors("write"):
+            h = self._handles[fh]
+            st = self._files[h.ino]
+            if st.error is not None:
+                err, st.error = st.error, None
+                raise err
+            end = off + len(buf)
+            if h.op == UpdateOp.ADD and (off % 4 or len(buf) % 4):
+                raise InvalidArgument(f"a write to an add file must be float32 aligned: offset {off}, {len(buf)} bytes")
+            for p in list(st.pending):  # keep overlapping writes in order
+                if p.start < end and off < p.end:
+                    await p.done.wait()
+            await st.slots.acquire()
+            entry = _Pending(off, end)
+            st.pending.append(entry)
+            st.size = max(st.size, end)
+            st.dirty = True
+            assert self.nursery is not None
+            self.nursery.start_soon(self._push, st, entry, off, buf, h.op)
+            return len(buf)
+
+    async def _push(self, st: _FileState, entry: _Pending, off: int, buf: bytes, op: UpdateOp) -> None:
+        try:
+            await self.client.write_from(st.layout, off, buf, op)
+        except IrdmaError as exc:
+            log.warning("push of %d bytes at %d to file %d failed: %s", len(buf), off, st.layout.file_id, exc)
+            if st.error is None:
+                st.error = exc
+        finally:
+            st.pending.remove(entry)
+            entry.done.set()
+            st.slots.release()
+
+    async def flush(self, fh: int) -> None:
+        with fuse_errors("flush"):
+            h = self._handles[fh]
+            await self._drain(self._files[h.ino], h.ino)
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        await self.flush(fh)
+
+    async def release(self, fh: int) -> None:
+        h = self._handles.pop(fh)
+        st = self._files[h.ino]
+        try:
+            with fuse_errors("release"):
+                await self._drain(st, h.ino)
+        except pyfuse3.FUSEError:
+            pass  # already logged; close(2) got it from flush
+        finally:
+            st.open_count -= 1
+            if st.open_count == 0:
+                del self._files[h.ino]
+                with fuse_errors("release"):
+                    inode = self.meta.getattr(h.ino)
+                    if inode.nlink <= 0:
+                        await self._destroy(inode)
+
+    async def forget(self, inode_list: Any) -> None:
+        return None
+

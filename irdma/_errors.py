@@ -1,0 +1,92 @@
+"""The exceptions of irdma, split by who is at fault (as h11 does).
+
+Every error a user can meet derives from :class:`IrdmaError`. Each carries a
+``hint``: the next thing to do. The FUSE layer maps these to errno values in
+exactly one table (``irdma.fs.errors``).
+"""
+
+from __future__ import annotations
+
+
+class IrdmaError(Exception):
+    """Base class of every irdma error.
+
+    Args:
+        message: what went wrong, with the inputs that made it go wrong.
+        hint: what the user should do next (shown by the CLI).
+    """
+
+    hint: str = ""
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        if hint:
+            self.hint = hint
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        return f"{base} ({self.hint})" if self.hint else base
+
+
+class LocalProtocolError(IrdmaError):
+    """The caller asked for something the protocol cannot express (our fault)."""
+
+
+class RemoteProtocolError(IrdmaError):
+    """The peer sent bytes that break the protocol (their fault)."""
+
+
+class BadRequest(IrdmaError):
+    """A request that is well formed but not valid: it was refused and changed nothing."""
+
+
+class NoSpace(IrdmaError):
+    """A shard's memory region is full (ENOSPC); nothing was written."""
+
+    hint = "free space (rm files) or add shards / raise --capacity"
+
+
+class NotFound(IrdmaError):
+    """A path or inode does not exist (ENOENT)."""
+
+
+class Exists(IrdmaError):
+    """The target already exists (EEXIST)."""
+
+
+class NotADirectory(IrdmaError):
+    """A path component is not a directory (ENOTDIR)."""
+
+
+class IsADirectory(IrdmaError):
+    """A file operation was asked of a directory (EISDIR)."""
+
+
+class NotEmpty(IrdmaError):
+    """A directory to remove or replace is not empty (ENOTEMPTY)."""
+
+
+class NoAttribute(IrdmaError):
+    """An extended attribute does not exist (ENODATA)."""
+
+
+class InvalidArgument(IrdmaError):
+    """An argument out of its domain, such as an unknown update op (EINVAL)."""
+
+
+class NameTooLong(InvalidArgument):
+    """A file name longer than 255 bytes (ENAMETOOLONG)."""
+
+
+class Busy(IrdmaError):
+    """The object is in use and cannot change that way now (EBUSY)."""
+
+
+class ShardUnavailable(IrdmaError):
+    """A shard could not be reached or dropped the connection (EIO)."""
+
+    hint = "check `irdma shard list`; restart the shard or the cluster (`irdma up`)"
+
+
+class TransportUnavailable(IrdmaError):
+    """The requested transport cannot run on this machine (missing device, memlock limit)."""

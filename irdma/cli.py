@@ -1,0 +1,252 @@
+"""The ``irdma`` command line: shard servers, local clusters, mounts and cluster status."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from typing import Any, Callable
+
+import click
+import trio
+from rich.console import Console
+from rich.table import Table
+
+from . import cluster as _cluster
+from ._errors import IrdmaError
+from .transport import TRANSPORTS
+from .units import format_size, parse_size
+
+console = Console(stderr=True)
+out = Console()
+
+
+def _meta_default() -> str:
+    return os.environ.get("IRDMA_META") or _cluster.meta_url_of(_cluster.default_dir())
+
+
+META_OPTION = click.option(
+    "--meta", "meta_url", default=_meta_default, show_default="$IRDMA_META or the default cluster's",
+    help="Metadata URL of the namespace (sqlite:///PATH/meta.db).",
+)
+DIR_OPTION = click.option(
+    "--dir", "cluster_dir", default=_cluster.default_dir, show_default="$IRDMA_HOME or ~/.irdma",
+    type=click.Path(file_okay=False), help="Directory of the local cluster.",
+)
+
+
+def _size(ctx: Any, param: Any, value: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Print an IrdmaError as one line with what to do next, and exit 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except IrdmaError as exc:
+            console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+            sys.exit(1)
+
+    return wrapper
+
+
+@click.group()
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+@click.version_option(package_name="irdma")
+def cli(verbose: int) -> None:
+    """irdma: an RDMA parameter server exposed as a POSIX filesystem."""
+    level = logging.WARNING - 10 * verbose
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# ---------------------------------------------------------------- server
+@cli.command()
+@click.option("--listen", default="127.0.0.1:7700", show_default=True, help="HOST:PORT to serve (port 0 picks one).")
+@click.option("--capacity", default="2GiB", show_default=True, callback=_size, help="Size of the memory region.")
+@click.option("--shard-id", type=int, default=0, show_default=True, help="This shard's id in the shard map.")
+@click.option("--transport", type=click.Choice(TRANSPORTS), default="auto", show_default=True)
+@click.option("--port-file", type=click.Path(dir_okay=False), help="Write the bound HOST:PORT here when ready.")
+@click.option("--auth-token", envvar="IRDMA_AUTH_TOKEN", default="", help="Clients must present this token.")
+@friendly
+def server(listen: str, capacity: int, shard_id: int, transport: str, port_file: str | None, auth_token: str) -> None:
+    """Run one shard server in the foreground until SIGTERM or Ctrl-C."""
+    from irdma.server.serve import run_server
+    from irdma.server.shard import PAGE, Region, Shard
+
+    from .transport import parse_address
+
+    logging.getLogger("irdma").setLevel(min(logging.getLogger().level, logging.INFO))
+    try:
+        host, port = parse_address(listen)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--listen") from None
+    if capacity < PAGE:
+        raise click.BadParameter(f"capacity must be at least {PAGE} bytes", param_hint="--capacity")
+    if transport == "verbs":
+        raise IrdmaError("the verbs transport is not built yet", "use --transport tcp")
+    region = Region(capacity - capacity % PAGE)
+    shard = Shard(shard_id, region)
+    trio.run(functools.partial(run_server, shard, host, port, port_file=port_file, credentials=auth_token.encode()))
+
+
+# ---------------------------------------------------------------- local cluster
+@cli.command()
+@DIR_OPTION
+@click.option("--shards", "-n", default=2, show_default=True, help="Number of shard processes.")
+@click.option("--capacity", default="1GiB", show_default=True, callback=_size, help="Memory region per shard.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the shards listen on.")
+@click.option("--transport", type=click.Choice(TRANSPORTS), default="auto", show_default=True)
+@click.option("--fresh", is_flag=True, help="Wipe the namespace of a stopped cluster in --dir.")
+@friendly
+def up(cluster_dir: str, shards: int, capacity: int, host: str, transport: str, fresh: bool) -> None:
+    """Start a local cluster: SQLite metadata in --dir and N shard processes."""
+    with console.status(f"starting {shards} shards in {cluster_dir}") as status:
+        url = _cluster.up(
+            cluster_dir, shards, capacity, host=host, transport="tcp" if transport == "auto" else transport,
+            fresh=fresh, progress=lambda m: (console.log(m), status.update(m)),
+        )
+    out.print(url, highlight=False)
+    console.print(
+        f"cluster up. Next: [bold]irdma mount {url} MOUNTPOINT[/], [bold]irdma status --meta {url}[/],"
+        f" and [bold]irdma down --dir {cluster_dir}[/] to stop it.", highlight=False,
+    )
+
+
+@cli.command()
+@DIR_OPTION
+@click.option("--keep", is_flag=True, help="Keep the namespace (its data is gone with the shards).")
+@friendly
+def down(cluster_dir: str, keep: bool) -> None:
+    """Stop the local cluster started by `irdma up`."""
+    n = _cluster.down(cluster_dir, keep=keep, progress=console.log)
+    console.print(f"cluster in {cluster_dir} stopped ({n} shard processes).")
+
+
+# ---------------------------------------------------------------- mounts
+@cli.command()
+@click.argument("meta_url")
+@click.argument("mountpoint", type=click.Path(file_okay=False))
+@click.option("--transport", type=click.Choice(TRANSPORTS), default="auto", show_default=True)
+@click.option("--foreground", "-f", is_flag=True, help="Serve in this process until unmounted.")
+@click.option("--log-file", type=click.Path(dir_okay=False), help="Log of the background mount process.")
+@friendly
+def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_file: str | None) -> None:
+    """Mount the namespace at META_URL on MOUNTPOINT with FUSE."""
+    from irdma.fs.mount import serve_mount, spawn_mount
+
+    from .meta import open_meta
+
+    open_meta(meta_url).close()  # fail here, clearly, if there is no namespace
+    if foreground:
+        logging.getLogger("irdma").setLevel(logging.INFO)
+        trio.run(functools.partial(serve_mount, meta_url, os.path.abspath(mountpoint), transport=transport))
+        return
+    log_file = log_file or os.path.join(
+        os.path.dirname(meta_url.removeprefix("sqlite://")) or ".", f"mount-{os.path.basename(os.path.abspath(mountpoint))}.log"
+    )
+    with console.status(f"mounting {meta_url} on {mountpoint}"):
+        pid = spawn_mount(meta_url, mountpoint, transport=transport, log_file=log_file)
+    console.print(f"mounted on {os.path.abspath(mountpoint)} (pid {pid}, log {log_file}); `irdma umount {mountpoint}` to stop.",
+                  highlight=False)
+
+
+@cli.command()
+@click.argument("mountpoint", type=click.Path(file_okay=False))
+@friendly
+def umount(mountpoint: str) -> None:
+    """Unmount an irdma mount (waits for its writes to be on the shards)."""
+    from irdma.fs.mount import unmount
+
+    unmount(mountpoint)
+    console.print(f"unmounted {os.path.abspath(mountpoint)}", highlight=False)
+
+
+# ---------------------------------------------------------------- shards and status
+@cli.group()
+def shard() -> None:
+    """Manage the shard map."""
+
+
+async def _stats(meta_url: str) -> tuple[list[Any], tuple[int, int], int]:
+    from .client import Client
+
+    async with Client.open(meta_url, transport="tcp") as client:
+        return await client.shard_stats(), client.meta.usage(), client.meta.epoch()
+
+
+@shard.command("list")
+@META_OPTION
+@friendly
+def shard_list(meta_url: str) -> None:
+    """Every shard: id, address, state, capacity, used, chunks."""
+    stats, _, epoch = trio.run(_stats, meta_url)
+    table = Table(title=f"shards of {meta_url} (epoch {epoch})")
+    for col in ("id", "address", "state", "capacity", "used", "chunks"):
+        table.add_column(col, justify="right" if col in ("id", "capacity", "used", "chunks") else "left")
+    for rec, st, why in stats:
+        if st is None:
+            table.add_row(str(rec.shard_id), rec.address, "[red]down[/]", "-", "-", "-")
+        else:
+            table.add_row(str(rec.shard_id), rec.address, "[green]up[/]", format_size(st.capacity),
+                          format_size(st.used), str(st.chunks))
+    out.print(table)
+    for rec, st, why in stats:
+        if st is None:
+            console.print(f"shard {rec.shard_id} at {rec.address}: {why}", highlight=False)
+
+
+@shard.command("add")
+@click.argument("address")
+@META_OPTION
+@friendly
+def shard_add(address: str, meta_url: str) -> None:
+    """Register the shard server at ADDRESS (HOST:PORT) in the shard map."""
+    from .meta import open_meta
+    from .transport import parse_address
+
+    parse_address(address)
+    rec = open_meta(meta_url).add_shard(address)
+    console.print(f"registered shard {rec.shard_id} at {address}; start it with"
+                  f" `irdma server --listen {address} --shard-id {rec.shard_id}` if it is not running.")
+
+
+@cli.command()
+@META_OPTION
+@friendly
+def status(meta_url: str) -> None:
+    """The cluster at a glance: shards up, capacity, used, files."""
+    stats, (inodes, file_bytes), epoch = trio.run(_stats, meta_url)
+    up_ = [st for _, st, _ in stats if st is not None]
+    cap = sum(st.capacity for st in up_)
+    used = sum(st.used for st in up_)
+    chunks = sum(st.chunks for st in up_)
+    table = Table(title="irdma status", show_header=False)
+    table.add_column("what")
+    table.add_column("value")
+    health = "[green]healthy[/]" if len(up_) == len(stats) and stats else "[red]degraded[/]"
+    table.add_row("metadata", meta_url)
+    table.add_row("health", health)
+    table.add_row("shards up", f"{len(up_)} of {len(stats)} (shard map epoch {epoch})")
+    table.add_row("capacity", format_size(cap))
+    table.add_row("used", f"{format_size(used)} ({100 * used / cap:.1f}%)" if cap else "-")
+    table.add_row("chunks", str(chunks))
+    table.add_row("inodes", str(inodes))
+    table.add_row("bytes in files", format_size(file_bytes))
+    out.print(table)
+    if len(up_) != len(stats):
+        console.print("some shards are down: `irdma shard list` names them; restart them or the cluster.")
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli.main(args=argv, prog_name="irdma")
+
+
+if __name__ == "__main__":
+    main()

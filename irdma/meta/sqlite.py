@@ -1,0 +1,429 @@
+"""The embedded metadata engine: one SQLite file in WAL mode.
+
+Several processes of one host (every mount, the CLI, native clients) open the same file; WAL
+lets readers run beside one writer, and every change is one ``BEGIN IMMEDIATE`` transaction,
+so a rename is atomic for all of them (https://www.sqlite.org/wal.html). Inode numbers come
+from ``AUTOINCREMENT`` and are never reused: they name files on the shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import stat
+import time
+from typing import Iterator
+
+from irdma._errors import (
+    Busy,
+    Exists,
+    NameTooLong,
+    InvalidArgument,
+    IsADirectory,
+    NoAttribute,
+    NotADirectory,
+    NotEmpty,
+    NotFound,
+)
+from irdma.placement import DEFAULT_CHUNK_SIZE, check_chunk_size
+from irdma.protocol import UpdateOp
+
+from .base import (
+    RENAME_EXCHANGE,
+    RENAME_NOREPLACE,
+    ROOT_INO,
+    XATTR_CHUNK_SIZE,
+    XATTR_UPDATE,
+    Inode,
+    MetaStore,
+    ShardRecord,
+)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS inodes(
+    ino INTEGER PRIMARY KEY AUTOINCREMENT, mode INTEGER NOT NULL, uid INTEGER NOT NULL,
+    gid INTEGER NOT NULL, size INTEGER NOT NULL DEFAULT 0, nlink INTEGER NOT NULL,
+    atime_ns INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL,
+    chunk_size INTEGER, stripe TEXT NOT NULL DEFAULT '', update_op TEXT);
+CREATE TABLE IF NOT EXISTS dentries(
+    parent INTEGER NOT NULL, name BLOB NOT NULL, ino INTEGER NOT NULL,
+    PRIMARY KEY(parent, name));
+CREATE INDEX IF NOT EXISTS dentries_ino ON dentries(ino);
+CREATE TABLE IF NOT EXISTS xattrs(
+    ino INTEGER NOT NULL, name BLOB NOT NULL, value BLOB NOT NULL, PRIMARY KEY(ino, name));
+CREATE TABLE IF NOT EXISTS shards(
+    id INTEGER PRIMARY KEY, address TEXT NOT NULL UNIQUE, state TEXT NOT NULL,
+    added_ns INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS config(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+_COLS = "ino, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size, stripe, update_op"
+_VIRTUAL = (XATTR_UPDATE, XATTR_CHUNK_SIZE)
+
+
+def _now() -> int:
+    return time.time_ns()
+
+
+def _inode(row: tuple) -> Inode:  # type: ignore[type-arg]
+    stripe = tuple(int(s) for s in row[10].split(",") if s)
+    return Inode(*row[:10], stripe=stripe, update_op=row[11])
+
+
+class SqliteMeta(MetaStore):
+    """The namespace in one SQLite database file.
+
+    Args:
+        path: the database file.
+        create: create the database (and the root directory) if missing.
+
+    Raises:
+        NotFound: ``path`` does not exist and ``create`` is False.
+    """
+
+    def __init__(self, path: str, *, create: bool = False) -> None:
+        if not create and not os.path.exists(path):
+            raise NotFound(
+                f"no metadata database at {path}",
+                "start a cluster with `irdma up` or pass the META URL it printed",
+            )
+        self.path = path
+        self.url = f"sqlite://{path}"
+        self._db = sqlite3.connect(path, isolation_level=None, timeout=30.0, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA busy_timeout=30000")
+        with self._tx() as c:
+            for stmt in SCHEMA.split(";"):
+                if stmt.strip():
+                    c.execute(stmt)
+            if c.execute("SELECT 1 FROM inodes WHERE ino=?", (ROOT_INO,)).fetchone() is None:
+                t = _now()
+                c.execute(
+                    "INSERT INTO inodes(ino, mode, uid, gid, nlink, atime_ns, mtime_ns, ctime_ns)"
+                    " VALUES (?,?,?,?,2,?,?,?)",
+                    (ROOT_INO, stat.S_IFDIR | 0o755, os.getuid(), os.getgid(), t, t, t),
+                )
+                c.execute("INSERT OR IGNORE INTO config VALUES ('epoch', '0')")
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[sqlite3.Cursor]:
+        cur = self._db.cursor()
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            yield cur
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+        else:
+            cur.execute("COMMIT")
+
+    def _get(self, c: sqlite3.Cursor | sqlite3.Connection, ino: int) -> Inode:
+        row = c.execute(f"SELECT {_COLS} FROM inodes WHERE ino=?", (ino,)).fetchone()
+        if row is None:
+            raise NotFound(f"no inode {ino}")
+        return _inode(row)
+
+    def _lookup(self, c: sqlite3.Cursor | sqlite3.Connection, parent: int, name: bytes) -> Inode:
+        p = self._get(c, parent)
+        if not p.is_dir:
+            raise NotADirectory(f"inode {parent} is not a directory")
+        row = c.execute(
+            f"SELECT {', '.join('i.' + x.strip() for x in _COLS.split(','))} FROM dentries d"
+            " JOIN inodes i ON i.ino = d.ino WHERE d.parent=? AND d.name=?",
+            (parent, name),
+        ).fetchone()
+        if row is None:
+            raise NotFound(f"no entry {name.decode(errors='replace')!r} in directory {parent}")
+        return _inode(row)
+
+    # ---------------------------------------------------------------- namespace
+    def lookup(self, parent: int, name: bytes) -> Inode:
+        if name == b".":
+            return self.getattr(parent)
+        if name == b"..":
+            return self.getattr(self.parent_of(parent))
+        return self._lookup(self._db, parent, name)
+
+    def getattr(self, ino: int) -> Inode:
+        return self._get(self._db, ino)
+
+    def parent_of(self, ino: int) -> int:
+        if ino == ROOT_INO:
+            return ROOT_INO
+        row = self._db.execute("SELECT parent FROM dentries WHERE ino=? LIMIT 1", (ino,)).fetchone()
+        if row is None:
+            raise NotFound(f"inode {ino} has no parent")
+        return int(row[0])
+
+    def setattr(
+        self,
+        ino: int,
+        *,
+        mode: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        size: int | None = None,
+        atime_ns: int | None = None,
+        mtime_ns: int | None = None,
+    ) -> Inode:
+        with self._tx() as c:
+            inode = self._get(c, ino)
+            if size is not None:
+                if inode.is_dir:
+                    raise IsADirectory(f"inode {ino} is a directory")
+                if size < 0:
+                    raise InvalidArgument(f"negative size {size}")
+                inode.size = size
+                inode.mtime_ns = _now()
+            if mode is not None:
+                inode.mode = stat.S_IFMT(inode.mode) | stat.S_IMODE(mode)
+            if uid is not None:
+                inode.uid = uid
+            if gid is not None:
+                inode.gid = gid
+            if atime_ns is not None:
+                inode.atime_ns = atime_ns
+            if mtime_ns is not None:
+                inode.mtime_ns = mtime_ns
+            inode.ctime_ns = _now()
+            c.execute(
+                "UPDATE inodes SET mode=?, uid=?, gid=?, size=?, atime_ns=?, mtime_ns=?, ctime_ns=? WHERE ino=?",
+                (inode.mode, inode.uid, inode.gid, inode.size, inode.atime_ns, inode.mtime_ns, inode.ctime_ns, ino),
+            )
+            return inode
+
+    def extend(self, ino: int, end: int, mtime_ns: int) -> Inode:
+        with self._tx() as c:
+            c.execute(
+                "UPDATE inodes SET size=MAX(size, ?), mtime_ns=?, ctime_ns=? WHERE ino=?", (end, mtime_ns, mtime_ns, ino)
+            )
+            return self._get(c, ino)
+
+    def create(
+        self, parent: int, name: bytes, mode: int, uid: int, gid: int, *, chunk_size: int | None = None
+    ) -> Inode:
+        _check_name(name)
+        is_dir = stat.S_ISDIR(mode)
+        if not is_dir and not stat.S_ISREG(mode):
+            raise InvalidArgument("only regular files and directories can be created")
+        if chunk_size is not None:
+            try:
+                check_chunk_size(chunk_size)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+        with self._tx() as c:
+            p = self._get(c, parent)
+            if not p.is_dir:
+                raise NotADirectory(f"inode {parent} is not a directory")
+            if c.execute("SELECT 1 FROM dentries WHERE parent=? AND name=?", (parent, name)).fetchone():
+                raise Exists(f"{name.decode(errors='replace')!r} exists")
+            t = _now()
+            if is_dir:
+                values = (mode, uid, gid, 2, t, t, t, chunk_size, "", None)
+            else:
+                shards = [r[0] for r in c.execute("SELECT id FROM shards WHERE state='up' ORDER BY id")]
+                if not shards:
+                    raise InvalidArgument(
+                        "no shard is registered in this namespace",
+                        "start shards with `irdma up` or register one with `irdma shard add`",
+                    )
+                csize = chunk_size or p.chunk_size or DEFAULT_CHUNK_SIZE
+                values = (mode, uid, gid, 1, t, t, t, csize, ",".join(map(str, shards)), p.update_op or "assign")
+            c.execute(
+                "INSERT INTO inodes(mode, uid, gid, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size, stripe,"
+                " update_op) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                values,
+            )
+            ino = c.execute("SELECT last_insert_rowid()").fetchone()[0]
+            c.execute("INSERT INTO dentries VALUES (?,?,?)", (parent, name, ino))
+            if is_dir:
+                c.execute("UPDATE inodes SET nlink=nlink+1 WHERE ino=?", (parent,))
+            c.execute("UPDATE inodes SET mtime_ns=?, ctime_ns=? WHERE ino=?", (t, t, parent))
+            return self._get(c, ino)
+
+    def readdir(self, ino: int) -> list[tuple[bytes, Inode]]:
+        if not self.getattr(ino).is_dir:
+            raise NotADirectory(f"inode {ino} is not a directory")
+        rows = self._db.execute(
+            f"SELECT d.name, {', '.join('i.' + x.strip() for x in _COLS.split(','))} FROM dentries d"
+            " JOIN inodes i ON i.ino = d.ino WHERE d.parent=? ORDER BY d.name",
+            (ino,),
+        ).fetchall()
+        return [(bytes(r[0]), _inode(r[1:])) for r in rows]
+
+    def unlink(self, parent: int, name: bytes) -> Inode:
+        with self._tx() as c:
+            inode = self._lookup(c, parent, name)
+            if inode.is_dir:
+                raise IsADirectory(f"{name.decode(errors='replace')!r} is a directory: use rmdir")
+            self._drop_name(c, parent, name, inode)
+            return inode
+
+    def _drop_name(self, c: sqlite3.Cursor, parent: int, name: bytes, inode: Inode) -> None:
+        t = _now()
+        c.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
+        inode.nlink -= 1
+        c.execute("UPDATE inodes SET nlink=?, ctime_ns=? WHERE ino=?", (inode.nlink, t, inode.ino))
+        c.execute("UPDATE inodes SET mtime_ns=?, ctime_ns=? WHERE ino=?", (t, t, parent))
+
+    def rmdir(self, parent: int, name: bytes) -> None:
+        with self._tx() as c:
+            inode = self._lookup(c, parent, name)
+            if not inode.is_dir:
+                raise NotADirectory(f"{name.decode(errors='replace')!r} is not a directory")
+            if c.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (inode.ino,)).fetchone():
+                raise NotEmpty(f"directory {name.decode(errors='replace')!r} is not empty")
+            c.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
+            c.execute("DELETE FROM inodes WHERE ino=?", (inode.ino,))
+            c.execute("DELETE FROM xattrs WHERE ino=?", (inode.ino,))
+            t = _now()
+            c.execute("UPDATE inodes SET nlink=nlink-1, mtime_ns=?, ctime_ns=? WHERE ino=?", (t, t, parent))
+
+    def rename(
+        self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes, flags: int = 0
+    ) -> Inode | None:
+        _check_name(name_new)
+        if flags & RENAME_EXCHANGE:
+            raise InvalidArgument("RENAME_EXCHANGE is not supported")
+        with self._tx() as c:
+            src = self._lookup(c, parent_old, name_old)
+            if not self._get(c, parent_new).is_dir:
+                raise NotADirectory(f"inode {parent_new} is not a directory")
+            try:
+                dst: Inode | None = self._lookup(c, parent_new, name_new)
+            except NotFound:
+                dst = None
+            if dst is not None and dst.ino == src.ino:
+                return None  # same file: rename(2) does nothing
+            if dst is not None and flags & RENAME_NOREPLACE:
+                raise Exists(f"{name_new.decode(errors='replace')!r} exists")
+            if src.is_dir:
+                # a directory may not move under itself
+                p = parent_new
+                while True:
+                    if p == src.ino:
+                        raise InvalidArgument("cannot move a directory into itself")
+                    if p == ROOT_INO:
+                        break
+                    row = c.execute("SELECT parent FROM dentries WHERE ino=?", (p,)).fetchone()
+                    if row is None:
+                        break
+                    p = int(row[0])
+            if dst is not None:
+                if dst.is_dir and not src.is_dir:
+                    raise IsADirectory(f"{name_new.decode(errors='replace')!r} is a directory")
+                if src.is_dir and not dst.is_dir:
+                    raise NotADirectory(f"{name_new.decode(errors='replace')!r} is not a directory")
+                if dst.is_dir:
+                    if c.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (dst.ino,)).fetchone():
+                        raise NotEmpty(f"directory {name_new.decode(errors='replace')!r} is not empty")
+                    c.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent_new, name_new))
+                    c.execute("DELETE FROM inodes WHERE ino=?", (dst.ino,))
+                    c.execute("UPDATE inodes SET nlink=nlink-1 WHERE ino=?", (parent_new,))
+                    dst = None
+                else:
+                    self._drop_name(c, parent_new, name_new, dst)
+            t = _now()
+            c.execute(
+                "UPDATE dentries SET parent=?, name=? WHERE parent=? AND name=?",
+                (parent_new, name_new, parent_old, name_old),
+            )
+            if src.is_dir and parent_old != parent_new:
+                c.execute("UPDATE inodes SET nlink=nlink-1 WHERE ino=?", (parent_old,))
+                c.execute("UPDATE inodes SET nlink=nlink+1 WHERE ino=?", (parent_new,))
+            c.execute("UPDATE inodes SET ctime_ns=? WHERE ino=?", (t, src.ino))
+            c.execute("UPDATE inodes SET mtime_ns=?, ctime_ns=? WHERE ino IN (?, ?)", (t, t, parent_old, parent_new))
+            return dst
+
+    def delete_inode(self, ino: int) -> None:
+        with self._tx() as c:
+            c.execute("DELETE FROM inodes WHERE ino=? AND nlink<=0", (ino,))
+            c.execute("DELETE FROM xattrs WHERE ino=?", (ino,))
+
+    # ---------------------------------------------------------------- xattrs
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        inode = self.getattr(ino)
+        if name == XATTR_UPDATE and inode.update_op:
+            return inode.update_op.encode()
+        if name == XATTR_CHUNK_SIZE and inode.chunk_size:
+            return str(inode.chunk_size).encode()
+        row = self._db.execute("SELECT value FROM xattrs WHERE ino=? AND name=?", (ino, name)).fetchone()
+        if row is None:
+            raise NoAttribute(f"no attribute {name.decode(errors='replace')} on inode {ino}")
+        return bytes(row[0])
+
+    def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
+        with self._tx() as c:
+            inode = self._get(c, ino)
+            if name == XATTR_UPDATE:
+                try:
+                    op = UpdateOp.parse(value).name.lower()
+                except ValueError as exc:
+                    raise InvalidArgument(str(exc)) from None
+                c.execute("UPDATE inodes SET update_op=?, ctime_ns=? WHERE ino=?", (op, _now(), ino))
+            elif name == XATTR_CHUNK_SIZE:
+                try:
+                    size = check_chunk_size(int(value.decode("ascii", "replace").strip() or "x"))
+                except ValueError as exc:
+                    raise InvalidArgument(f"bad {XATTR_CHUNK_SIZE.decode()} {value!r}: {exc}") from None
+                if not inode.is_dir and inode.size:
+                    raise Busy("the chunk size of a file can change only while it is empty")
+                c.execute("UPDATE inodes SET chunk_size=?, ctime_ns=? WHERE ino=?", (size, _now(), ino))
+            else:
+                c.execute("INSERT OR REPLACE INTO xattrs VALUES (?,?,?)", (ino, name, value))
+                c.execute("UPDATE inodes SET ctime_ns=? WHERE ino=?", (_now(), ino))
+
+    def listxattr(self, ino: int) -> list[bytes]:
+        inode = self.getattr(ino)
+        names = [n for n, v in ((XATTR_UPDATE, inode.update_op), (XATTR_CHUNK_SIZE, inode.chunk_size)) if v]
+        names += [bytes(r[0]) for r in self._db.execute("SELECT name FROM xattrs WHERE ino=? ORDER BY name", (ino,))]
+        return names
+
+    def removexattr(self, ino: int, name: bytes) -> None:
+        with self._tx() as c:
+            inode = self._get(c, ino)
+            if name in _VIRTUAL:
+                if not inode.is_dir:
+                    raise InvalidArgument(f"{name.decode()} of a file cannot be removed, only set")
+                col = "update_op" if name == XATTR_UPDATE else "chunk_size"
+                c.execute(f"UPDATE inodes SET {col}=NULL WHERE ino=?", (ino,))
+                return
+            if c.execute("DELETE FROM xattrs WHERE ino=? AND name=?", (ino, name)).rowcount == 0:
+                raise NoAttribute(f"no attribute {name.decode(errors='replace')} on inode {ino}")
+
+    # ---------------------------------------------------------------- whole namespace
+    def usage(self) -> tuple[int, int]:
+        n, size = self._db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM inodes").fetchone()
+        return int(n), int(size)
+
+    def orphans(self) -> list[Inode]:
+        return [_inode(r) for r in self._db.execute(f"SELECT {_COLS} FROM inodes WHERE nlink<=0")]
+
+    # ---------------------------------------------------------------- shard map
+    def add_shard(self, address: str) -> ShardRecord:
+        with self._tx() as c:
+            if c.execute("SELECT 1 FROM shards WHERE address=?", (address,)).fetchone():
+                raise Exists(f"a shard at {address} is already registered")
+            t = _now()
+            c.execute("INSERT INTO shards(address, state, added_ns) VALUES (?, 'up', ?)", (address, t))
+            sid = c.execute("SELECT last_insert_rowid()").fetchone()[0]
+            c.execute("UPDATE config SET value=CAST(value AS INTEGER)+1 WHERE key='epoch'")
+            return ShardRecord(int(sid), address, "up", t)
+
+    def shards(self) -> list[ShardRecord]:
+        return [ShardRecord(*r) for r in self._db.execute("SELECT id, address, state, added_ns FROM shards ORDER BY id")]
+
+    def epoch(self) -> int:
+        return int(self._db.execute("SELECT value FROM config WHERE key='epoch'").fetchone()[0])
+
+    def close(self) -> None:
+        self._db.close()
+
+
+def _check_name(name: bytes) -> None:
+    if not name or b"/" in name or name in (b".", b"..") or b"\0" in name:
+        raise InvalidArgument(f"invalid file name {name!r}")
+    if len(name) > 255:
+        raise NameTooLong(f"name of {len(name)} bytes is longer than 255")

@@ -1,0 +1,453 @@
+"""The irdma wire protocol: pure code over bytes, no I/O (in the manner of h11).
+
+How it works
+------------
+Every message is a *frame*: a fixed 16-byte header followed by a body. All integers of
+headers and bodies are unsigned and in network byte order (big-endian). Tensor payloads are
+carried verbatim; irdma's convention for parameters is little-endian IEEE-754 float32, C order.
+
+Header, ``struct`` format ``!2sBBIHHI`` (16 bytes)::
+
+    magic      2s  b"IR"
+    version    u8  protocol version of this frame (PROTOCOL_VERSION)
+    opcode     u8  Opcode
+    request_id u32 chosen by the client, echoed by the reply (requests may be pipelined)
+    status     u16 Status; 0 in requests
+    flags      u16 FLAG_REPLY on replies, FLAG_HOLE on a READ reply of a missing chunk
+    body_len   u32 bytes that follow; at most the decoder's ``max_body``
+
+A connection opens with HELLO (protocol versions the client speaks, its name and room for
+credentials) and the shard answers with its id, capacity and largest payload. Requests are
+answered in order per connection. A reply whose status is not OK carries a UTF-8 message as
+its body. :class:`FrameDecoder` turns a byte stream, fed in pieces of any size, into frames;
+:func:`decode_body` turns a frame into a message; :func:`encode` does the reverse and returns a
+list of buffers so payloads are sent without being copied.
+
+The update ops and their semantics (applied atomically per chunk by the shard, each bumps the
+chunk's version by one) follow the parameter-server model of ps-lite (Li et al., OSDI 2014)
+and the server-side accumulate of SoftMemoryBox II (Ahn et al., IEEE Access 2020).
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass, field
+from typing import Union
+
+from ._errors import LocalProtocolError, RemoteProtocolError
+
+PROTOCOL_VERSION = 1
+MAGIC = b"IR"
+HEADER = struct.Struct("!2sBBIHHI")
+HEADER_SIZE = HEADER.size  # 16
+#: Default largest payload (bytes) of one READ or WRITE; shards advertise theirs in HELLO.
+DEFAULT_MAX_PAYLOAD = 16 << 20
+#: Room for the fixed part of any body on top of the payload.
+BODY_SLACK = 256
+
+FLAG_REPLY = 0x1
+FLAG_HOLE = 0x2
+
+
+class Opcode(enum.IntEnum):
+    HELLO = 1
+    READ = 2
+    WRITE = 3
+    STAT = 4
+    FREE = 5
+    PUNCH = 6
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    BAD_REQUEST = 1
+    NO_SPACE = 2
+    UNKNOWN_OPCODE = 3
+    TOO_LARGE = 4
+    UNSUPPORTED_VERSION = 5
+    AUTH_FAILED = 6
+    INTERNAL = 7
+    BAD_FRAME = 8
+
+
+class UpdateOp(enum.IntEnum):
+    """What a write does to the bytes already in a chunk.
+
+    ``ASSIGN`` overwrites. ``ADD`` adds element-wise as little-endian float32: offset and
+    length must be multiples of 4.
+    """
+
+    ASSIGN = 0
+    ADD = 1
+
+    @classmethod
+    def parse(cls, name: str | bytes) -> "UpdateOp":
+        """Map ``"assign"``/``"add"`` to an op.
+
+        Raises:
+            ValueError: the name is not an update op.
+        """
+        if isinstance(name, bytes):
+            name = name.decode("ascii", "replace")
+        try:
+            return cls[name.strip().upper()]
+        except KeyError:
+            valid = ", ".join(op.name.lower() for op in cls)
+            raise ValueError(f"unknown update op {name!r}: use one of {valid}") from None
+
+
+# ---------------------------------------------------------------- messages
+_HELLO = struct.Struct("!BBHH")  # min version, max version, name len, credential len
+_HELLO_R = struct.Struct("!B3xIQII")  # version, shard id, capacity, max payload, extra len
+_READ = struct.Struct("!QQII")  # file id, chunk index, offset, length
+_VERSION = struct.Struct("!Q")
+_WRITE = struct.Struct("!QQIIB3x")  # file id, chunk index, chunk size, offset, op
+_STAT_R = struct.Struct("!IQQQ")  # shard id, capacity, used, chunks
+_FREE = struct.Struct("!QQ")  # file id, first chunk index
+_PUNCH = struct.Struct("!QQI")  # file id, chunk index, offset
+
+
+@dataclass
+class Hello:
+    min_version: int = PROTOCOL_VERSION
+    max_version: int = PROTOCOL_VERSION
+    client_name: str = ""
+    credentials: bytes = b""
+
+
+@dataclass
+class HelloReply:
+    version: int
+    shard_id: int
+    capacity: int
+    max_payload: int
+    extra: bytes = b""  # transport-specific (verbs: region descriptors, QP info)
+
+
+@dataclass
+class Read:
+    file_id: int
+    chunk_index: int
+    offset: int
+    length: int
+
+
+@dataclass
+class ReadReply:
+    version: int
+    data: memoryview | bytes = b""
+    hole: bool = False
+
+
+@dataclass
+class Write:
+    file_id: int
+    chunk_index: int
+    chunk_size: int
+    offset: int
+    op: UpdateOp
+    data: memoryview | bytes = b""
+
+
+@dataclass
+class VersionReply:
+    """Reply to WRITE and PUNCH: the chunk's version after the update."""
+
+    version: int
+
+
+@dataclass
+class Stat:
+    pass
+
+
+@dataclass
+class StatReply:
+    shard_id: int
+    capacity: int
+    used: int
+    chunks: int
+
+
+@dataclass
+class Free:
+    file_id: int
+    first_chunk: int
+
+
+@dataclass
+class FreeReply:
+    freed: int
+
+
+@dataclass
+class Punch:
+    file_id: int
+    chunk_index: int
+    offset: int
+
+
+@dataclass
+class ErrorReply:
+    status: Status
+    message: str = ""
+
+
+Request = Union[Hello, Read, Write, Stat, Free, Punch]
+Reply = Union[HelloReply, ReadReply, VersionReply, StatReply, FreeReply, ErrorReply]
+
+_REQUEST_OPCODE: dict[type, Opcode] = {
+    Hello: Opcode.HELLO,
+    Read: Opcode.READ,
+    Write: Opcode.WRITE,
+    Stat: Opcode.STAT,
+    Free: Opcode.FREE,
+    Punch: Opcode.PUNCH,
+}
+
+
+@dataclass
+class Frame:
+    """One decoded frame: header fields plus the body (a view into the decoder's buffer
+    or the caller's buffer; copy it if it must outlive the next ``feed``)."""
+
+    opcode: int
+    request_id: int
+    status: int
+    flags: int
+    body: memoryview = field(default_factory=lambda: memoryview(b""))
+    version: int = PROTOCOL_VERSION
+    body_len: int = 0  # as announced by the header
+
+    @property
+    def is_reply(self) -> bool:
+        return bool(self.flags & FLAG_REPLY)
+
+
+# ---------------------------------------------------------------- encoding
+def _header(opcode: int, request_id: int, body_len: int, status: int = 0, flags: int = 0) -> bytes:
+    if not 0 <= request_id < 1 << 32:
+        raise LocalProtocolError(f"request id {request_id} does not fit in u32")
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, opcode, request_id, status, flags, body_len)
+
+
+def encode_request(msg: Request, request_id: int) -> list[bytes | memoryview]:
+    """Encode a request as a list of buffers to send in order (the payload is not copied).
+
+    Raises:
+        LocalProtocolError: a field does not fit its wire type.
+    """
+    try:
+        opcode = _REQUEST_OPCODE[type(msg)]
+    except KeyError:
+        raise LocalProtocolError(f"not a request: {msg!r}") from None
+    try:
+        if isinstance(msg, Hello):
+            name = msg.client_name.encode()
+            fixed = _HELLO.pack(msg.min_version, msg.max_version, len(name), len(msg.credentials))
+            parts: list[bytes | memoryview] = [fixed + name + msg.credentials]
+        elif isinstance(msg, Read):
+            parts = [_READ.pack(msg.file_id, msg.chunk_index, msg.offset, msg.length)]
+        elif isinstance(msg, Write):
+            fixed = _WRITE.pack(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, int(msg.op))
+            parts = [fixed, msg.data] if len(msg.data) else [fixed]
+        elif isinstance(msg, Stat):
+            parts = []
+        elif isinstance(msg, Free):
+            parts = [_FREE.pack(msg.file_id, msg.first_chunk)]
+        else:
+            parts = [_PUNCH.pack(msg.file_id, msg.chunk_index, msg.offset)]
+    except struct.error as exc:
+        raise LocalProtocolError(f"cannot encode {msg!r}: {exc}") from None
+    body_len = sum(len(p) for p in parts)
+    if body_len >= 1 << 32:
+        raise LocalProtocolError(f"body of {body_len} bytes does not fit in u32")
+    return [_header(opcode, request_id, body_len), *parts]
+
+
+def encode_reply(opcode: int, request_id: int, msg: Reply) -> list[bytes | memoryview]:
+    """Encode a reply to request ``opcode``; see :func:`encode_request`."""
+    flags = FLAG_REPLY
+    status = Status.OK
+    if isinstance(msg, ErrorReply):
+        status = msg.status
+        parts: list[bytes | memoryview] = [msg.message.encode()[:4096]]
+    elif isinstance(msg, HelloReply):
+        parts = [_HELLO_R.pack(msg.version, msg.shard_id, msg.capacity, msg.max_payload, len(msg.extra)) + msg.extra]
+    elif isinstance(msg, ReadReply):
+        if msg.hole:
+            flags |= FLAG_HOLE
+            parts = [_VERSION.pack(msg.version)]
+        else:
+            parts = [_VERSION.pack(msg.version), msg.data]
+    elif isinstance(msg, VersionReply):
+        parts = [_VERSION.pack(msg.version)]
+    elif isinstance(msg, StatReply):
+        parts = [_STAT_R.pack(msg.shard_id, msg.capacity, msg.used, msg.chunks)]
+    elif isinstance(msg, FreeReply):
+        parts = [_VERSION.pack(msg.freed)]
+    else:
+        raise LocalProtocolError(f"not a reply: {msg!r}")
+    body_len = sum(len(p) for p in parts)
+    return [_header(opcode, request_id, body_len, int(status), flags), *parts]
+
+
+# ---------------------------------------------------------------- decoding
+def parse_header(buf: bytes | bytearray | memoryview, max_body: int) -> Frame:
+    """Parse one 16-byte header (the body is left empty).
+
+    Raises:
+        RemoteProtocolError: bad magic, a protocol version this code does not speak, or a
+            body longer than ``max_body``. Framing is lost: close the connection.
+    """
+    magic, version, opcode, request_id, status, flags, body_len = HEADER.unpack(buf[:HEADER_SIZE])
+    if magic != MAGIC:
+        raise RemoteProtocolError(f"bad magic {bytes(magic)!r}: not an irdma peer")
+    if version != PROTOCOL_VERSION:
+        raise RemoteProtocolError(f"frame of protocol version {version}; this side speaks {PROTOCOL_VERSION}")
+    if body_len > max_body:
+        raise RemoteProtocolError(f"frame body of {body_len} bytes exceeds the limit of {max_body}")
+    return Frame(opcode, request_id, status, flags, version=version, body_len=body_len)
+
+
+class FrameDecoder:
+    """Incremental splitter of a byte stream into frames.
+
+    Feed bytes in pieces of any size with :meth:`feed`; take frames with :meth:`next_frame`
+    until it returns ``None``. A frame's body is a fresh ``bytes`` object.
+
+    Args:
+        max_body: largest body accepted, in bytes.
+    """
+
+    def __init__(self, max_body: int = DEFAULT_MAX_PAYLOAD + BODY_SLACK) -> None:
+        self.max_body = max_body
+        self._buf = bytearray()
+        self._pending: Frame | None = None
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        self._buf += data
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet returned in a frame."""
+        return len(self._buf)
+
+    def next_frame(self) -> Frame | None:
+        """Return the next complete frame, or None when more bytes are needed.
+
+        Raises:
+            RemoteProtocolError: see :func:`parse_header`.
+        """
+        if self._pending is None:
+            if len(self._buf) < HEADER_SIZE:
+                return None
+            self._pending = parse_header(self._buf, self.max_body)
+            del self._buf[:HEADER_SIZE]
+        n = self._pending.body_len
+        if len(self._buf) < n:
+            return None
+        frame, self._pending = self._pending, None
+        frame.body = memoryview(bytes(self._buf[:n]))
+        del self._buf[:n]
+        return frame
+
+
+def _need(body: memoryview, n: int, what: str) -> None:
+    if len(body) < n:
+        raise RemoteProtocolError(f"{what} body of {len(body)} bytes is shorter than its {n}-byte fixed part")
+
+
+def decode_request(frame: Frame) -> Request:
+    """Turn a request frame into a message. Payloads are views into ``frame.body``.
+
+    Raises:
+        RemoteProtocolError: unknown opcode, a reply where a request was due, or a body
+            whose length does not match its opcode. Framing is intact: answer with an error.
+    """
+    if frame.is_reply:
+        raise RemoteProtocolError("got a reply frame where a request was expected")
+    body = frame.body
+    op = frame.opcode
+    if op == Opcode.HELLO:
+        _need(body, _HELLO.size, "HELLO")
+        lo, hi, nlen, clen = _HELLO.unpack_from(body)
+        if len(body) != _HELLO.size + nlen + clen:
+            raise RemoteProtocolError("HELLO body length does not match its name and credentials")
+        name = bytes(body[_HELLO.size : _HELLO.size + nlen]).decode("utf-8", "replace")
+        return Hello(lo, hi, name, bytes(body[_HELLO.size + nlen :]))
+    if op == Opcode.READ:
+        _exact(body, _READ.size, "READ")
+        return Read(*_READ.unpack_from(body))
+    if op == Opcode.WRITE:
+        _need(body, _WRITE.size, "WRITE")
+        fid, idx, csize, off, opv = _WRITE.unpack_from(body)
+        try:
+            uop = UpdateOp(opv)
+        except ValueError:
+            raise RemoteProtocolError(f"unknown update op {opv}") from None
+        return Write(fid, idx, csize, off, uop, body[_WRITE.size :])
+    if op == Opcode.STAT:
+        _exact(body, 0, "STAT")
+        return Stat()
+    if op == Opcode.FREE:
+        _exact(body, _FREE.size, "FREE")
+        return Free(*_FREE.unpack_from(body))
+    if op == Opcode.PUNCH:
+        _exact(body, _PUNCH.size, "PUNCH")
+        return Punch(*_PUNCH.unpack_from(body))
+    raise UnknownOpcode(f"unknown opcode {op}")
+
+
+class UnknownOpcode(RemoteProtocolError):
+    """The frame is intact but its opcode is not one this side knows."""
+
+
+def _exact(body: memoryview, n: int, what: str) -> None:
+    if len(body) != n:
+        raise RemoteProtocolError(f"{what} body must be {n} bytes, got {len(body)}")
+
+
+def decode_reply(frame: Frame) -> Reply:
+    """Turn a reply frame into a message.
+
+    Raises:
+        RemoteProtocolError: a request where a reply was due, an unknown opcode, or a body
+            that does not match.
+    """
+    if not frame.is_reply:
+        raise RemoteProtocolError("got a request frame where a reply was expected")
+    body = frame.body
+    if frame.status != Status.OK:
+        try:
+            status = Status(frame.status)
+        except ValueError:
+            status = Status.INTERNAL
+        return ErrorReply(status, bytes(body).decode("utf-8", "replace"))
+    op = frame.opcode
+    if op == Opcode.HELLO:
+        _need(body, _HELLO_R.size, "HELLO reply")
+        version, sid, cap, maxp, elen = _HELLO_R.unpack_from(body)
+        _exact(body, _HELLO_R.size + elen, "HELLO reply")
+        return HelloReply(version, sid, cap, maxp, bytes(body[_HELLO_R.size :]))
+    if op == Opcode.READ:
+        _need(body, _VERSION.size, "READ reply")
+        (version,) = _VERSION.unpack_from(body)
+        hole = bool(frame.flags & FLAG_HOLE)
+        return ReadReply(version, body[_VERSION.size :], hole)
+    if op in (Opcode.WRITE, Opcode.PUNCH):
+        _exact(body, _VERSION.size, "WRITE reply")
+        return VersionReply(_VERSION.unpack_from(body)[0])
+    if op == Opcode.STAT:
+        _exact(body, _STAT_R.size, "STAT reply")
+        return StatReply(*_STAT_R.unpack_from(body))
+    if op == Opcode.FREE:
+        _exact(body, _VERSION.size, "FREE reply")
+        return FreeReply(_VERSION.unpack_from(body)[0])
+    raise UnknownOpcode(f"unknown opcode {op} in a reply")
+
+
+#: Sizes of the fixed parts, for transports that receive payloads in place.
+READ_REPLY_FIXED = _VERSION.size
+WRITE_FIXED = _WRITE.size

@@ -1,0 +1,113 @@
+"""A plain synchronous client for scripts: :class:`Client` run on a trio loop in a thread."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import trio
+
+from .client import Client
+from .meta import Inode
+from .protocol import UpdateOp
+
+
+class SyncClient:
+    """The same operations as :class:`irdma.Client`, as ordinary blocking calls.
+
+    Create with :func:`irdma.connect`; use as a context manager or call :meth:`close`.
+    Errors are the same as the async client's.
+    """
+
+    def __init__(self, meta_url: str, **kwargs: Any) -> None:
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._client: Client | None = None
+        self._stop: trio.Event | None = None
+        self._thread = threading.Thread(target=self._main, args=(meta_url, kwargs), name="irdma-sync", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _main(self, meta_url: str, kwargs: dict[str, Any]) -> None:
+        async def amain() -> None:
+            try:
+                async with Client.open(meta_url, **kwargs) as client:
+                    self._client = client
+                    self._token = trio.lowlevel.current_trio_token()
+                    self._stop = trio.Event()
+                    self._ready.set()
+                    await self._stop.wait()
+            except BaseException as exc:  # reported to the constructor
+                self._error = exc
+                self._ready.set()
+
+        trio.run(amain)
+
+    def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._token is None or self._client is None:
+            raise RuntimeError("this irdma client is closed")
+        return trio.from_thread.run(lambda: fn(*args, **kwargs), trio_token=self._token)
+
+    @property
+    def client(self) -> Client:
+        assert self._client is not None
+        return self._client
+
+    def write(self, path: str, data: object, offset: int = 0, *, op: UpdateOp | str | None = None,
+              chunk_size: int | None = None) -> int:
+        return int(self._run(self.client.write, path, data, offset, op=op, chunk_size=chunk_size))
+
+    def read(self, path: str, offset: int = 0, length: int | None = None) -> bytearray:
+        return self._run(self.client.read, path, offset, length)  # type: ignore[no-any-return]
+
+    def push(self, path: str, delta: np.ndarray, offset: int = 0) -> None:
+        self._run(self.client.push, path, delta, offset)
+
+    def pull(self, path: str, shape: Sequence[int] | None = None, dtype: str = "<f4") -> np.ndarray:
+        return self._run(self.client.pull, path, shape, dtype)  # type: ignore[no-any-return]
+
+    def create(self, path: str, *, chunk_size: int | None = None) -> Inode:
+        return self._run(self.client.create, path, chunk_size=chunk_size)  # type: ignore[no-any-return]
+
+    def makedirs(self, path: str) -> Inode:
+        return self._run(self.client.makedirs, path)  # type: ignore[no-any-return]
+
+    def set_update_op(self, path: str, op: str) -> None:
+        self._run(self.client.set_update_op, path, op)
+
+    def truncate(self, path: str, size: int) -> None:
+        self._run(self.client.truncate, path, size)
+
+    def unlink(self, path: str) -> None:
+        self._run(self.client.unlink, path)
+
+    def listdir(self, path: str = "/") -> list[str]:
+        return self._run(self.client.listdir, path)  # type: ignore[no-any-return]
+
+    def stat(self, path: str) -> Inode:
+        return self._run(self.client.stat, path)  # type: ignore[no-any-return]
+
+    def shard_stats(self) -> list[Any]:
+        return self._run(self.client.shard_stats)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Close the connections and stop the loop thread. Safe to call twice."""
+        if self._token is not None and self._stop is not None:
+            token, self._token = self._token, None
+            trio.from_thread.run_sync(self._stop.set, trio_token=token)
+            self._thread.join()
+
+    def __enter__(self) -> "SyncClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(meta_url: str, **kwargs: Any) -> SyncClient:
+    """Open the namespace at ``meta_url`` for blocking use (same arguments as Client.open)."""
+    return SyncClient(meta_url, **kwargs)

@@ -1,0 +1,108 @@
+"""The one interface every transport implements (TCP today, RDMA verbs beside it).
+
+A :class:`ShardConnection` is one client's link to one shard. Every method may be called
+concurrently from many trio tasks; the transport keeps several requests in flight and
+answers each in the order the shard applied it. Requests sent on one connection are applied
+by the shard in the order they were sent.
+
+The interface follows ps-lite's ``Van`` (transports behind one interface chosen by name).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import trio
+
+from irdma.protocol import StatReply, UpdateOp
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a shard said of itself in the handshake."""
+
+    shard_id: int
+    capacity: int  # bytes
+    max_payload: int  # largest READ/WRITE payload, bytes
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split ``"HOST:PORT"`` (``"[::1]:PORT"`` for IPv6).
+
+    Raises:
+        ValueError: not of that form, or the port is not in 0..65535.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"address {address!r} is not HOST:PORT (for example 127.0.0.1:7700)")
+    return host.strip("[]"), int(port)
+
+
+class ShardConnection(abc.ABC):
+    """A client's connection to one shard. Close it with :meth:`aclose` (safe twice)."""
+
+    info: ShardInfo
+    address: str
+
+    @abc.abstractmethod
+    async def read(self, file_id: int, chunk_index: int, offset: int, into: memoryview) -> int:
+        """Fill ``into`` with bytes ``[offset, offset+len(into))`` of a chunk (a pull).
+
+        A chunk that does not exist reads as zeros.
+
+        Returns:
+            The chunk's version (0 for a hole).
+
+        Raises:
+            BadRequest: the range leaves the chunk.
+            ShardUnavailable: the connection failed.
+        """
+
+    @abc.abstractmethod
+    async def write(
+        self, file_id: int, chunk_index: int, chunk_size: int, offset: int, op: UpdateOp, data: memoryview | bytes
+    ) -> int:
+        """Apply update op ``op`` with ``data`` at ``offset`` of a chunk (a push).
+
+        Returns:
+            The chunk's version after the update.
+
+        Raises:
+            BadRequest: refused, nothing changed. NoSpace: the shard is full, nothing changed.
+            ShardUnavailable: the connection failed; the update may or may not have applied.
+        """
+
+    @abc.abstractmethod
+    async def stat(self) -> StatReply:
+        """The shard's capacity, bytes used and chunk count."""
+
+    @abc.abstractmethod
+    async def free(self, file_id: int, first_chunk: int) -> int:
+        """Free every chunk of ``file_id`` from index ``first_chunk`` on; returns how many."""
+
+    @abc.abstractmethod
+    async def punch(self, file_id: int, chunk_index: int, offset: int) -> int:
+        """Zero a chunk from ``offset`` to its end; returns its version."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Close the connection; pending calls fail with ShardUnavailable."""
+
+
+class Transport(abc.ABC):
+    """A way to reach shards. ``name`` is what ``--transport`` accepts."""
+
+    name: str
+
+    @abc.abstractmethod
+    async def connect(
+        self, address: str, nursery: trio.Nursery, *, client_name: str = "", credentials: bytes = b""
+    ) -> ShardConnection:
+        """Open a connection to the shard at ``address`` and do the handshake.
+
+        Background tasks of the connection (its reply reader) run in ``nursery``.
+
+        Raises:
+            ShardUnavailable: nobody answers there, or the handshake failed.
+        """

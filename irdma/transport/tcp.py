@@ -1,0 +1,268 @@
+"""TCP transport: the irdma protocol over trio sockets.
+
+Bytes are received with ``recv_into`` straight into the caller's buffer (a pull lands in the
+destination array with no intermediate copy) and payloads are sent as views, never joined.
+Many requests are pipelined on one connection; a reader task matches replies to requests by
+``request_id``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket as _stdsocket
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from irdma import protocol as P
+from irdma._errors import BadRequest, IrdmaError, NoSpace, RemoteProtocolError, ShardUnavailable
+from irdma.protocol import StatReply, UpdateOp
+
+from .base import ShardConnection, ShardInfo, Transport, parse_address
+
+SOCKET_BUFFER = 4 << 20
+_JOIN_LIMIT = 64 << 10
+
+
+def tune_socket(sock: Any) -> None:
+    """TCP_NODELAY and large socket buffers: requests are small, payloads large."""
+    sock.setsockopt(_stdsocket.IPPROTO_TCP, _stdsocket.TCP_NODELAY, 1)
+    for opt in (_stdsocket.SO_SNDBUF, _stdsocket.SO_RCVBUF):
+        try:
+            sock.setsockopt(_stdsocket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        except OSError:  # pragma: no cover - capped by the kernel, not fatal
+            pass
+
+
+async def recv_exactly(sock: Any, view: memoryview) -> bool:
+    """Fill ``view`` from ``sock``. Returns False on a clean EOF before the first byte.
+
+    Raises:
+        RemoteProtocolError: EOF in the middle of ``view``.
+    """
+    got, n = 0, len(view)
+    while got < n:
+        k = await sock.recv_into(view[got:], n - got)
+        if k == 0:
+            if got == 0:
+                return False
+            raise RemoteProtocolError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return True
+
+
+async def send_parts(sock: Any, parts: list[bytes | memoryview]) -> None:
+    """Send buffers in order; small frames are joined into one send, payloads go as views."""
+    total = sum(len(p) for p in parts)
+    if total <= _JOIN_LIMIT or len(parts) == 1:
+        bufs: list[bytes | memoryview] = [b"".join(parts)] if len(parts) > 1 else parts
+    else:
+        head = [p for p in parts[:-1]]
+        bufs = [b"".join(head), parts[-1]]
+    for buf in bufs:
+        view = memoryview(buf).cast("B")
+        while len(view):
+            sent = await sock.send(view)
+            view = view[sent:]
+
+
+def raise_for_error(reply: P.Reply, address: str) -> None:
+    """Turn an error reply into the matching exception."""
+    if isinstance(reply, P.ErrorReply):
+        where = f"shard at {address}"
+        if reply.status == P.Status.NO_SPACE:
+            raise NoSpace(f"{where}: {reply.message}")
+        if reply.status in (P.Status.BAD_REQUEST, P.Status.TOO_LARGE, P.Status.UNKNOWN_OPCODE):
+            raise BadRequest(f"{where} refused the request: {reply.message}")
+        raise ShardUnavailable(f"{where} answered {reply.status.name}: {reply.message}")
+
+
+@dataclass
+class _Pending:
+    opcode: int
+    into: memoryview | None = None
+    done: trio.Event = field(default_factory=trio.Event)
+    reply: P.Reply | None = None
+    error: IrdmaError | None = None
+
+
+class TcpConnection(ShardConnection):
+    """One pipelined TCP connection to a shard. Create with :meth:`TcpTransport.connect`."""
+
+    def __init__(self, sock: Any, address: str, info: ShardInfo, nursery: trio.Nursery) -> None:
+        self._sock = sock
+        self._nursery = nursery
+        self.address = address
+        self.info = info
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._send_lock = trio.Lock()
+        self._broken: IrdmaError | None = None
+        self._reader_running = False
+        self._max_body = info.max_payload + P.BODY_SLACK
+
+    async def _ensure_reader(self) -> None:
+        # The reader lives in the client's nursery; it ends when the socket closes.
+        if not self._reader_running:
+            self._reader_running = True
+            self._nursery.start_soon(self._reader, name=f"irdma-tcp-reader {self.address}")
+
+    async def _reader(self) -> None:
+        hdr = bytearray(P.HEADER_SIZE)
+        hview = memoryview(hdr)
+        fixed = bytearray(P.READ_REPLY_FIXED)
+        try:
+            while True:
+                if not await recv_exactly(self._sock, hview):
+                    raise ShardUnavailable(f"shard at {self.address} closed the connection")
+                frame = P.parse_header(hdr, self._max_body)
+                pend = self._pending.pop(frame.request_id, None)
+                direct = (
+                    pend is not None
+                    and pend.into is not None
+                    and frame.status == P.Status.OK
+                    and not frame.flags & P.FLAG_HOLE
+                    and frame.body_len == P.READ_REPLY_FIXED + len(pend.into)
+                )
+                if direct:
+                    assert pend is not None and pend.into is not None
+                    await recv_exactly(self._sock, memoryview(fixed))
+                    await recv_exactly(self._sock, pend.into)
+                    pend.reply = P.ReadReply(int.from_bytes(fixed, "big"), pend.into)
+                else:
+                    body = bytearray(frame.body_len)
+                    if frame.body_len:
+                        await recv_exactly(self._sock, memoryview(body))
+                    frame.body = memoryview(body)
+                    if pend is None:
+                        continue  # its caller was cancelled
+                    pend.reply = P.decode_reply(frame)
+                pend.done.set()
+        except (IrdmaError, OSError, trio.ClosedResourceError) as exc:
+            err = exc if isinstance(exc, ShardUnavailable) else ShardUnavailable(
+                f"connection to shard at {self.address} failed: {exc}"
+            )
+            self._fail_all(err)
+
+    def _fail_all(self, err: IrdmaError) -> None:
+        self._broken = err
+        for pend in self._pending.values():
+            pend.error = err
+            pend.done.set()
+        self._pending.clear()
+
+    async def _call(self, msg: P.Request, into: memoryview | None = None) -> P.Reply:
+        if self._broken is not None:
+            raise ShardUnavailable(str(self._broken))
+        await self._ensure_reader()
+        rid = next(self._ids) & 0xFFFFFFFF
+        pend = _Pending(P._REQUEST_OPCODE[type(msg)], into)
+        self._pending[rid] = pend
+        parts = P.encode_request(msg, rid)
+        try:
+            async with self._send_lock:
+                # a frame half sent would break the stream for everyone: never cancel mid-frame
+                with trio.CancelScope(shield=True):
+                    try:
+                        await send_parts(self._sock, parts)
+                    except (OSError, trio.ClosedResourceError) as exc:
+                        self._fail_all(ShardUnavailable(f"send to shard at {self.address} failed: {exc}"))
+            await pend.done.wait()
+        except BaseException:
+            self._pending.pop(rid, None)
+            raise
+        if pend.error is not None:
+            raise ShardUnavailable(str(pend.error))
+        assert pend.reply is not None
+        raise_for_error(pend.reply, self.address)
+        return pend.reply
+
+    async def read(self, file_id: int, chunk_index: int, offset: int, into: memoryview) -> int:
+        reply = await self._call(P.Read(file_id, chunk_index, offset, len(into)), into)
+        assert isinstance(reply, P.ReadReply)
+        if reply.hole:
+            into[:] = bytes(len(into))
+        elif reply.data is not into:
+            if len(reply.data) != len(into):
+                raise ShardUnavailable(f"shard at {self.address} sent {len(reply.data)} bytes for {len(into)}")
+            into[:] = reply.data
+        return reply.version
+
+    async def write(
+        self, file_id: int, chunk_index: int, chunk_size: int, offset: int, op: UpdateOp, data: memoryview | bytes
+    ) -> int:
+        reply = await self._call(P.Write(file_id, chunk_index, chunk_size, offset, op, data))
+        assert isinstance(reply, P.VersionReply)
+        return reply.version
+
+    async def stat(self) -> StatReply:
+        reply = await self._call(P.Stat())
+        assert isinstance(reply, StatReply)
+        return reply
+
+    async def free(self, file_id: int, first_chunk: int) -> int:
+        reply = await self._call(P.Free(file_id, first_chunk))
+        assert isinstance(reply, P.FreeReply)
+        return reply.freed
+
+    async def punch(self, file_id: int, chunk_index: int, offset: int) -> int:
+        reply = await self._call(P.Punch(file_id, chunk_index, offset))
+        assert isinstance(reply, P.VersionReply)
+        return reply.version
+
+    async def aclose(self) -> None:
+        if self._broken is None:
+            self._fail_all(ShardUnavailable(f"connection to shard at {self.address} was closed"))
+        self._sock.close()
+
+
+async def handshake(sock: Any, address: str, client_name: str, credentials: bytes) -> P.HelloReply:
+    """Send HELLO and read its reply on a fresh socket.
+
+    Raises:
+        ShardUnavailable: the peer is not a shard, speaks another version, or refused us.
+    """
+    await send_parts(sock, P.encode_request(P.Hello(client_name=client_name, credentials=credentials), 0))
+    dec = P.FrameDecoder(max_body=1 << 20)
+    while (frame := dec.next_frame()) is None:
+        data = await sock.recv(65536)
+        if not data:
+            raise ShardUnavailable(f"{address} closed the connection during the handshake")
+        dec.feed(data)
+    reply = P.decode_reply(frame)
+    if isinstance(reply, P.ErrorReply):
+        raise ShardUnavailable(f"shard at {address} refused the handshake: {reply.status.name}: {reply.message}")
+    if not isinstance(reply, P.HelloReply):
+        raise ShardUnavailable(f"{address} answered the handshake with {type(reply).__name__}")
+    return reply
+
+
+class TcpTransport(Transport):
+    """Shards reached over TCP (loopback or any IP network)."""
+
+    name = "tcp"
+
+    async def connect(
+        self, address: str, nursery: trio.Nursery, *, client_name: str = "", credentials: bytes = b""
+    ) -> TcpConnection:
+        host, port = parse_address(address)
+        try:
+            sock = trio.socket.socket(
+                trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET, trio.socket.SOCK_STREAM
+            )
+            await sock.connect((host, port))
+        except OSError as exc:
+            raise ShardUnavailable(
+                f"cannot connect to shard at {address}: {exc.strerror or exc}",
+                "is the shard running? `irdma shard list` shows its state; `irdma up` starts a local cluster",
+            ) from None
+        try:
+            tune_socket(sock)
+            hello = await handshake(sock, address, client_name, credentials)
+        except (OSError, IrdmaError) as exc:
+            sock.close()
+            if isinstance(exc, ShardUnavailable):
+                raise
+            raise ShardUnavailable(f"handshake with {address} failed: {exc}") from None
+        return TcpConnection(sock, address, ShardInfo(hello.shard_id, hello.capacity, hello.max_payload), nursery)

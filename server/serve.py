@@ -1,0 +1,188 @@
+"""The shard server process: answers the irdma protocol over TCP with trio.
+
+Each connection is served by one task that reads a frame, applies it to the :class:`Shard`
+synchronously (so update ops are atomic per chunk), and sends the reply; connections run
+concurrently. A malformed or refused request gets an error reply and changes nothing; a
+connection whose framing is lost is closed; the server keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import signal
+from typing import Any
+
+import trio
+
+from irdma import protocol as P
+from irdma._errors import BadRequest, IrdmaError, NoSpace, RemoteProtocolError
+from irdma.transport.tcp import recv_exactly, send_parts, tune_socket
+
+from .shard import Shard
+
+log = logging.getLogger("irdma.server")
+
+
+class ShardServer:
+    """Serves one :class:`Shard` to many clients.
+
+    Args:
+        shard: the shard's memory and chunks.
+        max_payload: largest READ/WRITE payload accepted, bytes.
+        credentials: if not empty, a HELLO must carry exactly these bytes.
+    """
+
+    def __init__(self, shard: Shard, max_payload: int = P.DEFAULT_MAX_PAYLOAD, credentials: bytes = b"") -> None:
+        self.shard = shard
+        self.max_payload = max_payload
+        self.credentials = credentials
+        self.hello_extra = b""  # transport descriptors added by the verbs transport
+
+    # ------------------------------------------------------------ pure request handling
+    def handle(self, frame: P.Frame) -> P.Reply:
+        """Apply one request frame and return the reply. Never raises for bad input."""
+        try:
+            msg = P.decode_request(frame)
+        except P.UnknownOpcode as exc:
+            return P.ErrorReply(P.Status.UNKNOWN_OPCODE, str(exc))
+        except RemoteProtocolError as exc:
+            return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
+        try:
+            return self._apply(msg)
+        except NoSpace as exc:
+            return P.ErrorReply(P.Status.NO_SPACE, str(exc))
+        except BadRequest as exc:
+            return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
+
+    def _apply(self, msg: P.Request) -> P.Reply:
+        shard = self.shard
+        if isinstance(msg, P.Read):
+            if msg.length > self.max_payload:
+                raise BadRequest(f"read of {msg.length} bytes exceeds the payload limit {self.max_payload}")
+            version, view = shard.read(msg.file_id, msg.chunk_index, msg.offset, msg.length)
+            if view is None:
+                return P.ReadReply(version, hole=True)
+            return P.ReadReply(version, view)
+        if isinstance(msg, P.Write):
+            version = shard.write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, msg.data)
+            return P.VersionReply(version)
+        if isinstance(msg, P.Stat):
+            return P.StatReply(shard.shard_id, shard.capacity, shard.used, shard.chunk_count)
+        if isinstance(msg, P.Free):
+            return P.FreeReply(shard.free(msg.file_id, msg.first_chunk))
+        if isinstance(msg, P.Punch):
+            return P.VersionReply(shard.punch(msg.file_id, msg.chunk_index, msg.offset))
+        raise BadRequest("HELLO may only open a connection")
+
+    def hello(self, frame: P.Frame) -> P.Reply:
+        try:
+            msg = P.decode_request(frame)
+        except RemoteProtocolError as exc:
+            return P.ErrorReply(P.Status.BAD_REQUEST, f"expected HELLO: {exc}")
+        if not isinstance(msg, P.Hello):
+            return P.ErrorReply(P.Status.BAD_REQUEST, "a connection must open with HELLO")
+        if not msg.min_version <= P.PROTOCOL_VERSION <= msg.max_version:
+            return P.ErrorReply(
+                P.Status.UNSUPPORTED_VERSION,
+                f"client speaks versions {msg.min_version}..{msg.max_version}, shard speaks {P.PROTOCOL_VERSION}",
+            )
+        if self.credentials and not hmac.compare_digest(msg.credentials, self.credentials):
+            return P.ErrorReply(P.Status.AUTH_FAILED, "bad credentials: pass the cluster's --auth-token")
+        return P.HelloReply(
+            P.PROTOCOL_VERSION, self.shard.shard_id, self.shard.capacity, self.max_payload, self.hello_extra
+        )
+
+    # ------------------------------------------------------------ TCP
+    async def serve_tcp_connection(self, sock: Any, peer: str) -> None:
+        tune_socket(sock)
+        hdr = bytearray(P.HEADER_SIZE)
+        staging = bytearray(0)  # grows to the largest body seen, at most max_payload + slack
+        max_body = self.max_payload + P.BODY_SLACK
+        opened = False
+        with sock:
+            while True:
+                try:
+                    if not await recv_exactly(sock, memoryview(hdr)):
+                        break
+                    frame = P.parse_header(hdr, max_body)
+                except RemoteProtocolError as exc:
+                    log.warning("closing connection from %s: %s", peer, exc)
+                    status = P.Status.TOO_LARGE if "exceeds" in str(exc) else P.Status.BAD_FRAME
+                    await self._send_quietly(sock, P.encode_reply(0, 0, P.ErrorReply(status, str(exc))))
+                    break
+                except OSError:
+                    break
+                if frame.body_len > len(staging):
+                    staging = bytearray(frame.body_len)
+                body = memoryview(staging)[: frame.body_len]
+                try:
+                    await recv_exactly(sock, body)
+                except (RemoteProtocolError, OSError):
+                    break  # truncated frame: nothing applied
+                frame.body = body
+                if not opened:
+                    reply = self.hello(frame)
+                    opened = isinstance(reply, P.HelloReply)
+                else:
+                    reply = self.handle(frame)
+                if not await self._send_quietly(sock, P.encode_reply(frame.opcode, frame.request_id, reply)):
+                    break
+                if not opened:
+                    break
+
+    @staticmethod
+    async def _send_quietly(sock: Any, parts: list[bytes | memoryview]) -> bool:
+        try:
+            await send_parts(sock, parts)
+            return True
+        except OSError:
+            return False
+
+    async def serve_tcp(self, host: str, port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen on ``host:port`` (port 0 picks one) and serve until cancelled.
+
+        ``task_status.started`` receives the bound ``(host, port)``.
+        """
+        listener = trio.socket.socket(trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET)
+        listener.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+        await listener.bind((host, port))
+        listener.listen(128)
+        bound = listener.getsockname()[:2]
+        task_status.started(bound)
+        async with trio.open_nursery() as nursery:
+            with listener:
+                while True:
+                    sock, addr = await listener.accept()
+                    nursery.start_soon(self.serve_tcp_connection, sock, f"{addr[0]}:{addr[1]}")
+
+
+async def run_server(
+    shard: Shard,
+    host: str,
+    port: int,
+    *,
+    port_file: str | None = None,
+    credentials: bytes = b"",
+    max_payload: int = P.DEFAULT_MAX_PAYLOAD,
+) -> None:
+    """The ``irdma server`` main: serve until SIGTERM or SIGINT, then exit cleanly."""
+    server = ShardServer(shard, max_payload=max_payload, credentials=credentials)
+    async with trio.open_nursery() as nursery:
+        bound = await nursery.start(server.serve_tcp, host, port)
+        address = f"{bound[0]}:{bound[1]}"
+        log.info("shard %d serving %d bytes on %s (tcp)", shard.shard_id, shard.capacity, address)
+        if port_file:
+            tmp = port_file + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(address + "\n")
+            os.replace(tmp, port_file)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("shard %d stopping on signal %d", shard.shard_id, signum)
+                nursery.cancel_scope.cancel()
+                break
+
+
+__all__ = ["ShardServer", "run_server", "IrdmaError"]

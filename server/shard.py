@@ -1,0 +1,245 @@
+"""One shard's memory: a single preallocated memory region carved into chunks.
+
+A chunk is the unit of striping, ``chunk_size`` bytes of one file, named by
+``(file_id, chunk_index)``. It is allocated, zero-filled, on its first write, at its full
+``chunk_size``, and never moves until freed, so a remote reader may address it directly (the
+one-sided RDMA READ of iRDMA, HPCC 2017). Free space in the region is always zero.
+
+Update ops are applied synchronously, so under trio they are atomic per chunk: no other
+request of any connection runs between the read and the write of an ``add``. Each applied
+update bumps the chunk's version by one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+from dataclasses import dataclass
+
+import numpy as np
+
+from irdma._errors import BadRequest, NoSpace
+from irdma.protocol import UpdateOp
+
+PAGE = 4096
+#: Largest chunk a shard accepts (bytes).
+MAX_CHUNK_SIZE = 256 << 20
+
+
+class Region:
+    """A contiguous, writable memory region of ``capacity`` bytes.
+
+    By default an anonymous private ``mmap``: pages cost RAM only once written, and freed
+    ranges are handed back with ``madvise(MADV_DONTNEED)``. A transport may supply its own
+    buffer instead (verbs registers the region with the device).
+
+    Args:
+        capacity: bytes, a multiple of 4096.
+        buffer: an existing writable buffer of at least ``capacity`` bytes, or None.
+    """
+
+    def __init__(self, capacity: int, buffer: memoryview | None = None) -> None:
+        if capacity <= 0 or capacity % PAGE:
+            raise ValueError(f"region capacity {capacity} must be a positive multiple of {PAGE}")
+        self.capacity = capacity
+        self._mmap: mmap.mmap | None = None
+        if buffer is None:
+            self._mmap = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.view = memoryview(self._mmap)
+        else:
+            if len(buffer) < capacity or buffer.readonly:
+                raise ValueError("region buffer must be writable and hold the capacity")
+            self.view = buffer[:capacity]
+
+    def zero(self, offset: int, size: int) -> None:
+        """Return ``[offset, offset+size)`` to all zeros (and its pages to the OS if we can)."""
+        if self._mmap is not None and offset % PAGE == 0 and size % PAGE == 0:
+            self._mmap.madvise(mmap.MADV_DONTNEED, offset, size)
+        else:
+            self.view[offset : offset + size] = bytes(size)
+
+    def close(self) -> None:
+        self.view.release()
+        if self._mmap is not None:
+            self._mmap.close()
+            self._mmap = None
+
+
+class _Allocator:
+    """First-fit allocator of page-aligned extents with coalescing of free neighbours."""
+
+    def __init__(self, capacity: int) -> None:
+        self._starts: list[int] = [0]
+        self._sizes: dict[int, int] = {0: capacity}
+
+    def alloc(self, size: int) -> int | None:
+        for start in self._starts:
+            have = self._sizes[start]
+            if have >= size:
+                self._starts.remove(start)
+                del self._sizes[start]
+                if have > size:
+                    bisect.insort(self._starts, start + size)
+                    self._sizes[start + size] = have - size
+                return start
+        return None
+
+    def free(self, start: int, size: int) -> None:
+        i = bisect.bisect_left(self._starts, start)
+        # merge with the next free extent
+        if i < len(self._starts) and self._starts[i] == start + size:
+            nxt = self._starts.pop(i)
+            size += self._sizes.pop(nxt)
+        # merge with the previous one
+        if i > 0:
+            prev = self._starts[i - 1]
+            if prev + self._sizes[prev] == start:
+                self._sizes[prev] += size
+                return
+        self._starts.insert(i, start)
+        self._sizes[start] = size
+
+
+@dataclass
+class Chunk:
+    offset: int  # in the region, bytes
+    size: int  # bytes
+    version: int = 0
+
+
+class Shard:
+    """The chunks of one shard and the update ops on them.
+
+    Args:
+        shard_id: this shard's id in the shard map.
+        region: the memory region that holds every chunk.
+    """
+
+    def __init__(self, shard_id: int, region: Region) -> None:
+        self.shard_id = shard_id
+        self.region = region
+        self._alloc = _Allocator(region.capacity)
+        self._chunks: dict[tuple[int, int], Chunk] = {}
+        self._by_file: dict[int, set[int]] = {}
+        self.used = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.region.capacity
+
+    @property
+    def chunk_count(self) -> int:
+        return len(self._chunks)
+
+    def locate(self, file_id: int, chunk_index: int) -> Chunk | None:
+        return self._chunks.get((file_id, chunk_index))
+
+    def _get_or_create(self, file_id: int, chunk_index: int, chunk_size: int) -> Chunk:
+        chunk = self._chunks.get((file_id, chunk_index))
+        if chunk is not None:
+            if chunk.size != chunk_size:
+                raise BadRequest(
+                    f"chunk ({file_id}, {chunk_index}) has size {chunk.size}, request says {chunk_size}"
+                )
+            return chunk
+        if chunk_size <= 0 or chunk_size % PAGE or chunk_size > MAX_CHUNK_SIZE:
+            raise BadRequest(f"chunk size {chunk_size} must be a multiple of {PAGE} up to {MAX_CHUNK_SIZE}")
+        offset = self._alloc.alloc(chunk_size)
+        if offset is None:
+            raise NoSpace(
+                f"shard {self.shard_id} is full: {self.used} of {self.capacity} bytes used,"
+                f" no free extent of {chunk_size} bytes"
+            )
+        chunk = Chunk(offset, chunk_size)
+        self._chunks[(file_id, chunk_index)] = chunk
+        self._by_file.setdefault(file_id, set()).add(chunk_index)
+        self.used += chunk_size
+        return chunk
+
+    def read(self, file_id: int, chunk_index: int, offset: int, length: int) -> tuple[int, memoryview | None]:
+        """Bytes ``[offset, offset+length)`` of a chunk.
+
+        Returns:
+            ``(version, view)``; ``view`` is None when the chunk does not exist (a hole: zeros,
+            version 0). The view aliases the region: it is not a snapshot.
+
+        Raises:
+            BadRequest: the range leaves the chunk.
+        """
+        chunk = self._chunks.get((file_id, chunk_index))
+        if chunk is None:
+            return 0, None
+        if offset + length > chunk.size:
+            raise BadRequest(f"range [{offset}, {offset + length}) leaves the {chunk.size}-byte chunk")
+        start = chunk.offset + offset
+        return chunk.version, self.region.view[start : start + length]
+
+    def write(
+        self, file_id: int, chunk_index: int, chunk_size: int, offset: int, op: UpdateOp, data: memoryview | bytes
+    ) -> int:
+        """Apply an update op to ``[offset, offset+len(data))`` of a chunk, creating it if needed.
+
+        ``data`` for ``ADD`` is little-endian float32; the sum is float32 (IEEE-754, round to
+        nearest even), the same as numpy's ``+=``.
+
+        Returns:
+            The chunk's version after the update.
+
+        Raises:
+            BadRequest: the range leaves the chunk, the chunk size disagrees with the chunk's,
+                or an ``ADD`` is not 4-byte aligned. Nothing changed.
+            NoSpace: the chunk is new and the region has no room for it. Nothing changed.
+        """
+        n = len(data)
+        if offset < 0 or offset + n > chunk_size:
+            raise BadRequest(f"range [{offset}, {offset + n}) leaves the {chunk_size}-byte chunk")
+        if op == UpdateOp.ADD and (offset % 4 or n % 4):
+            raise BadRequest(f"add needs float32 alignment: offset {offset} and length {n} must be multiples of 4")
+        chunk = self._get_or_create(file_id, chunk_index, chunk_size)
+        start = chunk.offset + offset
+        if op == UpdateOp.ASSIGN:
+            self.region.view[start : start + n] = data
+        else:
+            dst = np.frombuffer(self.region.view[start : start + n], dtype="<f4")
+            dst += np.frombuffer(data, dtype="<f4")
+        chunk.version += 1
+        return chunk.version
+
+    def punch(self, file_id: int, chunk_index: int, offset: int) -> int:
+        """Zero a chunk from ``offset`` to its end (the tail cut by a truncate).
+
+        Returns:
+            The chunk's version after the update (0 if there is no such chunk).
+        """
+        chunk = self._chunks.get((file_id, chunk_index))
+        if chunk is None:
+            return 0
+        if offset > chunk.size:
+            raise BadRequest(f"offset {offset} is past the {chunk.size}-byte chunk")
+        if offset == 0:
+            self._drop(file_id, chunk_index)
+            return 0
+        self.region.view[chunk.offset + offset : chunk.offset + chunk.size] = bytes(chunk.size - offset)
+        chunk.version += 1
+        return chunk.version
+
+    def free(self, file_id: int, first_chunk: int) -> int:
+        """Drop every chunk of ``file_id`` whose index is ``>= first_chunk``.
+
+        Returns:
+            How many chunks were freed.
+        """
+        indices = [i for i in self._by_file.get(file_id, ()) if i >= first_chunk]
+        for i in indices:
+            self._drop(file_id, i)
+        return len(indices)
+
+    def _drop(self, file_id: int, chunk_index: int) -> None:
+        chunk = self._chunks.pop((file_id, chunk_index))
+        idx = self._by_file[file_id]
+        idx.discard(chunk_index)
+        if not idx:
+            del self._by_file[file_id]
+        self.region.zero(chunk.offset, chunk.size)
+        self._alloc.free(chunk.offset, chunk.size)
+        self.used -= chunk.size
