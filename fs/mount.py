@@ -12,13 +12,13 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pyfuse3
 import trio
 
 from irdma._errors import IrdmaError
+from irdma._proc import pid_alive, spawn_detached
 from irdma.client import Client
 
 from .operations import IrdmaFS
@@ -82,25 +82,20 @@ def spawn_mount(meta_url: str, mountpoint: str, *, transport: str, log_file: str
         raise IrdmaError(f"mountpoint {mountpoint} is not a directory", f"mkdir -p {mountpoint}")
     if os.path.ismount(mountpoint):
         raise IrdmaError(f"{mountpoint} is already a mountpoint", f"irdma umount {mountpoint}")
-    with open(log_file, "ab") as logf:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "irdma.fs", meta_url, mountpoint, "--transport", transport],
-            stdin=subprocess.DEVNULL,
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    pid = spawn_detached(["-m", "irdma.fs", meta_url, mountpoint, "--transport", transport], log_file)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if os.path.ismount(mountpoint):
-            return proc.pid
-        if proc.poll() is not None:
+            return pid
+        if not pid_alive(pid):
             break
         time.sleep(0.05)
     else:
-        proc.terminate()
-    tail = _tail(log_file)
-    raise IrdmaError(f"mount of {mountpoint} failed (process exit {proc.poll()}); its log {log_file} ends:\n{tail}")
+        os.kill(pid, signal.SIGTERM)
+    raise IrdmaError(
+        f"mount of {mountpoint} failed; its log {log_file} ends:\n{_tail(log_file)}",
+        "check that /dev/fuse exists and fuse3 is installed (apt-get install fuse3)",
+    )
 
 
 def unmount(mountpoint: str, timeout: float = 30.0) -> None:

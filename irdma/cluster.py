@@ -13,8 +13,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -23,6 +21,7 @@ import trio
 
 from ._concurrency import open_nursery
 from ._errors import IrdmaError, ShardUnavailable
+from ._proc import pid_alive, spawn_detached
 from .meta import open_meta
 from .transport import make_transport
 
@@ -49,20 +48,6 @@ def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child of ours is not alive
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def read_state(cluster_dir: str) -> list[ShardProc]:
@@ -130,14 +115,13 @@ def up(
             address = f"{host}:{_free_port(host)}"
             rec = meta.add_shard(address)
             log = os.path.join(cluster_dir, "logs", f"shard-{rec.shard_id}.log")
-            with open(log, "ab") as logf:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "irdma.cli", "server", "--listen", address,
-                     "--capacity", str(capacity), "--shard-id", str(rec.shard_id), "--transport", transport],
-                    stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-                )
-            procs.append(ShardProc(rec.shard_id, address, proc.pid, log))
-            progress(f"started shard {rec.shard_id} on {address} (pid {proc.pid})")
+            pid = spawn_detached(
+                ["-m", "irdma.cli", "server", "--listen", address, "--capacity", str(capacity),
+                 "--shard-id", str(rec.shard_id), "--transport", transport],
+                log,
+            )
+            procs.append(ShardProc(rec.shard_id, address, pid, log))
+            progress(f"started shard {rec.shard_id} on {address} (pid {pid})")
         _write_state(cluster_dir, procs)
         deadline = time.monotonic() + timeout
         for p in procs:
@@ -170,10 +154,6 @@ def _stop(procs: list[ShardProc], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     for p in procs:
         while pid_alive(p.pid) and time.monotonic() < deadline:
-            try:
-                os.waitpid(p.pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
             time.sleep(0.05)
         if pid_alive(p.pid):
             os.kill(p.pid, signal.SIGKILL)

@@ -99,14 +99,10 @@ class TcpConnection(ShardConnection):
         self._pending: dict[int, _Pending] = {}
         self._send_lock = trio.Lock()
         self._broken: IrdmaError | None = None
-        self._reader_running = False
         self._max_body = info.max_payload + P.BODY_SLACK
-
-    async def _ensure_reader(self) -> None:
-        # The reader lives in the client's nursery; it ends when the socket closes.
-        if not self._reader_running:
-            self._reader_running = True
-            self._nursery.start_soon(self._reader, name=f"irdma-tcp-reader {self.address}")
+        # The reader lives in the client's nursery and owns the socket: when the nursery is
+        # cancelled or the peer goes away, it fails every pending call and closes the socket.
+        nursery.start_soon(self._reader, name=f"irdma-tcp-reader {address}")
 
     async def _reader(self) -> None:
         hdr = bytearray(P.HEADER_SIZE)
@@ -144,6 +140,8 @@ class TcpConnection(ShardConnection):
                 f"connection to shard at {self.address} failed: {exc}"
             )
             self._fail_all(err)
+        finally:
+            self._sock.close()
 
     def _fail_all(self, err: IrdmaError) -> None:
         self._broken = err
@@ -155,7 +153,6 @@ class TcpConnection(ShardConnection):
     async def _call(self, msg: P.Request, into: memoryview | None = None) -> P.Reply:
         if self._broken is not None:
             raise ShardUnavailable(str(self._broken))
-        await self._ensure_reader()
         rid = next(self._ids) & 0xFFFFFFFF
         pend = _Pending(P._REQUEST_OPCODE[type(msg)], into)
         self._pending[rid] = pend
@@ -247,12 +244,13 @@ class TcpTransport(Transport):
         self, address: str, nursery: trio.Nursery, *, client_name: str = "", credentials: bytes = b""
     ) -> TcpConnection:
         host, port = parse_address(address)
+        sock = trio.socket.socket(trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET, trio.socket.SOCK_STREAM)
         try:
-            sock = trio.socket.socket(
-                trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET, trio.socket.SOCK_STREAM
-            )
             await sock.connect((host, port))
-        except OSError as exc:
+        except BaseException as exc:
+            sock.close()
+            if not isinstance(exc, OSError):
+                raise
             raise ShardUnavailable(
                 f"cannot connect to shard at {address}: {exc.strerror or exc}",
                 "is the shard running? `irdma shard list` shows its state; `irdma up` starts a local cluster",

@@ -1,0 +1,44 @@
+# irdma: `make demo` runs the whole path end to end; `make test` runs the test suite.
+# Both install what is missing first (Debian packages, a virtual environment in .venv).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-fast test-verbs vm-image lint clean
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	@command -v fusermount3 >/dev/null && pkg-config --exists fuse3 2>/dev/null || { \
+	  echo "==> installing fuse3, libfuse3-dev, pkg-config (apt)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-dev pkg-config attr >/dev/null; }
+	@test -x $(PY) || { echo "==> creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
+	@echo "==> installing irdma and its dependencies into $(VENV) (TensorFlow takes about a minute)"
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[tf,dev]'
+	@touch $(STAMP)
+
+demo: install
+	$(PY) examples/demo.py
+
+test: install
+	$(PY) -m pytest -v --durations=10 tests
+
+test-fast: install
+	$(PY) -m pytest -q -m "not tf and not slow" tests
+
+# Real RDMA verbs: build (or reuse) the Soft-RoCE VM image and run the verbs suite inside it.
+vm-image:
+	tests/vm/softroce-vm.sh build
+
+test-verbs: vm-image
+	tests/vm/softroce-vm.sh run sh tests/vm/run-verbs-tests.sh
+
+lint: install
+	$(VENV)/bin/ruff check irdma fs server examples tests
+	$(VENV)/bin/mypy irdma fs server
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

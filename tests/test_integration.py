@@ -1,0 +1,204 @@
+"""The client against real shard processes: striping, concurrent pushes from several client
+processes, ENOSPC, and malformed requests that must not disturb anyone else."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import irdma
+from helpers import Cluster, irdma_cli, running_cluster, wait_until
+from irdma import protocol as P
+
+
+def test_a_large_file_is_striped_over_every_shard(cluster: Cluster) -> None:
+    with irdma.connect(cluster.meta_url, transport="tcp") as c:
+        before = {rec.shard_id: st.chunks for rec, st, _ in c.shard_stats()}
+        data = os.urandom(9 * (1 << 20) + 123)
+        c.write("/striped.bin", data, chunk_size=1 << 20)
+        after = {rec.shard_id: st.chunks for rec, st, _ in c.shard_stats()}
+        grown = {k: after[k] - before[k] for k in after}
+        assert all(v >= 4 for v in grown.values()), grown  # 10 chunks over 2 shards
+        assert c.read("/striped.bin") == data
+        assert c.read("/striped.bin", 5_000_000, 10) == data[5_000_000:5_000_010]
+        assert c.stat("/striped.bin").size == len(data)
+        c.unlink("/striped.bin")
+        assert {rec.shard_id: st.chunks for rec, st, _ in c.shard_stats()} == before
+
+
+ADDER = """
+import sys, numpy as np, irdma
+url, path, k, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+with irdma.connect(url, transport="tcp") as c:
+    for _ in range(rounds):
+        c.push(path, np.full(300_000, k, dtype="<f4"))
+"""
+
+
+def test_concurrent_add_from_several_client_processes_sums_exactly(cluster: Cluster) -> None:
+    n = 300_000  # 1.2 MB: two chunks of 1 MiB, one on each shard
+    with irdma.connect(cluster.meta_url, transport="tcp") as c:
+        c.write("/sum.f32", np.zeros(n, "<f4"), chunk_size=1 << 20)
+        procs = [
+            subprocess.Popen([sys.executable, "-c", ADDER, cluster.meta_url, "/sum.f32", str(k), "20"])
+            for k in (1, 2, 3, 4)
+        ]
+        assert [p.wait(timeout=120) for p in procs] == [0, 0, 0, 0]
+        np.testing.assert_array_equal(c.pull("/sum.f32"), np.full(n, 20 * (1 + 2 + 3 + 4), "<f4"))
+
+
+def test_enospc_when_full_changes_nothing(tmp_path: object) -> None:
+    with running_cluster(str(tmp_path), shards=2, capacity=2 << 20) as small:
+        with irdma.connect(small.meta_url, transport="tcp") as c:
+            c.write("/a", b"a" * 100, chunk_size=1 << 20)
+            c.write("/b", b"b" * 100, chunk_size=1 << 20)
+            c.write("/c", b"c" * 100, chunk_size=1 << 20)
+            c.write("/d", b"d" * 100, chunk_size=1 << 20)
+            with pytest.raises(irdma.NoSpace):
+                c.write("/e", b"e" * 100, chunk_size=1 << 20)
+            assert c.stat("/e").size == 0  # the failed write did not grow the file
+            assert c.read("/a") == b"a" * 100 and c.read("/d") == b"d" * 100
+            c.unlink("/a")
+            c.write("/e", b"e" * 100)  # space came back
+            assert c.read("/e") == b"e" * 100
+
+
+def _raw(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=10)
+    s.sendall(b"".join(P.encode_request(P.Hello(client_name="raw"), 0)))
+    dec = P.FrameDecoder()
+    while (f := dec.next_frame()) is None:
+        dec.feed(s.recv(4096))
+    assert isinstance(P.decode_reply(f), P.HelloReply)
+    return s
+
+
+def _reply(s: socket.socket) -> P.Reply:
+    dec = P.FrameDecoder()
+    while (f := dec.next_frame()) is None:
+        data = s.recv(65536)
+        assert data, "the shard closed the connection"
+        dec.feed(data)
+    return P.decode_reply(f)
+
+
+def test_malformed_requests_get_error_replies_and_disturb_no_one(cluster: Cluster) -> None:
+    address = cluster.shards[0].address
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    pushes = [0]
+
+    def steady_client() -> None:  # a well-behaved client pushing all along
+        try:
+            with irdma.connect(cluster.meta_url, transport="tcp") as c:
+                c.write("/steady.f32", np.zeros(1024, "<f4"))
+                while not stop.is_set() and pushes[0] < 100_000:
+                    c.push("/steady.f32", np.ones(1024, "<f4"))
+                    pushes[0] += 1
+                np.testing.assert_array_equal(c.pull("/steady.f32"), np.full(1024, pushes[0], "<f4"))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=steady_client)
+    t.start()
+    try:
+        wait_until(lambda: pushes[0] > 10 or bool(errors), 30, "the steady client to start pushing")
+        s = _raw(address)
+        # unknown opcode: error reply, connection stays usable
+        s.sendall(P.HEADER.pack(P.MAGIC, P.PROTOCOL_VERSION, 99, 1, 0, 0, 4) + b"junk")
+        r = _reply(s)
+        assert isinstance(r, P.ErrorReply) and r.status == P.Status.UNKNOWN_OPCODE
+        # short body for READ: error reply
+        s.sendall(P.HEADER.pack(P.MAGIC, P.PROTOCOL_VERSION, P.Opcode.READ, 2, 0, 0, 3) + b"abc")
+        r = _reply(s)
+        assert isinstance(r, P.ErrorReply) and r.status == P.Status.BAD_REQUEST
+        # an add that is not float32-aligned, then a read showing nothing changed
+        s.sendall(b"".join(P.encode_request(P.Write(77, 0, 4096, 1, P.UpdateOp.ADD, b"\x01" * 8), 3)))
+        r = _reply(s)
+        assert isinstance(r, P.ErrorReply) and r.status == P.Status.BAD_REQUEST
+        s.sendall(b"".join(P.encode_request(P.Read(77, 0, 0, 16), 4)))
+        r = _reply(s)
+        assert isinstance(r, P.ReadReply) and r.hole
+        s.sendall(b"".join(P.encode_request(P.Stat(), 5)))
+        assert isinstance(_reply(s), P.StatReply)
+        s.close()
+        # an oversized frame: refused from its header, that connection is closed
+        s = _raw(address)
+        s.sendall(P.HEADER.pack(P.MAGIC, P.PROTOCOL_VERSION, P.Opcode.WRITE, 6, 0, 0, 1 << 31))
+        r = _reply(s)
+        assert isinstance(r, P.ErrorReply) and r.status == P.Status.TOO_LARGE
+        assert s.recv(1) == b""
+        s.close()
+        # garbage instead of a handshake, and a frame cut in the middle
+        for junk in (b"GET / HTTP/1.1\r\n\r\n", b"".join(P.encode_request(P.Write(1, 0, 4096, 0, 0, b"x" * 999), 7))[:500]):
+            host, port = address.rsplit(":", 1)
+            g = socket.create_connection((host, int(port)), timeout=10)
+            try:
+                g.sendall(junk)
+                g.shutdown(socket.SHUT_WR)
+                g.recv(65536)
+            except OSError:
+                pass  # the shard may hang up first: that is the point
+            finally:
+                g.close()
+        before_end = pushes[0]
+        wait_until(lambda: pushes[0] > before_end + 10 or bool(errors), 30, "the steady client to go on pushing")
+    finally:
+        stop.set()
+        t.join(timeout=60)
+    assert not errors, errors
+    assert pushes[0] > 0
+    # and the shard is still there for everyone
+    res = irdma_cli("shard", "list", "--meta", cluster.meta_url)
+    assert res.stdout.count(" up ") == 2, res.stdout
+
+
+def test_credentials_are_checked_in_the_handshake(tmp_path: object) -> None:
+    port_file = os.path.join(str(tmp_path), "addr")
+    proc = subprocess.Popen([sys.executable, "-m", "irdma.cli", "server", "--listen", "127.0.0.1:0", "--capacity",
+                             "8MiB", "--port-file", port_file, "--auth-token", "s3cret", "--transport", "tcp"])
+    try:
+        wait_until(lambda: os.path.exists(port_file), 30, "the shard to listen")
+        with open(port_file) as f:
+            host, port = f.read().strip().rsplit(":", 1)
+        for token, ok in ((b"wrong", False), (b"s3cret", True)):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(b"".join(P.encode_request(P.Hello(credentials=token), 0)))
+            r = _reply(s)
+            assert isinstance(r, P.HelloReply) == ok, r
+            if not ok:
+                assert isinstance(r, P.ErrorReply) and r.status == P.Status.AUTH_FAILED
+            s.close()
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
+def test_cli_shows_the_running_cluster(cluster: Cluster) -> None:
+    res = irdma_cli("shard", "list", "--meta", cluster.meta_url)
+    for s in cluster.shards:
+        assert s.address in res.stdout
+    assert "capacity" in res.stdout and "chunks" in res.stdout
+    res = irdma_cli("status", "--meta", cluster.meta_url)
+    assert "2 of 2" in res.stdout and "healthy" in res.stdout and "256.0 MiB" in res.stdout
+
+
+def test_cli_errors_say_what_to_do(tmp_path: object) -> None:
+    res = irdma_cli("status", "--meta", f"sqlite://{tmp_path}/nothing.db", check=False)
+    assert res.returncode == 1 and "irdma up" in res.stderr
+    res = irdma_cli("server", "--listen", "nonsense", check=False)
+    assert res.returncode == 2 and "HOST:PORT" in res.stderr
+    res = irdma_cli("down", "--dir", str(tmp_path), check=False)
+    assert res.returncode == 1 and "--dir" in res.stderr
+
+
+def test_struct_sizes_are_fixed() -> None:
+    assert P.HEADER_SIZE == 16 and struct.calcsize("!QQIIB3x") == P.WRITE_FIXED == 28

@@ -1,0 +1,163 @@
+"""The pure codec: round trips, truncated and oversized frames, unknown opcodes, byte feeds."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from irdma import protocol as P
+from irdma._errors import LocalProtocolError, RemoteProtocolError
+
+REQUESTS = [
+    P.Hello(1, 1, "worker-0", b"secret-token"),
+    P.Read(7, 3, 4096, 65536),
+    P.Write(7, 3, 4 << 20, 12, P.UpdateOp.ADD, b"\x00\x00\x80\x3f" * 5),
+    P.Write(2**64 - 1, 0, 4096, 0, P.UpdateOp.ASSIGN, b""),
+    P.Stat(),
+    P.Free(9, 2),
+    P.Punch(9, 1, 100),
+]
+
+REPLIES = [
+    (P.Opcode.HELLO, P.HelloReply(1, 3, 2 << 30, 16 << 20, b"verbs-descriptors")),
+    (P.Opcode.READ, P.ReadReply(42, b"abcdefgh")),
+    (P.Opcode.READ, P.ReadReply(0, b"", hole=True)),
+    (P.Opcode.WRITE, P.VersionReply(43)),
+    (P.Opcode.STAT, P.StatReply(1, 1 << 30, 4 << 20, 1)),
+    (P.Opcode.FREE, P.FreeReply(5)),
+    (P.Opcode.PUNCH, P.VersionReply(2)),
+    (P.Opcode.WRITE, P.ErrorReply(P.Status.NO_SPACE, "shard 1 is full")),
+]
+
+
+def _frames(data: bytes, max_body: int = 1 << 20) -> list[P.Frame]:
+    dec = P.FrameDecoder(max_body)
+    dec.feed(data)
+    out = []
+    while (f := dec.next_frame()) is not None:
+        out.append(f)
+    return out
+
+
+def _norm(msg: object) -> object:
+    # payload views compare as bytes
+    d = dict(vars(msg))
+    for k, v in d.items():
+        if isinstance(v, memoryview):
+            d[k] = bytes(v)
+    return type(msg), d
+
+
+@pytest.mark.parametrize("msg", REQUESTS, ids=lambda m: type(m).__name__)
+def test_request_round_trip(msg: P.Request) -> None:
+    wire = b"".join(P.encode_request(msg, 77))
+    [frame] = _frames(wire)
+    assert frame.request_id == 77 and not frame.is_reply
+    assert _norm(P.decode_request(frame)) == _norm(msg)
+
+
+@pytest.mark.parametrize("opcode,msg", REPLIES, ids=lambda m: type(m).__name__)
+def test_reply_round_trip(opcode: int, msg: P.Reply) -> None:
+    wire = b"".join(P.encode_reply(opcode, 5, msg))
+    [frame] = _frames(wire)
+    assert frame.is_reply and frame.request_id == 5
+    got = P.decode_reply(frame)
+    if isinstance(msg, P.ReadReply) and msg.hole:
+        assert isinstance(got, P.ReadReply) and got.hole and got.version == 0
+    else:
+        assert _norm(got) == _norm(msg)
+
+
+def test_byte_by_byte_feed_gives_the_same_frames() -> None:
+    wire = b"".join(b"".join(P.encode_request(m, i)) for i, m in enumerate(REQUESTS))
+    dec = P.FrameDecoder()
+    frames = []
+    for i in range(len(wire)):
+        dec.feed(wire[i : i + 1])
+        while (f := dec.next_frame()) is not None:
+            frames.append(f)
+    assert [_norm(P.decode_request(f)) for f in frames] == [_norm(m) for m in REQUESTS]
+    assert dec.buffered == 0
+
+
+def test_truncated_frame_waits_for_more_and_never_yields_a_partial_frame() -> None:
+    wire = b"".join(P.encode_request(P.Write(1, 0, 4096, 0, P.UpdateOp.ASSIGN, b"x" * 100), 1))
+    for cut in (1, P.HEADER_SIZE - 1, P.HEADER_SIZE, len(wire) - 1):
+        assert _frames(wire[:cut]) == []
+
+
+def test_trailing_garbage_after_a_frame_is_not_mistaken_for_a_frame() -> None:
+    wire = b"".join(P.encode_request(P.Stat(), 1)) + b"IR"
+    dec = P.FrameDecoder()
+    dec.feed(wire)
+    assert isinstance(P.decode_request(dec.next_frame()), P.Stat)  # type: ignore[arg-type]
+    assert dec.next_frame() is None and dec.buffered == 2
+
+
+def test_oversized_frame_is_refused_from_its_header() -> None:
+    header = P.HEADER.pack(P.MAGIC, P.PROTOCOL_VERSION, P.Opcode.WRITE, 1, 0, 0, 10_000)
+    with pytest.raises(RemoteProtocolError, match="exceeds the limit"):
+        _frames(header, max_body=9_999)
+
+
+def test_bad_magic_and_wrong_version_are_remote_errors() -> None:
+    with pytest.raises(RemoteProtocolError, match="magic"):
+        _frames(b"GET / HTTP/1.1\r\n\r\n")
+    with pytest.raises(RemoteProtocolError, match="version"):
+        _frames(P.HEADER.pack(P.MAGIC, 99, P.Opcode.STAT, 1, 0, 0, 0))
+
+
+def test_unknown_opcode_is_reported_with_framing_intact() -> None:
+    wire = P.HEADER.pack(P.MAGIC, P.PROTOCOL_VERSION, 200, 9, 0, 0, 3) + b"abc"
+    wire += b"".join(P.encode_request(P.Stat(), 10))
+    f1, f2 = _frames(wire)
+    with pytest.raises(P.UnknownOpcode):
+        P.decode_request(f1)
+    assert isinstance(P.decode_request(f2), P.Stat)
+
+
+@pytest.mark.parametrize(
+    "opcode,body",
+    [
+        (P.Opcode.READ, b"\x00" * 10),
+        (P.Opcode.READ, b"\x00" * 25),
+        (P.Opcode.WRITE, b"\x00" * 8),
+        (P.Opcode.STAT, b"x"),
+        (P.Opcode.FREE, b""),
+        (P.Opcode.HELLO, struct.pack("!BBHH", 1, 1, 50, 0) + b"short"),
+    ],
+)
+def test_bodies_of_the_wrong_length_are_remote_errors(opcode: int, body: bytes) -> None:
+    frame = P.Frame(opcode, 1, 0, 0, memoryview(body))
+    with pytest.raises(RemoteProtocolError):
+        P.decode_request(frame)
+
+
+def test_unknown_update_op_is_a_remote_error() -> None:
+    body = struct.pack("!QQIIB3x", 1, 0, 4096, 0, 9)
+    with pytest.raises(RemoteProtocolError, match="update op"):
+        P.decode_request(P.Frame(P.Opcode.WRITE, 1, 0, 0, memoryview(body)))
+
+
+def test_a_reply_is_not_accepted_as_a_request_nor_the_reverse() -> None:
+    [req] = _frames(b"".join(P.encode_request(P.Stat(), 1)))
+    [rep] = _frames(b"".join(P.encode_reply(P.Opcode.STAT, 1, P.StatReply(1, 2, 3, 4))))
+    with pytest.raises(RemoteProtocolError):
+        P.decode_request(rep)
+    with pytest.raises(RemoteProtocolError):
+        P.decode_reply(req)
+
+
+def test_fields_that_do_not_fit_are_local_errors() -> None:
+    with pytest.raises(LocalProtocolError):
+        P.encode_request(P.Read(-1, 0, 0, 0), 1)
+    with pytest.raises(LocalProtocolError):
+        P.encode_request(P.Stat(), 1 << 32)
+
+
+def test_update_op_names() -> None:
+    assert P.UpdateOp.parse("add") is P.UpdateOp.ADD
+    assert P.UpdateOp.parse(b"assign\n") is P.UpdateOp.ASSIGN
+    with pytest.raises(ValueError, match="assign, add"):
+        P.UpdateOp.parse("multiply")
