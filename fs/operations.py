@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import stat
 import time
 from dataclasses import dataclass, field
@@ -120,6 +121,18 @@ class IrdmaFS(pyfuse3.Operations):
             err, st.error = st.error, None
             raise err
 
+    async def _truncate(self, inode: Inode, size: int) -> None:
+        """Set a file's size: wait for its transfers, drop the bytes past ``size`` on the shards."""
+        st = self._files.get(inode.ino)
+        if st is not None:
+            await self._drain(st, inode.ino)
+            inode = self.meta.getattr(inode.ino)
+        if size < inode.size:
+            await self.client.truncate_data(layout_of(inode), size)
+        self.meta.setattr(inode.ino, size=size)
+        if st is not None:
+            st.size = size
+
     async def _destroy(self, inode: Inode) -> None:
         """Free the chunks of a file with no name and no open handle left, then its inode."""
         if not inode.is_dir:
@@ -143,15 +156,7 @@ class IrdmaFS(pyfuse3.Operations):
         with fuse_errors("setattr"):
             kw: dict[str, int] = {}
             if fields.update_size:
-                st = self._files.get(inode)
-                if st is not None:
-                    await self._drain(st, inode)
-                old = self.meta.getattr(inode)
-                if attr.st_size < old.size:
-                    await self.client.truncate_data(layout_of(old), attr.st_size)
-                kw["size"] = attr.st_size
-                if st is not None:
-                    st.size = attr.st_size
+                await self._truncate(self.meta.getattr(inode), attr.st_size)
             if fields.update_mode:
                 kw["mode"] = attr.st_mode
             if fields.update_uid:
@@ -251,6 +256,9 @@ class IrdmaFS(pyfuse3.Operations):
             node = self.meta.getattr(inode)
             if node.is_dir:
                 raise pyfuse3.FUSEError(errno.EISDIR)
+            if flags & os.O_TRUNC:  # libfuse3 turns on atomic O_TRUNC: the truncate is ours
+                await self._truncate(node, 0)
+                node = self.meta.getattr(inode)
             return self._open_handle(node)
 
     async def create(
