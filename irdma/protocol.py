@@ -57,6 +57,9 @@ class Opcode(enum.IntEnum):
     STAT = 4
     FREE = 5
     PUNCH = 6
+    VERBS_CONNECT = 7
+    LOCATE = 8
+    REMOTE_WRITE = 9
 
 
 class Status(enum.IntEnum):
@@ -106,6 +109,12 @@ _WRITE = struct.Struct("!QQIIB3x")  # file id, chunk index, chunk size, offset, 
 _STAT_R = struct.Struct("!IQQQ")  # shard id, capacity, used, chunks
 _FREE = struct.Struct("!QQ")  # file id, first chunk index
 _PUNCH = struct.Struct("!QQI")  # file id, chunk index, offset
+# verbs: client QP number, PSN, GID; then the shard's QP, memory-region descriptors and limits
+_VCONN = struct.Struct("!II16s")
+_VCONN_R = struct.Struct("!II16sQQIQIQIIHI")
+_LOCATE = struct.Struct("!QQI")  # file id, chunk index, chunk size to create with (0: do not)
+_LOCATE_R = struct.Struct("!B3xQIQ")  # exists, region offset, chunk size, version slot index
+_RWRITE = struct.Struct("!QQIIBB2xIQQ")  # file, chunk, chunk size, offset, op, in place, length, staging off, region off
 
 
 @dataclass
@@ -189,13 +198,83 @@ class Punch:
 
 
 @dataclass
+class VerbsConnect:
+    """Verbs transport: the client's RC queue pair, to be connected to a new one on the shard."""
+
+    qp_num: int
+    psn: int
+    gid: bytes  # 16 bytes, network order
+
+
+@dataclass
+class VerbsConnectReply:
+    """The shard's queue pair and the remote memory it lets this client touch.
+
+    ``region_*``: the memory region of chunks (RDMA READ and WRITE). ``versions_*``: the table
+    of chunk versions, little-endian u64, slot ``chunk_offset // 4096`` (RDMA READ).
+    ``staging_*``: this connection's staging buffer (RDMA WRITE, then REMOTE_WRITE).
+    """
+
+    qp_num: int
+    psn: int
+    gid: bytes
+    region_addr: int
+    region_len: int
+    region_rkey: int
+    versions_addr: int
+    versions_rkey: int
+    staging_addr: int
+    staging_len: int
+    staging_rkey: int
+    recv_slots: int  # requests the shard can take at once on this QP
+    slot_size: int  # largest request frame it takes over SEND, bytes
+
+
+@dataclass
+class Locate:
+    """Where a chunk lives in the region; ``create_size`` > 0 allocates it if missing."""
+
+    file_id: int
+    chunk_index: int
+    create_size: int = 0
+
+
+@dataclass
+class LocateReply:
+    exists: bool
+    region_offset: int = 0
+    chunk_size: int = 0
+    version_slot: int = 0
+
+
+@dataclass
+class RemoteWrite:
+    """A write whose payload already moved by RDMA WRITE.
+
+    ``in_place``: the bytes were written straight into the chunk at ``region_offset`` (assign);
+    the shard checks the chunk is still there and bumps its version. Otherwise the payload
+    sits in the connection's staging buffer at ``staging_offset`` and the shard applies ``op``.
+    """
+
+    file_id: int
+    chunk_index: int
+    chunk_size: int
+    offset: int
+    op: UpdateOp
+    in_place: bool
+    length: int
+    staging_offset: int = 0
+    region_offset: int = 0
+
+
+@dataclass
 class ErrorReply:
     status: Status
     message: str = ""
 
 
-Request = Union[Hello, Read, Write, Stat, Free, Punch]
-Reply = Union[HelloReply, ReadReply, VersionReply, StatReply, FreeReply, ErrorReply]
+Request = Union[Hello, Read, Write, Stat, Free, Punch, VerbsConnect, Locate, RemoteWrite]
+Reply = Union[HelloReply, ReadReply, VersionReply, StatReply, FreeReply, ErrorReply, VerbsConnectReply, LocateReply]
 
 _REQUEST_OPCODE: dict[type, Opcode] = {
     Hello: Opcode.HELLO,
@@ -204,6 +283,9 @@ _REQUEST_OPCODE: dict[type, Opcode] = {
     Stat: Opcode.STAT,
     Free: Opcode.FREE,
     Punch: Opcode.PUNCH,
+    VerbsConnect: Opcode.VERBS_CONNECT,
+    Locate: Opcode.LOCATE,
+    RemoteWrite: Opcode.REMOTE_WRITE,
 }
 
 
@@ -256,6 +338,13 @@ def encode_request(msg: Request, request_id: int) -> list[bytes | memoryview]:
             parts = []
         elif isinstance(msg, Free):
             parts = [_FREE.pack(msg.file_id, msg.first_chunk)]
+        elif isinstance(msg, VerbsConnect):
+            parts = [_VCONN.pack(msg.qp_num, msg.psn, msg.gid)]
+        elif isinstance(msg, Locate):
+            parts = [_LOCATE.pack(msg.file_id, msg.chunk_index, msg.create_size)]
+        elif isinstance(msg, RemoteWrite):
+            parts = [_RWRITE.pack(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, int(msg.op),
+                                  int(msg.in_place), msg.length, msg.staging_offset, msg.region_offset)]
         else:
             parts = [_PUNCH.pack(msg.file_id, msg.chunk_index, msg.offset)]
     except struct.error as exc:
@@ -287,6 +376,12 @@ def encode_reply(opcode: int, request_id: int, msg: Reply) -> list[bytes | memor
         parts = [_STAT_R.pack(msg.shard_id, msg.capacity, msg.used, msg.chunks)]
     elif isinstance(msg, FreeReply):
         parts = [_VERSION.pack(msg.freed)]
+    elif isinstance(msg, VerbsConnectReply):
+        parts = [_VCONN_R.pack(msg.qp_num, msg.psn, msg.gid, msg.region_addr, msg.region_len, msg.region_rkey,
+                               msg.versions_addr, msg.versions_rkey, msg.staging_addr, msg.staging_len,
+                               msg.staging_rkey, msg.recv_slots, msg.slot_size)]
+    elif isinstance(msg, LocateReply):
+        parts = [_LOCATE_R.pack(int(msg.exists), msg.region_offset, msg.chunk_size, msg.version_slot)]
     else:
         raise LocalProtocolError(f"not a reply: {msg!r}")
     body_len = sum(len(p) for p in parts)
@@ -397,6 +492,20 @@ def decode_request(frame: Frame) -> Request:
     if op == Opcode.PUNCH:
         _exact(body, _PUNCH.size, "PUNCH")
         return Punch(*_PUNCH.unpack_from(body))
+    if op == Opcode.VERBS_CONNECT:
+        _exact(body, _VCONN.size, "VERBS_CONNECT")
+        return VerbsConnect(*_VCONN.unpack_from(body))
+    if op == Opcode.LOCATE:
+        _exact(body, _LOCATE.size, "LOCATE")
+        return Locate(*_LOCATE.unpack_from(body))
+    if op == Opcode.REMOTE_WRITE:
+        _exact(body, _RWRITE.size, "REMOTE_WRITE")
+        fid, idx, csize, off, opv, in_place, n, soff, roff = _RWRITE.unpack_from(body)
+        try:
+            uop = UpdateOp(opv)
+        except ValueError:
+            raise RemoteProtocolError(f"unknown update op {opv}") from None
+        return RemoteWrite(fid, idx, csize, off, uop, bool(in_place), n, soff, roff)
     raise UnknownOpcode(f"unknown opcode {op}")
 
 
@@ -445,6 +554,16 @@ def decode_reply(frame: Frame) -> Reply:
     if op == Opcode.FREE:
         _exact(body, _VERSION.size, "FREE reply")
         return FreeReply(_VERSION.unpack_from(body)[0])
+    if op == Opcode.VERBS_CONNECT:
+        _exact(body, _VCONN_R.size, "VERBS_CONNECT reply")
+        return VerbsConnectReply(*_VCONN_R.unpack_from(body))
+    if op == Opcode.LOCATE:
+        _exact(body, _LOCATE_R.size, "LOCATE reply")
+        exists, roff, csize, slot = _LOCATE_R.unpack_from(body)
+        return LocateReply(bool(exists), roff, csize, slot)
+    if op == Opcode.REMOTE_WRITE:
+        _exact(body, _VERSION.size, "REMOTE_WRITE reply")
+        return VersionReply(_VERSION.unpack_from(body)[0])
     raise UnknownOpcode(f"unknown opcode {op} in a reply")
 
 

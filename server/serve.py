@@ -41,8 +41,11 @@ class ShardServer:
         self.hello_extra = b""  # transport descriptors added by the verbs transport
 
     # ------------------------------------------------------------ pure request handling
-    def handle(self, frame: P.Frame) -> P.Reply:
-        """Apply one request frame and return the reply. Never raises for bad input."""
+    def handle(self, frame: P.Frame, staging: memoryview | None = None) -> P.Reply:
+        """Apply one request frame and return the reply. Never raises for bad input.
+
+        ``staging`` is the connection's staging buffer (verbs transport), if it has one.
+        """
         try:
             msg = P.decode_request(frame)
         except P.UnknownOpcode as exc:
@@ -50,13 +53,13 @@ class ShardServer:
         except RemoteProtocolError as exc:
             return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
         try:
-            return self._apply(msg)
+            return self._apply(msg, staging)
         except NoSpace as exc:
             return P.ErrorReply(P.Status.NO_SPACE, str(exc))
         except BadRequest as exc:
             return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
 
-    def _apply(self, msg: P.Request) -> P.Reply:
+    def _apply(self, msg: P.Request, staging: memoryview | None = None) -> P.Reply:
         shard = self.shard
         if isinstance(msg, P.Read):
             if msg.length > self.max_payload:
@@ -74,7 +77,25 @@ class ShardServer:
             return P.FreeReply(shard.free(msg.file_id, msg.first_chunk))
         if isinstance(msg, P.Punch):
             return P.VersionReply(shard.punch(msg.file_id, msg.chunk_index, msg.offset))
-        raise BadRequest("HELLO may only open a connection")
+        if isinstance(msg, P.Locate):
+            chunk = shard.locate(msg.file_id, msg.chunk_index, msg.create_size)
+            if chunk is None:
+                return P.LocateReply(False)
+            return P.LocateReply(True, chunk.offset, chunk.size, chunk.slot)
+        if isinstance(msg, P.RemoteWrite):
+            if msg.in_place:
+                if msg.op != P.UpdateOp.ASSIGN:
+                    raise BadRequest("only assign may be written in place; stage other update ops")
+                return P.VersionReply(
+                    shard.commit_in_place(msg.file_id, msg.chunk_index, msg.region_offset, msg.offset, msg.length)
+                )
+            if staging is None:
+                raise BadRequest("this connection has no staging buffer (REMOTE_WRITE needs the verbs transport)")
+            if msg.staging_offset + msg.length > len(staging):
+                raise BadRequest(f"staged range leaves the {len(staging)}-byte staging buffer")
+            data = staging[msg.staging_offset : msg.staging_offset + msg.length]
+            return P.VersionReply(shard.write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, data))
+        raise BadRequest(f"{type(msg).__name__} is not valid here")
 
     def hello(self, frame: P.Frame) -> P.Reply:
         try:

@@ -104,20 +104,36 @@ class _Allocator:
 class Chunk:
     offset: int  # in the region, bytes
     size: int  # bytes
-    version: int = 0
+
+    @property
+    def slot(self) -> int:
+        """Index of this chunk's version in the version table."""
+        return self.offset // PAGE
 
 
 class Shard:
     """The chunks of one shard and the update ops on them.
 
+    Chunk versions live in a table of little-endian u64, one slot per 4 KiB page of the
+    region (slot ``chunk.offset // 4096``), so that the verbs transport can expose it to
+    one-sided RDMA READs. A free slot holds 0.
+
     Args:
         shard_id: this shard's id in the shard map.
         region: the memory region that holds every chunk.
+        versions: a writable buffer of ``8 * capacity // 4096`` bytes for the version table,
+            or None to allocate one.
     """
 
-    def __init__(self, shard_id: int, region: Region) -> None:
+    def __init__(self, shard_id: int, region: Region, versions: memoryview | None = None) -> None:
         self.shard_id = shard_id
         self.region = region
+        n = region.capacity // PAGE
+        if versions is None:
+            self.versions = np.zeros(n, dtype="<u8")
+        else:
+            self.versions = np.frombuffer(versions, dtype="<u8", count=n)
+            self.versions[:] = 0
         self._alloc = _Allocator(region.capacity)
         self._chunks: dict[tuple[int, int], Chunk] = {}
         self._by_file: dict[int, set[int]] = {}
@@ -151,6 +167,7 @@ class Shard:
                 f" no free extent of {chunk_size} bytes"
             )
         chunk = Chunk(offset, chunk_size)
+        self.versions[chunk.slot] = 0
         self._chunks[(file_id, chunk_index)] = chunk
         self._by_file.setdefault(file_id, set()).add(chunk_index)
         self.used += chunk_size
@@ -172,7 +189,7 @@ class Shard:
         if offset + length > chunk.size:
             raise BadRequest(f"range [{offset}, {offset + length}) leaves the {chunk.size}-byte chunk")
         start = chunk.offset + offset
-        return chunk.version, self.region.view[start : start + length]
+        return int(self.versions[chunk.slot]), self.region.view[start : start + length]
 
     def write(
         self, file_id: int, chunk_index: int, chunk_size: int, offset: int, op: UpdateOp, data: memoryview | bytes
@@ -202,8 +219,38 @@ class Shard:
         else:
             dst = np.frombuffer(self.region.view[start : start + n], dtype="<f4")
             dst += np.frombuffer(data, dtype="<f4")
-        chunk.version += 1
-        return chunk.version
+        return self._bump(chunk)
+
+    def _bump(self, chunk: Chunk) -> int:
+        self.versions[chunk.slot] += 1
+        return int(self.versions[chunk.slot])
+
+    def locate(self, file_id: int, chunk_index: int, create_size: int = 0) -> Chunk | None:
+        """The chunk's place in the region; allocated (zeroed) first if ``create_size`` > 0.
+
+        Raises:
+            BadRequest, NoSpace: as :meth:`write`.
+        """
+        if create_size:
+            return self._get_or_create(file_id, chunk_index, create_size)
+        return self._chunks.get((file_id, chunk_index))
+
+    def commit_in_place(self, file_id: int, chunk_index: int, region_offset: int, offset: int, length: int) -> int:
+        """Account for an assign whose bytes a client wrote into the chunk by RDMA WRITE.
+
+        Returns:
+            The chunk's version after the update.
+
+        Raises:
+            BadRequest: the chunk is gone or moved (the client used a stale location), or the
+                range leaves it.
+        """
+        chunk = self._chunks.get((file_id, chunk_index))
+        if chunk is None or chunk.offset != region_offset:
+            raise BadRequest(f"chunk ({file_id}, {chunk_index}) is not at region offset {region_offset}: locate it again")
+        if offset + length > chunk.size:
+            raise BadRequest(f"range [{offset}, {offset + length}) leaves the {chunk.size}-byte chunk")
+        return self._bump(chunk)
 
     def punch(self, file_id: int, chunk_index: int, offset: int) -> int:
         """Zero a chunk from ``offset`` to its end (the tail cut by a truncate).
@@ -220,8 +267,7 @@ class Shard:
             self._drop(file_id, chunk_index)
             return 0
         self.region.view[chunk.offset + offset : chunk.offset + chunk.size] = bytes(chunk.size - offset)
-        chunk.version += 1
-        return chunk.version
+        return self._bump(chunk)
 
     def free(self, file_id: int, first_chunk: int) -> int:
         """Drop every chunk of ``file_id`` whose index is ``>= first_chunk``.
@@ -241,5 +287,6 @@ class Shard:
         if not idx:
             del self._by_file[file_id]
         self.region.zero(chunk.offset, chunk.size)
+        self.versions[chunk.slot] = 0
         self._alloc.free(chunk.offset, chunk.size)
         self.used -= chunk.size

@@ -17,6 +17,10 @@ REQUESTS = [
     P.Stat(),
     P.Free(9, 2),
     P.Punch(9, 1, 100),
+    P.VerbsConnect(0x1234, 0xABCDE, bytes(range(16))),
+    P.Locate(9, 4, 1 << 20),
+    P.RemoteWrite(9, 4, 1 << 20, 8, P.UpdateOp.ADD, False, 4096, 65536, 0),
+    P.RemoteWrite(9, 4, 1 << 20, 8, P.UpdateOp.ASSIGN, True, 4096, 0, 3 << 20),
 ]
 
 REPLIES = [
@@ -28,6 +32,10 @@ REPLIES = [
     (P.Opcode.FREE, P.FreeReply(5)),
     (P.Opcode.PUNCH, P.VersionReply(2)),
     (P.Opcode.WRITE, P.ErrorReply(P.Status.NO_SPACE, "shard 1 is full")),
+    (P.Opcode.VERBS_CONNECT, P.VerbsConnectReply(1, 2, b"g" * 16, 1 << 40, 1 << 30, 7, 1 << 41, 8, 1 << 42, 1 << 24,
+                                                 9, 64, 4096)),
+    (P.Opcode.LOCATE, P.LocateReply(True, 4 << 20, 1 << 20, 1024)),
+    (P.Opcode.REMOTE_WRITE, P.VersionReply(3)),
 ]
 
 
