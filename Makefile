@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	@command -v fusermount3 >/dev/null && pkg-config --exists fuse3 2>/dev/null || { \
 	  echo "==> installing fuse3, libfuse3-dev, pkg-config (apt)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-dev pkg-config attr >/dev/null; }
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-dev pkg-config attr python3-pyverbs >/dev/null; }
 	@test -x $(PY) || { echo "==> creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
 	@echo "==> installing irdma and its dependencies into $(VENV) (TensorFlow takes about a minute)"
 	$(PY) -m pip install -q --upgrade pip
@@ -34,7 +34,10 @@ vm-image:
 	tests/vm/softroce-vm.sh build
 
 test-verbs: vm-image
-	tests/vm/softroce-vm.sh run sh tests/vm/run-verbs-tests.sh
+	@set -o pipefail; start=$$(date +%s); \
+	tests/vm/softroce-vm.sh run sh tests/vm/run-verbs-tests.sh 2>&1 | tee .verbs-stage.log; rc=$$?; \
+	echo "==> verbs stage: exit $$rc in $$(( $$(date +%s) - start )) s (VM boot and tests)"; \
+	test $$rc -eq 0 && grep -q "VERBS STAGE PASSED" .verbs-stage.log
 
 lint: install
 	$(VENV)/bin/ruff check irdma fs server examples tests

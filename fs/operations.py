@@ -22,7 +22,7 @@ import os
 import stat
 import time
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import pyfuse3
 import trio
@@ -92,7 +92,7 @@ class IrdmaFS(pyfuse3.Operations):
     # ------------------------------------------------------------ helpers
     def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
         e = pyfuse3.EntryAttributes()
-        e.st_ino = cast(pyfuse3.InodeT, inode.ino)
+        e.st_ino = inode.ino
         e.generation = 0
         e.entry_timeout = ATTR_TIMEOUT
         e.attr_timeout = ATTR_TIMEOUT
@@ -242,6 +242,7 @@ class IrdmaFS(pyfuse3.Operations):
     def _open_handle(self, inode: Inode) -> pyfuse3.FileInfo:
         st = self._files.get(inode.ino)
         if st is None:
+            self.client.forget_file(inode.ino)  # close-to-open: no stale chunk places
             st = self._files[inode.ino] = _FileState(layout_of(inode), size=inode.size)
         st.open_count += 1
         op = UpdateOp.parse(inode.update_op or "assign")
@@ -249,7 +250,7 @@ class IrdmaFS(pyfuse3.Operations):
         fh = self._next_fh
         self._next_fh += 1
         self._handles[fh] = _Handle(inode.ino, op, direct)
-        return pyfuse3.FileInfo(fh=cast(pyfuse3.FileHandleT, fh), direct_io=direct, keep_cache=False)
+        return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=False)
 
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
         with fuse_errors("open"):

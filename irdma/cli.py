@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import cluster as _cluster
-from ._errors import IrdmaError
+from ._errors import IrdmaError, TransportUnavailable
 from .transport import TRANSPORTS
 from .units import format_size, parse_size
 
@@ -89,11 +89,27 @@ def server(listen: str, capacity: int, shard_id: int, transport: str, port_file:
         raise click.BadParameter(str(exc), param_hint="--listen") from None
     if capacity < PAGE:
         raise click.BadParameter(f"capacity must be at least {PAGE} bytes", param_hint="--capacity")
-    if transport == "verbs":
-        raise IrdmaError("the verbs transport is not built yet", "use --transport tcp")
-    region = Region(capacity - capacity % PAGE)
-    shard = Shard(shard_id, region)
-    trio.run(functools.partial(run_server, shard, host, port, port_file=port_file, credentials=auth_token.encode()))
+    capacity -= capacity % PAGE
+    verbs = None
+    if transport != "tcp":
+        from .transport import verbs_status
+
+        ok, why = verbs_status()
+        if transport == "auto":
+            logging.getLogger("irdma.server").info("transport auto: %s (%s)", "verbs" if ok else "tcp", why)
+        if ok or transport == "verbs":
+            from irdma.server.verbs import VerbsShard
+
+            if not ok:
+                raise TransportUnavailable(f"RDMA verbs transport unavailable: {why}", "use --transport tcp")
+            verbs = VerbsShard(shard_id, capacity)
+    shard = verbs.shard if verbs is not None else Shard(shard_id, Region(capacity))
+    try:
+        trio.run(functools.partial(run_server, shard, host, port, port_file=port_file,
+                                   credentials=auth_token.encode(), verbs=verbs))
+    finally:
+        if verbs is not None:
+            verbs.close()
 
 
 # ---------------------------------------------------------------- local cluster

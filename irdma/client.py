@@ -163,6 +163,11 @@ class Client:
                     await conn.aclose()
                 raise
 
+    def forget_file(self, file_id: int) -> None:
+        """Drop what the connections cache of a file (called when a mount opens it: close-to-open)."""
+        for conn in self._conns.values():
+            conn.forget_file(file_id)
+
     # ------------------------------------------------------------ data plane by layout
     async def read_into(self, layout: Layout, offset: int, into: memoryview) -> None:
         """Pull bytes ``[offset, offset+len(into))`` of a file into ``into`` (holes read as 0).

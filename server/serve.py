@@ -12,7 +12,7 @@ import hmac
 import logging
 import os
 import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -21,6 +21,9 @@ from irdma._errors import BadRequest, IrdmaError, NoSpace, RemoteProtocolError
 from irdma.transport.tcp import recv_exactly, send_parts, tune_socket
 
 from .shard import Shard
+
+if TYPE_CHECKING:
+    from .verbs import VerbsShard
 
 log = logging.getLogger("irdma.server")
 
@@ -39,6 +42,7 @@ class ShardServer:
         self.max_payload = max_payload
         self.credentials = credentials
         self.hello_extra = b""  # transport descriptors added by the verbs transport
+        self.verbs: "VerbsShard | None" = None  # set when the shard's region is registered for RDMA
 
     # ------------------------------------------------------------ pure request handling
     def handle(self, frame: P.Frame, staging: memoryview | None = None) -> P.Reply:
@@ -118,40 +122,61 @@ class ShardServer:
     # ------------------------------------------------------------ TCP
     async def serve_tcp_connection(self, sock: Any, peer: str) -> None:
         tune_socket(sock)
+        async with trio.open_nursery() as verbs_nursery:  # queue pairs live as long as this socket
+            with sock:
+                await self._serve_frames(sock, peer, verbs_nursery)
+            verbs_nursery.cancel_scope.cancel()
+
+    async def _verbs_connect(self, frame: P.Frame, nursery: trio.Nursery) -> P.Reply:
+        try:
+            msg = P.decode_request(frame)
+        except RemoteProtocolError as exc:
+            return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
+        assert isinstance(msg, P.VerbsConnect)
+        if self.verbs is None:
+            return P.ErrorReply(P.Status.BAD_REQUEST, "this shard serves TCP only (start it with --transport verbs)")
+        box: list[P.Reply] = []
+        ready = trio.Event()
+        nursery.start_soon(self.verbs.serve_connection, msg, self, box, ready)
+        await ready.wait()
+        return box[0]
+
+    async def _serve_frames(self, sock: Any, peer: str, verbs_nursery: trio.Nursery) -> None:
         hdr = bytearray(P.HEADER_SIZE)
         staging = bytearray(0)  # grows to the largest body seen, at most max_payload + slack
-        max_body = self.max_payload + P.BODY_SLACK
         opened = False
-        with sock:
-            while True:
-                try:
-                    if not await recv_exactly(sock, memoryview(hdr)):
-                        break
-                    frame = P.parse_header(hdr, max_body)
-                except RemoteProtocolError as exc:
-                    log.warning("closing connection from %s: %s", peer, exc)
-                    status = P.Status.TOO_LARGE if "exceeds" in str(exc) else P.Status.BAD_FRAME
-                    await self._send_quietly(sock, P.encode_reply(0, 0, P.ErrorReply(status, str(exc))))
+        max_body = self.max_payload + P.BODY_SLACK
+        while True:
+            try:
+                if not await recv_exactly(sock, memoryview(hdr)):
                     break
-                except OSError:
-                    break
-                if frame.body_len > len(staging):
-                    staging = bytearray(frame.body_len)
-                body = memoryview(staging)[: frame.body_len]
-                try:
-                    await recv_exactly(sock, body)
-                except (RemoteProtocolError, OSError):
-                    break  # truncated frame: nothing applied
-                frame.body = body
-                if not opened:
-                    reply = self.hello(frame)
-                    opened = isinstance(reply, P.HelloReply)
-                else:
-                    reply = self.handle(frame)
-                if not await self._send_quietly(sock, P.encode_reply(frame.opcode, frame.request_id, reply)):
-                    break
-                if not opened:
-                    break
+                frame = P.parse_header(hdr, max_body)
+            except RemoteProtocolError as exc:
+                log.warning("closing connection from %s: %s", peer, exc)
+                status = P.Status.TOO_LARGE if "exceeds" in str(exc) else P.Status.BAD_FRAME
+                await self._send_quietly(sock, P.encode_reply(0, 0, P.ErrorReply(status, str(exc))))
+                break
+            except OSError:
+                break
+            if frame.body_len > len(staging):
+                staging = bytearray(frame.body_len)
+            body = memoryview(staging)[: frame.body_len]
+            try:
+                await recv_exactly(sock, body)
+            except (RemoteProtocolError, OSError):
+                break  # truncated frame: nothing applied
+            frame.body = body
+            if not opened:
+                reply = self.hello(frame)
+                opened = isinstance(reply, P.HelloReply)
+            elif frame.opcode == P.Opcode.VERBS_CONNECT:
+                reply = await self._verbs_connect(frame, verbs_nursery)
+            else:
+                reply = self.handle(frame)
+            if not await self._send_quietly(sock, P.encode_reply(frame.opcode, frame.request_id, reply)):
+                break
+            if not opened:
+                break
 
     @staticmethod
     async def _send_quietly(sock: Any, parts: list[bytes | memoryview]) -> bool:
@@ -187,13 +212,16 @@ async def run_server(
     port_file: str | None = None,
     credentials: bytes = b"",
     max_payload: int = P.DEFAULT_MAX_PAYLOAD,
+    verbs: "VerbsShard | None" = None,
 ) -> None:
     """The ``irdma server`` main: serve until SIGTERM or SIGINT, then exit cleanly."""
     server = ShardServer(shard, max_payload=max_payload, credentials=credentials)
+    server.verbs = verbs
     async with trio.open_nursery() as nursery:
         bound = await nursery.start(server.serve_tcp, host, port)
         address = f"{bound[0]}:{bound[1]}"
-        log.info("shard %d serving %d bytes on %s (tcp)", shard.shard_id, shard.capacity, address)
+        log.info("shard %d serving %d bytes on %s (%s)", shard.shard_id, shard.capacity, address,
+                 "tcp and verbs" if verbs is not None else "tcp")
         if port_file:
             tmp = port_file + ".tmp"
             with open(tmp, "w") as f:

@@ -202,3 +202,16 @@ def test_cli_errors_say_what_to_do(tmp_path: object) -> None:
 
 def test_struct_sizes_are_fixed() -> None:
     assert P.HEADER_SIZE == 16 and struct.calcsize("!QQIIB3x") == P.WRITE_FIXED == 28
+
+
+def test_verbs_where_there_is_no_device_names_the_cause_and_the_fix() -> None:
+    from irdma.transport import verbs_status
+
+    ok, _ = verbs_status()
+    if ok:
+        pytest.skip("this machine has an RDMA device")
+    res = irdma_cli("server", "--listen", "127.0.0.1:0", "--capacity", "8MiB", "--transport", "verbs", check=False)
+    assert res.returncode == 1
+    assert "RDMA" in res.stderr and "--transport tcp" in res.stderr
+    with pytest.raises(irdma.TransportUnavailable, match="--transport tcp"):
+        irdma.connect("sqlite:///nonexistent/meta.db", transport="verbs")

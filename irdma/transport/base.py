@@ -85,6 +85,9 @@ class ShardConnection(abc.ABC):
     async def punch(self, file_id: int, chunk_index: int, offset: int) -> int:
         """Zero a chunk from ``offset`` to its end; returns its version."""
 
+    def forget_file(self, file_id: int) -> None:
+        """Drop anything cached about ``file_id`` (one-sided transports cache chunk places)."""
+
     @abc.abstractmethod
     async def aclose(self) -> None:
         """Close the connection; pending calls fail with ShardUnavailable."""

@@ -1,0 +1,125 @@
+"""The shard side of the verbs transport.
+
+The shard registers its memory region and its version table once, at start. Each client that
+sends VERBS_CONNECT (on its TCP control connection) gets a queue pair of its own and a staging
+buffer; the shard answers with the descriptors (address, length, rkey) of the region, the
+version table and the staging buffer. Pulls are then one-sided RDMA READs the shard never sees;
+control frames (LOCATE, REMOTE_WRITE, STAT, FREE, PUNCH) arrive as SENDs and are answered with
+SENDs. See :mod:`irdma.transport.verbs` for the whole picture.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import trio
+
+from irdma import protocol as P
+from irdma._errors import IrdmaError
+from irdma.transport.verbs import (
+    POOL_BUFFER_SIZE,
+    RECV_SLOTS,
+    REMOTE_ACCESS,
+    SLOT_SIZE,
+    STAGING_SLOTS,
+    Endpoint,
+    VerbsDevice,
+    e,
+    view_of,
+)
+
+from .shard import PAGE, Region, Shard
+
+if TYPE_CHECKING:
+    from .serve import ShardServer
+
+log = logging.getLogger("irdma.server")
+
+
+class VerbsShard:
+    """A shard whose region and version table are registered with an RDMA device.
+
+    Args:
+        shard_id: the shard's id.
+        capacity: bytes of the region, a multiple of 4096.
+        device: RDMA device name (default: the first one).
+
+    Raises:
+        TransportUnavailable: no device, the memlock limit is too low, or the device refused
+            the registration (the message says which and what to do).
+    """
+
+    def __init__(self, shard_id: int, capacity: int, device: str | None = None) -> None:
+        self.dev = VerbsDevice(device)
+        self.region_mr = self.dev.register(capacity, REMOTE_ACCESS, "shard memory region")
+        self.versions_mr = self.dev.register(8 * (capacity // PAGE), REMOTE_ACCESS, "chunk version table")
+        self.shard = Shard(shard_id, Region(capacity, buffer=view_of(self.region_mr)), versions=view_of(self.versions_mr))
+        log.info("shard %d: %d bytes registered on RDMA device %s (rkey %#x)", shard_id, capacity, self.dev.name,
+                 self.region_mr.rkey)
+
+    async def serve_connection(
+        self, request: P.VerbsConnect, server: ShardServer, reply_box: list[P.Reply], ready: trio.Event
+    ) -> None:
+        """Make a queue pair for one client, put the reply in ``reply_box``, set ``ready``, and
+        serve the client's SENDs until cancelled (when its TCP control connection closes)."""
+        staging_mr = None
+        ep = None
+        try:
+            staging_mr = self.dev.register(STAGING_SLOTS * POOL_BUFFER_SIZE, REMOTE_ACCESS, "staging buffer", keep=False)
+            staging = view_of(staging_mr)
+            send_in, recv_out = trio.open_memory_channel[tuple[int, int]](RECV_SLOTS)
+
+            def on_recv(slot: int, length: int) -> None:
+                send_in.send_nowait((slot, length))  # at most RECV_SLOTS are posted: never full
+
+            ep = Endpoint(self.dev, on_recv)
+            ep.connect(request.qp_num, request.psn, request.gid)
+            qpn, psn, gid = ep.local_info()
+            reply_box.append(
+                P.VerbsConnectReply(
+                    qpn, psn, gid,
+                    self.region_mr.buf, self.region_mr.length, self.region_mr.rkey,
+                    self.versions_mr.buf, self.versions_mr.rkey,
+                    staging_mr.buf, staging_mr.length, staging_mr.rkey,
+                    RECV_SLOTS, SLOT_SIZE,
+                )
+            )
+        except IrdmaError as exc:
+            reply_box.append(P.ErrorReply(P.Status.INTERNAL, str(exc)))
+            ready.set()
+            if staging_mr is not None:
+                staging_mr.close()
+            if ep is not None:
+                ep.close()
+            return
+        ready.set()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ep.poll_forever)
+                async for slot, length in recv_out:
+                    off = slot * SLOT_SIZE
+                    raw = bytes(ep.recv_view[off : off + length])
+                    ep.repost(slot)
+                    try:
+                        frame = P.parse_header(raw, SLOT_SIZE)
+                        frame.body = memoryview(raw)[P.HEADER_SIZE : P.HEADER_SIZE + frame.body_len]
+                        reply = server.handle(frame, staging)
+                    except IrdmaError as exc:
+                        log.warning("verbs client sent a bad frame: %s", exc)
+                        reply = P.ErrorReply(P.Status.BAD_FRAME, str(exc))
+                        frame = P.Frame(0, 0, 0, 0)
+                    if isinstance(reply, P.ReadReply):  # READ goes one-sided; refuse it here
+                        reply = P.ErrorReply(P.Status.BAD_REQUEST, "READ over SEND is not served: use RDMA READ")
+                    await ep.send_frame(P.encode_reply(frame.opcode, frame.request_id, reply))
+        except IrdmaError as exc:
+            log.warning("verbs connection ended: %s", exc)
+        finally:
+            ep.close()
+            staging_mr.close()
+
+    def close(self) -> None:
+        self.dev.close()
+
+
+__all__ = ["VerbsShard", "e"]

@@ -1,0 +1,140 @@
+"""End to end on real RDMA verbs (run inside the Soft-RoCE VM: ``make test-verbs``).
+
+Shard servers with transport ``verbs``, the native client on verbs, a FUSE mount on verbs,
+and the errors a user meets where verbs cannot run.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import trio
+
+import irdma
+from helpers import irdma_cli, mounted
+from irdma import cluster as _cluster
+from irdma.transport import make_transport
+
+pytestmark = pytest.mark.verbs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _need_verbs(transport_name: str) -> None:
+    if transport_name != "verbs":
+        pytest.skip("verbs tests run inside the Soft-RoCE VM (make test-verbs)")
+
+
+@pytest.fixture(scope="module")
+def vcluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    d = str(tmp_path_factory.mktemp("vcluster"))
+    url = _cluster.up(d, 2, 64 << 20, transport="verbs", fresh=True)
+    yield url
+    _cluster.down(d)
+
+
+def test_auto_picks_verbs_and_says_so() -> None:
+    assert make_transport("auto").name == "verbs"
+
+
+def test_client_api_on_verbs_moves_bytes_one_sided(vcluster: str) -> None:
+    async def main() -> None:
+        async with irdma.Client.open(vcluster, transport="verbs") as c:
+            data = os.urandom(5 * (1 << 20) + 17)
+            await c.write("/v.bin", data, chunk_size=1 << 20)
+            assert await c.read("/v.bin") == data
+            conn = await c.connection(1)
+            assert type(conn).__name__ == "VerbsConnection"
+            w = np.arange(300_000, dtype="<f4")
+            await c.write("/w.f32", w, chunk_size=1 << 20)
+            for _ in range(3):
+                await c.push("/w.f32", np.ones(300_000, "<f4"))
+            np.testing.assert_array_equal(await c.pull("/w.f32"), w + 3)
+            # versions agree whichever transport asks
+            layout = irdma.Layout(c.meta.resolve("/w.f32").ino, 1 << 20, c.meta.resolve("/w.f32").stripe)
+            v_verbs = await (await c.connection(layout.shard_of(0))).read(layout.file_id, 0, 0, memoryview(bytearray(8)))
+        async with irdma.Client.open(vcluster, transport="tcp") as t:
+            v_tcp = await (await t.connection(layout.shard_of(0))).read(layout.file_id, 0, 0, memoryview(bytearray(8)))
+            np.testing.assert_array_equal(await t.pull("/w.f32"), w + 3)
+        assert v_verbs == v_tcp == 4  # one assign, three adds
+
+    trio.run(main)
+
+
+def test_mount_on_verbs_write_and_read_back(vcluster: str, tmp_path: object) -> None:
+    mnt = os.path.join(str(tmp_path), "m")
+    os.makedirs(mnt)
+    log = mnt + ".log"
+    from irdma.fs.mount import spawn_mount, unmount
+
+    spawn_mount(vcluster, mnt, transport="verbs", log_file=log)
+    try:
+        data = os.urandom(3 * (1 << 20) + 5)
+        with open(os.path.join(mnt, "via-mount"), "wb") as f:
+            f.write(data)
+        with open(os.path.join(mnt, "via-mount"), "rb") as f:
+            assert f.read() == data
+        with irdma.connect(vcluster, transport="verbs") as c:
+            assert c.read("/via-mount") == data
+            c.write("/via-client", b"hello verbs")
+        with open(os.path.join(mnt, "via-client"), "rb") as f:
+            assert f.read() == b"hello verbs"
+    finally:
+        unmount(mnt)
+    with open(log) as f:
+        text = f.read()
+    assert "picked verbs" in text or "transport verbs" in text, text
+    assert "Traceback" not in text and "ERROR" not in text, text
+
+
+def test_rdma_read_and_write_figures(vcluster: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Sanity figures only: under qemu TCG these are not performance numbers."""
+    size = 16 << 20
+    data = os.urandom(size)
+    figures = {}
+    for tr in ("verbs", "tcp"):
+        with irdma.connect(vcluster, transport=tr) as c:
+            t0 = time.perf_counter()
+            c.write(f"/bench-{tr}", data, chunk_size=4 << 20)
+            t1 = time.perf_counter()
+            got = c.read(f"/bench-{tr}")
+            t2 = time.perf_counter()
+            assert got == data
+            figures[tr] = (size / (t1 - t0) / 1e6, size / (t2 - t1) / 1e6)
+    with capsys.disabled():
+        for tr, (w, r) in figures.items():
+            print(f"\nFIGURE {tr}: 16 MiB push {w:.1f} MB/s, pull {r:.1f} MB/s"
+                  f"{' (RDMA WRITE / RDMA READ)' if tr == 'verbs' else ''}")
+
+
+def test_memlock_too_low_is_a_clear_error(tmp_path: object) -> None:
+    def drop() -> None:  # an unprivileged user with a 64 KiB memlock limit
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (65536, 65536))
+        os.setgid(65534)
+        os.setuid(65534)
+
+    res = subprocess.run([sys.executable, "-m", "irdma.cli", "server", "--listen", "127.0.0.1:0",
+                          "--capacity", "64MiB", "--transport", "verbs"],
+                         capture_output=True, text=True, preexec_fn=drop, timeout=120, cwd="/")
+    assert res.returncode == 1, res.stderr
+    assert "memlock" in res.stderr and "ulimit -l" in res.stderr
+
+
+def test_tcp_shard_refuses_a_verbs_client_clearly(tmp_path: object) -> None:
+    d = str(tmp_path)
+    url = _cluster.up(d, 1, 8 << 20, transport="tcp", fresh=True)
+    try:
+        with pytest.raises(irdma.TransportUnavailable, match="--transport verbs"):
+            with irdma.connect(url, transport="verbs") as c:
+                c.write("/x", b"x")
+        assert irdma_cli("shard", "list", "--meta", url).returncode == 0
+    finally:
+        _cluster.down(d)
+
+
+_ = mounted  # the mount helper is shared with the FUSE tests
