@@ -64,7 +64,7 @@ def param_files(model, run_dir: str) -> list[str]:  # type: ignore[no-untyped-de
 
 def pull(files: list[str], model) -> None:  # type: ignore[no-untyped-def]
     """Read every parameter file and load it into the model (a pull)."""
-    for path, v in zip(files, model.trainable_variables):
+    for path, v in zip(files, model.trainable_variables, strict=True):
         with open(path, "rb") as f:
             data = f.read()
         v.assign(np.frombuffer(data, dtype="<f4").reshape(v.shape))
@@ -72,7 +72,7 @@ def pull(files: list[str], model) -> None:  # type: ignore[no-untyped-def]
 
 def push(files: list[str], deltas: list[np.ndarray]) -> None:
     """Write each delta to its file; the file's update op ``add`` sums it on the shards."""
-    for path, d in zip(files, deltas):
+    for path, d in zip(files, deltas, strict=True):
         with open(path, "r+b") as f:
             f.write(np.ascontiguousarray(d, dtype="<f4").tobytes())
 
@@ -145,7 +145,7 @@ def coordinator(args: argparse.Namespace) -> int:
     model = build_model()
     os.makedirs(os.path.join(args.run_dir, "params"), exist_ok=True)
     files = param_files(model, args.run_dir)
-    for path, v in zip(files, model.trainable_variables):  # initial weights: assign, then op add
+    for path, v in zip(files, model.trainable_variables, strict=True):  # initial weights: assign, then op add
         with open(path, "wb") as f:
             f.write(np.asarray(v.numpy(), dtype="<f4").tobytes())
         os.setxattr(path, "user.irdma.update", b"add")

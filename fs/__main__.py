@@ -20,13 +20,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("mountpoint")
     ap.add_argument("--transport", default="auto")
     ap.add_argument("--debug", action="store_true")
+    ap.add_argument("--direct-io", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        trio.run(functools.partial(serve_mount, args.meta_url, args.mountpoint, transport=args.transport, debug=args.debug))
+        trio.run(functools.partial(serve_mount, args.meta_url, args.mountpoint, transport=args.transport, debug=args.debug,
+                                   direct_io=args.direct_io))
     except IrdmaError as exc:
         logging.getLogger("irdma.fs").error("%s", exc)
         return 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 import pyfuse3
 

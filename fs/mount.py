@@ -26,7 +26,9 @@ from .operations import IrdmaFS
 log = logging.getLogger("irdma.fs")
 
 
-async def serve_mount(meta_url: str, mountpoint: str, *, transport: str = "auto", debug: bool = False) -> None:
+async def serve_mount(
+    meta_url: str, mountpoint: str, *, transport: str = "auto", debug: bool = False, direct_io: bool = False
+) -> None:
     """Mount the namespace at ``mountpoint`` and serve it until unmounted.
 
     Raises:
@@ -34,7 +36,7 @@ async def serve_mount(meta_url: str, mountpoint: str, *, transport: str = "auto"
         RuntimeError: FUSE could not mount (``/dev/fuse`` missing, mountpoint busy).
     """
     async with Client.open(meta_url, transport=transport, client_name=f"irdma-mount {mountpoint}") as client:
-        fs = IrdmaFS(client)
+        fs = IrdmaFS(client, direct_io=direct_io)
         options = set(pyfuse3.default_options)
         options.add("fsname=irdma")
         options.add("subtype=irdma")
@@ -67,7 +69,9 @@ def _still_mounted(mountpoint: str) -> bool:
     return os.path.ismount(mountpoint)
 
 
-def spawn_mount(meta_url: str, mountpoint: str, *, transport: str, log_file: str, timeout: float = 30.0) -> int:
+def spawn_mount(
+    meta_url: str, mountpoint: str, *, transport: str, log_file: str, timeout: float = 30.0, direct_io: bool = False
+) -> int:
     """Start a mount process in the background and wait until the mount is up.
 
     Returns:
@@ -82,7 +86,8 @@ def spawn_mount(meta_url: str, mountpoint: str, *, transport: str, log_file: str
         raise IrdmaError(f"mountpoint {mountpoint} is not a directory", f"mkdir -p {mountpoint}")
     if os.path.ismount(mountpoint):
         raise IrdmaError(f"{mountpoint} is already a mountpoint", f"irdma umount {mountpoint}")
-    pid = spawn_detached(["-m", "irdma.fs", meta_url, mountpoint, "--transport", transport], log_file)
+    args = ["-m", "irdma.fs", meta_url, mountpoint, "--transport", transport]
+    pid = spawn_detached(args + (["--direct-io"] if direct_io else []), log_file)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if os.path.ismount(mountpoint):

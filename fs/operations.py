@@ -8,7 +8,10 @@ acknowledged by its shard, persist the file size, and report the first error a t
 writes are pushed in the order they were made, and a read waits for the writes it overlaps.
 
 A file whose update op is ``add`` (xattr ``user.irdma.update``) is opened with direct I/O,
-so the page cache never holds a delta in place of the sum. Other files use the page cache,
+so the page cache never holds a delta in place of the sum; so is a file whose xattr
+``user.irdma.io`` is ``direct`` (inherited from its directory), or every file of a mount made
+with ``--direct-io``: reads and writes then reach the mount in requests of up to 1 MiB with no
+page-cache copy, the right choice for parameters streamed in bulk. Other files use the page cache,
 dropped at each open (``keep_cache`` off), so a new open sees other workers' pushes.
 
 Inode and file-handle bookkeeping follows pyfuse3's ``examples/passthroughfs.py``.
@@ -27,9 +30,10 @@ from typing import Any
 import pyfuse3
 import trio
 
-from irdma._errors import InvalidArgument, IrdmaError
+from irdma._errors import InvalidArgument, IrdmaError, NoAttribute
 from irdma.client import Client, layout_of
 from irdma.meta import Inode
+from irdma.meta.base import XATTR_IO
 from irdma.placement import Layout
 from irdma.protocol import UpdateOp
 
@@ -41,6 +45,11 @@ log = logging.getLogger("irdma.fs")
 ATTR_TIMEOUT = 1.0
 #: Write requests in flight per file before a write waits.
 MAX_INFLIGHT_WRITES = 64
+#: Read-ahead: the kernel asks for 128 KiB at a time; the mount pulls aligned windows of this
+#: many bytes, serves the kernel from them, and fetches the next window while it does.
+READAHEAD_WINDOW = 4 << 20
+#: Windows kept per open file (bytes held: READAHEAD_WINDOW times this).
+READAHEAD_WINDOWS = 6
 
 
 @dataclass
@@ -61,6 +70,15 @@ class _FileState:
     pending: list[_Pending] = field(default_factory=list)
     error: IrdmaError | None = None
     slots: trio.Semaphore = field(default_factory=lambda: trio.Semaphore(MAX_INFLIGHT_WRITES))
+    # read-ahead windows: start offset -> bytes, in use order; fetches in flight
+    windows: dict[int, bytearray] = field(default_factory=dict)
+    read_error: IrdmaError | None = None
+    fetching: dict[int, trio.Event] = field(default_factory=dict)
+    generation: int = 0  # bumped by every write and truncate: older windows are dropped
+
+    def invalidate(self) -> None:
+        self.generation += 1
+        self.windows.clear()
 
 
 @dataclass
@@ -75,14 +93,16 @@ class IrdmaFS(pyfuse3.Operations):
 
     Args:
         client: an open :class:`irdma.Client`.
+        direct_io: open every file with direct I/O (no page cache, 1 MiB requests).
     """
 
     enable_writeback_cache = False
     supports_dot_lookup = True
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, *, direct_io: bool = False) -> None:
         super().__init__()
         self.client = client
+        self.direct_io = direct_io  # every file with direct I/O (else per file: user.irdma.io)
         self.meta = client.meta
         self.nursery: trio.Nursery | None = None
         self._files: dict[int, _FileState] = {}
@@ -132,6 +152,7 @@ class IrdmaFS(pyfuse3.Operations):
         self.meta.setattr(inode.ino, size=size)
         if st is not None:
             st.size = size
+            st.invalidate()
 
     async def _destroy(self, inode: Inode) -> None:
         """Free the chunks of a file with no name and no open handle left, then its inode."""
@@ -246,7 +267,11 @@ class IrdmaFS(pyfuse3.Operations):
             st = self._files[inode.ino] = _FileState(layout_of(inode), size=inode.size)
         st.open_count += 1
         op = UpdateOp.parse(inode.update_op or "assign")
-        direct = op != UpdateOp.ASSIGN
+        try:
+            io_mode = self.meta.getxattr(inode.ino, XATTR_IO)
+        except NoAttribute:
+            io_mode = b"cached"
+        direct = op != UpdateOp.ASSIGN or io_mode == b"direct" or self.direct_io
         fh = self._next_fh
         self._next_fh += 1
         self._handles[fh] = _Handle(inode.ino, op, direct)
@@ -276,13 +301,55 @@ class IrdmaFS(pyfuse3.Operations):
             for p in list(st.pending):
                 if p.start < off + size and off < p.end:
                     await p.done.wait()
-            file_size = st.size if st.dirty else self.meta.getattr(h.ino).size
-            st.size = max(st.size, file_size)
+            file_size = st.size  # as of open, plus this mount's writes (close-to-open)
             n = max(0, min(size, file_size - off))
-            buf = bytearray(n)
-            if n:
+            if n == 0:
+                return b""
+            if h.direct:  # direct I/O: every read is a pull
+                buf = bytearray(n)
                 await self.client.read_into(st.layout, off, memoryview(buf))
-            return bytes(buf)
+                return bytes(buf)
+            return await self._read_windows(st, off, n, file_size)
+
+    async def _read_windows(self, st: _FileState, off: int, n: int, file_size: int) -> bytes:
+        """Serve a read from read-ahead windows, fetching the missing ones and the next one."""
+        first = off - off % READAHEAD_WINDOW
+        starts = list(range(first, off + n, READAHEAD_WINDOW))
+        nxt = starts[-1] + READAHEAD_WINDOW
+        if nxt < file_size:
+            self._start_fetch(st, nxt, file_size)
+        for w in starts:
+            while w not in st.windows:
+                self._start_fetch(st, w, file_size)
+                await st.fetching[w].wait()
+                if w not in st.windows and st.read_error is not None:
+                    err, st.read_error = st.read_error, None
+                    raise err
+        if len(starts) == 1:
+            return bytes(memoryview(st.windows[first])[off - first : off - first + n])
+        return b"".join(st.windows[w] for w in starts)[off - first : off - first + n]
+
+    def _start_fetch(self, st: _FileState, start: int, file_size: int) -> None:
+        if start in st.windows or start in st.fetching:
+            return
+        assert self.nursery is not None
+        st.fetching[start] = trio.Event()
+        self.nursery.start_soon(self._fetch, st, start, min(READAHEAD_WINDOW, file_size - start))
+
+    async def _fetch(self, st: _FileState, start: int, length: int) -> None:
+        gen = st.generation
+        buf = bytearray(length)
+        try:
+            await self.client.read_into(st.layout, start, memoryview(buf))
+            if gen == st.generation:
+                st.windows[start] = buf
+                while len(st.windows) > READAHEAD_WINDOWS:
+                    del st.windows[next(iter(st.windows))]
+        except IrdmaError as exc:
+            log.warning("read-ahead of %d bytes at %d of file %d failed: %s", length, start, st.layout.file_id, exc)
+            st.read_error = exc
+        finally:
+            st.fetching.pop(start).set()
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         with fuse_errors("write"):
@@ -298,6 +365,7 @@ class IrdmaFS(pyfuse3.Operations):
                 if p.start < end and off < p.end:
                     await p.done.wait()
             await st.slots.acquire()
+            st.invalidate()
             entry = _Pending(off, end)
             st.pending.append(entry)
             st.size = max(st.size, end)

@@ -9,7 +9,7 @@ group (a bug, a cancellation, Ctrl-C) passes through untouched.
 from __future__ import annotations
 
 import contextlib
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import trio
 

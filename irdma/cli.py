@@ -6,7 +6,8 @@ import functools
 import logging
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 import trio
@@ -124,10 +125,12 @@ def server(listen: str, capacity: int, shard_id: int, transport: str, port_file:
 def up(cluster_dir: str, shards: int, capacity: int, host: str, transport: str, fresh: bool) -> None:
     """Start a local cluster: SQLite metadata in --dir and N shard processes."""
     with console.status(f"starting {shards} shards in {cluster_dir}") as status:
-        url = _cluster.up(
-            cluster_dir, shards, capacity, host=host, transport="tcp" if transport == "auto" else transport,
-            fresh=fresh, progress=lambda m: (console.log(m), status.update(m)),
-        )
+
+        def progress(msg: str) -> None:
+            console.log(msg)
+            status.update(msg)
+
+        url = _cluster.up(cluster_dir, shards, capacity, host=host, transport=transport, fresh=fresh, progress=progress)
     out.print(url, highlight=False)
     console.print(
         f"cluster up. Next: [bold]irdma mount {url} MOUNTPOINT[/], [bold]irdma status --meta {url}[/],"
@@ -152,8 +155,10 @@ def down(cluster_dir: str, keep: bool) -> None:
 @click.option("--transport", type=click.Choice(TRANSPORTS), default="auto", show_default=True)
 @click.option("--foreground", "-f", is_flag=True, help="Serve in this process until unmounted.")
 @click.option("--log-file", type=click.Path(dir_okay=False), help="Log of the background mount process.")
+@click.option("--direct-io", is_flag=True, help="Direct I/O for every file (else per file: xattr user.irdma.io).")
 @friendly
-def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_file: str | None) -> None:
+def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_file: str | None,
+          direct_io: bool) -> None:
     """Mount the namespace at META_URL on MOUNTPOINT with FUSE."""
     from irdma.fs.mount import serve_mount, spawn_mount
 
@@ -162,13 +167,14 @@ def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_
     open_meta(meta_url).close()  # fail here, clearly, if there is no namespace
     if foreground:
         logging.getLogger("irdma").setLevel(logging.INFO)
-        trio.run(functools.partial(serve_mount, meta_url, os.path.abspath(mountpoint), transport=transport))
+        trio.run(functools.partial(serve_mount, meta_url, os.path.abspath(mountpoint), transport=transport,
+                                   direct_io=direct_io))
         return
     log_file = log_file or os.path.join(
         os.path.dirname(meta_url.removeprefix("sqlite://")) or ".", f"mount-{os.path.basename(os.path.abspath(mountpoint))}.log"
     )
     with console.status(f"mounting {meta_url} on {mountpoint}"):
-        pid = spawn_mount(meta_url, mountpoint, transport=transport, log_file=log_file)
+        pid = spawn_mount(meta_url, mountpoint, transport=transport, log_file=log_file, direct_io=direct_io)
     console.print(f"mounted on {os.path.abspath(mountpoint)} (pid {pid}, log {log_file}); `irdma umount {mountpoint}` to stop.",
                   highlight=False)
 
@@ -206,7 +212,7 @@ def shard_list(meta_url: str) -> None:
     table = Table(title=f"shards of {meta_url} (epoch {epoch})")
     for col in ("id", "address", "state", "capacity", "used", "chunks"):
         table.add_column(col, justify="right" if col in ("id", "capacity", "used", "chunks") else "left")
-    for rec, st, why in stats:
+    for rec, st, _why in stats:
         if st is None:
             table.add_row(str(rec.shard_id), rec.address, "[red]down[/]", "-", "-", "-")
         else:
@@ -258,6 +264,71 @@ def status(meta_url: str) -> None:
     out.print(table)
     if len(up_) != len(stats):
         console.print("some shards are down: `irdma shard list` names them; restart them or the cluster.")
+
+
+@cli.command()
+@click.option("--meta", "meta_url", default=None, help="Benchmark the native client against this namespace.")
+@click.option("--mount", "mountpoint", type=click.Path(file_okay=False), help="Benchmark through this mount.")
+@click.option("--size", default="256MiB", show_default=True, callback=_size, help="Test file size.")
+@click.option("--chunk-size", default="4MiB", show_default=True, callback=_size)
+@click.option("--block", default="4MiB", show_default=True, callback=_size, help="Bytes per request.")
+@click.option("--concurrency", "-c", default=4, show_default=True, help="Requests in flight.")
+@click.option("--transport", type=click.Choice(TRANSPORTS), default="auto", show_default=True)
+@click.option("--tests", default="push-assign,pull,push-add,latency", show_default=True,
+              help="Comma-separated: push-assign, pull, push-add, latency.")
+@click.option("--latency-ops", default=1000, show_default=True, help="4 KiB reads timed for p50/p99.")
+@click.option("--json", "as_json", is_flag=True, help="Print results as JSON on stdout.")
+@click.option("--page-cache", is_flag=True, help="Through a mount: use the page cache (default: direct I/O).")
+@friendly
+def bench(meta_url: str | None, mountpoint: str | None, size: int, chunk_size: int, block: int, concurrency: int,
+          transport: str, tests: str, latency_ops: int, as_json: bool, page_cache: bool) -> None:
+    """Sequential pull/push bandwidth and 4 KiB read latency (like ib_write_bw or fio)."""
+    import json
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    from . import bench as B
+    from .client import Client
+
+    if (meta_url is None) == (mountpoint is None):
+        raise click.UsageError("give exactly one of --meta (native client) or --mount (through FUSE)")
+    wanted = tuple(t.strip() for t in tests.split(",") if t.strip())
+    bad = set(wanted) - {"push-assign", "pull", "push-add", "latency"}
+    if bad:
+        raise click.BadParameter(f"unknown tests {sorted(bad)}", param_hint="--tests")
+    cfg = B.BenchConfig(size=size, chunk_size=chunk_size, block=block, concurrency=concurrency,
+                        latency_ops=latency_ops, tests=wanted, direct_io=not page_cache)
+    with Progress(TextColumn("{task.description:>16}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  console=console, transient=True) as bar:
+        tasks: dict[str, Any] = {}
+
+        def progress(name: str, done: int, total: int) -> None:
+            if name not in tasks:
+                tasks[name] = bar.add_task(name, total=total)
+            bar.update(tasks[name], completed=done)
+
+        if meta_url is not None:
+            async def run() -> list[B.BenchResult]:
+                async with Client.open(meta_url, transport=transport) as client:
+                    return await B.bench_native(client, cfg, progress)
+
+            results = trio.run(run)
+            where = f"native client ({transport}) on {meta_url}"
+        else:
+            assert mountpoint is not None
+            results = B.bench_mount(mountpoint, cfg, progress)
+            where = f"mount {mountpoint}"
+    if as_json:
+        out.print_json(json.dumps({"where": where, "config": vars(cfg), "results": B.as_dicts(results)}, default=str))
+        return
+    table = Table(title=f"irdma bench: {where}, {format_size(size)} file, {format_size(chunk_size)} chunks,"
+                        f" {format_size(block)} requests x {concurrency}")
+    for col in ("test", "bytes", "seconds", "MB/s", "p50 µs", "p99 µs"):
+        table.add_column(col, justify="left" if col == "test" else "right")
+    for r in results:
+        table.add_row(r.name, format_size(r.bytes), f"{r.seconds:.3f}", f"{r.mb_s:.1f}",
+                      "-" if r.p50_us is None else f"{r.p50_us:.0f}", "-" if r.p99_us is None else f"{r.p99_us:.0f}")
+    out.print(table)
 
 
 def main(argv: list[str] | None = None) -> None:

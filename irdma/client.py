@@ -22,7 +22,7 @@ import contextlib
 import os
 import stat
 import time
-from typing import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 import trio
@@ -50,7 +50,7 @@ def layout_of(inode: Inode) -> Layout:
 def _as_bytes_view(data: object) -> memoryview:
     view = memoryview(data)  # type: ignore[arg-type]
     if not view.c_contiguous:
-        view = memoryview(np.ascontiguousarray(data))
+        view = memoryview(np.ascontiguousarray(data))  # type: ignore[arg-type]
     return view.cast("B")
 
 
@@ -98,7 +98,7 @@ class Client:
         credentials: bytes = b"",
         window: int = DEFAULT_WINDOW,
         client_name: str = "",
-    ) -> AsyncIterator["Client"]:
+    ) -> AsyncIterator[Client]:
         """Open the namespace at ``meta_url`` (see :func:`irdma.meta.open_meta`).
 
         Raises:
@@ -311,7 +311,7 @@ class Client:
         inode = self.meta.resolve(path)
         arr = np.empty(inode.size // np.dtype(dtype).itemsize, dtype=dtype)
         if arr.nbytes:
-            await self.read_into(layout_of(inode), 0, memoryview(arr).cast("B"))
+            await self.read_into(layout_of(inode), 0, memoryview(arr).cast("B"))  # type: ignore[arg-type]
         return arr.reshape(shape) if shape is not None else arr
 
     async def set_update_op(self, path: str, op: str) -> None:

@@ -14,8 +14,8 @@ import shutil
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import trio
 

@@ -12,8 +12,8 @@ The stripe is fixed when the file is created, so adding shards later never moves
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 #: Default chunk size: 4 MiB.
 DEFAULT_CHUNK_SIZE = 4 << 20

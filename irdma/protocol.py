@@ -85,7 +85,7 @@ class UpdateOp(enum.IntEnum):
     ADD = 1
 
     @classmethod
-    def parse(cls, name: str | bytes) -> "UpdateOp":
+    def parse(cls, name: str | bytes) -> UpdateOp:
         """Map ``"assign"``/``"add"`` to an op.
 
         Raises:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import trio
@@ -101,7 +102,7 @@ class SyncClient:
             trio.from_thread.run_sync(self._stop.set, trio_token=token)
             self._thread.join()
 
-    def __enter__(self) -> "SyncClient":
+    def __enter__(self) -> SyncClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

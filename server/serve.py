@@ -42,7 +42,7 @@ class ShardServer:
         self.max_payload = max_payload
         self.credentials = credentials
         self.hello_extra = b""  # transport descriptors added by the verbs transport
-        self.verbs: "VerbsShard | None" = None  # set when the shard's region is registered for RDMA
+        self.verbs: VerbsShard | None = None  # set when the shard's region is registered for RDMA
 
     # ------------------------------------------------------------ pure request handling
     def handle(self, frame: P.Frame, staging: memoryview | None = None) -> P.Reply:
@@ -212,7 +212,7 @@ async def run_server(
     port_file: str | None = None,
     credentials: bytes = b"",
     max_payload: int = P.DEFAULT_MAX_PAYLOAD,
-    verbs: "VerbsShard | None" = None,
+    verbs: VerbsShard | None = None,
 ) -> None:
     """The ``irdma server`` main: serve until SIGTERM or SIGINT, then exit cleanly."""
     server = ShardServer(shard, max_payload=max_payload, credentials=credentials)

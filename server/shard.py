@@ -45,6 +45,11 @@ class Region:
         self._mmap: mmap.mmap | None = None
         if buffer is None:
             self._mmap = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if hasattr(mmap, "MADV_HUGEPAGE"):  # 512x fewer page faults on first writes
+                try:
+                    self._mmap.madvise(mmap.MADV_HUGEPAGE)
+                except OSError:  # pragma: no cover - THP disabled: fine
+                    pass
             self.view = memoryview(self._mmap)
         else:
             if len(buffer) < capacity or buffer.readonly:
@@ -146,9 +151,6 @@ class Shard:
     @property
     def chunk_count(self) -> int:
         return len(self._chunks)
-
-    def locate(self, file_id: int, chunk_index: int) -> Chunk | None:
-        return self._chunks.get((file_id, chunk_index))
 
     def _get_or_create(self, file_id: int, chunk_index: int, chunk_size: int) -> Chunk:
         chunk = self._chunks.get((file_id, chunk_index))

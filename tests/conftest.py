@@ -1,10 +1,9 @@
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
-
 from helpers import Cluster, mounted, running_cluster
 
 

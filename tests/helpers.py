@@ -8,10 +8,11 @@ import re
 import subprocess
 import sys
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
+
+from irdma.fs.mount import spawn_mount, unmount
 
 from irdma import cluster
-from irdma.fs.mount import spawn_mount, unmount
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

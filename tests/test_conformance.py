@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import trio
-
 from helpers import assert_clean_log, wait_until
+
 from irdma._errors import BadRequest, NoSpace
 from irdma.protocol import UpdateOp
 from irdma.transport import ShardConnection, make_transport
@@ -266,7 +266,7 @@ def test_concurrent_adds_from_several_clients_sum_exactly(conn: _Conn) -> None:
         await conns[0].write(fid, 0, CHUNK, 0, UpdateOp.ASSIGN, np.zeros(n, "<f4").tobytes())
 
         async def adder(c: ShardConnection, k: int) -> None:
-            for r in range(rounds):
+            for _ in range(rounds):
                 await c.write(fid, 0, CHUNK, 0, UpdateOp.ADD, np.full(n, k + 1, "<f4").tobytes())
 
         async with trio.open_nursery() as n_:

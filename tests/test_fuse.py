@@ -9,9 +9,9 @@ import stat
 
 import numpy as np
 import pytest
+from helpers import Cluster, wait_until
 
 import irdma
-from helpers import Cluster, wait_until
 
 pytestmark = pytest.mark.fuse
 

@@ -12,9 +12,9 @@ import threading
 
 import numpy as np
 import pytest
+from helpers import Cluster, irdma_cli, running_cluster, wait_until
 
 import irdma
-from helpers import Cluster, irdma_cli, running_cluster, wait_until
 from irdma import protocol as P
 
 

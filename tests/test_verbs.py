@@ -15,9 +15,9 @@ import time
 import numpy as np
 import pytest
 import trio
+from helpers import irdma_cli, mounted
 
 import irdma
-from helpers import irdma_cli, mounted
 from irdma import cluster as _cluster
 from irdma.transport import make_transport
 

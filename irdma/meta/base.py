@@ -16,6 +16,10 @@ ROOT_INO = 1
 XATTR_UPDATE = b"user.irdma.update"
 #: The xattr that gives a file's chunk size in bytes (settable while the file is empty).
 XATTR_CHUNK_SIZE = b"user.irdma.chunk_size"
+#: The xattr that sets how a mount caches a file: ``cached`` (page cache, the default) or
+#: ``direct`` (direct I/O: no page cache, large requests; for parameters streamed in bulk).
+XATTR_IO = b"user.irdma.io"
+IO_MODES = (b"cached", b"direct")
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 

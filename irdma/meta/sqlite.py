@@ -13,14 +13,14 @@ import os
 import sqlite3
 import stat
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from irdma._errors import (
     Busy,
     Exists,
-    NameTooLong,
     InvalidArgument,
     IsADirectory,
+    NameTooLong,
     NoAttribute,
     NotADirectory,
     NotEmpty,
@@ -34,7 +34,9 @@ from .base import (
     RENAME_NOREPLACE,
     ROOT_INO,
     XATTR_CHUNK_SIZE,
+    XATTR_IO,
     XATTR_UPDATE,
+    IO_MODES,
     Inode,
     MetaStore,
     ShardRecord,
@@ -68,7 +70,8 @@ def _now() -> int:
 
 def _inode(row: tuple) -> Inode:  # type: ignore[type-arg]
     stripe = tuple(int(s) for s in row[10].split(",") if s)
-    return Inode(*row[:10], stripe=stripe, update_op=row[11])
+    ino, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size = row[:10]
+    return Inode(ino, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size, stripe, row[11])
 
 
 class SqliteMeta(MetaStore):
@@ -220,6 +223,7 @@ class SqliteMeta(MetaStore):
             if c.execute("SELECT 1 FROM dentries WHERE parent=? AND name=?", (parent, name)).fetchone():
                 raise Exists(f"{name.decode(errors='replace')!r} exists")
             t = _now()
+            values: tuple[object, ...]
             if is_dir:
                 values = (mode, uid, gid, 2, t, t, t, chunk_size, "", None)
             else:
@@ -238,6 +242,9 @@ class SqliteMeta(MetaStore):
             )
             ino = c.execute("SELECT last_insert_rowid()").fetchone()[0]
             c.execute("INSERT INTO dentries VALUES (?,?,?)", (parent, name, ino))
+            # the I/O mode is inherited from the directory, like the update op and chunk size
+            c.execute("INSERT INTO xattrs SELECT ?, name, value FROM xattrs WHERE ino=? AND name=?",
+                      (ino, parent, XATTR_IO))
             if is_dir:
                 c.execute("UPDATE inodes SET nlink=nlink+1 WHERE ino=?", (parent,))
             c.execute("UPDATE inodes SET mtime_ns=?, ctime_ns=? WHERE ino=?", (t, t, parent))
@@ -372,7 +379,9 @@ class SqliteMeta(MetaStore):
                     raise Busy("the chunk size of a file can change only while it is empty")
                 c.execute("UPDATE inodes SET chunk_size=?, ctime_ns=? WHERE ino=?", (size, _now(), ino))
             else:
-                c.execute("INSERT OR REPLACE INTO xattrs VALUES (?,?,?)", (ino, name, value))
+                if name == XATTR_IO and value.strip() not in IO_MODES:
+                    raise InvalidArgument(f"bad {XATTR_IO.decode()} {value!r}: use cached or direct")
+                c.execute("INSERT OR REPLACE INTO xattrs VALUES (?,?,?)", (ino, name, value.strip() if name == XATTR_IO else value))
                 c.execute("UPDATE inodes SET ctime_ns=? WHERE ino=?", (_now(), ino))
 
     def listxattr(self, ino: int) -> list[bytes]:

@@ -87,6 +87,7 @@ class ShardConnection(abc.ABC):
 
     def forget_file(self, file_id: int) -> None:
         """Drop anything cached about ``file_id`` (one-sided transports cache chunk places)."""
+        return None  # noqa: B027 - optional hook, nothing cached by default
 
     @abc.abstractmethod
     async def aclose(self) -> None:

@@ -38,8 +38,9 @@ import itertools
 import os
 import random
 import resource
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import trio
 
