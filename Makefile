@@ -6,22 +6,26 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-verbs vm-image lint clean
+.PHONY: install demo test test-fast test-verbs vm-image bench lint clean
 
 install: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
-	@command -v fusermount3 >/dev/null && pkg-config --exists fuse3 2>/dev/null || { \
+	@command -v fusermount3 >/dev/null && pkg-config --exists fuse3 2>/dev/null && command -v redis-server >/dev/null || { \
 	  echo "==> installing fuse3, libfuse3-dev, pkg-config (apt)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-dev pkg-config attr python3-pyverbs >/dev/null; }
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-dev pkg-config attr python3-pyverbs redis-server >/dev/null; }
 	@test -x $(PY) || { echo "==> creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
 	@echo "==> installing irdma and its dependencies into $(VENV) (TensorFlow takes about a minute)"
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[tf,dev]'
+	$(PY) -m pip install -q -e '.[tf,dev,bench]'
 	@touch $(STAMP)
 
 demo: install
 	$(PY) examples/demo.py
+
+# The side-by-side benchmark suite (about 5 minutes): writes docs/benchmarks.md and plots.
+bench: install
+	$(PY) benchmarks/run.py
 
 test: install
 	$(PY) -m pytest -v --durations=10 tests

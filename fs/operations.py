@@ -45,8 +45,9 @@ log = logging.getLogger("irdma.fs")
 ATTR_TIMEOUT = 1.0
 #: Write requests in flight per file before a write waits.
 MAX_INFLIGHT_WRITES = 64
-#: Read-ahead: the kernel asks for 128 KiB at a time; the mount pulls aligned windows of this
-#: many bytes, serves the kernel from them, and fetches the next window while it does.
+#: Read-ahead: the kernel asks for 128 KiB (page cache) or up to 1 MiB (direct I/O) at a time;
+#: the mount pulls aligned windows of this many bytes, serves the kernel from them, and fetches
+#: the next window while it does. Windows are dropped by every write, truncate and open.
 READAHEAD_WINDOW = 4 << 20
 #: Windows kept per open file (bytes held: READAHEAD_WINDOW times this).
 READAHEAD_WINDOWS = 6
@@ -265,6 +266,9 @@ class IrdmaFS(pyfuse3.Operations):
         if st is None:
             self.client.forget_file(inode.ino)  # close-to-open: no stale chunk places
             st = self._files[inode.ino] = _FileState(layout_of(inode), size=inode.size)
+        elif not st.pending and not st.dirty:
+            st.size = inode.size
+        st.invalidate()  # close-to-open: a new open pulls fresh bytes
         st.open_count += 1
         op = UpdateOp.parse(inode.update_op or "assign")
         try:
@@ -305,10 +309,6 @@ class IrdmaFS(pyfuse3.Operations):
             n = max(0, min(size, file_size - off))
             if n == 0:
                 return b""
-            if h.direct:  # direct I/O: every read is a pull
-                buf = bytearray(n)
-                await self.client.read_into(st.layout, off, memoryview(buf))
-                return bytes(buf)
             return await self._read_windows(st, off, n, file_size)
 
     async def _read_windows(self, st: _FileState, off: int, n: int, file_size: int) -> bytes:

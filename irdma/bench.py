@@ -9,6 +9,7 @@ file size and ``--latency-ops``.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import statistics
@@ -20,6 +21,7 @@ from typing import Callable
 import numpy as np
 import trio
 
+from ._errors import NotFound
 from .client import Client, layout_of
 from .placement import Layout
 from .protocol import UpdateOp
@@ -67,10 +69,8 @@ def _percentiles(samples_s: list[float]) -> tuple[float, float]:
 async def bench_native(client: Client, cfg: BenchConfig, progress: Progress) -> list[BenchResult]:
     """Run the benchmark through the native client. The file is removed at the end."""
     results: list[BenchResult] = []
-    try:
+    with contextlib.suppress(NotFound):  # left over from an interrupted run
         await client.unlink(cfg.path)
-    except Exception:  # noqa: BLE001 - not there: fine
-        pass
     inode = await client.create(cfg.path, chunk_size=cfg.chunk_size)
     layout = layout_of(inode)
     src = np.random.default_rng(0).integers(0, 255, cfg.block, dtype=np.uint8).view("<f4")

@@ -279,9 +279,10 @@ def status(meta_url: str) -> None:
 @click.option("--latency-ops", default=1000, show_default=True, help="4 KiB reads timed for p50/p99.")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON on stdout.")
 @click.option("--page-cache", is_flag=True, help="Through a mount: use the page cache (default: direct I/O).")
+@click.option("--path", default="/.irdma-bench", show_default=True, help="Test file, removed at the end.")
 @friendly
 def bench(meta_url: str | None, mountpoint: str | None, size: int, chunk_size: int, block: int, concurrency: int,
-          transport: str, tests: str, latency_ops: int, as_json: bool, page_cache: bool) -> None:
+          transport: str, tests: str, latency_ops: int, as_json: bool, page_cache: bool, path: str) -> None:
     """Sequential pull/push bandwidth and 4 KiB read latency (like ib_write_bw or fio)."""
     import json
 
@@ -297,7 +298,7 @@ def bench(meta_url: str | None, mountpoint: str | None, size: int, chunk_size: i
     if bad:
         raise click.BadParameter(f"unknown tests {sorted(bad)}", param_hint="--tests")
     cfg = B.BenchConfig(size=size, chunk_size=chunk_size, block=block, concurrency=concurrency,
-                        latency_ops=latency_ops, tests=wanted, direct_io=not page_cache)
+                        latency_ops=latency_ops, tests=wanted, direct_io=not page_cache, path=path)
     with Progress(TextColumn("{task.description:>16}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   console=console, transient=True) as bar:
         tasks: dict[str, Any] = {}

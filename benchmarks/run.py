@@ -1,0 +1,445 @@
+#!/usr/bin/env python3
+"""The side-by-side benchmark suite, in one run: ceilings, irdma (native and through the
+mount), peers (TensorFlow ParameterServerStrategy, Redis), how cost grows, memory, checkpoints.
+
+Writes ``docs/benchmarks.md`` (tables, every figure also as a ratio to its baseline from the
+same run), ``docs/benchmarks.json`` and PNG plots under ``docs/``. Bandwidth is in MB/s
+(10^6 bytes/s). Every load is bounded in bytes and rounds, on 127.0.0.1 only.
+
+    make bench                 # or: .venv/bin/python benchmarks/run.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import trio
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+
+from irdma import bench as B  # noqa: E402
+from irdma import cluster as C  # noqa: E402
+from irdma.client import Client  # noqa: E402
+from irdma.fs.mount import spawn_mount, unmount  # noqa: E402
+
+MiB = 1 << 20
+GiB = 1 << 30
+PY = sys.executable
+RESULTS: dict[str, Any] = {}
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def rss(pid: int) -> int:
+    """Resident set size of a process, bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@contextlib.contextmanager
+def cluster(shards: int, capacity: int) -> Iterator[tuple[str, list[C.ShardProc]]]:
+    d = tempfile.mkdtemp(prefix="irdma-bench-")
+    try:
+        url = C.up(d, shards, capacity, transport="tcp", fresh=True)
+        yield url, C.read_state(d)
+    finally:
+        with contextlib.suppress(Exception):
+            C.down(d)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def mounted(meta: str, direct_io: bool = False) -> Iterator[tuple[str, int]]:
+    d = tempfile.mkdtemp(prefix="irdma-bench-mnt-")
+    mp = os.path.join(d, "m")
+    os.makedirs(mp)
+    pid = spawn_mount(meta, mp, transport="tcp", log_file=os.path.join(d, "mount.log"), direct_io=direct_io)
+    try:
+        yield mp, pid
+    finally:
+        with contextlib.suppress(Exception):
+            unmount(mp)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def native(meta: str, size: int, chunk: int, concurrency: int = 4, tests: tuple[str, ...] = ("push-assign", "pull", "push-add"),
+           path: str = "/.irdma-bench") -> dict[str, float]:
+    cfg = B.BenchConfig(size=size, chunk_size=chunk, block=min(4 * MiB, size), concurrency=concurrency, tests=tests,
+                        path=path)
+
+    async def run() -> list[B.BenchResult]:
+        async with Client.open(meta, transport="tcp") as c:
+            return await B.bench_native(c, cfg, lambda *a: None)
+
+    return {r.name: r.mb_s for r in trio.run(run)}
+
+
+def through_mount(mp: str, size: int, chunk: int, concurrency: int = 4,
+                  tests: tuple[str, ...] = ("push-assign", "pull", "push-add")) -> dict[str, float]:
+    cfg = B.BenchConfig(size=size, chunk_size=chunk, block=4 * MiB, concurrency=concurrency, tests=tests)
+    return {r.name: r.mb_s for r in B.bench_mount(mp, cfg, lambda *a: None)}
+
+
+# ---------------------------------------------------------------- ceilings
+_TCP_SERVER = r"""
+import socket, sys, threading
+per, streams = int(sys.argv[1]), int(sys.argv[2])
+ls = socket.create_server(("127.0.0.1", 0)); print(ls.getsockname()[1], flush=True)
+def serve(c):
+    mode = c.recv(1); buf = bytearray(4 << 20); view = memoryview(buf)
+    if mode == b"W":
+        got = 0
+        while got < per:
+            got += c.recv_into(view[: min(len(buf), per - got)])
+        c.sendall(b"k")
+    else:
+        sent = 0
+        while sent < per:
+            n = min(len(buf), per - sent); c.sendall(view[:n]); sent += n
+    c.close()
+ts = []
+for _ in range(2 * streams):
+    c, _ = ls.accept(); t = threading.Thread(target=serve, args=(c,)); t.start(); ts.append(t)
+for t in ts: t.join()
+"""
+
+
+def tcp_ceiling(total: int, streams: int) -> dict[str, float]:
+    """Plain loopback TCP sockets: ``streams`` connections to another process, 4 MiB buffers."""
+    per = total // streams
+    srv = subprocess.Popen([PY, "-c", _TCP_SERVER, str(per), str(streams)], stdout=subprocess.PIPE, text=True)
+    assert srv.stdout is not None
+    port = int(srv.stdout.readline())
+    out: dict[str, float] = {}
+    for mode in ("W", "R"):
+        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+
+        def run(s: socket.socket) -> None:
+            s.sendall(mode.encode())
+            buf = bytearray(4 * MiB)
+            view = memoryview(buf)
+            if mode == "W":
+                sent = 0
+                while sent < per:
+                    n = min(len(buf), per - sent)
+                    s.sendall(view[:n])
+                    sent += n
+                s.recv(1)
+            else:
+                got = 0
+                while got < per:
+                    got += s.recv_into(view[: min(len(buf), per - got)])
+            s.close()
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=run, args=(s,)) for s in socks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        out["push" if mode == "W" else "pull"] = per * streams / (time.perf_counter() - t0) / 1e6
+    srv.wait(timeout=60)
+    return out
+
+
+def tmpfs_ceiling(size: int, block: int = 4 * MiB) -> dict[str, float]:
+    path = f"/dev/shm/irdma-bench-{os.getpid()}"
+    data = os.urandom(block)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        t0 = time.perf_counter()
+        for off in range(0, size, block):
+            os.pwrite(fd, data, off)
+        os.fsync(fd)
+        os.close(fd)
+        w = size / (time.perf_counter() - t0) / 1e6
+        fd = os.open(path, os.O_RDONLY)
+        buf = bytearray(block)
+        t0 = time.perf_counter()
+        for off in range(0, size, block):
+            os.preadv(fd, [buf], off)
+        os.close(fd)
+        r = size / (time.perf_counter() - t0) / 1e6
+    finally:
+        os.unlink(path)
+    return {"write": w, "read": r}
+
+
+# ---------------------------------------------------------------- the model round (peers)
+def model_shapes() -> list[list[int]]:
+    """ResNet-50's variables (25.6 million float32), from Keras with no weights downloaded."""
+    code = ("import os, json; os.environ['TF_CPP_MIN_LOG_LEVEL']='3'\nimport keras\n"
+            "print(json.dumps([list(v.shape) for v in keras.applications.ResNet50(weights=None).weights]))")
+    res = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def _start_together(procs: list[subprocess.Popen[str]], start: str, timeout: float = 120.0) -> None:
+    """Wait until every worker said it is ready, then give the start signal (a barrier)."""
+    import glob
+
+    deadline = time.monotonic() + timeout
+    while len(glob.glob(start + ".ready.*")) < len(procs):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            raise RuntimeError("workers did not get ready")
+        time.sleep(0.01)
+    open(start, "w").close()
+
+
+def _cleanup_barrier(start: str) -> None:
+    import glob
+
+    for f in [start, *glob.glob(start + ".ready.*")]:
+        with contextlib.suppress(OSError):
+            os.unlink(f)
+
+
+def _run_workers(kind: str, target: str, shapes_file: str, rounds: int, n: int = 2) -> float:
+    start = tempfile.mktemp(prefix="irdma-bench-start-")
+    procs = [subprocess.Popen([PY, os.path.join(HERE, "workers.py"), kind, target, shapes_file, str(rounds), str(r),
+                               start], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
+             for r in range(n)]
+    _start_together(procs, start)
+    outs = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=600)
+        if p.returncode != 0:
+            raise RuntimeError(f"{kind} worker failed ({p.returncode})")
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    _cleanup_barrier(start)
+    return max(o["round_s"] for o in outs)
+
+
+def _pow2_chunk(nbytes: int) -> int:
+    c = 64 * 1024
+    while c < nbytes and c < 4 * MiB:
+        c *= 2
+    return c
+
+
+def model_rounds(shapes: list[list[int]], rounds: int) -> dict[str, float]:
+    shapes_file = tempfile.mktemp(suffix=".json")
+    with open(shapes_file, "w") as f:
+        json.dump(shapes, f)
+    out: dict[str, float] = {}
+    nbytes = [4 * int(np.prod(s)) for s in shapes]
+    with cluster(2, 2 * GiB) as (meta, _):
+        import irdma
+
+        with irdma.connect(meta, transport="tcp") as c:
+            c.makedirs("/model")
+            for i, n in enumerate(nbytes):
+                c.write(f"/model/l{i:03d}", np.zeros(n // 4, "<f4"), chunk_size=_pow2_chunk(n))
+                c.set_update_op(f"/model/l{i:03d}", "add")
+        say("model round: irdma native (2 workers, 2 shards)")
+        out["irdma-native"] = _run_workers("irdma-native", meta, shapes_file, rounds)
+        say("model round: irdma through the mount (2 workers, one mount each)")
+        with mounted(meta) as (mp1, _), mounted(meta) as (mp2, _):
+            start = tempfile.mktemp()
+            procs = [subprocess.Popen([PY, os.path.join(HERE, "workers.py"), "irdma-mount", mp, shapes_file,
+                                       str(rounds), str(r), start], stdout=subprocess.PIPE, text=True)
+                     for r, mp in enumerate((mp1, mp2))]
+            _start_together(procs, start)
+            res = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+            _cleanup_barrier(start)
+            out["irdma-mount"] = max(r["round_s"] for r in res)
+    say("model round: Redis (2 redis-server, 2 workers, WATCH/MULTI read-modify-write)")
+    out["redis"] = redis_round(shapes, shapes_file, rounds)
+    say("model round: TensorFlow ParameterServerStrategy (2 ps, 2 workers, gRPC in-process)")
+    res = subprocess.run([PY, os.path.join(HERE, "peer_tf_ps.py"), "--shapes", shapes_file, "--rounds", str(rounds)],
+                         capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        raise RuntimeError(f"ParameterServerStrategy peer failed:\n{res.stderr[-2000:]}")
+    out["tf-ps"] = json.loads(res.stdout.strip().splitlines()[-1])["round_s"]
+    os.unlink(shapes_file)
+    return out
+
+
+def redis_round(shapes: list[list[int]], shapes_file: str, rounds: int) -> float:
+    import redis
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not installed: apt-get install redis-server (make bench does)")
+    ports, procs = [], []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs.append(subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                                       "no", "--protected-mode", "no"], stdout=subprocess.DEVNULL))
+        ports.append(port)
+    try:
+        conns = [redis.Redis(port=p) for p in ports]
+        deadline = time.monotonic() + 30
+        for r in conns:
+            while True:
+                try:
+                    r.ping()
+                    break
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        for i, s in enumerate(shapes):
+            conns[i % 2].set(f"l{i:03d}", np.zeros(int(np.prod(s)), "<f4").tobytes())
+        return _run_workers("redis", ",".join(map(str, ports)), shapes_file, rounds)
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(timeout=30)
+
+
+# ---------------------------------------------------------------- checkpoints
+_CKPT = r"""
+import os, sys, json, time, statistics
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import numpy as np, tensorflow as tf
+base = sys.argv[1]
+rng = np.random.default_rng(0)
+vars_ = [tf.Variable(rng.standard_normal((5000, 5000), dtype=np.float32))]   # 100 MB
+ckpt = tf.train.Checkpoint(v=vars_)
+saves, restores = [], []
+for i in range(3):
+    d = os.path.join(base, f"run{i}")
+    mgr = tf.train.CheckpointManager(ckpt, d, max_to_keep=1)
+    t0 = time.perf_counter(); path = mgr.save(); saves.append(time.perf_counter() - t0)
+    t0 = time.perf_counter(); ckpt.restore(path).assert_consumed(); restores.append(time.perf_counter() - t0)
+print(json.dumps({"save_s": statistics.median(saves), "restore_s": statistics.median(restores)}))
+"""
+
+
+def checkpoints(meta: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    tmp = tempfile.mkdtemp(prefix="irdma-ckpt-", dir="/dev/shm")
+    try:
+        r = json.loads(subprocess.run([PY, "-c", _CKPT, tmp], capture_output=True, text=True, check=True)
+                       .stdout.strip().splitlines()[-1])
+        out["tmpfs_save_s"], out["tmpfs_restore_s"] = r["save_s"], r["restore_s"]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    with mounted(meta) as (mp, _):
+        r = json.loads(subprocess.run([PY, "-c", _CKPT, os.path.join(mp, "ckpt")], capture_output=True, text=True,
+                                      check=True).stdout.strip().splitlines()[-1])
+        out["mount_save_s"], out["mount_restore_s"] = r["save_s"], r["restore_s"]
+    return out
+
+
+# ---------------------------------------------------------------- the run
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the suite, not figures")
+    ap.add_argument("--out", default=os.path.join(REPO, "docs"))
+    args = ap.parse_args()
+    big = 64 * MiB if args.quick else GiB
+    sweep = 16 * MiB if args.quick else 256 * MiB
+    rounds = 1 if args.quick else 3
+    t_start = time.monotonic()
+    R = RESULTS
+    R["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release(),
+                    "quick": args.quick, "date": time.strftime("%Y-%m-%d %H:%M")}
+
+    say("warm-up: touch shard memory once (fresh guest pages cost a first-touch fault on this VM)")
+    with cluster(4, big + 512 * MiB) as (meta, _):
+        native(meta, big, 4 * MiB, tests=("push-assign",))
+
+    say(f"ceilings: loopback TCP with 4 streams, tmpfs with 4 MiB blocks ({big >> 20} MiB)")
+    R["tcp"] = tcp_ceiling(big, 4)
+    R["tmpfs"] = tmpfs_ceiling(big)
+
+    say(f"irdma: {big >> 20} MiB over 4 shards, native client and mount (direct I/O)")
+    with cluster(4, big // 4 + 256 * MiB) as (meta, procs):
+        R["native"] = native(meta, big, 4 * MiB)
+        with mounted(meta) as (mp, mpid):
+            peak = [0]
+            stop = threading.Event()
+
+            def sample() -> None:
+                while not stop.is_set():
+                    peak[0] = max(peak[0], rss(mpid))
+                    time.sleep(0.02)
+
+            sampler = threading.Thread(target=sample)
+            sampler.start()
+            try:
+                R["mount"] = through_mount(mp, big, 4 * MiB)
+            finally:
+                stop.set()
+                sampler.join()
+            R["fuse_rss_peak"] = peak[0]
+        say("checkpoints: tf.train.CheckpointManager, 100 MB, mount vs tmpfs")
+        R["ckpt"] = checkpoints(meta)
+
+    say("how cost grows: shards")
+    R["by_shards"] = {}
+    for n in (1, 2, 4):
+        with cluster(n, sweep + 128 * MiB) as (meta, _):
+            R["by_shards"][n] = native(meta, sweep, 4 * MiB, tests=("push-assign", "pull"))
+    say("how cost grows: chunk size, file size, workers (4 shards)")
+    with cluster(4, big // 2 + 256 * MiB) as (meta, _):
+        R["by_chunk"] = {c: native(meta, sweep, c, tests=("push-assign", "pull"))
+                         for c in (256 * 1024, MiB, 4 * MiB, 16 * MiB)}
+        sizes = [MiB, 16 * MiB, 256 * MiB, big] if not args.quick else [MiB, 16 * MiB, big]
+        R["by_size"] = {s: native(meta, s, 4 * MiB, tests=("push-assign", "pull")) for s in sizes}
+        R["by_workers"] = {}
+        for w in (1, 2, 4):
+            per = sweep // w
+            procs = [subprocess.Popen([PY, "-m", "irdma.cli", "bench", "--meta", meta, "--transport", "tcp", "--size",
+                                       str(per), "--tests", "push-assign,pull", "--json", "--path", f"/.bench-worker-{i}"],
+                                      stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
+                     for i in range(w)]
+            res = [json.loads(p.communicate(timeout=600)[0]) for p in procs]
+            # each process used its own file; aggregate = bytes of all over the longest time
+            agg = {}
+            for test in ("push-assign", "pull"):
+                secs = max(r["seconds"] for x in res for r in x["results"] if r["name"] == test)
+                agg[test] = per * w / secs / 1e6
+            R["by_workers"][w] = agg
+
+    say("memory: shard RSS against data held")
+    R["shard_rss"] = {}
+    with cluster(1, 2 * big) as (meta, procs):
+        import irdma
+
+        pid = procs[0].pid
+        R["shard_rss"][0] = rss(pid)
+        with irdma.connect(meta, transport="tcp") as c:
+            held = 0
+            for step in (big // 4, big // 4, big // 2):
+                c.write(f"/held-{held}", np.ones(step // 4, "<f4"), chunk_size=4 * MiB)
+                held += step
+                R["shard_rss"][held] = rss(pid)
+
+    say("model rounds: 25.6 M float32 (ResNet-50's variables), 2 workers, 2 servers")
+    R["rounds"] = model_rounds(model_shapes(), rounds)
+    R["elapsed_s"] = time.monotonic() - t_start
+    sys.path.insert(0, HERE)
+    from report import write_report
+
+    write_report(R, args.out)
+    say(f"done in {R['elapsed_s']:.0f} s: {os.path.join(args.out, 'benchmarks.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Worker processes for the side-by-side benchmarks: one push-and-pull round of a model.
+
+Each worker, per round, pushes a gradient for every layer and then pulls every layer. All
+workers wait on a barrier file before they start, so their rounds overlap.
+
+    python benchmarks/workers.py irdma-native META SHAPES ROUNDS RANK START_FILE
+    python benchmarks/workers.py irdma-mount MOUNTDIR SHAPES ROUNDS RANK START_FILE
+    python benchmarks/workers.py redis PORT,PORT SHAPES ROUNDS RANK START_FILE
+
+Prints one JSON line: {"round_s": seconds per round, "bytes": bytes moved per round}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def _wait_for(path: str, timeout: float = 120.0) -> None:
+    """Say this worker is ready (``PATH.ready.PID``), then wait for the start signal ``PATH``."""
+    open(f"{path}.ready.{os.getpid()}", "w").close()
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no start signal {path} within {timeout} s")
+        time.sleep(0.001)
+
+
+def irdma_native(meta: str, shapes: list[tuple[int, ...]], rounds: int, start: str) -> float:
+    import trio
+
+    import irdma
+    from irdma.client import layout_of
+    from irdma.protocol import UpdateOp
+
+    grads = [np.full(int(np.prod(s)), 1e-3, "<f4") for s in shapes]
+    outs = [np.empty(int(np.prod(s)), "<f4") for s in shapes]
+
+    async def main() -> float:
+        async with irdma.Client.open(meta, transport="tcp") as c:
+            layouts = [layout_of(c.meta.resolve(f"/model/l{i:03d}")) for i in range(len(shapes))]
+            limit = trio.CapacityLimiter(16)
+
+            async def push(i: int) -> None:
+                async with limit:
+                    await c.write_from(layouts[i], 0, memoryview(grads[i]).cast("B"), UpdateOp.ADD)
+
+            async def pull(i: int) -> None:
+                async with limit:
+                    await c.read_into(layouts[i], 0, memoryview(outs[i]).cast("B"))
+
+            async def one_round() -> None:
+                async with trio.open_nursery() as n:  # push every layer, all in flight
+                    for i in range(len(shapes)):
+                        n.start_soon(push, i)
+                async with trio.open_nursery() as n:  # then pull every layer
+                    for i in range(len(shapes)):
+                        n.start_soon(pull, i)
+
+            await one_round()  # warm-up, untimed (as every system here gets)
+            _wait_for(start)
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                await one_round()
+            return (time.perf_counter() - t0) / rounds
+
+    return trio.run(main)
+
+
+def irdma_mount(mountdir: str, shapes: list[tuple[int, ...]], rounds: int, start: str) -> float:
+    from concurrent.futures import ThreadPoolExecutor
+
+    grads = [np.full(int(np.prod(s)), 1e-3, "<f4").tobytes() for s in shapes]
+    paths = [os.path.join(mountdir, "model", f"l{i:03d}") for i in range(len(shapes))]
+
+    def push(i: int) -> None:
+        fd = os.open(paths[i], os.O_WRONLY)
+        try:
+            os.write(fd, grads[i])
+        finally:
+            os.close(fd)  # close: the push is acknowledged by the shard
+
+    def pull(i: int) -> None:
+        with open(paths[i], "rb", buffering=0) as f:
+            f.read()
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(push, range(len(shapes))))  # warm-up, untimed
+        list(pool.map(pull, range(len(shapes))))
+        _wait_for(start)
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            list(pool.map(push, range(len(shapes))))
+            list(pool.map(pull, range(len(shapes))))
+        return (time.perf_counter() - t0) / rounds
+
+
+def redis_peer(ports: str, shapes: list[tuple[int, ...]], rounds: int, start: str) -> float:
+    import redis
+
+    conns = [redis.Redis(host="127.0.0.1", port=int(p)) for p in ports.split(",")]
+    grads = [np.full(int(np.prod(s)), 1e-3, "<f4") for s in shapes]
+    keys = [f"l{i:03d}" for i in range(len(shapes))]
+
+    def push(i: int) -> None:
+        r = conns[i % len(conns)]
+        while True:  # read-modify-write under WATCH: an update lost to a race is retried
+            with r.pipeline() as p:
+                try:
+                    p.watch(keys[i])
+                    cur = np.frombuffer(p.get(keys[i]), "<f4")
+                    p.multi()
+                    p.set(keys[i], (cur + grads[i]).tobytes())
+                    p.execute()
+                    return
+                except redis.WatchError:
+                    continue
+
+    def pull_all() -> None:
+        for k, r in enumerate(conns):
+            p = r.pipeline(transaction=False)
+            for i in range(k, len(keys), len(conns)):
+                p.get(keys[i])
+            for v in p.execute():
+                np.frombuffer(v, "<f4")
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(conns) * 2) as pool:
+        list(pool.map(push, range(len(shapes))))  # warm-up, untimed
+        pull_all()
+        _wait_for(start)
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            list(pool.map(push, range(len(shapes))))
+            pull_all()
+        return (time.perf_counter() - t0) / rounds
+
+
+def main() -> None:
+    kind, target, shapes_file, rounds, rank, start = sys.argv[1:7]
+    with open(shapes_file) as f:
+        shapes = [tuple(s) for s in json.load(f)]
+    fn = {"irdma-native": irdma_native, "irdma-mount": irdma_mount, "redis": redis_peer}[kind]
+    secs = fn(target, shapes, int(rounds), start)
+    nbytes = 2 * 4 * sum(int(np.prod(s)) for s in shapes)
+    print(json.dumps({"rank": int(rank), "round_s": secs, "bytes": nbytes}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Smoke tests of the benchmark tools (the figures come from `make bench`, not from CI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO, Cluster, irdma_cli
+
+
+def _results(stdout: str) -> dict[str, dict[str, float]]:
+    return {r["name"]: r for r in json.loads(stdout)["results"]}
+
+
+def test_irdma_bench_native_reports_every_test(cluster: Cluster) -> None:
+    res = irdma_cli("bench", "--meta", cluster.meta_url, "--transport", "tcp", "--size", "8MiB", "--chunk-size",
+                    "1MiB", "--block", "1MiB", "--latency-ops", "50", "--json")
+    r = _results(res.stdout)
+    assert set(r) == {"push-assign", "pull", "push-add", "latency-4k-read"}
+    assert all(x["mb_s"] > 0 for x in r.values())
+    assert 0 < r["latency-4k-read"]["p50_us"] <= r["latency-4k-read"]["p99_us"]
+    assert r["pull"]["bytes"] == 8 << 20
+
+
+@pytest.mark.fuse
+def test_irdma_bench_through_the_mount(mnt: str) -> None:
+    res = irdma_cli("bench", "--mount", mnt, "--size", "8MiB", "--latency-ops", "50", "--json")
+    r = _results(res.stdout)
+    assert set(r) == {"push-assign", "pull", "push-add", "latency-4k-read"}
+    assert not os.path.exists(os.path.join(mnt, ".irdma-bench"))  # cleaned up
+
+
+def test_irdma_bench_refuses_bad_input(cluster: Cluster) -> None:
+    res = irdma_cli("bench", "--meta", cluster.meta_url, "--tests", "pull,sideways", check=False)
+    assert res.returncode == 2 and "sideways" in res.stderr
+    res = irdma_cli("bench", check=False)
+    assert res.returncode == 2 and "--meta" in res.stderr
+
+
+@pytest.mark.tf
+@pytest.mark.slow
+def test_benchmark_suite_quick_run_writes_the_report(tmp_path: object) -> None:
+    out = os.path.join(str(tmp_path), "docs")
+    res = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "run.py"), "--quick", "--out", out],
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    with open(os.path.join(out, "benchmarks.md")) as f:
+        md = f.read()
+    assert "## Targets" in md and "ParameterServerStrategy" in md and "Redis" in md
+    for png in ("bench-scaling.png", "bench-peers.png"):
+        assert os.path.getsize(os.path.join(out, png)) > 10_000
+    with open(os.path.join(out, "benchmarks.json")) as f:
+        data = json.load(f)
+    assert data["rounds"]["irdma-native"] > 0 and data["tcp"]["pull"] > 0
