@@ -23,7 +23,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import trio
@@ -32,10 +33,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
+from irdma.fs.mount import spawn_mount, unmount  # noqa: E402
+
 from irdma import bench as B  # noqa: E402
 from irdma import cluster as C  # noqa: E402
 from irdma.client import Client  # noqa: E402
-from irdma.fs.mount import spawn_mount, unmount  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -134,7 +136,7 @@ def tcp_ceiling(total: int, streams: int) -> dict[str, float]:
     for mode in ("W", "R"):
         socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
 
-        def run(s: socket.socket) -> None:
+        def run(s: socket.socket, mode: str = mode) -> None:
             s.sendall(mode.encode())
             buf = bytearray(4 * MiB)
             view = memoryview(buf)

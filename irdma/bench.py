@@ -15,8 +15,8 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import numpy as np
 import trio
@@ -73,7 +73,7 @@ async def bench_native(client: Client, cfg: BenchConfig, progress: Progress) -> 
         await client.unlink(cfg.path)
     inode = await client.create(cfg.path, chunk_size=cfg.chunk_size)
     layout = layout_of(inode)
-    src = np.random.default_rng(0).integers(0, 255, cfg.block, dtype=np.uint8).view("<f4")
+    src = np.random.default_rng(0).integers(0, 255, cfg.block, dtype=np.uint8).tobytes()
     blocks = list(range(0, cfg.size, cfg.block))
 
     async def stream(name: str, fn: Callable[[Layout, int, int], object]) -> BenchResult:
@@ -97,7 +97,7 @@ async def bench_native(client: Client, cfg: BenchConfig, progress: Progress) -> 
 
     async def push(op: UpdateOp) -> Callable[[Layout, int, int], object]:
         async def fn(layout: Layout, off: int, n: int) -> None:
-            await client.write_from(layout, off, memoryview(src).cast("B")[:n], op)
+            await client.write_from(layout, off, memoryview(src)[:n], op)
 
         return fn
 

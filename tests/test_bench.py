@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import REPO, Cluster, irdma_cli
 
 

@@ -30,13 +30,13 @@ from irdma.placement import DEFAULT_CHUNK_SIZE, check_chunk_size
 from irdma.protocol import UpdateOp
 
 from .base import (
+    IO_MODES,
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,
     ROOT_INO,
     XATTR_CHUNK_SIZE,
     XATTR_IO,
     XATTR_UPDATE,
-    IO_MODES,
     Inode,
     MetaStore,
     ShardRecord,
