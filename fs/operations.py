@@ -12,7 +12,9 @@ so the page cache never holds a delta in place of the sum; so is a file whose xa
 ``user.irdma.io`` is ``direct`` (inherited from its directory), or every file of a mount made
 with ``--direct-io``: reads and writes then reach the mount in requests of up to 1 MiB with no
 page-cache copy, the right choice for parameters streamed in bulk. Other files use the page cache,
-dropped at each open (``keep_cache`` off), so a new open sees other workers' pushes.
+kept at an open only if the file's mtime and size are what this mount saw when it last
+closed it (close-to-open, as NFS revalidates), so a new open sees other workers' pushes and a
+restore right after a save reads from memory.
 
 Inode and file-handle bookkeeping follows pyfuse3's ``examples/passthroughfs.py``.
 """
@@ -107,6 +109,9 @@ class IrdmaFS(pyfuse3.Operations):
         self.meta = client.meta
         self.nursery: trio.Nursery | None = None
         self._files: dict[int, _FileState] = {}
+        # (mtime_ns, size) of files as this mount last closed them: a later open of an unchanged
+        # file keeps its page cache (how a restore right after a save skips the round trips)
+        self._cached: dict[int, tuple[int, int]] = {}
         self._handles: dict[int, _Handle] = {}
         self._next_fh = 1
 
@@ -279,7 +284,8 @@ class IrdmaFS(pyfuse3.Operations):
         fh = self._next_fh
         self._next_fh += 1
         self._handles[fh] = _Handle(inode.ino, op, direct)
-        return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=False)
+        keep = not direct and self._cached.get(inode.ino) == (inode.mtime_ns, inode.size)
+        return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=keep)
 
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
         with fuse_errors("open"):
@@ -409,7 +415,10 @@ class IrdmaFS(pyfuse3.Operations):
                 with fuse_errors("release"):
                     inode = self.meta.getattr(h.ino)
                     if inode.nlink <= 0:
+                        self._cached.pop(h.ino, None)
                         await self._destroy(inode)
+                    elif not h.direct:
+                        self._cached[h.ino] = (inode.mtime_ns, inode.size)
 
     async def forget(self, inode_list: Any) -> None:
         return None

@@ -240,3 +240,17 @@ def _umask() -> int:
     m = os.umask(0)
     os.umask(m)
     return m
+
+
+def test_close_to_open_a_reopen_sees_the_other_mounts_new_bytes(mnt: str, mnt2: str) -> None:
+    a, b = os.path.join(mnt, "c2o.bin"), os.path.join(mnt2, "c2o.bin")
+    first, second = os.urandom(1 << 20), os.urandom(1 << 20)  # same size: only mtime tells
+    with open(a, "wb") as f:
+        f.write(first)
+    for _ in range(2):  # the second open keeps mount 2's page cache: the file did not change
+        with open(b, "rb") as f:
+            assert f.read() == first
+    with open(a, "r+b") as f:
+        f.write(second)
+    with open(b, "rb") as f:
+        assert f.read() == second
