@@ -361,10 +361,6 @@ def main() -> int:
     R["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release(),
                     "quick": args.quick, "date": time.strftime("%Y-%m-%d %H:%M")}
 
-    say("warm-up: touch shard memory once (fresh guest pages cost a first-touch fault on this VM)")
-    with cluster(4, big + 512 * MiB) as (meta, _):
-        native(meta, big, 4 * MiB, tests=("push-assign",))
-
     say(f"ceilings: loopback TCP with 4 streams, tmpfs with 4 MiB blocks ({big >> 20} MiB)")
     R["tcp"] = tcp_ceiling(big, 4)
     R["tmpfs"] = tmpfs_ceiling(big)

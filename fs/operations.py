@@ -47,6 +47,8 @@ log = logging.getLogger("irdma.fs")
 ATTR_TIMEOUT = 1.0
 #: Write requests in flight per file before a write waits.
 MAX_INFLIGHT_WRITES = 64
+#: Seconds between mtime updates of a file written only through direct I/O without growing.
+MTIME_LAZY_S = 1.0
 #: Read-ahead: the kernel asks for 128 KiB (page cache) or up to 1 MiB (direct I/O) at a time;
 #: the mount pulls aligned windows of this many bytes, serves the kernel from them, and fetches
 #: the next window while it does. Windows are dropped by every write, truncate and open.
@@ -70,6 +72,8 @@ class _FileState:
     open_count: int = 0
     size: int = 0
     dirty: bool = False  # size/mtime not yet persisted
+    persisted_size: int = 0  # the size the metadata engine has
+    cached_handles: int = 0  # open handles that use the page cache (they need exact mtimes)
     pending: list[_Pending] = field(default_factory=list)
     error: IrdmaError | None = None
     slots: trio.Semaphore = field(default_factory=lambda: trio.Semaphore(MAX_INFLIGHT_WRITES))
@@ -112,6 +116,7 @@ class IrdmaFS(pyfuse3.Operations):
         # (mtime_ns, size) of files as this mount last closed them: a later open of an unchanged
         # file keeps its page cache (how a restore right after a save skips the round trips)
         self._cached: dict[int, tuple[int, int]] = {}
+        self._mtime_at: dict[int, float] = {}  # time.monotonic() of each file's last mtime update
         self._handles: dict[int, _Handle] = {}
         self._next_fh = 1
 
@@ -142,7 +147,14 @@ class IrdmaFS(pyfuse3.Operations):
             await st.pending[0].done.wait()
         if st.dirty:
             st.dirty = False
-            self.meta.extend(ino, st.size, time.time_ns())
+            # A push that does not grow a file opened only with direct I/O (a gradient to an
+            # add file) refreshes mtime at most once a second, as lazytime does: one metadata
+            # transaction per close of every parameter file would cost more than the push.
+            now = time.monotonic()
+            if st.size > st.persisted_size or st.cached_handles or now - self._mtime_at.get(ino, 0.0) >= MTIME_LAZY_S:
+                self.meta.extend(ino, st.size, time.time_ns())
+                st.persisted_size = max(st.persisted_size, st.size)
+                self._mtime_at[ino] = now
         if st.error is not None:
             err, st.error = st.error, None
             raise err
@@ -157,7 +169,7 @@ class IrdmaFS(pyfuse3.Operations):
             await self.client.truncate_data(layout_of(inode), size)
         self.meta.setattr(inode.ino, size=size)
         if st is not None:
-            st.size = size
+            st.size = st.persisted_size = size
             st.invalidate()
 
     async def _destroy(self, inode: Inode) -> None:
@@ -270,9 +282,9 @@ class IrdmaFS(pyfuse3.Operations):
         st = self._files.get(inode.ino)
         if st is None:
             self.client.forget_file(inode.ino)  # close-to-open: no stale chunk places
-            st = self._files[inode.ino] = _FileState(layout_of(inode), size=inode.size)
+            st = self._files[inode.ino] = _FileState(layout_of(inode), size=inode.size, persisted_size=inode.size)
         elif not st.pending and not st.dirty:
-            st.size = inode.size
+            st.size = st.persisted_size = inode.size
         st.invalidate()  # close-to-open: a new open pulls fresh bytes
         st.open_count += 1
         op = UpdateOp.parse(inode.update_op or "assign")
@@ -284,7 +296,10 @@ class IrdmaFS(pyfuse3.Operations):
         fh = self._next_fh
         self._next_fh += 1
         self._handles[fh] = _Handle(inode.ino, op, direct)
+        st.cached_handles += 0 if direct else 1
         keep = not direct and self._cached.get(inode.ino) == (inode.mtime_ns, inode.size)
+        log.debug("open inode %d: keep_cache %s (as last closed %s, now %s)", inode.ino, keep,
+                  self._cached.get(inode.ino), (inode.mtime_ns, inode.size))
         return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=keep)
 
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
@@ -410,6 +425,7 @@ class IrdmaFS(pyfuse3.Operations):
             pass  # already logged; close(2) got it from flush
         finally:
             st.open_count -= 1
+            st.cached_handles -= 0 if h.direct else 1
             if st.open_count == 0:
                 del self._files[h.ino]
                 with fuse_errors("release"):
