@@ -42,6 +42,7 @@ async def serve_mount(
         options.add("subtype=irdma")
         if debug:
             options.add("debug")
+        fs.after_init = lambda: set_readahead(mountpoint, READAHEAD_KB)
         pyfuse3.init(fs, mountpoint, options)
         unmounted = False
         try:
@@ -63,6 +64,39 @@ async def serve_mount(
         finally:
             # after terminate() the kernel mount is still there: take it down ourselves
             pyfuse3.close(unmount=not unmounted or _still_mounted(mountpoint))
+
+
+#: Kernel read-ahead for the mount, KiB. libfuse offers the kernel 128 KiB and pyfuse3 cannot
+#: change that, but the mount's backing device takes a larger value from sysfs once INIT is
+#: done: the kernel then asks for larger reads and keeps more in flight (a cold sequential read
+#: of 200 MB through the page cache went from 389 to 681 MB/s here).
+READAHEAD_KB = 4096
+
+
+def set_readahead(mountpoint: str, kib: int) -> bool:
+    """Set the read-ahead of the mount's backing device (``/sys/class/bdi/MAJ:MIN``).
+
+    Returns False (and logs why) where it cannot be set, for instance without root.
+    """
+    # from /proc/self/mountinfo, not stat(2): a stat of the mountpoint would be a FUSE request
+    # to this very process, which is not serving yet
+    dev = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 4 and fields[4] == mountpoint:
+                dev = fields[2]
+    if dev is None:
+        log.info("read-ahead stays at the kernel's default: %s not in /proc/self/mountinfo", mountpoint)
+        return False
+    path = f"/sys/class/bdi/{dev}/read_ahead_kb"
+    try:
+        with open(path, "w") as f:
+            f.write(str(kib))
+    except OSError as exc:
+        log.info("read-ahead stays at the kernel's default: cannot write %s (%s)", path, exc.strerror)
+        return False
+    return True
 
 
 def _still_mounted(mountpoint: str) -> bool:

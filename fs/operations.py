@@ -27,7 +27,7 @@ import os
 import stat
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import pyfuse3
 import trio
@@ -112,6 +112,7 @@ class IrdmaFS(pyfuse3.Operations):
         self.direct_io = direct_io  # every file with direct I/O (else per file: user.irdma.io)
         self.meta = client.meta
         self.nursery: trio.Nursery | None = None
+        self.after_init: Callable[[], object] | None = None
         self._files: dict[int, _FileState] = {}
         # (mtime_ns, size) of files as this mount last closed them: a later open of an unchanged
         # file keeps its page cache (how a restore right after a save skips the round trips)
@@ -119,6 +120,17 @@ class IrdmaFS(pyfuse3.Operations):
         self._mtime_at: dict[int, float] = {}  # time.monotonic() of each file's last mtime update
         self._handles: dict[int, _Handle] = {}
         self._next_fh = 1
+
+    def init(self) -> None:
+        """FUSE INIT: once the kernel has the reply, run ``after_init`` (it may change settings
+        the kernel fixes from that reply, such as read-ahead)."""
+        if self.after_init is not None and self.nursery is not None:
+            fn = self.after_init
+
+            async def later() -> None:
+                fn()
+
+            self.nursery.start_soon(later)
 
     # ------------------------------------------------------------ helpers
     def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
