@@ -11,8 +11,9 @@ STAMP := $(VENV)/.installed
 install: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
-	@command -v fusermount3 >/dev/null && pkg-config --exists fuse3 2>/dev/null && command -v redis-server >/dev/null || { \
-	  echo "==> installing fuse3, libfuse3-dev, pkg-config (apt)"; \
+	@command -v fusermount3 >/dev/null && pkg-config --exists fuse3 2>/dev/null && command -v redis-server >/dev/null \
+	  && dpkg -s python3-pyverbs >/dev/null 2>&1 || { \
+	  echo "==> installing fuse3, libfuse3-dev, pkg-config, attr, python3-pyverbs, redis-server (apt)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-dev pkg-config attr python3-pyverbs redis-server >/dev/null; }
 	@test -x $(PY) || { echo "==> creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
 	@echo "==> installing irdma and its dependencies into $(VENV) (TensorFlow takes about a minute)"

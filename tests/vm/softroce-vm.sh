@@ -22,6 +22,7 @@ STAMP="$(echo "$PACKAGES v1" | sha256sum | cut -c1-16)"
 host_deps() {
   command -v qemu-system-x86_64 >/dev/null && command -v debootstrap >/dev/null && command -v mkfs.ext4 >/dev/null && return 0
   echo "== installing qemu-system-x86, debootstrap, e2fsprogs"
+  apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
     qemu-system-x86 debootstrap e2fsprogs >/dev/null
 }
