@@ -25,7 +25,6 @@ from irdma.transport.verbs import (
     STAGING_SLOTS,
     Endpoint,
     VerbsDevice,
-    e,
     view_of,
 )
 
@@ -122,4 +121,4 @@ class VerbsShard:
         self.dev.close()
 
 
-__all__ = ["VerbsShard", "e"]
+__all__ = ["VerbsShard"]

@@ -215,3 +215,32 @@ def test_verbs_where_there_is_no_device_names_the_cause_and_the_fix() -> None:
     assert "RDMA" in res.stderr and "--transport tcp" in res.stderr
     with pytest.raises(irdma.TransportUnavailable, match="--transport tcp"):
         irdma.connect("sqlite:///nonexistent/meta.db", transport="verbs")
+
+
+def test_a_dead_shard_is_reported_and_fails_only_its_chunks(tmp_path: object) -> None:
+    import signal
+
+    with running_cluster(str(tmp_path), shards=2, capacity=16 << 20) as c:
+        with irdma.connect(c.meta_url, transport="tcp") as cl:
+            data = os.urandom(3 << 20)
+            cl.write("/two-shards", data, chunk_size=1 << 20)
+            dead = c.shards[1]
+            os.kill(dead.pid, signal.SIGKILL)
+            wait_until(lambda: not _alive(dead.pid), 10, "the shard to die")
+            with pytest.raises(irdma.ShardUnavailable, match="irdma shard list"):
+                cl.read("/two-shards")
+            # the chunks of the live shard still read
+            layout = irdma.Layout(cl.stat("/two-shards").ino, 1 << 20, cl.stat("/two-shards").stripe)
+            live = next(i for i in range(3) if layout.shard_of(i) == c.shards[0].shard_id)
+            assert cl.read("/two-shards", live << 20, 1 << 20) == data[live << 20 : (live + 1) << 20]
+        res = irdma_cli("shard", "list", "--meta", c.meta_url)
+        assert "down" in res.stdout and dead.address in res.stderr
+        res = irdma_cli("status", "--meta", c.meta_url)
+        assert "degraded" in res.stdout and "1 of 2" in res.stdout
+        c.shards = c.shards[:1]  # the dead one has no clean log to check
+
+
+def _alive(pid: int) -> bool:
+    from irdma._proc import pid_alive
+
+    return pid_alive(pid)
