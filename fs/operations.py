@@ -33,10 +33,9 @@ from typing import Any
 import pyfuse3
 import trio
 
-from irdma._errors import InvalidArgument, IrdmaError, NoAttribute
+from irdma._errors import InvalidArgument, IrdmaError
 from irdma.client import Client, layout_of
 from irdma.meta import Inode
-from irdma.meta.base import XATTR_IO
 from irdma.placement import Layout
 from irdma.protocol import UpdateOp
 
@@ -118,7 +117,8 @@ class IrdmaFS(pyfuse3.Operations):
         # (mtime_ns, size) of files as this mount last closed them: a later open of an unchanged
         # file keeps its page cache (how a restore right after a save skips the round trips)
         self._cached: dict[int, tuple[int, int]] = {}
-        self._mtime_at: dict[int, float] = {}  # time.monotonic() of each file's last mtime update
+        self._mtime_at: dict[int, float] = {}
+        self._unlinked: set[int] = set()  # open here when this mount removed their last name  # time.monotonic() of each file's last mtime update
         self._handles: dict[int, _Handle] = {}
         self._next_fh = 1
 
@@ -192,8 +192,11 @@ class IrdmaFS(pyfuse3.Operations):
         self.meta.delete_inode(inode.ino)
 
     async def _maybe_destroy(self, replaced: Inode | None) -> None:
-        if replaced is not None and replaced.nlink <= 0 and replaced.ino not in self._files:
-            await self._destroy(replaced)
+        if replaced is not None and replaced.nlink <= 0:
+            if replaced.ino in self._files:
+                self._unlinked.add(replaced.ino)  # freed when its last handle here closes
+            else:
+                await self._destroy(replaced)
 
     # ------------------------------------------------------------ namespace
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
@@ -291,7 +294,7 @@ class IrdmaFS(pyfuse3.Operations):
             self.meta.removexattr(inode, name)
 
     # ------------------------------------------------------------ files
-    def _open_handle(self, inode: Inode) -> pyfuse3.FileInfo:
+    def _open_handle(self, inode: Inode, io_mode: bytes = b"cached") -> pyfuse3.FileInfo:
         st = self._files.get(inode.ino)
         if st is None:
             self.client.forget_file(inode.ino)  # close-to-open: no stale chunk places
@@ -301,10 +304,6 @@ class IrdmaFS(pyfuse3.Operations):
         st.invalidate()  # close-to-open: a new open pulls fresh bytes
         st.open_count += 1
         op = UpdateOp.parse(inode.update_op or "assign")
-        try:
-            io_mode = self.meta.getxattr(inode.ino, XATTR_IO)
-        except NoAttribute:
-            io_mode = b"cached"
         direct = op != UpdateOp.ASSIGN or io_mode == b"direct" or self.direct_io
         fh = self._next_fh
         self._next_fh += 1
@@ -317,20 +316,21 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
         with fuse_errors("open"):
-            node = self.meta.getattr(inode)
+            node, io_mode = self.meta.getattr_io(inode)
             if node.is_dir:
                 raise pyfuse3.FUSEError(errno.EISDIR)
             if flags & os.O_TRUNC:  # libfuse3 turns on atomic O_TRUNC: the truncate is ours
                 await self._truncate(node, 0)
                 node = self.meta.getattr(inode)
-            return self._open_handle(node)
+            return self._open_handle(node, io_mode)
 
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         with fuse_errors("create"):
             inode = self.meta.create(parent_inode, name, stat.S_IFREG | (mode & ~ctx.umask & 0o7777), ctx.uid, ctx.gid)
-            return self._open_handle(inode), self._entry(inode)
+            _, io_mode = self.meta.getattr_io(inode.ino)
+            return self._open_handle(inode, io_mode), self._entry(inode)
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         with fuse_errors("read"):
@@ -441,13 +441,17 @@ class IrdmaFS(pyfuse3.Operations):
             st.cached_handles -= 0 if h.direct else 1
             if st.open_count == 0:
                 del self._files[h.ino]
-                with fuse_errors("release"):
-                    inode = self.meta.getattr(h.ino)
-                    if inode.nlink <= 0:
-                        self._cached.pop(h.ino, None)
-                        await self._destroy(inode)
-                    elif not h.direct:
-                        self._cached[h.ino] = (inode.mtime_ns, inode.size)
+                # a direct-I/O file not unlinked here has nothing to record or free: skip the
+                # metadata round trip
+                if not h.direct or h.ino in self._unlinked:
+                    self._unlinked.discard(h.ino)
+                    with fuse_errors("release"):
+                        inode = self.meta.getattr(h.ino)
+                        if inode.nlink <= 0:
+                            self._cached.pop(h.ino, None)
+                            await self._destroy(inode)
+                        elif not h.direct:
+                            self._cached[h.ino] = (inode.mtime_ns, inode.size)
 
     async def forget(self, inode_list: Any) -> None:
         return None

@@ -123,6 +123,19 @@ class MetaStore(abc.ABC):
     @abc.abstractmethod
     def parent_of(self, ino: int) -> int: ...
 
+    def getattr_io(self, ino: int) -> tuple[Inode, bytes]:
+        """The inode and its ``user.irdma.io`` mode (``cached`` if unset): what an open needs.
+
+        Engines may answer in one round trip; this default takes two.
+        """
+        from irdma._errors import NoAttribute
+
+        inode = self.getattr(ino)
+        try:
+            return inode, self.getxattr(ino, XATTR_IO)
+        except NoAttribute:
+            return inode, b"cached"
+
     # xattrs
     @abc.abstractmethod
     def getxattr(self, ino: int, name: bytes) -> bytes: ...

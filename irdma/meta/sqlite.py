@@ -152,6 +152,16 @@ class SqliteMeta(MetaStore):
     def getattr(self, ino: int) -> Inode:
         return self._get(self._db, ino)
 
+    def getattr_io(self, ino: int) -> tuple[Inode, bytes]:
+        row = self._db.execute(
+            f"SELECT {', '.join('i.' + x.strip() for x in _COLS.split(','))}, x.value FROM inodes i"
+            " LEFT JOIN xattrs x ON x.ino = i.ino AND x.name = ? WHERE i.ino = ?",
+            (XATTR_IO, ino),
+        ).fetchone()
+        if row is None:
+            raise NotFound(f"no inode {ino}")
+        return _inode(row[:-1]), bytes(row[-1]) if row[-1] is not None else b"cached"
+
     def parent_of(self, ino: int) -> int:
         if ino == ROOT_INO:
             return ROOT_INO
