@@ -13,8 +13,9 @@ so the page cache never holds a delta in place of the sum; so is a file whose xa
 with ``--direct-io``: reads and writes then reach the mount in requests of up to 1 MiB with no
 page-cache copy, the right choice for parameters streamed in bulk. Other files use the page cache,
 kept at an open only if the file's mtime and size are what this mount saw when it last
-closed it (close-to-open, as NFS revalidates), so a new open sees other workers' pushes and a
-restore right after a save reads from memory.
+closed it (close-to-open, as NFS revalidates), so a new open sees other workers' pushes and an
+unchanged file is read again from memory. (The kernel itself drops pages a mount wrote once the
+file's size or mtime changes: libfuse3 turns on auto_inval_data.)
 
 Inode and file-handle bookkeeping follows pyfuse3's ``examples/passthroughfs.py``.
 """
