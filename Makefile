@@ -24,7 +24,7 @@ $(STAMP): setup.cfg pyproject.toml
 demo: install
 	$(PY) examples/demo.py
 
-# The side-by-side benchmark suite (about 5 minutes): writes docs/benchmarks.md and plots.
+# The side-by-side benchmark suite (about 3 minutes): writes docs/benchmarks.md and plots.
 bench: install
 	$(PY) benchmarks/run.py
 
