@@ -41,7 +41,6 @@ class ShardServer:
         self.shard = shard
         self.max_payload = max_payload
         self.credentials = credentials
-        self.hello_extra = b""  # transport descriptors added by the verbs transport
         self.verbs: VerbsShard | None = None  # set when the shard's region is registered for RDMA
 
     # ------------------------------------------------------------ pure request handling
@@ -116,7 +115,7 @@ class ShardServer:
         if self.credentials and not hmac.compare_digest(msg.credentials, self.credentials):
             return P.ErrorReply(P.Status.AUTH_FAILED, "bad credentials: pass the cluster's --auth-token")
         return P.HelloReply(
-            P.PROTOCOL_VERSION, self.shard.shard_id, self.shard.capacity, self.max_payload, self.hello_extra
+            P.PROTOCOL_VERSION, self.shard.shard_id, self.shard.capacity, self.max_payload
         )
 
     # ------------------------------------------------------------ TCP

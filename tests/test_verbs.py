@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 import trio
-from helpers import irdma_cli, mounted
+from helpers import irdma_cli
 
 import irdma
 from irdma import cluster as _cluster
@@ -136,5 +136,3 @@ def test_tcp_shard_refuses_a_verbs_client_clearly(tmp_path: object) -> None:
     finally:
         _cluster.down(d)
 
-
-_ = mounted  # the mount helper is shared with the FUSE tests
