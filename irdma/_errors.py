@@ -88,5 +88,23 @@ class ShardUnavailable(IrdmaError):
     hint = "check `irdma shard list`; restart the shard or the cluster (`irdma up`)"
 
 
+class DataLost(IrdmaError):
+    """Bytes the metadata records as written are gone from their shard (EIO): the shard
+    restarted and lost its memory, or the chunk was freed behind the namespace's back. Never
+    answered with zeros."""
+
+    hint = "`irdma status` and `irdma fsck` list the damaged files; rewrite them or restore a checkpoint"
+
+
+class Stale(IrdmaError):
+    """The inode was removed (ESTALE): the kernel looks the path up again."""
+
+
+class MetadataError(IrdmaError):
+    """The metadata database failed (EIO): the message names the database error."""
+
+    hint = "check the metadata database (disk full? permissions?) and retry"
+
+
 class TransportUnavailable(IrdmaError):
     """The requested transport cannot run on this machine (missing device, memlock limit)."""

@@ -17,7 +17,16 @@ Header, ``struct`` format ``!2sBBIHHI`` (16 bytes)::
     body_len   u32 bytes that follow; at most the decoder's ``max_body``
 
 A connection opens with HELLO (protocol versions the client speaks, its name and room for
-credentials) and the shard answers with its id, capacity and largest payload. Requests are
+credentials) and the shard answers with its id, capacity, largest payload and *incarnation*: a
+random non-zero u64 made with the shard's memory, so a client tells a shard that lost its chunks
+(a restart) from one that kept them. The header version of a HELLO frame is not checked (the body
+carries the range the client speaks, and the shard answers UNSUPPORTED_VERSION); every later frame
+must carry the negotiated version.
+
+A request may set FLAG_EXISTING: a WRITE with it is applied only to a chunk that exists (one the
+metadata records as written); a missing chunk is answered CHUNK_LOST and nothing is created, so a
+lost chunk never silently comes back as zeros plus the new bytes. LIST pages through the shard's
+chunks (for ``irdma gc`` and ``irdma fsck``). Requests are
 answered in order per connection. A reply whose status is not OK carries a UTF-8 message as
 its body. :class:`FrameDecoder` turns a byte stream, fed in pieces of any size, into frames;
 :func:`decode_body` turns a frame into a message; :func:`encode` does the reverse and returns a
@@ -37,7 +46,9 @@ from typing import Union
 
 from ._errors import LocalProtocolError, RemoteProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+#: Oldest protocol version this code speaks.
+MIN_PROTOCOL_VERSION = 2
 MAGIC = b"IR"
 HEADER = struct.Struct("!2sBBIHHI")
 HEADER_SIZE = HEADER.size  # 16
@@ -48,6 +59,10 @@ BODY_SLACK = 256
 
 FLAG_REPLY = 0x1
 FLAG_HOLE = 0x2
+#: On a WRITE request: apply only to an existing chunk, else answer CHUNK_LOST.
+FLAG_EXISTING = 0x4
+#: Most entries one LIST reply carries.
+MAX_LIST_ENTRIES = 4096
 
 
 class Opcode(enum.IntEnum):
@@ -60,6 +75,7 @@ class Opcode(enum.IntEnum):
     VERBS_CONNECT = 7
     LOCATE = 8
     REMOTE_WRITE = 9
+    LIST = 10
 
 
 class Status(enum.IntEnum):
@@ -72,6 +88,7 @@ class Status(enum.IntEnum):
     AUTH_FAILED = 6
     INTERNAL = 7
     BAD_FRAME = 8
+    CHUNK_LOST = 9
 
 
 class UpdateOp(enum.IntEnum):
@@ -102,7 +119,7 @@ class UpdateOp(enum.IntEnum):
 
 # ---------------------------------------------------------------- messages
 _HELLO = struct.Struct("!BBHH")  # min version, max version, name len, credential len
-_HELLO_R = struct.Struct("!B3xIQII")  # version, shard id, capacity, max payload, extra len
+_HELLO_R = struct.Struct("!B3xIQIQI")  # version, shard id, capacity, max payload, incarnation, extra len
 _READ = struct.Struct("!QQII")  # file id, chunk index, offset, length
 _VERSION = struct.Struct("!Q")
 _WRITE = struct.Struct("!QQIIB3x")  # file id, chunk index, chunk size, offset, op
@@ -114,12 +131,15 @@ _VCONN = struct.Struct("!II16s")
 _VCONN_R = struct.Struct("!II16sQQIQIQIIHI")
 _LOCATE = struct.Struct("!QQI")  # file id, chunk index, chunk size to create with (0: do not)
 _LOCATE_R = struct.Struct("!B3xQIQ")  # exists, region offset, chunk size, version slot index
+_LIST = struct.Struct("!QQI")  # after file id, after chunk index, max entries
+_LIST_R = struct.Struct("!I")  # entry count, then entries
+_LIST_E = struct.Struct("!QQIQ")  # file id, chunk index, chunk size, version
 _RWRITE = struct.Struct("!QQIIBB2xIQQ")  # file, chunk, chunk size, offset, op, in place, length, staging off, region off
 
 
 @dataclass
 class Hello:
-    min_version: int = PROTOCOL_VERSION
+    min_version: int = MIN_PROTOCOL_VERSION
     max_version: int = PROTOCOL_VERSION
     client_name: str = ""
     credentials: bytes = b""
@@ -131,6 +151,7 @@ class HelloReply:
     shard_id: int
     capacity: int
     max_payload: int
+    incarnation: int = 0  # random, made with the shard's memory; 0 only in old replies
     extra: bytes = b""  # transport-specific (verbs: region descriptors, QP info)
 
 
@@ -157,6 +178,7 @@ class Write:
     offset: int
     op: UpdateOp
     data: memoryview | bytes = b""
+    existing: bool = False  # FLAG_EXISTING: never create the chunk
 
 
 @dataclass
@@ -188,6 +210,28 @@ class Free:
 @dataclass
 class FreeReply:
     freed: int
+
+
+@dataclass
+class List:
+    """Chunks of the shard after ``(after_file, after_chunk)`` in (file, chunk) order."""
+
+    after_file: int = 0
+    after_chunk: int = 0
+    max_entries: int = MAX_LIST_ENTRIES
+
+
+@dataclass
+class ChunkEntry:
+    file_id: int
+    chunk_index: int
+    chunk_size: int  # bytes
+    version: int
+
+
+@dataclass
+class ListReply:
+    entries: list[ChunkEntry] = field(default_factory=list)
 
 
 @dataclass
@@ -265,6 +309,7 @@ class RemoteWrite:
     length: int
     staging_offset: int = 0
     region_offset: int = 0
+    existing: bool = False  # FLAG_EXISTING: never create the chunk
 
 
 @dataclass
@@ -273,8 +318,10 @@ class ErrorReply:
     message: str = ""
 
 
-Request = Union[Hello, Read, Write, Stat, Free, Punch, VerbsConnect, Locate, RemoteWrite]
-Reply = Union[HelloReply, ReadReply, VersionReply, StatReply, FreeReply, ErrorReply, VerbsConnectReply, LocateReply]
+Request = Union[Hello, Read, Write, Stat, Free, Punch, VerbsConnect, Locate, RemoteWrite, List]
+Reply = Union[
+    HelloReply, ReadReply, VersionReply, StatReply, FreeReply, ErrorReply, VerbsConnectReply, LocateReply, ListReply
+]
 
 _REQUEST_OPCODE: dict[type, Opcode] = {
     Hello: Opcode.HELLO,
@@ -286,6 +333,7 @@ _REQUEST_OPCODE: dict[type, Opcode] = {
     VerbsConnect: Opcode.VERBS_CONNECT,
     Locate: Opcode.LOCATE,
     RemoteWrite: Opcode.REMOTE_WRITE,
+    List: Opcode.LIST,
 }
 
 
@@ -324,6 +372,7 @@ def encode_request(msg: Request, request_id: int) -> list[bytes | memoryview]:
         opcode = _REQUEST_OPCODE[type(msg)]
     except KeyError:
         raise LocalProtocolError(f"not a request: {msg!r}") from None
+    flags = 0
     try:
         if isinstance(msg, Hello):
             name = msg.client_name.encode()
@@ -334,6 +383,7 @@ def encode_request(msg: Request, request_id: int) -> list[bytes | memoryview]:
         elif isinstance(msg, Write):
             fixed = _WRITE.pack(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, int(msg.op))
             parts = [fixed, msg.data] if len(msg.data) else [fixed]
+            flags = FLAG_EXISTING if msg.existing else 0
         elif isinstance(msg, Stat):
             parts = []
         elif isinstance(msg, Free):
@@ -345,6 +395,9 @@ def encode_request(msg: Request, request_id: int) -> list[bytes | memoryview]:
         elif isinstance(msg, RemoteWrite):
             parts = [_RWRITE.pack(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, int(msg.op),
                                   int(msg.in_place), msg.length, msg.staging_offset, msg.region_offset)]
+            flags = FLAG_EXISTING if msg.existing else 0
+        elif isinstance(msg, List):
+            parts = [_LIST.pack(msg.after_file, msg.after_chunk, msg.max_entries)]
         else:
             parts = [_PUNCH.pack(msg.file_id, msg.chunk_index, msg.offset)]
     except struct.error as exc:
@@ -352,7 +405,7 @@ def encode_request(msg: Request, request_id: int) -> list[bytes | memoryview]:
     body_len = sum(len(p) for p in parts)
     if body_len >= 1 << 32:
         raise LocalProtocolError(f"body of {body_len} bytes does not fit in u32")
-    return [_header(opcode, request_id, body_len), *parts]
+    return [_header(opcode, request_id, body_len, 0, flags), *parts]
 
 
 def encode_reply(opcode: int, request_id: int, msg: Reply) -> list[bytes | memoryview]:
@@ -363,7 +416,8 @@ def encode_reply(opcode: int, request_id: int, msg: Reply) -> list[bytes | memor
         status = msg.status
         parts: list[bytes | memoryview] = [msg.message.encode()[:4096]]
     elif isinstance(msg, HelloReply):
-        parts = [_HELLO_R.pack(msg.version, msg.shard_id, msg.capacity, msg.max_payload, len(msg.extra)) + msg.extra]
+        parts = [_HELLO_R.pack(msg.version, msg.shard_id, msg.capacity, msg.max_payload, msg.incarnation,
+                               len(msg.extra)) + msg.extra]
     elif isinstance(msg, ReadReply):
         if msg.hole:
             flags |= FLAG_HOLE
@@ -382,6 +436,9 @@ def encode_reply(opcode: int, request_id: int, msg: Reply) -> list[bytes | memor
                                msg.staging_rkey, msg.recv_slots, msg.slot_size)]
     elif isinstance(msg, LocateReply):
         parts = [_LOCATE_R.pack(int(msg.exists), msg.region_offset, msg.chunk_size, msg.version_slot)]
+    elif isinstance(msg, ListReply):
+        parts = [_LIST_R.pack(len(msg.entries))
+                 + b"".join(_LIST_E.pack(x.file_id, x.chunk_index, x.chunk_size, x.version) for x in msg.entries)]
     else:
         raise LocalProtocolError(f"not a reply: {msg!r}")
     body_len = sum(len(p) for p in parts)
@@ -389,20 +446,30 @@ def encode_reply(opcode: int, request_id: int, msg: Reply) -> list[bytes | memor
 
 
 # ---------------------------------------------------------------- decoding
-def parse_header(buf: bytes | bytearray | memoryview, max_body: int) -> Frame:
+class FrameTooLarge(RemoteProtocolError):
+    """A header announced a body longer than the receiver accepts (answer TOO_LARGE, close)."""
+
+
+def parse_header(buf: bytes | bytearray | memoryview, max_body: int, *, any_version: bool = False) -> Frame:
     """Parse one 16-byte header (the body is left empty).
 
+    ``any_version`` skips the version check: for the HELLO that opens a connection, whose body
+    says which versions the peer speaks (negotiation happens there, not in the header).
+
     Raises:
-        RemoteProtocolError: bad magic, a protocol version this code does not speak, or a
-            body longer than ``max_body``. Framing is lost: close the connection.
+        FrameTooLarge: a body longer than ``max_body``.
+        RemoteProtocolError: bad magic or a protocol version this code does not speak.
+            Framing is lost: close the connection.
     """
     magic, version, opcode, request_id, status, flags, body_len = HEADER.unpack(buf[:HEADER_SIZE])
     if magic != MAGIC:
         raise RemoteProtocolError(f"bad magic {bytes(magic)!r}: not an irdma peer")
-    if version != PROTOCOL_VERSION:
-        raise RemoteProtocolError(f"frame of protocol version {version}; this side speaks {PROTOCOL_VERSION}")
+    if not any_version and not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
+        raise RemoteProtocolError(
+            f"frame of protocol version {version}; this side speaks {MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION}"
+        )
     if body_len > max_body:
-        raise RemoteProtocolError(f"frame body of {body_len} bytes exceeds the limit of {max_body}")
+        raise FrameTooLarge(f"frame body of {body_len} bytes exceeds the limit of {max_body}")
     return Frame(opcode, request_id, status, flags, version=version, body_len=body_len)
 
 
@@ -482,7 +549,7 @@ def decode_request(frame: Frame) -> Request:
             uop = UpdateOp(opv)
         except ValueError:
             raise RemoteProtocolError(f"unknown update op {opv}") from None
-        return Write(fid, idx, csize, off, uop, body[_WRITE.size :])
+        return Write(fid, idx, csize, off, uop, body[_WRITE.size :], bool(frame.flags & FLAG_EXISTING))
     if op == Opcode.STAT:
         _exact(body, 0, "STAT")
         return Stat()
@@ -505,7 +572,10 @@ def decode_request(frame: Frame) -> Request:
             uop = UpdateOp(opv)
         except ValueError:
             raise RemoteProtocolError(f"unknown update op {opv}") from None
-        return RemoteWrite(fid, idx, csize, off, uop, bool(in_place), n, soff, roff)
+        return RemoteWrite(fid, idx, csize, off, uop, bool(in_place), n, soff, roff, bool(frame.flags & FLAG_EXISTING))
+    if op == Opcode.LIST:
+        _exact(body, _LIST.size, "LIST")
+        return List(*_LIST.unpack_from(body))
     raise UnknownOpcode(f"unknown opcode {op}")
 
 
@@ -537,9 +607,9 @@ def decode_reply(frame: Frame) -> Reply:
     op = frame.opcode
     if op == Opcode.HELLO:
         _need(body, _HELLO_R.size, "HELLO reply")
-        version, sid, cap, maxp, elen = _HELLO_R.unpack_from(body)
+        version, sid, cap, maxp, incarnation, elen = _HELLO_R.unpack_from(body)
         _exact(body, _HELLO_R.size + elen, "HELLO reply")
-        return HelloReply(version, sid, cap, maxp, bytes(body[_HELLO_R.size :]))
+        return HelloReply(version, sid, cap, maxp, incarnation, bytes(body[_HELLO_R.size :]))
     if op == Opcode.READ:
         _need(body, _VERSION.size, "READ reply")
         (version,) = _VERSION.unpack_from(body)
@@ -564,6 +634,11 @@ def decode_reply(frame: Frame) -> Reply:
     if op == Opcode.REMOTE_WRITE:
         _exact(body, _VERSION.size, "REMOTE_WRITE reply")
         return VersionReply(_VERSION.unpack_from(body)[0])
+    if op == Opcode.LIST:
+        _need(body, _LIST_R.size, "LIST reply")
+        (count,) = _LIST_R.unpack_from(body)
+        _exact(body, _LIST_R.size + count * _LIST_E.size, "LIST reply")
+        return ListReply([ChunkEntry(*_LIST_E.unpack_from(body, _LIST_R.size + i * _LIST_E.size)) for i in range(count)])
     raise UnknownOpcode(f"unknown opcode {op} in a reply")
 
 

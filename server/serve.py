@@ -3,7 +3,10 @@
 Each connection is served by one task that reads a frame, applies it to the :class:`Shard`
 synchronously (so update ops are atomic per chunk), and sends the reply; connections run
 concurrently. A malformed or refused request gets an error reply and changes nothing; a
-connection whose framing is lost is closed; the server keeps serving everyone else.
+connection whose framing is lost is closed; the server keeps serving everyone else. A bug met
+by one request (an unexpected exception) is logged with its traceback and answered INTERNAL;
+one met by a connection closes that connection only (trio's echo-server idiom). Accepting
+goes on through EMFILE/ENFILE with back-off (``trio.serve_listeners``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from irdma import protocol as P
-from irdma._errors import BadRequest, IrdmaError, NoSpace, RemoteProtocolError
+from irdma._errors import BadRequest, DataLost, IrdmaError, NoSpace, RemoteProtocolError
 from irdma.transport.tcp import recv_exactly, send_parts, tune_socket
 
 from .shard import Shard
@@ -26,6 +29,9 @@ if TYPE_CHECKING:
     from .verbs import VerbsShard
 
 log = logging.getLogger("irdma.server")
+
+#: Largest body accepted before a connection's HELLO (a HELLO is a name and credentials).
+HELLO_MAX_BODY = 64 << 10
 
 
 class ShardServer:
@@ -61,6 +67,11 @@ class ShardServer:
             return P.ErrorReply(P.Status.NO_SPACE, str(exc))
         except BadRequest as exc:
             return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
+        except DataLost as exc:
+            return P.ErrorReply(P.Status.CHUNK_LOST, str(exc))
+        except Exception as exc:  # a bug: this request fails, the shard goes on
+            log.exception("request %s failed with an unexpected error", type(msg).__name__)
+            return P.ErrorReply(P.Status.INTERNAL, f"shard {self.shard.shard_id}: internal error: {exc!r}")
 
     def _apply(self, msg: P.Request, staging: memoryview | None = None) -> P.Reply:
         shard = self.shard
@@ -72,8 +83,12 @@ class ShardServer:
                 return P.ReadReply(version, hole=True)
             return P.ReadReply(version, view)
         if isinstance(msg, P.Write):
-            version = shard.write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, msg.data)
+            version = shard.write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, msg.data,
+                                  msg.existing)
             return P.VersionReply(version)
+        if isinstance(msg, P.List):
+            limit = max(0, min(msg.max_entries, P.MAX_LIST_ENTRIES))
+            return P.ListReply([P.ChunkEntry(*e) for e in shard.list_chunks(msg.after_file, msg.after_chunk, limit)])
         if isinstance(msg, P.Stat):
             return P.StatReply(shard.shard_id, shard.capacity, shard.used, shard.chunk_count)
         if isinstance(msg, P.Free):
@@ -97,7 +112,8 @@ class ShardServer:
             if msg.staging_offset + msg.length > len(staging):
                 raise BadRequest(f"staged range leaves the {len(staging)}-byte staging buffer")
             data = staging[msg.staging_offset : msg.staging_offset + msg.length]
-            return P.VersionReply(shard.write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, data))
+            return P.VersionReply(shard.write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, data,
+                                              msg.existing))
         raise BadRequest(f"{type(msg).__name__} is not valid here")
 
     def hello(self, frame: P.Frame) -> P.Reply:
@@ -107,24 +123,30 @@ class ShardServer:
             return P.ErrorReply(P.Status.BAD_REQUEST, f"expected HELLO: {exc}")
         if not isinstance(msg, P.Hello):
             return P.ErrorReply(P.Status.BAD_REQUEST, "a connection must open with HELLO")
-        if not msg.min_version <= P.PROTOCOL_VERSION <= msg.max_version:
+        if not msg.min_version <= P.PROTOCOL_VERSION <= msg.max_version or msg.max_version < P.MIN_PROTOCOL_VERSION:
             return P.ErrorReply(
                 P.Status.UNSUPPORTED_VERSION,
-                f"client speaks versions {msg.min_version}..{msg.max_version}, shard speaks {P.PROTOCOL_VERSION}",
+                f"client speaks versions {msg.min_version}..{msg.max_version}, shard speaks"
+                f" {P.MIN_PROTOCOL_VERSION}..{P.PROTOCOL_VERSION}: run the same irdma version on both sides",
             )
         if self.credentials and not hmac.compare_digest(msg.credentials, self.credentials):
             return P.ErrorReply(P.Status.AUTH_FAILED, "bad credentials: pass the cluster's --auth-token")
         return P.HelloReply(
-            P.PROTOCOL_VERSION, self.shard.shard_id, self.shard.capacity, self.max_payload
+            P.PROTOCOL_VERSION, self.shard.shard_id, self.shard.capacity, self.max_payload, self.shard.incarnation
         )
 
     # ------------------------------------------------------------ TCP
     async def serve_tcp_connection(self, sock: Any, peer: str) -> None:
-        tune_socket(sock)
-        async with trio.open_nursery() as verbs_nursery:  # queue pairs live as long as this socket
-            with sock:
-                await self._serve_frames(sock, peer, verbs_nursery)
-            verbs_nursery.cancel_scope.cancel()
+        """Serve one client until it goes away. Never raises: a bug closes this connection only."""
+        try:
+            tune_socket(sock)
+            async with trio.open_nursery() as verbs_nursery:  # queue pairs live as long as this socket
+                with sock:
+                    await self._serve_frames(sock, peer, verbs_nursery)
+                verbs_nursery.cancel_scope.cancel()
+        except Exception:
+            log.exception("connection from %s failed with an unexpected error; closed", peer)
+            sock.close()
 
     async def _verbs_connect(self, frame: P.Frame, nursery: trio.Nursery) -> P.Reply:
         try:
@@ -149,10 +171,11 @@ class ShardServer:
             try:
                 if not await recv_exactly(sock, memoryview(hdr)):
                     break
-                frame = P.parse_header(hdr, max_body)
+                # before HELLO only a HELLO-sized body is accepted, in any header version
+                frame = P.parse_header(hdr, max_body if opened else HELLO_MAX_BODY, any_version=not opened)
             except RemoteProtocolError as exc:
                 log.warning("closing connection from %s: %s", peer, exc)
-                status = P.Status.TOO_LARGE if "exceeds" in str(exc) else P.Status.BAD_FRAME
+                status = P.Status.TOO_LARGE if isinstance(exc, P.FrameTooLarge) else P.Status.BAD_FRAME
                 await self._send_quietly(sock, P.encode_reply(0, 0, P.ErrorReply(status, str(exc))))
                 break
             except OSError:
@@ -192,15 +215,24 @@ class ShardServer:
         """
         listener = trio.socket.socket(trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET)
         listener.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
-        await listener.bind((host, port))
+        try:
+            await listener.bind((host, port))
+        except OSError as exc:
+            listener.close()
+            raise IrdmaError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                             "pick another --listen address or port (port 0 picks a free one)") from None
         listener.listen(128)
         bound = listener.getsockname()[:2]
-        task_status.started(bound)
-        async with trio.open_nursery() as nursery:
-            with listener:
-                while True:
-                    sock, addr = await listener.accept()
-                    nursery.start_soon(self.serve_tcp_connection, sock, f"{addr[0]}:{addr[1]}")
+
+        async def handler(stream: trio.SocketStream) -> None:
+            try:
+                peer = "{}:{}".format(*stream.socket.getpeername()[:2])
+            except OSError:
+                peer = "?"
+            await self.serve_tcp_connection(stream.socket, peer)
+
+        # serve_listeners backs off on EMFILE/ENFILE instead of dying
+        await trio.serve_listeners(handler, [trio.SocketListener(listener)], task_status=_Started(task_status, bound))
 
 
 async def run_server(
@@ -231,6 +263,17 @@ async def run_server(
                 log.info("shard %d stopping on signal %d", shard.shard_id, signum)
                 nursery.cancel_scope.cancel()
                 break
+
+
+class _Started:
+    """Report the bound address (not the listeners) to ``nursery.start``."""
+
+    def __init__(self, task_status: Any, bound: Any) -> None:
+        self._task_status = task_status
+        self._bound = bound
+
+    def started(self, value: Any = None) -> None:
+        self._task_status.started(self._bound)
 
 
 __all__ = ["ShardServer", "run_server", "IrdmaError"]

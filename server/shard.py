@@ -13,12 +13,14 @@ update bumps the chunk's version by one.
 from __future__ import annotations
 
 import bisect
+import heapq
 import mmap
+import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from irdma._errors import BadRequest, NoSpace
+from irdma._errors import BadRequest, DataLost, NoSpace
 from irdma.protocol import UpdateOp
 
 PAGE = 4096
@@ -123,6 +125,9 @@ class Shard:
     region (slot ``chunk.offset // 4096``), so that the verbs transport can expose it to
     one-sided RDMA READs. A free slot holds 0.
 
+    ``incarnation`` is a random non-zero u64 made with the shard's memory: a shard that restarts
+    on fresh memory has a new one, so clients and ``irdma status`` tell lost chunks from holes.
+
     Args:
         shard_id: this shard's id in the shard map.
         region: the memory region that holds every chunk.
@@ -143,6 +148,7 @@ class Shard:
         self._chunks: dict[tuple[int, int], Chunk] = {}
         self._by_file: dict[int, set[int]] = {}
         self.used = 0
+        self.incarnation = int.from_bytes(os.urandom(8), "big") or 1
 
     @property
     def capacity(self) -> int:
@@ -152,7 +158,7 @@ class Shard:
     def chunk_count(self) -> int:
         return len(self._chunks)
 
-    def _get_or_create(self, file_id: int, chunk_index: int, chunk_size: int) -> Chunk:
+    def _get_or_create(self, file_id: int, chunk_index: int, chunk_size: int, existing: bool = False) -> Chunk:
         chunk = self._chunks.get((file_id, chunk_index))
         if chunk is not None:
             if chunk.size != chunk_size:
@@ -160,6 +166,8 @@ class Shard:
                     f"chunk ({file_id}, {chunk_index}) has size {chunk.size}, request says {chunk_size}"
                 )
             return chunk
+        if existing:
+            raise DataLost(f"chunk ({file_id}, {chunk_index}) is not on shard {self.shard_id}")
         if chunk_size <= 0 or chunk_size % PAGE or chunk_size > MAX_CHUNK_SIZE:
             raise BadRequest(f"chunk size {chunk_size} must be a multiple of {PAGE} up to {MAX_CHUNK_SIZE}")
         offset = self._alloc.alloc(chunk_size)
@@ -194,9 +202,17 @@ class Shard:
         return int(self.versions[chunk.slot]), self.region.view[start : start + length]
 
     def write(
-        self, file_id: int, chunk_index: int, chunk_size: int, offset: int, op: UpdateOp, data: memoryview | bytes
+        self,
+        file_id: int,
+        chunk_index: int,
+        chunk_size: int,
+        offset: int,
+        op: UpdateOp,
+        data: memoryview | bytes,
+        existing: bool = False,
     ) -> int:
-        """Apply an update op to ``[offset, offset+len(data))`` of a chunk, creating it if needed.
+        """Apply an update op to ``[offset, offset+len(data))`` of a chunk, creating it if needed
+        (unless ``existing``: then a missing chunk raises DataLost and nothing is created).
 
         ``data`` for ``ADD`` is little-endian float32; the sum is float32 (IEEE-754, round to
         nearest even), the same as numpy's ``+=``.
@@ -208,13 +224,14 @@ class Shard:
             BadRequest: the range leaves the chunk, the chunk size disagrees with the chunk's,
                 or an ``ADD`` is not 4-byte aligned. Nothing changed.
             NoSpace: the chunk is new and the region has no room for it. Nothing changed.
+            DataLost: ``existing`` and the chunk is not here. Nothing changed.
         """
         n = len(data)
         if offset < 0 or offset + n > chunk_size:
             raise BadRequest(f"range [{offset}, {offset + n}) leaves the {chunk_size}-byte chunk")
         if op == UpdateOp.ADD and (offset % 4 or n % 4):
             raise BadRequest(f"add needs float32 alignment: offset {offset} and length {n} must be multiples of 4")
-        chunk = self._get_or_create(file_id, chunk_index, chunk_size)
+        chunk = self._get_or_create(file_id, chunk_index, chunk_size, existing)
         start = chunk.offset + offset
         if op == UpdateOp.ASSIGN:
             self.region.view[start : start + n] = data
@@ -226,6 +243,13 @@ class Shard:
     def _bump(self, chunk: Chunk) -> int:
         self.versions[chunk.slot] += 1
         return int(self.versions[chunk.slot])
+
+    def list_chunks(self, after_file: int, after_chunk: int, limit: int) -> list[tuple[int, int, int, int]]:
+        """Up to ``limit`` chunks strictly after ``(after_file, after_chunk)`` in (file, chunk) order,
+        as ``(file_id, chunk_index, chunk_size in bytes, version)``. File ids are inode numbers
+        (never 0), so ``(0, 0)`` starts from the first chunk; pass the last entry to go on."""
+        keys = heapq.nsmallest(limit, (k for k in self._chunks if k > (after_file, after_chunk)))
+        return [(f, i, self._chunks[(f, i)].size, int(self.versions[self._chunks[(f, i)].slot])) for f, i in keys]
 
     def locate(self, file_id: int, chunk_index: int, create_size: int = 0) -> Chunk | None:
         """The chunk's place in the region; allocated (zeroed) first if ``create_size`` > 0.

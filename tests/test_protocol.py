@@ -21,10 +21,13 @@ REQUESTS = [
     P.Locate(9, 4, 1 << 20),
     P.RemoteWrite(9, 4, 1 << 20, 8, P.UpdateOp.ADD, False, 4096, 65536, 0),
     P.RemoteWrite(9, 4, 1 << 20, 8, P.UpdateOp.ASSIGN, True, 4096, 0, 3 << 20),
+    P.RemoteWrite(9, 4, 1 << 20, 8, P.UpdateOp.ADD, False, 4096, 65536, 0, existing=True),
+    P.Write(7, 3, 4 << 20, 12, P.UpdateOp.ASSIGN, b"abcd", existing=True),
+    P.List(7, 3, 100),
 ]
 
 REPLIES = [
-    (P.Opcode.HELLO, P.HelloReply(1, 3, 2 << 30, 16 << 20, b"verbs-descriptors")),
+    (P.Opcode.HELLO, P.HelloReply(2, 3, 2 << 30, 16 << 20, 0xFEEDFACE12345678, b"verbs-descriptors")),
     (P.Opcode.READ, P.ReadReply(42, b"abcdefgh")),
     (P.Opcode.READ, P.ReadReply(0, b"", hole=True)),
     (P.Opcode.WRITE, P.VersionReply(43)),
@@ -36,6 +39,9 @@ REPLIES = [
                                                  9, 64, 4096)),
     (P.Opcode.LOCATE, P.LocateReply(True, 4 << 20, 1 << 20, 1024)),
     (P.Opcode.REMOTE_WRITE, P.VersionReply(3)),
+    (P.Opcode.LIST, P.ListReply([P.ChunkEntry(7, 0, 4 << 20, 3), P.ChunkEntry(2**64 - 1, 9, 4096, 0)])),
+    (P.Opcode.LIST, P.ListReply([])),
+    (P.Opcode.WRITE, P.ErrorReply(P.Status.CHUNK_LOST, "chunk (7, 3) is not on shard 1")),
 ]
 
 
@@ -169,3 +175,26 @@ def test_update_op_names() -> None:
     assert P.UpdateOp.parse(b"assign\n") is P.UpdateOp.ASSIGN
     with pytest.raises(ValueError, match="assign, add"):
         P.UpdateOp.parse("multiply")
+
+
+def test_oversized_frame_raises_its_own_class() -> None:
+    header = P.HEADER.pack(P.MAGIC, P.PROTOCOL_VERSION, P.Opcode.WRITE, 1, 0, 0, 10_000)
+    with pytest.raises(P.FrameTooLarge):
+        P.parse_header(header, 9_999)
+    # a wrong magic is not "too large", whatever its message says
+    with pytest.raises(RemoteProtocolError) as info:
+        P.parse_header(b"XX" + header[2:], 9_999)
+    assert not isinstance(info.value, P.FrameTooLarge)
+
+
+def test_a_hello_header_of_any_version_parses_so_the_body_can_negotiate() -> None:
+    """Version negotiation happens in HELLO's body: its header version must not be refused."""
+    for version in (1, P.PROTOCOL_VERSION + 1, 255):
+        wire = b"".join(P.encode_request(P.Hello(1, 9, "future-client"), 0))
+        wire = wire[:2] + bytes([version]) + wire[3:]
+        frame = P.parse_header(wire, 1 << 16, any_version=True)
+        frame.body = memoryview(wire[P.HEADER_SIZE:])
+        hello = P.decode_request(frame)
+        assert isinstance(hello, P.Hello) and (hello.min_version, hello.max_version) == (1, 9)
+        with pytest.raises(RemoteProtocolError, match="version"):
+            P.parse_header(wire, 1 << 16)

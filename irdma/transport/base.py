@@ -5,6 +5,12 @@ concurrently from many trio tasks; the transport keeps several requests in fligh
 answers each in the order the shard applied it. Requests sent on one connection are applied
 by the shard in the order they were sent.
 
+Cancellation (trio's rule): a call cancelled before its request left had no effect; a call
+cancelled once its request may be partly sent, or while its reply is being received into the
+caller's buffer, declares the connection broken and closes it, so no byte lands in the
+caller's buffer after the call returned and no half frame is ever followed by another. A
+broken connection fails every later call with ShardUnavailable; the client reconnects.
+
 The interface follows ps-lite's ``Van`` (transports behind one interface chosen by name).
 """
 
@@ -15,7 +21,7 @@ from dataclasses import dataclass
 
 import trio
 
-from irdma.protocol import StatReply, UpdateOp
+from irdma.protocol import ChunkEntry, StatReply, UpdateOp
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,7 @@ class ShardInfo:
     shard_id: int
     capacity: int  # bytes
     max_payload: int  # largest READ/WRITE payload, bytes
+    incarnation: int = 0  # random id made with the shard's memory: changes when the shard lost it
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -61,15 +68,26 @@ class ShardConnection(abc.ABC):
 
     @abc.abstractmethod
     async def write(
-        self, file_id: int, chunk_index: int, chunk_size: int, offset: int, op: UpdateOp, data: memoryview | bytes
+        self,
+        file_id: int,
+        chunk_index: int,
+        chunk_size: int,
+        offset: int,
+        op: UpdateOp,
+        data: memoryview | bytes,
+        existing: bool = False,
     ) -> int:
         """Apply update op ``op`` with ``data`` at ``offset`` of a chunk (a push).
+
+        ``existing``: the chunk must already exist (the metadata records it as written); a
+        missing one raises DataLost and is not created.
 
         Returns:
             The chunk's version after the update.
 
         Raises:
             BadRequest: refused, nothing changed. NoSpace: the shard is full, nothing changed.
+            DataLost: ``existing`` and the chunk is gone, nothing changed.
             ShardUnavailable: the connection failed; the update may or may not have applied.
         """
 
@@ -84,6 +102,16 @@ class ShardConnection(abc.ABC):
     @abc.abstractmethod
     async def punch(self, file_id: int, chunk_index: int, offset: int) -> int:
         """Zero a chunk from ``offset`` to its end; returns its version."""
+
+    @abc.abstractmethod
+    async def list_chunks(self, after_file: int = 0, after_chunk: int = 0) -> list[ChunkEntry]:
+        """One page of the shard's chunks after ``(after_file, after_chunk)``, in order (for gc
+        and fsck); an empty list at the end."""
+
+    @property
+    def broken(self) -> bool:
+        """True once the connection failed or was declared broken: open a new one."""
+        return False
 
     def forget_file(self, file_id: int) -> None:
         """Drop anything cached about ``file_id`` (one-sided transports cache chunk places)."""
@@ -101,9 +129,11 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     async def connect(
-        self, address: str, nursery: trio.Nursery, *, client_name: str = "", credentials: bytes = b""
+        self, address: str, nursery: trio.Nursery, *, client_name: str = "", credentials: bytes = b"",
+        timeout: float = 10.0,
     ) -> ShardConnection:
-        """Open a connection to the shard at ``address`` and do the handshake.
+        """Open a connection to the shard at ``address`` and do the handshake, within ``timeout``
+        seconds.
 
         Background tasks of the connection (its reply reader) run in ``nursery``.
 

@@ -4,6 +4,12 @@ Bytes are received with ``recv_into`` straight into the caller's buffer (a pull 
 destination array with no intermediate copy) and payloads are sent as views, never joined.
 Many requests are pipelined on one connection; a reader task matches replies to requests by
 ``request_id``.
+
+Cancellation follows the rule of :mod:`irdma.transport.base`: no send is shielded. A call
+cancelled while its frame is being sent, or while the reader is receiving its reply into the
+caller's buffer, breaks the connection (the socket is closed, every pending call fails);
+a call cancelled while it waits for the send lock or for a reply that has not started had no
+effect on the stream (a late reply is read into a scratch buffer and dropped).
 """
 
 from __future__ import annotations
@@ -16,13 +22,15 @@ from typing import Any
 import trio
 
 from irdma import protocol as P
-from irdma._errors import BadRequest, IrdmaError, NoSpace, RemoteProtocolError, ShardUnavailable
-from irdma.protocol import StatReply, UpdateOp
+from irdma._errors import BadRequest, DataLost, IrdmaError, NoSpace, RemoteProtocolError, ShardUnavailable
+from irdma.protocol import ChunkEntry, StatReply, UpdateOp
 
 from .base import ShardConnection, ShardInfo, Transport, parse_address
 
 SOCKET_BUFFER = 4 << 20
 _JOIN_LIMIT = 64 << 10
+#: Seconds a TCP connect plus HELLO may take before the shard counts as unreachable.
+CONNECT_TIMEOUT = 10.0
 
 
 def tune_socket(sock: Any) -> None:
@@ -73,6 +81,8 @@ def raise_for_error(reply: P.Reply, address: str) -> None:
         where = f"shard at {address}"
         if reply.status == P.Status.NO_SPACE:
             raise NoSpace(f"{where}: {reply.message}")
+        if reply.status == P.Status.CHUNK_LOST:
+            raise DataLost(f"{where}: {reply.message}")
         if reply.status in (P.Status.BAD_REQUEST, P.Status.TOO_LARGE, P.Status.UNKNOWN_OPCODE):
             raise BadRequest(f"{where} refused the request: {reply.message}")
         raise ShardUnavailable(f"{where} answered {reply.status.name}: {reply.message}")
@@ -82,6 +92,7 @@ def raise_for_error(reply: P.Reply, address: str) -> None:
 class _Pending:
     opcode: int
     into: memoryview | None = None
+    receiving: bool = False  # the reader is filling ``into`` now
     done: trio.Event = field(default_factory=trio.Event)
     reply: P.Reply | None = None
     error: IrdmaError | None = None
@@ -123,8 +134,12 @@ class TcpConnection(ShardConnection):
                 )
                 if direct:
                     assert pend is not None and pend.into is not None
+                    # the caller may be cancelled while we fill its buffer: it then breaks the
+                    # connection (see _call), which stops us before the next byte lands
+                    pend.receiving = True
                     await recv_exactly(self._sock, memoryview(fixed))
                     await recv_exactly(self._sock, pend.into)
+                    pend.receiving = False
                     pend.reply = P.ReadReply(int.from_bytes(fixed, "big"), pend.into)
                 else:
                     body = bytearray(frame.body_len)
@@ -144,30 +159,48 @@ class TcpConnection(ShardConnection):
             self._sock.close()
 
     def _fail_all(self, err: IrdmaError) -> None:
-        self._broken = err
+        if self._broken is None:
+            self._broken = err
         for pend in self._pending.values():
             pend.error = err
             pend.done.set()
         self._pending.clear()
+
+    def _break(self, why: str) -> None:
+        """Declare the connection broken: fail every pending call and close the socket (the
+        reader stops at once, so no byte lands in a buffer whose call has returned)."""
+        self._fail_all(ShardUnavailable(f"connection to shard at {self.address} closed: {why}"))
+        self._sock.close()
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
 
     async def _call(self, msg: P.Request, into: memoryview | None = None) -> P.Reply:
         if self._broken is not None:
             raise ShardUnavailable(str(self._broken))
         rid = next(self._ids) & 0xFFFFFFFF
         pend = _Pending(P._REQUEST_OPCODE[type(msg)], into)
-        self._pending[rid] = pend
         parts = P.encode_request(msg, rid)
+        async with self._send_lock:
+            if self._broken is not None:
+                raise ShardUnavailable(str(self._broken))
+            self._pending[rid] = pend
+            try:
+                await send_parts(self._sock, parts)
+            except (OSError, trio.ClosedResourceError) as exc:
+                self._fail_all(ShardUnavailable(f"send to shard at {self.address} failed: {exc}"))
+            except BaseException:
+                # cancelled with part of the frame perhaps on the wire: nothing may follow it
+                self._pending.pop(rid, None)
+                self._break("a request was cancelled while being sent")
+                raise
         try:
-            async with self._send_lock:
-                # a frame half sent would break the stream for everyone: never cancel mid-frame
-                with trio.CancelScope(shield=True):
-                    try:
-                        await send_parts(self._sock, parts)
-                    except (OSError, trio.ClosedResourceError) as exc:
-                        self._fail_all(ShardUnavailable(f"send to shard at {self.address} failed: {exc}"))
             await pend.done.wait()
         except BaseException:
             self._pending.pop(rid, None)
+            if pend.receiving:
+                self._break("a read was cancelled while its reply was arriving")
             raise
         if pend.error is not None:
             raise ShardUnavailable(str(pend.error))
@@ -187,9 +220,16 @@ class TcpConnection(ShardConnection):
         return reply.version
 
     async def write(
-        self, file_id: int, chunk_index: int, chunk_size: int, offset: int, op: UpdateOp, data: memoryview | bytes
+        self,
+        file_id: int,
+        chunk_index: int,
+        chunk_size: int,
+        offset: int,
+        op: UpdateOp,
+        data: memoryview | bytes,
+        existing: bool = False,
     ) -> int:
-        reply = await self._call(P.Write(file_id, chunk_index, chunk_size, offset, op, data))
+        reply = await self._call(P.Write(file_id, chunk_index, chunk_size, offset, op, data, existing))
         assert isinstance(reply, P.VersionReply)
         return reply.version
 
@@ -207,6 +247,11 @@ class TcpConnection(ShardConnection):
         reply = await self._call(P.Punch(file_id, chunk_index, offset))
         assert isinstance(reply, P.VersionReply)
         return reply.version
+
+    async def list_chunks(self, after_file: int = 0, after_chunk: int = 0) -> list[ChunkEntry]:
+        reply = await self._call(P.List(after_file, after_chunk))
+        assert isinstance(reply, P.ListReply)
+        return reply.entries
 
     async def aclose(self) -> None:
         if self._broken is None:
@@ -241,26 +286,39 @@ class TcpTransport(Transport):
     name = "tcp"
 
     async def connect(
-        self, address: str, nursery: trio.Nursery, *, client_name: str = "", credentials: bytes = b""
+        self, address: str, nursery: trio.Nursery, *, client_name: str = "", credentials: bytes = b"",
+        timeout: float = CONNECT_TIMEOUT,
     ) -> TcpConnection:
-        host, port = parse_address(address)
+        """See :meth:`Transport.connect`; the TCP connect and the HELLO exchange together take at
+        most ``timeout`` seconds (a stopped shard accepts connections but never answers)."""
+        try:
+            host, port = parse_address(address)
+        except ValueError as exc:
+            raise ShardUnavailable(str(exc), "fix the address in the shard map (`irdma shard list`)") from None
         sock = trio.socket.socket(trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET, trio.socket.SOCK_STREAM)
         try:
-            await sock.connect((host, port))
-        except BaseException as exc:
+            with trio.fail_after(timeout):
+                await sock.connect((host, port))
+                tune_socket(sock)
+                hello = await handshake(sock, address, client_name, credentials)
+        except trio.TooSlowError:
             sock.close()
-            if not isinstance(exc, OSError):
-                raise
             raise ShardUnavailable(
-                f"cannot connect to shard at {address}: {exc.strerror or exc}",
-                "is the shard running? `irdma shard list` shows its state; `irdma up` starts a local cluster",
+                f"shard at {address} did not answer the handshake within {timeout:g} s",
+                "is the shard process stopped or overloaded? `irdma shard list` shows its state",
             ) from None
-        try:
-            tune_socket(sock)
-            hello = await handshake(sock, address, client_name, credentials)
         except (OSError, IrdmaError) as exc:
             sock.close()
             if isinstance(exc, ShardUnavailable):
                 raise
+            if isinstance(exc, OSError):
+                raise ShardUnavailable(
+                    f"cannot connect to shard at {address}: {exc.strerror or exc}",
+                    "is the shard running? `irdma shard list` shows its state; `irdma up` starts a local cluster",
+                ) from None
             raise ShardUnavailable(f"handshake with {address} failed: {exc}") from None
-        return TcpConnection(sock, address, ShardInfo(hello.shard_id, hello.capacity, hello.max_payload), nursery)
+        except BaseException:
+            sock.close()
+            raise
+        info = ShardInfo(hello.shard_id, hello.capacity, hello.max_payload, hello.incarnation)
+        return TcpConnection(sock, address, info, nursery)

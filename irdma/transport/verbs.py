@@ -45,8 +45,8 @@ from typing import Any
 import trio
 
 from irdma import protocol as P
-from irdma._errors import BadRequest, IrdmaError, ShardUnavailable, TransportUnavailable
-from irdma.protocol import StatReply, UpdateOp
+from irdma._errors import BadRequest, DataLost, IrdmaError, ShardUnavailable, TransportUnavailable
+from irdma.protocol import ChunkEntry, StatReply, UpdateOp
 
 from .base import ShardConnection, ShardInfo, Transport, parse_address
 from .tcp import handshake, raise_for_error, recv_exactly, send_parts, tune_socket
@@ -449,7 +449,7 @@ class VerbsConnection(ShardConnection):
         self.dev = dev
         self._ep = Endpoint(dev, self._on_recv)
         self._pool = _Pool(dev, POOL_BUFFERS, POOL_BUFFER_SIZE)
-        self.info = ShardInfo(hello.shard_id, hello.capacity, min(hello.max_payload, POOL_BUFFER_SIZE))
+        self.info = ShardInfo(hello.shard_id, hello.capacity, min(hello.max_payload, POOL_BUFFER_SIZE), hello.incarnation)
         self._pending: dict[int, tuple[trio.Event, list[P.Reply]]] = {}
         self._ids = itertools.count(1)
         self._locs: dict[tuple[int, int], P.LocateReply] = {}
@@ -585,7 +585,14 @@ class VerbsConnection(ShardConnection):
         return version
 
     async def write(
-        self, file_id: int, chunk_index: int, chunk_size: int, offset: int, op: UpdateOp, data: memoryview | bytes
+        self,
+        file_id: int,
+        chunk_index: int,
+        chunk_size: int,
+        offset: int,
+        op: UpdateOp,
+        data: memoryview | bytes,
+        existing: bool = False,
     ) -> int:
         view = memoryview(data).cast("B")
         n = len(view)
@@ -595,14 +602,17 @@ class VerbsConnection(ShardConnection):
             version = 0
             for start in range(0, n, self._pool.size):
                 version = await self.write(file_id, chunk_index, chunk_size, offset + start, op,
-                                           view[start : start + self._pool.size])
+                                           view[start : start + self._pool.size], existing or start > 0)
             return version
         assert self.remote is not None
         r = self.remote
         pool = self._pool
         if op == UpdateOp.ASSIGN:
-            loc = await self._locate(file_id, chunk_index, chunk_size)
-            assert loc is not None
+            loc = await self._locate(file_id, chunk_index, 0 if existing else chunk_size)
+            if loc is None:
+                raise DataLost(f"shard at {self.address}: chunk ({file_id}, {chunk_index}) is gone")
+            if loc.chunk_size != chunk_size:
+                raise BadRequest(f"chunk ({file_id}, {chunk_index}) has size {loc.chunk_size}, request says {chunk_size}")
             async with pool.buffer() as boff:
                 pool.view[boff : boff + n] = view
                 async with trio.open_nursery() as nursery:
@@ -624,7 +634,8 @@ class VerbsConnection(ShardConnection):
                     pool.view[boff : boff + n] = view
                     await self._ep.post([(e.IBV_WR_RDMA_WRITE, pool.mr.buf + boff, n, pool.mr.lkey,
                                           r.staging_addr + soff, r.staging_rkey)])
-                reply = await self._rpc(P.RemoteWrite(file_id, chunk_index, chunk_size, offset, op, False, n, soff))
+                reply = await self._rpc(P.RemoteWrite(file_id, chunk_index, chunk_size, offset, op, False, n, soff,
+                                                      existing=existing))
             finally:
                 self._staging_free.append(soff)
                 self._staging_sem.release()
@@ -649,6 +660,11 @@ class VerbsConnection(ShardConnection):
         reply = await self._rpc(P.Punch(file_id, chunk_index, offset))
         assert isinstance(reply, P.VersionReply)
         return reply.version
+
+    async def list_chunks(self, after_file: int = 0, after_chunk: int = 0) -> list[ChunkEntry]:
+        reply = await self._rpc(P.List(after_file, after_chunk))
+        assert isinstance(reply, P.ListReply)
+        return reply.entries
 
     async def aclose(self) -> None:
         if not self._closed:
@@ -681,7 +697,8 @@ class VerbsTransport(Transport):
         self.device = VerbsDevice(device)
 
     async def connect(
-        self, address: str, nursery: trio.Nursery, *, client_name: str = "", credentials: bytes = b""
+        self, address: str, nursery: trio.Nursery, *, client_name: str = "", credentials: bytes = b"",
+        timeout: float = 10.0,
     ) -> VerbsConnection:
         host, port = parse_address(address)
         sock = trio.socket.socket(trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET, trio.socket.SOCK_STREAM)
