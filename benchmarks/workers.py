@@ -42,7 +42,7 @@ def irdma_native(meta: str, shapes: list[tuple[int, ...]], rounds: int, start: s
 
     async def main() -> float:
         async with irdma.Client.open(meta, transport="tcp") as c:
-            layouts = [layout_of(c.meta.resolve(f"/model/l{i:03d}")) for i in range(len(shapes))]
+            layouts = [layout_of(c.store.resolve(f"/model/l{i:03d}")) for i in range(len(shapes))]
             limit = trio.CapacityLimiter(16)
 
             async def push(i: int) -> None:

@@ -1,8 +1,10 @@
 """The one errno table: every irdma error that may cross into FUSE, and its errno.
 
-Only ``pyfuse3.FUSEError`` may leave a request handler; any other exception is a bug, is
-logged with its traceback by pyfuse3 and ends the main loop (the tests fail on it). The
-pattern is 3FS's ``StatusCode::toErrno``.
+Only ``pyfuse3.FUSEError`` may leave a request handler: pyfuse3 ends its main loop on
+anything else, and every process using the mount then gets ENOTCONN. So :func:`fuse_errors`
+turns an irdma error into its errno, and any other exception (a bug) into EIO, logged once
+with its traceback: that request fails, the mount goes on serving. The pattern is 3FS's
+``StatusCode::toErrno``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,12 @@ ERRNO: dict[type[E.IrdmaError], int] = {
     E.RemoteProtocolError: errno.EIO,
     E.LocalProtocolError: errno.EIO,
     E.TransportUnavailable: errno.EIO,
+    E.DataLost: errno.EIO,
+    E.MetadataError: errno.EIO,
+    E.Stale: errno.ESTALE,
 }
+#: The errno of an unexpected exception (a bug): the request fails, the mount lives on.
+FALLBACK_ERRNO = errno.EIO
 
 
 def to_errno(exc: E.IrdmaError) -> int:
@@ -47,9 +54,12 @@ def to_errno(exc: E.IrdmaError) -> int:
 
 @contextlib.contextmanager
 def fuse_errors(what: str) -> Iterator[None]:
-    """Turn an :class:`IrdmaError` raised inside into ``FUSEError(errno)``."""
+    """Turn an :class:`IrdmaError` raised inside into ``FUSEError(errno)``, and any other
+    exception (but a cancellation) into ``FUSEError(EIO)`` with its traceback logged."""
     try:
         yield
+    except pyfuse3.FUSEError:
+        raise
     except E.IrdmaError as exc:
         code = to_errno(exc)
         if code == errno.EIO:
@@ -57,3 +67,6 @@ def fuse_errors(what: str) -> Iterator[None]:
         else:
             log.debug("%s: %s (%s)", what, exc, errno.errorcode.get(code, code))
         raise pyfuse3.FUSEError(code) from None
+    except Exception:
+        log.exception("%s failed with an unexpected error (a bug: please report it); answered EIO", what)
+        raise pyfuse3.FUSEError(FALLBACK_ERRNO) from None

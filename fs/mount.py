@@ -37,6 +37,7 @@ async def serve_mount(
     """
     async with Client.open(meta_url, transport=transport, client_name=f"irdma-mount {mountpoint}") as client:
         fs = IrdmaFS(client, direct_io=direct_io)
+        await fs.start_session(f"mount {mountpoint}")
         options = set(pyfuse3.default_options)
         options.add("fsname=irdma")
         options.add("subtype=irdma")
@@ -57,6 +58,7 @@ async def serve_mount(
                             return
 
                 nursery.start_soon(on_signal)
+                nursery.start_soon(fs.run_heartbeats)
                 log.info("mounted %s on %s (transport %s)", meta_url, mountpoint, client.transport.name)
                 await pyfuse3.main()
                 unmounted = True
@@ -64,6 +66,7 @@ async def serve_mount(
         finally:
             # after terminate() the kernel mount is still there: take it down ourselves
             pyfuse3.close(unmount=not unmounted or _still_mounted(mountpoint))
+            await fs.end_session()
 
 
 #: Kernel read-ahead for the mount, KiB. libfuse offers the kernel 128 KiB and pyfuse3 cannot

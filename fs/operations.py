@@ -17,6 +17,19 @@ closed it (close-to-open, as NFS revalidates), so a new open sees other workers'
 unchanged file is read again from memory. (The kernel itself drops pages a mount wrote once the
 file's size or mtime changes: libfuse3 turns on auto_inval_data.)
 
+Never lies, never dies. Every handler runs inside :func:`fuse_errors`: an unexpected
+exception fails that request with EIO and the mount serves on. A file's size grows only by
+bytes the shards acknowledged (a failed push leaves the size of what is stored), and the
+chunks a push created join the file's chunk map before ``close``/``fsync`` return, so a chunk
+lost with a shard's memory reads as EIO, never as zeros. Extending a file (truncate up, or a
+write past its end) first clears whatever a crashed writer left past the old end.
+
+One file's lifetime across mounts: this mount is a *session* in the metadata (heartbeats
+every ``HEARTBEAT_S``); each file open here is recorded there, so a file unlinked or renamed
+over by any mount keeps its chunks until the last handle on any live mount closes (JuiceFS's
+"sustained" inodes), and an open through a cached name of a removed inode answers ESTALE so
+the kernel looks the path up again. Metadata calls run in worker threads.
+
 Inode and file-handle bookkeeping follows pyfuse3's ``examples/passthroughfs.py``.
 """
 
@@ -34,8 +47,8 @@ from typing import Any
 import pyfuse3
 import trio
 
-from irdma._errors import InvalidArgument, IrdmaError
-from irdma.client import Client, layout_of
+from irdma._errors import InvalidArgument, IrdmaError, NotFound, Stale
+from irdma.client import ChunkMap, Client, NewChunk, layout_of
 from irdma.meta import Inode
 from irdma.placement import Layout
 from irdma.protocol import UpdateOp
@@ -56,6 +69,8 @@ MTIME_LAZY_S = 1.0
 READAHEAD_WINDOW = 4 << 20
 #: Windows kept per open file (bytes held: READAHEAD_WINDOW times this).
 READAHEAD_WINDOWS = 6
+#: Seconds between a mount's session heartbeats (and shard health checks).
+HEARTBEAT_S = 5.0
 
 
 @dataclass
@@ -66,22 +81,36 @@ class _Pending:
 
 
 @dataclass
+class _Fetch:
+    """One read-ahead window being pulled; waiters take its result from here, so a window
+    evicted meanwhile is never looked up again (the old KeyError)."""
+
+    done: trio.Event = field(default_factory=trio.Event)
+    data: bytearray | None = None
+    error: IrdmaError | None = None
+
+
+@dataclass
 class _FileState:
     """What this mount knows of an open file beyond the metadata engine."""
 
     layout: Layout
+    chunks: ChunkMap = field(default_factory=dict)  # recorded (or created here) chunks
     open_count: int = 0
-    size: int = 0
-    dirty: bool = False  # size/mtime not yet persisted
+    size: int = 0  # as reads and getattr see it here: persisted plus pushes in flight
+    dirty: bool = False  # size/mtime/chunk map not yet persisted
     persisted_size: int = 0  # the size the metadata engine has
     cached_handles: int = 0  # open handles that use the page cache (they need exact mtimes)
     pending: list[_Pending] = field(default_factory=list)
     error: IrdmaError | None = None
+    new_chunks: list[NewChunk] = field(default_factory=list)  # created since the last drain
+    acked_ends: list[int] = field(default_factory=list)  # ends of pushes acknowledged since then
+    fail_start: int | None = None  # lowest offset of a push that failed since then
     slots: trio.Semaphore = field(default_factory=lambda: trio.Semaphore(MAX_INFLIGHT_WRITES))
+    admit: trio.Lock = field(default_factory=trio.Lock)  # orders writes against gap clearing
     # read-ahead windows: start offset -> bytes, in use order; fetches in flight
     windows: dict[int, bytearray] = field(default_factory=dict)
-    read_error: IrdmaError | None = None
-    fetching: dict[int, trio.Event] = field(default_factory=dict)
+    fetching: dict[int, _Fetch] = field(default_factory=dict)
     generation: int = 0  # bumped by every write and truncate: older windows are dropped
 
     def invalidate(self) -> None:
@@ -97,7 +126,8 @@ class _Handle:
 
 
 class IrdmaFS(pyfuse3.Operations):
-    """The filesystem. ``nursery`` must be set before the FUSE main loop starts.
+    """The filesystem. ``nursery`` must be set, and :meth:`start_session` awaited, before the
+    FUSE main loop starts.
 
     Args:
         client: an open :class:`irdma.Client`.
@@ -112,16 +142,17 @@ class IrdmaFS(pyfuse3.Operations):
         self.client = client
         self.direct_io = direct_io  # every file with direct I/O (else per file: user.irdma.io)
         self.meta = client.meta
+        self.sid = 0  # this mount's session in the metadata
         self.nursery: trio.Nursery | None = None
         self.after_init: Callable[[], object] | None = None
         self._files: dict[int, _FileState] = {}
         # (mtime_ns, size) of files as this mount last closed them: a later open of an unchanged
         # file keeps its page cache (how a restore right after a save skips the round trips)
         self._cached: dict[int, tuple[int, int]] = {}
-        self._mtime_at: dict[int, float] = {}
-        self._unlinked: set[int] = set()  # open here when this mount removed their last name  # time.monotonic() of each file's last mtime update
+        self._mtime_at: dict[int, float] = {}  # time.monotonic() of each file's last mtime update
         self._handles: dict[int, _Handle] = {}
         self._next_fh = 1
+        self._dirs: dict[int, list[tuple[bytes, Inode]]] = {}  # readdir snapshots per open directory
 
     def init(self) -> None:
         """FUSE INIT: once the kernel has the reply, run ``after_init`` (it may change settings
@@ -133,6 +164,46 @@ class IrdmaFS(pyfuse3.Operations):
                 fn()
 
             self.nursery.start_soon(later)
+
+    # ------------------------------------------------------------ session
+    async def start_session(self, name: str) -> None:
+        """Register this mount as a session, then reap dead sessions and their orphans."""
+        self.sid = await self.meta.open_session(name)
+        from irdma.fsck import collect_garbage
+
+        try:
+            report = await collect_garbage(self.client, leaked_chunks=False)
+            if report.sessions or report.orphans:
+                log.info("reaped %d dead sessions and %d orphaned files at start", len(report.sessions),
+                         len(report.orphans))
+        except IrdmaError as exc:
+            log.warning("garbage collection at start failed (run `irdma gc`): %s", exc)
+
+    async def run_heartbeats(self) -> None:
+        """Keep the session alive and the shard map's health current, every HEARTBEAT_S."""
+        while True:
+            await trio.sleep(HEARTBEAT_S)
+            try:
+                await self.meta.heartbeat(self.sid)
+            except NotFound:
+                log.error("session %d was reaped (missed heartbeats): registering again", self.sid)
+                self.sid = await self.meta.open_session(f"{self.client._name} (again)")
+                for ino in list(self._files):
+                    try:
+                        await self.meta.open_inode(self.sid, ino)
+                    except IrdmaError:
+                        pass
+            except IrdmaError as exc:
+                log.warning("heartbeat failed: %s", exc)
+            try:
+                await self.client.shard_stats()  # marks shards up/down in the shard map
+            except IrdmaError as exc:
+                log.warning("shard health check failed: %s", exc)
+
+    async def end_session(self) -> None:
+        if self.sid:
+            with trio.CancelScope(shield=True), trio.move_on_after(10):
+                await self.meta.close_session(self.sid)
 
     # ------------------------------------------------------------ helpers
     def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
@@ -155,64 +226,94 @@ class IrdmaFS(pyfuse3.Operations):
         e.st_ctime_ns = inode.ctime_ns
         return e
 
-    async def _drain(self, st: _FileState, ino: int) -> None:
-        """Wait for every transfer of the file; persist its size; raise the first error."""
+    async def _getattr(self, ino: int) -> Inode:
+        try:
+            return await self.meta.getattr(ino)
+        except NotFound:
+            raise Stale(f"inode {ino} was removed") from None
+
+    async def _wait_pending(self, st: _FileState) -> None:
         while st.pending:
             await st.pending[0].done.wait()
+
+    async def _drain(self, st: _FileState, ino: int) -> None:
+        """Wait for every transfer of the file; persist the size of what the shards
+        acknowledged and the chunks created; raise the first error."""
+        await self._wait_pending(st)
         if st.dirty:
+            acked = st.acked_ends
+            if st.fail_start is not None:  # never count bytes past a failed push
+                acked = [e for e in acked if e <= st.fail_start]
+            new_size = max([st.persisted_size, *acked])
+            chunks = tuple(st.new_chunks)
             st.dirty = False
+            st.acked_ends, st.new_chunks, st.fail_start = [], [], None
+            st.size = max(new_size, st.persisted_size)
             # A push that does not grow a file opened only with direct I/O (a gradient to an
             # add file) refreshes mtime at most once a second, as lazytime does: one metadata
             # transaction per close of every parameter file would cost more than the push.
             now = time.monotonic()
-            if st.size > st.persisted_size or st.cached_handles or now - self._mtime_at.get(ino, 0.0) >= MTIME_LAZY_S:
-                self.meta.extend(ino, st.size, time.time_ns())
-                st.persisted_size = max(st.persisted_size, st.size)
+            if (chunks or new_size > st.persisted_size or st.cached_handles
+                    or now - self._mtime_at.get(ino, 0.0) >= MTIME_LAZY_S):
+                await self.meta.extend(ino, new_size, time.time_ns(), chunks)
+                st.persisted_size = max(st.persisted_size, new_size)
                 self._mtime_at[ino] = now
         if st.error is not None:
             err, st.error = st.error, None
             raise err
 
     async def _truncate(self, inode: Inode, size: int) -> None:
-        """Set a file's size: wait for its transfers, drop the bytes past ``size`` on the shards."""
+        """Set a file's size. Shrinking forgets the chunks past the end in the metadata first,
+        then frees them; growing first clears what a failed writer may have left past the old
+        end, so the new bytes read as zeros."""
         st = self._files.get(inode.ino)
         if st is not None:
-            await self._drain(st, inode.ino)
-            inode = self.meta.getattr(inode.ino)
+            async with st.admit:
+                await self._drain(st, inode.ino)
+                await self._truncate_locked(await self._getattr(inode.ino), size, st)
+        else:
+            await self._truncate_locked(inode, size, None)
+
+    async def _truncate_locked(self, inode: Inode, size: int, st: _FileState | None) -> None:
+        layout = layout_of(inode)
         if size < inode.size:
-            await self.client.truncate_data(layout_of(inode), size)
-        self.meta.setattr(inode.ino, size=size)
+            await self.meta.setattr(inode.ino, size=size)
+            await self.client.truncate_data(layout, size)
+        else:
+            await self.client.truncate_data(layout, inode.size)
+            await self.meta.setattr(inode.ino, size=size)
         if st is not None:
             st.size = st.persisted_size = size
+            first_gone = layout.chunk_count(size)
+            for idx in [i for i in st.chunks if i >= first_gone]:
+                del st.chunks[idx]
             st.invalidate()
 
     async def _destroy(self, inode: Inode) -> None:
         """Free the chunks of a file with no name and no open handle left, then its inode."""
-        if not inode.is_dir:
+        if not inode.is_dir and inode.stripe:
             await self.client.truncate_data(layout_of(inode), 0)
-        self.meta.delete_inode(inode.ino)
+        await self.meta.delete_inode(inode.ino)
 
     async def _maybe_destroy(self, replaced: Inode | None) -> None:
-        if replaced is not None and replaced.nlink <= 0:
-            if replaced.ino in self._files:
-                self._unlinked.add(replaced.ino)  # freed when its last handle here closes
-            else:
-                await self._destroy(replaced)
+        if replaced is not None and replaced.nlink <= 0 and replaced.ino not in self._files:
+            # freed now unless a live session holds it open (then its last close frees it)
+            await self.client.destroy_if_unused(replaced.ino)
 
     # ------------------------------------------------------------ namespace
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
         with fuse_errors("lookup"):
-            return self._entry(self.meta.lookup(parent_inode, name))
+            return self._entry(await self.meta.lookup(parent_inode, name))
 
     async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
         with fuse_errors("getattr"):
-            return self._entry(self.meta.getattr(inode))
+            return self._entry(await self._getattr(inode))
 
     async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any) -> pyfuse3.EntryAttributes:
         with fuse_errors("setattr"):
             kw: dict[str, int] = {}
             if fields.update_size:
-                await self._truncate(self.meta.getattr(inode), attr.st_size)
+                await self._truncate(await self._getattr(inode), attr.st_size)
             if fields.update_mode:
                 kw["mode"] = attr.st_mode
             if fields.update_uid:
@@ -223,42 +324,51 @@ class IrdmaFS(pyfuse3.Operations):
                 kw["atime_ns"] = attr.st_atime_ns
             if fields.update_mtime:
                 kw["mtime_ns"] = attr.st_mtime_ns
-            return self._entry(self.meta.setattr(inode, **kw))
+            return self._entry(await self.meta.setattr(inode, **kw))
 
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> pyfuse3.EntryAttributes:
         with fuse_errors("mkdir"):
-            inode = self.meta.create(parent_inode, name, stat.S_IFDIR | (mode & ~ctx.umask & 0o7777), ctx.uid, ctx.gid)
+            inode = await self.meta.create(parent_inode, name, stat.S_IFDIR | (mode & ~ctx.umask & 0o7777), ctx.uid,
+                                           ctx.gid)
             return self._entry(inode)
 
     async def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         with fuse_errors("rmdir"):
-            self.meta.rmdir(parent_inode, name)
+            await self.meta.rmdir(parent_inode, name)
 
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         with fuse_errors("unlink"):
-            await self._maybe_destroy(self.meta.unlink(parent_inode, name))
+            await self._maybe_destroy(await self.meta.unlink(parent_inode, name))
 
     async def rename(
         self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes, flags: int, ctx: Any
     ) -> None:
         with fuse_errors("rename"):
-            await self._maybe_destroy(self.meta.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags))
+            await self._maybe_destroy(
+                await self.meta.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+            )
 
     async def opendir(self, inode: int, ctx: Any) -> int:
+        """Take a snapshot of the directory: readdir continuations are served from it (linear
+        in the directory's size, and stable while other mounts change it)."""
         with fuse_errors("opendir"):
-            if not self.meta.getattr(inode).is_dir:
+            if not (await self._getattr(inode)).is_dir:
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
-            return inode
+            fh = self._next_fh
+            self._next_fh += 1
+            self._dirs[fh] = await self.meta.readdir(inode)
+            return fh
 
     async def readdir(self, fh: int, start_id: int, token: Any) -> None:
         with fuse_errors("readdir"):
-            entries = self.meta.readdir(fh)
-            for i, (name, inode) in enumerate(entries[start_id:], start=start_id + 1):
-                if not pyfuse3.readdir_reply(token, name, self._entry(inode), i):
+            entries = self._dirs.get(fh, [])
+            for i in range(start_id, len(entries)):
+                name, inode = entries[i]
+                if not pyfuse3.readdir_reply(token, name, self._entry(inode), i + 1):
                     break
 
     async def releasedir(self, fh: int) -> None:
-        return None
+        self._dirs.pop(fh, None)
 
     async def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
         with fuse_errors("statfs"):
@@ -267,7 +377,7 @@ class IrdmaFS(pyfuse3.Operations):
                 if st is not None:
                     capacity += st.capacity
                     used += st.used
-            n_inodes, _ = self.meta.usage()
+            n_inodes, _ = await self.meta.usage()
             s = pyfuse3.StatvfsData()
             s.f_bsize = s.f_frsize = 4096
             s.f_blocks = capacity // 4096
@@ -280,28 +390,32 @@ class IrdmaFS(pyfuse3.Operations):
     # ------------------------------------------------------------ xattrs
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
         with fuse_errors("getxattr"):
-            return self.meta.getxattr(inode, name)
+            return await self.meta.getxattr(inode, name)  # type: ignore[no-any-return]
 
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
         with fuse_errors("setxattr"):
-            self.meta.setxattr(inode, name, value)
+            await self.meta.setxattr(inode, name, value)
 
     async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
         with fuse_errors("listxattr"):
-            return self.meta.listxattr(inode)
+            return await self.meta.listxattr(inode)  # type: ignore[no-any-return]
 
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
         with fuse_errors("removexattr"):
-            self.meta.removexattr(inode, name)
+            await self.meta.removexattr(inode, name)
 
     # ------------------------------------------------------------ files
-    def _open_handle(self, inode: Inode, io_mode: bytes = b"cached") -> pyfuse3.FileInfo:
+    def _open_handle(self, inode: Inode, io_mode: bytes, chunks: ChunkMap) -> pyfuse3.FileInfo:
         st = self._files.get(inode.ino)
         if st is None:
             self.client.forget_file(inode.ino)  # close-to-open: no stale chunk places
-            st = self._files[inode.ino] = _FileState(layout_of(inode), size=inode.size, persisted_size=inode.size)
-        elif not st.pending and not st.dirty:
-            st.size = st.persisted_size = inode.size
+            st = self._files[inode.ino] = _FileState(layout_of(inode), dict(chunks), size=inode.size,
+                                                     persisted_size=inode.size)
+        else:
+            for idx, rec in chunks.items():
+                st.chunks.setdefault(idx, rec)
+            if not st.pending and not st.dirty:
+                st.size = st.persisted_size = inode.size
         st.invalidate()  # close-to-open: a new open pulls fresh bytes
         st.open_count += 1
         op = UpdateOp.parse(inode.update_op or "assign")
@@ -317,21 +431,29 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
         with fuse_errors("open"):
-            node, io_mode = self.meta.getattr_io(inode)
+            node, io_mode, chunks = await self.meta.open_inode(self.sid, inode)
             if node.is_dir:
                 raise pyfuse3.FUSEError(errno.EISDIR)
-            if flags & os.O_TRUNC:  # libfuse3 turns on atomic O_TRUNC: the truncate is ours
-                await self._truncate(node, 0)
-                node = self.meta.getattr(inode)
-            return self._open_handle(node, io_mode)
+            try:
+                if flags & os.O_TRUNC:  # libfuse3 turns on atomic O_TRUNC: the truncate is ours
+                    await self._truncate(node, 0)
+                    node = await self._getattr(inode)
+                    chunks = {}
+                return self._open_handle(node, io_mode, chunks)
+            except BaseException:
+                if inode not in self._files:
+                    with trio.CancelScope(shield=True):
+                        await self.meta.close_inode(self.sid, inode)
+                raise
 
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         with fuse_errors("create"):
-            inode = self.meta.create(parent_inode, name, stat.S_IFREG | (mode & ~ctx.umask & 0o7777), ctx.uid, ctx.gid)
-            _, io_mode = self.meta.getattr_io(inode.ino)
-            return self._open_handle(inode, io_mode), self._entry(inode)
+            inode = await self.meta.create(parent_inode, name, stat.S_IFREG | (mode & ~ctx.umask & 0o7777), ctx.uid,
+                                           ctx.gid)
+            inode, io_mode, chunks = await self.meta.open_inode(self.sid, inode.ino)
+            return self._open_handle(inode, io_mode, chunks), self._entry(inode)
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         with fuse_errors("read"):
@@ -353,38 +475,54 @@ class IrdmaFS(pyfuse3.Operations):
         nxt = starts[-1] + READAHEAD_WINDOW
         if nxt < file_size:
             self._start_fetch(st, nxt, file_size)
+        out = bytearray(n)
         for w in starts:
-            while w not in st.windows:
-                self._start_fetch(st, w, file_size)
-                await st.fetching[w].wait()
-                if w not in st.windows and st.read_error is not None:
-                    err, st.read_error = st.read_error, None
-                    raise err
-        if len(starts) == 1:
-            return bytes(memoryview(st.windows[first])[off - first : off - first + n])
-        return b"".join(st.windows[w] for w in starts)[off - first : off - first + n]
+            buf = await self._window(st, w, file_size)
+            lo, hi = max(off, w), min(off + n, w + len(buf))
+            if hi > lo:
+                out[lo - off : hi - off] = memoryview(buf)[lo - w : hi - w]
+        return bytes(out)
 
-    def _start_fetch(self, st: _FileState, start: int, file_size: int) -> None:
-        if start in st.windows or start in st.fetching:
-            return
+    async def _window(self, st: _FileState, start: int, file_size: int) -> bytearray:
+        buf = st.windows.get(start)
+        if buf is not None:
+            return buf
+        fetch = self._start_fetch(st, start, file_size)
+        await fetch.done.wait()
+        if fetch.error is not None:
+            raise fetch.error
+        assert fetch.data is not None
+        return fetch.data
+
+    def _start_fetch(self, st: _FileState, start: int, file_size: int) -> _Fetch:
+        fetch = st.fetching.get(start)
+        if fetch is not None:
+            return fetch
         assert self.nursery is not None
-        st.fetching[start] = trio.Event()
-        self.nursery.start_soon(self._fetch, st, start, min(READAHEAD_WINDOW, file_size - start))
+        fetch = st.fetching[start] = _Fetch()
+        self.nursery.start_soon(self._fetch, st, start, min(READAHEAD_WINDOW, file_size - start), fetch)
+        return fetch
 
-    async def _fetch(self, st: _FileState, start: int, length: int) -> None:
+    async def _fetch(self, st: _FileState, start: int, length: int, fetch: _Fetch) -> None:
         gen = st.generation
         buf = bytearray(length)
         try:
-            await self.client.read_into(st.layout, start, memoryview(buf))
+            await self.client.read_into(st.layout, start, memoryview(buf), st.chunks)
+            fetch.data = buf
             if gen == st.generation:
                 st.windows[start] = buf
                 while len(st.windows) > READAHEAD_WINDOWS:
                     del st.windows[next(iter(st.windows))]
         except IrdmaError as exc:
-            log.warning("read-ahead of %d bytes at %d of file %d failed: %s", length, start, st.layout.file_id, exc)
-            st.read_error = exc
+            log.warning("read of %d bytes at %d of file %d failed: %s", length, start, st.layout.file_id, exc)
+            fetch.error = exc
+        except Exception as exc:  # a bug: this read fails, the mount lives on
+            log.exception("read of %d bytes at %d of file %d failed unexpectedly", length, start, st.layout.file_id)
+            fetch.error = IrdmaError(f"internal error: {exc!r}")
         finally:
-            st.fetching.pop(start).set()
+            if st.fetching.get(start) is fetch:
+                del st.fetching[start]
+            fetch.done.set()
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         with fuse_errors("write"):
@@ -396,26 +534,41 @@ class IrdmaFS(pyfuse3.Operations):
             end = off + len(buf)
             if h.op == UpdateOp.ADD and (off % 4 or len(buf) % 4):
                 raise InvalidArgument(f"a write to an add file must be float32 aligned: offset {off}, {len(buf)} bytes")
-            for p in list(st.pending):  # keep overlapping writes in order
-                if p.start < end and off < p.end:
-                    await p.done.wait()
-            await st.slots.acquire()
-            st.invalidate()
-            entry = _Pending(off, end)
-            st.pending.append(entry)
-            st.size = max(st.size, end)
-            st.dirty = True
-            assert self.nursery is not None
-            self.nursery.start_soon(self._push, st, entry, off, buf, h.op)
+            async with st.admit:
+                if off > st.size:
+                    # a gap: it must read as zeros, whatever a failed writer left there
+                    await self._wait_pending(st)
+                    await self.client.truncate_data(st.layout, st.size)
+                for p in list(st.pending):  # keep overlapping writes in order
+                    if p.start < end and off < p.end:
+                        await p.done.wait()
+                await st.slots.acquire()
+                st.invalidate()
+                entry = _Pending(off, end)
+                st.pending.append(entry)
+                st.size = max(st.size, end)
+                st.dirty = True
+                assert self.nursery is not None
+                self.nursery.start_soon(self._push, st, entry, off, buf, h.op)
             return len(buf)
 
     async def _push(self, st: _FileState, entry: _Pending, off: int, buf: bytes, op: UpdateOp) -> None:
         try:
-            await self.client.write_from(st.layout, off, buf, op)
-        except IrdmaError as exc:
-            log.warning("push of %d bytes at %d to file %d failed: %s", len(buf), off, st.layout.file_id, exc)
+            created = await self.client.write_from(st.layout, off, buf, op, st.chunks)
+            for idx, shard, incarnation in created:
+                st.chunks.setdefault(idx, (shard, incarnation))
+            st.new_chunks.extend(created)
+            st.acked_ends.append(entry.end)
+        except Exception as exc:
+            if isinstance(exc, IrdmaError):
+                log.warning("push of %d bytes at %d to file %d failed: %s", len(buf), off, st.layout.file_id, exc)
+            else:  # a bug: this push fails, the mount lives on
+                log.exception("push of %d bytes at %d to file %d failed unexpectedly", len(buf), off,
+                              st.layout.file_id)
+                exc = IrdmaError(f"internal error: {exc!r}")
+            st.fail_start = off if st.fail_start is None else min(st.fail_start, off)
             if st.error is None:
-                st.error = exc
+                st.error = exc  # type: ignore[assignment]
         finally:
             st.pending.remove(entry)
             entry.done.set()
@@ -430,7 +583,9 @@ class IrdmaFS(pyfuse3.Operations):
         await self.flush(fh)
 
     async def release(self, fh: int) -> None:
-        h = self._handles.pop(fh)
+        h = self._handles.pop(fh, None)
+        if h is None:
+            return
         st = self._files[h.ino]
         try:
             with fuse_errors("release"):
@@ -442,18 +597,16 @@ class IrdmaFS(pyfuse3.Operations):
             st.cached_handles -= 0 if h.direct else 1
             if st.open_count == 0:
                 del self._files[h.ino]
-                # a direct-I/O file not unlinked here has nothing to record or free: skip the
-                # metadata round trip
-                if not h.direct or h.ino in self._unlinked:
-                    self._unlinked.discard(h.ino)
+                try:
                     with fuse_errors("release"):
-                        inode = self.meta.getattr(h.ino)
-                        if inode.nlink <= 0:
+                        inode, reclaim = await self.meta.close_inode(self.sid, h.ino)
+                        if reclaim and inode is not None:
                             self._cached.pop(h.ino, None)
                             await self._destroy(inode)
-                        elif not h.direct:
+                        elif inode is not None and not h.direct:
                             self._cached[h.ino] = (inode.mtime_ns, inode.size)
+                except pyfuse3.FUSEError:
+                    pass  # logged; `irdma gc` frees what is left
 
     async def forget(self, inode_list: Any) -> None:
         return None
-

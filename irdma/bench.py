@@ -114,7 +114,7 @@ async def bench_native(client: Client, cfg: BenchConfig, progress: Progress) -> 
     try:
         if "push-assign" in cfg.tests or "pull" in cfg.tests or "latency" in cfg.tests:
             r = await stream("push-assign", await push(UpdateOp.ASSIGN))
-            client.meta.extend(inode.ino, cfg.size, time.time_ns())
+            await client.meta.extend(inode.ino, cfg.size, time.time_ns())
             if "push-assign" in cfg.tests:
                 results.append(r)
         if "pull" in cfg.tests:

@@ -200,7 +200,7 @@ async def _stats(meta_url: str) -> tuple[list[Any], tuple[int, int], int]:
     from .client import Client
 
     async with Client.open(meta_url, transport="tcp") as client:
-        return await client.shard_stats(), client.meta.usage(), client.meta.epoch()
+        return await client.shard_stats(), await client.meta.usage(), await client.meta.epoch()
 
 
 @shard.command("list")

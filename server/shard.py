@@ -148,7 +148,7 @@ class Shard:
         self._chunks: dict[tuple[int, int], Chunk] = {}
         self._by_file: dict[int, set[int]] = {}
         self.used = 0
-        self.incarnation = int.from_bytes(os.urandom(8), "big") or 1
+        self.incarnation = (int.from_bytes(os.urandom(8), "big") >> 1) or 1  # 63 bits: fits SQL integers
 
     @property
     def capacity(self) -> int:

@@ -50,6 +50,36 @@ class ShardRecord:
     address: str
     state: str  # "up" (registered, expected to answer) or "drained"
     added_ns: int
+    incarnation: int = 0  # the shard's memory as last seen by a client; 0: never contacted
+    health: str = "unknown"  # "up" | "down" (as last seen by a heartbeat or a request) | "unknown"
+    health_ns: int = 0
+
+
+@dataclass
+class Session:
+    """A client of the namespace that holds files open (each mount is one)."""
+
+    sid: int
+    name: str
+    host: str
+    pid: int
+    started_ns: int
+    heartbeat_ns: int
+
+
+@dataclass
+class DamagedFile:
+    """A file some of whose recorded chunks are gone (see :meth:`MetaStore.damaged`)."""
+
+    ino: int
+    path: str  # "" when the inode has no name left
+    lost_chunks: list[int]  # chunk indices
+    shards: list[int]  # shard ids that lost them
+
+
+#: Seconds after its last heartbeat that a session counts as dead (sooner for a session of
+#: this host whose process is gone).
+SESSION_EXPIRY_S = 30.0
 
 
 class MetaStore(abc.ABC):
@@ -83,8 +113,10 @@ class MetaStore(abc.ABC):
         """Change attributes; ``mode`` keeps the file type bits of the inode."""
 
     @abc.abstractmethod
-    def extend(self, ino: int, end: int, mtime_ns: int) -> Inode:
-        """Grow ``size`` to at least ``end`` (never shrinks) and set mtime: after a write."""
+    def extend(self, ino: int, end: int, mtime_ns: int, chunks: tuple[tuple[int, int, int], ...] = ()) -> Inode:
+        """Grow ``size`` to at least ``end`` (never shrinks) and set mtime: after a write
+        acknowledged by the shards. ``chunks`` are ``(index, shard id, incarnation)`` of chunks
+        the write created; they join the file's chunk map (an existing record is kept)."""
 
     @abc.abstractmethod
     def create(
@@ -175,6 +207,82 @@ class MetaStore(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+    # shard health and memory
+    @abc.abstractmethod
+    def note_incarnation(self, shard_id: int, incarnation: int) -> int:
+        """Record the incarnation a client found the shard in; return the one recorded before
+        (0 if none). A different non-zero previous value means the shard lost its memory: every
+        chunk recorded on it with the old incarnation is lost."""
+
+    @abc.abstractmethod
+    def set_shard_health(self, shard_id: int, health: str) -> None:
+        """``up`` or ``down``, as a heartbeat or a failed request found it."""
+
+    # the chunk map: which chunks of a file hold written bytes, and on which shard memory
+    @abc.abstractmethod
+    def chunk_map(self, ino: int) -> dict[int, tuple[int, int]]:
+        """Recorded chunks of a file: chunk index -> (shard id, incarnation when written)."""
+
+    @abc.abstractmethod
+    def damaged(self) -> list[DamagedFile]:
+        """Files with a recorded chunk whose shard has since changed incarnation."""
+
+    # sessions and open files (JuiceFS's sessions and sustained inodes)
+    @abc.abstractmethod
+    def open_session(self, name: str) -> int:
+        """Register a session of this process; returns its id."""
+
+    @abc.abstractmethod
+    def heartbeat(self, sid: int) -> None:
+        """Keep a session alive.
+
+        Raises:
+            NotFound: the session was reaped (it missed its heartbeats): the caller must stop.
+        """
+
+    @abc.abstractmethod
+    def close_session(self, sid: int) -> None:
+        """End a session and drop its open-file records."""
+
+    @abc.abstractmethod
+    def sessions(self) -> list[Session]: ...
+
+    @abc.abstractmethod
+    def open_inode(self, sid: int, ino: int) -> tuple[Inode, bytes, dict[int, tuple[int, int]]]:
+        """What an open needs, in one transaction: the inode, its ``user.irdma.io`` mode and its
+        chunk map; and a record that session ``sid`` holds it open, so that no other client
+        frees its chunks while it is open (a "sustained" inode once unlinked).
+
+        Raises:
+            Stale: the inode was removed or has no name left (the kernel looks the path up again).
+        """
+
+    @abc.abstractmethod
+    def close_inode(self, sid: int, ino: int) -> tuple[Inode | None, bool]:
+        """Drop session ``sid``'s open record of ``ino``. Returns the inode (None if gone) and
+        whether it is reclaimable: no name left and no live session holds it open; the caller
+        then frees its chunks and calls :meth:`delete_inode`."""
+
+    @abc.abstractmethod
+    def reclaimable(self, ino: int) -> Inode | None:
+        """The inode if it has no name left and no live session holds it open, else None."""
+
+    @abc.abstractmethod
+    def dead_sessions(self) -> list[Session]:
+        """Sessions past their expiry, or of this host with their process gone."""
+
+    @abc.abstractmethod
+    def reap_session(self, sid: int) -> None:
+        """Remove a dead session and its open-file records."""
+
+    @abc.abstractmethod
+    def path_of(self, ino: int) -> str:
+        """One path of an inode ("" if it has no name)."""
+
+    @abc.abstractmethod
+    def file_sizes(self) -> dict[int, tuple[int, int, bool]]:
+        """Every regular file: ino -> (size in bytes, chunk size, open in a live session)."""
 
     # helpers built on the above
     def resolve(self, path: str) -> Inode:

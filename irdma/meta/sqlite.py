@@ -4,27 +4,39 @@ Several processes of one host (every mount, the CLI, native clients) open the sa
 lets readers run beside one writer, and every change is one ``BEGIN IMMEDIATE`` transaction,
 so a rename is atomic for all of them (https://www.sqlite.org/wal.html). Inode numbers come
 from ``AUTOINCREMENT`` and are never reused: they name files on the shards.
+
+Each thread gets its own connection (callers run these methods in worker threads, off the
+event loop). A writer waits at most ``busy_timeout`` seconds for another process's write lock,
+then gets :class:`Busy` (EBUSY); any other database failure is a :class:`MetadataError` (EIO).
+Both are logged once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
+import socket
 import sqlite3
 import stat
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from irdma._errors import (
     Busy,
     Exists,
     InvalidArgument,
     IsADirectory,
+    MetadataError,
     NameTooLong,
     NoAttribute,
     NotADirectory,
     NotEmpty,
     NotFound,
+    Stale,
 )
 from irdma.placement import DEFAULT_CHUNK_SIZE, check_chunk_size
 from irdma.protocol import UpdateOp
@@ -34,11 +46,14 @@ from .base import (
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,
     ROOT_INO,
+    SESSION_EXPIRY_S,
     XATTR_CHUNK_SIZE,
     XATTR_IO,
     XATTR_UPDATE,
+    DamagedFile,
     Inode,
     MetaStore,
+    Session,
     ShardRecord,
 )
 
@@ -58,7 +73,46 @@ CREATE TABLE IF NOT EXISTS shards(
     id INTEGER PRIMARY KEY, address TEXT NOT NULL UNIQUE, state TEXT NOT NULL,
     added_ns INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS config(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sessions(
+    sid INTEGER PRIMARY KEY AUTOINCREMENT, name TEXT NOT NULL, host TEXT NOT NULL, pid INTEGER NOT NULL,
+    started_ns INTEGER NOT NULL, heartbeat_ns INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS open_files(sid INTEGER NOT NULL, ino INTEGER NOT NULL, PRIMARY KEY(sid, ino));
+CREATE INDEX IF NOT EXISTS open_files_ino ON open_files(ino);
+CREATE TABLE IF NOT EXISTS chunks(
+    ino INTEGER NOT NULL, idx INTEGER NOT NULL, shard INTEGER NOT NULL, incarnation INTEGER NOT NULL,
+    PRIMARY KEY(ino, idx));
 """
+#: Columns added to the shards table since the first schema (added on open where missing).
+_SHARD_COLUMNS = {
+    "incarnation": "INTEGER NOT NULL DEFAULT 0",
+    "health": "TEXT NOT NULL DEFAULT 'unknown'",
+    "health_ns": "INTEGER NOT NULL DEFAULT 0",
+}
+_SHARD_COLS = "id, address, state, added_ns, incarnation, health, health_ns"
+log = logging.getLogger("irdma.meta")
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _db_errors(fn: _F) -> _F:
+    """Turn ``sqlite3.Error`` into Busy (a lock held too long) or MetadataError, logged once."""
+
+    @functools.wraps(fn)
+    def wrapper(self: SqliteMeta, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                log.warning("metadata %s: %s held by another process for over %g s", fn.__name__, self.path,
+                            self.busy_timeout)
+                raise Busy(f"metadata database {self.path} is locked by another process (waited"
+                           f" {self.busy_timeout:g} s)", "retry; find the process holding it with `fuser`") from None
+            log.error("metadata %s failed on %s: %s", fn.__name__, self.path, exc)
+            raise MetadataError(f"metadata database {self.path}: {exc}") from None
+        except sqlite3.Error as exc:
+            log.error("metadata %s failed on %s: %s", fn.__name__, self.path, exc)
+            raise MetadataError(f"metadata database {self.path}: {exc}") from None
+
+    return wrapper  # type: ignore[return-value]
 
 _COLS = "ino, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size, stripe, update_op"
 _VIRTUAL = (XATTR_UPDATE, XATTR_CHUNK_SIZE)
@@ -85,7 +139,7 @@ class SqliteMeta(MetaStore):
         NotFound: ``path`` does not exist and ``create`` is False.
     """
 
-    def __init__(self, path: str, *, create: bool = False) -> None:
+    def __init__(self, path: str, *, create: bool = False, busy_timeout: float = 10.0) -> None:
         if not create and not os.path.exists(path):
             raise NotFound(
                 f"no metadata database at {path}",
@@ -93,14 +147,37 @@ class SqliteMeta(MetaStore):
             )
         self.path = path
         self.url = f"sqlite://{path}"
-        self._db = sqlite3.connect(path, isolation_level=None, timeout=30.0, check_same_thread=False)
+        self.busy_timeout = busy_timeout
+        self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._all_lock = threading.Lock()
+        self._host = socket.gethostname()
+        self._init_schema()
+
+    @property
+    def _db(self) -> sqlite3.Connection:
+        """This thread's connection (opened on first use)."""
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self.path, isolation_level=None, timeout=self.busy_timeout, check_same_thread=False)
+            db.execute(f"PRAGMA busy_timeout={int(self.busy_timeout * 1000)}")
+            db.execute("PRAGMA synchronous=NORMAL")
+            self._local.db = db
+            with self._all_lock:
+                self._all.append(db)
+        return db
+
+    @_db_errors
+    def _init_schema(self) -> None:
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA busy_timeout=30000")
         with self._tx() as c:
             for stmt in SCHEMA.split(";"):
                 if stmt.strip():
                     c.execute(stmt)
+            have = {r[1] for r in c.execute("PRAGMA table_info(shards)")}
+            for col, decl in _SHARD_COLUMNS.items():
+                if col not in have:
+                    c.execute(f"ALTER TABLE shards ADD COLUMN {col} {decl}")
             if c.execute("SELECT 1 FROM inodes WHERE ino=?", (ROOT_INO,)).fetchone() is None:
                 t = _now()
                 c.execute(
@@ -190,6 +267,8 @@ class SqliteMeta(MetaStore):
                     raise InvalidArgument(f"negative size {size}")
                 inode.size = size
                 inode.mtime_ns = _now()
+                if inode.chunk_size:  # chunks past the new end are no longer the file's
+                    c.execute("DELETE FROM chunks WHERE ino=? AND idx>=?", (ino, -(-size // inode.chunk_size)))
             if mode is not None:
                 inode.mode = stat.S_IFMT(inode.mode) | stat.S_IMODE(mode)
             if uid is not None:
@@ -207,11 +286,13 @@ class SqliteMeta(MetaStore):
             )
             return inode
 
-    def extend(self, ino: int, end: int, mtime_ns: int) -> Inode:
+    def extend(self, ino: int, end: int, mtime_ns: int, chunks: tuple[tuple[int, int, int], ...] = ()) -> Inode:
         with self._tx() as c:
             c.execute(
                 "UPDATE inodes SET size=MAX(size, ?), mtime_ns=?, ctime_ns=? WHERE ino=?", (end, mtime_ns, mtime_ns, ino)
             )
+            if chunks:
+                c.executemany("INSERT OR IGNORE INTO chunks VALUES (?,?,?,?)", [(ino, i, s, n) for i, s, n in chunks])
             return self._get(c, ino)
 
     def create(
@@ -356,8 +437,10 @@ class SqliteMeta(MetaStore):
 
     def delete_inode(self, ino: int) -> None:
         with self._tx() as c:
-            c.execute("DELETE FROM inodes WHERE ino=? AND nlink<=0", (ino,))
-            c.execute("DELETE FROM xattrs WHERE ino=?", (ino,))
+            if c.execute("DELETE FROM inodes WHERE ino=? AND nlink<=0", (ino,)).rowcount:
+                c.execute("DELETE FROM xattrs WHERE ino=?", (ino,))
+                c.execute("DELETE FROM chunks WHERE ino=?", (ino,))
+                c.execute("DELETE FROM open_files WHERE ino=?", (ino,))
 
     # ---------------------------------------------------------------- xattrs
     def getxattr(self, ino: int, name: bytes) -> bytes:
@@ -432,13 +515,156 @@ class SqliteMeta(MetaStore):
             return ShardRecord(int(sid), address, "up", t)
 
     def shards(self) -> list[ShardRecord]:
-        return [ShardRecord(*r) for r in self._db.execute("SELECT id, address, state, added_ns FROM shards ORDER BY id")]
+        return [ShardRecord(*r) for r in self._db.execute(f"SELECT {_SHARD_COLS} FROM shards ORDER BY id")]
 
     def epoch(self) -> int:
         return int(self._db.execute("SELECT value FROM config WHERE key='epoch'").fetchone()[0])
 
     def close(self) -> None:
-        self._db.close()
+        with self._all_lock:
+            dbs, self._all = self._all, []
+        for db in dbs:
+            db.close()
+        self._local = threading.local()
+
+    # ---------------------------------------------------------------- shard health and memory
+    def note_incarnation(self, shard_id: int, incarnation: int) -> int:
+        with self._tx() as c:
+            row = c.execute("SELECT incarnation FROM shards WHERE id=?", (shard_id,)).fetchone()
+            if row is None:
+                raise NotFound(f"shard {shard_id} is not in the shard map")
+            if int(row[0]) != incarnation:
+                c.execute("UPDATE shards SET incarnation=? WHERE id=?", (incarnation, shard_id))
+            return int(row[0])
+
+    def set_shard_health(self, shard_id: int, health: str) -> None:
+        with self._tx() as c:
+            c.execute("UPDATE shards SET health=?, health_ns=? WHERE id=? AND health<>?",
+                      (health, _now(), shard_id, health))
+
+    # ---------------------------------------------------------------- chunk map
+    def chunk_map(self, ino: int) -> dict[int, tuple[int, int]]:
+        return {int(i): (int(s), int(n)) for i, s, n in
+                self._db.execute("SELECT idx, shard, incarnation FROM chunks WHERE ino=?", (ino,))}
+
+    def damaged(self) -> list[DamagedFile]:
+        rows = self._db.execute(
+            "SELECT c.ino, c.idx, c.shard FROM chunks c JOIN shards s ON s.id = c.shard"
+            " WHERE c.incarnation <> s.incarnation ORDER BY c.ino, c.idx"
+        ).fetchall()
+        out: dict[int, DamagedFile] = {}
+        for ino, idx, shard in rows:
+            d = out.get(ino)
+            if d is None:
+                d = out[ino] = DamagedFile(int(ino), self.path_of(int(ino)), [], [])
+            d.lost_chunks.append(int(idx))
+            if shard not in d.shards:
+                d.shards.append(int(shard))
+        return list(out.values())
+
+    # ---------------------------------------------------------------- sessions and open files
+    def open_session(self, name: str) -> int:
+        t = _now()
+        with self._tx() as c:
+            c.execute("INSERT INTO sessions(name, host, pid, started_ns, heartbeat_ns) VALUES (?,?,?,?,?)",
+                      (name, self._host, os.getpid(), t, t))
+            return int(c.execute("SELECT last_insert_rowid()").fetchone()[0])
+
+    def heartbeat(self, sid: int) -> None:
+        with self._tx() as c:
+            if c.execute("UPDATE sessions SET heartbeat_ns=? WHERE sid=?", (_now(), sid)).rowcount == 0:
+                raise NotFound(f"session {sid} was reaped (it missed its heartbeats)")
+
+    def close_session(self, sid: int) -> None:
+        self.reap_session(sid)
+
+    def reap_session(self, sid: int) -> None:
+        with self._tx() as c:
+            c.execute("DELETE FROM open_files WHERE sid=?", (sid,))
+            c.execute("DELETE FROM sessions WHERE sid=?", (sid,))
+
+    def sessions(self) -> list[Session]:
+        return [Session(*r) for r in self._db.execute(
+            "SELECT sid, name, host, pid, started_ns, heartbeat_ns FROM sessions ORDER BY sid")]
+
+    def dead_sessions(self) -> list[Session]:
+        from irdma._proc import pid_alive
+
+        limit = _now() - int(SESSION_EXPIRY_S * 1e9)
+        return [s for s in self.sessions()
+                if s.heartbeat_ns < limit or (s.host == self._host and not pid_alive(s.pid))]
+
+    def _live_openers(self, c: sqlite3.Cursor, ino: int, exclude: int = 0) -> int:
+        limit = _now() - int(SESSION_EXPIRY_S * 1e9)
+        return int(c.execute(
+            "SELECT COUNT(*) FROM open_files o JOIN sessions s ON s.sid = o.sid"
+            " WHERE o.ino=? AND o.sid<>? AND s.heartbeat_ns>=?", (ino, exclude, limit)).fetchone()[0])
+
+    def open_inode(self, sid: int, ino: int) -> tuple[Inode, bytes, dict[int, tuple[int, int]]]:
+        with self._tx() as c:
+            row = c.execute(
+                f"SELECT {', '.join('i.' + x.strip() for x in _COLS.split(','))}, x.value FROM inodes i"
+                " LEFT JOIN xattrs x ON x.ino = i.ino AND x.name = ? WHERE i.ino = ?",
+                (XATTR_IO, ino),
+            ).fetchone()
+            if row is None:
+                raise Stale(f"inode {ino} was removed")
+            inode = _inode(row[:-1])
+            if inode.nlink <= 0 and not c.execute("SELECT 1 FROM open_files WHERE sid=? AND ino=?",
+                                                  (sid, ino)).fetchone():
+                raise Stale(f"inode {ino} has no name left")
+            if sid:
+                c.execute("INSERT OR IGNORE INTO open_files VALUES (?,?)", (sid, ino))
+            chunks = {int(i): (int(s), int(n)) for i, s, n in
+                      c.execute("SELECT idx, shard, incarnation FROM chunks WHERE ino=?", (ino,))}
+            return inode, bytes(row[-1]) if row[-1] is not None else b"cached", chunks
+
+    def close_inode(self, sid: int, ino: int) -> tuple[Inode | None, bool]:
+        with self._tx() as c:
+            c.execute("DELETE FROM open_files WHERE sid=? AND ino=?", (sid, ino))
+            try:
+                inode = self._get(c, ino)
+            except NotFound:
+                return None, False
+            return inode, self._reclaimable(c, ino) is not None
+
+    def reclaimable(self, ino: int) -> Inode | None:
+        with self._tx() as c:
+            return self._reclaimable(c, ino)
+
+    def _reclaimable(self, c: sqlite3.Cursor, ino: int) -> Inode | None:
+        try:
+            inode = self._get(c, ino)
+        except NotFound:
+            return None
+        if inode.nlink > 0 or self._live_openers(c, ino):
+            return None
+        return inode
+
+    def path_of(self, ino: int) -> str:
+        parts: list[str] = []
+        cur = ino
+        for _ in range(4096):
+            if cur == ROOT_INO:
+                return "/" + "/".join(reversed(parts))
+            row = self._db.execute("SELECT parent, name FROM dentries WHERE ino=? LIMIT 1", (cur,)).fetchone()
+            if row is None:
+                return ""
+            parts.append(bytes(row[1]).decode(errors="replace"))
+            cur = int(row[0])
+        return ""
+
+    def file_sizes(self) -> dict[int, tuple[int, int, bool]]:
+        limit = _now() - int(SESSION_EXPIRY_S * 1e9)
+        open_now = {int(r[0]) for r in self._db.execute(
+            "SELECT DISTINCT o.ino FROM open_files o JOIN sessions s ON s.sid = o.sid WHERE s.heartbeat_ns>=?",
+            (limit,))}
+        return {int(ino): (int(size), int(cs), ino in open_now) for ino, size, cs in self._db.execute(
+            "SELECT ino, size, chunk_size FROM inodes WHERE chunk_size IS NOT NULL AND stripe <> ''")}
+
+
+for _name in [n for n, v in vars(SqliteMeta).items() if callable(v) and not n.startswith("_")]:
+    setattr(SqliteMeta, _name, _db_errors(getattr(SqliteMeta, _name)))
 
 
 def _check_name(name: bytes) -> None:
