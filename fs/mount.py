@@ -19,7 +19,7 @@ import trio
 
 from irdma._errors import IrdmaError
 from irdma._proc import pid_alive, spawn_detached
-from irdma.client import Client
+from irdma.client import DEFAULT_TIMEOUT, Client
 
 from .operations import IrdmaFS
 
@@ -27,15 +27,20 @@ log = logging.getLogger("irdma.fs")
 
 
 async def serve_mount(
-    meta_url: str, mountpoint: str, *, transport: str = "auto", debug: bool = False, direct_io: bool = False
+    meta_url: str, mountpoint: str, *, transport: str = "auto", debug: bool = False, direct_io: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> None:
     """Mount the namespace at ``mountpoint`` and serve it until unmounted.
+
+    ``timeout``: seconds each request to a shard, and each wait for the metadata database's
+    write lock, may take before the request fails (EIO, EBUSY).
 
     Raises:
         IrdmaError: the namespace cannot be opened.
         RuntimeError: FUSE could not mount (``/dev/fuse`` missing, mountpoint busy).
     """
-    async with Client.open(meta_url, transport=transport, client_name=f"irdma-mount {mountpoint}") as client:
+    async with Client.open(meta_url, transport=transport, client_name=f"irdma-mount {mountpoint}",
+                           timeout=timeout) as client:
         fs = IrdmaFS(client, direct_io=direct_io)
         await fs.start_session(f"mount {mountpoint}")
         options = set(pyfuse3.default_options)
@@ -107,7 +112,8 @@ def _still_mounted(mountpoint: str) -> bool:
 
 
 def spawn_mount(
-    meta_url: str, mountpoint: str, *, transport: str, log_file: str, timeout: float = 30.0, direct_io: bool = False
+    meta_url: str, mountpoint: str, *, transport: str, log_file: str, timeout: float = 30.0, direct_io: bool = False,
+    request_timeout: float = DEFAULT_TIMEOUT,
 ) -> int:
     """Start a mount process in the background and wait until the mount is up.
 
@@ -123,7 +129,7 @@ def spawn_mount(
         raise IrdmaError(f"mountpoint {mountpoint} is not a directory", f"mkdir -p {mountpoint}")
     if os.path.ismount(mountpoint):
         raise IrdmaError(f"{mountpoint} is already a mountpoint", f"irdma umount {mountpoint}")
-    args = ["-m", "irdma.fs", meta_url, mountpoint, "--transport", transport]
+    args = ["-m", "irdma.fs", meta_url, mountpoint, "--transport", transport, "--timeout", str(request_timeout)]
     pid = spawn_detached(args + (["--direct-io"] if direct_io else []), log_file)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

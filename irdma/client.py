@@ -134,6 +134,8 @@ class Client:
         """
         tr = make_transport(transport) if isinstance(transport, str) else transport
         meta = await trio.to_thread.run_sync(open_meta, meta_url)
+        if hasattr(meta, "busy_timeout"):  # a wait for the database's write lock has the same deadline
+            meta.busy_timeout = timeout
         try:
             async with open_nursery() as nursery:
                 client = cls(meta, tr, nursery, credentials=credentials, window=window, client_name=client_name,

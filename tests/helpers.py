@@ -71,11 +71,13 @@ def running_cluster(directory: str, shards: int = 2, capacity: int = 64 << 20) -
 
 
 @contextlib.contextmanager
-def mounted(meta_url: str, mountpoint: str, allow_log: tuple[str, ...] = ()) -> Iterator[str]:
-    """A real FUSE mount in a child process; unmounted (and its log checked) on exit."""
+def mounted(meta_url: str, mountpoint: str, allow_log: tuple[str, ...] = (), **kwargs: object) -> Iterator[str]:
+    """A real FUSE mount in a child process; unmounted (and its log checked) on exit.
+
+    ``kwargs`` go to :func:`irdma.fs.mount.spawn_mount` (``direct_io``, ``timeout`` ...)."""
     os.makedirs(mountpoint, exist_ok=True)
     log = mountpoint.rstrip("/") + ".log"
-    spawn_mount(meta_url, mountpoint, transport="tcp", log_file=log)
+    spawn_mount(meta_url, mountpoint, transport="tcp", log_file=log, **kwargs)  # type: ignore[arg-type]
     try:
         yield mountpoint
     finally:

@@ -160,11 +160,14 @@ class SqliteMeta(MetaStore):
         db = getattr(self._local, "db", None)
         if db is None:
             db = sqlite3.connect(self.path, isolation_level=None, timeout=self.busy_timeout, check_same_thread=False)
-            db.execute(f"PRAGMA busy_timeout={int(self.busy_timeout * 1000)}")
             db.execute("PRAGMA synchronous=NORMAL")
             self._local.db = db
+            self._local.busy = None
             with self._all_lock:
                 self._all.append(db)
+        if self._local.busy != self.busy_timeout:
+            db.execute(f"PRAGMA busy_timeout={int(self.busy_timeout * 1000)}")
+            self._local.busy = self.busy_timeout
         return db
 
     @_db_errors
