@@ -19,6 +19,7 @@ from irdma._errors import (
     Busy,
     Exists,
     InvalidArgument,
+    IrdmaError,
     IsADirectory,
     NameTooLong,
     NoAttribute,
@@ -83,9 +84,19 @@ class SqliteMeta(MetaStore):
 
     Raises:
         NotFound: ``path`` does not exist and ``create`` is False.
+        InvalidArgument: ``path`` is a directory, not an SQLite file, or (unless ``create``) an SQLite
+            file without the irdma tables; nothing was written to it.
+        IrdmaError: the file cannot be opened or written (permissions, locked, I/O error).
     """
 
     def __init__(self, path: str, *, create: bool = False) -> None:
+        hint = "pass the URL `irdma up` printed, such as sqlite:///PATH/meta.db"
+        if os.path.isdir(path):
+            there = os.path.join(path, "meta.db")
+            raise InvalidArgument(
+                f"{path} is a directory, not a metadata database",
+                f"pass sqlite://{there}" if os.path.isfile(there) else hint,
+            )
         if not create and not os.path.exists(path):
             raise NotFound(
                 f"no metadata database at {path}",
@@ -93,22 +104,42 @@ class SqliteMeta(MetaStore):
             )
         self.path = path
         self.url = f"sqlite://{path}"
-        self._db = sqlite3.connect(path, isolation_level=None, timeout=30.0, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA busy_timeout=30000")
-        with self._tx() as c:
-            for stmt in SCHEMA.split(";"):
-                if stmt.strip():
-                    c.execute(stmt)
-            if c.execute("SELECT 1 FROM inodes WHERE ino=?", (ROOT_INO,)).fetchone() is None:
-                t = _now()
-                c.execute(
-                    "INSERT INTO inodes(ino, mode, uid, gid, nlink, atime_ns, mtime_ns, ctime_ns)"
-                    " VALUES (?,?,?,?,2,?,?,?)",
-                    (ROOT_INO, stat.S_IFDIR | 0o755, os.getuid(), os.getgid(), t, t, t),
-                )
-                c.execute("INSERT OR IGNORE INTO config VALUES ('epoch', '0')")
+        try:
+            self._db = sqlite3.connect(path, isolation_level=None, timeout=30.0, check_same_thread=False)
+        except sqlite3.Error as exc:
+            raise IrdmaError(f"cannot open the metadata database {path}: {exc}",
+                             "check that its directory exists and is writable") from None
+        try:
+            # only our own tables may be created here: never turn someone else's file into a namespace
+            tables = {r[0] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            if not create and "inodes" not in tables:
+                raise InvalidArgument(f"{path} is not an irdma metadata database: it has no irdma tables", hint)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA busy_timeout=30000")
+            with self._tx() as c:
+                for stmt in SCHEMA.split(";"):
+                    if stmt.strip():
+                        c.execute(stmt)
+                if c.execute("SELECT 1 FROM inodes WHERE ino=?", (ROOT_INO,)).fetchone() is None:
+                    t = _now()
+                    c.execute(
+                        "INSERT INTO inodes(ino, mode, uid, gid, nlink, atime_ns, mtime_ns, ctime_ns)"
+                        " VALUES (?,?,?,?,2,?,?,?)",
+                        (ROOT_INO, stat.S_IFDIR | 0o755, os.getuid(), os.getgid(), t, t, t),
+                    )
+                    c.execute("INSERT OR IGNORE INTO config VALUES ('epoch', '0')")
+        except BaseException as exc:
+            self._db.close()
+            if isinstance(exc, sqlite3.DatabaseError) and "not a database" in str(exc):
+                raise InvalidArgument(f"{path} is not an irdma metadata database: {exc}", hint) from None
+            if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+                raise Busy(f"the metadata database {path} stayed locked for 30 s ({exc})",
+                           "another process holds a long write transaction on it; retry") from None
+            if isinstance(exc, sqlite3.Error):
+                raise IrdmaError(f"cannot open the metadata database {path}: {exc}",
+                                 "check that the file and its directory are readable and writable") from None
+            raise
 
     @contextlib.contextmanager
     def _tx(self) -> Iterator[sqlite3.Cursor]:
