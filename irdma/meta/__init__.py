@@ -36,7 +36,7 @@ def meta_path(url: str) -> str:
     elif "://" in url:
         scheme = url.split("://", 1)[0]
         raise InvalidMetaURL(
-            f"unsupported metadata URL {url!r}: the {scheme}:// engine does not exist (only sqlite:// does)", URL_HINT
+            f"unsupported metadata URL {url!r}: irdma has no {scheme}:// engine, only sqlite://", URL_HINT
         )
     else:
         path = url
