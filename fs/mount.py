@@ -8,17 +8,23 @@ or SIGINT, which unmount it.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import errno
 import logging
 import os
+import re
 import signal
+import stat
 import subprocess
+import threading
 import time
 
 import pyfuse3
 import trio
 
 from irdma._errors import IrdmaError
-from irdma._proc import pid_alive, spawn_detached
+from irdma._proc import last_log_line, pid_alive, spawn_detached
 from irdma.client import DEFAULT_TIMEOUT, Client
 
 from .operations import IrdmaFS
@@ -36,8 +42,8 @@ async def serve_mount(
     write lock, may take before the request fails (EIO, EBUSY).
 
     Raises:
-        IrdmaError: the namespace cannot be opened.
-        RuntimeError: FUSE could not mount (``/dev/fuse`` missing, mountpoint busy).
+        IrdmaError: the namespace cannot be opened, or FUSE could not mount (``/dev/fuse``
+            missing, mountpoint busy).
     """
     async with Client.open(meta_url, transport=transport, client_name=f"irdma-mount {mountpoint}",
                            timeout=timeout) as client:
@@ -49,7 +55,11 @@ async def serve_mount(
         if debug:
             options.add("debug")
         fs.after_init = lambda: set_readahead(mountpoint, READAHEAD_KB)
-        pyfuse3.init(fs, mountpoint, options)
+        try:
+            pyfuse3.init(fs, mountpoint, options)
+        except RuntimeError as exc:
+            raise IrdmaError(f"FUSE could not mount {mountpoint}: {exc}",
+                             "check that /dev/fuse exists and fuse3 is installed (apt-get install fuse3)") from None
         unmounted = False
         try:
             async with trio.open_nursery() as nursery:
@@ -88,15 +98,11 @@ def set_readahead(mountpoint: str, kib: int) -> bool:
     """
     # from /proc/self/mountinfo, not stat(2): a stat of the mountpoint would be a FUSE request
     # to this very process, which is not serving yet
-    dev = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) > 4 and fields[4] == mountpoint:
-                dev = fields[2]
-    if dev is None:
+    entry = find_mount(mountpoint)
+    if entry is None:
         log.info("read-ahead stays at the kernel's default: %s not in /proc/self/mountinfo", mountpoint)
         return False
+    dev = entry.device
     path = f"/sys/class/bdi/{dev}/read_ahead_kb"
     try:
         with open(path, "w") as f:
@@ -107,8 +113,140 @@ def set_readahead(mountpoint: str, kib: int) -> bool:
     return True
 
 
+@dataclasses.dataclass(frozen=True)
+class MountEntry:
+    """One line of ``/proc/self/mountinfo`` (see proc(5))."""
+
+    mountpoint: str
+    device: str  # "MAJOR:MINOR" of the mounted filesystem
+    fstype: str  # "fuse.irdma" for ours: FUSE's type, a dot, the subtype
+    source: str
+
+    @property
+    def is_fuse(self) -> bool:
+        return self.fstype == "fuse" or self.fstype.startswith("fuse.")
+
+    @property
+    def is_irdma(self) -> bool:
+        return self.fstype == "fuse.irdma"
+
+
+def _unescape(field: str) -> str:
+    # mountinfo writes space, tab, newline and backslash as \ooo octal escapes
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def find_mount(mountpoint: str, mountinfo: str = "/proc/self/mountinfo") -> MountEntry | None:
+    """What is mounted on ``mountpoint`` (the last, topmost mount there), from the mount table.
+
+    Reads only ``/proc``: it never sends a request to a filesystem, so it neither hangs on a mount
+    whose process is stuck nor fails on one whose process died (``os.path.ismount`` does both:
+    it calls stat(2), which a dead FUSE mount answers with ENOTCONN).
+
+    Only the parent directory's path is resolved (symbolic links, ``..``): resolving the last
+    component would stat it, and in the mount process that stat would wait for itself.
+
+    Returns:
+        The entry, or None where nothing is mounted on that path.
+    """
+    path = os.path.abspath(mountpoint)
+    path = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+    found = None
+    with open(mountinfo) as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) < 5 or "-" not in fields[6:]:
+                continue
+            if _unescape(fields[4]) != path:
+                continue
+            sep = fields.index("-", 6)
+            fstype = fields[sep + 1] if len(fields) > sep + 1 else ""
+            source = _unescape(fields[sep + 2]) if len(fields) > sep + 2 else ""
+            found = MountEntry(path, fields[2], fstype, source)
+    return found
+
+
+class MountState(enum.Enum):
+    """What a mountpoint is now (:func:`mount_state`)."""
+
+    FREE = "free"  # nothing mounted there
+    LIVE = "live"  # a mount whose filesystem answers
+    DEAD = "dead"  # a FUSE mount whose process exited: every access fails with ENOTCONN
+    HUNG = "hung"  # a FUSE mount whose process does not answer a stat(2) in time
+
+
+#: Errors a FUSE mount gives once its process is gone (ECONNABORTED after a forced abort).
+_DEAD_ERRNOS = (errno.ENOTCONN, errno.ECONNABORTED)
+
+
+def mount_state(mountpoint: str, timeout: float = 5.0) -> tuple[MountState, MountEntry | None]:
+    """Whether ``mountpoint`` is free, a live mount, or a dead or hung FUSE mount.
+
+    A FUSE mount is probed with stat(2) in a helper thread, so a stuck mount process costs at
+    most ``timeout`` seconds here rather than a hang.
+
+    Returns:
+        The state and the mount-table entry (None when free).
+    """
+    entry = find_mount(mountpoint)
+    if entry is None:
+        return MountState.FREE, None
+    if not entry.is_fuse:
+        return MountState.LIVE, entry
+    result: list[BaseException | None] = []
+
+    def probe() -> None:
+        try:
+            os.stat(entry.mountpoint)
+            result.append(None)
+        except OSError as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=probe, name=f"stat {entry.mountpoint}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not result:
+        return MountState.HUNG, entry
+    exc = result[0]
+    if isinstance(exc, OSError) and exc.errno in _DEAD_ERRNOS:
+        return MountState.DEAD, entry
+    return MountState.LIVE, entry
+
+
 def _still_mounted(mountpoint: str) -> bool:
-    return os.path.ismount(mountpoint)
+    # the mount table, not stat(2): this runs in the mount process once it stopped serving, where a
+    # stat of its own mountpoint would wait for an answer from itself
+    return find_mount(mountpoint) is not None
+
+
+def check_mountpoint(mountpoint: str) -> str:
+    """Check that a mount can be made on ``mountpoint``; returns its absolute, resolved path.
+
+    Raises:
+        IrdmaError: it does not exist, is not a directory, or is already a mountpoint (a dead
+            irdma mount included: the message says how to clean it).
+    """
+    mountpoint = os.path.realpath(mountpoint)  # the kernel mounts on the target of a symlink
+    state, entry = mount_state(mountpoint)
+    kind = "irdma" if entry is not None and entry.is_irdma else "FUSE"
+    if state is MountState.DEAD:
+        raise IrdmaError(f"{mountpoint} is a dead {kind} mount: its process exited",
+                         f"clean it with `irdma umount {mountpoint}`")
+    if state is MountState.HUNG:
+        raise IrdmaError(f"{mountpoint} is a {kind} mount whose process does not answer",
+                         f"unmount it with `irdma umount {mountpoint}`")
+    if state is MountState.LIVE:
+        raise IrdmaError(f"{mountpoint} is already a mountpoint", f"unmount it first with `irdma umount {mountpoint}`")
+    try:
+        st = os.stat(mountpoint)
+    except FileNotFoundError:
+        raise IrdmaError(f"mountpoint {mountpoint} does not exist", f"mkdir -p {mountpoint}") from None
+    except OSError as exc:
+        raise IrdmaError(f"cannot use {mountpoint} as a mountpoint: {exc.strerror}",
+                         "pick another directory") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise IrdmaError(f"mountpoint {mountpoint} is not a directory", "pick a directory (mkdir one)")
+    return mountpoint
 
 
 def spawn_mount(
@@ -121,54 +259,67 @@ def spawn_mount(
         The mount process's pid.
 
     Raises:
-        IrdmaError: the process died or the mount did not appear within ``timeout`` seconds;
-            the message carries the end of its log.
+        IrdmaError: the mountpoint cannot take a mount (see :func:`check_mountpoint`), or the
+            process died or the mount did not answer within ``timeout`` seconds; the message
+            carries the last line of its log.
     """
-    mountpoint = os.path.abspath(mountpoint)
-    if not os.path.isdir(mountpoint):
-        raise IrdmaError(f"mountpoint {mountpoint} is not a directory", f"mkdir -p {mountpoint}")
-    if os.path.ismount(mountpoint):
-        raise IrdmaError(f"{mountpoint} is already a mountpoint", f"irdma umount {mountpoint}")
+    mountpoint = check_mountpoint(mountpoint)
     args = ["-m", "irdma.fs", meta_url, mountpoint, "--transport", transport, "--timeout", str(request_timeout)]
     pid = spawn_detached(args + (["--direct-io"] if direct_io else []), log_file)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if os.path.ismount(mountpoint):
-            return pid
-        if not pid_alive(pid):
+        # in the mount table (not os.path.ismount, which a dead mount confuses), then answering
+        if find_mount(mountpoint) is not None:
+            state, _ = mount_state(mountpoint, timeout=max(0.1, deadline - time.monotonic()))
+            if state is MountState.LIVE:
+                return pid
+            if state is MountState.DEAD or not pid_alive(pid):
+                break
+        elif not pid_alive(pid):
             break
         time.sleep(0.05)
-    else:
+    if pid_alive(pid):
         os.kill(pid, signal.SIGTERM)
     raise IrdmaError(
-        f"mount of {mountpoint} failed; its log {log_file} ends:\n{_tail(log_file)}",
-        "check that /dev/fuse exists and fuse3 is installed (apt-get install fuse3)",
+        f"mount of {mountpoint} failed: {last_log_line(log_file)}",
+        f"its log is {log_file}; check that /dev/fuse exists and fuse3 is installed (apt-get install fuse3)",
     )
 
 
-def unmount(mountpoint: str, timeout: float = 30.0) -> None:
+def unmount(mountpoint: str, timeout: float = 30.0) -> MountState:
     """Unmount with ``fusermount3 -u`` and wait until the mountpoint is free.
 
+    A dead mount (its process exited) is cleaned the same way, lazily (``-uz``) where the
+    kernel still holds it busy.
+
+    Returns:
+        What the mount was: :attr:`MountState.LIVE`, or :attr:`MountState.DEAD` /
+        :attr:`MountState.HUNG` for a mount whose process had exited or did not answer.
+
     Raises:
-        IrdmaError: not mounted, or busy (a process still has files open there).
+        IrdmaError: not mounted, not a FUSE mount, busy (a process still has files open
+            there), or still in the mount table after ``timeout`` seconds.
     """
     mountpoint = os.path.abspath(mountpoint)
-    if not os.path.ismount(mountpoint):
-        raise IrdmaError(f"{mountpoint} is not mounted")
-    res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
+    state, entry = mount_state(mountpoint)
+    if entry is None:
+        raise IrdmaError(f"{mountpoint} is not mounted", "nothing to do; `grep fuse /proc/mounts` lists the FUSE mounts")
+    if not entry.is_fuse:
+        raise IrdmaError(f"{mountpoint} is a {entry.fstype} mount, not a FUSE one",
+                         f"irdma leaves it alone; `umount {mountpoint}` if you mean it")
+    res = subprocess.run(["fusermount3", "-u", entry.mountpoint], capture_output=True, text=True)
+    if res.returncode != 0 and state is not MountState.LIVE:
+        # a dead mount that a process still uses (its cwd, say): detach it now, freed when unused
+        res = subprocess.run(["fusermount3", "-uz", entry.mountpoint], capture_output=True, text=True)
     if res.returncode != 0:
         raise IrdmaError(
             f"cannot unmount {mountpoint}: {res.stderr.strip()}",
             f"close the files open there (`fuser -m {mountpoint}`), or `fusermount3 -uz {mountpoint}`",
         )
     deadline = time.monotonic() + timeout
-    while os.path.ismount(mountpoint) and time.monotonic() < deadline:
+    while find_mount(mountpoint) is not None:
+        if time.monotonic() > deadline:
+            raise IrdmaError(f"{mountpoint} is still mounted {timeout:.0f} s after fusermount3 -u",
+                             f"`fusermount3 -uz {mountpoint}` detaches it")
         time.sleep(0.05)
-
-
-def _tail(path: str, n: int = 20) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return "(no log)"
+    return state

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import functools
 import logging
 import os
+import socket
+import sqlite3
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 import trio
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from . import cluster as _cluster
-from ._errors import IrdmaError, TransportUnavailable
+from ._errors import InvalidArgument, IrdmaError, TransportUnavailable
 from .transport import TRANSPORTS
 from .units import format_size, parse_size
 
@@ -44,22 +49,115 @@ def _size(ctx: Any, param: Any, value: str) -> int:
         raise click.BadParameter(str(exc)) from None
 
 
+def _leaf(exc: BaseException) -> BaseException:
+    """The one exception inside nested exception groups (trio's nurseries wrap), else ``exc``."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+#: What to do next after an OSError, by errno (the default: check the path named).
+_OS_HINTS = {
+    errno.EACCES: "check the permissions of that path",
+    errno.EPERM: "check the permissions of that path",
+    errno.ENOENT: "check that the path exists",
+    errno.ENOTDIR: "check the path: a part of it is not a directory",
+    errno.EROFS: "pick a path on a writable filesystem",
+    errno.ENOSPC: "free some disk space",
+    errno.EADDRINUSE: "pick another port, or stop the process that listens there",
+    errno.EADDRNOTAVAIL: "pick an address of this machine",
+    errno.ECONNREFUSED: "check that the server runs at that address",
+    errno.ENOMEM: "ask for less memory",
+}
+
+
+def _error_line(exc: BaseException, verbose: int) -> tuple[str, int]:
+    """The one-line message for an error that ends a command, and the exit code.
+
+    Errors of the user's making (:class:`IrdmaError`, a system call that failed, the metadata
+    database) say what happened and what to do; anything else is a bug in irdma.
+    """
+    if isinstance(exc, IrdmaError):
+        return str(exc), 1
+    if isinstance(exc, OSError):
+        what = exc.strerror or str(exc)
+        where = " ".join(f"{f}" for f in (exc.filename, exc.filename2) if f is not None)
+        hint = _OS_HINTS.get(exc.errno or 0, "check the path or address it names, then retry")
+        return f"{what}{': ' + where if where else ''} ({hint})", 1
+    if isinstance(exc, sqlite3.Error):
+        return (f"metadata database: {exc} (check that --meta names the database `irdma up` made;"
+                " rerun with -v for details)"), 1
+    rerun = "see the traceback above" if verbose else "rerun with -v for the traceback"
+    return f"unexpected {type(exc).__name__}: {exc} (a bug in irdma: {rerun} and report it)", 1
+
+
+def _verbosity() -> int:
+    ctx = click.get_current_context(silent=True)
+    return int(ctx.find_root().params.get("verbose") or 0) if ctx is not None else 0
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print ``error: MESSAGE`` on stderr as one line (never wrapped) and exit with ``code``."""
+    console.print(f"[bold red]error:[/] {escape(message)}", markup=True, highlight=False, soft_wrap=True)
+    sys.exit(code)
+
+
 def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Print an IrdmaError as one line with what to do next, and exit 1."""
+    """Turn every error that ends a command into one line with what to do next, and exit 1.
+
+    Click's own usage errors pass through (:class:`IrdmaCLI` prints them, exit 2). A bug shows
+    its traceback only with ``-v``.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except IrdmaError as exc:
-            console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
-            sys.exit(1)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except Exception as exc:
+            leaf = _leaf(exc)
+            if isinstance(leaf, click.ClickException | click.exceptions.Exit | click.Abort):
+                raise leaf from None
+            verbose = _verbosity()
+            if verbose and not isinstance(leaf, IrdmaError | OSError | sqlite3.Error):
+                console.print_exception()
+            fail(*_error_line(leaf, verbose))
+        except KeyboardInterrupt:
+            fail("interrupted", 130)
 
     return wrapper
 
 
-@click.group()
-@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+#: Click (8.2 and later) raises this for a group called without a command: it shows the help.
+_NO_ARGS_IS_HELP: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
+class IrdmaCLI(click.Group):
+    """The ``irdma`` group: usage errors, too, are one line (``error: ... (see --help)``), exit 2."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _NO_ARGS_IS_HELP as exc:
+            exc.show()  # `irdma shard` alone: the help, as click prints it
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            ctx = exc.ctx
+            where = f"`{ctx.command_path} --help`" if ctx is not None else "`irdma --help`"
+            fail(f"{exc.format_message()} (see {where})", exc.exit_code)
+        except click.ClickException as exc:
+            fail(exc.format_message(), exc.exit_code)
+        except click.Abort:
+            fail("aborted", 1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(cls=IrdmaCLI)
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug); tracebacks of bugs.")
 @click.version_option(package_name="irdma")
 def cli(verbose: int) -> None:
     """irdma: an RDMA parameter server exposed as a POSIX filesystem."""
@@ -104,13 +202,40 @@ def server(listen: str, capacity: int, shard_id: int, transport: str, port_file:
             if not ok:
                 raise TransportUnavailable(f"RDMA verbs transport unavailable: {why}", "use --transport tcp")
             verbs = VerbsShard(shard_id, capacity)
-    shard = verbs.shard if verbs is not None else Shard(shard_id, Region(capacity))
+    try:
+        shard = verbs.shard if verbs is not None else Shard(shard_id, Region(capacity))
+    except MemoryError as exc:
+        raise IrdmaError(f"cannot allocate a memory region of {format_size(capacity)}", "pass a smaller --capacity") from exc
+    except OSError as exc:
+        raise IrdmaError(f"cannot allocate a memory region of {format_size(capacity)}: {exc.strerror}",
+                         "pass a smaller --capacity") from exc
     try:
         trio.run(functools.partial(run_server, shard, host, port, port_file=port_file,
                                    credentials=auth_token.encode(), verbs=verbs))
+    except Exception as exc:
+        err = _listen_error(_leaf(exc), listen)
+        if err is None:
+            raise
+        raise err from exc
     finally:
         if verbs is not None:
             verbs.close()
+
+
+def _listen_error(exc: BaseException, listen: str) -> IrdmaError | None:
+    """An error of binding ``listen`` as an :class:`IrdmaError` that names the address, else None."""
+    port = listen.rpartition(":")[2]
+    if isinstance(exc, socket.gaierror):
+        return InvalidArgument(f"cannot listen on {listen}: {exc.strerror}", "pass --listen HOST:PORT with a HOST"
+                               " of this machine, such as 127.0.0.1")
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        return IrdmaError(f"cannot listen on {listen}: the address is already in use",
+                          f"pick another port, 0 for a free one, or stop what listens there:"
+                          f" `ss -ltnp 'sport = :{port}'` names it")
+    if isinstance(exc, OSError) and exc.errno in (errno.EADDRNOTAVAIL, errno.EACCES):
+        return IrdmaError(f"cannot listen on {listen}: {exc.strerror}",
+                          "pass --listen an address of this machine, and a port above 1023 unless root")
+    return None
 
 
 # ---------------------------------------------------------------- local cluster
@@ -160,34 +285,39 @@ def down(cluster_dir: str, keep: bool) -> None:
 def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_file: str | None,
           direct_io: bool) -> None:
     """Mount the namespace at META_URL on MOUNTPOINT with FUSE."""
-    from irdma.fs.mount import serve_mount, spawn_mount
+    from irdma.fs.mount import check_mountpoint, serve_mount, spawn_mount
 
-    from .meta import open_meta
+    from .meta import meta_path, open_meta
 
     open_meta(meta_url).close()  # fail here, clearly, if there is no namespace
     if foreground:
         logging.getLogger("irdma").setLevel(logging.INFO)
-        trio.run(functools.partial(serve_mount, meta_url, os.path.abspath(mountpoint), transport=transport,
+        trio.run(functools.partial(serve_mount, meta_url, check_mountpoint(mountpoint), transport=transport,
                                    direct_io=direct_io))
         return
     log_file = log_file or os.path.join(
-        os.path.dirname(meta_url.removeprefix("sqlite://")) or ".", f"mount-{os.path.basename(os.path.abspath(mountpoint))}.log"
+        os.path.dirname(meta_path(meta_url)), f"mount-{os.path.basename(os.path.abspath(mountpoint))}.log"
     )
     with console.status(f"mounting {meta_url} on {mountpoint}"):
         pid = spawn_mount(meta_url, mountpoint, transport=transport, log_file=log_file, direct_io=direct_io)
     console.print(f"mounted on {os.path.abspath(mountpoint)} (pid {pid}, log {log_file}); `irdma umount {mountpoint}` to stop.",
-                  highlight=False)
+                  highlight=False, soft_wrap=True)
 
 
 @cli.command()
 @click.argument("mountpoint", type=click.Path(file_okay=False))
 @friendly
 def umount(mountpoint: str) -> None:
-    """Unmount an irdma mount (waits for its writes to be on the shards)."""
-    from irdma.fs.mount import unmount
+    """Unmount an irdma mount (waits for its writes to be on the shards); cleans a dead one."""
+    from irdma.fs.mount import MountState, unmount
 
-    unmount(mountpoint)
-    console.print(f"unmounted {os.path.abspath(mountpoint)}", highlight=False)
+    was = unmount(mountpoint)
+    if was is MountState.LIVE:
+        console.print(f"unmounted {os.path.abspath(mountpoint)}", highlight=False, soft_wrap=True)
+    else:
+        why = "its process had exited" if was is MountState.DEAD else "its process did not answer"
+        console.print(f"cleaned the {was.value} mount on {os.path.abspath(mountpoint)} ({why}); writes it had not"
+                      " flushed are lost. Mount it again with `irdma mount`.", highlight=False, soft_wrap=True)
 
 
 # ---------------------------------------------------------------- shards and status
@@ -197,10 +327,16 @@ def shard() -> None:
 
 
 async def _stats(meta_url: str) -> tuple[list[Any], tuple[int, int], int]:
+    stats, usage, epoch, _ = await _status(meta_url)
+    return stats, usage, epoch
+
+
+async def _status(meta_url: str) -> tuple[list[Any], tuple[int, int], int, list[Any]]:
     from .client import Client
 
     async with Client.open(meta_url, transport="tcp") as client:
-        return await client.shard_stats(), await client.meta.usage(), await client.meta.epoch()
+        stats = await client.shard_stats()  # notes each shard's incarnation first
+        return stats, await client.meta.usage(), await client.meta.epoch(), await client.meta.damaged()
 
 
 @shard.command("list")
@@ -221,49 +357,205 @@ def shard_list(meta_url: str) -> None:
     out.print(table)
     for rec, st, why in stats:
         if st is None:
-            console.print(f"shard {rec.shard_id} at {rec.address}: {why}", highlight=False)
+            console.print(f"shard {rec.shard_id} at {rec.address}: {why}", highlight=False, soft_wrap=True)
 
 
 @shard.command("add")
 @click.argument("address")
 @META_OPTION
+@click.option("--force", is_flag=True, help="Register it even if no shard answers at ADDRESS now.")
+@click.option("--auth-token", envvar="IRDMA_AUTH_TOKEN", default="", help="Token the shard asks for, if any.")
+@click.option("--timeout", default=5.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Seconds to wait for the shard's handshake.")
 @friendly
-def shard_add(address: str, meta_url: str) -> None:
-    """Register the shard server at ADDRESS (HOST:PORT) in the shard map."""
+def shard_add(address: str, meta_url: str, force: bool, auth_token: str, timeout: float) -> None:
+    """Register the shard server at ADDRESS (HOST:PORT) in the shard map.
+
+    The shard must be running and answer the irdma handshake (unless --force): new files are
+    striped over every registered shard at once.
+    """
+    import contextlib
+
+    from ._errors import Exists, ShardUnavailable
+    from .cluster import check_shard
     from .meta import open_meta
     from .transport import parse_address
 
-    parse_address(address)
-    rec = open_meta(meta_url).add_shard(address)
-    console.print(f"registered shard {rec.shard_id} at {address}; start it with"
-                  f" `irdma server --listen {address} --shard-id {rec.shard_id}` if it is not running.")
+    try:
+        _, port = parse_address(address)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="ADDRESS") from None
+    if port == 0:
+        raise click.BadParameter("port 0 names no shard: give the port the shard listens on", param_hint="ADDRESS")
+    with contextlib.closing(open_meta(meta_url)) as meta:
+        same = [r for r in meta.shards() if r.address == address]
+        if same:
+            raise Exists(f"shard {same[0].shard_id} at {address} is already registered",
+                         "`irdma shard list` shows the shard map")
+        if not force:
+            try:
+                trio.run(functools.partial(check_shard, address, timeout, credentials=auth_token.encode()))
+            except ShardUnavailable as exc:
+                raise ShardUnavailable(
+                    f"no irdma shard answers at {address}: {exc.args[0]}",
+                    f"start it first with `irdma server --listen {address}`, check the address, or pass --force"
+                    " to register it anyway",
+                ) from None
+        rec = meta.add_shard(address)
+    if force:
+        console.print(f"registered shard {rec.shard_id} at {address} without checking it; start it with"
+                      f" `irdma server --listen {address} --shard-id {rec.shard_id}` if it is not running.",
+                      highlight=False, soft_wrap=True)
+    else:
+        console.print(f"registered shard {rec.shard_id} at {address}; it answers. `irdma status` shows the cluster.",
+                      highlight=False, soft_wrap=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Health:
+    """How `irdma status` sums the cluster up, and the exit code it ends with."""
+
+    word: str
+    style: str
+    exit_code: int
+    advice: str = ""
+
+
+def cluster_health(stats: list[Any], damaged: list[Any] | None = None) -> Health:
+    """The cluster's health from :meth:`Client.shard_stats` (``(record, stats or None, why)`` each)
+    and the damaged files (:meth:`MetaStore.damaged`).
+
+    The exit codes of ``irdma status``: 0 healthy (every shard answers), 1 degraded (a shard
+    is down, or the shard map is empty), 2 data lost (a file's chunks are gone).
+    """
+    if damaged:
+        n = sum(len(d.lost_chunks) for d in damaged)
+        return Health("data lost", "bold red", 2,
+                      f"{n} chunks of {len(damaged)} files are lost (a shard restarted on empty memory):"
+                      " reads of them fail with EIO; rewrite those files or restore them from a checkpoint,"
+                      " `irdma fsck` lists them.")
+    if not stats:
+        return Health("degraded", "red", 1, "the shard map is empty: `irdma shard add HOST:PORT` registers a shard.")
+    if any(st is None for _, st, _ in stats):
+        return Health("degraded", "red", 1,
+                      "some shards are down: `irdma shard list` names them; restart them or the cluster.")
+    return Health("healthy", "green", 0)
 
 
 @cli.command()
 @META_OPTION
 @friendly
 def status(meta_url: str) -> None:
-    """The cluster at a glance: shards up, capacity, used, files."""
-    stats, (inodes, file_bytes), epoch = trio.run(_stats, meta_url)
+    """The cluster at a glance: shards up, capacity, used, files.
+
+    Exits 0 when the cluster is healthy, 1 when it is degraded (a shard is down), 2 when data
+    is lost (the files and chunks affected are listed).
+    """
+    stats, (inodes, file_bytes), epoch, damaged = trio.run(_status, meta_url)
     up_ = [st for _, st, _ in stats if st is not None]
     cap = sum(st.capacity for st in up_)
     used = sum(st.used for st in up_)
     chunks = sum(st.chunks for st in up_)
+    health = cluster_health(stats, damaged)
     table = Table(title="irdma status", show_header=False)
     table.add_column("what")
     table.add_column("value")
-    health = "[green]healthy[/]" if len(up_) == len(stats) and stats else "[red]degraded[/]"
     table.add_row("metadata", meta_url)
-    table.add_row("health", health)
+    table.add_row("health", f"[{health.style}]{health.word}[/]")
     table.add_row("shards up", f"{len(up_)} of {len(stats)} (shard map epoch {epoch})")
     table.add_row("capacity", format_size(cap))
     table.add_row("used", f"{format_size(used)} ({100 * used / cap:.1f}%)" if cap else "-")
     table.add_row("chunks", str(chunks))
     table.add_row("inodes", str(inodes))
     table.add_row("bytes in files", format_size(file_bytes))
+    if damaged:
+        table.add_row("damaged files", str(len(damaged)))
     out.print(table)
-    if len(up_) != len(stats):
-        console.print("some shards are down: `irdma shard list` names them; restart them or the cluster.")
+    if damaged:
+        _print_damaged(damaged)
+    if health.advice:
+        console.print(health.advice, highlight=False, soft_wrap=True)
+    sys.exit(health.exit_code)
+
+
+def _print_damaged(damaged: list[Any], limit: int = 50) -> None:
+    table = Table(title="files with lost chunks")
+    for col in ("inode", "path", "lost chunks", "on shards"):
+        table.add_column(col)
+    for d in damaged[:limit]:
+        idx = ", ".join(map(str, d.lost_chunks[:8])) + (" ..." if len(d.lost_chunks) > 8 else "")
+        table.add_row(str(d.ino), d.path or "(no name)", idx, ", ".join(map(str, d.shards)))
+    out.print(table)
+    if len(damaged) > limit:
+        out.print(f"... and {len(damaged) - limit} more")
+
+
+@cli.command()
+@META_OPTION
+@friendly
+def fsck(meta_url: str) -> None:
+    """Check the namespace against the shards: damaged files, missing and leaked chunks.
+
+    Lists files whose chunks were lost (a shard restarted on empty memory, or a chunk was freed
+    behind the namespace's back), chunks no file owns, dead sessions and orphans. Changes
+    nothing (`irdma gc` collects). Exits 0 when clean, 1 when there is garbage or a shard could
+    not be checked, 2 when data is lost.
+    """
+    from .client import Client
+    from .fsck import scan
+
+    async def run() -> Any:
+        async with Client.open(meta_url, transport="tcp") as client:
+            with console.status("checking") as st:
+                return await scan(client, progress=lambda msg: st.update(msg))
+
+    rep = trio.run(run)
+    missing = [(ino, lst) for ino, lst in rep.missing.items()]
+    if rep.damaged:
+        _print_damaged(rep.damaged)
+    if missing:
+        table = Table(title="files with chunks missing on their shard")
+        for col in ("inode", "chunks (shard)"):
+            table.add_column(col)
+        for ino, lst in missing[:50]:
+            table.add_row(str(ino), ", ".join(f"{i} ({s})" for i, s in lst[:8]) + (" ..." if len(lst) > 8 else ""))
+        out.print(table)
+    out.print(f"damaged files: {len(rep.damaged) + len(missing)}; leaked chunks: {len(rep.leaked)}"
+              f" ({format_size(rep.leaked_bytes)}); dead sessions: {len(rep.sessions)}; orphans: {len(rep.orphans)};"
+              f" shards not checked: {len(rep.unreachable)}", highlight=False)
+    for sid, why in rep.unreachable:
+        console.print(f"shard {sid} not checked: {why}", highlight=False)
+    if rep.data_lost:
+        console.print("data is lost: rewrite the files listed or restore them from a checkpoint.", highlight=False)
+        sys.exit(2)
+    if rep.leaked or rep.sessions or rep.orphans or rep.unreachable:
+        console.print("`irdma gc` frees the leaked chunks, dead sessions and orphans.", highlight=False)
+        sys.exit(1)
+    out.print("clean")
+
+
+@cli.command()
+@META_OPTION
+@click.option("--dry-run", is_flag=True, help="Report what would be freed; change nothing.")
+@friendly
+def gc(meta_url: str, dry_run: bool) -> None:
+    """Free what no file needs: chunks of dead sessions' writes, orphans, leaked chunks."""
+    from .client import Client
+    from .fsck import collect_garbage
+
+    async def run() -> Any:
+        async with Client.open(meta_url, transport="tcp") as client:
+            with console.status("collecting") as st:
+                return await collect_garbage(client, dry_run=dry_run, progress=lambda msg: st.update(msg))
+
+    rep = trio.run(run)
+    verb = "would free" if dry_run else "freed"
+    out.print(f"{verb}: {len(rep.sessions)} dead sessions, {len(rep.orphans)} orphaned files,"
+              f" {len(rep.leaked)} leaked chunks ({format_size(rep.leaked_bytes)})", highlight=False)
+    for sid, why in rep.unreachable:
+        console.print(f"shard {sid} not collected: {why}", highlight=False)
+    if rep.unreachable:
+        sys.exit(1)
 
 
 @cli.command()

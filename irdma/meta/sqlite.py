@@ -29,6 +29,7 @@ from irdma._errors import (
     Busy,
     Exists,
     InvalidArgument,
+    IrdmaError,
     IsADirectory,
     MetadataError,
     NameTooLong,
@@ -137,9 +138,19 @@ class SqliteMeta(MetaStore):
 
     Raises:
         NotFound: ``path`` does not exist and ``create`` is False.
+        InvalidArgument: ``path`` is a directory, not an SQLite file, or (unless ``create``) an SQLite
+            file without the irdma tables; nothing was written to it.
+        IrdmaError: the file cannot be opened or written (permissions, locked, I/O error).
     """
 
     def __init__(self, path: str, *, create: bool = False, busy_timeout: float = 10.0) -> None:
+        hint = "pass the URL `irdma up` printed, such as sqlite:///PATH/meta.db"
+        if os.path.isdir(path):
+            there = os.path.join(path, "meta.db")
+            raise InvalidArgument(
+                f"{path} is a directory, not a metadata database",
+                f"pass sqlite://{there}" if os.path.isfile(there) else hint,
+            )
         if not create and not os.path.exists(path):
             raise NotFound(
                 f"no metadata database at {path}",
@@ -152,14 +163,33 @@ class SqliteMeta(MetaStore):
         self._all: list[sqlite3.Connection] = []
         self._all_lock = threading.Lock()
         self._host = socket.gethostname()
-        self._init_schema()
+        try:
+            self._init_schema(create, hint)
+        except BaseException as exc:
+            self.close()
+            if isinstance(exc, IrdmaError):
+                raise
+            if isinstance(exc, sqlite3.DatabaseError) and "not a database" in str(exc):
+                raise InvalidArgument(f"{path} is not an irdma metadata database: {exc}", hint) from None
+            if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+                raise Busy(f"the metadata database {path} stayed locked for {busy_timeout:g} s ({exc})",
+                           "another process holds a long write transaction on it; retry") from None
+            if isinstance(exc, sqlite3.Error):
+                raise IrdmaError(f"cannot open the metadata database {path}: {exc}",
+                                 "check that the file and its directory are readable and writable") from None
+            raise
 
     @property
     def _db(self) -> sqlite3.Connection:
         """This thread's connection (opened on first use)."""
         db = getattr(self._local, "db", None)
         if db is None:
-            db = sqlite3.connect(self.path, isolation_level=None, timeout=self.busy_timeout, check_same_thread=False)
+            try:
+                db = sqlite3.connect(self.path, isolation_level=None, timeout=self.busy_timeout,
+                                     check_same_thread=False)
+            except sqlite3.Error as exc:
+                raise IrdmaError(f"cannot open the metadata database {self.path}: {exc}",
+                                 "check that its directory exists and is writable") from None
             db.execute("PRAGMA synchronous=NORMAL")
             self._local.db = db
             self._local.busy = None
@@ -170,8 +200,11 @@ class SqliteMeta(MetaStore):
             self._local.busy = self.busy_timeout
         return db
 
-    @_db_errors
-    def _init_schema(self) -> None:
+    def _init_schema(self, create: bool, hint: str) -> None:
+        # only our own tables may be created here: never turn someone else's file into a namespace
+        tables = {r[0] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if not create and "inodes" not in tables:
+            raise InvalidArgument(f"{self.path} is not an irdma metadata database: it has no irdma tables", hint)
         self._db.execute("PRAGMA journal_mode=WAL")
         with self._tx() as c:
             for stmt in SCHEMA.split(";"):
