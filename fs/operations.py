@@ -36,6 +36,7 @@ Inode and file-handle bookkeeping follows pyfuse3's ``examples/passthroughfs.py`
 from __future__ import annotations
 
 import errno
+import inspect
 import logging
 import os
 import stat
@@ -153,6 +154,9 @@ class IrdmaFS(pyfuse3.Operations):
         self._handles: dict[int, _Handle] = {}
         self._next_fh = 1
         self._dirs: dict[int, list[tuple[bytes, Inode]]] = {}  # readdir snapshots per open directory
+        # an open and the last release of one inode never interleave (FUSE sends RELEASE
+        # asynchronously: a reopen may arrive while the last close is freeing the file)
+        self._ino_locks: dict[int, trio.Lock] = {}
 
     def init(self) -> None:
         """FUSE INIT: once the kernel has the reply, run ``after_init`` (it may change settings
@@ -297,8 +301,10 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def _maybe_destroy(self, replaced: Inode | None) -> None:
         if replaced is not None and replaced.nlink <= 0 and replaced.ino not in self._files:
-            # freed now unless a live session holds it open (then its last close frees it)
-            await self.client.destroy_if_unused(replaced.ino)
+            # freed after its grace period unless a live session holds it open then (its last
+            # close frees it)
+            assert self.nursery is not None
+            self.nursery.start_soon(self.client.destroy_later, replaced.ino)
 
     # ------------------------------------------------------------ namespace
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
@@ -429,8 +435,27 @@ class IrdmaFS(pyfuse3.Operations):
                   self._cached.get(inode.ino), (inode.mtime_ns, inode.size))
         return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=keep)
 
+    def _ino_lock(self, ino: int) -> trio.Lock:
+        lock = self._ino_locks.get(ino)
+        if lock is None:
+            lock = self._ino_locks[ino] = trio.Lock()
+        return lock
+
+    def _ino_unlock_done(self, ino: int) -> None:
+        lock = self._ino_locks.get(ino)
+        if lock is not None and not lock.locked() and lock.statistics().tasks_waiting == 0:
+            del self._ino_locks[ino]
+
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
         with fuse_errors("open"):
+            try:
+                async with self._ino_lock(inode):
+                    return await self._open(inode, flags)
+            finally:
+                self._ino_unlock_done(inode)
+
+    async def _open(self, inode: int, flags: int) -> pyfuse3.FileInfo:
+        if True:
             node, io_mode, chunks = await self.meta.open_inode(self.sid, inode)
             if node.is_dir:
                 raise pyfuse3.FUSEError(errno.EISDIR)
@@ -477,7 +502,13 @@ class IrdmaFS(pyfuse3.Operations):
             self._start_fetch(st, nxt, file_size)
         out = bytearray(n)
         for w in starts:
-            buf = await self._window(st, w, file_size)
+            try:
+                buf = await self._window(st, w, file_size)
+            except IrdmaError:
+                # the window may span a lost chunk or a down shard that this read does not
+                # touch: read exactly the range asked for (and fail only if it fails)
+                await self.client.read_into(st.layout, off, memoryview(out), st.chunks)
+                return bytes(out)
             lo, hi = max(off, w), min(off + n, w + len(buf))
             if hi > lo:
                 out[lo - off : hi - off] = memoryview(buf)[lo - w : hi - w]
@@ -596,17 +627,45 @@ class IrdmaFS(pyfuse3.Operations):
             st.open_count -= 1
             st.cached_handles -= 0 if h.direct else 1
             if st.open_count == 0:
-                del self._files[h.ino]
                 try:
-                    with fuse_errors("release"):
-                        inode, reclaim = await self.meta.close_inode(self.sid, h.ino)
-                        if reclaim and inode is not None:
-                            self._cached.pop(h.ino, None)
-                            await self._destroy(inode)
-                        elif inode is not None and not h.direct:
-                            self._cached[h.ino] = (inode.mtime_ns, inode.size)
-                except pyfuse3.FUSEError:
-                    pass  # logged; `irdma gc` frees what is left
+                    async with self._ino_lock(h.ino):
+                        if st.open_count == 0 and self._files.get(h.ino) is st:
+                            del self._files[h.ino]
+                            await self._close_inode(h)
+                finally:
+                    self._ino_unlock_done(h.ino)
+
+    async def _close_inode(self, h: _Handle) -> None:
+        try:
+            with fuse_errors("release"):
+                inode, reclaim = await self.meta.close_inode(self.sid, h.ino)
+                if reclaim and inode is not None:
+                    self._cached.pop(h.ino, None)
+                    await self._destroy(inode)
+                elif inode is not None and inode.nlink <= 0:  # in its grace period: free it after
+                    assert self.nursery is not None
+                    self.nursery.start_soon(self.client.destroy_later, h.ino)
+                elif inode is not None and not h.direct:
+                    self._cached[h.ino] = (inode.mtime_ns, inode.size)
+        except pyfuse3.FUSEError:
+            pass  # logged; `irdma gc` frees what is left
 
     async def forget(self, inode_list: Any) -> None:
         return None
+
+
+def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    async def guarded(self: IrdmaFS, *args: Any, **kwargs: Any) -> Any:
+        with fuse_errors(name):
+            return await fn(self, *args, **kwargs)
+
+    guarded.__name__ = fn.__name__
+    guarded.__doc__ = fn.__doc__
+    return guarded
+
+
+# Belt and braces: every request handler, whatever its body does, lets only FUSEError out
+# (pyfuse3 ends the main loop on anything else).
+for _name, _fn in list(vars(IrdmaFS).items()):
+    if _name in vars(pyfuse3.Operations) and not _name.startswith("_") and inspect.iscoroutinefunction(_fn):
+        setattr(IrdmaFS, _name, _guard(_name, _fn))

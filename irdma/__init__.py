@@ -5,12 +5,16 @@ Public names are re-exported here from private modules (as trio does).
 
 from ._errors import (
     BadRequest,
+    Busy,
+    DataLost,
     IrdmaError,
     LocalProtocolError,
+    MetadataError,
     NoSpace,
     NotFound,
     RemoteProtocolError,
     ShardUnavailable,
+    Stale,
     TransportUnavailable,
 )
 from .client import Client
@@ -33,6 +37,10 @@ __all__ = [
     "NotFound",
     "ShardUnavailable",
     "TransportUnavailable",
+    "DataLost",
+    "Stale",
+    "Busy",
+    "MetadataError",
     "LocalProtocolError",
     "RemoteProtocolError",
 ]

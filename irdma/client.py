@@ -104,6 +104,9 @@ class Client:
         self.meta = AsyncMeta(meta)
         self.timeout = timeout
         self._health: dict[int, str] = {}
+        # shards that missed a deadline: data calls fail at once until then (trio time), so a
+        # stopped shard costs each caller one deadline, not one per request; probes still try
+        self._down_until: dict[int, float] = {}
         self.transport = transport
         self._nursery = nursery
         self._credentials = credentials
@@ -226,37 +229,49 @@ class Client:
         with trio.CancelScope(shield=True):  # closing only releases local resources
             await conn.aclose()
 
-    async def _on_shard(self, shard_id: int, fn: Callable[[ShardConnection], Awaitable[_T]]) -> _T:
+    async def _on_shard(self, shard_id: int, fn: Callable[[ShardConnection], Awaitable[_T]], probe: bool = False) -> _T:
         """Run ``fn(connection)`` against a shard within the client's deadline.
+
+        A shard that missed a deadline fails data calls at once for the next ``timeout``
+        seconds (``probe`` calls, such as the heartbeat's STAT, still try it).
 
         Raises:
             ShardUnavailable: the shard failed or missed the deadline (its connection is then
                 closed: a late reply can never land in a buffer whose call has returned).
         """
+        rec = self._shard_map.get(shard_id)
+        where = f"shard {shard_id}" + (f" at {rec.address}" if rec else "")
+        hint = "is the shard process stopped or overloaded? `irdma shard list` shows its state"
+        if not probe and trio.current_time() < self._down_until.get(shard_id, 0.0):
+            raise ShardUnavailable(f"{where} missed its last deadline of {self.timeout:g} s; not retried yet", hint)
         conn: ShardConnection | None = None
         sent = False
         with trio.move_on_after(self.timeout):
-            conn = await self.connection(shard_id)
+            try:
+                conn = await self.connection(shard_id)
+            except ShardUnavailable:
+                self._down_until[shard_id] = trio.current_time() + self.timeout
+                raise
             async with self._limits[shard_id]:
                 sent = True
                 try:
-                    return await fn(conn)
+                    result = await fn(conn)
                 except ShardUnavailable:
                     await self._drop(shard_id, conn)
                     raise
+                self._down_until.pop(shard_id, None)
+                return result
+        self._down_until[shard_id] = trio.current_time() + self.timeout
         if sent and conn is not None:
             await self._drop(shard_id, conn)
-            await self._note_health(shard_id, "down")
-        rec = self._shard_map.get(shard_id)
-        where = f"shard {shard_id}" + (f" at {rec.address}" if rec else "")
-        raise ShardUnavailable(f"{where} did not answer within {self.timeout:g} s",
-                               "is the shard process stopped or overloaded? `irdma shard list` shows its state")
+        await self._note_health(shard_id, "down")
+        raise ShardUnavailable(f"{where} did not answer within {self.timeout:g} s", hint)
 
-    async def _conn_call(self, shard_id: int, fn_name: str, *args: object) -> object:
+    async def _conn_call(self, shard_id: int, fn_name: str, *args: object, probe: bool = False) -> object:
         async def fn(conn: ShardConnection) -> object:
             return await getattr(conn, fn_name)(*args)
 
-        return await self._on_shard(shard_id, fn)
+        return await self._on_shard(shard_id, fn, probe)
 
     def forget_file(self, file_id: int) -> None:
         """Drop what the connections cache of a file (called when a mount opens it: close-to-open)."""
@@ -374,7 +389,7 @@ class Client:
 
         async def one(rec: ShardRecord) -> None:
             try:
-                st = await self._conn_call(rec.shard_id, "stat")
+                st = await self._conn_call(rec.shard_id, "stat", probe=True)
                 out[rec.shard_id] = (rec, st, "")  # type: ignore[assignment]
             except ShardUnavailable as exc:
                 out[rec.shard_id] = (rec, None, str(exc))
@@ -497,11 +512,22 @@ class Client:
             await self.meta.setattr(inode.ino, size=size)
 
     async def unlink(self, path: str) -> None:
-        """Remove a file's name; its chunks are freed once no session holds it open."""
+        """Remove a file's name; its chunks are freed once no session holds it open and its
+        grace period is over (in the background; `irdma gc` frees what a closed client left)."""
         parent, name = await self._split(path)
         inode = await self.meta.unlink(parent, name)
         if inode.nlink <= 0:
-            await self.destroy_if_unused(inode.ino)
+            self._nursery.start_soon(self.destroy_later, inode.ino)
+
+    async def destroy_later(self, ino: int) -> None:
+        """Wait out the unlink grace period, then free the file if nothing holds it open."""
+        from .meta.base import UNLINK_GRACE_S
+
+        await trio.sleep(UNLINK_GRACE_S + 0.1)
+        try:
+            await self.destroy_if_unused(ino)
+        except IrdmaError as exc:
+            log.warning("freeing removed file %d failed (`irdma gc` will): %s", ino, exc)
 
     async def destroy_if_unused(self, ino: int) -> bool:
         """Free the chunks and the inode of a file with no name that no live session holds

@@ -77,6 +77,10 @@ class DamagedFile:
     shards: list[int]  # shard ids that lost them
 
 
+#: Seconds a file that lost its last name stays openable (through a name a kernel cached just
+#: before): a reader on another mount then sees the old content, never ESTALE or zeros. Twice
+#: the mounts' entry cache time. Its chunks are freed only after it.
+UNLINK_GRACE_S = 2.0
 #: Seconds after its last heartbeat that a session counts as dead (sooner for a session of
 #: this host whose process is gone).
 SESSION_EXPIRY_S = 30.0

@@ -48,6 +48,7 @@ from .base import (
     RENAME_NOREPLACE,
     ROOT_INO,
     SESSION_EXPIRY_S,
+    UNLINK_GRACE_S,
     XATTR_CHUNK_SIZE,
     XATTR_IO,
     XATTR_UPDATE,
@@ -646,8 +647,8 @@ class SqliteMeta(MetaStore):
             if row is None:
                 raise Stale(f"inode {ino} was removed")
             inode = _inode(row[:-1])
-            if inode.nlink <= 0 and not c.execute("SELECT 1 FROM open_files WHERE sid=? AND ino=?",
-                                                  (sid, ino)).fetchone():
+            if (inode.nlink <= 0 and _now() - inode.ctime_ns > UNLINK_GRACE_S * 1e9
+                    and not c.execute("SELECT 1 FROM open_files WHERE sid=? AND ino=?", (sid, ino)).fetchone()):
                 raise Stale(f"inode {ino} has no name left")
             if sid:
                 c.execute("INSERT OR IGNORE INTO open_files VALUES (?,?)", (sid, ino))
@@ -673,7 +674,7 @@ class SqliteMeta(MetaStore):
             inode = self._get(c, ino)
         except NotFound:
             return None
-        if inode.nlink > 0 or self._live_openers(c, ino):
+        if inode.nlink > 0 or _now() - inode.ctime_ns <= UNLINK_GRACE_S * 1e9 or self._live_openers(c, ino):
             return None
         return inode
 
