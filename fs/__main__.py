@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport", default="auto")
     ap.add_argument("--debug", action="store_true")
     ap.add_argument("--direct-io", action="store_true")
+    ap.add_argument("--allow-other", action="store_true", help="let every user use the mount (FUSE allow_other)")
     args = ap.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.INFO,
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         trio.run(functools.partial(serve_mount, args.meta_url, args.mountpoint, transport=args.transport, debug=args.debug,
-                                   direct_io=args.direct_io))
+                                   direct_io=args.direct_io, allow_other=args.allow_other))
     except IrdmaError as exc:
         logging.getLogger("irdma.fs").error("%s", exc)
         return 1

@@ -27,9 +27,15 @@ log = logging.getLogger("irdma.fs")
 
 
 async def serve_mount(
-    meta_url: str, mountpoint: str, *, transport: str = "auto", debug: bool = False, direct_io: bool = False
+    meta_url: str, mountpoint: str, *, transport: str = "auto", debug: bool = False, direct_io: bool = False,
+    allow_other: bool = False,
 ) -> None:
     """Mount the namespace at ``mountpoint`` and serve it until unmounted.
+
+    The kernel checks permissions against the files' modes and owners (FUSE's
+    ``default_permissions``). Only the user who mounted may use the mount unless
+    ``allow_other`` (FUSE's ``allow_other``): then every user may, as on a local filesystem.
+    A mount by a user other than root needs ``user_allow_other`` in ``/etc/fuse.conf`` for it.
 
     Raises:
         IrdmaError: the namespace cannot be opened.
@@ -39,6 +45,9 @@ async def serve_mount(
         fs = IrdmaFS(client, direct_io=direct_io)
         await fs.start_session(f"mount {mountpoint}")
         options = set(pyfuse3.default_options)
+        options.add("default_permissions")  # the kernel checks modes, owners and the sticky bit
+        if allow_other:
+            options.add("allow_other")
         options.add("fsname=irdma")
         options.add("subtype=irdma")
         if debug:
@@ -107,9 +116,11 @@ def _still_mounted(mountpoint: str) -> bool:
 
 
 def spawn_mount(
-    meta_url: str, mountpoint: str, *, transport: str, log_file: str, timeout: float = 30.0, direct_io: bool = False
+    meta_url: str, mountpoint: str, *, transport: str, log_file: str, timeout: float = 30.0, direct_io: bool = False,
+    allow_other: bool = False,
 ) -> int:
-    """Start a mount process in the background and wait until the mount is up.
+    """Start a mount process in the background and wait until the mount is up (options as
+    :func:`serve_mount`'s).
 
     Returns:
         The mount process's pid.
@@ -124,7 +135,9 @@ def spawn_mount(
     if os.path.ismount(mountpoint):
         raise IrdmaError(f"{mountpoint} is already a mountpoint", f"irdma umount {mountpoint}")
     args = ["-m", "irdma.fs", meta_url, mountpoint, "--transport", transport]
-    pid = spawn_detached(args + (["--direct-io"] if direct_io else []), log_file)
+    args += ["--direct-io"] if direct_io else []
+    args += ["--allow-other"] if allow_other else []
+    pid = spawn_detached(args, log_file)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if os.path.ismount(mountpoint):

@@ -71,11 +71,11 @@ def running_cluster(directory: str, shards: int = 2, capacity: int = 64 << 20) -
 
 
 @contextlib.contextmanager
-def mounted(meta_url: str, mountpoint: str, allow_log: tuple[str, ...] = ()) -> Iterator[str]:
+def mounted(meta_url: str, mountpoint: str, allow_log: tuple[str, ...] = (), *, allow_other: bool = False) -> Iterator[str]:
     """A real FUSE mount in a child process; unmounted (and its log checked) on exit."""
     os.makedirs(mountpoint, exist_ok=True)
     log = mountpoint.rstrip("/") + ".log"
-    spawn_mount(meta_url, mountpoint, transport="tcp", log_file=log)
+    spawn_mount(meta_url, mountpoint, transport="tcp", log_file=log, allow_other=allow_other)
     try:
         yield mountpoint
     finally:
