@@ -216,7 +216,7 @@ class IrdmaFS(pyfuse3.Operations):
         e.st_nlink = max(inode.nlink, 0)
         e.st_uid = inode.uid
         e.st_gid = inode.gid
-        e.st_rdev = 0
+        e.st_rdev = inode.rdev
         st = self._files.get(inode.ino)
         e.st_size = st.size if st is not None and st.dirty else inode.size
         e.st_blksize = inode.chunk_size or 4096
@@ -347,6 +347,30 @@ class IrdmaFS(pyfuse3.Operations):
             await self._maybe_destroy(
                 await self.meta.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
             )
+
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
+        """A hard link: the file's chunks stay until its last name and its last open handle go."""
+        with fuse_errors("link"):
+            return self._entry(await self.meta.link(inode, new_parent_inode, new_name))
+
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
+        with fuse_errors("symlink"):
+            return self._entry(await self.meta.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+
+    async def readlink(self, inode: int, ctx: Any) -> bytes:
+        with fuse_errors("readlink"):
+            return await self.meta.readlink(inode)  # type: ignore[no-any-return]
+
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Any) -> pyfuse3.EntryAttributes:
+        """FIFOs, sockets and device nodes (metadata only: the kernel serves them, never this
+        mount); a regular file when ``mode`` says so."""
+        with fuse_errors("mknod"):
+            perm = mode & ~ctx.umask & 0o7777
+            if stat.S_IFMT(mode) in (0, stat.S_IFREG):
+                inode = await self.meta.create(parent_inode, name, stat.S_IFREG | perm, ctx.uid, ctx.gid)
+            else:
+                inode = await self.meta.mknod(parent_inode, name, stat.S_IFMT(mode) | perm, ctx.uid, ctx.gid, rdev)
+            return self._entry(inode)
 
     async def opendir(self, inode: int, ctx: Any) -> int:
         """Take a snapshot of the directory: readdir continuations are served from it (linear
