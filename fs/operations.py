@@ -24,6 +24,18 @@ chunks a push created join the file's chunk map before ``close``/``fsync`` retur
 lost with a shard's memory reads as EIO, never as zeros. Extending a file (truncate up, or a
 write past its end) first clears whatever a crashed writer left past the old end.
 
+POSIX details the kernel cannot settle alone. An O_APPEND write lands at the file's size read
+from the metadata at that write (or this mount's size, if larger: its own pushes in flight), not
+at the offset the kernel sends: that comes from the kernel's cached size, stale for up to
+``ATTR_TIMEOUT`` after another mount's writes (the Linux NFS client revalidates the size before
+each append the same way). Such a handle uses direct I/O, so the page cache never holds bytes at
+the kernel's offset. Appends through one mount are serialized by the kernel; appends from two
+mounts at the same moment are not atomic (a write another mount has not flushed yet is not
+seen), as on NFS. A write through
+a handle that an unprivileged process opened for writing clears S_ISUID/S_ISGID (the kernel does
+so for page-cache writes only; a FUSE ``write`` has no request context, so the open decides).
+Permissions, the sticky bit and chown rules are the kernel's (``default_permissions``).
+
 One file's lifetime across mounts: this mount is a *session* in the metadata (heartbeats
 every ``HEARTBEAT_S``); each file open here is recorded there, so a file unlinked or renamed
 over by any mount keeps its chunks until the last handle on any live mount closes (JuiceFS's
@@ -50,6 +62,7 @@ import trio
 from irdma._errors import InvalidArgument, IrdmaError, NotFound, Stale
 from irdma.client import ChunkMap, Client, NewChunk, layout_of
 from irdma.meta import Inode
+from irdma.meta.base import setid_bits
 from irdma.placement import Layout
 from irdma.protocol import UpdateOp
 
@@ -123,6 +136,8 @@ class _Handle:
     ino: int
     op: UpdateOp
     direct: bool
+    kill_setid: bool = False  # opened for writing by an unprivileged process: the first write clears S_ISUID/S_ISGID
+    append: bool = False  # O_APPEND: every write lands at the file's size as this mount knows it
 
 
 class IrdmaFS(pyfuse3.Operations):
@@ -300,6 +315,16 @@ class IrdmaFS(pyfuse3.Operations):
             # freed now unless a live session holds it open (then its last close frees it)
             await self.client.destroy_if_unused(replaced.ino)
 
+    @staticmethod
+    def _kills_setid(inode: Inode, flags: int, ctx: Any) -> bool:
+        """Whether writes through this open must clear S_ISUID/S_ISGID: a regular file that
+        has them, opened for writing by a process that is not root. (The kernel does it itself
+        for page-cache writes, not for direct I/O ones, and pyfuse3's ``write`` has no request
+        context: so the open decides, and the handle's first write clears them, as Linux's
+        ``file_remove_privs`` does on a write. Root stands for CAP_FSETID.)"""
+        return (ctx is not None and ctx.uid != 0 and flags & os.O_ACCMODE != os.O_RDONLY
+                and stat.S_ISREG(inode.mode) and setid_bits(inode.mode) != 0)
+
     # ------------------------------------------------------------ namespace
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
         with fuse_errors("lookup"):
@@ -429,7 +454,7 @@ class IrdmaFS(pyfuse3.Operations):
             await self.meta.removexattr(inode, name)
 
     # ------------------------------------------------------------ files
-    def _open_handle(self, inode: Inode, io_mode: bytes, chunks: ChunkMap) -> pyfuse3.FileInfo:
+    def _open_handle(self, inode: Inode, io_mode: bytes, chunks: ChunkMap, *, append: bool = False) -> pyfuse3.FileInfo:
         st = self._files.get(inode.ino)
         if st is None:
             self.client.forget_file(inode.ino)  # close-to-open: no stale chunk places
@@ -443,10 +468,10 @@ class IrdmaFS(pyfuse3.Operations):
         st.invalidate()  # close-to-open: a new open pulls fresh bytes
         st.open_count += 1
         op = UpdateOp.parse(inode.update_op or "assign")
-        direct = op != UpdateOp.ASSIGN or io_mode == b"direct" or self.direct_io
+        direct = op != UpdateOp.ASSIGN or io_mode == b"direct" or self.direct_io or append
         fh = self._next_fh
         self._next_fh += 1
-        self._handles[fh] = _Handle(inode.ino, op, direct)
+        self._handles[fh] = _Handle(inode.ino, op, direct, append=append)
         st.cached_handles += 0 if direct else 1
         keep = not direct and self._cached.get(inode.ino) == (inode.mtime_ns, inode.size)
         log.debug("open inode %d: keep_cache %s (as last closed %s, now %s)", inode.ino, keep,
@@ -459,11 +484,17 @@ class IrdmaFS(pyfuse3.Operations):
             if node.is_dir:
                 raise pyfuse3.FUSEError(errno.EISDIR)
             try:
+                kill_setid = self._kills_setid(node, flags, ctx)
+                if kill_setid and flags & os.O_TRUNC:  # a truncate by an unprivileged process
+                    node = await self.meta.clear_setid(inode)
+                    kill_setid = False
                 if flags & os.O_TRUNC:  # libfuse3 turns on atomic O_TRUNC: the truncate is ours
                     await self._truncate(node, 0)
                     node = await self._getattr(inode)
                     chunks = {}
-                return self._open_handle(node, io_mode, chunks)
+                fi = self._open_handle(node, io_mode, chunks, append=bool(flags & os.O_APPEND))
+                self._handles[fi.fh].kill_setid = kill_setid
+                return fi
             except BaseException:
                 if inode not in self._files:
                     with trio.CancelScope(shield=True):
@@ -477,7 +508,9 @@ class IrdmaFS(pyfuse3.Operations):
             inode = await self.meta.create(parent_inode, name, stat.S_IFREG | (mode & ~ctx.umask & 0o7777), ctx.uid,
                                            ctx.gid)
             inode, io_mode, chunks = await self.meta.open_inode(self.sid, inode.ino)
-            return self._open_handle(inode, io_mode, chunks), self._entry(inode)
+            fi = self._open_handle(inode, io_mode, chunks, append=bool(flags & os.O_APPEND))
+            self._handles[fi.fh].kill_setid = self._kills_setid(inode, flags, ctx)
+            return fi, self._entry(inode)
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         with fuse_errors("read"):
@@ -555,6 +588,12 @@ class IrdmaFS(pyfuse3.Operations):
             if st.error is not None:
                 err, st.error = st.error, None
                 raise err
+            if h.kill_setid:
+                h.kill_setid = False
+                await self.meta.clear_setid(h.ino)
+            if h.append:  # at the end as the metadata knows it now (see the module docstring)
+                st.size = max(st.size, (await self._getattr(h.ino)).size)
+                off = st.size
             end = off + len(buf)
             if h.op == UpdateOp.ADD and (off % 4 or len(buf) % 4):
                 raise InvalidArgument(f"a write to an add file must be float32 aligned: offset {off}, {len(buf)} bytes")
