@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--debug", action="store_true")
     ap.add_argument("--direct-io", action="store_true")
     ap.add_argument("--timeout", type=float, default=10.0, help="seconds per shard request / metadata lock wait")
+    ap.add_argument("--allow-other", action="store_true", help="let every user use the mount (FUSE allow_other)")
     args = ap.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.INFO,
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         trio.run(functools.partial(serve_mount, args.meta_url, args.mountpoint, transport=args.transport, debug=args.debug,
-                                   direct_io=args.direct_io, timeout=args.timeout))
+                                   direct_io=args.direct_io, timeout=args.timeout, allow_other=args.allow_other))
     except IrdmaError as exc:
         logging.getLogger("irdma.fs").error("%s", exc)
         return 1

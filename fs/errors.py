@@ -28,6 +28,7 @@ ERRNO: dict[type[E.IrdmaError], int] = {
     E.NotEmpty: errno.ENOTEMPTY,
     E.NoAttribute: pyfuse3.ENOATTR,
     E.NameTooLong: errno.ENAMETOOLONG,
+    E.NotPermitted: errno.EPERM,
     E.InvalidArgument: errno.EINVAL,
     E.BadRequest: errno.EINVAL,
     E.Busy: errno.EBUSY,

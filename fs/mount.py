@@ -34,12 +34,17 @@ log = logging.getLogger("irdma.fs")
 
 async def serve_mount(
     meta_url: str, mountpoint: str, *, transport: str = "auto", debug: bool = False, direct_io: bool = False,
-    timeout: float = DEFAULT_TIMEOUT,
+    timeout: float = DEFAULT_TIMEOUT, allow_other: bool = False,
 ) -> None:
     """Mount the namespace at ``mountpoint`` and serve it until unmounted.
 
     ``timeout``: seconds each request to a shard, and each wait for the metadata database's
     write lock, may take before the request fails (EIO, EBUSY).
+
+    The kernel checks permissions against the files' modes and owners (FUSE's
+    ``default_permissions``). Only the user who mounted may use the mount unless
+    ``allow_other`` (FUSE's ``allow_other``): then every user may, as on a local filesystem.
+    A mount by a user other than root needs ``user_allow_other`` in ``/etc/fuse.conf`` for it.
 
     Raises:
         IrdmaError: the namespace cannot be opened, or FUSE could not mount (``/dev/fuse``
@@ -50,6 +55,9 @@ async def serve_mount(
         fs = IrdmaFS(client, direct_io=direct_io)
         await fs.start_session(f"mount {mountpoint}")
         options = set(pyfuse3.default_options)
+        options.add("default_permissions")  # the kernel checks modes, owners and the sticky bit
+        if allow_other:
+            options.add("allow_other")
         options.add("fsname=irdma")
         options.add("subtype=irdma")
         if debug:
@@ -251,9 +259,10 @@ def check_mountpoint(mountpoint: str) -> str:
 
 def spawn_mount(
     meta_url: str, mountpoint: str, *, transport: str, log_file: str, timeout: float = 30.0, direct_io: bool = False,
-    request_timeout: float = DEFAULT_TIMEOUT,
+    request_timeout: float = DEFAULT_TIMEOUT, allow_other: bool = False,
 ) -> int:
-    """Start a mount process in the background and wait until the mount is up.
+    """Start a mount process in the background and wait until the mount is up (options as
+    :func:`serve_mount`'s).
 
     Returns:
         The mount process's pid.
@@ -265,7 +274,9 @@ def spawn_mount(
     """
     mountpoint = check_mountpoint(mountpoint)
     args = ["-m", "irdma.fs", meta_url, mountpoint, "--transport", transport, "--timeout", str(request_timeout)]
-    pid = spawn_detached(args + (["--direct-io"] if direct_io else []), log_file)
+    args += ["--direct-io"] if direct_io else []
+    args += ["--allow-other"] if allow_other else []
+    pid = spawn_detached(args, log_file)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         # in the mount table (not os.path.ismount, which a dead mount confuses), then answering

@@ -24,6 +24,18 @@ chunks a push created join the file's chunk map before ``close``/``fsync`` retur
 lost with a shard's memory reads as EIO, never as zeros. Extending a file (truncate up, or a
 write past its end) first clears whatever a crashed writer left past the old end.
 
+POSIX details the kernel cannot settle alone. An O_APPEND write lands at the file's size read
+from the metadata at that write (or this mount's size, if larger: its own pushes in flight), not
+at the offset the kernel sends: that comes from the kernel's cached size, stale for up to
+``ATTR_TIMEOUT`` after another mount's writes (the Linux NFS client revalidates the size before
+each append the same way). Such a handle uses direct I/O, so the page cache never holds bytes at
+the kernel's offset. Appends through one mount are serialized by the kernel; appends from two
+mounts at the same moment are not atomic (a write another mount has not flushed yet is not
+seen), as on NFS. A write through
+a handle that an unprivileged process opened for writing clears S_ISUID/S_ISGID (the kernel does
+so for page-cache writes only; a FUSE ``write`` has no request context, so the open decides).
+Permissions, the sticky bit and chown rules are the kernel's (``default_permissions``).
+
 One file's lifetime across mounts: this mount is a *session* in the metadata (heartbeats
 every ``HEARTBEAT_S``); each file open here is recorded there, so a file unlinked or renamed
 over by any mount keeps its chunks until the last handle on any live mount closes (JuiceFS's
@@ -51,6 +63,7 @@ import trio
 from irdma._errors import InvalidArgument, IrdmaError, NotFound, Stale
 from irdma.client import ChunkMap, Client, NewChunk, layout_of
 from irdma.meta import Inode
+from irdma.meta.base import setid_bits
 from irdma.placement import Layout
 from irdma.protocol import UpdateOp
 
@@ -124,6 +137,8 @@ class _Handle:
     ino: int
     op: UpdateOp
     direct: bool
+    kill_setid: bool = False  # opened for writing by an unprivileged process: the first write clears S_ISUID/S_ISGID
+    append: bool = False  # O_APPEND: every write lands at the file's size as this mount knows it
 
 
 class IrdmaFS(pyfuse3.Operations):
@@ -220,7 +235,7 @@ class IrdmaFS(pyfuse3.Operations):
         e.st_nlink = max(inode.nlink, 0)
         e.st_uid = inode.uid
         e.st_gid = inode.gid
-        e.st_rdev = 0
+        e.st_rdev = inode.rdev
         st = self._files.get(inode.ino)
         e.st_size = st.size if st is not None and st.dirty else inode.size
         e.st_blksize = inode.chunk_size or 4096
@@ -306,6 +321,16 @@ class IrdmaFS(pyfuse3.Operations):
             assert self.nursery is not None
             self.nursery.start_soon(self.client.destroy_later, replaced.ino)
 
+    @staticmethod
+    def _kills_setid(inode: Inode, flags: int, ctx: Any) -> bool:
+        """Whether writes through this open must clear S_ISUID/S_ISGID: a regular file that
+        has them, opened for writing by a process that is not root. (The kernel does it itself
+        for page-cache writes, not for direct I/O ones, and pyfuse3's ``write`` has no request
+        context: so the open decides, and the handle's first write clears them, as Linux's
+        ``file_remove_privs`` does on a write. Root stands for CAP_FSETID.)"""
+        return (ctx is not None and ctx.uid != 0 and flags & os.O_ACCMODE != os.O_RDONLY
+                and stat.S_ISREG(inode.mode) and setid_bits(inode.mode) != 0)
+
     # ------------------------------------------------------------ namespace
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
         with fuse_errors("lookup"):
@@ -353,6 +378,30 @@ class IrdmaFS(pyfuse3.Operations):
             await self._maybe_destroy(
                 await self.meta.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
             )
+
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
+        """A hard link: the file's chunks stay until its last name and its last open handle go."""
+        with fuse_errors("link"):
+            return self._entry(await self.meta.link(inode, new_parent_inode, new_name))
+
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
+        with fuse_errors("symlink"):
+            return self._entry(await self.meta.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+
+    async def readlink(self, inode: int, ctx: Any) -> bytes:
+        with fuse_errors("readlink"):
+            return await self.meta.readlink(inode)  # type: ignore[no-any-return]
+
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Any) -> pyfuse3.EntryAttributes:
+        """FIFOs, sockets and device nodes (metadata only: the kernel serves them, never this
+        mount); a regular file when ``mode`` says so."""
+        with fuse_errors("mknod"):
+            perm = mode & ~ctx.umask & 0o7777
+            if stat.S_IFMT(mode) in (0, stat.S_IFREG):
+                inode = await self.meta.create(parent_inode, name, stat.S_IFREG | perm, ctx.uid, ctx.gid)
+            else:
+                inode = await self.meta.mknod(parent_inode, name, stat.S_IFMT(mode) | perm, ctx.uid, ctx.gid, rdev)
+            return self._entry(inode)
 
     async def opendir(self, inode: int, ctx: Any) -> int:
         """Take a snapshot of the directory: readdir continuations are served from it (linear
@@ -411,7 +460,7 @@ class IrdmaFS(pyfuse3.Operations):
             await self.meta.removexattr(inode, name)
 
     # ------------------------------------------------------------ files
-    def _open_handle(self, inode: Inode, io_mode: bytes, chunks: ChunkMap) -> pyfuse3.FileInfo:
+    def _open_handle(self, inode: Inode, io_mode: bytes, chunks: ChunkMap, *, append: bool = False) -> pyfuse3.FileInfo:
         st = self._files.get(inode.ino)
         if st is None:
             self.client.forget_file(inode.ino)  # close-to-open: no stale chunk places
@@ -425,10 +474,10 @@ class IrdmaFS(pyfuse3.Operations):
         st.invalidate()  # close-to-open: a new open pulls fresh bytes
         st.open_count += 1
         op = UpdateOp.parse(inode.update_op or "assign")
-        direct = op != UpdateOp.ASSIGN or io_mode == b"direct" or self.direct_io
+        direct = op != UpdateOp.ASSIGN or io_mode == b"direct" or self.direct_io or append
         fh = self._next_fh
         self._next_fh += 1
-        self._handles[fh] = _Handle(inode.ino, op, direct)
+        self._handles[fh] = _Handle(inode.ino, op, direct, append=append)
         st.cached_handles += 0 if direct else 1
         keep = not direct and self._cached.get(inode.ino) == (inode.mtime_ns, inode.size)
         log.debug("open inode %d: keep_cache %s (as last closed %s, now %s)", inode.ino, keep,
@@ -450,21 +499,27 @@ class IrdmaFS(pyfuse3.Operations):
         with fuse_errors("open"):
             try:
                 async with self._ino_lock(inode):
-                    return await self._open(inode, flags)
+                    return await self._open(inode, flags, ctx)
             finally:
                 self._ino_unlock_done(inode)
 
-    async def _open(self, inode: int, flags: int) -> pyfuse3.FileInfo:
+    async def _open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
         if True:
             node, io_mode, chunks = await self.meta.open_inode(self.sid, inode)
             if node.is_dir:
                 raise pyfuse3.FUSEError(errno.EISDIR)
             try:
+                kill_setid = self._kills_setid(node, flags, ctx)
+                if kill_setid and flags & os.O_TRUNC:  # a truncate by an unprivileged process
+                    node = await self.meta.clear_setid(inode)
+                    kill_setid = False
                 if flags & os.O_TRUNC:  # libfuse3 turns on atomic O_TRUNC: the truncate is ours
                     await self._truncate(node, 0)
                     node = await self._getattr(inode)
                     chunks = {}
-                return self._open_handle(node, io_mode, chunks)
+                fi = self._open_handle(node, io_mode, chunks, append=bool(flags & os.O_APPEND))
+                self._handles[fi.fh].kill_setid = kill_setid
+                return fi
             except BaseException:
                 if inode not in self._files:
                     with trio.CancelScope(shield=True):
@@ -478,7 +533,9 @@ class IrdmaFS(pyfuse3.Operations):
             inode = await self.meta.create(parent_inode, name, stat.S_IFREG | (mode & ~ctx.umask & 0o7777), ctx.uid,
                                            ctx.gid)
             inode, io_mode, chunks = await self.meta.open_inode(self.sid, inode.ino)
-            return self._open_handle(inode, io_mode, chunks), self._entry(inode)
+            fi = self._open_handle(inode, io_mode, chunks, append=bool(flags & os.O_APPEND))
+            self._handles[fi.fh].kill_setid = self._kills_setid(inode, flags, ctx)
+            return fi, self._entry(inode)
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         with fuse_errors("read"):
@@ -559,9 +616,14 @@ class IrdmaFS(pyfuse3.Operations):
         with fuse_errors("write"):
             h = self._handles[fh]
             st = self._files[h.ino]
-            if st.error is not None:
-                err, st.error = st.error, None
-                raise err
+            if st.error is not None:  # reported here and kept for the next fsync/close
+                raise st.error
+            if h.kill_setid:
+                h.kill_setid = False
+                await self.meta.clear_setid(h.ino)
+            if h.append:  # at the end as the metadata knows it now (see the module docstring)
+                st.size = max(st.size, (await self._getattr(h.ino)).size)
+                off = st.size
             end = off + len(buf)
             if h.op == UpdateOp.ADD and (off % 4 or len(buf) % 4):
                 raise InvalidArgument(f"a write to an add file must be float32 aligned: offset {off}, {len(buf)} bytes")

@@ -78,6 +78,11 @@ class NameTooLong(InvalidArgument):
     """A file name longer than 255 bytes (ENAMETOOLONG)."""
 
 
+class NotPermitted(IrdmaError):
+    """The operation is not permitted on this kind of object, such as a hard link to a
+    directory (EPERM)."""
+
+
 class Busy(IrdmaError):
     """The object is in use and cannot change that way now (EBUSY)."""
 

@@ -281,9 +281,10 @@ def down(cluster_dir: str, keep: bool) -> None:
 @click.option("--foreground", "-f", is_flag=True, help="Serve in this process until unmounted.")
 @click.option("--log-file", type=click.Path(dir_okay=False), help="Log of the background mount process.")
 @click.option("--direct-io", is_flag=True, help="Direct I/O for every file (else per file: xattr user.irdma.io).")
+@click.option("--allow-other", is_flag=True, help="Let every user use the mount; the kernel checks file modes.")
 @friendly
 def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_file: str | None,
-          direct_io: bool) -> None:
+          direct_io: bool, allow_other: bool) -> None:
     """Mount the namespace at META_URL on MOUNTPOINT with FUSE."""
     from irdma.fs.mount import check_mountpoint, serve_mount, spawn_mount
 
@@ -293,13 +294,14 @@ def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_
     if foreground:
         logging.getLogger("irdma").setLevel(logging.INFO)
         trio.run(functools.partial(serve_mount, meta_url, check_mountpoint(mountpoint), transport=transport,
-                                   direct_io=direct_io))
+                                   direct_io=direct_io, allow_other=allow_other))
         return
     log_file = log_file or os.path.join(
         os.path.dirname(meta_path(meta_url)), f"mount-{os.path.basename(os.path.abspath(mountpoint))}.log"
     )
     with console.status(f"mounting {meta_url} on {mountpoint}"):
-        pid = spawn_mount(meta_url, mountpoint, transport=transport, log_file=log_file, direct_io=direct_io)
+        pid = spawn_mount(meta_url, mountpoint, transport=transport, log_file=log_file, direct_io=direct_io,
+                          allow_other=allow_other)
     console.print(f"mounted on {os.path.abspath(mountpoint)} (pid {pid}, log {log_file}); `irdma umount {mountpoint}` to stop.",
                   highlight=False, soft_wrap=True)
 

@@ -22,6 +22,9 @@ XATTR_IO = b"user.irdma.io"
 IO_MODES = (b"cached", b"direct")
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
+#: The longest file name (bytes) and symlink target (bytes, PATH_MAX less its NUL).
+NAME_MAX = 255
+SYMLINK_MAX = 4095
 
 
 @dataclass
@@ -38,10 +41,21 @@ class Inode:
     chunk_size: int | None  # files: bytes per chunk; directories: default for new files or None
     stripe: tuple[int, ...] = field(default=())  # shard ids the file is striped over
     update_op: str | None = None  # files: "assign" | "add"; directories: default or None
+    rdev: int = 0  # device number of a character or block device node, else 0
 
     @property
     def is_dir(self) -> bool:
         return stat.S_ISDIR(self.mode)
+
+
+def setid_bits(mode: int) -> int:
+    """The bits of ``mode`` that a change of owner, or a write or truncate by an unprivileged
+    process, clears: S_ISUID, and S_ISGID where group-execute is set (S_ISGID without it marks
+    mandatory locking, and stays)."""
+    bits = mode & stat.S_ISUID
+    if mode & stat.S_ISGID and mode & stat.S_IXGRP:
+        bits |= stat.S_ISGID
+    return bits
 
 
 @dataclass
@@ -90,14 +104,25 @@ class MetaStore(abc.ABC):
     """What the client and the FUSE layer need of a metadata database.
 
     Errors: NotFound (ENOENT), Exists (EEXIST), NotADirectory (ENOTDIR), IsADirectory
-    (EISDIR), NotEmpty (ENOTEMPTY), NoAttribute (ENODATA), InvalidArgument (EINVAL).
+    (EISDIR), NotEmpty (ENOTEMPTY), NoAttribute (ENODATA), InvalidArgument (EINVAL),
+    NameTooLong (ENAMETOOLONG: a name over :data:`NAME_MAX` bytes), NotPermitted (EPERM).
+
+    Permissions (modes, owners, the sticky bit) are the caller's to check: the mount leaves
+    them to the kernel (``default_permissions``). The engine keeps what POSIX makes part of the
+    data: new entries of a set-group-ID directory take its group (and subdirectories its
+    set-group-ID bit), a change of owner drops the set-user-ID and set-group-ID bits.
     """
 
     url: str
 
     # namespace
     @abc.abstractmethod
-    def lookup(self, parent: int, name: bytes) -> Inode: ...
+    def lookup(self, parent: int, name: bytes) -> Inode:
+        """The inode named ``name`` in directory ``parent`` (``.`` and ``..`` included).
+
+        Raises:
+            NotFound, NotADirectory: ``parent`` is not a directory. NameTooLong.
+        """
 
     @abc.abstractmethod
     def getattr(self, ino: int) -> Inode: ...
@@ -114,7 +139,19 @@ class MetaStore(abc.ABC):
         atime_ns: int | None = None,
         mtime_ns: int | None = None,
     ) -> Inode:
-        """Change attributes; ``mode`` keeps the file type bits of the inode."""
+        """Change attributes; ``mode`` keeps the file type bits of the inode. A new ``uid``
+        or ``gid`` of a non-directory clears S_ISUID, and S_ISGID where group-execute is set
+        (as chown(2) does on Linux), unless ``mode`` is given in the same call."""
+
+    @abc.abstractmethod
+    def clear_setid(self, ino: int) -> Inode:
+        """Clear S_ISUID, and S_ISGID where group-execute is set: what a write or truncate by
+        an unprivileged process does to a regular file (Linux's ``file_remove_privs``).
+        Changes nothing (not even ctime) when neither bit is to be cleared.
+
+        Returns:
+            The inode as it is now.
+        """
 
     @abc.abstractmethod
     def extend(self, ino: int, end: int, mtime_ns: int, chunks: tuple[tuple[int, int, int], ...] = ()) -> Inode:
@@ -126,11 +163,53 @@ class MetaStore(abc.ABC):
     def create(
         self, parent: int, name: bytes, mode: int, uid: int, gid: int, *, chunk_size: int | None = None
     ) -> Inode:
-        """Create a regular file or directory (by ``mode``). Files inherit the parent's
-        chunk size and update op defaults, and get the stripe of all registered shards.
+        """Create a regular file or directory (by ``mode``), owned by ``uid``/``gid``. Files
+        inherit the parent's chunk size and update op defaults, and get the stripe of all
+        registered shards. In a set-group-ID directory the entry gets the directory's group
+        instead of ``gid``, and a new directory the set-group-ID bit.
 
         Raises:
-            Exists: ``name`` exists. InvalidArgument: no shard is registered (files only).
+            Exists: ``name`` exists. InvalidArgument: no shard is registered (files only), or
+            ``mode`` is neither a regular file nor a directory. NameTooLong.
+        """
+
+    @abc.abstractmethod
+    def mknod(self, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int = 0) -> Inode:
+        """Create a FIFO, a socket, or a character or block device node (by ``mode``; ``rdev``
+        is kept for devices, 0 for the others). Metadata only: no stripe, no chunks. Owner
+        and group as in :meth:`create`.
+
+        Raises:
+            Exists, NameTooLong. InvalidArgument: ``mode`` is another file type.
+        """
+
+    @abc.abstractmethod
+    def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
+        """Create a symbolic link to ``target`` (kept as given, never resolved), mode 0777,
+        ``size`` the length of ``target`` in bytes. No stripe, no chunks. Owner and group as
+        in :meth:`create`.
+
+        Raises:
+            Exists, NameTooLong (also a target over :data:`SYMLINK_MAX` bytes).
+            InvalidArgument: an empty target or one with a NUL byte.
+        """
+
+    @abc.abstractmethod
+    def readlink(self, ino: int) -> bytes:
+        """The target of a symbolic link.
+
+        Raises:
+            NotFound. InvalidArgument: ``ino`` is not a symbolic link.
+        """
+
+    @abc.abstractmethod
+    def link(self, ino: int, parent: int, name: bytes) -> Inode:
+        """Give inode ``ino`` another name (a hard link); returns it with ``nlink`` counted.
+        The inode and its chunks stay until its last name is gone and no session holds it open.
+
+        Raises:
+            Exists, NameTooLong. NotPermitted: ``ino`` is a directory. NotFound: ``ino`` has
+            no name left (an unlinked file still open).
         """
 
     @abc.abstractmethod
@@ -149,12 +228,23 @@ class MetaStore(abc.ABC):
     def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes, flags: int = 0) -> Inode | None:
         """Atomically move a name, replacing an existing target as rename(2) says.
 
+        ``flags``: :data:`RENAME_NOREPLACE` (fail with Exists if the target exists) or
+        :data:`RENAME_EXCHANGE` (swap the two names, both must exist; a directory and a file
+        may be swapped across directories, the parents' link counts follow).
+
         Returns:
-            The replaced inode (its ``nlink`` already decremented) or None.
+            The replaced inode (its ``nlink`` already decremented) or None (nothing replaced,
+            always so with :data:`RENAME_EXCHANGE`).
+
+        Raises:
+            NotFound, NotADirectory, IsADirectory, NotEmpty, NameTooLong, Exists (see above).
+            InvalidArgument: a directory moved under itself, both flags, or an unknown flag.
         """
 
     @abc.abstractmethod
-    def delete_inode(self, ino: int) -> None: ...
+    def delete_inode(self, ino: int) -> None:
+        """Delete an inode with no name left (``nlink <= 0``) and its xattrs and chunk map;
+        an inode that still has a name is left alone."""
 
     @abc.abstractmethod
     def parent_of(self, ino: int) -> int: ...

@@ -37,6 +37,7 @@ from irdma._errors import (
     NotADirectory,
     NotEmpty,
     NotFound,
+    NotPermitted,
     Stale,
 )
 from irdma.placement import DEFAULT_CHUNK_SIZE, check_chunk_size
@@ -44,10 +45,12 @@ from irdma.protocol import UpdateOp
 
 from .base import (
     IO_MODES,
+    NAME_MAX,
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,
     ROOT_INO,
     SESSION_EXPIRY_S,
+    SYMLINK_MAX,
     UNLINK_GRACE_S,
     XATTR_CHUNK_SIZE,
     XATTR_IO,
@@ -57,6 +60,7 @@ from .base import (
     MetaStore,
     Session,
     ShardRecord,
+    setid_bits,
 )
 
 SCHEMA = """
@@ -64,7 +68,8 @@ CREATE TABLE IF NOT EXISTS inodes(
     ino INTEGER PRIMARY KEY AUTOINCREMENT, mode INTEGER NOT NULL, uid INTEGER NOT NULL,
     gid INTEGER NOT NULL, size INTEGER NOT NULL DEFAULT 0, nlink INTEGER NOT NULL,
     atime_ns INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL,
-    chunk_size INTEGER, stripe TEXT NOT NULL DEFAULT '', update_op TEXT);
+    chunk_size INTEGER, stripe TEXT NOT NULL DEFAULT '', update_op TEXT,
+    rdev INTEGER NOT NULL DEFAULT 0, target BLOB);
 CREATE TABLE IF NOT EXISTS dentries(
     parent INTEGER NOT NULL, name BLOB NOT NULL, ino INTEGER NOT NULL,
     PRIMARY KEY(parent, name));
@@ -91,6 +96,9 @@ _SHARD_COLUMNS = {
     "health_ns": "INTEGER NOT NULL DEFAULT 0",
 }
 _SHARD_COLS = "id, address, state, added_ns, incarnation, health, health_ns"
+#: Columns added to the inodes table since the first schema: the device number of a device
+#: node, the target of a symbolic link.
+_INODE_COLUMNS = {"rdev": "INTEGER NOT NULL DEFAULT 0", "target": "BLOB"}
 log = logging.getLogger("irdma.meta")
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -116,7 +124,7 @@ def _db_errors(fn: _F) -> _F:
 
     return wrapper  # type: ignore[return-value]
 
-_COLS = "ino, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size, stripe, update_op"
+_COLS = "ino, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size, stripe, update_op, rdev"
 _VIRTUAL = (XATTR_UPDATE, XATTR_CHUNK_SIZE)
 
 
@@ -127,7 +135,7 @@ def _now() -> int:
 def _inode(row: tuple) -> Inode:  # type: ignore[type-arg]
     stripe = tuple(int(s) for s in row[10].split(",") if s)
     ino, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size = row[:10]
-    return Inode(ino, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size, stripe, row[11])
+    return Inode(ino, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size, stripe, row[11], row[12])
 
 
 class SqliteMeta(MetaStore):
@@ -211,10 +219,11 @@ class SqliteMeta(MetaStore):
             for stmt in SCHEMA.split(";"):
                 if stmt.strip():
                     c.execute(stmt)
-            have = {r[1] for r in c.execute("PRAGMA table_info(shards)")}
-            for col, decl in _SHARD_COLUMNS.items():
-                if col not in have:
-                    c.execute(f"ALTER TABLE shards ADD COLUMN {col} {decl}")
+            for table, columns in (("shards", _SHARD_COLUMNS), ("inodes", _INODE_COLUMNS)):
+                have = {r[1] for r in c.execute(f"PRAGMA table_info({table})")}
+                for col, decl in columns.items():
+                    if col not in have:
+                        c.execute(f"ALTER TABLE {table} ADD COLUMN {col} {decl}")
             if c.execute("SELECT 1 FROM inodes WHERE ino=?", (ROOT_INO,)).fetchone() is None:
                 t = _now()
                 c.execute(
@@ -257,6 +266,8 @@ class SqliteMeta(MetaStore):
 
     # ---------------------------------------------------------------- namespace
     def lookup(self, parent: int, name: bytes) -> Inode:
+        if len(name) > NAME_MAX:
+            raise NameTooLong(f"name of {len(name)} bytes is longer than {NAME_MAX}")
         if name == b".":
             return self.getattr(parent)
         if name == b"..":
@@ -308,6 +319,8 @@ class SqliteMeta(MetaStore):
                     c.execute("DELETE FROM chunks WHERE ino=? AND idx>=?", (ino, -(-size // inode.chunk_size)))
             if mode is not None:
                 inode.mode = stat.S_IFMT(inode.mode) | stat.S_IMODE(mode)
+            elif (uid is not None or gid is not None) and not inode.is_dir:
+                inode.mode &= ~setid_bits(inode.mode)  # chown(2) drops them
             if uid is not None:
                 inode.uid = uid
             if gid is not None:
@@ -335,48 +348,116 @@ class SqliteMeta(MetaStore):
     def create(
         self, parent: int, name: bytes, mode: int, uid: int, gid: int, *, chunk_size: int | None = None
     ) -> Inode:
-        _check_name(name)
-        is_dir = stat.S_ISDIR(mode)
-        if not is_dir and not stat.S_ISREG(mode):
-            raise InvalidArgument("only regular files and directories can be created")
+        if not stat.S_ISDIR(mode) and not stat.S_ISREG(mode):
+            raise InvalidArgument("only regular files and directories can be created (mknod, symlink: the others)")
         if chunk_size is not None:
             try:
                 check_chunk_size(chunk_size)
             except ValueError as exc:
                 raise InvalidArgument(str(exc)) from None
         with self._tx() as c:
+            return self._insert(c, parent, name, mode, uid, gid, chunk_size=chunk_size)
+
+    def mknod(self, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int = 0) -> Inode:
+        if stat.S_IFMT(mode) not in (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK):
+            raise InvalidArgument(f"mknod makes FIFOs, sockets and device nodes, not file type {stat.S_IFMT(mode):o}")
+        if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
+            rdev = 0
+        with self._tx() as c:
+            return self._insert(c, parent, name, mode, uid, gid, rdev=rdev)
+
+    def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
+        if not target or b"\0" in target:
+            raise InvalidArgument(f"invalid symbolic link target {target[:64]!r}")
+        if len(target) > SYMLINK_MAX:
+            raise NameTooLong(f"symbolic link target of {len(target)} bytes is longer than {SYMLINK_MAX}")
+        with self._tx() as c:
+            return self._insert(c, parent, name, stat.S_IFLNK | 0o777, uid, gid, target=target)
+
+    def _insert(
+        self, c: sqlite3.Cursor, parent: int, name: bytes, mode: int, uid: int, gid: int, *,
+        chunk_size: int | None = None, rdev: int = 0, target: bytes | None = None,
+    ) -> Inode:
+        """A new inode of any type named ``name`` in ``parent``; only regular files get a
+        stripe, a chunk size and an update op."""
+        _check_name(name)
+        is_dir = stat.S_ISDIR(mode)
+        p = self._get(c, parent)
+        if not p.is_dir:
+            raise NotADirectory(f"inode {parent} is not a directory")
+        if c.execute("SELECT 1 FROM dentries WHERE parent=? AND name=?", (parent, name)).fetchone():
+            raise Exists(f"{name.decode(errors='replace')!r} exists")
+        if p.mode & stat.S_ISGID:  # BSD group semantics in a set-group-ID directory
+            gid = p.gid
+            if is_dir:
+                mode |= stat.S_ISGID
+        t = _now()
+        values: tuple[object, ...]
+        if is_dir:
+            values = (mode, uid, gid, 2, t, t, t, chunk_size, "", None)
+        elif stat.S_ISREG(mode):
+            shards = [r[0] for r in c.execute("SELECT id FROM shards WHERE state='up' ORDER BY id")]
+            if not shards:
+                raise InvalidArgument(
+                    "no shard is registered in this namespace",
+                    "start shards with `irdma up` or register one with `irdma shard add`",
+                )
+            csize = chunk_size or p.chunk_size or DEFAULT_CHUNK_SIZE
+            values = (mode, uid, gid, 1, t, t, t, csize, ",".join(map(str, shards)), p.update_op or "assign")
+        else:  # symbolic links, FIFOs, sockets, device nodes: metadata only
+            values = (mode, uid, gid, 1, t, t, t, None, "", None)
+        c.execute(
+            "INSERT INTO inodes(mode, uid, gid, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size, stripe,"
+            " update_op, size, rdev, target) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (*values, len(target) if target is not None else 0, rdev, target),
+        )
+        ino = c.execute("SELECT last_insert_rowid()").fetchone()[0]
+        c.execute("INSERT INTO dentries VALUES (?,?,?)", (parent, name, ino))
+        if is_dir or stat.S_ISREG(mode):
+            # the I/O mode is inherited from the directory, like the update op and chunk size
+            c.execute("INSERT INTO xattrs SELECT ?, name, value FROM xattrs WHERE ino=? AND name=?",
+                      (ino, parent, XATTR_IO))
+        if is_dir:
+            c.execute("UPDATE inodes SET nlink=nlink+1 WHERE ino=?", (parent,))
+        c.execute("UPDATE inodes SET mtime_ns=?, ctime_ns=? WHERE ino=?", (t, t, parent))
+        return self._get(c, ino)
+
+    def readlink(self, ino: int) -> bytes:
+        row = self._db.execute("SELECT mode, target FROM inodes WHERE ino=?", (ino,)).fetchone()
+        if row is None:
+            raise NotFound(f"no inode {ino}")
+        if not stat.S_ISLNK(row[0]) or row[1] is None:
+            raise InvalidArgument(f"inode {ino} is not a symbolic link")
+        return bytes(row[1])
+
+    def link(self, ino: int, parent: int, name: bytes) -> Inode:
+        _check_name(name)
+        with self._tx() as c:
+            inode = self._get(c, ino)
+            if inode.is_dir:
+                raise NotPermitted(f"inode {ino} is a directory: directories cannot have hard links")
+            if inode.nlink <= 0:
+                raise NotFound(f"inode {ino} has no name left")
             p = self._get(c, parent)
             if not p.is_dir:
                 raise NotADirectory(f"inode {parent} is not a directory")
             if c.execute("SELECT 1 FROM dentries WHERE parent=? AND name=?", (parent, name)).fetchone():
                 raise Exists(f"{name.decode(errors='replace')!r} exists")
             t = _now()
-            values: tuple[object, ...]
-            if is_dir:
-                values = (mode, uid, gid, 2, t, t, t, chunk_size, "", None)
-            else:
-                shards = [r[0] for r in c.execute("SELECT id FROM shards WHERE state='up' ORDER BY id")]
-                if not shards:
-                    raise InvalidArgument(
-                        "no shard is registered in this namespace",
-                        "start shards with `irdma up` or register one with `irdma shard add`",
-                    )
-                csize = chunk_size or p.chunk_size or DEFAULT_CHUNK_SIZE
-                values = (mode, uid, gid, 1, t, t, t, csize, ",".join(map(str, shards)), p.update_op or "assign")
-            c.execute(
-                "INSERT INTO inodes(mode, uid, gid, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size, stripe,"
-                " update_op) VALUES (?,?,?,?,?,?,?,?,?,?)",
-                values,
-            )
-            ino = c.execute("SELECT last_insert_rowid()").fetchone()[0]
             c.execute("INSERT INTO dentries VALUES (?,?,?)", (parent, name, ino))
-            # the I/O mode is inherited from the directory, like the update op and chunk size
-            c.execute("INSERT INTO xattrs SELECT ?, name, value FROM xattrs WHERE ino=? AND name=?",
-                      (ino, parent, XATTR_IO))
-            if is_dir:
-                c.execute("UPDATE inodes SET nlink=nlink+1 WHERE ino=?", (parent,))
+            c.execute("UPDATE inodes SET nlink=nlink+1, ctime_ns=? WHERE ino=?", (t, ino))
             c.execute("UPDATE inodes SET mtime_ns=?, ctime_ns=? WHERE ino=?", (t, t, parent))
             return self._get(c, ino)
+
+    def clear_setid(self, ino: int) -> Inode:
+        with self._tx() as c:
+            inode = self._get(c, ino)
+            bits = setid_bits(inode.mode)
+            if bits:
+                inode.mode &= ~bits
+                inode.ctime_ns = _now()
+                c.execute("UPDATE inodes SET mode=?, ctime_ns=? WHERE ino=?", (inode.mode, inode.ctime_ns, ino))
+            return inode
 
     def readdir(self, ino: int) -> list[tuple[bytes, Inode]]:
         if not self.getattr(ino).is_dir:
@@ -419,9 +500,12 @@ class SqliteMeta(MetaStore):
     def rename(
         self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes, flags: int = 0
     ) -> Inode | None:
+        _check_name(name_old)
         _check_name(name_new)
-        if flags & RENAME_EXCHANGE:
-            raise InvalidArgument("RENAME_EXCHANGE is not supported")
+        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE):
+            raise InvalidArgument(f"unsupported rename flags {flags:#x}")
+        if flags & RENAME_NOREPLACE and flags & RENAME_EXCHANGE:
+            raise InvalidArgument("RENAME_NOREPLACE and RENAME_EXCHANGE exclude each other")
         with self._tx() as c:
             src = self._lookup(c, parent_old, name_old)
             if not self._get(c, parent_new).is_dir:
@@ -429,23 +513,19 @@ class SqliteMeta(MetaStore):
             try:
                 dst: Inode | None = self._lookup(c, parent_new, name_new)
             except NotFound:
+                if flags & RENAME_EXCHANGE:
+                    raise
                 dst = None
             if dst is not None and dst.ino == src.ino:
                 return None  # same file: rename(2) does nothing
             if dst is not None and flags & RENAME_NOREPLACE:
                 raise Exists(f"{name_new.decode(errors='replace')!r} exists")
             if src.is_dir:
-                # a directory may not move under itself
-                p = parent_new
-                while True:
-                    if p == src.ino:
-                        raise InvalidArgument("cannot move a directory into itself")
-                    if p == ROOT_INO:
-                        break
-                    row = c.execute("SELECT parent FROM dentries WHERE ino=?", (p,)).fetchone()
-                    if row is None:
-                        break
-                    p = int(row[0])
+                self._check_not_under(c, src.ino, parent_new)
+            if flags & RENAME_EXCHANGE:
+                assert dst is not None
+                self._exchange(c, parent_old, name_old, src, parent_new, name_new, dst)
+                return None
             if dst is not None:
                 if dst.is_dir and not src.is_dir:
                     raise IsADirectory(f"{name_new.decode(errors='replace')!r} is a directory")
@@ -456,6 +536,7 @@ class SqliteMeta(MetaStore):
                         raise NotEmpty(f"directory {name_new.decode(errors='replace')!r} is not empty")
                     c.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent_new, name_new))
                     c.execute("DELETE FROM inodes WHERE ino=?", (dst.ino,))
+                    c.execute("DELETE FROM xattrs WHERE ino=?", (dst.ino,))
                     c.execute("UPDATE inodes SET nlink=nlink-1 WHERE ino=?", (parent_new,))
                     dst = None
                 else:
@@ -471,6 +552,37 @@ class SqliteMeta(MetaStore):
             c.execute("UPDATE inodes SET ctime_ns=? WHERE ino=?", (t, src.ino))
             c.execute("UPDATE inodes SET mtime_ns=?, ctime_ns=? WHERE ino IN (?, ?)", (t, t, parent_old, parent_new))
             return dst
+
+    def _check_not_under(self, c: sqlite3.Cursor, dir_ino: int, parent: int) -> None:
+        """Refuse to move directory ``dir_ino`` into ``parent`` if that is ``dir_ino`` or lies
+        under it."""
+        p = parent
+        while True:
+            if p == dir_ino:
+                raise InvalidArgument("cannot move a directory into itself")
+            if p == ROOT_INO:
+                return
+            row = c.execute("SELECT parent FROM dentries WHERE ino=?", (p,)).fetchone()
+            if row is None:
+                return
+            p = int(row[0])
+
+    def _exchange(
+        self, c: sqlite3.Cursor, parent_a: int, name_a: bytes, a: Inode, parent_b: int, name_b: bytes, b: Inode
+    ) -> None:
+        """RENAME_EXCHANGE: the two names swap inodes; a directory that changes parent moves
+        its ``..`` link (the parents' ``nlink``) with it."""
+        if b.is_dir:
+            self._check_not_under(c, b.ino, parent_a)
+        c.execute("UPDATE dentries SET ino=? WHERE parent=? AND name=?", (b.ino, parent_a, name_a))
+        c.execute("UPDATE dentries SET ino=? WHERE parent=? AND name=?", (a.ino, parent_b, name_b))
+        if parent_a != parent_b and a.is_dir != b.is_dir:
+            moved_from, moved_to = (parent_a, parent_b) if a.is_dir else (parent_b, parent_a)
+            c.execute("UPDATE inodes SET nlink=nlink-1 WHERE ino=?", (moved_from,))
+            c.execute("UPDATE inodes SET nlink=nlink+1 WHERE ino=?", (moved_to,))
+        t = _now()
+        c.execute("UPDATE inodes SET ctime_ns=? WHERE ino IN (?, ?)", (t, a.ino, b.ino))
+        c.execute("UPDATE inodes SET mtime_ns=?, ctime_ns=? WHERE ino IN (?, ?)", (t, t, parent_a, parent_b))
 
     def delete_inode(self, ino: int) -> None:
         with self._tx() as c:
@@ -705,7 +817,7 @@ for _name in [n for n, v in vars(SqliteMeta).items() if callable(v) and not n.st
 
 
 def _check_name(name: bytes) -> None:
+    if len(name) > NAME_MAX:
+        raise NameTooLong(f"name of {len(name)} bytes is longer than {NAME_MAX}")
     if not name or b"/" in name or name in (b".", b"..") or b"\0" in name:
         raise InvalidArgument(f"invalid file name {name!r}")
-    if len(name) > 255:
-        raise NameTooLong(f"name of {len(name)} bytes is longer than 255")
