@@ -1,6 +1,6 @@
 """POSIX through a real mount made with ``allow_other``, as root and as an ordinary user.
 
-The user (``irdma-test-user``) is created for the session and deleted at its end; its checks
+The user (``irdma-test-user-PID``) is created for the session and deleted at its end; its checks
 run in a forked child that drops to the user's uid, gid and groups, so they are plain ``os``
 calls whose result or ``OSError`` comes back to the test (see :class:`Who`). Permission rules
 (modes, the sticky bit, chmod/chown/utimensat) are the kernel's under ``default_permissions``:
@@ -32,10 +32,13 @@ import pytest
 from helpers import Cluster, mounted, wait_until
 
 import irdma
+from irdma._proc import pid_alive
 
 pytestmark = pytest.mark.fuse
 
-USER = "irdma-test-user"
+#: The ordinary user's name: one per test session (sessions of other engineers may overlap).
+USER_PREFIX = "irdma-test-user-"
+USER = f"{USER_PREFIX}{os.getpid()}"
 #: A group the user is given as a supplementary group (it needs no entry in /etc/group).
 EXTRA_GID = 54321
 #: Seconds a step run as the user may take.
@@ -136,8 +139,10 @@ def user() -> Iterator[Who]:
     """An ordinary user, created for the session and deleted at its end."""
     if os.geteuid() != 0:
         pytest.fail("the POSIX tests create a user and mount with allow_other: run them as root")
-    if subprocess.run(["id", "-u", USER], capture_output=True).returncode == 0:
-        subprocess.run(["userdel", USER], check=True)  # left behind by an interrupted run
+    for pw in pwd.getpwall():  # left behind by interrupted runs
+        pid = pw.pw_name.removeprefix(USER_PREFIX)
+        if pw.pw_name.startswith(USER_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
+            subprocess.run(["userdel", pw.pw_name], capture_output=True)
     subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", USER], check=True,
                    capture_output=True)
     try:
