@@ -217,10 +217,9 @@ class ShardServer:
         listener.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
         try:
             await listener.bind((host, port))
-        except OSError as exc:
+        except OSError:
             listener.close()
-            raise IrdmaError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
-                             "pick another --listen address or port (port 0 picks a free one)") from None
+            raise  # the CLI names the address and what to do
         listener.listen(128)
         bound = listener.getsockname()[:2]
 
