@@ -512,12 +512,14 @@ class Client:
             await self.meta.setattr(inode.ino, size=size)
 
     async def unlink(self, path: str) -> None:
-        """Remove a file's name; its chunks are freed once no session holds it open and its
-        grace period is over (in the background; `irdma gc` frees what a closed client left)."""
+        """Remove a file's name; its chunks are freed now unless a live session (a mount) holds
+        it open, in which case that session's last close frees them."""
         parent, name = await self._split(path)
         inode = await self.meta.unlink(parent, name)
         if inode.nlink <= 0:
-            self._nursery.start_soon(self.destroy_later, inode.ino)
+            # no grace here: this client holds no kernel name cache (a mount that cached the
+            # name gets ESTALE and looks it up again)
+            await self.destroy_if_unused(inode.ino, grace=False)
 
     async def destroy_later(self, ino: int) -> None:
         """Wait out the unlink grace period, then free the file if nothing holds it open."""
@@ -529,10 +531,10 @@ class Client:
         except IrdmaError as exc:
             log.warning("freeing removed file %d failed (`irdma gc` will): %s", ino, exc)
 
-    async def destroy_if_unused(self, ino: int) -> bool:
+    async def destroy_if_unused(self, ino: int, grace: bool = True) -> bool:
         """Free the chunks and the inode of a file with no name that no live session holds
-        open. Returns whether it did."""
-        inode = await self.meta.reclaimable(ino)
+        open (and, with ``grace``, whose unlink grace period is over). Returns whether it did."""
+        inode = await self.meta.reclaimable(ino, grace)
         if inode is None:
             return False
         if not inode.is_dir and inode.stripe:

@@ -359,8 +359,9 @@ class MetaStore(abc.ABC):
         then frees its chunks and calls :meth:`delete_inode`."""
 
     @abc.abstractmethod
-    def reclaimable(self, ino: int) -> Inode | None:
-        """The inode if it has no name left and no live session holds it open, else None."""
+    def reclaimable(self, ino: int, grace: bool = True) -> Inode | None:
+        """The inode if it has no name left, no live session holds it open and (with ``grace``)
+        its unlink grace period is over; else None."""
 
     @abc.abstractmethod
     def dead_sessions(self) -> list[Session]:

@@ -777,16 +777,16 @@ class SqliteMeta(MetaStore):
                 return None, False
             return inode, self._reclaimable(c, ino) is not None
 
-    def reclaimable(self, ino: int) -> Inode | None:
+    def reclaimable(self, ino: int, grace: bool = True) -> Inode | None:
         with self._tx() as c:
-            return self._reclaimable(c, ino)
+            return self._reclaimable(c, ino, grace)
 
-    def _reclaimable(self, c: sqlite3.Cursor, ino: int) -> Inode | None:
+    def _reclaimable(self, c: sqlite3.Cursor, ino: int, grace: bool = True) -> Inode | None:
         try:
             inode = self._get(c, ino)
         except NotFound:
             return None
-        if inode.nlink > 0 or _now() - inode.ctime_ns <= UNLINK_GRACE_S * 1e9 or self._live_openers(c, ino):
+        if inode.nlink > 0 or (grace and _now() - inode.ctime_ns <= UNLINK_GRACE_S * 1e9) or self._live_openers(c, ino):
             return None
         return inode
 
