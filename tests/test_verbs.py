@@ -56,7 +56,7 @@ def test_client_api_on_verbs_moves_bytes_one_sided(vcluster: str) -> None:
                 await c.push("/w.f32", np.ones(300_000, "<f4"))
             np.testing.assert_array_equal(await c.pull("/w.f32"), w + 3)
             # versions agree whichever transport asks
-            layout = irdma.Layout(c.client.store.resolve("/w.f32").ino, 1 << 20, c.client.store.resolve("/w.f32").stripe)
+            layout = irdma.Layout(c.store.resolve("/w.f32").ino, 1 << 20, c.store.resolve("/w.f32").stripe)
             v_verbs = await (await c.connection(layout.shard_of(0))).read(layout.file_id, 0, 0, memoryview(bytearray(8)))
         async with irdma.Client.open(vcluster, transport="tcp") as t:
             v_tcp = await (await t.connection(layout.shard_of(0))).read(layout.file_id, 0, 0, memoryview(bytearray(8)))
