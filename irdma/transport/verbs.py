@@ -14,7 +14,9 @@ pair to the shard. After the exchange every request goes over the queue pair:
 * **push with assign**: a one-sided ``RDMA WRITE`` into the chunk and, right behind it on the
   same queue pair, a REMOTE_WRITE request (a ``SEND``) that makes the shard bump the chunk's
   version. One task posts both, the WRITE first, with no checkpoint in between: RC queue pairs
-  execute in order, so the bytes are in place when the shard reads the SEND.
+  execute in order, so the bytes are in place when the shard reads the SEND. A commit refused
+  because the chunk moved or was freed (another client freed it) drops the cached place; the
+  write is tried once more from a fresh LOCATE.
 * **push with add** (and any other update op): the same pair, the ``RDMA WRITE`` going to one of
   this connection's staging slots on the shard; the shard applies the update from there
   (SoftMemoryBox II's accumulate from staging buffers), bumps the version and replies.
@@ -838,13 +840,23 @@ class VerbsConnection(ShardConnection):
         assert self.remote is not None
         r = self.remote
         if op == UpdateOp.ASSIGN:
-            loc = await self._locate(file_id, chunk_index, 0 if existing else chunk_size)
-            if loc is None:
-                raise DataLost(f"shard at {self.address}: chunk ({file_id}, {chunk_index}) is gone")
-            if loc.chunk_size != chunk_size:
-                raise BadRequest(f"chunk ({file_id}, {chunk_index}) has size {loc.chunk_size}, request says {chunk_size}")
-            commit = P.RemoteWrite(file_id, chunk_index, chunk_size, offset, op, True, n, 0, loc.region_offset)
-            reply = await self._push(view, r.region_addr + loc.region_offset + offset, r.region_rkey, commit)
+            for attempt in (1, 2):
+                loc = await self._locate(file_id, chunk_index, 0 if existing else chunk_size)
+                if loc is None:
+                    raise DataLost(f"shard at {self.address}: chunk ({file_id}, {chunk_index}) is gone")
+                if loc.chunk_size != chunk_size:
+                    raise BadRequest(f"chunk ({file_id}, {chunk_index}) has size {loc.chunk_size}, request says {chunk_size}")
+                commit = P.RemoteWrite(file_id, chunk_index, chunk_size, offset, op, True, n, 0, loc.region_offset)
+                try:
+                    reply = await self._push(view, r.region_addr + loc.region_offset + offset, r.region_rkey, commit)
+                    break
+                except BadRequest:
+                    # the chunk moved or was freed since we located it (another client freed it):
+                    # drop the stale place and locate it afresh, once
+                    if self._locs.get((file_id, chunk_index)) is loc:
+                        del self._locs[(file_id, chunk_index)]
+                    if attempt == 2:
+                        raise
         else:
             soff = await self._staging.take()
             reply = await self._push(view, r.staging_addr + soff, r.staging_rkey,
