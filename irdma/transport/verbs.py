@@ -96,6 +96,7 @@ SLOT_SIZE = 8192  # largest control frame carried by SEND, bytes
 POOL_BUFFERS = 8  # registered client buffers
 POOL_BUFFER_SIZE = 4 << 20  # bytes each; also the largest piece a request moves
 STAGING_SLOTS = 4  # staging buffers per connection on the shard, POOL_BUFFER_SIZE each
+CONNECT_TIMEOUT = 10.0  # seconds for TCP connect, HELLO and VERBS_CONNECT together
 RELEASE_TIMEOUT = 10.0  # seconds aclose waits for the poller to release the verbs resources
 _RECV_BIT = 1 << 62
 
@@ -943,25 +944,41 @@ class VerbsTransport(Transport):
 
     async def connect(
         self, address: str, nursery: trio.Nursery, *, client_name: str = "", credentials: bytes = b"",
-        timeout: float = 10.0,
+        timeout: float = CONNECT_TIMEOUT,
     ) -> VerbsConnection:
-        host, port = parse_address(address)
+        """See :meth:`Transport.connect`: the TCP connect, HELLO and VERBS_CONNECT together take
+        at most ``timeout`` seconds (a stopped shard accepts connections but never answers).
+
+        Raises:
+            ShardUnavailable: nobody answers, no answer within ``timeout``, or the handshake failed.
+            TransportUnavailable: the shard does not serve verbs, or the queue pair cannot be made.
+        """
+        try:
+            host, port = parse_address(address)
+        except ValueError as exc:
+            raise ShardUnavailable(str(exc), "fix the address in the shard map (`irdma shard list`)") from None
         sock = trio.socket.socket(trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+        conn: VerbsConnection | None = None
         try:
-            await sock.connect((host, port))
-            tune_socket(sock)
-            hello = await handshake(sock, address, client_name, credentials)
-            conn = VerbsConnection(sock, address, hello, self.device, nursery)
-        except OSError as exc:
+            with trio.fail_after(timeout):
+                await sock.connect((host, port))
+                tune_socket(sock)
+                hello = await handshake(sock, address, client_name, credentials)
+                conn = VerbsConnection(sock, address, hello, self.device, nursery)
+                await conn._setup()
+        except BaseException as exc:
+            if conn is not None:
+                conn._close_resources()
             sock.close()
-            raise ShardUnavailable(f"cannot connect to shard at {address}: {exc.strerror or exc}",
-                                   "is the shard running? `irdma shard list` shows its state") from None
-        except BaseException:
-            sock.close()
-            raise
-        try:
-            await conn._setup()
-        except BaseException:
-            conn._close_resources()
+            if isinstance(exc, trio.TooSlowError):
+                raise ShardUnavailable(
+                    f"shard at {address} did not answer the handshake within {timeout:g} s",
+                    "is the shard process stopped or overloaded? `irdma shard list` shows its state",
+                ) from None
+            if isinstance(exc, OSError):
+                raise ShardUnavailable(f"cannot connect to shard at {address}: {exc.strerror or exc}",
+                                       "is the shard running? `irdma shard list` shows its state") from None
+            if isinstance(exc, IrdmaError) and not isinstance(exc, (ShardUnavailable, TransportUnavailable)):
+                raise ShardUnavailable(f"handshake with {address} failed: {exc}") from None
             raise
         return conn
