@@ -27,7 +27,7 @@ from helpers import assert_clean_log, wait_until
 from irdma import protocol as P
 from irdma._errors import BadRequest, NoSpace, ShardUnavailable
 from irdma.protocol import UpdateOp
-from irdma.transport import ShardConnection, make_transport
+from irdma.transport import ShardConnection, Transport, make_transport
 from irdma.transport.tcp import recv_exactly, send_parts
 
 CHUNK = 1 << 20
@@ -80,8 +80,28 @@ def new_file() -> int:
     return next(_file_ids) + os.getpid() * 100_000
 
 
+_transports: dict[str, Transport] = {}
+
+
+def transport_for(name: str) -> Transport:
+    """One transport per name for the module (a verbs transport holds an open device)."""
+    if name not in _transports:
+        _transports[name] = make_transport(name)
+    return _transports[name]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_transports() -> Iterator[None]:
+    yield
+    for t in _transports.values():
+        device = getattr(t, "device", None)
+        if device is not None:
+            device.close()
+    _transports.clear()
+
+
 async def _connect(address: str, transport: str, nursery: trio.Nursery) -> ShardConnection:
-    return await make_transport(transport).connect(address, nursery, client_name="conformance")
+    return await transport_for(transport).connect(address, nursery, client_name="conformance")
 
 
 def run(fn, *args):  # type: ignore[no-untyped-def]
@@ -583,7 +603,7 @@ def test_aclose_fails_pending_calls_at_once(small_shard: ShardProcess, transport
 
 def test_connect_to_a_stopped_shard_fails_within_its_timeout(small_shard: ShardProcess, transport_name: str) -> None:
     async def body(nursery: trio.Nursery) -> None:
-        transport = make_transport(transport_name)
+        transport = transport_for(transport_name)
         with stopped(small_shard.proc):
             t0 = trio.current_time()
             with pytest.raises(ShardUnavailable, match="within 1 s"):
@@ -622,7 +642,7 @@ async def _hung_shard(answer_hello: bool, *, task_status: Any = trio.TASK_STATUS
 def test_a_shard_that_never_answers_fails_connect_within_its_timeout(transport_name: str, answers_hello: bool) -> None:
     async def body(nursery: trio.Nursery) -> None:
         address = await nursery.start(_hung_shard, answers_hello)
-        transport = make_transport(transport_name)
+        transport = transport_for(transport_name)
         t0 = trio.current_time()
         if answers_hello and transport_name == "tcp":
             # TCP's handshake is HELLO alone: it connects, and calls wait for their caller's deadline
