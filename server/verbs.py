@@ -72,7 +72,8 @@ class VerbsShard:
             def on_recv(slot: int, length: int) -> None:
                 send_in.send_nowait((slot, length))  # at most RECV_SLOTS are posted: never full
 
-            ep = Endpoint(self.dev, on_recv)
+            # a broken queue pair ends the loop below even when no request is waiting
+            ep = Endpoint(self.dev, on_recv, on_fail=lambda err: send_in.close())
             ep.connect(request.qp_num, request.psn, request.gid)
             qpn, psn, gid = ep.local_info()
             reply_box.append(
@@ -96,26 +97,34 @@ class VerbsShard:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(ep.poll_forever)
-                async for slot, length in recv_out:
-                    off = slot * SLOT_SIZE
-                    raw = bytes(ep.recv_view[off : off + length])
-                    ep.repost(slot)
-                    try:
-                        frame = P.parse_header(raw, SLOT_SIZE)
-                        frame.body = memoryview(raw)[P.HEADER_SIZE : P.HEADER_SIZE + frame.body_len]
-                        reply = server.handle(frame, staging)
-                    except IrdmaError as exc:
-                        log.warning("verbs client sent a bad frame: %s", exc)
-                        reply = P.ErrorReply(P.Status.BAD_FRAME, str(exc))
-                        frame = P.Frame(0, 0, 0, 0)
-                    if isinstance(reply, P.ReadReply):  # READ goes one-sided; refuse it here
-                        reply = P.ErrorReply(P.Status.BAD_REQUEST, "READ over SEND is not served: use RDMA READ")
-                    await ep.send_frame(P.encode_reply(frame.opcode, frame.request_id, reply))
-        except IrdmaError as exc:
-            log.warning("verbs connection ended: %s", exc)
+                try:
+                    await self._serve_requests(ep, server, staging, recv_out)
+                except IrdmaError as exc:  # caught here, not across the nursery (exception groups)
+                    log.warning("verbs connection ended: %s", exc)
+                nursery.cancel_scope.cancel()
         finally:
             ep.close()
             staging_mr.close()
+
+    @staticmethod
+    async def _serve_requests(ep: Endpoint, server: ShardServer, staging: memoryview,
+                              recv_out: trio.MemoryReceiveChannel[tuple[int, int]]) -> None:
+        """Answer each request in the order it arrived, until the queue pair breaks."""
+        async for slot, length in recv_out:
+            off = slot * SLOT_SIZE
+            raw = bytes(ep.recv_view[off : off + length])
+            ep.repost(slot)
+            try:
+                frame = P.parse_header(raw, SLOT_SIZE)
+                frame.body = memoryview(raw)[P.HEADER_SIZE : P.HEADER_SIZE + frame.body_len]
+                reply = server.handle(frame, staging)
+            except IrdmaError as exc:
+                log.warning("verbs client sent a bad frame: %s", exc)
+                reply = P.ErrorReply(P.Status.BAD_FRAME, str(exc))
+                frame = P.Frame(0, 0, 0, 0)
+            if isinstance(reply, P.ReadReply):  # READ goes one-sided; refuse it here
+                reply = P.ErrorReply(P.Status.BAD_REQUEST, "READ over SEND is not served: use RDMA READ")
+            await ep.send_frame(P.encode_reply(frame.opcode, frame.request_id, reply))
 
     def close(self) -> None:
         self.dev.close()

@@ -2,24 +2,33 @@
 streams). Runs on TCP by default; ``pytest --transport verbs`` runs the same tests on RDMA
 verbs (inside the Soft-RoCE VM, see tests/vm/).
 
-Each test talks to real shard server processes through ``Transport.connect``.
+Each test talks to real shard server processes through ``Transport.connect``. The
+cancellation tests follow trio's rule (see :mod:`irdma.transport.base`): a call is cancelled at
+each of its checkpoints in turn; afterwards the connection works, or says it is broken and a
+fresh one works; and no byte lands in a buffer after its call returned.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import trio
+import trio.testing
 from helpers import assert_clean_log, wait_until
 
-from irdma._errors import BadRequest, NoSpace
+from irdma import protocol as P
+from irdma._errors import BadRequest, NoSpace, ShardUnavailable
 from irdma.protocol import UpdateOp
-from irdma.transport import ShardConnection, make_transport
+from irdma.transport import ShardConnection, Transport, make_transport
+from irdma.transport.tcp import recv_exactly, send_parts
 
 CHUNK = 1 << 20
 BIG = 8 << 20  # a chunk size whose requests go past typical device message limits
@@ -71,8 +80,28 @@ def new_file() -> int:
     return next(_file_ids) + os.getpid() * 100_000
 
 
+_transports: dict[str, Transport] = {}
+
+
+def transport_for(name: str) -> Transport:
+    """One transport per name for the module (a verbs transport holds an open device)."""
+    if name not in _transports:
+        _transports[name] = make_transport(name)
+    return _transports[name]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_transports() -> Iterator[None]:
+    yield
+    for t in _transports.values():
+        device = getattr(t, "device", None)
+        if device is not None:
+            device.close()
+    _transports.clear()
+
+
 async def _connect(address: str, transport: str, nursery: trio.Nursery) -> ShardConnection:
-    return await make_transport(transport).connect(address, nursery, client_name="conformance")
+    return await transport_for(transport).connect(address, nursery, client_name="conformance")
 
 
 def run(fn, *args):  # type: ignore[no-untyped-def]
@@ -278,3 +307,384 @@ def test_concurrent_adds_from_several_clients_sum_exactly(conn: _Conn) -> None:
         np.testing.assert_array_equal(out, np.full(n, rounds * sum(range(1, clients + 1)), "<f4"))
 
     run(body)
+
+
+# ---------------------------------------------------------------- cancellation (trio's rule)
+SENTINEL = 0xA5  # written into a buffer once its call returned: must still be there later
+SLACK = 5.0  # seconds a deadline may be overrun (a loaded machine, a VM under TCG)
+
+
+class _AfterSteps(trio.abc.Instrument):
+    """Call ``action`` after ``steps`` task steps of any task (the transport's reader or poller
+    count too, so that a sweep also lands while a reply is being received)."""
+
+    def __init__(self, steps: int, action: Callable[[], object]) -> None:
+        self.left, self.action = steps, action
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.action()
+
+
+async def cancelled_after(steps: int, afn: Callable[..., Awaitable[Any]], *args: Any) -> bool:
+    """Run ``afn(*args)``, cancelled after ``steps`` task steps (0: before it starts).
+
+    Returns:
+        True if the call finished before the cancellation reached it.
+    """
+    with trio.CancelScope() as scope:
+        inst = _AfterSteps(steps, scope.cancel)
+        if steps == 0:
+            scope.cancel()
+        trio.lowlevel.add_instrument(inst)
+        try:
+            await afn(*args)
+            return True
+        finally:
+            trio.lowlevel.remove_instrument(inst)
+    return False
+
+
+async def sweep(trial: Callable[[int], Awaitable[bool]], limit: int = 300) -> int:
+    """``trial(steps)`` for steps = 0, 1, 2, ... until its call finishes uncancelled three times
+    running (every checkpoint of the call was hit once); returns the last ``steps``."""
+    in_a_row = 0
+    for steps in range(limit):
+        in_a_row = in_a_row + 1 if await trial(steps) else 0
+        if in_a_row == 3:
+            return steps
+    return limit
+
+
+class _Live:
+    """A connection that a test replaces when it says it is broken."""
+
+    def __init__(self, conn: _Conn, nursery: trio.Nursery) -> None:
+        self._conn, self._nursery = conn, nursery
+        self.replaced = 0
+        self.c: ShardConnection
+
+    async def open(self) -> _Live:
+        self.c = await self._conn(self._nursery)
+        return self
+
+    async def usable(self) -> ShardConnection:
+        """The connection, or a fresh one if it is broken (after checking it fails calls)."""
+        if self.c.broken:
+            with pytest.raises(ShardUnavailable):
+                await self.c.stat()
+            await self.c.aclose()
+            self.c = await self._conn(self._nursery)
+            self.replaced += 1
+        return self.c
+
+
+@pytest.mark.parametrize("n", [4096, 256 << 10])
+def test_a_cancelled_pull_leaves_nothing_behind(conn: _Conn, n: int) -> None:
+    async def body(nursery: trio.Nursery) -> None:
+        live = await _Live(conn, nursery).open()
+        fid = new_file()
+        a = os.urandom(n)
+        await live.c.write(fid, 0, CHUNK, 0, UpdateOp.ASSIGN, a)
+
+        async def trial(steps: int) -> bool:
+            dest = bytearray(n)
+            finished = await cancelled_after(steps, live.c.read, fid, 0, 0, memoryview(dest))
+            if finished:
+                assert dest == a
+            dest[:] = bytes([SENTINEL]) * n  # the call returned: nothing may land here now
+            c = await live.usable()
+            # later requests on the same connection (a push, then a pull, of other bytes) reuse
+            # whatever the cancelled pull used; they must not see its bytes, nor it theirs
+            other = os.urandom(n)
+            await c.write(fid, 1, CHUNK, 0, UpdateOp.ASSIGN, other)
+            got = bytearray(n)
+            await c.read(fid, 1, 0, memoryview(got))
+            assert got == other
+            assert dest == bytes([SENTINEL]) * n
+            return finished
+
+        await sweep(trial)
+
+    run(body)
+
+
+@pytest.mark.parametrize("n", [4096, 256 << 10])
+def test_a_cancelled_assign_is_applied_whole_or_not_at_all(conn: _Conn, n: int) -> None:
+    async def body(nursery: trio.Nursery) -> None:
+        live = await _Live(conn, nursery).open()
+        fid = new_file()
+        state = {"bytes": bytes(n), "version": 0}
+
+        async def trial(steps: int) -> bool:
+            new = os.urandom(n)
+            src = bytearray(new)
+            finished = await cancelled_after(steps, live.c.write, fid, 0, CHUNK, 0, UpdateOp.ASSIGN, memoryview(src))
+            src[:] = bytes([SENTINEL]) * n  # the call returned: these bytes must never reach the shard
+            c = await live.usable()
+            later = os.urandom(n)  # a later push elsewhere reuses whatever the cancelled one used
+            await c.write(fid, 1, CHUNK, 0, UpdateOp.ASSIGN, later)
+            await c.stat()  # answered after the cancelled request, if that left
+            got = bytearray(n)
+            await c.read(fid, 1, 0, memoryview(got))
+            assert got == later
+            version = await c.read(fid, 0, 0, memoryview(got))
+            if finished or version != state["version"]:
+                assert version == state["version"] + 1
+                assert got == new
+            else:
+                assert got == state["bytes"]
+            state.update(bytes=bytes(got), version=version)
+            return finished
+
+        await sweep(trial)
+
+    run(body)
+
+
+def test_a_cancelled_add_is_applied_whole_or_not_at_all(conn: _Conn) -> None:
+    m = 16384  # float32 values: 64 KiB
+
+    async def body(nursery: trio.Nursery) -> None:
+        live = await _Live(conn, nursery).open()
+        fid = new_file()
+        expected = np.zeros(m, "<f4")
+        version = await live.c.write(fid, 0, CHUNK, 0, UpdateOp.ASSIGN, expected.tobytes())
+
+        async def trial(steps: int) -> bool:
+            nonlocal expected, version
+            delta = np.full(m, float(steps % 7 + 1), "<f4")
+            src = bytearray(delta.tobytes())
+            finished = await cancelled_after(steps, live.c.write, fid, 0, CHUNK, 0, UpdateOp.ADD, memoryview(src))
+            src[:] = np.full(m, 1e9, "<f4").tobytes()  # the call returned: never to be added
+            c = await live.usable()
+            # a later add right behind it reuses whatever the cancelled one used (a staging slot)
+            later = np.full(m, 100.0, "<f4")
+            await c.write(fid, 0, CHUNK, 0, UpdateOp.ADD, later.tobytes())
+            await c.stat()
+            out = np.empty(m, "<f4")
+            now = await c.read(fid, 0, 0, memoryview(out).cast("B"))
+            applied = now - version - 1
+            assert applied in ((1,) if finished else (0, 1))
+            np.testing.assert_array_equal(out, expected + applied * delta + later)
+            expected, version = out, now
+            return finished
+
+        await sweep(trial)
+
+    run(body)
+
+
+# ---------------------------------------------------------------- close and dead shards
+@contextlib.contextmanager
+def stopped(proc: subprocess.Popen[bytes]) -> Iterator[None]:
+    """The shard process stopped (SIGSTOP): it accepts connections but answers nothing."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+
+
+def test_aclose_twice_is_safe_and_later_calls_fail(conn: _Conn) -> None:
+    async def body(nursery: trio.Nursery) -> None:
+        c = await conn(nursery)
+        fid = new_file()
+        await c.write(fid, 0, CHUNK, 0, UpdateOp.ASSIGN, b"before close")
+        await c.read(fid, 0, 0, memoryview(bytearray(4)))
+        assert not c.broken
+        await c.aclose()
+        await c.aclose()
+        assert c.broken
+        with pytest.raises(ShardUnavailable):
+            await c.stat()
+        with pytest.raises(ShardUnavailable):
+            await c.read(fid, 0, 0, memoryview(bytearray(4)))
+        with pytest.raises(ShardUnavailable):
+            await c.write(fid, 0, CHUNK, 0, UpdateOp.ASSIGN, b"after close")
+        with pytest.raises(ShardUnavailable):
+            await c.write(fid, 0, CHUNK, 0, UpdateOp.ADD, bytes(8))
+        # a cancelled aclose still closes
+        c2 = await conn(nursery)
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await c2.aclose()
+        assert c2.broken
+        with pytest.raises(ShardUnavailable):
+            await c2.stat()
+        c3 = await conn(nursery)
+        buf = bytearray(12)
+        await c3.read(fid, 0, 0, memoryview(buf))
+        assert buf == b"before close"
+
+    run(body)
+
+
+async def _outcome(outcomes: list[str], afn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+    try:
+        await afn(*args)
+        outcomes.append("returned")
+    except ShardUnavailable:
+        outcomes.append("unavailable")
+
+
+@pytest.mark.parametrize("op", ["pull", "assign", "add"])
+def test_aclose_at_any_point_of_a_call_ends_it(conn: _Conn, op: str) -> None:
+    """aclose from another task at each step of a call: the call returns (right bytes) or
+    raises ShardUnavailable, at once; nothing lands in its buffer afterwards."""
+    n = 1 << 20
+
+    async def body(nursery: trio.Nursery) -> None:
+        fid = new_file()
+        data = np.ones(n // 4, "<f4").tobytes()
+        c0 = await conn(nursery)
+        await c0.write(fid, 0, CHUNK, 0, UpdateOp.ASSIGN, data)
+
+        async def trial(steps: int) -> bool:
+            c = await conn(nursery)
+            buf = bytearray(n) if op == "pull" else bytearray(data)
+            outcomes: list[str] = []
+            closing = trio.Event()
+            inst = _AfterSteps(steps, closing.set)
+
+            async def closer() -> None:
+                await closing.wait()
+                await c.aclose()
+
+            with trio.fail_after(30):
+                async with trio.open_nursery() as calls:
+                    calls.start_soon(closer)
+                    trio.lowlevel.add_instrument(inst)
+                    try:
+                        if op == "pull":
+                            await _outcome(outcomes, c.read, fid, 0, 0, memoryview(buf))
+                        else:
+                            uop = UpdateOp.ASSIGN if op == "assign" else UpdateOp.ADD
+                            await _outcome(outcomes, c.write, fid, 0, CHUNK, 0, uop, memoryview(buf))
+                    finally:
+                        trio.lowlevel.remove_instrument(inst)
+                        finished_first = not closing.is_set()
+                        closing.set()
+            assert outcomes in (["returned"], ["unavailable"])
+            assert c.broken
+            if op == "pull":
+                if outcomes == ["returned"]:
+                    assert buf == data
+                buf[:] = bytes([SENTINEL]) * n
+                await c0.stat()  # the shard has answered whatever it got
+                assert buf == bytes([SENTINEL]) * n
+            return finished_first
+
+        await sweep(trial, limit=100)
+
+    run(body)
+
+
+def test_aclose_fails_pending_calls_at_once(small_shard: ShardProcess, transport_name: str) -> None:
+    async def body(nursery: trio.Nursery) -> None:
+        c = await _connect(small_shard.address, transport_name, nursery)
+        await c.stat()
+        outcomes: list[str] = []
+        with stopped(small_shard.proc), trio.fail_after(30):
+            async with trio.open_nursery() as calls:
+                for _ in range(4):
+                    calls.start_soon(_outcome, outcomes, c.stat)
+                calls.start_soon(_outcome, outcomes, c.list_chunks)
+                await trio.testing.wait_all_tasks_blocked(0.05)
+                await c.aclose()
+        assert outcomes == ["unavailable"] * 5
+        assert c.broken
+        c2 = await _connect(small_shard.address, transport_name, nursery)  # it answers again
+        assert (await c2.stat()).capacity == 4 * CHUNK
+
+    run(body)
+
+
+def test_connect_to_a_stopped_shard_fails_within_its_timeout(small_shard: ShardProcess, transport_name: str) -> None:
+    async def body(nursery: trio.Nursery) -> None:
+        transport = transport_for(transport_name)
+        with stopped(small_shard.proc):
+            t0 = trio.current_time()
+            with pytest.raises(ShardUnavailable, match="within 1 s"):
+                await transport.connect(small_shard.address, nursery, timeout=1.0)
+            assert 0.9 < trio.current_time() - t0 < 1.0 + SLACK
+        c = await transport.connect(small_shard.address, nursery, timeout=30)
+        await c.stat()
+
+    run(body)
+
+
+async def _hung_shard(answer_hello: bool, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """A listener that accepts connections and never answers (or answers HELLO and then nothing)."""
+    listener = trio.socket.socket()
+    held = [listener]
+    try:
+        await listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        task_status.started("{}:{}".format(*listener.getsockname()))
+        while True:
+            sock, _ = await listener.accept()
+            held.append(sock)
+            if answer_hello:
+                hdr = bytearray(P.HEADER_SIZE)
+                await recv_exactly(sock, memoryview(hdr))
+                frame = P.parse_header(hdr, 1 << 16, any_version=True)
+                await recv_exactly(sock, memoryview(bytearray(frame.body_len)))
+                hello = P.HelloReply(P.PROTOCOL_VERSION, 9, 64 << 20, 1 << 20, 1)
+                await send_parts(sock, P.encode_reply(frame.opcode, frame.request_id, hello))
+    finally:
+        for s in held:
+            s.close()
+
+
+@pytest.mark.parametrize("answers_hello", [False, True], ids=["silent", "hello-only"])
+def test_a_shard_that_never_answers_fails_connect_within_its_timeout(transport_name: str, answers_hello: bool) -> None:
+    async def body(nursery: trio.Nursery) -> None:
+        address = await nursery.start(_hung_shard, answers_hello)
+        transport = transport_for(transport_name)
+        t0 = trio.current_time()
+        if answers_hello and transport_name == "tcp":
+            # TCP's handshake is HELLO alone: it connects, and calls wait for their caller's deadline
+            c = await transport.connect(address, nursery, timeout=1.0)
+            with trio.move_on_after(0.5) as scope:
+                await c.stat()
+            assert scope.cancelled_caught
+            await c.aclose()
+            return
+        with pytest.raises(ShardUnavailable, match="within 1 s"):  # verbs: VERBS_CONNECT is never answered
+            await transport.connect(address, nursery, timeout=1.0)
+        assert 0.9 < trio.current_time() - t0 < 1.0 + SLACK
+
+    run(body)
+
+
+def test_a_shard_that_dies_fails_pending_and_later_calls(tmp_path: Any, transport_name: str) -> None:
+    doomed = ShardProcess(str(tmp_path), "doomed", 4 * CHUNK, transport_name)
+
+    async def body(nursery: trio.Nursery) -> None:
+        c = await _connect(doomed.address, transport_name, nursery)
+        fid = new_file()
+        await c.write(fid, 0, CHUNK, 0, UpdateOp.ASSIGN, b"doomed")
+        await c.read(fid, 0, 0, memoryview(bytearray(6)))
+        outcomes: list[str] = []
+        with trio.fail_after(30):
+            async with trio.open_nursery() as calls:
+                os.kill(doomed.proc.pid, signal.SIGSTOP)  # so that the calls are pending when it dies
+                for _ in range(3):
+                    calls.start_soon(_outcome, outcomes, c.stat)
+                calls.start_soon(_outcome, outcomes, c.write, fid, 0, CHUNK, 0, UpdateOp.ADD, bytes(8))
+                await trio.testing.wait_all_tasks_blocked(0.05)
+                doomed.proc.kill()
+        assert outcomes == ["unavailable"] * 4
+        assert c.broken
+        with pytest.raises(ShardUnavailable):
+            await c.read(fid, 0, 0, memoryview(bytearray(6)))
+        with pytest.raises(ShardUnavailable):
+            await c.write(fid, 0, CHUNK, 0, UpdateOp.ASSIGN, b"x")
+
+    try:
+        run(body)
+    finally:
+        doomed.proc.kill()
+        doomed.proc.wait(timeout=30)

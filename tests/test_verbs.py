@@ -16,9 +16,12 @@ import numpy as np
 import pytest
 import trio
 from helpers import irdma_cli
+from test_conformance import cancelled_after
 
 import irdma
 from irdma import cluster as _cluster
+from irdma._errors import BadRequest
+from irdma.protocol import UpdateOp
 from irdma.transport import make_transport
 
 pytestmark = pytest.mark.verbs
@@ -31,11 +34,22 @@ def _need_verbs(transport_name: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def vcluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def vcluster_dir(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     d = str(tmp_path_factory.mktemp("vcluster"))
-    url = _cluster.up(d, 2, 64 << 20, transport="verbs", fresh=True)
-    yield url
+    _cluster.up(d, 2, 64 << 20, transport="verbs", fresh=True)
+    yield d
     _cluster.down(d)
+
+
+@pytest.fixture(scope="module")
+def vcluster(vcluster_dir: str) -> str:
+    return _cluster.meta_url_of(vcluster_dir)
+
+
+@pytest.fixture(scope="module")
+def vshard(vcluster_dir: str) -> str:
+    """The address of one verbs shard of the cluster."""
+    return _cluster.read_state(vcluster_dir)[0].address
 
 
 def test_auto_picks_verbs_and_says_so() -> None:
@@ -136,3 +150,108 @@ def test_tcp_shard_refuses_a_verbs_client_clearly(tmp_path: object) -> None:
     finally:
         _cluster.down(d)
 
+
+
+def test_cancelled_posts_leak_no_slot_credit_or_buffer(vshard: str) -> None:
+    """300 pushes and pulls cancelled at every point of their work (an assign posts an RDMA
+    WRITE and a SEND, an add the same into a staging slot, a pull two RDMA READs); then a
+    normal request completes, and once the connection is quiet everything lent is back."""
+    chunk = 1 << 20
+
+    async def main() -> None:
+        with trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                c = await make_transport("verbs").connect(vshard, nursery)
+                fid = 9_000_000 + os.getpid()
+                ones = np.ones(1024, "<f4").tobytes()
+                await c.write(fid, 0, chunk, 0, UpdateOp.ASSIGN, bytes(4096))
+                calls = [
+                    (c.write, fid, 0, chunk, 0, UpdateOp.ASSIGN, bytes(4096)),
+                    (c.write, fid, 0, chunk, 0, UpdateOp.ADD, ones),
+                    (c.read, fid, 0, 0, memoryview(bytearray(4096))),
+                ]
+                cancelled = 0
+                for i in range(300):
+                    afn, *args = calls[i % 3]
+                    cancelled += not await cancelled_after(1 + i // 3 % 12, afn, *args)
+                assert cancelled >= 100 and not c.broken
+                with trio.fail_after(30):  # a normal request completes: nothing leaked
+                    data = os.urandom(4096)
+                    await c.write(fid, 1, chunk, 0, UpdateOp.ASSIGN, data)
+                    await c.stat()  # every reply is in: credits and staging slots are back
+                    out = bytearray(4096)
+                    await c.read(fid, 1, 0, memoryview(out))  # every completion is in (RC order)
+                    assert out == data
+                ep = c._ep  # type: ignore[attr-defined]
+                assert ep.idle
+                for lender in (c._credits, c._staging, c._pool.lender):  # type: ignore[attr-defined]
+                    assert lender.available == lender.size, lender.what
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_write_to_a_chunk_freed_by_another_client_locates_it_again(vshard: str) -> None:
+    chunk = 1 << 20
+
+    async def main() -> None:
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                a = await make_transport("verbs").connect(vshard, nursery)
+                b = await make_transport("verbs").connect(vshard, nursery)
+                fid = 9_100_000 + os.getpid()
+                await a.write(fid, 0, chunk, 0, UpdateOp.ASSIGN, b"first")  # a caches the chunk's place
+                assert await b.free(fid, 0) == 1  # b frees it: a's place is stale
+                await b.write(fid + 1, 0, chunk, 0, UpdateOp.ASSIGN, b"other")  # may take the old place
+                assert await a.write(fid, 0, chunk, 0, UpdateOp.ASSIGN, b"second") == 1  # a fresh chunk
+                out = bytearray(6)
+                assert await b.read(fid, 0, 0, memoryview(out)) == 1
+                assert out == b"second"
+                with pytest.raises(BadRequest):  # a refusal that is not a stale place still raises
+                    await a.write(fid, 0, 2 * chunk, 0, UpdateOp.ASSIGN, b"x")
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+class _StepCounter(trio.abc.Instrument):
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.steps += 1
+
+
+def test_an_assign_posts_its_write_then_its_commit_in_one_step(vshard: str) -> None:
+    """RC queue pairs execute in order: the RDMA WRITE must be posted before the SEND that
+    commits it, by the same task with no checkpoint in between."""
+    from irdma.transport.verbs import e
+
+    async def main() -> None:
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                c = await make_transport("verbs").connect(vshard, nursery)
+                fid = 9_200_000 + os.getpid()
+                await c.write(fid, 0, 1 << 20, 0, UpdateOp.ASSIGN, b"located")  # LOCATE once
+                ep = c._ep  # type: ignore[attr-defined]
+                counter = _StepCounter()
+                posted: list[tuple[int, int]] = []
+                real = ep._post_one
+
+                def spy(wr, release):  # type: ignore[no-untyped-def]
+                    posted.append((wr[0], counter.steps))
+                    return real(wr, release)
+
+                ep._post_one = spy
+                trio.lowlevel.add_instrument(counter)
+                try:
+                    for i in range(20):
+                        posted.clear()
+                        await c.write(fid, 0, 1 << 20, 4096 * i, UpdateOp.ASSIGN, os.urandom(4096))
+                        assert [op for op, _ in posted] == [e.IBV_WR_RDMA_WRITE, e.IBV_WR_SEND]
+                        assert posted[0][1] == posted[1][1]  # one task step: nothing ran in between
+                finally:
+                    trio.lowlevel.remove_instrument(counter)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)

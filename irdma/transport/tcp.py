@@ -119,6 +119,7 @@ class TcpConnection(ShardConnection):
         hdr = bytearray(P.HEADER_SIZE)
         hview = memoryview(hdr)
         fixed = bytearray(P.READ_REPLY_FIXED)
+        pend: _Pending | None = None
         try:
             while True:
                 if not await recv_exactly(self._sock, hview):
@@ -154,6 +155,9 @@ class TcpConnection(ShardConnection):
             err = exc if isinstance(exc, ShardUnavailable) else ShardUnavailable(
                 f"connection to shard at {self.address} failed: {exc}"
             )
+            if pend is not None and not pend.done.is_set():  # its reply was arriving: out of _pending
+                pend.error = err
+                pend.done.set()
             self._fail_all(err)
         finally:
             self._sock.close()

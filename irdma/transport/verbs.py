@@ -11,19 +11,39 @@ pair to the shard. After the exchange every request goes over the queue pair:
   chunk's place comes from a LOCATE request the first time and is cached afterwards (chunks
   never move while they exist; the cache of a file is dropped when this client frees its
   chunks and when a mount opens the file, which gives close-to-open consistency).
-* **push with assign**: a one-sided ``RDMA WRITE`` into the chunk, followed on the same queue
-  pair by a REMOTE_WRITE request (a ``SEND``) that makes the shard bump the chunk's version.
-  RC queue pairs deliver in order, so the bytes are in place when the shard reads it.
-* **push with add** (and any other update op): an ``RDMA WRITE`` of the payload into this
-  connection's staging buffer on the shard, then a REMOTE_WRITE ``SEND`` that asks the shard to
-  apply it from there (SoftMemoryBox II's accumulate from staging buffers), bump the version
-  and reply.
-* STAT, FREE, PUNCH and LOCATE: protocol frames carried in ``SEND``/``RECV`` messages.
+* **push with assign**: a one-sided ``RDMA WRITE`` into the chunk and, right behind it on the
+  same queue pair, a REMOTE_WRITE request (a ``SEND``) that makes the shard bump the chunk's
+  version. One task posts both, the WRITE first, with no checkpoint in between: RC queue pairs
+  execute in order, so the bytes are in place when the shard reads the SEND. A commit refused
+  because the chunk moved or was freed (another client freed it) drops the cached place; the
+  write is tried once more from a fresh LOCATE.
+* **push with add** (and any other update op): the same pair, the ``RDMA WRITE`` going to one of
+  this connection's staging slots on the shard; the shard applies the update from there
+  (SoftMemoryBox II's accumulate from staging buffers), bumps the version and replies.
+* STAT, FREE, PUNCH, LIST and LOCATE: protocol frames carried in ``SEND``/``RECV`` messages.
 
 Client buffers are registered once (a pool) and reused; requests larger than the device's
 ``max_msg_sz`` or the pool's buffers are split; up to ``SEND_DEPTH`` work requests are kept in
-flight per queue pair. Completions are awaited on the completion channel's file descriptor with
+flight per queue pair, and at most as many requests as the shard has receive slots (credits).
+Completions are awaited on the completion channel's file descriptor with
 ``trio.lowlevel.wait_readable``, never by polling in a loop.
+
+Cancellation and failure
+------------------------
+The rule of :mod:`irdma.transport.base`, where posting is synchronous. Every resource a call
+needs (send-queue slots, a SEND slot, a pool buffer, a credit, a staging slot) is taken first;
+a call cancelled then posted nothing and had no effect. Then all of its work requests are
+posted at once. A call cancelled after that returns at once and its work goes on: each resource
+goes back only when the completion or the reply that frees it arrives (the poller gives it
+back), so no registered buffer is reused while the device may still read or write it, and no
+byte reaches the caller's buffer after the call returned (pulls land in a pool buffer that only
+the call itself copies out). Such a push may or may not be applied, as with TCP once the
+request left; the connection goes on.
+
+A failed work request, an unreadable reply, a refused post, the shard closing the control
+connection, and :meth:`VerbsConnection.aclose` declare the connection broken: the queue pair
+is destroyed, every pending and later call fails with ShardUnavailable (``broken`` is True),
+and what was lent to work in flight at that moment is never lent again.
 
 References: iRDMA (HPCC 2017) for one-sided pulls; ``ibv_post_send(3)``, ``ibv_req_notify_cq(3)``
 and ``ibv_get_cq_event(3)`` for the verbs used.
@@ -38,7 +58,7 @@ import itertools
 import os
 import random
 import resource
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +96,8 @@ SLOT_SIZE = 8192  # largest control frame carried by SEND, bytes
 POOL_BUFFERS = 8  # registered client buffers
 POOL_BUFFER_SIZE = 4 << 20  # bytes each; also the largest piece a request moves
 STAGING_SLOTS = 4  # staging buffers per connection on the shard, POOL_BUFFER_SIZE each
+CONNECT_TIMEOUT = 10.0  # seconds for TCP connect, HELLO and VERBS_CONNECT together
+RELEASE_TIMEOUT = 10.0  # seconds aclose waits for the poller to release the verbs resources
 _RECV_BIT = 1 << 62
 
 
@@ -219,12 +241,95 @@ def _open_comp_channel(ctx: Context) -> tuple[CompChannel, int]:
     return channel, new[0]
 
 
+Wr = tuple[int, int, int, int, int, int]  # (opcode, local address, length, lkey, remote address, rkey)
+
+
+class _Lender:
+    """A fixed set of numbered resources (send-queue slots, SEND slots, pool buffers, credits,
+    staging slots), lent first come first served.
+
+    What a call takes goes back with :meth:`give`, called by whoever sees the completion or the
+    reply that frees it: never by a cancelled call that posted work using it. After
+    :meth:`close` every waiting and later :meth:`take` raises ShardUnavailable, and what was
+    lent at that moment is never lent again (the device may have been using it).
+    """
+
+    def __init__(self, items: Iterable[int], what: str) -> None:
+        self._free = list(items)
+        self.size = len(self._free)
+        self.what = what
+        self._sem = trio.Semaphore(self.size)
+        self._many = trio.Lock()
+        self.error: IrdmaError | None = None
+
+    @property
+    def available(self) -> int:
+        """How many are free now."""
+        return len(self._free)
+
+    async def take(self) -> int:
+        """Wait for one and take it. Cancelled while waiting: nothing was taken.
+
+        Raises:
+            ShardUnavailable: the lender was closed (the connection broke).
+        """
+        await self._sem.acquire()  # atomic: cancelled before it took one, or took one and returns
+        if self.error is not None:
+            self._sem.release()  # wake the next waiter: it fails the same way
+            raise ShardUnavailable(str(self.error))
+        return self._free.pop()
+
+    async def take_many(self, n: int) -> list[int]:
+        """Take ``n`` at once: one caller at a time gathers, so two callers never each hold part
+        of what both need. Cancelled: nothing was taken.
+
+        Raises:
+            ShardUnavailable: the lender was closed.
+        """
+        assert n <= self.size, f"{n} {self.what}s asked of {self.size}"
+        taken: list[int] = []
+        try:
+            async with self._many:
+                for _ in range(n):
+                    taken.append(await self.take())
+        except BaseException:
+            for item in taken:
+                self.give(item)
+            raise
+        return taken
+
+    def give(self, item: int) -> None:
+        """Give one back (ignored once closed: it stays lent forever)."""
+        if self.error is None:
+            self._free.append(item)
+            self._sem.release()
+
+    def close(self, err: IrdmaError) -> None:
+        """Fail every waiting and later :meth:`take` with ``err``. Safe twice."""
+        if self.error is None:
+            self.error = err
+            self._sem.release()
+
+
+class _Hold:
+    """A pool buffer lent to one call and to the work requests it posted: it goes back to the
+    pool when the call and every one of them are done with it (a reference count)."""
+
+    def __init__(self, lender: _Lender, index: int, offset: int) -> None:
+        self._lender, self._index, self.offset = lender, index, offset
+        self.refs = 1  # the call's own
+
+    def drop(self) -> None:
+        self.refs -= 1
+        if self.refs == 0:
+            self._lender.give(self._index)
+
+
 @dataclass
 class _Waiter:
     done: trio.Event
     status: int = 0
-    vendor_err: int = 0
-    opcode: int = 0
+    release: Callable[[], None] | None = None  # gives back what the work request used (on success)
 
 
 class Endpoint:
@@ -232,38 +337,65 @@ class Endpoint:
 
     ``on_recv(slot, length)`` is called from the poller for each message received; the slot's
     bytes are ``recv_view[slot * SLOT_SIZE : slot * SLOT_SIZE + length]``, and the caller
-    gives the slot back with :meth:`repost`.
+    gives the slot back with :meth:`repost`. ``on_fail(error)`` is called once when the queue
+    pair is declared broken (:meth:`fail`).
+
+    Every resource a work request uses (its send-queue slot, its SEND slot, a registered
+    buffer) is given back only when its completion arrives; when the queue pair breaks,
+    nothing lent is given back and every waiter fails.
     """
 
-    def __init__(self, dev: VerbsDevice, on_recv: Callable[[int, int], None]) -> None:
+    def __init__(
+        self, dev: VerbsDevice, on_recv: Callable[[int, int], None],
+        on_fail: Callable[[IrdmaError], None] | None = None,
+    ) -> None:
         self.dev = dev
         self._on_recv = on_recv
+        self._on_fail = on_fail
         self._closed = False
+        self.error: IrdmaError | None = None
         self.channel, self.channel_fd = _open_comp_channel(dev.ctx)
-        self.cq = CQ(dev.ctx, SEND_DEPTH + RECV_SLOTS + 16, None, self.channel, 0)
-        self.cq.req_notify()
-        cap = QPCap(max_send_wr=SEND_DEPTH, max_recv_wr=RECV_SLOTS, max_send_sge=1, max_recv_sge=1)
-        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap)
-        attr = QPAttr(port_num=1)
-        attr.qp_access_flags = REMOTE_ACCESS
-        self.qp = QP(dev.pd, init, attr)  # -> INIT
+        made: list[Any] = [self.channel]
+        try:
+            self.cq = CQ(dev.ctx, SEND_DEPTH + RECV_SLOTS + 16, None, self.channel, 0)
+            made.append(self.cq)
+            self.cq.req_notify()
+            cap = QPCap(max_send_wr=SEND_DEPTH, max_recv_wr=RECV_SLOTS, max_send_sge=1, max_recv_sge=1)
+            init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap)
+            attr = QPAttr(port_num=1)
+            attr.qp_access_flags = REMOTE_ACCESS
+            self.qp = QP(dev.pd, init, attr)  # -> INIT
+            made.append(self.qp)
+            self.recv_mr = MR(dev.pd, RECV_SLOTS * SLOT_SIZE, e.IBV_ACCESS_LOCAL_WRITE)
+            made.append(self.recv_mr)
+            self.send_mr = MR(dev.pd, RECV_SLOTS * SLOT_SIZE, e.IBV_ACCESS_LOCAL_WRITE)
+        except PyverbsError as exc:
+            for obj in reversed(made):
+                obj.close()
+            raise TransportUnavailable(f"cannot create a queue pair on RDMA device {dev.name}: {_fix(exc)}") from None
         self.psn = random.randrange(1 << 24)
-        self.recv_mr = MR(dev.pd, RECV_SLOTS * SLOT_SIZE, e.IBV_ACCESS_LOCAL_WRITE)
-        self.send_mr = MR(dev.pd, RECV_SLOTS * SLOT_SIZE, e.IBV_ACCESS_LOCAL_WRITE)
         self.recv_view = view_of(self.recv_mr)
         self.send_view = view_of(self.send_mr)
-        self._send_free = list(range(RECV_SLOTS))
-        self._send_slots = trio.Semaphore(RECV_SLOTS)
-        self._wr_slots = trio.Semaphore(SEND_DEPTH - RECV_SLOTS)
+        self._send_slots = _Lender(range(RECV_SLOTS), "SEND slot")
+        self._wr_slots = _Lender(range(SEND_DEPTH - RECV_SLOTS), "send-queue slot")
         self._waiters: dict[int, _Waiter] = {}
         self._ids = itertools.count(1)
-        self.error: IrdmaError | None = None
         for slot in range(RECV_SLOTS):  # before connecting, or the first message meets RNR
             self.repost(slot)
 
+    @property
+    def idle(self) -> bool:
+        """No work request in flight (every send-queue and SEND slot is back)."""
+        return self._wr_slots.available == self._wr_slots.size and self._send_slots.available == self._send_slots.size
+
     def repost(self, slot: int) -> None:
+        if self.error is not None:
+            return
         sge = SGE(self.recv_mr.buf + slot * SLOT_SIZE, SLOT_SIZE, self.recv_mr.lkey)
-        self.qp.post_recv(RecvWR(wr_id=_RECV_BIT | slot, num_sge=1, sg=[sge]))
+        try:
+            self.qp.post_recv(RecvWR(wr_id=_RECV_BIT | slot, num_sge=1, sg=[sge]))
+        except PyverbsRDMAError as exc:
+            self.fail(ShardUnavailable(f"the device refused a receive: {_fix(exc)}"))
 
     def local_info(self) -> tuple[int, int, bytes]:
         return self.qp.qp_num, self.psn, _gid_bytes(self.dev.gid)
@@ -284,130 +416,178 @@ class Endpoint:
 
     # ------------------------------------------------------------ completions
     async def poll_forever(self) -> None:
-        """Dispatch completions until cancelled; sleeps on the completion channel's fd."""
+        """Dispatch completions until cancelled or the queue pair breaks; sleeps on the
+        completion channel's fd."""
         try:
-            while True:
+            while self.error is None:
                 self._drain()
                 await trio.lowlevel.wait_readable(self.channel_fd)
                 self.channel.get_cq_event(self.cq)
                 self.cq.ack_events(1)
                 self.cq.req_notify()  # then drain again: nothing that arrived in between is lost
+        except (PyverbsError, OSError) as exc:
+            self.fail(ShardUnavailable(f"polling the completion queue failed: {_fix(exc)}"))
         finally:
-            self._fail(ShardUnavailable("the queue pair was closed"))
+            self.fail(ShardUnavailable("the queue pair was closed"))
 
     def _drain(self) -> None:
-        while True:
+        while self.error is None:
             n, wcs = self.cq.poll(32)
             if not n:
                 return
             for wc in wcs:
+                if self.error is not None:
+                    return  # what is left was flushed with the queue pair
+                if wc.status != e.IBV_WC_SUCCESS:
+                    # an RC queue pair in error flushes everything after: it is broken
+                    what = "receive" if wc.wr_id & _RECV_BIT else "work request"
+                    self.fail(ShardUnavailable(f"{what} failed: status {wc.status} ({_wc_name(wc.status)}),"
+                                               f" vendor error {wc.vendor_err}"))
+                    return
                 if wc.wr_id & _RECV_BIT:
-                    if wc.status != e.IBV_WC_SUCCESS:
-                        self._fail(ShardUnavailable(f"receive failed: status {wc.status} ({_wc_name(wc.status)})"))
-                        continue
                     self._on_recv(wc.wr_id & ~_RECV_BIT, wc.byte_len)
                     continue
                 w = self._waiters.pop(wc.wr_id, None)
                 if w is not None:
-                    w.status, w.vendor_err, w.opcode = wc.status, wc.vendor_err, wc.opcode
+                    if w.release is not None:
+                        w.release()
                     w.done.set()
 
-    def _fail(self, err: IrdmaError) -> None:
-        if self.error is None:
-            self.error = err
-        for w in self._waiters.values():
+    def fail(self, err: IrdmaError) -> None:
+        """Declare the queue pair broken: destroy it (the device stops touching registered
+        memory), fail every waiter and every wait for a slot, and tell ``on_fail``. What was
+        lent to work in flight is never given back. Safe twice."""
+        if self.error is not None:
+            return
+        self.error = err
+        with contextlib.suppress(PyverbsError):
+            self.qp.close()
+        self._wr_slots.close(err)
+        self._send_slots.close(err)
+        waiters, self._waiters = self._waiters, {}
+        for w in waiters.values():
             w.status = -1
             w.done.set()
-        self._waiters.clear()
+        if self._on_fail is not None:
+            self._on_fail(err)
 
-    async def post(self, wrs: list[tuple[int, int, int, int, int, int]]) -> None:
-        """Post RDMA work requests and wait for all of them.
+    # ------------------------------------------------------------ posting
+    async def post(self, wrs: list[Wr], frame: list[bytes | memoryview] | None = None,
+                   hold: _Hold | None = None) -> list[_Waiter]:
+        """Post RDMA work requests and then, behind them, ``frame`` as a SEND; returns their
+        waiters (see :meth:`wait`).
 
-        Each entry is ``(opcode, local_addr, length, lkey, remote_addr, rkey)``; pieces
-        longer than the device's ``max_msg_sz`` are split.
+        Each entry of ``wrs`` is ``(opcode, local_addr, length, lkey, remote_addr, rkey)``;
+        pieces longer than the device's ``max_msg_sz`` are split. Every slot needed is taken
+        first (cancelled then: nothing was posted), then everything is posted with no
+        checkpoint in between, in order (an RC queue pair executes it in that order). Each
+        slot goes back when its completion arrives; ``hold`` (the pool buffer ``wrs`` use) is
+        dropped once when all of ``wrs`` have completed.
 
         Raises:
-            ShardUnavailable: a work request completed with an error.
+            BadRequest: ``frame`` is larger than a SEND slot.
+            ShardUnavailable: the queue pair is broken, or the device refused a work request
+                (which breaks it).
         """
-        split: list[tuple[int, int, int, int, int, int]] = []
+        if self.error is not None:
+            raise ShardUnavailable(str(self.error))
+        data = b"".join(frame) if frame is not None else None
+        if data is not None and len(data) > SLOT_SIZE:
+            raise BadRequest(f"control frame of {len(data)} bytes exceeds the {SLOT_SIZE}-byte slot")
+        split: list[Wr] = []
         for op, laddr, n, lkey, raddr, rkey in wrs:
             for k in range(0, n, self.dev.max_msg):
-                m = min(self.dev.max_msg, n - k)
-                split.append((op, laddr + k, m, lkey, raddr + k, rkey))
-        waiters = []
-        for op, laddr, n, lkey, raddr, rkey in split:
-            await self._wr_slots.acquire()
-            w = self._post_one(op, laddr, n, lkey, raddr, rkey)
-            waiters.append(w)
-        try:
-            for w in waiters:
-                await w.done.wait()
-        finally:
-            for _ in waiters:
-                self._wr_slots.release()
-        for w in waiters:
-            self._check(w)
+                split.append((op, laddr + k, min(self.dev.max_msg, n - k), lkey, raddr + k, rkey))
+        slots = await self._wr_slots.take_many(len(split) + (data is not None))
+        send_slot = -1
+        if data is not None:
+            try:
+                send_slot = await self._send_slots.take()
+            except BaseException:
+                for s in slots:
+                    self._wr_slots.give(s)
+                raise
+        # ---- no checkpoint from here on: all of it is posted, or the queue pair breaks
+        left = len(split)
 
-    def _post_one(self, op: int, laddr: int, n: int, lkey: int, raddr: int = 0, rkey: int = 0) -> _Waiter:
+        def rdma_done(slot: int) -> Callable[[], None]:
+            def release() -> None:
+                nonlocal left
+                self._wr_slots.give(slot)
+                left -= 1
+                if left == 0 and hold is not None:
+                    hold.drop()
+            return release
+
+        if split and hold is not None:
+            hold.refs += 1
+        waiters = [self._post_one(wr, rdma_done(slot)) for wr, slot in zip(split, slots[: len(split)], strict=True)]
+        if data is not None:
+            off = send_slot * SLOT_SIZE
+            self.send_view[off : off + len(data)] = data
+            wr_slot = slots[-1]
+
+            def send_done() -> None:
+                self._wr_slots.give(wr_slot)
+                self._send_slots.give(send_slot)
+
+            waiters.append(self._post_one((e.IBV_WR_SEND, self.send_mr.buf + off, len(data), self.send_mr.lkey, 0, 0),
+                                          send_done))
+        return waiters
+
+    def _post_one(self, wr: Wr, release: Callable[[], None]) -> _Waiter:
+        op, laddr, n, lkey, raddr, rkey = wr
         if self.error is not None:
             raise ShardUnavailable(str(self.error))
         wr_id = next(self._ids)
-        wr = SendWR(wr_id=wr_id, opcode=op, num_sge=1, sg=[SGE(laddr, n, lkey)], send_flags=e.IBV_SEND_SIGNALED)
+        swr = SendWR(wr_id=wr_id, opcode=op, num_sge=1, sg=[SGE(laddr, n, lkey)], send_flags=e.IBV_SEND_SIGNALED)
         if op != e.IBV_WR_SEND:
-            wr.set_wr_rdma(rkey, raddr)
-        w = _Waiter(trio.Event())
+            swr.set_wr_rdma(rkey, raddr)
+        w = _Waiter(trio.Event(), release=release)
         self._waiters[wr_id] = w
         try:
-            self.qp.post_send(wr)
-        except PyverbsRDMAError as exc:
+            self.qp.post_send(swr)
+        except PyverbsError as exc:
             del self._waiters[wr_id]
-            raise ShardUnavailable(f"the device refused a work request: opcode {op}, {n} bytes: {_fix(exc)}") from None
+            err = ShardUnavailable(f"the device refused a work request: opcode {op}, {n} bytes: {_fix(exc)}")
+            self.fail(err)  # what was posted before it may be in flight: nothing is reused
+            raise err from None
         return w
 
-    def _check(self, w: _Waiter) -> None:
-        if w.status != e.IBV_WC_SUCCESS:
-            if w.status == -1:
-                raise ShardUnavailable(str(self.error or "the queue pair was closed"))
-            err = ShardUnavailable(f"work request failed: status {w.status} ({_wc_name(w.status)}), vendor error {w.vendor_err}")
-            self._fail(err)
-            raise err
+    async def wait(self, waiters: list[_Waiter]) -> None:
+        """Wait for the completions of ``waiters``. Cancelled: the work goes on, and what it
+        uses goes back when it completes.
+
+        Raises:
+            ShardUnavailable: a work request failed or the queue pair broke meanwhile (then
+                registered memory may be gone: the caller must not touch it).
+        """
+        for w in waiters:
+            await w.done.wait()
+        if self.error is not None or any(w.status != e.IBV_WC_SUCCESS for w in waiters):
+            raise ShardUnavailable(str(self.error or "a work request failed"))
 
     async def send_frame(self, parts: list[bytes | memoryview]) -> None:
-        """SEND one control frame from a send slot and wait for its completion."""
-        data = b"".join(parts)
-        if len(data) > SLOT_SIZE:
-            raise BadRequest(f"control frame of {len(data)} bytes exceeds the {SLOT_SIZE}-byte slot")
-        await self._send_slots.acquire()
-        slot = self._send_free.pop()
-        try:
-            off = slot * SLOT_SIZE
-            self.send_view[off : off + len(data)] = data
-            async with self._wr_slot():
-                w = self._post_one(e.IBV_WR_SEND, self.send_mr.buf + off, len(data), self.send_mr.lkey)
-                await w.done.wait()
-            self._check(w)
-        finally:
-            self._send_free.append(slot)
-            self._send_slots.release()
+        """SEND one control frame from a SEND slot and wait for its completion.
 
-    @contextlib.asynccontextmanager
-    async def _wr_slot(self) -> AsyncIterator[None]:
-        await self._wr_slots.acquire()
-        try:
-            yield
-        finally:
-            self._wr_slots.release()
+        Raises:
+            BadRequest: the frame is larger than a SEND slot.
+            ShardUnavailable: the queue pair is broken.
+        """
+        await self.wait(await self.post([], parts))
 
     def close(self) -> None:
-        """Destroy the QP, CQ, channel and slot buffers (children first). Safe twice."""
+        """Destroy the QP, CQ, channel and slot buffers (children first). Safe twice; call it
+        from trio (the channel's fd is announced closed first)."""
         if self._closed:
             return
         self._closed = True
-        self._fail(ShardUnavailable("the queue pair was closed"))
+        self.fail(ShardUnavailable("the queue pair was closed"))
         self.qp.close()
         self.recv_mr.close()
         self.send_mr.close()
         self.cq.close()
+        trio.lowlevel.notify_closing(self.channel_fd)
         self.channel.close()
 
 
@@ -419,25 +599,30 @@ def _wc_name(status: int) -> str:
 
 
 class _Pool:
-    """Registered buffers, allocated once and lent out per request."""
+    """Registered client buffers, allocated once and lent per request (see :class:`_Hold`)."""
 
     def __init__(self, dev: VerbsDevice, count: int, size: int) -> None:
         self.size = size
         self.stride = size + 64  # room after each buffer for an 8-byte version read
-        self.mr = dev.register(count * self.stride, e.IBV_ACCESS_LOCAL_WRITE, "client buffer pool")
+        self.mr = dev.register(count * self.stride, e.IBV_ACCESS_LOCAL_WRITE, "client buffer pool", keep=False)
         self.view = view_of(self.mr)
-        self._free = list(range(count))
-        self._sem = trio.Semaphore(count)
+        self.lender = _Lender(range(count), "client buffer")
 
-    @contextlib.asynccontextmanager
-    async def buffer(self) -> AsyncIterator[int]:
-        await self._sem.acquire()
-        i = self._free.pop()
-        try:
-            yield i * self.stride
-        finally:
-            self._free.append(i)
-            self._sem.release()
+    async def take(self) -> _Hold:
+        i = await self.lender.take()
+        return _Hold(self.lender, i, i * self.stride)
+
+
+@dataclass
+class _Call:
+    """A request sent over SEND, waiting for its reply. Its credit (a receive slot of the
+    shard) and its staging slot go back when the reply arrives, even if its caller was
+    cancelled: only then is the shard done with them."""
+
+    done: trio.Event
+    credit: int
+    staging: int | None = None
+    reply: P.Reply | None = None
 
 
 class VerbsConnection(ShardConnection):
@@ -447,18 +632,22 @@ class VerbsConnection(ShardConnection):
         self._sock = sock
         self.address = address
         self.dev = dev
-        self._ep = Endpoint(dev, self._on_recv)
-        self._pool = _Pool(dev, POOL_BUFFERS, POOL_BUFFER_SIZE)
         self.info = ShardInfo(hello.shard_id, hello.capacity, min(hello.max_payload, POOL_BUFFER_SIZE), hello.incarnation)
-        self._pending: dict[int, tuple[trio.Event, list[P.Reply]]] = {}
+        self._pending: dict[int, _Call] = {}
         self._ids = itertools.count(1)
         self._locs: dict[tuple[int, int], P.LocateReply] = {}
         self._nursery = nursery
         self.remote: P.VerbsConnectReply | None = None
-        self._credits = trio.Semaphore(RECV_SLOTS)
-        self._staging_free: list[int] = []
-        self._staging_sem = trio.Semaphore(0)
+        self._credits = _Lender((), "credit")  # sized by VERBS_CONNECT
+        self._staging = _Lender((), "staging slot")
         self._closed = False
+        self._released = trio.Event()
+        self._pool = _Pool(dev, POOL_BUFFERS, POOL_BUFFER_SIZE)
+        try:
+            self._ep = Endpoint(dev, self._on_recv, self._on_fail)
+        except BaseException:
+            self._pool.mr.close()
+            raise
 
     async def _setup(self) -> None:
         qpn, psn, gid = self._ep.local_info()
@@ -473,13 +662,13 @@ class VerbsConnection(ShardConnection):
         if isinstance(reply, P.ErrorReply):
             raise TransportUnavailable(f"shard at {self.address} cannot serve verbs: {reply.message}",
                                        "start the shard with --transport verbs, or use --transport tcp")
-        assert isinstance(reply, P.VerbsConnectReply)
+        if not isinstance(reply, P.VerbsConnectReply):
+            raise ShardUnavailable(f"shard at {self.address} answered VERBS_CONNECT with {type(reply).__name__}")
+        # ---- no checkpoint from here on: the connection is whole, or connect closes it
         self._ep.connect(reply.qp_num, reply.psn, reply.gid)
         self.remote = reply
-        self._credits = trio.Semaphore(min(RECV_SLOTS, reply.recv_slots))
-        n_staging = reply.staging_len // POOL_BUFFER_SIZE
-        self._staging_free = [i * POOL_BUFFER_SIZE for i in range(n_staging)]
-        self._staging_sem = trio.Semaphore(n_staging)
+        self._credits = _Lender(range(min(RECV_SLOTS, reply.recv_slots)), "credit")
+        self._staging = _Lender(range(0, reply.staging_len - POOL_BUFFER_SIZE + 1, POOL_BUFFER_SIZE), "staging slot")
         self._nursery.start_soon(self._run, name=f"irdma-verbs-poller {self.address}")
 
     async def _run(self) -> None:
@@ -488,17 +677,37 @@ class VerbsConnection(ShardConnection):
         try:
             async with trio.open_nursery() as n:
                 n.start_soon(self._ep.poll_forever)
-                buf = bytearray(1)
                 try:
-                    await recv_exactly(self._sock, memoryview(buf))
+                    await recv_exactly(self._sock, memoryview(bytearray(1)))
                 except (OSError, IrdmaError, trio.ClosedResourceError):
                     pass
-                self._ep._fail(ShardUnavailable(f"shard at {self.address} closed the control connection"))
-                self._fail_pending()
+                self._break(f"shard at {self.address} closed the control connection")
                 n.cancel_scope.cancel()
         finally:
-            self._fail_pending()
+            self._break(f"connection to shard at {self.address} was closed")
             self._close_resources()
+            self._released.set()
+
+    def _break(self, why: str) -> None:
+        """Declare the connection broken (see :meth:`_on_fail`). Safe twice."""
+        self._ep.fail(ShardUnavailable(why))
+
+    def _on_fail(self, err: IrdmaError) -> None:
+        # The queue pair is destroyed (Endpoint.fail); fail every pending call and every wait
+        # for a credit, buffer or staging slot; close the control socket so that _run wakes and
+        # releases the verbs resources.
+        self._fail_pending()
+        for lender in (self._credits, self._staging, self._pool.lender):
+            lender.close(err)
+        self._sock.close()
+
+    @property
+    def broken(self) -> bool:
+        return self._ep.error is not None
+
+    def _check(self) -> None:
+        if self._ep.error is not None:
+            raise ShardUnavailable(str(self._ep.error))
 
     def _on_recv(self, slot: int, length: int) -> None:
         off = slot * SLOT_SIZE
@@ -509,36 +718,57 @@ class VerbsConnection(ShardConnection):
             frame.body = memoryview(raw)[P.HEADER_SIZE : P.HEADER_SIZE + frame.body_len]
             reply = P.decode_reply(frame)
         except IrdmaError as exc:
-            self._ep._fail(ShardUnavailable(f"bad reply from shard at {self.address}: {exc}"))
-            self._fail_pending()
+            self._break(f"bad reply from shard at {self.address}: {exc}")
             return
-        pend = self._pending.pop(frame.request_id, None)
-        if pend is not None:
-            pend[1].append(reply)
-            pend[0].set()
+        call = self._pending.pop(frame.request_id, None)
+        if call is None:  # every request stays pending until answered: the counts are off
+            self._break(f"shard at {self.address} answered request {frame.request_id}, which is not pending")
+            return
+        self._release(call)
+        call.reply = reply
+        call.done.set()
+
+    def _release(self, call: _Call) -> None:
+        self._credits.give(call.credit)
+        if call.staging is not None:
+            self._staging.give(call.staging)
+            call.staging = None
 
     def _fail_pending(self) -> None:
-        for ev, _ in self._pending.values():
-            ev.set()
-        self._pending.clear()
+        calls, self._pending = self._pending, {}
+        for call in calls.values():
+            call.done.set()  # no reply: ShardUnavailable
 
-    async def _rpc(self, msg: P.Request) -> P.Reply:
-        if self._ep.error is not None:
-            raise ShardUnavailable(str(self._ep.error))
-        async with self._credits:
-            rid = next(self._ids) & 0xFFFFFFFF
-            ev, box = trio.Event(), []  # type: ignore[var-annotated]
-            self._pending[rid] = (ev, box)
-            try:
-                await self._ep.send_frame(P.encode_request(msg, rid))
-                await ev.wait()
-            finally:
-                self._pending.pop(rid, None)
-        if not box:
+    async def _rpc(self, msg: P.Request, wrs: list[Wr] | None = None, hold: _Hold | None = None,
+                   staging: int | None = None) -> P.Reply:
+        """Send ``msg`` (after the RDMA WRITEs ``wrs`` from ``hold``'s buffer, posted first) and
+        wait for its reply. Takes over ``staging`` (a staging slot the request uses): it goes
+        back when the reply arrives, or at once if nothing was posted.
+
+        Cancelled once posted: the request goes on; its credit and staging slot go back when
+        its reply arrives (the reply is dropped).
+        """
+        try:
+            self._check()
+            credit = await self._credits.take()
+        except BaseException:
+            if staging is not None:
+                self._staging.give(staging)
+            raise
+        rid = next(self._ids) & 0xFFFFFFFF
+        call = _Call(trio.Event(), credit, staging)
+        self._pending[rid] = call
+        try:
+            await self._ep.post(wrs or [], P.encode_request(msg, rid), hold)
+        except BaseException:
+            if self._pending.pop(rid, None) is call:  # nothing was posted
+                self._release(call)
+            raise
+        await call.done.wait()
+        if call.reply is None:
             raise ShardUnavailable(str(self._ep.error or f"connection to shard at {self.address} failed"))
-        reply = box[0]
-        raise_for_error(reply, self.address)
-        return reply
+        raise_for_error(call.reply, self.address)
+        return call.reply
 
     async def _locate(self, file_id: int, chunk_index: int, create_size: int) -> P.LocateReply | None:
         loc = self._locs.get((file_id, chunk_index))
@@ -570,18 +800,22 @@ class VerbsConnection(ShardConnection):
         pool = self._pool
         for start in range(0, len(into), pool.size):
             n = min(pool.size, len(into) - start)
-            async with pool.buffer() as boff:
-                laddr = pool.mr.buf + boff
+            hold = await pool.take()
+            try:
+                laddr = pool.mr.buf + hold.offset
                 wrs = []
                 if start == 0:  # the version first: it is at most the version of the bytes read
                     wrs.append((e.IBV_WR_RDMA_READ, laddr + pool.size, 8, pool.mr.lkey,
                                 r.versions_addr + 8 * loc.version_slot, r.versions_rkey))
                 wrs.append((e.IBV_WR_RDMA_READ, laddr, n, pool.mr.lkey,
                             r.region_addr + loc.region_offset + offset + start, r.region_rkey))
-                await self._ep.post(wrs)
+                await self._ep.wait(await self._ep.post(wrs, hold=hold))
+                # no checkpoint from here on: the device is done with the buffer, and it is alive
                 if start == 0:
-                    version = int.from_bytes(pool.view[boff + pool.size : boff + pool.size + 8], "little")
-                into[start : start + n] = pool.view[boff : boff + n]
+                    version = int.from_bytes(pool.view[hold.offset + pool.size : hold.offset + pool.size + 8], "little")
+                into[start : start + n] = pool.view[hold.offset : hold.offset + n]
+            finally:
+                hold.drop()  # back to the pool once the READs are done too
         return version
 
     async def write(
@@ -606,41 +840,50 @@ class VerbsConnection(ShardConnection):
             return version
         assert self.remote is not None
         r = self.remote
-        pool = self._pool
         if op == UpdateOp.ASSIGN:
-            loc = await self._locate(file_id, chunk_index, 0 if existing else chunk_size)
-            if loc is None:
-                raise DataLost(f"shard at {self.address}: chunk ({file_id}, {chunk_index}) is gone")
-            if loc.chunk_size != chunk_size:
-                raise BadRequest(f"chunk ({file_id}, {chunk_index}) has size {loc.chunk_size}, request says {chunk_size}")
-            async with pool.buffer() as boff:
-                pool.view[boff : boff + n] = view
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._ep.post, [(e.IBV_WR_RDMA_WRITE, pool.mr.buf + boff, n, pool.mr.lkey,
-                                                        r.region_addr + loc.region_offset + offset, r.region_rkey)])
-                    box: list[P.Reply] = []
-
-                    async def commit() -> None:
-                        box.append(await self._rpc(P.RemoteWrite(file_id, chunk_index, chunk_size, offset, op, True, n,
-                                                                 0, loc.region_offset)))
-
-                    nursery.start_soon(commit)
-            reply = box[0]
+            for attempt in (1, 2):
+                loc = await self._locate(file_id, chunk_index, 0 if existing else chunk_size)
+                if loc is None:
+                    raise DataLost(f"shard at {self.address}: chunk ({file_id}, {chunk_index}) is gone")
+                if loc.chunk_size != chunk_size:
+                    raise BadRequest(f"chunk ({file_id}, {chunk_index}) has size {loc.chunk_size}, request says {chunk_size}")
+                commit = P.RemoteWrite(file_id, chunk_index, chunk_size, offset, op, True, n, 0, loc.region_offset)
+                try:
+                    reply = await self._push(view, r.region_addr + loc.region_offset + offset, r.region_rkey, commit)
+                    break
+                except BadRequest:
+                    # the chunk moved or was freed since we located it (another client freed it):
+                    # drop the stale place and locate it afresh, once
+                    if self._locs.get((file_id, chunk_index)) is loc:
+                        del self._locs[(file_id, chunk_index)]
+                    if attempt == 2:
+                        raise
         else:
-            await self._staging_sem.acquire()
-            soff = self._staging_free.pop()
-            try:
-                async with pool.buffer() as boff:
-                    pool.view[boff : boff + n] = view
-                    await self._ep.post([(e.IBV_WR_RDMA_WRITE, pool.mr.buf + boff, n, pool.mr.lkey,
-                                          r.staging_addr + soff, r.staging_rkey)])
-                reply = await self._rpc(P.RemoteWrite(file_id, chunk_index, chunk_size, offset, op, False, n, soff,
-                                                      existing=existing))
-            finally:
-                self._staging_free.append(soff)
-                self._staging_sem.release()
+            soff = await self._staging.take()
+            reply = await self._push(view, r.staging_addr + soff, r.staging_rkey,
+                                     P.RemoteWrite(file_id, chunk_index, chunk_size, offset, op, False, n, soff,
+                                                   existing=existing), staging=soff)
         assert isinstance(reply, P.VersionReply)
         return reply.version
+
+    async def _push(self, view: memoryview, raddr: int, rkey: int, commit: P.RemoteWrite,
+                    staging: int | None = None) -> P.Reply:
+        """RDMA WRITE ``view`` to ``raddr`` from a pool buffer, then SEND ``commit``: both posted
+        together, in that order. Takes over ``staging`` (see :meth:`_rpc`)."""
+        pool = self._pool
+        try:
+            hold = await pool.take()
+        except BaseException:
+            if staging is not None:
+                self._staging.give(staging)
+            raise
+        try:
+            n = len(view)
+            pool.view[hold.offset : hold.offset + n] = view  # the caller's buffer is never read again
+            wrs = [(e.IBV_WR_RDMA_WRITE, pool.mr.buf + hold.offset, n, pool.mr.lkey, raddr, rkey)] if n else []
+            return await self._rpc(commit, wrs, hold, staging)
+        finally:
+            hold.drop()  # back to the pool once the WRITE is done too
 
     async def stat(self) -> StatReply:
         reply = await self._rpc(P.Stat())
@@ -667,17 +910,20 @@ class VerbsConnection(ShardConnection):
         return reply.entries
 
     async def aclose(self) -> None:
-        if not self._closed:
-            self._ep._fail(ShardUnavailable(f"connection to shard at {self.address} was closed"))
-            self._fail_pending()
-            self._sock.close()  # the poller task sees it and releases the verbs resources
+        """Close the connection: pending calls fail with ShardUnavailable at once; returns once
+        the queue pair and registered memory are released (at most a few seconds, even when
+        cancelled). Safe twice."""
+        self._break(f"connection to shard at {self.address} was closed")
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + RELEASE_TIMEOUT
+            await self._released.wait()
 
     def _close_resources(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._sock.close()
-        self._ep.close()
+        self._ep.close()  # the queue pair first: then nothing touches the pool any more
         self._pool.mr.close()
 
 
@@ -698,25 +944,41 @@ class VerbsTransport(Transport):
 
     async def connect(
         self, address: str, nursery: trio.Nursery, *, client_name: str = "", credentials: bytes = b"",
-        timeout: float = 10.0,
+        timeout: float = CONNECT_TIMEOUT,
     ) -> VerbsConnection:
-        host, port = parse_address(address)
+        """See :meth:`Transport.connect`: the TCP connect, HELLO and VERBS_CONNECT together take
+        at most ``timeout`` seconds (a stopped shard accepts connections but never answers).
+
+        Raises:
+            ShardUnavailable: nobody answers, no answer within ``timeout``, or the handshake failed.
+            TransportUnavailable: the shard does not serve verbs, or the queue pair cannot be made.
+        """
+        try:
+            host, port = parse_address(address)
+        except ValueError as exc:
+            raise ShardUnavailable(str(exc), "fix the address in the shard map (`irdma shard list`)") from None
         sock = trio.socket.socket(trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+        conn: VerbsConnection | None = None
         try:
-            await sock.connect((host, port))
-            tune_socket(sock)
-            hello = await handshake(sock, address, client_name, credentials)
-            conn = VerbsConnection(sock, address, hello, self.device, nursery)
-        except OSError as exc:
+            with trio.fail_after(timeout):
+                await sock.connect((host, port))
+                tune_socket(sock)
+                hello = await handshake(sock, address, client_name, credentials)
+                conn = VerbsConnection(sock, address, hello, self.device, nursery)
+                await conn._setup()
+        except BaseException as exc:
+            if conn is not None:
+                conn._close_resources()
             sock.close()
-            raise ShardUnavailable(f"cannot connect to shard at {address}: {exc.strerror or exc}",
-                                   "is the shard running? `irdma shard list` shows its state") from None
-        except BaseException:
-            sock.close()
-            raise
-        try:
-            await conn._setup()
-        except BaseException:
-            conn._close_resources()
+            if isinstance(exc, trio.TooSlowError):
+                raise ShardUnavailable(
+                    f"shard at {address} did not answer the handshake within {timeout:g} s",
+                    "is the shard process stopped or overloaded? `irdma shard list` shows its state",
+                ) from None
+            if isinstance(exc, OSError):
+                raise ShardUnavailable(f"cannot connect to shard at {address}: {exc.strerror or exc}",
+                                       "is the shard running? `irdma shard list` shows its state") from None
+            if isinstance(exc, IrdmaError) and not isinstance(exc, (ShardUnavailable, TransportUnavailable)):
+                raise ShardUnavailable(f"handshake with {address} failed: {exc}") from None
             raise
         return conn
