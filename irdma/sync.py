@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from ._errors import IrdmaError
 from .client import Client
 from .meta import Inode
 from .protocol import UpdateOp
@@ -42,16 +43,29 @@ class SyncClient:
                     self._stop = trio.Event()
                     self._ready.set()
                     await self._stop.wait()
-            except BaseException as exc:  # reported to the constructor
+            except BaseException as exc:  # reported to the constructor, or to the next call
                 self._error = exc
                 self._ready.set()
 
         trio.run(amain)
 
     def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` on the client's loop.
+
+        Raises:
+            IrdmaError: the client is closed, or its loop ended on an error after it started
+                (that error is the cause); else what ``fn`` raises.
+        """
         if self._token is None or self._client is None:
-            raise RuntimeError("this irdma client is closed")
-        return trio.from_thread.run(lambda: fn(*args, **kwargs), trio_token=self._token)
+            raise IrdmaError("this irdma client is closed", "open a new one with irdma.connect()")
+        try:
+            return trio.from_thread.run(lambda: fn(*args, **kwargs), trio_token=self._token)
+        except trio.RunFinishedError:
+            cause = self._error
+            raise IrdmaError(
+                f"this irdma client stopped: {cause!r}" if cause else "this irdma client stopped",
+                "open a new one with irdma.connect()",
+            ) from cause
 
     @property
     def client(self) -> Client:

@@ -64,12 +64,22 @@ def test_truncate_shrinks_and_grows_with_zeros(mnt: str, cluster: Cluster) -> No
     with open(path, "rb") as f:
         got = f.read()
     assert got[:1000] == data[:1000] and got[1000:] == bytes((5 << 20) - 1000)
-    with open(path, "r+b") as f:  # O_TRUNC through open
-        pass
+    fd = os.open(path, os.O_WRONLY | os.O_TRUNC)  # O_TRUNC through open, no write
+    try:
+        assert os.fstat(fd).st_size == 0
+    finally:
+        os.close(fd)
+    assert os.path.getsize(path) == 0
+    with open(path, "rb") as f:
+        assert f.read() == b""
     with open(path, "wb") as f:
         f.write(b"new")
     with open(path, "rb") as f:
         assert f.read() == b"new"
+    # truncate up after O_TRUNC: zeros, never the old bytes
+    os.truncate(path, 1 << 20)
+    with open(path, "rb") as f:
+        assert f.read() == b"new" + bytes((1 << 20) - 3)
 
 
 def test_rename_over_an_existing_file_is_atomic_and_frees_the_old_one(mnt: str, cluster: Cluster) -> None:

@@ -244,3 +244,21 @@ def _alive(pid: int) -> bool:
     from irdma._proc import pid_alive
 
     return pid_alive(pid)
+
+
+def test_a_sync_client_whose_loop_died_says_why(cluster: Cluster) -> None:
+    import trio
+
+    c = irdma.connect(cluster.meta_url, transport="tcp")
+    try:
+        async def boom() -> None:
+            raise RuntimeError("background task failed")
+
+        trio.from_thread.run_sync(lambda: c.client._nursery.start_soon(boom), trio_token=c._token)
+        c._thread.join(10)
+        assert not c._thread.is_alive()
+        with pytest.raises(irdma.IrdmaError, match="background task failed") as info:
+            c.listdir("/")
+        assert info.value.__cause__ is not None
+    finally:
+        c._token = None  # the loop is gone: nothing to close

@@ -12,8 +12,11 @@ from irdma.placement import Layout, check_chunk_size
 def test_every_chunk_maps_to_exactly_one_shard_of_the_stripe() -> None:
     layout = Layout(file_id=17, chunk_size=4096, stripe=(3, 5, 8, 9))
     for i in range(1000):
-        assert layout.shard_of(i) in layout.stripe
-        assert layout.shard_of(i) == layout.shard_of(i)  # deterministic
+        # the documented formula: stripe[(file_id + i) % len(stripe)], the same in a fresh Layout
+        assert layout.shard_of(i) == (3, 5, 8, 9)[(17 + i) % 4]
+        assert Layout(17, 4096, (3, 5, 8, 9)).shard_of(i) == layout.shard_of(i)
+    # consecutive chunks go to consecutive shards of the stripe
+    assert [layout.shard_of(i) for i in range(4)] == [5, 8, 9, 3]
 
 
 def test_a_large_file_spreads_evenly_over_all_shards() -> None:

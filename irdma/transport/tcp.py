@@ -193,7 +193,7 @@ class TcpConnection(ShardConnection):
             try:
                 await send_parts(self._sock, parts)
             except (OSError, trio.ClosedResourceError) as exc:
-                self._fail_all(ShardUnavailable(f"send to shard at {self.address} failed: {exc}"))
+                self._break(f"send failed: {exc}")
             except BaseException:
                 # cancelled with part of the frame perhaps on the wire: nothing may follow it
                 self._pending.pop(rid, None)
