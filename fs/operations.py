@@ -259,6 +259,8 @@ class IrdmaFS(pyfuse3.Operations):
         """Wait for every transfer of the file; persist the size of what the shards
         acknowledged and the chunks created; raise the first error."""
         await self._wait_pending(st)
+        if st.dirty and st.acked_ends:
+            await self.client.flush()  # durable on the shards before close/fsync return
         if st.dirty:
             acked = st.acked_ends
             if st.fail_start is not None:  # never count bytes past a failed push

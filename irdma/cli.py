@@ -168,16 +168,23 @@ def cli(verbose: int) -> None:
 # ---------------------------------------------------------------- server
 @cli.command()
 @click.option("--listen", default="127.0.0.1:7700", show_default=True, help="HOST:PORT to serve (port 0 picks one).")
-@click.option("--capacity", default="2GiB", show_default=True, callback=_size, help="Size of the memory region.")
+@click.option("--capacity", default=None, callback=lambda ctx, p, v: None if v is None else _size(ctx, p, v),
+              help="Size of the memory region [default: 2GiB; with --data-dir, the directory's own].")
 @click.option("--shard-id", type=int, default=0, show_default=True, help="This shard's id in the shard map.")
 @click.option("--transport", type=click.Choice(TRANSPORTS), default="auto", show_default=True)
 @click.option("--port-file", type=click.Path(dir_okay=False), help="Write the bound HOST:PORT here when ready.")
 @click.option("--auth-token", envvar="IRDMA_AUTH_TOKEN", default="", help="Clients must present this token.")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="Keep the shard's chunks in this directory (memory-mapped files): a restart on it keeps them.")
+@click.option("--durability", type=click.Choice(["fsync", "memory"]), default="fsync", show_default=True,
+              help="With --data-dir: fsync/close wait for the disk (fsync), or only for the page cache (memory).")
 @friendly
-def server(listen: str, capacity: int, shard_id: int, transport: str, port_file: str | None, auth_token: str) -> None:
+def server(listen: str, capacity: int | None, shard_id: int, transport: str, port_file: str | None, auth_token: str,
+           data_dir: str | None, durability: str) -> None:
     """Run one shard server in the foreground until SIGTERM or Ctrl-C."""
     from irdma.server.serve import run_server
     from irdma.server.shard import PAGE, Region, Shard
+    from irdma.server.store import ShardStore
 
     from .transport import parse_address
 
@@ -186,9 +193,19 @@ def server(listen: str, capacity: int, shard_id: int, transport: str, port_file:
         host, port = parse_address(listen)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--listen") from None
-    if capacity < PAGE:
+    if capacity is not None and capacity < PAGE:
         raise click.BadParameter(f"capacity must be at least {PAGE} bytes", param_hint="--capacity")
-    capacity -= capacity % PAGE
+    if capacity is not None:
+        capacity -= capacity % PAGE
+    store = None
+    if data_dir is not None:
+        store = ShardStore(data_dir, shard_id, capacity, durability)
+        capacity = store.capacity
+        logging.getLogger("irdma.server").info(
+            "shard %d: data in %s (%s, durability %s)", shard_id, store.path,
+            "new" if store.fresh else "reopened with its chunks", durability)
+    elif capacity is None:
+        capacity = 2 << 30
     verbs = None
     if transport != "tcp":
         from .transport import verbs_status
@@ -201,9 +218,15 @@ def server(listen: str, capacity: int, shard_id: int, transport: str, port_file:
 
             if not ok:
                 raise TransportUnavailable(f"RDMA verbs transport unavailable: {why}", "use --transport tcp")
-            verbs = VerbsShard(shard_id, capacity)
+            verbs = VerbsShard(shard_id, capacity, store=store)
     try:
-        shard = verbs.shard if verbs is not None else Shard(shard_id, Region(capacity))
+        if verbs is not None:
+            shard = verbs.shard
+        elif store is not None:
+            shard = Shard(shard_id, Region(capacity, buffer=memoryview(store.region)), memoryview(store.versions),
+                          store=store)
+        else:
+            shard = Shard(shard_id, Region(capacity))
     except MemoryError as exc:
         raise IrdmaError(f"cannot allocate a memory region of {format_size(capacity)}", "pass a smaller --capacity") from exc
     except OSError as exc:
@@ -220,6 +243,9 @@ def server(listen: str, capacity: int, shard_id: int, transport: str, port_file:
     finally:
         if verbs is not None:
             verbs.close()
+        if store is not None:
+            store.sync()
+            store.close()
 
 
 def _listen_error(exc: BaseException, listen: str) -> IrdmaError | None:
@@ -245,17 +271,22 @@ def _listen_error(exc: BaseException, listen: str) -> IrdmaError | None:
 @click.option("--capacity", default="1GiB", show_default=True, callback=_size, help="Memory region per shard.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the shards listen on.")
 @click.option("--transport", type=click.Choice(TRANSPORTS), default="auto", show_default=True)
-@click.option("--fresh", is_flag=True, help="Wipe the namespace of a stopped cluster in --dir.")
+@click.option("--fresh", is_flag=True, help="Wipe the namespace and data of a stopped cluster in --dir first.")
+@click.option("--durability", type=click.Choice(["fsync", "memory"]), default="fsync", show_default=True,
+              help="fsync/close wait until the bytes are on disk (fsync) or in the page cache only (memory).")
 @friendly
-def up(cluster_dir: str, shards: int, capacity: int, host: str, transport: str, fresh: bool) -> None:
-    """Start a local cluster: SQLite metadata in --dir and N shard processes."""
-    with console.status(f"starting {shards} shards in {cluster_dir}") as status:
+def up(cluster_dir: str, shards: int, capacity: int, host: str, transport: str, fresh: bool, durability: str) -> None:
+    """Start a local cluster: SQLite metadata in --dir and N shard processes keeping their
+    chunks in --dir/shards/ID. On a stopped cluster's --dir, start it again on its data; on a
+    running one, restart just the shards that died."""
+    with console.status(f"starting shards in {cluster_dir}") as status:
 
         def progress(msg: str) -> None:
             console.log(msg)
             status.update(msg)
 
-        url = _cluster.up(cluster_dir, shards, capacity, host=host, transport=transport, fresh=fresh, progress=progress)
+        url = _cluster.up(cluster_dir, shards, capacity, host=host, transport=transport, fresh=fresh,
+                          durability=durability, progress=progress)
     out.print(url, highlight=False)
     console.print(
         f"cluster up. Next: [bold]irdma mount {url} MOUNTPOINT[/], [bold]irdma status --meta {url}[/],"
@@ -265,12 +296,25 @@ def up(cluster_dir: str, shards: int, capacity: int, host: str, transport: str, 
 
 @cli.command()
 @DIR_OPTION
-@click.option("--keep", is_flag=True, help="Keep the namespace (its data is gone with the shards).")
+@click.option("--keep", is_flag=True, hidden=True, help="Accepted for compatibility: the data is always kept.")
 @friendly
 def down(cluster_dir: str, keep: bool) -> None:
-    """Stop the local cluster started by `irdma up`."""
+    """Stop the local cluster started by `irdma up` (its namespace and data stay)."""
     n = _cluster.down(cluster_dir, keep=keep, progress=console.log)
-    console.print(f"cluster in {cluster_dir} stopped ({n} shard processes).")
+    console.print(f"cluster in {cluster_dir} stopped ({n} shard processes); `irdma up --dir {cluster_dir}` starts it"
+                  f" again on its data, `irdma destroy --dir {cluster_dir}` removes it.", highlight=False)
+
+
+@cli.command()
+@DIR_OPTION
+@click.option("--yes", is_flag=True, help="Do not ask.")
+@friendly
+def destroy(cluster_dir: str, yes: bool) -> None:
+    """Stop the local cluster in --dir and remove its namespace and every shard's data."""
+    if not yes and not click.confirm(f"remove every file of the cluster in {cluster_dir}?", err=True):
+        raise IrdmaError("nothing removed", "pass --yes to remove without asking")
+    _cluster.destroy(cluster_dir, progress=console.log)
+    console.print(f"cluster in {cluster_dir} removed.", highlight=False)
 
 
 # ---------------------------------------------------------------- mounts

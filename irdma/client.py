@@ -107,6 +107,7 @@ class Client:
         # shards that missed a deadline: data calls fail at once until then (trio time), so a
         # stopped shard costs each caller one deadline, not one per request; probes still try
         self._down_until: dict[int, float] = {}
+        self._unsynced: set[int] = set()  # shards written since the last flush
         self.transport = transport
         self._nursery = nursery
         self._credentials = credentials
@@ -349,6 +350,7 @@ class Client:
                     raise self._lost(layout, p.chunk_index, p.shard_id, "restarted with empty memory since")
                 await conn.write(layout.file_id, p.chunk_index, layout.chunk_size, p.chunk_offset, op, part,
                                  rec is not None)
+                self._unsynced.add(p.shard_id)
                 if rec is None:
                     created.append((p.chunk_index, p.shard_id, conn.info.incarnation))
 
@@ -361,6 +363,26 @@ class Client:
                 for p in pieces:
                     nursery.start_soon(one, p, view[p.buf_offset : p.buf_offset + p.length])
         return created
+
+    async def flush(self) -> None:
+        """Return once every write this client made so far is durable on its shards (SYNC to
+        each shard written since the last flush: ``msync``/``fsync`` on shards with a data
+        directory and durability ``fsync``). What ``fsync(2)`` and ``close(2)`` on a mount wait for.
+
+        Raises:
+            ShardUnavailable: a shard failed or missed the deadline; its writes are flushed again
+                by the next call.
+        """
+        shards, self._unsynced = self._unsynced, set()
+        if not shards:
+            return
+        try:
+            async with open_nursery() as nursery:
+                for sid in shards:
+                    nursery.start_soon(self._conn_call, sid, "sync")
+        except BaseException:
+            self._unsynced |= shards
+            raise
 
     def _max_piece(self, layout: Layout) -> int | None:
         sizes = [c.info.max_payload for c in self._conns.values()]

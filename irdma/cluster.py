@@ -1,9 +1,12 @@
 """A local cluster on one machine: SQLite metadata in a directory and N shard processes.
 
-``irdma up`` and ``irdma down`` are built on :func:`up` and :func:`down`. The directory holds
-``meta.db`` (the namespace and the shard map), ``cluster.json`` (pids and addresses) and
-``logs/``. Shard memory is volatile: ``down`` ends the data, so it also removes the namespace
-unless asked to keep it.
+``irdma up``, ``irdma down`` and ``irdma destroy`` are built on :func:`up`, :func:`down` and
+:func:`destroy`. The directory holds ``meta.db`` (the namespace and the shard map),
+``cluster.json`` (pids and addresses), ``shards/ID/`` (each shard's data directory: its
+chunks in memory-mapped files, see :mod:`irdma.server.store`) and ``logs/``. ``down`` stops
+the shards and keeps everything; ``up`` on the same directory starts them again on their data
+(every file comes back bit-exact), and on a running cluster restarts just the shards that
+died; ``destroy`` removes the data.
 """
 
 from __future__ import annotations
@@ -141,6 +144,11 @@ def check_up_args(cluster_dir: str, shards: int, capacity: int, host: str) -> No
                               "pass --dir a directory you can write, such as ~/.irdma")
 
 
+def shard_dir(cluster_dir: str, shard_id: int) -> str:
+    """The data directory of shard ``shard_id`` of the local cluster."""
+    return os.path.abspath(os.path.join(cluster_dir, "shards", str(shard_id)))
+
+
 def up(
     cluster_dir: str,
     shards: int,
@@ -149,31 +157,32 @@ def up(
     host: str = "127.0.0.1",
     transport: str = "tcp",
     fresh: bool = False,
+    durability: str = "fsync",
     progress: Callable[[str], None] = lambda msg: None,
     timeout: float = 60.0,
 ) -> str:
-    """Start a local cluster; returns its metadata URL.
+    """Start a local cluster, or start again the shards of one in ``cluster_dir`` that are not
+    running (on their data); returns its metadata URL.
 
-    Bad arguments are refused before anything is created; a cluster that fails to start is
-    taken down again (its shards stopped, its namespace removed, its logs kept).
+    Bad arguments are refused before anything is created; a new cluster that fails to start is
+    taken down again (its shards stopped, its namespace and data removed, its logs kept).
 
     Raises:
         InvalidArgument: see :func:`check_up_args`.
-        IrdmaError: a cluster already runs in ``cluster_dir``, an old namespace is there
-            (pass ``fresh`` to wipe it), or a shard did not start (the message names its log).
+        IrdmaError: every shard of the cluster in ``cluster_dir`` already runs; its namespace
+            has shards without data (made by an older irdma: pass ``fresh``); or a shard did
+            not start (the message names its log).
     """
     check_up_args(cluster_dir, shards, capacity, host)
-    running = [s for s in read_state(cluster_dir) if pid_alive(s.pid)]
-    if running:
-        raise IrdmaError(f"a cluster already runs in {cluster_dir}", f"irdma down --dir {cluster_dir}")
     meta_path = os.path.join(cluster_dir, "meta.db")
-    if os.path.exists(meta_path):
-        if not fresh:
-            raise IrdmaError(
-                f"{cluster_dir} holds the namespace of a stopped cluster (its shard memory is gone)",
-                "pass --fresh to start over there, or pick another --dir",
-            )
+    if os.path.exists(meta_path) and fresh:
+        running = [s for s in read_state(cluster_dir) if pid_alive(s.pid)]
+        if running:
+            raise IrdmaError(f"a cluster runs in {cluster_dir}", f"irdma down --dir {cluster_dir} first")
         _remove_namespace(cluster_dir)
+        shutil.rmtree(os.path.join(cluster_dir, "shards"), ignore_errors=True)
+    if os.path.exists(meta_path):
+        return _restart(cluster_dir, transport, durability, progress, timeout)
     try:
         os.makedirs(os.path.join(cluster_dir, "logs"), exist_ok=True)
     except OSError as exc:
@@ -185,29 +194,73 @@ def up(
         for _ in range(shards):
             address = f"{host}:{_free_port(host)}"
             rec = meta.add_shard(address)
-            log = os.path.abspath(os.path.join(cluster_dir, "logs", f"shard-{rec.shard_id}.log"))
-            pid = spawn_detached(
-                ["-m", "irdma.cli", "server", "--listen", address, "--capacity", str(capacity),
-                 "--shard-id", str(rec.shard_id), "--transport", transport],
-                log,
-            )
-            procs.append(ShardProc(rec.shard_id, address, pid, log))
-            progress(f"started shard {rec.shard_id} on {address} (pid {pid})")
+            procs.append(_spawn(cluster_dir, rec.shard_id, address, transport, durability, capacity))
+            progress(f"started shard {procs[-1].shard_id} on {address} (pid {procs[-1].pid})")
         _write_state(cluster_dir, procs)
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            try:
-                trio.run(wait_for_shard, p.address, "tcp", deadline, p.pid)
-            except ShardUnavailable as exc:
-                raise IrdmaError(f"shard {p.shard_id} did not start ({exc.args[0]}): {last_log_line(p.log)}",
-                                 f"its log is {p.log}") from None
-            progress(f"shard {p.shard_id} answers on {p.address}")
+        _wait_all(procs, timeout, progress)
     except BaseException:
         _stop(procs, 10.0)
         meta.close()
         _remove_namespace(cluster_dir)
+        shutil.rmtree(os.path.join(cluster_dir, "shards"), ignore_errors=True)
         raise
     meta.close()
+    return meta_url_of(cluster_dir)
+
+
+def _spawn(cluster_dir: str, shard_id: int, address: str, transport: str, durability: str,
+           capacity: int | None) -> ShardProc:
+    log = os.path.abspath(os.path.join(cluster_dir, "logs", f"shard-{shard_id}.log"))
+    args = ["-m", "irdma.cli", "server", "--listen", address, "--shard-id", str(shard_id), "--transport", transport,
+            "--data-dir", shard_dir(cluster_dir, shard_id), "--durability", durability]
+    if capacity is not None:
+        args += ["--capacity", str(capacity)]
+    pid = spawn_detached(args, log)
+    return ShardProc(shard_id, address, pid, log)
+
+
+def _wait_all(procs: list[ShardProc], timeout: float, progress: Callable[[str], None]) -> None:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            trio.run(wait_for_shard, p.address, "tcp", deadline, p.pid)
+        except ShardUnavailable as exc:
+            raise IrdmaError(f"shard {p.shard_id} did not start ({exc.args[0]}): {last_log_line(p.log)}",
+                             f"its log is {p.log}") from None
+        progress(f"shard {p.shard_id} answers on {p.address}")
+
+
+def _restart(cluster_dir: str, transport: str, durability: str, progress: Callable[[str], None],
+             timeout: float) -> str:
+    """Start every shard of the shard map that is not running, on its data directory."""
+    meta = open_meta(os.path.join(cluster_dir, "meta.db"))
+    try:
+        records = meta.shards()
+    finally:
+        meta.close()
+    running = {s.shard_id: s for s in read_state(cluster_dir) if pid_alive(s.pid)}
+    dead = [r for r in records if r.shard_id not in running]
+    if not dead:
+        raise IrdmaError(f"a cluster already runs in {cluster_dir} (all {len(records)} shards)",
+                         f"irdma status --meta {meta_url_of(cluster_dir)}; `irdma down --dir {cluster_dir}` stops it")
+    missing = [r.shard_id for r in dead if not os.path.exists(os.path.join(shard_dir(cluster_dir, r.shard_id), "shard.json"))]
+    if missing:
+        raise IrdmaError(
+            f"{cluster_dir} holds a namespace whose shards {missing} kept no data (their memory is gone)",
+            "pass --fresh to start over there, or pick another --dir",
+        )
+    os.makedirs(os.path.join(cluster_dir, "logs"), exist_ok=True)
+    procs: list[ShardProc] = []
+    try:
+        for r in dead:
+            procs.append(_spawn(cluster_dir, r.shard_id, r.address, transport, durability, None))
+            progress(f"restarted shard {r.shard_id} on {r.address} from {shard_dir(cluster_dir, r.shard_id)}"
+                     f" (pid {procs[-1].pid})")
+        _write_state(cluster_dir, sorted([*running.values(), *procs], key=lambda p: p.shard_id))
+        _wait_all(procs, timeout, progress)
+    except BaseException:
+        _stop(procs, 10.0)
+        raise
     return meta_url_of(cluster_dir)
 
 
@@ -237,14 +290,16 @@ def _stop(procs: list[ShardProc], timeout: float) -> None:
             os.kill(p.pid, signal.SIGKILL)
 
 
-def down(cluster_dir: str, *, keep: bool = False, progress: Callable[[str], None] = lambda msg: None) -> int:
-    """Stop the shards of the cluster in ``cluster_dir``; remove its namespace unless ``keep``.
+def down(cluster_dir: str, *, keep: bool = True, progress: Callable[[str], None] = lambda msg: None) -> int:
+    """Stop the shards of the cluster in ``cluster_dir``. The namespace and every shard's data
+    stay (``up`` starts them again); :func:`destroy` removes them. ``keep`` is accepted for
+    compatibility and ignored.
 
     Returns:
         How many shard processes were stopped.
 
     Raises:
-        IrdmaError: no cluster state in ``cluster_dir``.
+        IrdmaError: no cluster in ``cluster_dir``.
     """
     procs = read_state(cluster_dir)
     if not procs and not os.path.exists(os.path.join(cluster_dir, STATE_FILE)):
@@ -253,9 +308,24 @@ def down(cluster_dir: str, *, keep: bool = False, progress: Callable[[str], None
     _stop(alive, 10.0)
     for p in alive:
         progress(f"stopped shard {p.shard_id} (pid {p.pid})")
-    if not keep:
-        _remove_namespace(cluster_dir)
-        shutil.rmtree(os.path.join(cluster_dir, "logs"), ignore_errors=True)
-    else:
-        os.unlink(os.path.join(cluster_dir, STATE_FILE))
+    os.unlink(os.path.join(cluster_dir, STATE_FILE))
     return len(alive)
+
+
+def destroy(cluster_dir: str, *, progress: Callable[[str], None] = lambda msg: None) -> None:
+    """Stop the cluster in ``cluster_dir`` if it runs, and remove its namespace, data and logs.
+
+    Raises:
+        IrdmaError: no cluster in ``cluster_dir``.
+    """
+    has = any(os.path.exists(os.path.join(cluster_dir, n)) for n in ("meta.db", STATE_FILE, "shards"))
+    if not has:
+        raise IrdmaError(f"no cluster in {cluster_dir}", "pass the --dir given to `irdma up`")
+    alive = [p for p in read_state(cluster_dir) if pid_alive(p.pid)]
+    _stop(alive, 10.0)
+    for p in alive:
+        progress(f"stopped shard {p.shard_id} (pid {p.pid})")
+    _remove_namespace(cluster_dir)
+    shutil.rmtree(os.path.join(cluster_dir, "shards"), ignore_errors=True)
+    shutil.rmtree(os.path.join(cluster_dir, "logs"), ignore_errors=True)
+    progress(f"removed the namespace and the shards' data in {cluster_dir}")

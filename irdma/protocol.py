@@ -26,7 +26,9 @@ must carry the negotiated version.
 A request may set FLAG_EXISTING: a WRITE with it is applied only to a chunk that exists (one the
 metadata records as written); a missing chunk is answered CHUNK_LOST and nothing is created, so a
 lost chunk never silently comes back as zeros plus the new bytes. LIST pages through the shard's
-chunks (for ``irdma gc`` and ``irdma fsck``). Requests are
+chunks (for ``irdma gc`` and ``irdma fsck``). SYNC returns once every update the shard applied
+before it is durable (``msync``/``fsync`` of a shard with a data directory; nothing to do for
+one whose memory is volatile or whose durability is ``memory``). Requests are
 answered in order per connection. A reply whose status is not OK carries a UTF-8 message as
 its body. :class:`FrameDecoder` turns a byte stream, fed in pieces of any size, into frames;
 :func:`decode_body` turns a frame into a message; :func:`encode` does the reverse and returns a
@@ -76,6 +78,7 @@ class Opcode(enum.IntEnum):
     LOCATE = 8
     REMOTE_WRITE = 9
     LIST = 10
+    SYNC = 11
 
 
 class Status(enum.IntEnum):
@@ -213,6 +216,11 @@ class FreeReply:
 
 
 @dataclass
+class Sync:
+    """Make every update applied so far durable; answered with a VersionReply of 0."""
+
+
+@dataclass
 class List:
     """Chunks of the shard after ``(after_file, after_chunk)`` in (file, chunk) order."""
 
@@ -318,7 +326,7 @@ class ErrorReply:
     message: str = ""
 
 
-Request = Union[Hello, Read, Write, Stat, Free, Punch, VerbsConnect, Locate, RemoteWrite, List]
+Request = Union[Hello, Read, Write, Stat, Free, Punch, VerbsConnect, Locate, RemoteWrite, List, Sync]
 Reply = Union[
     HelloReply, ReadReply, VersionReply, StatReply, FreeReply, ErrorReply, VerbsConnectReply, LocateReply, ListReply
 ]
@@ -334,6 +342,7 @@ _REQUEST_OPCODE: dict[type, Opcode] = {
     Locate: Opcode.LOCATE,
     RemoteWrite: Opcode.REMOTE_WRITE,
     List: Opcode.LIST,
+    Sync: Opcode.SYNC,
 }
 
 
@@ -384,7 +393,7 @@ def encode_request(msg: Request, request_id: int) -> list[bytes | memoryview]:
             fixed = _WRITE.pack(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, int(msg.op))
             parts = [fixed, msg.data] if len(msg.data) else [fixed]
             flags = FLAG_EXISTING if msg.existing else 0
-        elif isinstance(msg, Stat):
+        elif isinstance(msg, (Stat, Sync)):
             parts = []
         elif isinstance(msg, Free):
             parts = [_FREE.pack(msg.file_id, msg.first_chunk)]
@@ -553,6 +562,9 @@ def decode_request(frame: Frame) -> Request:
     if op == Opcode.STAT:
         _exact(body, 0, "STAT")
         return Stat()
+    if op == Opcode.SYNC:
+        _exact(body, 0, "SYNC")
+        return Sync()
     if op == Opcode.FREE:
         _exact(body, _FREE.size, "FREE")
         return Free(*_FREE.unpack_from(body))
@@ -615,7 +627,7 @@ def decode_reply(frame: Frame) -> Reply:
         (version,) = _VERSION.unpack_from(body)
         hole = bool(frame.flags & FLAG_HOLE)
         return ReadReply(version, body[_VERSION.size :], hole)
-    if op in (Opcode.WRITE, Opcode.PUNCH):
+    if op in (Opcode.WRITE, Opcode.PUNCH, Opcode.SYNC):
         _exact(body, _VERSION.size, "WRITE reply")
         return VersionReply(_VERSION.unpack_from(body)[0])
     if op == Opcode.STAT:

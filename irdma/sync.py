@@ -94,6 +94,10 @@ class SyncClient:
     def set_update_op(self, path: str, op: str) -> None:
         self._run(self.client.set_update_op, path, op)
 
+    def flush(self) -> None:
+        """Return once every write so far is durable on the shards (see Client.flush)."""
+        self._run(self.client.flush)
+
     def truncate(self, path: str, size: int) -> None:
         self._run(self.client.truncate, path, size)
 

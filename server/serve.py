@@ -89,6 +89,9 @@ class ShardServer:
         if isinstance(msg, P.List):
             limit = max(0, min(msg.max_entries, P.MAX_LIST_ENTRIES))
             return P.ListReply([P.ChunkEntry(*e) for e in shard.list_chunks(msg.after_file, msg.after_chunk, limit)])
+        if isinstance(msg, P.Sync):
+            shard.sync()
+            return P.VersionReply(0)
         if isinstance(msg, P.Stat):
             return P.StatReply(shard.shard_id, shard.capacity, shard.used, shard.chunk_count)
         if isinstance(msg, P.Free):
@@ -193,6 +196,14 @@ class ShardServer:
                 opened = isinstance(reply, P.HelloReply)
             elif frame.opcode == P.Opcode.VERBS_CONNECT:
                 reply = await self._verbs_connect(frame, verbs_nursery)
+            elif frame.opcode == P.Opcode.SYNC and not frame.body_len:
+                # msync may take a while: off the event loop, the other connections go on
+                try:
+                    await trio.to_thread.run_sync(self.shard.sync)
+                    reply = P.VersionReply(0)
+                except OSError as exc:
+                    log.error("sync failed: %s", exc)
+                    reply = P.ErrorReply(P.Status.INTERNAL, f"shard {self.shard.shard_id}: sync failed: {exc}")
             else:
                 reply = self.handle(frame)
             if not await self._send_quietly(sock, P.encode_reply(frame.opcode, frame.request_id, reply)):

@@ -17,11 +17,15 @@ import heapq
 import mmap
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from irdma._errors import BadRequest, DataLost, NoSpace
 from irdma.protocol import UpdateOp
+
+if TYPE_CHECKING:
+    from .store import ShardStore
 
 PAGE = 4096
 #: Largest chunk a shard accepts (bytes).
@@ -91,6 +95,25 @@ class _Allocator:
                 return start
         return None
 
+    def reserve(self, start: int, size: int) -> None:
+        """Mark ``[start, start+size)`` used (reloading a persistent shard's chunks).
+
+        Raises:
+            ValueError: the range is not inside one free extent (a damaged chunk index).
+        """
+        i = bisect.bisect_right(self._starts, start) - 1
+        if i < 0 or self._starts[i] + self._sizes[self._starts[i]] < start + size:
+            raise ValueError(f"extent [{start}, {start + size}) is not free")
+        ext = self._starts.pop(i)
+        have = self._sizes.pop(ext)
+        if start > ext:
+            bisect.insort(self._starts, ext)
+            self._sizes[ext] = start - ext
+        end = ext + have
+        if end > start + size:
+            bisect.insort(self._starts, start + size)
+            self._sizes[start + size] = end - start - size
+
     def free(self, start: int, size: int) -> None:
         i = bisect.bisect_left(self._starts, start)
         # merge with the next free extent
@@ -133,22 +156,41 @@ class Shard:
         region: the memory region that holds every chunk.
         versions: a writable buffer of ``8 * capacity // 4096`` bytes for the version table,
             or None to allocate one.
+        store: the shard's data directory (:class:`irdma.server.store.ShardStore`), whose
+            region and version table ``region`` and ``versions`` map: chunks are reloaded from
+            its index, created and freed chunks recorded there, and its incarnation kept.
     """
 
-    def __init__(self, shard_id: int, region: Region, versions: memoryview | None = None) -> None:
+    def __init__(self, shard_id: int, region: Region, versions: memoryview | None = None,
+                 store: ShardStore | None = None) -> None:
         self.shard_id = shard_id
         self.region = region
+        self.store = store
         n = region.capacity // PAGE
         if versions is None:
             self.versions = np.zeros(n, dtype="<u8")
         else:
             self.versions = np.frombuffer(versions, dtype="<u8", count=n)
-            self.versions[:] = 0
+            if store is None or store.fresh:
+                self.versions[:] = 0
         self._alloc = _Allocator(region.capacity)
         self._chunks: dict[tuple[int, int], Chunk] = {}
         self._by_file: dict[int, set[int]] = {}
         self.used = 0
         self.incarnation = (int.from_bytes(os.urandom(8), "big") >> 1) or 1  # 63 bits: fits SQL integers
+        if store is not None:
+            self.incarnation = store.incarnation
+            for file_id, index, offset, size in store.chunks():
+                self._alloc.reserve(offset, size)
+                self._chunks[(file_id, index)] = Chunk(offset, size)
+                self._by_file.setdefault(file_id, set()).add(index)
+                self.used += size
+
+    def sync(self) -> None:
+        """Make every update applied so far durable (a shard with a data directory and
+        durability ``fsync``); otherwise nothing to do."""
+        if self.store is not None:
+            self.store.sync()
 
     @property
     def capacity(self) -> int:
@@ -177,6 +219,8 @@ class Shard:
                 f" no free extent of {chunk_size} bytes"
             )
         chunk = Chunk(offset, chunk_size)
+        if self.store is not None:
+            self.store.add_chunk(file_id, chunk_index, offset, chunk_size)
         self.versions[chunk.slot] = 0
         self._chunks[(file_id, chunk_index)] = chunk
         self._by_file.setdefault(file_id, set()).add(chunk_index)
@@ -312,7 +356,10 @@ class Shard:
         idx.discard(chunk_index)
         if not idx:
             del self._by_file[file_id]
-        self.region.zero(chunk.offset, chunk.size)
+        if self.store is not None:
+            self.store.drop_chunk(file_id, chunk_index, chunk.offset, chunk.size)
+        else:
+            self.region.zero(chunk.offset, chunk.size)
         self.versions[chunk.slot] = 0
         self._alloc.free(chunk.offset, chunk.size)
         self.used -= chunk.size

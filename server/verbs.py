@@ -29,6 +29,7 @@ from irdma.transport.verbs import (
 )
 
 from .shard import PAGE, Region, Shard
+from .store import ShardStore, address_of
 
 if TYPE_CHECKING:
     from .serve import ShardServer
@@ -49,11 +50,18 @@ class VerbsShard:
             the registration (the message says which and what to do).
     """
 
-    def __init__(self, shard_id: int, capacity: int, device: str | None = None) -> None:
+    def __init__(self, shard_id: int, capacity: int, device: str | None = None, store: ShardStore | None = None) -> None:
         self.dev = VerbsDevice(device)
-        self.region_mr = self.dev.register(capacity, REMOTE_ACCESS, "shard memory region")
-        self.versions_mr = self.dev.register(8 * (capacity // PAGE), REMOTE_ACCESS, "chunk version table")
-        self.shard = Shard(shard_id, Region(capacity, buffer=view_of(self.region_mr)), versions=view_of(self.versions_mr))
+        if store is None:
+            self.region_mr = self.dev.register(capacity, REMOTE_ACCESS, "shard memory region")
+            self.versions_mr = self.dev.register(8 * (capacity // PAGE), REMOTE_ACCESS, "chunk version table")
+        else:  # the data directory's mappings, registered where they are
+            self.region_mr = self.dev.register(capacity, REMOTE_ACCESS, "shard memory region",
+                                               address=address_of(store.region))
+            self.versions_mr = self.dev.register(8 * (capacity // PAGE), REMOTE_ACCESS, "chunk version table",
+                                                 address=address_of(store.versions))
+        self.shard = Shard(shard_id, Region(capacity, buffer=view_of(self.region_mr)), versions=view_of(self.versions_mr),
+                           store=store)
         log.info("shard %d: %d bytes registered on RDMA device %s (rkey %#x)", shard_id, capacity, self.dev.name,
                  self.region_mr.rkey)
 

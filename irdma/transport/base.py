@@ -104,6 +104,10 @@ class ShardConnection(abc.ABC):
         """Zero a chunk from ``offset`` to its end; returns its version."""
 
     @abc.abstractmethod
+    async def sync(self) -> None:
+        """Return once every update this shard applied before the call is durable."""
+
+    @abc.abstractmethod
     async def list_chunks(self, after_file: int = 0, after_chunk: int = 0) -> list[ChunkEntry]:
         """One page of the shard's chunks after ``(after_file, after_chunk)``, in order (for gc
         and fsck); an empty list at the end."""

@@ -252,6 +252,9 @@ class TcpConnection(ShardConnection):
         assert isinstance(reply, P.VersionReply)
         return reply.version
 
+    async def sync(self) -> None:
+        await self._call(P.Sync())
+
     async def list_chunks(self, after_file: int = 0, after_chunk: int = 0) -> list[ChunkEntry]:
         reply = await self._call(P.List(after_file, after_chunk))
         assert isinstance(reply, P.ListReply)

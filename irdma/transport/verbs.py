@@ -180,8 +180,8 @@ class VerbsDevice:
         self.max_rd_atomic = max(1, min(16, int(self.dev_attr.max_qp_rd_atom or 1)))
         self._mrs: list[MR] = []
 
-    def register(self, length: int, access: int, what: str, keep: bool = True) -> MR:
-        """Allocate and register ``length`` bytes.
+    def register(self, length: int, access: int, what: str, keep: bool = True, address: int | None = None) -> MR:
+        """Allocate and register ``length`` bytes (or register the memory at ``address``).
 
         Raises:
             TransportUnavailable: the memlock limit is too low, or the device refused.
@@ -193,7 +193,7 @@ class VerbsDevice:
                 "raise it: `ulimit -l unlimited` (or LimitMEMLOCK=infinity for a systemd unit), or use --transport tcp",
             )
         try:
-            mr = MR(self.pd, length, access)
+            mr = MR(self.pd, length, access) if address is None else MR(self.pd, length, access, address=address)
         except PyverbsRDMAError as exc:
             hint = "use --transport tcp"
             if getattr(exc, "error_code", None) in (errno.ENOMEM, errno.EPERM, errno.EAGAIN):
@@ -903,6 +903,9 @@ class VerbsConnection(ShardConnection):
         reply = await self._rpc(P.Punch(file_id, chunk_index, offset))
         assert isinstance(reply, P.VersionReply)
         return reply.version
+
+    async def sync(self) -> None:
+        await self._rpc(P.Sync())
 
     async def list_chunks(self, after_file: int = 0, after_chunk: int = 0) -> list[ChunkEntry]:
         reply = await self._rpc(P.List(after_file, after_chunk))

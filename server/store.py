@@ -1,0 +1,175 @@
+"""A shard's data directory: its memory region, version table and chunk index on disk.
+
+Layout of ``--data-dir DIR`` (one directory per shard)::
+
+    shard.json   {"format": 1, "shard_id": N, "capacity": BYTES, "incarnation": U63}
+    region       the memory region: a sparse file of ``capacity`` bytes, memory-mapped
+                 MAP_SHARED; chunk bytes live at their region offset
+    versions     the chunk version table: little-endian u64, one slot per 4 KiB page of the
+                 region (slot = region offset // 4096), memory-mapped MAP_SHARED
+    chunks.db    the chunk index (SQLite): (file id, chunk index) -> (region offset, size)
+
+Why this layout: the region stays one contiguous mapping of plain memory, so the TCP path
+copies straight into it and RDMA registers it as it did the anonymous region (one-sided
+READs and WRITEs keep working, iRDMA's point); the page cache holds the bytes, so a shard
+process that dies (SIGKILL) loses nothing, and ``sync`` (``msync(2)`` of both mappings,
+``fsync`` of the index) makes them durable against a machine crash. The chunk index changes
+only when a chunk is created or freed (rare next to writes), so it is a small transactional
+table rather than a log to replay. Freed extents are punched out of the file
+(``fallocate(2)`` FALLOC_FL_PUNCH_HOLE), so free space reads as zeros and costs no disk; a
+new chunk's extent is punched again before use, so a crash between the index and the region
+can never leave old bytes in a new chunk. Rejected: a file per chunk (no single region to
+register for RDMA, one mmap per chunk), and an append-only log of writes (replay time grows
+with the writes, not with the data).
+
+The shard's *incarnation* is kept in ``shard.json``: a shard that restarts on its directory
+comes back with the same incarnation, so clients see that nothing was lost.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import mmap
+import os
+import sqlite3
+from collections.abc import Iterator
+
+from irdma._errors import IrdmaError
+
+PAGE = 4096
+FORMAT = 1
+#: ``sync`` makes data durable (msync + fsync) in this mode; ``memory`` keeps it in the page
+#: cache only (it survives the shard process, not the machine): for scratch data.
+DURABILITY_MODES = ("fsync", "memory")
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Deallocate ``[offset, offset+length)`` of a file: it reads as zeros (fallocate(2)).
+
+    Raises:
+        OSError: the filesystem cannot punch holes.
+    """
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"fallocate(PUNCH_HOLE) failed: {os.strerror(err)}")
+
+
+def address_of(mm: mmap.mmap) -> int:
+    """The address of a mapping (to register it with an RDMA device)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(mm))
+
+
+class ShardStore:
+    """Open (or create) a shard's data directory.
+
+    Args:
+        path: the directory (created if missing).
+        shard_id: the shard's id; must match the directory's if it has one.
+        capacity: region bytes (a multiple of 4096) for a new directory; for an existing one
+            None (use its own) or the same value.
+        durability: ``fsync`` or ``memory`` (see :data:`DURABILITY_MODES`).
+
+    Raises:
+        IrdmaError: the directory belongs to another shard, was made with another capacity or
+            format, or cannot be created or mapped (the message says which and what to do).
+    """
+
+    def __init__(self, path: str, shard_id: int, capacity: int | None, durability: str = "fsync") -> None:
+        if durability not in DURABILITY_MODES:
+            raise IrdmaError(f"unknown durability {durability!r}", f"use one of {', '.join(DURABILITY_MODES)}")
+        self.path = os.path.abspath(path)
+        self.durability = durability
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as exc:
+            raise IrdmaError(f"cannot make the shard data directory {self.path}: {exc.strerror}",
+                             "pass --data-dir a directory you can write") from None
+        meta_path = os.path.join(self.path, "shard.json")
+        self.fresh = not os.path.exists(meta_path)
+        if self.fresh:
+            if capacity is None:
+                raise IrdmaError(f"{self.path} holds no shard", "pass --capacity to make a new one there")
+            self.shard_id = shard_id
+            self.capacity = capacity
+            self.incarnation = (int.from_bytes(os.urandom(8), "big") >> 1) or 1
+        else:
+            with open(meta_path) as f:
+                try:
+                    info = json.load(f)
+                    fmt, sid, cap, inc = info["format"], info["shard_id"], info["capacity"], info["incarnation"]
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise IrdmaError(f"{meta_path} is damaged ({exc})", "restore it, or remove the directory") from None
+            if fmt != FORMAT:
+                raise IrdmaError(f"{self.path} has data format {fmt}; this irdma reads format {FORMAT}")
+            if sid != shard_id:
+                raise IrdmaError(f"{self.path} holds shard {sid}, not shard {shard_id}",
+                                 f"pass --shard-id {sid}, or another --data-dir")
+            if capacity is not None and capacity != cap:
+                raise IrdmaError(f"{self.path} holds a shard of {cap} bytes, not {capacity}",
+                                 "leave out --capacity to use the shard's own")
+            self.shard_id, self.capacity, self.incarnation = sid, cap, inc
+        if self.capacity <= 0 or self.capacity % PAGE:
+            raise IrdmaError(f"region capacity {self.capacity} must be a positive multiple of {PAGE}")
+        try:
+            self.region_fd, self.region = self._map("region", self.capacity)
+            self.versions_fd, self.versions = self._map("versions", 8 * (self.capacity // PAGE))
+        except OSError as exc:
+            raise IrdmaError(f"cannot map the shard's files in {self.path}: {exc.strerror or exc}",
+                             "check the disk has room and the directory is writable") from None
+        self._db = sqlite3.connect(os.path.join(self.path, "chunks.db"), isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={'FULL' if durability == 'fsync' else 'NORMAL'}")
+        self._db.execute("CREATE TABLE IF NOT EXISTS chunks(file INTEGER NOT NULL, idx INTEGER NOT NULL,"
+                         " offset INTEGER NOT NULL, size INTEGER NOT NULL, PRIMARY KEY(file, idx))")
+        if self.fresh:  # written last: a directory with shard.json is complete
+            tmp = meta_path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"format": FORMAT, "shard_id": self.shard_id, "capacity": self.capacity,
+                           "incarnation": self.incarnation}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, meta_path)
+
+    def _map(self, name: str, size: int) -> tuple[int, mmap.mmap]:
+        fd = os.open(os.path.join(self.path, name), os.O_RDWR | os.O_CREAT, 0o600)
+        if os.fstat(fd).st_size != size:
+            os.ftruncate(fd, size)  # sparse: costs no disk until written
+        return fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+
+    # the chunk index
+    def chunks(self) -> Iterator[tuple[int, int, int, int]]:
+        """Every chunk as ``(file id, chunk index, region offset, size)``."""
+        yield from self._db.execute("SELECT file, idx, offset, size FROM chunks")
+
+    def add_chunk(self, file_id: int, chunk_index: int, offset: int, size: int) -> None:
+        punch_hole(self.region_fd, offset, size)  # a new chunk starts as zeros, whatever a crash left
+        self._db.execute("INSERT OR REPLACE INTO chunks VALUES (?,?,?,?)", (file_id, chunk_index, offset, size))
+
+    def drop_chunk(self, file_id: int, chunk_index: int, offset: int, size: int) -> None:
+        self._db.execute("DELETE FROM chunks WHERE file=? AND idx=?", (file_id, chunk_index))
+        punch_hole(self.region_fd, offset, size)
+
+    def sync(self) -> None:
+        """Make every byte written so far durable (no-op with durability ``memory``)."""
+        if self.durability == "fsync":
+            self.region.flush()
+            self.versions.flush()
+
+    def close(self) -> None:
+        """Unmap and close (safe twice). Bytes already written stay in the files."""
+        if self._db is not None:
+            self._db.close()
+            self._db = None  # type: ignore[assignment]
+            for mm, fd in ((self.region, self.region_fd), (self.versions, self.versions_fd)):
+                try:
+                    mm.close()
+                except BufferError:  # a view is still exported (RDMA registration): the OS unmaps at exit
+                    pass
+                os.close(fd)
