@@ -108,6 +108,7 @@ class Client:
         # stopped shard costs each caller one deadline, not one per request; probes still try
         self._down_until: dict[int, float] = {}
         self._unsynced: set[int] = set()  # shards written since the last flush
+        self._flush_lock = trio.Lock()  # a flush returns only after the one in flight covered it
         self.transport = transport
         self._nursery = nursery
         self._credentials = credentials
@@ -373,16 +374,17 @@ class Client:
             ShardUnavailable: a shard failed or missed the deadline; its writes are flushed again
                 by the next call.
         """
-        shards, self._unsynced = self._unsynced, set()
-        if not shards:
-            return
-        try:
-            async with open_nursery() as nursery:
-                for sid in shards:
-                    nursery.start_soon(self._conn_call, sid, "sync")
-        except BaseException:
-            self._unsynced |= shards
-            raise
+        async with self._flush_lock:
+            shards, self._unsynced = self._unsynced, set()
+            if not shards:
+                return
+            try:
+                async with open_nursery() as nursery:
+                    for sid in shards:
+                        nursery.start_soon(self._conn_call, sid, "sync")
+            except BaseException:
+                self._unsynced |= shards
+                raise
 
     def _max_piece(self, layout: Layout) -> int | None:
         sizes = [c.info.max_payload for c in self._conns.values()]

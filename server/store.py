@@ -86,6 +86,11 @@ class ShardStore:
             raise IrdmaError(f"unknown durability {durability!r}", f"use one of {', '.join(DURABILITY_MODES)}")
         self.path = os.path.abspath(path)
         self.durability = durability
+        #: Free extents are punched out of the region file; an RDMA transport that registered
+        #: the mapping turns this off: a punched page leaves the mapping while the device keeps
+        #: the pinned old one, so the CPU and the device would see different bytes. Extents
+        #: are then zeroed by writing zeros.
+        self.punch = True
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as exc:
@@ -149,12 +154,21 @@ class ShardStore:
         yield from self._db.execute("SELECT file, idx, offset, size FROM chunks")
 
     def add_chunk(self, file_id: int, chunk_index: int, offset: int, size: int) -> None:
-        punch_hole(self.region_fd, offset, size)  # a new chunk starts as zeros, whatever a crash left
+        self._zero(offset, size)  # a new chunk starts as zeros, whatever a crash left
         self._db.execute("INSERT OR REPLACE INTO chunks VALUES (?,?,?,?)", (file_id, chunk_index, offset, size))
 
     def drop_chunk(self, file_id: int, chunk_index: int, offset: int, size: int) -> None:
         self._db.execute("DELETE FROM chunks WHERE file=? AND idx=?", (file_id, chunk_index))
-        punch_hole(self.region_fd, offset, size)
+        self._zero(offset, size)
+
+    def _zero(self, offset: int, size: int) -> None:
+        if self.punch:
+            punch_hole(self.region_fd, offset, size)
+            return
+        zeros = bytes(min(size, 1 << 20))
+        for pos in range(offset, offset + size, len(zeros)):
+            n = min(len(zeros), offset + size - pos)
+            self.region[pos : pos + n] = zeros[:n]
 
     def sync(self) -> None:
         """Make every byte written so far durable (no-op with durability ``memory``)."""

@@ -56,6 +56,7 @@ class VerbsShard:
             self.region_mr = self.dev.register(capacity, REMOTE_ACCESS, "shard memory region")
             self.versions_mr = self.dev.register(8 * (capacity // PAGE), REMOTE_ACCESS, "chunk version table")
         else:  # the data directory's mappings, registered where they are
+            store.punch = False  # see ShardStore.punch
             self.region_mr = self.dev.register(capacity, REMOTE_ACCESS, "shard memory region",
                                                address=address_of(store.region))
             self.versions_mr = self.dev.register(8 * (capacity // PAGE), REMOTE_ACCESS, "chunk version table",

@@ -131,3 +131,17 @@ def test_a_shard_store_reopens_with_its_chunks_versions_and_incarnation(tmp_path
         ShardStore(path, 4, None)
     with pytest.raises(Exception, match="not 8388608"):
         ShardStore(path, 3, 8 * MB)
+
+
+def test_a_store_that_cannot_punch_zeroes_freed_extents(tmp_path: object) -> None:
+    """RDMA-registered stores write zeros instead of punching holes; freed bytes still read 0."""
+    store = ShardStore(os.path.join(str(tmp_path), "s"), 1, 4 * MB)
+    store.punch = False
+    shard = Shard(1, Region(store.capacity, buffer=memoryview(store.region)), memoryview(store.versions), store=store)
+    shard.write(5, 0, MB, 0, UpdateOp.ASSIGN, b"\xff" * MB)
+    shard.free(5, 0)
+    shard.write(6, 0, MB, 10, UpdateOp.ASSIGN, b"a")  # reuses the freed extent
+    version, view = shard.read(6, 0, 0, MB)
+    assert view is not None and bytes(view) == bytes(10) + b"a" + bytes(MB - 11)
+    del shard, view
+    store.close()
