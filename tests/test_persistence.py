@@ -14,12 +14,12 @@ import signal
 import numpy as np
 import pytest
 from helpers import irdma_cli, mounted, wait_until
+from irdma.server.shard import Region, Shard
+from irdma.server.store import ShardStore
 
 from irdma import cluster
 from irdma._proc import pid_alive
 from irdma.protocol import UpdateOp
-from irdma.server.shard import Region, Shard
-from irdma.server.store import ShardStore
 
 MB = 1 << 20
 
