@@ -506,27 +506,26 @@ class IrdmaFS(pyfuse3.Operations):
                 self._ino_unlock_done(inode)
 
     async def _open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
-        if True:  # noqa: SIM108 - keeps the body's indentation of the locked section
-            node, io_mode, chunks = await self.meta.open_inode(self.sid, inode)
-            if node.is_dir:
-                raise pyfuse3.FUSEError(errno.EISDIR)
-            try:
-                kill_setid = self._kills_setid(node, flags, ctx)
-                if kill_setid and flags & os.O_TRUNC:  # a truncate by an unprivileged process
-                    node = await self.meta.clear_setid(inode)
-                    kill_setid = False
-                if flags & os.O_TRUNC:  # libfuse3 turns on atomic O_TRUNC: the truncate is ours
-                    await self._truncate(node, 0)
-                    node = await self._getattr(inode)
-                    chunks = {}
-                fi = self._open_handle(node, io_mode, chunks, append=bool(flags & os.O_APPEND))
-                self._handles[fi.fh].kill_setid = kill_setid
-                return fi
-            except BaseException:
-                if inode not in self._files:
-                    with trio.CancelScope(shield=True):
-                        await self.meta.close_inode(self.sid, inode)
-                raise
+        node, io_mode, chunks = await self.meta.open_inode(self.sid, inode)
+        if node.is_dir:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        try:
+            kill_setid = self._kills_setid(node, flags, ctx)
+            if kill_setid and flags & os.O_TRUNC:  # a truncate by an unprivileged process
+                node = await self.meta.clear_setid(inode)
+                kill_setid = False
+            if flags & os.O_TRUNC:  # libfuse3 turns on atomic O_TRUNC: the truncate is ours
+                await self._truncate(node, 0)
+                node = await self._getattr(inode)
+                chunks = {}
+            fi = self._open_handle(node, io_mode, chunks, append=bool(flags & os.O_APPEND))
+            self._handles[fi.fh].kill_setid = kill_setid
+            return fi
+        except BaseException:
+            if inode not in self._files:
+                with trio.CancelScope(shield=True):
+                    await self.meta.close_inode(self.sid, inode)
+            raise
 
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
@@ -559,19 +558,21 @@ class IrdmaFS(pyfuse3.Operations):
         nxt = starts[-1] + READAHEAD_WINDOW
         if nxt < file_size:
             self._start_fetch(st, nxt, file_size)
-        out = bytearray(n)
+        parts: list[memoryview] = []
         for w in starts:
             try:
                 buf = await self._window(st, w, file_size)
             except IrdmaError:
                 # the window may span a lost chunk or a down shard that this read does not
                 # touch: read exactly the range asked for (and fail only if it fails)
+                out = bytearray(n)
                 await self.client.read_into(st.layout, off, memoryview(out), st.chunks)
                 return bytes(out)
             lo, hi = max(off, w), min(off + n, w + len(buf))
             if hi > lo:
-                out[lo - off : hi - off] = memoryview(buf)[lo - w : hi - w]
-        return bytes(out)
+                parts.append(memoryview(buf)[lo - w : hi - w])
+        # one copy of the bytes, into what FUSE sends back
+        return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
 
     async def _window(self, st: _FileState, start: int, file_size: int) -> bytearray:
         buf = st.windows.get(start)

@@ -65,7 +65,6 @@ async def scan(client: Client, *, chunks: bool = True, progress: Callable[[str],
                 async for page in client.list_chunks(rec.shard_id):
                     for e in page:
                         have.add((e.file_id, e.chunk_index))
-                        listed.setdefault(rec.shard_id, set())
                     progress(f"shard {rec.shard_id}: {len(have)} chunks listed")
             except ShardUnavailable as exc:
                 rep.unreachable.append((rec.shard_id, str(exc)))

@@ -278,13 +278,20 @@ class SqliteMeta(MetaStore):
         return self._get(self._db, ino)
 
     def getattr_io(self, ino: int) -> tuple[Inode, bytes]:
-        row = self._db.execute(
+        got = self._get_io(self._db, ino)
+        if got is None:
+            raise NotFound(f"no inode {ino}")
+        return got
+
+    def _get_io(self, c: sqlite3.Cursor | sqlite3.Connection, ino: int) -> tuple[Inode, bytes] | None:
+        """The inode and its ``user.irdma.io`` mode in one query, or None."""
+        row = c.execute(
             f"SELECT {', '.join('i.' + x.strip() for x in _COLS.split(','))}, x.value FROM inodes i"
             " LEFT JOIN xattrs x ON x.ino = i.ino AND x.name = ? WHERE i.ino = ?",
             (XATTR_IO, ino),
         ).fetchone()
         if row is None:
-            raise NotFound(f"no inode {ino}")
+            return None
         return _inode(row[:-1]), bytes(row[-1]) if row[-1] is not None else b"cached"
 
     def parent_of(self, ino: int) -> int:
@@ -693,8 +700,12 @@ class SqliteMeta(MetaStore):
 
     # ---------------------------------------------------------------- chunk map
     def chunk_map(self, ino: int) -> dict[int, tuple[int, int]]:
+        return self._chunk_map(self._db, ino)
+
+    @staticmethod
+    def _chunk_map(c: sqlite3.Cursor | sqlite3.Connection, ino: int) -> dict[int, tuple[int, int]]:
         return {int(i): (int(s), int(n)) for i, s, n in
-                self._db.execute("SELECT idx, shard, incarnation FROM chunks WHERE ino=?", (ino,))}
+                c.execute("SELECT idx, shard, incarnation FROM chunks WHERE ino=?", (ino,))}
 
     def damaged(self) -> list[DamagedFile]:
         rows = self._db.execute(
@@ -739,34 +750,28 @@ class SqliteMeta(MetaStore):
     def dead_sessions(self) -> list[Session]:
         from irdma._proc import pid_alive
 
-        limit = _now() - int(SESSION_EXPIRY_S * 1e9)
+        limit = _live_since()
         return [s for s in self.sessions()
                 if s.heartbeat_ns < limit or (s.host == self._host and not pid_alive(s.pid))]
 
     def _live_openers(self, c: sqlite3.Cursor, ino: int, exclude: int = 0) -> int:
-        limit = _now() - int(SESSION_EXPIRY_S * 1e9)
+        limit = _live_since()
         return int(c.execute(
             "SELECT COUNT(*) FROM open_files o JOIN sessions s ON s.sid = o.sid"
             " WHERE o.ino=? AND o.sid<>? AND s.heartbeat_ns>=?", (ino, exclude, limit)).fetchone()[0])
 
     def open_inode(self, sid: int, ino: int) -> tuple[Inode, bytes, dict[int, tuple[int, int]]]:
         with self._tx() as c:
-            row = c.execute(
-                f"SELECT {', '.join('i.' + x.strip() for x in _COLS.split(','))}, x.value FROM inodes i"
-                " LEFT JOIN xattrs x ON x.ino = i.ino AND x.name = ? WHERE i.ino = ?",
-                (XATTR_IO, ino),
-            ).fetchone()
-            if row is None:
+            got = self._get_io(c, ino)
+            if got is None:
                 raise Stale(f"inode {ino} was removed")
-            inode = _inode(row[:-1])
+            inode, io_mode = got
             if (inode.nlink <= 0 and _now() - inode.ctime_ns > UNLINK_GRACE_S * 1e9
                     and not c.execute("SELECT 1 FROM open_files WHERE sid=? AND ino=?", (sid, ino)).fetchone()):
                 raise Stale(f"inode {ino} has no name left")
             if sid:
                 c.execute("INSERT OR IGNORE INTO open_files VALUES (?,?)", (sid, ino))
-            chunks = {int(i): (int(s), int(n)) for i, s, n in
-                      c.execute("SELECT idx, shard, incarnation FROM chunks WHERE ino=?", (ino,))}
-            return inode, bytes(row[-1]) if row[-1] is not None else b"cached", chunks
+            return inode, io_mode, self._chunk_map(c, ino)
 
     def close_inode(self, sid: int, ino: int) -> tuple[Inode | None, bool]:
         with self._tx() as c:
@@ -804,7 +809,7 @@ class SqliteMeta(MetaStore):
         return ""
 
     def file_sizes(self) -> dict[int, tuple[int, int, bool]]:
-        limit = _now() - int(SESSION_EXPIRY_S * 1e9)
+        limit = _live_since()
         open_now = {int(r[0]) for r in self._db.execute(
             "SELECT DISTINCT o.ino FROM open_files o JOIN sessions s ON s.sid = o.sid WHERE s.heartbeat_ns>=?",
             (limit,))}
@@ -814,6 +819,11 @@ class SqliteMeta(MetaStore):
 
 for _name in [n for n, v in vars(SqliteMeta).items() if callable(v) and not n.startswith("_")]:
     setattr(SqliteMeta, _name, _db_errors(getattr(SqliteMeta, _name)))
+
+
+def _live_since() -> int:
+    """Heartbeats at or after this time (ns) mark a live session."""
+    return _now() - int(SESSION_EXPIRY_S * 1e9)
 
 
 def _check_name(name: bytes) -> None:
