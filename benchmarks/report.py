@@ -171,6 +171,32 @@ def write_report(R: dict[str, Any], out: str) -> None:
             L.append(f"| {fmt(k)} | {v['pull']:.0f} ({v['pull'] / first['pull']:.2f}x) |"
                      f" {v['push-assign']:.0f} ({v['push-assign'] / first['push-assign']:.2f}x) |")
         L.append("")
+    rep = R.get("replication")
+    if rep:
+        L += ["## Replication (4 shards, native client, MB/s)", "",
+              "| test | 1 replica | 2 replicas | ratio | wanted |", "|---|---|---|---|---|"]
+        for test, want in (("pull", 0.95), ("push-assign", 0.5), ("push-add", 0.5)):
+            a, b = rep["r1"][test], rep["r2"][test]
+            L.append(f"| {test} | {a:.0f} | {b:.0f} | {b / a:.2f} | >= {want} |")
+        L += ["", f"Push (assign) then flush, 2 replicas: durable (`--durability fsync`)"
+              f" {rep['durability-fsync']:.0f} MB/s against {rep['durability-memory']:.0f} MB/s in memory"
+              f" ({rep['durability-fsync'] / rep['durability-memory']:.2f}x).",
+              f"Resync of a restarted shard that missed {rep['resync']['bytes'] >> 20} MiB:"
+              f" {rep['resync']['seconds']:.2f} s, {rep['resync']['mb_s']:.0f} MB/s."]
+        if "drain" in rep:
+            L.append(f"Drain of a shard holding {rep['drain']['bytes'] >> 20} MiB (3 shards, 2 replicas, under no load):"
+                     f" {rep['drain']['seconds']:.2f} s, {rep['drain']['mb_s']:.0f} MB/s.")
+        L.append("")
+    au = R.get("authentication")
+    if au:
+        L += ["## Authentication (4 shards, native client, one replica, MB/s)", "",
+              "Every frame tagged (GMAC, AES-256-GCM) under a per-connection key (SECURITY.md) against shards run",
+              "with `--no-auth`, in the same run:", "",
+              "| test | --no-auth | authenticated | ratio | wanted |", "|---|---|---|---|---|"]
+        for test in ("pull", "push-assign", "push-add"):
+            a, b = au["off"][test], au["on"][test]
+            L.append(f"| {test} | {a:.0f} | {b:.0f} | {b / a:.2f} | >= 0.9 |")
+        L.append("")
     L += ["## Memory", "", "| shard holding | shard RSS |", "|---|---|"]
     for k, v in R["shard_rss"].items():
         L.append(f"| {_fmt_size(int(k)) if int(k) else '0'} | {v / 1e6:.0f} MB |")

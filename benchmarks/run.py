@@ -59,10 +59,14 @@ def rss(pid: int) -> int:
 
 
 @contextlib.contextmanager
-def cluster(shards: int, capacity: int) -> Iterator[tuple[str, list[C.ShardProc]]]:
+def cluster(shards: int, capacity: int, replicas: int = 1, durability: str = "fsync",
+            dirs: list[str] | None = None) -> Iterator[tuple[str, list[C.ShardProc]]]:
+    """A local cluster; one replica unless asked (the replication section compares)."""
     d = tempfile.mkdtemp(prefix="irdma-bench-")
+    if dirs is not None:
+        dirs.append(d)
     try:
-        url = C.up(d, shards, capacity, transport="tcp", fresh=True)
+        url = C.up(d, shards, capacity, transport="tcp", fresh=True, replicas=replicas, durability=durability)
         yield url, C.read_state(d)
     finally:
         with contextlib.suppress(Exception):
@@ -94,6 +98,117 @@ def native(meta: str, size: int, chunk: int, concurrency: int = 4, tests: tuple[
             return await B.bench_native(c, cfg, lambda *a: None)
 
     return {r.name: r.mb_s for r in trio.run(run)}
+
+
+def replication(size: int, moved: int | None = None) -> dict[str, Any]:
+    """R=2 against R=1 (4 shards, native client), durable flush against --durability memory,
+    the rate at which a restarted shard that missed ``moved`` bytes (default ``size``) is
+    resynced, and the rate at which a shard holding ``moved`` bytes is drained."""
+    moved = moved or size
+    import signal as _signal
+
+    out: dict[str, Any] = {}
+    for r in (1, 2):
+        with cluster(4, r * size // 2 + 256 * MiB, replicas=r) as (meta, _):
+            out[f"r{r}"] = native(meta, size, 4 * MiB)
+    for mode in ("fsync", "memory"):
+        with cluster(4, size // 2 + 256 * MiB, replicas=2, durability=mode) as (meta, _):
+            out[f"durability-{mode}"] = flushed_push(meta, size)
+    dirs: list[str] = []
+    with cluster(2, moved + 256 * MiB, replicas=2, dirs=dirs) as (meta, procs):
+        async def write(seed: int) -> None:
+            async with Client.open(meta, transport="tcp") as c:
+                await c.write("/resync", np.full(moved // 4, seed, "<f4"), chunk_size=4 * MiB)
+
+        trio.run(write, 1)
+        os.kill(procs[1].pid, _signal.SIGKILL)
+        trio.run(write, 2)  # the killed shard misses all of it
+        C.up(dirs[0], 2, moved + 256 * MiB)  # back on its data, syncing
+
+        async def resync() -> tuple[int, float]:
+            async with Client.open(meta, transport="tcp") as c:
+                await c.shard_stats()
+                t0 = time.perf_counter()
+                copied = await c.resync_shard(procs[1].shard_id)
+                return copied, time.perf_counter() - t0
+
+        copied, secs = trio.run(resync)
+        out["resync"] = {"bytes": copied, "seconds": secs, "mb_s": copied / secs / 1e6}
+    # drain: 3 shards, 2 replicas, 1.5x ``moved`` written, so each shard holds ``moved``
+    with cluster(3, 2 * moved + 256 * MiB, replicas=2) as (meta, procs):  # room for half of it each
+        async def drain() -> tuple[int, float]:
+            async with Client.open(meta, transport="tcp") as c:
+                await c.write("/drain", np.ones(3 * moved // 8, "<f4"), chunk_size=4 * MiB)
+                t0 = time.perf_counter()
+                copied = await c.drain_shard(procs[0].shard_id)
+                return copied, time.perf_counter() - t0
+
+        copied, secs = trio.run(drain)
+        out["drain"] = {"bytes": copied, "seconds": secs, "mb_s": copied / secs / 1e6}
+    return out
+
+
+@contextlib.contextmanager
+def open_cluster(shards: int, capacity: int) -> Iterator[str]:
+    """Shards started by hand with ``--no-auth`` and a namespace without a key, each on a data
+    directory as ``irdma up``'s are: the baseline the authentication section compares with."""
+    from irdma.meta import open_meta
+
+    d = tempfile.mkdtemp(prefix="irdma-bench-noauth-")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        meta = open_meta(os.path.join(d, "meta.db"), create=True)
+        for i in range(shards):
+            port_file = os.path.join(d, f"port-{i}")
+            with open(os.path.join(d, f"shard-{i}.log"), "wb") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "irdma.cli", "server", "--listen", "127.0.0.1:0", "--capacity", str(capacity),
+                     "--shard-id", str(i + 1), "--port-file", port_file, "--transport", "tcp", "--no-auth",
+                     "--data-dir", os.path.join(d, f"data-{i}")],  # as `irdma up` does: only auth differs
+                    stdout=log, stderr=subprocess.STDOUT))
+            deadline = time.monotonic() + 60
+            while not os.path.exists(port_file):
+                if time.monotonic() > deadline or procs[-1].poll() is not None:
+                    raise RuntimeError(f"shard {i + 1} did not start: see {d}/shard-{i}.log")
+                time.sleep(0.05)
+            with open(port_file) as f:
+                meta.add_shard(f.read().strip())
+        meta.set_replicas(1)
+        meta.close()
+        yield f"sqlite://{d}/meta.db"
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            with contextlib.suppress(Exception):
+                p.wait(30)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def authentication(size: int) -> dict[str, Any]:
+    """Pull and push (native client, 4 shards, one replica) with every frame authenticated
+    (GMAC tags) against shards run with --no-auth, each on a data directory, in one run."""
+    out: dict[str, Any] = {}
+    with cluster(4, size // 4 + 256 * MiB) as (meta, _):
+        out["on"] = native(meta, size, 4 * MiB)
+    with open_cluster(4, size // 4 + 256 * MiB) as meta:
+        out["off"] = native(meta, size, 4 * MiB)
+    return out
+
+
+def flushed_push(meta: str, size: int) -> float:
+    """MB/s of a push (assign) of ``size`` bytes followed by a flush (what fsync waits for)."""
+    async def run() -> float:
+        async with Client.open(meta, transport="tcp") as c:
+            data = np.ones(size // 4, "<f4")
+            await c.write("/durable", data, chunk_size=4 * MiB)  # chunks made: now time the overwrite
+            await c.flush()
+            t0 = time.perf_counter()
+            await c.write("/durable", data)
+            await c.flush()
+            return size / (time.perf_counter() - t0) / 1e6
+
+    return trio.run(run)
 
 
 def through_mount(mp: str, size: int, chunk: int, concurrency: int = 4,
@@ -363,7 +478,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the suite, not figures")
     ap.add_argument("--out", default=os.path.join(REPO, "docs"))
+    ap.add_argument("--only", choices=["replication", "authentication"],
+                    help="run one section and print its figures as JSON")
     args = ap.parse_args()
+    if args.only == "replication":
+        print(json.dumps(replication(64 * MiB if args.quick else 256 * MiB), indent=1))
+        return 0
+    if args.only == "authentication":
+        print(json.dumps(authentication(64 * MiB if args.quick else 512 * MiB), indent=1))
+        return 0
     big = 64 * MiB if args.quick else GiB
     sweep = 16 * MiB if args.quick else 256 * MiB
     rounds = 1 if args.quick else 3
@@ -428,6 +551,11 @@ def main() -> int:
                 secs = max(r["seconds"] for x in res for r in x["results"] if r["name"] == test)
                 agg[test] = per * w / secs / 1e6
             R["by_workers"][w] = agg
+
+    say("replication: 2 replicas against 1, durable fsync against memory, resync of a shard")
+    R["replication"] = replication(sweep, big)
+    say("authentication: every frame tagged (GMAC) against --no-auth shards")
+    R["authentication"] = authentication(sweep)
 
     say("memory: shard RSS against data held")
     R["shard_rss"] = {}

@@ -70,11 +70,16 @@ def main() -> int:
     finally:
         if mounted:
             step("unmounting")
-            subprocess.run([sys.executable, "-m", "irdma.cli", "umount", mnt])
+            if subprocess.run([sys.executable, "-m", "irdma.cli", "umount", mnt]).returncode != 0:
+                rc = rc or 1  # the reason and the fix were printed by irdma umount
         if started:
             step("stopping the cluster")
-            subprocess.run([sys.executable, "-m", "irdma.cli", "down", "--dir", cluster_dir])
-        shutil.rmtree(work, ignore_errors=True)
+            if subprocess.run([sys.executable, "-m", "irdma.cli", "down", "--dir", cluster_dir]).returncode != 0:
+                rc = rc or 1
+        if os.path.ismount(mnt):
+            print(f"{mnt} is still mounted: `irdma umount {mnt}` cleans it", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     print(f"\ndemo {'passed' if rc == 0 else 'FAILED'} in {time.monotonic() - t0:.0f} s", flush=True)
     return rc
 

@@ -40,6 +40,7 @@ ERRNO: dict[type[E.IrdmaError], int] = {
     E.DataLost: errno.EIO,
     E.MetadataError: errno.EIO,
     E.Stale: errno.ESTALE,
+    E.AuthFailed: errno.EACCES,
 }
 #: The errno of an unexpected exception (a bug): the request fails, the mount lives on.
 FALLBACK_ERRNO = errno.EIO

@@ -216,6 +216,7 @@ class IrdmaFS(pyfuse3.Operations):
                 log.warning("heartbeat failed: %s", exc)
             try:
                 await self.client.shard_stats()  # marks shards up/down in the shard map
+                await self.client.resync_all()  # shards back after being down catch up
             except IrdmaError as exc:
                 log.warning("shard health check failed: %s", exc)
 
@@ -428,6 +429,7 @@ class IrdmaFS(pyfuse3.Operations):
         self._dirs.pop(fh, None)
 
     async def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
+        """The shards' capacity and use, divided by the namespace's replica count."""
         with fuse_errors("statfs"):
             capacity = used = 0
             for _, st, _why in await self.client.shard_stats():
@@ -435,6 +437,9 @@ class IrdmaFS(pyfuse3.Operations):
                     capacity += st.capacity
                     used += st.used
             n_inodes, _ = await self.meta.usage()
+            # in bytes a file can hold: each chunk takes room on `replicas` shards
+            r = max(1, min(await self.meta.replicas(), len(self.client._shard_map) or 1))
+            capacity, used = capacity // r, used // r
             s = pyfuse3.StatvfsData()
             s.f_bsize = s.f_frsize = 4096
             s.f_blocks = capacity // 4096
@@ -466,11 +471,12 @@ class IrdmaFS(pyfuse3.Operations):
         st = self._files.get(inode.ino)
         if st is None:
             self.client.forget_file(inode.ino)  # close-to-open: no stale chunk places
-            st = self._files[inode.ino] = _FileState(layout_of(inode), dict(chunks), size=inode.size,
-                                                     persisted_size=inode.size)
+            st = self._files[inode.ino] = _FileState(layout_of(inode), {i: dict(r) for i, r in chunks.items()},
+                                                     size=inode.size, persisted_size=inode.size)
         else:
             for idx, rec in chunks.items():
-                st.chunks.setdefault(idx, rec)
+                for shard, incarnation in rec.items():
+                    st.chunks.setdefault(idx, {}).setdefault(shard, incarnation)
             if not st.pending and not st.dirty:
                 st.size = st.persisted_size = inode.size
         st.invalidate()  # close-to-open: a new open pulls fresh bytes
@@ -652,7 +658,7 @@ class IrdmaFS(pyfuse3.Operations):
         try:
             created = await self.client.write_from(st.layout, off, buf, op, st.chunks)
             for idx, shard, incarnation in created:
-                st.chunks.setdefault(idx, (shard, incarnation))
+                st.chunks.setdefault(idx, {}).setdefault(shard, incarnation)
             st.new_chunks.extend(created)
             st.acked_ends.append(entry.end)
         except Exception as exc:

@@ -113,3 +113,40 @@ class MetadataError(IrdmaError):
 
 class TransportUnavailable(IrdmaError):
     """The requested transport cannot run on this machine (missing device, memlock limit)."""
+
+
+class ReplicaError(ShardUnavailable):
+    """A replica of a chain failed while the head applied an update (chain replication).
+
+    Attributes:
+        shard_id: the replica concerned.
+    """
+
+    def __init__(self, message: str, shard_id: int, hint: str = "") -> None:
+        super().__init__(message, hint)
+        self.shard_id = shard_id
+
+
+class ReplicaFailed(ReplicaError):
+    """A replica did not take a forwarded update in time; every replica before it has it. The
+    client marks it down and retries the same request id along the shorter chain."""
+
+
+class ReplicaStale(ReplicaError):
+    """A replica's chunk does not follow its predecessor's (it missed updates while down);
+    raised only by the shard code, which then sends it the whole chunk."""
+
+
+class Fenced(ShardUnavailable):
+    """The request acted on a view of the shard map older than one the shard has seen: read
+    the shard map again and retry."""
+
+
+class Dirty(ShardUnavailable):
+    """A clean read found a chunk whose last update is not yet on every replica: read it from
+    the chain's tail."""
+
+
+class AuthFailed(IrdmaError):
+    """A peer did not prove it holds the cluster key, refused ours, belongs to another cluster,
+    or a frame's authentication tag did not verify (see :mod:`irdma.auth`)."""

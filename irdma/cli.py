@@ -173,15 +173,27 @@ def cli(verbose: int) -> None:
 @click.option("--shard-id", type=int, default=0, show_default=True, help="This shard's id in the shard map.")
 @click.option("--transport", type=click.Choice(TRANSPORTS), default="auto", show_default=True)
 @click.option("--port-file", type=click.Path(dir_okay=False), help="Write the bound HOST:PORT here when ready.")
-@click.option("--auth-token", envvar="IRDMA_AUTH_TOKEN", default="", help="Clients must present this token.")
+@click.option("--key-file", envvar="IRDMA_KEY_FILE", type=click.Path(dir_okay=False), default=None,
+              help="The cluster's key file (0600): every connection must prove this key. [env: IRDMA_KEY_FILE]")
+@click.option("--no-auth", is_flag=True, help="Serve anyone who connects, without a key (a trusted test bed only).")
+@click.option("--max-connections", type=click.IntRange(1), default=4096, show_default=True,
+              help="Most connections served at once.")
+@click.option("--max-connections-per-peer", type=click.IntRange(1), default=1024, show_default=True,
+              help="Most connections served at once from one peer address.")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
               help="Keep the shard's chunks in this directory (memory-mapped files): a restart on it keeps them.")
 @click.option("--durability", type=click.Choice(["fsync", "memory"]), default="fsync", show_default=True,
               help="With --data-dir: fsync/close wait for the disk (fsync), or only for the page cache (memory).")
 @friendly
-def server(listen: str, capacity: int | None, shard_id: int, transport: str, port_file: str | None, auth_token: str,
+def server(listen: str, capacity: int | None, shard_id: int, transport: str, port_file: str | None,
+           key_file: str | None, no_auth: bool, max_connections: int, max_connections_per_peer: int,
            data_dir: str | None, durability: str) -> None:
-    """Run one shard server in the foreground until SIGTERM or Ctrl-C."""
+    """Run one shard server in the foreground until SIGTERM or Ctrl-C.
+
+    Every connection must prove the cluster key (--key-file; `irdma up` and `irdma format`
+    make one) before any data op; --no-auth serves anyone, for a trusted test bed only.
+    """
+    from irdma.auth import KeySource
     from irdma.server.serve import run_server
     from irdma.server.shard import PAGE, Region, Shard
     from irdma.server.store import ShardStore
@@ -197,9 +209,17 @@ def server(listen: str, capacity: int | None, shard_id: int, transport: str, por
         raise click.BadParameter(f"capacity must be at least {PAGE} bytes", param_hint="--capacity")
     if capacity is not None:
         capacity -= capacity % PAGE
+    if key_file is None and not no_auth:
+        raise InvalidArgument("a shard needs the cluster's key file, so that only key holders get in",
+                              "pass --key-file PATH (`irdma format` or `irdma up` makes one), or --no-auth on a"
+                              " trusted test bed")
+    if key_file is not None and no_auth:
+        raise click.BadParameter("--no-auth and --key-file exclude each other", param_hint="--no-auth")
+    keys = KeySource(key_file) if key_file is not None else None
+    ring = keys.ring() if keys is not None else None
     store = None
     if data_dir is not None:
-        store = ShardStore(data_dir, shard_id, capacity, durability)
+        store = ShardStore(data_dir, shard_id, capacity, durability, ring.cluster_hex if ring else None)
         capacity = store.capacity
         logging.getLogger("irdma.server").info(
             "shard %d: data in %s (%s, durability %s)", shard_id, store.path,
@@ -234,7 +254,8 @@ def server(listen: str, capacity: int | None, shard_id: int, transport: str, por
                          "pass a smaller --capacity") from exc
     try:
         trio.run(functools.partial(run_server, shard, host, port, port_file=port_file,
-                                   credentials=auth_token.encode(), verbs=verbs))
+                                   keys=keys, verbs=verbs, max_connections=max_connections,
+                                   max_per_peer=max_connections_per_peer))
     except Exception as exc:
         err = _listen_error(_leaf(exc), listen)
         if err is None:
@@ -274,11 +295,14 @@ def _listen_error(exc: BaseException, listen: str) -> IrdmaError | None:
 @click.option("--fresh", is_flag=True, help="Wipe the namespace and data of a stopped cluster in --dir first.")
 @click.option("--durability", type=click.Choice(["fsync", "memory"]), default="fsync", show_default=True,
               help="fsync/close wait until the bytes are on disk (fsync) or in the page cache only (memory).")
+@click.option("--replicas", "-r", type=click.IntRange(1, 8), default=None,
+              help="Copies of each chunk, on distinct shards (new clusters: 2 with 2 or more shards, else 1).")
 @friendly
-def up(cluster_dir: str, shards: int, capacity: int, host: str, transport: str, fresh: bool, durability: str) -> None:
+def up(cluster_dir: str, shards: int, capacity: int, host: str, transport: str, fresh: bool, durability: str,
+       replicas: int | None) -> None:
     """Start a local cluster: SQLite metadata in --dir and N shard processes keeping their
     chunks in --dir/shards/ID. On a stopped cluster's --dir, start it again on its data; on a
-    running one, restart just the shards that died."""
+    running one, restart just the shards that died and resync them (they missed updates)."""
     with console.status(f"starting shards in {cluster_dir}") as status:
 
         def progress(msg: str) -> None:
@@ -286,7 +310,8 @@ def up(cluster_dir: str, shards: int, capacity: int, host: str, transport: str, 
             status.update(msg)
 
         url = _cluster.up(cluster_dir, shards, capacity, host=host, transport=transport, fresh=fresh,
-                          durability=durability, progress=progress)
+                          durability=durability, replicas=replicas, progress=progress)
+    trio.run(_resync, url, None)
     out.print(url, highlight=False)
     console.print(
         f"cluster up. Next: [bold]irdma mount {url} MOUNTPOINT[/], [bold]irdma status --meta {url}[/],"
@@ -373,16 +398,149 @@ def shard() -> None:
 
 
 async def _stats(meta_url: str) -> tuple[list[Any], tuple[int, int], int]:
-    stats, usage, epoch, _ = await _status(meta_url)
+    stats, usage, epoch, _, _, _ = await _status(meta_url)
     return stats, usage, epoch
 
 
-async def _status(meta_url: str) -> tuple[list[Any], tuple[int, int], int, list[Any]]:
+async def _status(meta_url: str) -> tuple[list[Any], tuple[int, int], int, list[Any], int, list[Any]]:
     from .client import Client
 
     async with Client.open(meta_url, transport="tcp") as client:
         stats = await client.shard_stats()  # notes each shard's incarnation first
-        return stats, await client.meta.usage(), await client.meta.epoch(), await client.meta.damaged()
+        _, _, moves = await client.meta.shard_view()
+        return (stats, await client.meta.usage(), await client.meta.epoch(), await client.meta.damaged(),
+                await client.meta.under_replicated(), [m for m in moves if not m.done])
+
+
+async def _resync(meta_url: str, only: list[int] | None) -> int:
+    """Resync the shards that are catching up (``only``: these), with a progress bar each;
+    returns how many failed."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from .client import Client
+
+    failed = 0
+    async with Client.open(meta_url, transport="tcp") as client:
+        stats = await client.shard_stats()
+        todo = [rec.shard_id for rec, st, _ in stats if st is not None and rec.health == "syncing"
+                and (only is None or rec.shard_id in only)]
+        for sid in todo:
+            with Progress(TextColumn(f"resync shard {sid}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                          console=console, transient=True) as bar:
+                task = bar.add_task("chunks", total=None)
+
+                def step(done: int, total: int, bar: Progress = bar, task: Any = task) -> None:
+                    bar.update(task, completed=done, total=total)
+
+                try:
+                    copied = await client.resync_shard(sid, step)
+                except IrdmaError as exc:
+                    failed += 1
+                    console.print(f"[red]resync of shard {sid} did not finish:[/] {exc}", highlight=False,
+                                  soft_wrap=True)
+                    continue
+            console.print(f"shard {sid} is up to date: {format_size(copied)} copied", highlight=False)
+    return failed
+
+
+@shard.command("resync")
+@click.argument("shard_ids", nargs=-1, type=int)
+@META_OPTION
+@friendly
+def shard_resync(shard_ids: tuple[int, ...], meta_url: str) -> None:
+    """Bring shards that are back after being down (state syncing) level with their chains:
+    copy the chunks whose version or checksum differs from the chain head's, then mark them up.
+    Mounts do this on their own every few seconds; this does it now, with progress.
+    Default: every syncing shard."""
+    if trio.run(_resync, meta_url, list(shard_ids) or None):
+        fail("some shards were not resynced", 1)
+
+
+async def _drain(meta_url: str, shard_id: int) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from .client import Client
+
+    async with Client.open(meta_url, transport="tcp") as client:
+        with Progress(TextColumn(f"drain shard {shard_id}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      console=console, transient=True) as bar:
+            task = bar.add_task("chunks", total=None)
+            return await client.drain_shard(shard_id, lambda done, total: bar.update(task, completed=done, total=total))
+
+
+@shard.command("drain")
+@click.argument("shard_id", type=int)
+@META_OPTION
+@friendly
+def shard_drain(shard_id: int, meta_url: str) -> None:
+    """Move every chunk off shard SHARD_ID to the other shards in service, with training going
+    on: the chunks stay readable and writable throughout. Then no file uses the shard and
+    `irdma shard remove` can take it out. Run it again to resume one that failed."""
+    copied = trio.run(_drain, meta_url, shard_id)
+    console.print(f"shard {shard_id} is drained: {format_size(copied)} copied to the other shards; remove it with"
+                  f" `irdma shard remove {shard_id}`", highlight=False, soft_wrap=True)
+
+
+async def _remove(meta_url: str, shard_id: int, force: bool) -> list[tuple[int, int]]:
+    from .client import Client
+
+    async with Client.open(meta_url, transport="tcp") as client:
+        return await client.remove_shard(shard_id, force)
+
+
+@shard.command("remove")
+@click.argument("shard_id", type=int)
+@META_OPTION
+@click.option("--force", is_flag=True, help="Remove it even if it was not drained: chunks only it holds are lost.")
+@friendly
+def shard_remove(shard_id: int, meta_url: str, force: bool) -> None:
+    """Take shard SHARD_ID out of the cluster once drained (`irdma shard drain`). With --force, a
+    shard in any state (e.g. one whose machine is gone): its replicas are copied again from the
+    others, and chunks it alone held are declared lost (they read as EIO, never zeros)."""
+    lost = trio.run(_remove, meta_url, shard_id, force)
+    if lost:
+        console.print(f"[red]shard {shard_id} removed; {len(lost)} chunks it alone held are lost[/] (`irdma status`"
+                      " lists the files)", highlight=False, soft_wrap=True)
+    else:
+        console.print(f"shard {shard_id} removed; nothing was lost. Its process can be stopped.", highlight=False,
+                      soft_wrap=True)
+
+
+async def _rebalance(meta_url: str, tolerance: float) -> tuple[list[tuple[int, int, int]], list[Any]]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from .client import Client
+
+    async with Client.open(meta_url, transport="tcp") as client:
+        with Progress(TextColumn("rebalance"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      console=console, transient=True) as bar:
+            task = bar.add_task("chunks", total=None)
+            moves = await client.rebalance(lambda done, total: bar.update(task, completed=done, total=total),
+                                           tolerance)
+        return moves, await client.shard_stats()
+
+
+@cli.command()
+@META_OPTION
+@click.option("--tolerance", default=0.1, show_default=True, type=click.FloatRange(min=0),
+              help="Leave a shard alone while it holds at most (1 + this) times the mean.")
+@friendly
+def rebalance(meta_url: str, tolerance: float) -> None:
+    """Even out the bytes held by the shards in service (after `irdma shard add`, say): each
+    shard over the mean moves the excess share of its chunks to the shards under it, with
+    training going on (chunks stay readable and writable). Run it again to finish one that failed."""
+    moves, stats = trio.run(_rebalance, meta_url, tolerance)
+    for sid, copied, _ in moves:
+        console.print(f"moved {format_size(copied)} off shard {sid}", highlight=False)
+    if not moves:
+        console.print("the shards are even already (within the tolerance): nothing moved", highlight=False)
+    table = Table(title="bytes held per shard")
+    for col in ("id", "state", "used", "chunks"):
+        table.add_column(col, justify="left" if col == "state" else "right")
+    for rec, st, _ in stats:
+        if st is not None and rec.state == "up":
+            table.add_row(str(rec.shard_id), rec.state, format_size(st.used), str(st.chunks))
+    out.print(table)
 
 
 @shard.command("list")
@@ -395,14 +553,19 @@ def shard_list(meta_url: str) -> None:
     for col in ("id", "address", "state", "capacity", "used", "chunks"):
         table.add_column(col, justify="right" if col in ("id", "capacity", "used", "chunks") else "left")
     for rec, st, _why in stats:
-        if st is None:
+        if rec.state in ("drained", "removed"):
+            table.add_row(str(rec.shard_id), rec.address, rec.state, *(
+                ("-", "-", "-") if st is None else (format_size(st.capacity), format_size(st.used), str(st.chunks))))
+        elif st is None:
             table.add_row(str(rec.shard_id), rec.address, "[red]down[/]", "-", "-", "-")
         else:
-            table.add_row(str(rec.shard_id), rec.address, "[green]up[/]", format_size(st.capacity),
+            state = ("[yellow]syncing[/]" if rec.health == "syncing" else
+                     "[yellow]draining[/]" if rec.state == "draining" else "[green]up[/]")
+            table.add_row(str(rec.shard_id), rec.address, state, format_size(st.capacity),
                           format_size(st.used), str(st.chunks))
     out.print(table)
     for rec, st, why in stats:
-        if st is None:
+        if st is None and rec.state not in ("drained", "removed"):
             console.print(f"shard {rec.shard_id} at {rec.address}: {why}", highlight=False, soft_wrap=True)
 
 
@@ -410,11 +573,10 @@ def shard_list(meta_url: str) -> None:
 @click.argument("address")
 @META_OPTION
 @click.option("--force", is_flag=True, help="Register it even if no shard answers at ADDRESS now.")
-@click.option("--auth-token", envvar="IRDMA_AUTH_TOKEN", default="", help="Token the shard asks for, if any.")
 @click.option("--timeout", default=5.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Seconds to wait for the shard's handshake.")
 @friendly
-def shard_add(address: str, meta_url: str, force: bool, auth_token: str, timeout: float) -> None:
+def shard_add(address: str, meta_url: str, force: bool, timeout: float) -> None:
     """Register the shard server at ADDRESS (HOST:PORT) in the shard map.
 
     The shard must be running and answer the irdma handshake (unless --force): new files are
@@ -440,7 +602,7 @@ def shard_add(address: str, meta_url: str, force: bool, auth_token: str, timeout
                          "`irdma shard list` shows the shard map")
         if not force:
             try:
-                trio.run(functools.partial(check_shard, address, timeout, credentials=auth_token.encode()))
+                trio.run(functools.partial(check_shard, address, timeout, key=_key_ring(meta_url)))
             except ShardUnavailable as exc:
                 raise ShardUnavailable(
                     f"no irdma shard answers at {address}: {exc.args[0]}",
@@ -467,12 +629,14 @@ class Health:
     advice: str = ""
 
 
-def cluster_health(stats: list[Any], damaged: list[Any] | None = None) -> Health:
-    """The cluster's health from :meth:`Client.shard_stats` (``(record, stats or None, why)`` each)
-    and the damaged files (:meth:`MetaStore.damaged`).
+def cluster_health(stats: list[Any], damaged: list[Any] | None = None, under_replicated: int = 0,
+                   moving: list[Any] | None = None) -> Health:
+    """The cluster's health from :meth:`Client.shard_stats` (``(record, stats or None, why)`` each),
+    the damaged files (:meth:`MetaStore.damaged`) and the count of under-replicated chunks.
 
-    The exit codes of ``irdma status``: 0 healthy (every shard answers), 1 degraded (a shard
-    is down, or the shard map is empty), 2 data lost (a file's chunks are gone).
+    The exit codes of ``irdma status``: 0 healthy (every shard answers and is up to date, every
+    chunk has all its replicas), 1 degraded (a shard is down or catching up, chunks are
+    under-replicated, or the shard map is empty), 2 data lost (a file's chunks are gone).
     """
     if damaged:
         n = sum(len(d.lost_chunks) for d in damaged)
@@ -482,9 +646,24 @@ def cluster_health(stats: list[Any], damaged: list[Any] | None = None) -> Health
                       " `irdma fsck` lists them.")
     if not stats:
         return Health("degraded", "red", 1, "the shard map is empty: `irdma shard add HOST:PORT` registers a shard.")
+    draining = [str(rec.shard_id) for rec, _, _ in stats if rec.state == "draining"]
+    stats = [x for x in stats if x[0].state not in ("drained", "removed")]
     if any(st is None for _, st, _ in stats):
         return Health("degraded", "red", 1,
-                      "some shards are down: `irdma shard list` names them; restart them or the cluster.")
+                      "some shards are down: `irdma shard list` names them; restart them or the cluster"
+                      " (`irdma up --dir D` restarts the dead shards of a local cluster).")
+    syncing = [str(rec.shard_id) for rec, _, _ in stats if rec.health == "syncing"]
+    if draining:
+        return Health("degraded", "yellow", 1, f"shard {', '.join(draining)} is draining: finish it with"
+                      f" `irdma shard drain {draining[0]}`.")
+    if moving:
+        return Health("degraded", "yellow", 1, f"chunks of shard {moving[0].shard_id} are moving (a rebalance that"
+                      " did not finish): finish it with `irdma rebalance`.")
+    if syncing or under_replicated:
+        return Health("degraded", "yellow", 1,
+                      f"{under_replicated} chunks have fewer replicas than asked"
+                      + (f"; shards {', '.join(syncing)} are catching up" if syncing else "")
+                      + ": mounts resync them within seconds, `irdma shard resync` does it now.")
     return Health("healthy", "green", 0)
 
 
@@ -497,12 +676,12 @@ def status(meta_url: str) -> None:
     Exits 0 when the cluster is healthy, 1 when it is degraded (a shard is down), 2 when data
     is lost (the files and chunks affected are listed).
     """
-    stats, (inodes, file_bytes), epoch, damaged = trio.run(_status, meta_url)
+    stats, (inodes, file_bytes), epoch, damaged, under, moving = trio.run(_status, meta_url)
     up_ = [st for _, st, _ in stats if st is not None]
     cap = sum(st.capacity for st in up_)
     used = sum(st.used for st in up_)
     chunks = sum(st.chunks for st in up_)
-    health = cluster_health(stats, damaged)
+    health = cluster_health(stats, damaged, under, moving)
     table = Table(title="irdma status", show_header=False)
     table.add_column("what")
     table.add_column("value")
@@ -512,6 +691,8 @@ def status(meta_url: str) -> None:
     table.add_row("capacity", format_size(cap))
     table.add_row("used", f"{format_size(used)} ({100 * used / cap:.1f}%)" if cap else "-")
     table.add_row("chunks", str(chunks))
+    syncing = [str(rec.shard_id) for rec, st, _ in stats if st is not None and rec.health == "syncing"]
+    table.add_row("under-replicated chunks", str(under) + (f" (shards {', '.join(syncing)} syncing)" if syncing else ""))
     table.add_row("inodes", str(inodes))
     table.add_row("bytes in files", format_size(file_bytes))
     if damaged:
@@ -668,6 +849,90 @@ def bench(meta_url: str | None, mountpoint: str | None, size: int, chunk_size: i
         table.add_row(r.name, format_size(r.bytes), f"{r.seconds:.3f}", f"{r.mb_s:.1f}",
                       "-" if r.p50_us is None else f"{r.p50_us:.0f}", "-" if r.p99_us is None else f"{r.p99_us:.0f}")
     out.print(table)
+
+
+@cli.command("format")
+@META_OPTION
+@click.option("--replicas", "-r", type=click.IntRange(1, 8), default=None,
+              help="Copies of each chunk of new files [default: 2 once there are 2 shards or more, else 1].")
+@friendly
+def format_(meta_url: str, replicas: int | None) -> None:
+    """Make an empty namespace by hand (for shards started with `irdma server`) and its cluster
+    key file, cluster.key beside it (mode 0600), unless $IRDMA_KEY_FILE names one."""
+    import contextlib
+
+    from ._errors import Exists
+    from .auth import KEY_FILE_ENV, KEY_FILE_NAME, create_key_file, read_key_file
+    from .meta import meta_path, open_meta
+
+    path = meta_path(meta_url)
+    if os.path.exists(path):
+        raise Exists(f"a namespace already exists at {path}", "use it, or pick another --meta")
+    key_file = os.environ.get(KEY_FILE_ENV) or os.path.join(os.path.dirname(path), KEY_FILE_NAME)
+    ring = read_key_file(key_file) if os.path.exists(key_file) else create_key_file(key_file)
+    with contextlib.closing(open_meta(path, create=True)) as meta:
+        meta.set_replicas(replicas or 2)
+    console.print(f"namespace sqlite://{path}; cluster key {key_file} (cluster {ring.cluster_hex}): start shards"
+                  f" with `irdma server --key-file {key_file}`", highlight=False, soft_wrap=True)
+
+
+# ---------------------------------------------------------------- keys
+def _key_ring(meta_url: str | None) -> Any:
+    from .auth import KeySource, default_key_file
+
+    return KeySource(default_key_file(meta_url)).ring()
+
+
+@cli.group()
+def key() -> None:
+    """The cluster key: every connection to a shard proves it (see SECURITY.md)."""
+
+
+@key.command("rotate")
+@click.option("--dir", "cluster_dir", default=None, type=click.Path(file_okay=False),
+              help="The local cluster whose key to rotate (its cluster.key). [default: $IRDMA_KEY_FILE]")
+@click.option("--finish", is_flag=True, help="Stop accepting the previous key (once every process has the new one).")
+@friendly
+def key_rotate(cluster_dir: str | None, finish: bool) -> None:
+    """Put a new key in the key file without stopping anything.
+
+    Shards and clients read the file again when it changes: new connections prove the new key,
+    shards still accept the previous one (and open connections keep their session keys) until
+    `irdma key rotate --finish`. A key file on several hosts must be copied to each of them.
+    """
+    from .auth import KEY_FILE_ENV, rotate_key_file
+
+    path = os.environ.get(KEY_FILE_ENV) if cluster_dir is None else _cluster.key_file_of(cluster_dir)
+    if not path:
+        raise InvalidArgument("which key file? pass --dir D of the cluster, or --key-file / IRDMA_KEY_FILE")
+    ring = rotate_key_file(path, drop_old=finish)
+    if finish:
+        console.print(f"{path}: only the current key is accepted now (cluster {ring.cluster_hex})", highlight=False)
+    else:
+        console.print(f"{path}: new key in use; the previous one is still accepted until"
+                      f" `irdma key rotate --finish` (cluster {ring.cluster_hex})", highlight=False)
+
+
+def _set_key_file(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    from .auth import KEY_FILE_ENV
+
+    if value:
+        os.environ[KEY_FILE_ENV] = os.path.abspath(value)  # what every client and `irdma up` read
+
+
+def _add_key_file_options(group: click.Group) -> None:
+    """Give every command ``--key-file`` (the server has its own)."""
+    for name, cmd in group.commands.items():
+        if isinstance(cmd, click.Group):
+            _add_key_file_options(cmd)
+        elif name != "server" and not any(p.name == "key_file" for p in cmd.params):
+            cmd.params.append(click.Option(
+                ["--key-file"], type=click.Path(dir_okay=False), expose_value=False, is_eager=True,
+                callback=_set_key_file, help="The cluster's key file [default: $IRDMA_KEY_FILE, else cluster.key"
+                " beside the metadata]."))
+
+
+_add_key_file_options(cli)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,24 +25,40 @@ Metadata calls run in worker threads (:class:`irdma.meta.aio.AsyncMeta`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import numpy as np
 import trio
 
+from . import auth
 from ._concurrency import open_nursery
-from ._errors import DataLost, IrdmaError, IsADirectory, NotFound, ShardUnavailable
+from ._errors import (
+    BadRequest,
+    DataLost,
+    Dirty,
+    Fenced,
+    InvalidArgument,
+    IrdmaError,
+    IsADirectory,
+    NoSpace,
+    NotFound,
+    ReplicaError,
+    ReplicaFailed,
+    ShardUnavailable,
+)
 from .meta import Inode, MetaStore, ShardRecord, open_meta
 from .meta.aio import AsyncMeta
 from .meta.base import XATTR_UPDATE
-from .placement import Layout, Piece
-from .protocol import DEFAULT_MAX_PAYLOAD, ChunkEntry, StatReply, UpdateOp
+from .placement import MOVE_ALL, Layout, Move, Piece, substitute
+from .protocol import DEFAULT_MAX_PAYLOAD, Chain, ChunkEntry, StatReply, UpdateOp
 from .transport import ShardConnection, Transport, make_transport
 
 #: Requests in flight per shard connection.
@@ -50,9 +66,15 @@ DEFAULT_WINDOW = 16
 #: Seconds a request to a shard may take (queueing, connecting and the transfer together).
 DEFAULT_TIMEOUT = 10.0
 
-#: A file's chunk map: chunk index -> (shard id, shard incarnation when first written).
-ChunkMap = dict[int, tuple[int, int]]
-#: Chunks a write created: (chunk index, shard id, incarnation), for the chunk map.
+#: Chunks a move (drain, rebalance) copies at once.
+MOVE_COPIES = 4
+#: Attempts of one update (a failed replica or a new view each cost one).
+MAX_ATTEMPTS = 6
+
+#: A file's chunk map: chunk index -> {shard id: incarnation of the shard's memory when the
+#: chunk was written there}, one entry per replica.
+ChunkMap = dict[int, dict[int, int]]
+#: Chunk replicas a write created: (chunk index, shard id, incarnation), for the chunk map.
 NewChunk = tuple[int, int, int]
 
 log = logging.getLogger("irdma.client")
@@ -64,7 +86,7 @@ def layout_of(inode: Inode) -> Layout:
     if inode.is_dir:
         raise IsADirectory(f"inode {inode.ino} is a directory")
     assert inode.chunk_size is not None
-    return Layout(inode.ino, inode.chunk_size, inode.stripe)
+    return Layout(inode.ino, inode.chunk_size, inode.stripe, inode.replicas)
 
 
 def _as_bytes_view(data: object) -> memoryview:
@@ -84,7 +106,8 @@ class Client:
             awaitable :class:`AsyncMeta`, ``client.store`` the engine itself).
         transport: how to reach shards.
         nursery: where connection tasks live.
-        credentials: bytes shards may require in the handshake.
+        keys: the cluster key to prove to shards (:mod:`irdma.auth`), read again when its file
+            changes; None to connect without one (shards with a key refuse it).
         window: requests in flight per shard.
         timeout: seconds each request to a shard may take, queueing and connecting included.
     """
@@ -95,7 +118,7 @@ class Client:
         transport: Transport,
         nursery: trio.Nursery,
         *,
-        credentials: bytes = b"",
+        keys: auth.KeySource | None = None,
         window: int = DEFAULT_WINDOW,
         client_name: str = "",
         timeout: float = DEFAULT_TIMEOUT,
@@ -108,16 +131,22 @@ class Client:
         # stopped shard costs each caller one deadline, not one per request; probes still try
         self._down_until: dict[int, float] = {}
         self._unsynced: set[int] = set()  # shards written since the last flush
+        self._unsynced_single: set[int] = set()  # those of them written the only copy of a chunk
         self._flush_lock = trio.Lock()  # a flush returns only after the one in flight covered it
         self.transport = transport
         self._nursery = nursery
-        self._credentials = credentials
+        self._keys = keys
         self._name = client_name or f"irdma-client pid {os.getpid()}"
         self._window = window
         self._conns: dict[int, ShardConnection] = {}
         self._limits: dict[int, trio.Semaphore] = {}
         self._connect_locks: dict[int, trio.Lock] = {}
         self._shard_map: dict[int, ShardRecord] = {}
+        self._view = 0  # the shard map's epoch this client acts on (sent with every update)
+        self._moves: list[Move] = []  # the view's moves of chunks between shards, oldest first
+        self._writing: collections.Counter[tuple[int, int]] = collections.Counter()  # updates in flight per chunk
+        self._request_base = int.from_bytes(os.urandom(8), "big")
+        self._request_seq = 0
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -126,25 +155,31 @@ class Client:
         meta_url: str,
         *,
         transport: str | Transport = "auto",
-        credentials: bytes = b"",
+        key_file: str | None = None,
         window: int = DEFAULT_WINDOW,
         client_name: str = "",
         timeout: float = DEFAULT_TIMEOUT,
     ) -> AsyncIterator[Client]:
         """Open the namespace at ``meta_url`` (see :func:`irdma.meta.open_meta`).
 
+        ``key_file``: the cluster's key file; default ``$IRDMA_KEY_FILE``, else ``cluster.key``
+        beside a SQLite namespace (where ``irdma up`` puts it), else none.
+
         Raises:
             NotFound: no metadata database there.
+            InvalidArgument: the key file cannot be read, or others may read it.
             TransportUnavailable: ``transport="verbs"`` where verbs cannot run.
         """
+        keys = auth.KeySource(key_file or auth.default_key_file(meta_url))
         tr = make_transport(transport) if isinstance(transport, str) else transport
         meta = await trio.to_thread.run_sync(open_meta, meta_url)
         if hasattr(meta, "busy_timeout"):  # a wait for the database's write lock has the same deadline
             meta.busy_timeout = timeout
         try:
             async with open_nursery() as nursery:
-                client = cls(meta, tr, nursery, credentials=credentials, window=window, client_name=client_name,
+                client = cls(meta, tr, nursery, keys=keys, window=window, client_name=client_name,
                              timeout=timeout)
+                await client.refresh_view()
                 try:
                     yield client
                 finally:
@@ -187,7 +222,8 @@ class Client:
                     raise ShardUnavailable(f"shard {shard_id} is not in the shard map of {self.meta.url}")
                 try:
                     conn = await self.transport.connect(
-                        rec.address, self._nursery, client_name=self._name, credentials=self._credentials,
+                        rec.address, self._nursery, client_name=self._name,
+                        key=self._keys.ring() if self._keys is not None else None,
                         timeout=self.timeout,
                     )
                 except ShardUnavailable:
@@ -198,6 +234,7 @@ class Client:
                 except BaseException:
                     await conn.aclose()
                     raise
+                self._shard_map[shard_id] = dataclasses.replace(rec, incarnation=conn.info.incarnation)
                 self._conns[shard_id] = conn
                 self._limits[shard_id] = trio.Semaphore(self._window)
                 await self._note_health(shard_id, "up")
@@ -209,6 +246,7 @@ class Client:
             return
         old = await self.meta.note_incarnation(rec.shard_id, new)
         if old and old != new:
+            await self.refresh_view()  # it is out of its chains until resynced
             log.error(
                 "shard %d at %s lost its memory (incarnation %016x -> %016x): every chunk it held is gone;"
                 " reads of them fail with EIO, `irdma status` lists the damaged files",
@@ -219,11 +257,17 @@ class Client:
         """Record a shard's health in the shard map when it changes (best effort)."""
         if self._health.get(shard_id) == health:
             return
-        self._health[shard_id] = health
+        # the health the chains are built from changes only with the view it belongs to: a shard
+        # back after being down is ``syncing`` (the tail of its chains), never up before resynced
         try:
-            await self.meta.set_shard_health(shard_id, health)
+            recorded, epoch = await self.meta.set_shard_health(shard_id, health)
         except IrdmaError as exc:
             log.warning("cannot record shard %d as %s: %s", shard_id, health, exc)
+            return
+        if epoch != self._view:  # chains changed (here or elsewhere): act on the new view
+            await self.refresh_view()
+        else:
+            self._health[shard_id] = recorded
 
     async def _drop(self, shard_id: int, conn: ShardConnection) -> None:
         if self._conns.get(shard_id) is conn:
@@ -258,6 +302,8 @@ class Client:
                 sent = True
                 try:
                     result = await fn(conn)
+                except (Dirty, Fenced, ReplicaError):
+                    raise  # answers about the chain, not failures of this connection
                 except ShardUnavailable:
                     await self._drop(shard_id, conn)
                     raise
@@ -280,6 +326,94 @@ class Client:
         for conn in self._conns.values():
             conn.forget_file(file_id)
 
+    # ------------------------------------------------------------ replication chains
+    async def refresh_view(self) -> None:
+        """Read the shard map and its epoch again (the view requests carry)."""
+        self._view, records, self._moves = await self.meta.shard_view()
+        self._shard_map = {r.shard_id: r for r in records}
+        for r in records:
+            self._health[r.shard_id] = r.health
+
+    def placed(self, layout: Layout, index: int) -> tuple[tuple[int, ...], int | None]:
+        """A chunk's replicas in this client's view, head first, and the one joining them
+        (the target of a move in progress: the tail, never read) or None
+        (:func:`irdma.placement.substitute`)."""
+        return substitute(layout.replicas_of(index), self._moves, layout.file_id + index)
+
+    def shards_of(self, layout: Layout) -> set[int]:
+        """Every shard that may hold a chunk of the file: its stripe and where moves took them."""
+        out = set(layout.stripe)
+        for m in self._moves:
+            if m.shard_id in out:
+                out.update(m.targets)
+        return out
+
+    def _feeding(self, shard_id: int) -> list[int]:
+        """``shard_id`` and every shard whose chunks moves may have taken to it (so files
+        striped over any of them may have a chunk there)."""
+        out = {shard_id}
+        while True:
+            more = {m.shard_id for m in self._moves if out & set(m.targets)} - out
+            if not more:
+                return sorted(out)
+            out |= more
+
+    def _in_view(self, shard_id: int) -> bool:
+        """Whether the view this client acts on has the shard up to date (neither down nor
+        catching up): what a chain is built from, so every client of one view builds the same."""
+        rec = self._shard_map.get(shard_id)
+        return self._health.get(shard_id, rec.health if rec else "unknown") not in ("down", "syncing")
+
+    def _current(self, shard_id: int) -> bool:
+        """Whether a shard may serve a read: up to date in the view, and it has not failed this
+        client in the last deadline."""
+        return self._in_view(shard_id) and trio.current_time() >= self._down_until.get(shard_id, 0.0)
+
+    def chain_of(self, layout: Layout, index: int) -> tuple[int, ...]:
+        """The replicas a chunk's updates go through now, head first: its replicas that are up,
+        in placement order, then those catching up (syncing) as the tail. A file with one
+        replica always uses it.
+
+        Raises:
+            ShardUnavailable: no replica of the chunk is up to date.
+        """
+        reps, joining = self.placed(layout, index)
+        if len(reps) == 1:
+            return reps
+        up = [s for s in reps if s != joining and self._in_view(s)]
+        if not up:
+            raise ShardUnavailable(
+                f"no up-to-date replica of chunk {index} of file {layout.file_id}: shards"
+                f" {', '.join(map(str, reps))} are down or catching up",
+                "restart the shards (`irdma up`); `irdma status` shows them",
+            )
+        syncing = [s for s in reps if s not in up and s != joining and self._health.get(s) == "syncing"]
+        tail = [joining] if joining is not None and self._health.get(joining) not in ("down",) else []
+        return tuple(up + syncing + tail)
+
+    def _request_id(self) -> int:
+        """A fresh request id (never 0); ids step by 256 so a transport may number sub-requests."""
+        self._request_seq += 1
+        return ((self._request_base + (self._request_seq << 8)) & 0xFFFFFFFFFFFFFFFF) or 1 << 8
+
+    def _chain(self, request_id: int, successors: Sequence[int]) -> Chain:
+        return Chain(request_id, self._view, 0, max(1, int(self.timeout * 500)),
+                     tuple((s, self._shard_map[s].address) for s in successors))
+
+    async def _incarnation(self, shard_id: int) -> int:
+        """The incarnation of a shard's memory (connecting to it if this client has not yet; 0
+        when it cannot be reached)."""
+        conn = self._conns.get(shard_id)
+        if conn is None:
+            with contextlib.suppress(ShardUnavailable), trio.move_on_after(self.timeout):
+                conn = await self.connection(shard_id)
+        return conn.info.incarnation if conn is not None else self._shard_map[shard_id].incarnation
+
+    async def _mark_down(self, shard_id: int) -> None:
+        """A replica failed: out of the chains (the shard map's epoch moves on)."""
+        self._down_until[shard_id] = trio.current_time() + self.timeout
+        await self._note_health(shard_id, "down")
+
     # ------------------------------------------------------------ data plane by layout
     @staticmethod
     def _lost(layout: Layout, index: int, shard_id: int, why: str) -> DataLost:
@@ -291,84 +425,216 @@ class Client:
         """Pull bytes ``[offset, offset+len(into))`` of a file into ``into``.
 
         A chunk that does not exist reads as zeros (a hole) unless ``chunks``, the file's chunk
-        map, records it as written: then it was lost and DataLost is raised.
+        map, records it as written: then it was lost and DataLost is raised. A replicated chunk
+        is read from one of its up-to-date replicas (spread over them by chunk; CRAQ's clean
+        reads: one with an update still in flight down its chain sends the reader to the tail);
+        a replica that fails is marked down and the next one read.
 
         Raises:
-            DataLost: a recorded chunk is gone (its shard restarted on fresh memory, or it was
-                freed behind the namespace's back).
-            ShardUnavailable: a shard failed or missed the deadline. In both cases ``into`` is
-                partly filled.
+            DataLost: a recorded chunk is gone from every replica (its shards restarted on fresh
+                memory, or it was freed behind the namespace's back).
+            ShardUnavailable: no replica answered in time. In both cases ``into`` is partly filled.
         """
         into = into.cast("B") if into.format != "B" or into.ndim != 1 else into
         pieces = list(layout.pieces(offset, len(into), self._max_piece(layout)))
+        for attempt in range(2):
+            try:
+                if len(pieces) == 1:
+                    await self._read_piece(layout, pieces[0], into, chunks)
+                    return
+                async with open_nursery() as nursery:
+                    for p in pieces:
+                        nursery.start_soon(self._read_piece, layout, p, into[p.buf_offset : p.buf_offset + p.length],
+                                           chunks)
+                return
+            except DataLost:
+                # a replica this view names may have given its chunk to a drain's target since:
+                # read the shard map again, and read once more if it changed
+                view = self._view
+                await self.refresh_view()
+                if attempt or self._view == view:
+                    raise
 
-        async def one(p: Piece, view: memoryview) -> None:
-            rec = chunks.get(p.chunk_index) if chunks else None
-
-            async def fn(conn: ShardConnection) -> None:
-                if rec is not None and rec[1] and rec[1] != conn.info.incarnation:
-                    raise self._lost(layout, p.chunk_index, p.shard_id, "restarted with empty memory since")
-                version = await conn.read(layout.file_id, p.chunk_index, p.chunk_offset, view)
-                if version == 0 and rec is not None:
-                    raise self._lost(layout, p.chunk_index, p.shard_id, "no longer has it (freed outside the namespace)")
-
-            await self._on_shard(p.shard_id, fn)
-
-        if len(pieces) == 1:
-            await one(pieces[0], into)
+    async def _read_piece(self, layout: Layout, p: Piece, view: memoryview, chunks: ChunkMap | None) -> None:
+        rec = chunks.get(p.chunk_index) if chunks else None
+        placed, joining = self.placed(layout, p.chunk_index)
+        reps = tuple(s for s in placed if s != joining)
+        if len(reps) == 1:
+            await self._read_replica(layout, p, reps[0], view, rec, False)
             return
-        async with open_nursery() as nursery:
-            for p in pieces:
-                nursery.start_soon(one, p, into[p.buf_offset : p.buf_offset + p.length])
+        if self._writing[(layout.file_id, p.chunk_index)]:
+            # read your writes: this client's updates in flight reach the head first, and a read
+            # sent after them on the same connection is applied after them (as with one replica)
+            with contextlib.suppress(ReplicaFailed):
+                await self._read_replica(layout, p, self.chain_of(layout, p.chunk_index)[0], view, rec, False)
+                return
+        tried: set[int] = set()
+        lost: DataLost | None = None
+        for _ in range(2 * len(reps)):
+            cands = [s for s in reps if self._current(s) and s not in tried]  # in chain order
+            if not cands:
+                if lost is not None:
+                    raise lost
+                self.chain_of(layout, p.chunk_index)  # raises the error that says why
+                break
+            known = [s for s in cands if rec is None or s in rec] or cands  # replicas written to
+            tail = known[-1]
+            pick = known[(layout.file_id + p.chunk_index) % len(known)]  # spread over the replicas
+            try:
+                try:
+                    await self._read_replica(layout, p, pick, view, rec, pick != tail)
+                except Dirty:
+                    pick = tail
+                    await self._read_replica(layout, p, tail, view, rec, False)
+                return
+            except DataLost as exc:
+                lost = exc  # this replica lost it: another one may have it
+                tried.add(pick)
+            except ReplicaFailed as exc:
+                log.warning("read of chunk %d of file %d: %s; reading another replica", p.chunk_index,
+                            layout.file_id, exc)
+        raise lost or ShardUnavailable(f"no replica of chunk {p.chunk_index} of file {layout.file_id} answered",
+                                       "`irdma status` shows the shards; restart them with `irdma up`")
+
+    async def _read_replica(self, layout: Layout, p: Piece, shard_id: int, view: memoryview,
+                            rec: dict[int, int] | None, clean: bool) -> None:
+        """Read one piece from one replica; a replica that failed is marked down (R > 1)."""
+        inc = rec.get(shard_id) if rec is not None else None
+
+        async def fn(conn: ShardConnection) -> None:
+            if inc and inc != conn.info.incarnation:
+                raise self._lost(layout, p.chunk_index, shard_id, "restarted with empty memory since")
+            version = await conn.read(layout.file_id, p.chunk_index, p.chunk_offset, view,
+                                      clean and not conn.one_sided_reads)
+            if version == 0 and rec is not None:
+                raise self._lost(layout, p.chunk_index, shard_id, "no longer has it (freed outside the namespace)")
+
+        try:
+            await self._on_shard(shard_id, fn)
+        except (Dirty, Fenced, ReplicaError):
+            raise
+        except ShardUnavailable as exc:
+            if layout.replicas > 1:
+                await self._mark_down(shard_id)
+                raise ReplicaFailed(str(exc), shard_id) from None
+            raise
 
     async def write_from(
         self, layout: Layout, offset: int, data: memoryview | bytes, op: UpdateOp, chunks: ChunkMap | None = None
     ) -> list[NewChunk]:
         """Push ``data`` at ``offset`` with update op ``op`` (each chunk's part atomically).
 
-        A chunk recorded in ``chunks`` (the file's chunk map) must still exist on its shard:
-        the write is then sent with FLAG_EXISTING, so a lost chunk is never recreated from zeros.
+        Each chunk's part goes to the head of the chunk's replication chain with a fresh request
+        id and returns once every replica in the chain applied it (:meth:`chain_of`). A replica
+        that fails is marked down and the part is sent again with the same request id along the
+        shorter chain, so it is applied exactly once on every replica; a file with one replica
+        is retried once on a new connection after a lost reply. A chunk recorded in ``chunks``
+        (the file's chunk map) is sent with FLAG_EXISTING, so a lost chunk is never recreated
+        from zeros.
 
         Returns:
-            ``(chunk index, shard id, incarnation)`` of every chunk written that ``chunks`` did
-            not record: the caller records them (:meth:`MetaStore.extend`) before it reports the
-            write durable.
+            ``(chunk index, shard id, incarnation)`` of every chunk replica written that
+            ``chunks`` did not record: the caller records them (:meth:`MetaStore.extend`) before
+            it reports the write durable.
 
         Raises:
             BadRequest: e.g. an ``add`` not aligned to float32; NoSpace: a shard is full;
-            DataLost: a recorded chunk is gone; ShardUnavailable: a shard failed or missed the
-            deadline. Other chunks' parts may have been applied.
+            DataLost: a recorded chunk is gone; ShardUnavailable: no replica took it in time.
+            Other chunks' parts may have been applied.
         """
         view = _as_bytes_view(data)
         pieces = list(layout.pieces(offset, len(view), self._max_piece(layout)))
         created: list[NewChunk] = []
-
-        async def one(p: Piece, part: memoryview) -> None:
-            rec = chunks.get(p.chunk_index) if chunks else None
-
-            async def fn(conn: ShardConnection) -> None:
-                if rec is not None and rec[1] and rec[1] != conn.info.incarnation:
-                    raise self._lost(layout, p.chunk_index, p.shard_id, "restarted with empty memory since")
-                await conn.write(layout.file_id, p.chunk_index, layout.chunk_size, p.chunk_offset, op, part,
-                                 rec is not None)
-                self._unsynced.add(p.shard_id)
-                if rec is None:
-                    created.append((p.chunk_index, p.shard_id, conn.info.incarnation))
-
-            await self._on_shard(p.shard_id, fn)
-
         if len(pieces) == 1:
-            await one(pieces[0], view)
+            await self._write_piece(layout, pieces[0], view, op, chunks, created)
         else:
             async with open_nursery() as nursery:
                 for p in pieces:
-                    nursery.start_soon(one, p, view[p.buf_offset : p.buf_offset + p.length])
+                    nursery.start_soon(self._write_piece, layout, p, view[p.buf_offset : p.buf_offset + p.length], op,
+                                       chunks, created)
         return created
+
+    async def _write_piece(self, layout: Layout, p: Piece, part: memoryview, op: UpdateOp, chunks: ChunkMap | None,
+                           created: list[NewChunk]) -> None:
+        key = (layout.file_id, p.chunk_index)
+        self._writing[key] += 1
+        try:
+            await self._write_chain(layout, p, part, op, chunks, created)
+        finally:
+            self._writing[key] -= 1
+            if not self._writing[key]:
+                del self._writing[key]
+
+    async def _write_chain(self, layout: Layout, p: Piece, part: memoryview, op: UpdateOp, chunks: ChunkMap | None,
+                           created: list[NewChunk]) -> None:
+        rec = chunks.get(p.chunk_index) if chunks else None
+        rid = self._request_id()
+        single = layout.replicas == 1
+        last: IrdmaError | None = None
+        for _ in range(MAX_ATTEMPTS if not single else 2):
+            chain = self.chain_of(layout, p.chunk_index)
+            head = chain[0]
+            existing = rec is not None and (head in rec or single)
+            inc = rec.get(head) if rec is not None else None
+
+            async def fn(conn: ShardConnection, chain: tuple[int, ...] = chain, head: int = head,
+                         existing: bool = existing, inc: int | None = inc) -> None:
+                if inc and inc != conn.info.incarnation:
+                    if single:
+                        raise self._lost(layout, p.chunk_index, head, "restarted with empty memory since")
+                    raise ReplicaFailed(f"shard {head} restarted with empty memory", head)
+                await conn.write(layout.file_id, p.chunk_index, layout.chunk_size, p.chunk_offset, op, part,
+                                 existing, self._chain(rid, chain[1:]))
+
+            try:
+                await self._on_shard(head, fn)
+            except ReplicaFailed as exc:  # applied up to the failed replica: drop it, send again
+                last = exc
+                if self._current(exc.shard_id):  # once per failure, not once per request in flight
+                    log.warning("replica %d failed during a write: %s; going on without it", exc.shard_id,
+                                exc.args[0])
+                await self._mark_down(exc.shard_id)
+                continue
+            except Fenced as exc:
+                last = exc
+                await self.refresh_view()
+                continue
+            except DataLost as exc:
+                # a move may have taken the chunk from this view's head since: read the shard map
+                # again and send it along the new chain if it changed
+                view = self._view
+                await self.refresh_view()
+                if self._view == view:
+                    raise
+                last = exc
+                continue
+            except (BadRequest, NoSpace):
+                raise
+            except ShardUnavailable as exc:
+                last = exc
+                if single:
+                    if trio.current_time() < self._down_until.get(head, 0.0):
+                        raise  # missed its deadline: not tried again now
+                    continue  # a lost reply or a broken connection: once more, same request id
+                if self._current(head):
+                    log.warning("head replica %d failed during a write: %s; going on without it", head, exc.args[0])
+                await self._mark_down(head)
+                continue
+            if single:
+                self._unsynced_single.add(head)
+            for sid in chain:
+                self._unsynced.add(sid)
+                if rec is None or sid not in rec:
+                    created.append((p.chunk_index, sid, await self._incarnation(sid)))
+            return
+        assert last is not None
+        raise last
 
     async def flush(self) -> None:
         """Return once every write this client made so far is durable on its shards (SYNC to
-        each shard written since the last flush: ``msync``/``fsync`` on shards with a data
-        directory and durability ``fsync``). What ``fsync(2)`` and ``close(2)`` on a mount wait for.
+        each shard written since the last flush, every replica of the chains written included:
+        ``msync``/``fsync`` on shards with a data directory and durability ``fsync``). What
+        ``fsync(2)`` and ``close(2)`` on a mount wait for.
 
         Raises:
             ShardUnavailable: a shard failed or missed the deadline; its writes are flushed again
@@ -376,31 +642,369 @@ class Client:
         """
         async with self._flush_lock:
             shards, self._unsynced = self._unsynced, set()
+            single, self._unsynced_single = self._unsynced_single, set()
             if not shards:
                 return
             try:
                 async with open_nursery() as nursery:
                     for sid in shards:
-                        nursery.start_soon(self._conn_call, sid, "sync")
+                        nursery.start_soon(self._sync_one, sid, sid in single)
             except BaseException:
                 self._unsynced |= shards
+                self._unsynced_single |= single
                 raise
+
+    async def _sync_one(self, shard_id: int, only_copy: bool) -> None:
+        try:
+            await self._conn_call(shard_id, "sync")
+        except ShardUnavailable:
+            if only_copy:
+                raise
+            await self._mark_down(shard_id)
+            # a replica that went down since: it is out of the chains and resynced (from a
+            # durable copy on the others) when it comes back
+            log.warning("shard %d is down: its replicas were not synced; the others were", shard_id)
 
     def _max_piece(self, layout: Layout) -> int | None:
         sizes = [c.info.max_payload for c in self._conns.values()]
         return min(sizes) if sizes else DEFAULT_MAX_PAYLOAD
 
     async def truncate_data(self, layout: Layout, new_size: int) -> None:
-        """Drop the bytes of a file from ``new_size`` on, on every shard of its stripe."""
+        """Drop the bytes of a file from ``new_size`` on, on every shard of its stripe (every
+        replica). With replicas, a shard that fails is marked down instead: it is resynced when
+        it comes back, and what it kept past the end is freed by ``irdma gc``."""
         first_free = layout.chunk_count(new_size)
+
+        async def one(shard_id: int, fn: str, *args: object) -> None:
+            if layout.replicas > 1 and self._health.get(shard_id) == "down":
+                return  # its resync drops what the others no longer have
+            try:
+                await self._conn_call(shard_id, fn, *args)
+            except ShardUnavailable as exc:
+                if layout.replicas == 1:
+                    raise
+                log.warning("shard %d failed to %s file %d: %s; marked down", shard_id, fn, layout.file_id, exc)
+                await self._mark_down(shard_id)
+
         async with open_nursery() as nursery:
-            for shard_id in set(layout.stripe):
-                nursery.start_soon(self._conn_call, shard_id, "free", layout.file_id, first_free)
+            for shard_id in self.shards_of(layout):
+                if self._shard_map.get(shard_id) is not None and self._shard_map[shard_id].state in ("drained", "removed"):
+                    continue
+                nursery.start_soon(one, shard_id, "free", layout.file_id, first_free)
             if new_size % layout.chunk_size:
                 index = new_size // layout.chunk_size
-                nursery.start_soon(
-                    self._conn_call, layout.shard_of(index), "punch", layout.file_id, index, new_size % layout.chunk_size
-                )
+                for shard_id in self.placed(layout, index)[0]:
+                    nursery.start_soon(one, shard_id, "punch", layout.file_id, index, new_size % layout.chunk_size)
+        if layout.replicas > 1 and not any(self._current(s) for s in self.shards_of(layout)):
+            raise ShardUnavailable(f"no shard of file {layout.file_id} is up", "restart the shards (`irdma up`)")
+
+    async def resync_shard(self, shard_id: int, progress: Callable[[int, int], None] = lambda done, total: None) -> int:
+        """Bring a shard that is catching up (``syncing``) level with its chains, then mark it
+        up: for every written chunk of a replicated file with a replica there, and every chunk
+        of such a file the shard holds (it may have missed a truncate), compare its version and
+        CRC-32 with the chain's head and have the head send its copy (RESYNC, ordered after the
+        head's updates) where they differ, or drop the shard's copy where the head has none.
+        Updates go on meanwhile: the shard is the tail of its chains and takes them (a chunk it
+        is behind on is copied whole then).
+
+        Returns:
+            Bytes copied.
+
+        Raises:
+            ShardUnavailable: the shard or a head failed; run it again.
+        """
+        await self.refresh_view()
+        view = self._view
+        # files striped over it, or over a shard it takes chunks from
+        files = await self.meta.replicated_chunks(self._feeding(shard_id))
+        wanted = {(inode.ino, idx) for inode, idxs in files for idx in idxs}
+        by_ino = {inode.ino: inode for inode, _ in files}
+        async for page in self.list_chunks(shard_id):  # what it kept of chunks freed meanwhile
+            wanted.update((e.file_id, e.chunk_index) for e in page if e.file_id in by_ino)
+        todo = [(by_ino[ino], idx) for ino, idx in sorted(wanted)
+                if shard_id in self.placed(layout_of(by_ino[ino]), idx)[0]]
+        copied = 0
+        progress(0, len(todo))
+        inc = (await self.connection(shard_id)).info.incarnation
+        # every shard up in this view fences older views from now on (file 0 never exists): an
+        # update built on a view without this shard in its chains can land nowhere after this
+        await self._fence(view, skip=shard_id)
+        for n, (inode, idx) in enumerate(todo, 1):
+            layout = layout_of(inode)
+            chain = self.chain_of(layout, idx)
+            if shard_id not in chain:
+                raise ShardUnavailable(f"shard {shard_id} is not in the chain of chunk {idx} of file {inode.ino}")
+            head = chain[0]
+            # both name the view: from here on the head fences updates of older views (ones
+            # that skipped this shard), so none lands after the comparison
+            mine = cast(tuple[int, int], await self._conn_call(shard_id, "checksum", inode.ino, idx, view))
+            theirs = cast(tuple[int, int], await self._conn_call(head, "checksum", inode.ino, idx, view))
+            if theirs[0] and mine != theirs:
+                rest = chain[chain.index(head) + 1 :]
+                try:
+                    await self._conn_call(head, "resync", inode.ino, idx, layout.chunk_size,
+                                          self._chain(0, rest))
+                except DataLost:
+                    pass  # freed at the head meanwhile (truncated or removed): nothing to copy
+                else:
+                    copied += layout.chunk_size
+            elif mine[0] and not theirs[0]:  # freed (truncated) while this shard was down
+                await self._conn_call(shard_id, "punch", inode.ino, idx, 0)
+            if theirs[0]:
+                await self.meta.note_replica(inode.ino, idx, shard_id, inc)
+            progress(n, len(todo))
+        if not await self.meta.mark_synced(shard_id, view):
+            raise ShardUnavailable(f"the shard map changed while shard {shard_id} was resynced", "run it again")
+        await self.refresh_view()
+        return copied
+
+    async def _fence(self, view: int, skip: int | None = None) -> None:
+        """Make every shard up in this view refuse updates of older views from now on (a
+        CHECKSUM naming ``view`` of file 0, which never exists)."""
+        async with open_nursery() as nursery:
+            for sid in [s for s, r in self._shard_map.items()
+                        if s != skip and self._in_view(s) and r.state not in ("drained", "removed")]:
+                nursery.start_soon(self._conn_call, sid, "checksum", 0, 0, view)
+
+    async def drain_shard(self, shard_id: int, progress: Callable[[int, int], None] = lambda done, total: None) -> int:
+        """Move every chunk off a shard while updates go on, then take it out of every chain
+        (``irdma shard drain``; safe to run again after a failure: it resumes).
+
+        The shard map marks it *draining* with the shards in service as its targets; from that
+        view on, each chain that holds it gains a target as its tail (it takes every update;
+        :func:`irdma.placement.substitute`). Every shard is fenced at that view, so no update of an
+        older view lands anywhere after. Then each chunk it holds, or that the chunk map records
+        on it, is compared (version and CRC-32) between the target and its predecessor in the
+        chain and, where they differ, the predecessor sends its copy (RESYNC) on the same ordered
+        link that carries the chain's updates, so the copy is never overtaken by an update it
+        lacks. Once all are copied the shard is marked *drained* (its replicas leave the chunk
+        map; the epoch moves on again, fencing the old chains) and its copies are freed.
+
+        Returns:
+            Bytes copied.
+
+        Raises:
+            InvalidArgument: the shard cannot be drained (see :meth:`MetaStore.drain_shard`).
+            ShardUnavailable: a shard needed failed, or a chain has a shard catching up; run it again.
+            DataLost: a chunk recorded on the shard is on no shard that answers.
+        """
+        await self.meta.drain_shard(shard_id)
+        return await self.run_move(progress)
+
+    async def rebalance(self, progress: Callable[[int, int], None] = lambda done, total: None,
+                        tolerance: float = 0.1) -> list[tuple[int, int, int]]:
+        """Even out the bytes the shards in service hold (``irdma rebalance``): every shard that
+        holds more than ``1 + tolerance`` times the mean moves the excess share of its chunks to
+        the shards under the mean, one move at a time (as :meth:`drain_shard` does, with
+        updates going on). A move in progress (a failed rebalance) is finished first.
+
+        Returns:
+            ``(shard moved from, bytes copied, chunks moved)`` of each move made.
+
+        Raises:
+            ShardUnavailable: a shard in service does not answer, or one needed failed; run it again.
+        """
+        done: list[tuple[int, int, int]] = []
+        await self.refresh_view()
+        if any(not m.done for m in self._moves):
+            m = next(m for m in self._moves if not m.done)
+            done.append((m.shard_id, await self.run_move(progress), 0))
+        stats = [(rec, st) for rec, st, _ in await self.shard_stats() if rec.state == "up"]
+        if any(st is None for _, st in stats):
+            raise ShardUnavailable("a shard in service does not answer: rebalance needs them all",
+                                   "`irdma shard list` names it; restart it first")
+        used = {rec.shard_id: cast(StatReply, st).used for rec, st in stats}
+        if len(used) < 2:
+            return done
+        mean = sum(used.values()) / len(used)
+        over = sorted((s for s in used if used[s] > mean * (1 + tolerance)), key=lambda s: -used[s])
+        for sid in over:
+            under = {s: mean - used[s] for s in used if used[s] < mean}
+            if not under:
+                break
+            # targets weighted by how far under the mean they are (a shard listed k times takes
+            # about k shares of what moves)
+            unit = min(under.values())
+            targets = [s for s in sorted(under) for _ in range(max(1, min(8, round(under[s] / unit))))]
+            share = max(1, min(MOVE_ALL, int(MOVE_ALL * (used[sid] - mean) / used[sid])))
+            await self.meta.begin_move(sid, targets, share)
+            copied = await self.run_move(progress)
+            done.append((sid, copied, 0))
+            moved = used[sid] - mean
+            used[sid] = int(mean)
+            for s in under:
+                used[s] += int(moved * under[s] / sum(under.values()))
+        return done
+
+    async def run_move(self, progress: Callable[[int, int], None] = lambda done, total: None) -> int:
+        """Carry out the move of chunks in progress in the shard map (see :meth:`drain_shard`):
+        fence every shard at its epoch, copy each moving chunk to its target, mark the move
+        done, and free the moved copies on the shard they left. Returns bytes copied."""
+        await self.refresh_view()
+        move = next((m for m in self._moves if not m.done), None)
+        if move is None:
+            return 0
+        shard_id = move.shard_id
+        await self.shard_stats()  # shards back after being down are found (syncing) ...
+        await self.resync_all()  # ... and brought level first: a move copies from its chains
+        view = self._view
+        await self._fence(view)
+        syncing = [s for s, r in self._shard_map.items()
+                   if r.health == "syncing" and r.state not in ("drained", "removed")]
+        if syncing:
+            raise ShardUnavailable(f"shards {syncing} are catching up: moving chunks waits for them",
+                                   "run `irdma shard resync`, then this again")
+        # what to copy: every written chunk of a file that may have one on the shard, and every
+        # chunk the shard holds (it may hold one not yet recorded)
+        files = {inode.ino: (inode, idxs) for inode, idxs in await self.meta.replicated_chunks(self._feeding(shard_id), 1)}
+        wanted = {(ino, idx) for ino, (_, idxs) in files.items() for idx in idxs}
+        if self._current(shard_id):
+            async for page in self.list_chunks(shard_id):
+                wanted.update((e.file_id, e.chunk_index) for e in page if e.file_id in files)
+        todo = []
+        for ino, idx in sorted(wanted):
+            chain, joining = self.placed(layout_of(files[ino][0]), idx)
+            if shard_id in chain and joining is not None:
+                todo.append((files[ino][0], idx, joining))
+            elif shard_id in chain and move.share >= MOVE_ALL:
+                await self.meta.cancel_move(move.seq)  # nothing was copied yet: back as it was
+                await self.refresh_view()
+                raise InvalidArgument(f"chunk {idx} of file {ino} has a replica on every shard in service:"
+                                      f" shard {shard_id} cannot be drained (the drain was cancelled)",
+                                      "add a shard first (`irdma shard add`), then drain again")
+        progress(0, len(todo))
+        copied = [0, 0]  # bytes, chunks done
+        incs: dict[int, int] = {}
+        limit = trio.Semaphore(MOVE_COPIES)
+
+        async def one(inode: Inode, idx: int, target: int) -> None:
+            async with limit:
+                n = await self._copy_to_joining(inode, idx, target, view, incs)
+            copied[0] += n  # (not `+= await`: that reads the total before the await)
+            copied[1] += 1
+            progress(copied[1], len(todo))
+
+        async with open_nursery() as nursery:
+            for inode, idx, target in todo:
+                nursery.start_soon(one, inode, idx, target)
+        moved = [(inode.ino, idx) for inode, idx, _ in todo]
+        async with open_nursery() as nursery:  # the copies are durable before the originals go
+            for target in {t for _, _, t in todo}:
+                nursery.start_soon(self._conn_call, target, "sync")
+        if not await self.meta.finish_move(move.seq, view, moved):
+            raise ShardUnavailable(f"the shard map changed while chunks of shard {shard_id} moved", "run it again")
+        await self.refresh_view()
+        await self._fence(self._view)
+        if self._current(shard_id):  # its moved copies are in no chain now: free them
+            # the source first refuses updates of the move's view (it is in no chain of the new
+            # one, so _fence skipped it): a client that has not seen the new view is told to
+            # read the shard map again instead of writing to a copy about to go
+            await self._conn_call(shard_id, "checksum", 0, 0, self._view)
+            async with open_nursery() as nursery:
+                if move.share >= MOVE_ALL:
+                    for ino in sorted({e.file_id async for page in self.list_chunks(shard_id) for e in page}):
+                        nursery.start_soon(self._conn_call, shard_id, "free", ino, 0)
+                else:
+                    for ino, idx in moved:
+                        nursery.start_soon(self._conn_call, shard_id, "punch", ino, idx, 0)
+        return copied[0]
+
+    async def _copy_to_joining(self, inode: Inode, idx: int, target: int, view: int, incs: dict[int, int]) -> int:
+        """Bring a drain's target level with its predecessor in the chunk's chain (see
+        :meth:`drain_shard`) and record its replica; returns the bytes copied."""
+        layout = layout_of(inode)
+        chain = self.chain_of(layout, idx)
+        if target not in chain:
+            raise ShardUnavailable(f"shard {target}, where chunk {idx} of file {inode.ino} moves, is down",
+                                   "restart it (`irdma up`), then run the drain again")
+        pos = chain.index(target)
+        if pos == 0:
+            raise DataLost(f"chunk {idx} of file {inode.ino}: no replica but its new one answers")
+        pred = chain[pos - 1]
+        mine = cast(tuple[int, int], await self._conn_call(target, "checksum", inode.ino, idx, view))
+        theirs = cast(tuple[int, int], await self._conn_call(pred, "checksum", inode.ino, idx, view))
+        copied = 0
+        if theirs[0] and mine != theirs:
+            try:
+                await self._conn_call(pred, "resync", inode.ino, idx, layout.chunk_size, self._chain(0, (target,)))
+            except DataLost:
+                pass  # freed meanwhile (truncated or removed): nothing to copy
+            else:
+                copied = layout.chunk_size
+        if theirs[0]:
+            if target not in incs:
+                incs[target] = await self._incarnation(target)
+            await self.meta.note_replica(inode.ino, idx, target, incs[target])
+        return copied
+
+    async def remove_shard(self, shard_id: int, force: bool = False) -> list[tuple[int, int]]:
+        """Take a drained shard out of the cluster (``irdma shard remove``); with ``force`` one in
+        any state, declaring the chunks only it held lost (they read as EIO, never zeros) and
+        copying the others to the chains' new members from their surviving replicas.
+
+        Returns:
+            ``(ino, chunk index)`` of the chunks lost with it.
+
+        Raises:
+            InvalidArgument: not drained and not ``force``; NotFound: no such shard.
+        """
+        await self.refresh_view()
+        rec = self._shard_map.get(shard_id)
+        lost = await self.meta.remove_shard(shard_id, force)
+        address = rec.address if rec is not None and rec.state == "drained" else None
+        if address is not None:  # what a drained shard still holds (copies it kept while down) is in no chain
+            # (a forced removal leaves the shard's bytes alone: they are the only copy of what was lost)
+            with contextlib.suppress(IrdmaError), trio.move_on_after(self.timeout):
+                async with open_nursery() as nursery:
+                    conn = await self.transport.connect(address, nursery, client_name=self._name,
+                                                        key=self._keys.ring() if self._keys is not None else None,
+                                                        timeout=self.timeout)
+                    try:
+                        after = (0, 0)
+                        while page := await conn.list_chunks(*after):
+                            for ino in sorted({e.file_id for e in page}):
+                                await conn.free(ino, 0)
+                            after = (page[-1].file_id, page[-1].chunk_index)
+                    finally:
+                        await conn.aclose()
+        await self.refresh_view()
+        await self._fence(self._view)
+        for sid, rec in sorted(self._shard_map.items()):
+            if force and rec.state == "up" and self._current(sid):
+                await self._re_replicate(sid)
+        return lost
+
+    async def _re_replicate(self, shard_id: int) -> None:
+        """Copy to ``shard_id`` the written chunks it is a replica of and lacks (after a forced
+        removal gave it chunks it never had), from the head of each chain."""
+        files = await self.meta.replicated_chunks(self._feeding(shard_id), 2)
+        inc = await self._incarnation(shard_id)
+        for inode, idxs in files:
+            layout = layout_of(inode)
+            for idx in idxs:
+                chain = self.chain_of(layout, idx)
+                if shard_id not in chain[1:]:
+                    continue
+                mine = cast(tuple[int, int], await self._conn_call(shard_id, "checksum", inode.ino, idx, self._view))
+                theirs = cast(tuple[int, int], await self._conn_call(chain[0], "checksum", inode.ino, idx, self._view))
+                if theirs[0] and mine != theirs:
+                    with contextlib.suppress(DataLost):
+                        await self._conn_call(chain[0], "resync", inode.ino, idx, layout.chunk_size,
+                                              self._chain(0, chain[1:]))
+                        await self.meta.note_replica(inode.ino, idx, shard_id, inc)
+
+    async def resync_all(self, log_progress: Callable[[str], None] = log.info) -> None:
+        """Resync every reachable shard that is catching up (what a mount's heartbeat does)."""
+        await self.refresh_view()
+        for sid, rec in sorted(self._shard_map.items()):
+            if rec.health != "syncing":
+                continue
+            try:
+                t0 = time.monotonic()
+                copied = await self.resync_shard(sid)
+                log_progress(f"shard {sid} is up to date again: {copied} bytes copied in {time.monotonic() - t0:.1f} s")
+            except IrdmaError as exc:
+                log.warning("resync of shard %d did not finish (retried at the next heartbeat): %s", sid, exc)
 
     async def shard_stats(self) -> list[tuple[ShardRecord, StatReply | None, str]]:
         """Every registered shard with its STAT reply, or None and the reason it failed.
@@ -408,20 +1012,25 @@ class Client:
         Connecting checks each shard's incarnation (see :meth:`connection`); the records
         returned are read after that, so they carry what was found.
         """
-        self._shard_map = {r.shard_id: r for r in await self.meta.shards()}
+        await self.refresh_view()
         out: dict[int, tuple[ShardRecord, StatReply | None, str]] = {}
 
         async def one(rec: ShardRecord) -> None:
             try:
                 st = await self._conn_call(rec.shard_id, "stat", probe=True)
                 out[rec.shard_id] = (rec, st, "")  # type: ignore[assignment]
+                await self._note_health(rec.shard_id, "up")  # back after being down: syncing
             except ShardUnavailable as exc:
                 out[rec.shard_id] = (rec, None, str(exc))
 
         async with open_nursery() as nursery:
-            for rec in self._shard_map.values():
-                nursery.start_soon(one, rec)
-        fresh = {r.shard_id: r for r in await self.meta.shards()}
+            for rec in list(self._shard_map.values()):
+                if rec.state == "removed":
+                    out[rec.shard_id] = (rec, None, "removed")
+                else:
+                    nursery.start_soon(one, rec)
+        await self.refresh_view()
+        fresh = self._shard_map
         return [(fresh.get(k, out[k][0]), out[k][1], out[k][2]) for k in sorted(out)]
 
     async def list_chunks(self, shard_id: int) -> AsyncIterator[list[ChunkEntry]]:

@@ -11,6 +11,7 @@ died; ``destroy`` removes the data.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ import trio
 from ._concurrency import open_nursery
 from ._errors import InvalidArgument, IrdmaError, ShardUnavailable
 from ._proc import last_log_line, pid_alive, spawn_detached
+from .auth import KEY_FILE_ENV, KEY_FILE_NAME, KeyRing, create_key_file, read_key_file
 from .meta import open_meta
 from .transport import make_transport
 
@@ -70,7 +72,8 @@ def read_state(cluster_dir: str) -> list[ShardProc]:
                          f"stop its shards by hand and remove {path}, or pick another --dir") from None
 
 
-async def wait_for_shard(address: str, transport: str, deadline: float, pid: int | None = None) -> None:
+async def wait_for_shard(address: str, transport: str, deadline: float, pid: int | None = None,
+                         key: KeyRing | None = None) -> None:
     """Wait until the shard at ``address`` answers the handshake, or raise at ``deadline``.
 
     Args:
@@ -87,7 +90,7 @@ async def wait_for_shard(address: str, transport: str, deadline: float, pid: int
         try:
             with trio.move_on_at(trio.current_time() + deadline - time.monotonic()):
                 async with open_nursery() as nursery:
-                    conn = await tr.connect(address, nursery, client_name="irdma up")
+                    conn = await tr.connect(address, nursery, client_name="irdma up", key=key)
                     await conn.aclose()
                 return
         except ShardUnavailable as exc:
@@ -96,7 +99,7 @@ async def wait_for_shard(address: str, transport: str, deadline: float, pid: int
     raise ShardUnavailable(f"shard at {address} did not answer in time: {last}")
 
 
-async def check_shard(address: str, timeout: float, *, credentials: bytes = b"") -> None:
+async def check_shard(address: str, timeout: float, *, key: KeyRing | None = None) -> None:
     """Check that an irdma shard answers the handshake at ``address`` within ``timeout`` seconds.
 
     One try: a refused connection fails at once, an address that does not answer (a firewall,
@@ -108,7 +111,7 @@ async def check_shard(address: str, timeout: float, *, credentials: bytes = b"")
     tr = make_transport("tcp")
     with trio.move_on_after(timeout) as scope:
         async with open_nursery() as nursery:
-            conn = await tr.connect(address, nursery, client_name="irdma shard add", credentials=credentials)
+            conn = await tr.connect(address, nursery, client_name="irdma shard add", key=key)
             await conn.aclose()
     if scope.cancelled_caught:
         raise ShardUnavailable(f"no answer from {address} in {timeout:g} s")
@@ -158,11 +161,15 @@ def up(
     transport: str = "tcp",
     fresh: bool = False,
     durability: str = "fsync",
+    replicas: int | None = None,
     progress: Callable[[str], None] = lambda msg: None,
     timeout: float = 60.0,
 ) -> str:
     """Start a local cluster, or start again the shards of one in ``cluster_dir`` that are not
     running (on their data); returns its metadata URL.
+
+    ``replicas``: copies of each chunk of files created from now on (the namespace setting);
+    a new cluster defaults to 2 when it has at least 2 shards, a restarted one keeps its own.
 
     Bad arguments are refused before anything is created; a new cluster that fails to start is
     taken down again (its shards stopped, its namespace and data removed, its logs kept).
@@ -174,6 +181,9 @@ def up(
             not start (the message names its log).
     """
     check_up_args(cluster_dir, shards, capacity, host)
+    if replicas is not None and not 1 <= replicas <= min(8, shards):
+        raise InvalidArgument(f"--replicas {replicas} must be 1 to {min(8, shards)} (at most --shards)",
+                              "each replica of a chunk lives on a distinct shard")
     meta_path = os.path.join(cluster_dir, "meta.db")
     if os.path.exists(meta_path) and fresh:
         running = [s for s in read_state(cluster_dir) if pid_alive(s.pid)]
@@ -182,22 +192,30 @@ def up(
         _remove_namespace(cluster_dir)
         shutil.rmtree(os.path.join(cluster_dir, "shards"), ignore_errors=True)
     if os.path.exists(meta_path):
+        if replicas is not None:
+            with contextlib.closing(open_meta(meta_path)) as m:
+                m.set_replicas(replicas)
         return _restart(cluster_dir, transport, durability, progress, timeout)
     try:
+        fresh_dir = not os.path.exists(cluster_dir)
         os.makedirs(os.path.join(cluster_dir, "logs"), exist_ok=True)
+        if fresh_dir:
+            os.chmod(cluster_dir, 0o700)  # the key, the namespace and the shards' data are private
     except OSError as exc:
         raise IrdmaError(f"cannot make the cluster directory {cluster_dir}: {exc.strerror}",
                          "pass --dir a directory you can write, such as ~/.irdma") from None
+    key_file = _ensure_key(cluster_dir, progress)
     meta = open_meta(meta_path, create=True)
     procs: list[ShardProc] = []
     try:
+        meta.set_replicas(replicas if replicas is not None else min(2, shards))
         for _ in range(shards):
             address = f"{host}:{_free_port(host)}"
             rec = meta.add_shard(address)
             procs.append(_spawn(cluster_dir, rec.shard_id, address, transport, durability, capacity))
             progress(f"started shard {procs[-1].shard_id} on {address} (pid {procs[-1].pid})")
         _write_state(cluster_dir, procs)
-        _wait_all(procs, timeout, progress)
+        _wait_all(procs, timeout, progress, key_file)
     except BaseException:
         _stop(procs, 10.0)
         meta.close()
@@ -208,22 +226,40 @@ def up(
     return meta_url_of(cluster_dir)
 
 
+def key_file_of(cluster_dir: str) -> str:
+    """The key file of the local cluster in ``cluster_dir``: ``$IRDMA_KEY_FILE`` when set, else
+    ``cluster.key`` beside its metadata."""
+    return os.path.abspath(os.environ.get(KEY_FILE_ENV) or os.path.join(cluster_dir, KEY_FILE_NAME))
+
+
+def _ensure_key(cluster_dir: str, progress: Callable[[str], None]) -> str:
+    path = key_file_of(cluster_dir)
+    if os.path.exists(path):
+        read_key_file(path)  # refuse a bad or world-readable one now
+    else:
+        ring = create_key_file(path)
+        progress(f"made the cluster key {path} (mode 0600, cluster {ring.cluster_hex})")
+    return path
+
+
 def _spawn(cluster_dir: str, shard_id: int, address: str, transport: str, durability: str,
            capacity: int | None) -> ShardProc:
     log = os.path.abspath(os.path.join(cluster_dir, "logs", f"shard-{shard_id}.log"))
     args = ["-m", "irdma.cli", "server", "--listen", address, "--shard-id", str(shard_id), "--transport", transport,
-            "--data-dir", shard_dir(cluster_dir, shard_id), "--durability", durability]
+            "--data-dir", shard_dir(cluster_dir, shard_id), "--durability", durability,
+            "--key-file", key_file_of(cluster_dir)]  # the path only: the key is never on a command line
     if capacity is not None:
         args += ["--capacity", str(capacity)]
     pid = spawn_detached(args, log)
     return ShardProc(shard_id, address, pid, log)
 
 
-def _wait_all(procs: list[ShardProc], timeout: float, progress: Callable[[str], None]) -> None:
+def _wait_all(procs: list[ShardProc], timeout: float, progress: Callable[[str], None], key_file: str) -> None:
     deadline = time.monotonic() + timeout
+    key = read_key_file(key_file)
     for p in procs:
         try:
-            trio.run(wait_for_shard, p.address, "tcp", deadline, p.pid)
+            trio.run(wait_for_shard, p.address, "tcp", deadline, p.pid, key)
         except ShardUnavailable as exc:
             raise IrdmaError(f"shard {p.shard_id} did not start ({exc.args[0]}): {last_log_line(p.log)}",
                              f"its log is {p.log}") from None
@@ -235,7 +271,7 @@ def _restart(cluster_dir: str, transport: str, durability: str, progress: Callab
     """Start every shard of the shard map that is not running, on its data directory."""
     meta = open_meta(os.path.join(cluster_dir, "meta.db"))
     try:
-        records = meta.shards()
+        records = [r for r in meta.shards() if r.state != "removed"]  # (removed: out of the cluster)
     finally:
         meta.close()
     running = {s.shard_id: s for s in read_state(cluster_dir) if pid_alive(s.pid)}
@@ -250,6 +286,7 @@ def _restart(cluster_dir: str, transport: str, durability: str, progress: Callab
             "pass --fresh to start over there, or pick another --dir",
         )
     os.makedirs(os.path.join(cluster_dir, "logs"), exist_ok=True)
+    key_file = _ensure_key(cluster_dir, progress)
     procs: list[ShardProc] = []
     try:
         for r in dead:
@@ -257,7 +294,7 @@ def _restart(cluster_dir: str, transport: str, durability: str, progress: Callab
             progress(f"restarted shard {r.shard_id} on {r.address} from {shard_dir(cluster_dir, r.shard_id)}"
                      f" (pid {procs[-1].pid})")
         _write_state(cluster_dir, sorted([*running.values(), *procs], key=lambda p: p.shard_id))
-        _wait_all(procs, timeout, progress)
+        _wait_all(procs, timeout, progress, key_file)
     except BaseException:
         _stop(procs, 10.0)
         raise
@@ -265,7 +302,7 @@ def _restart(cluster_dir: str, transport: str, durability: str, progress: Callab
 
 
 def _remove_namespace(cluster_dir: str) -> None:
-    for name in ("meta.db", "meta.db-wal", "meta.db-shm", STATE_FILE):
+    for name in ("meta.db", "meta.db-wal", "meta.db-shm", STATE_FILE, KEY_FILE_NAME):
         path = os.path.join(cluster_dir, name)
         if os.path.exists(path):
             os.unlink(path)

@@ -89,9 +89,11 @@ async def scan(client: Client, *, chunks: bool = True, progress: Callable[[str],
                 if idx >= -(-size // chunk_size) and not is_open:
                     rep.leaked.append((shard_id, file_id, idx, chunk_size))
         for file_id in files:
-            for idx, (shard_id, _inc) in (await meta.chunk_map(file_id)).items():
-                if shard_id in listed and (file_id, idx) not in listed[shard_id] and (file_id, idx) not in damaged_idx:
-                    rep.missing.setdefault(file_id, []).append((idx, shard_id))
+            for idx, replicas in (await meta.chunk_map(file_id)).items():
+                for shard_id in replicas:
+                    if (shard_id in listed and (file_id, idx) not in listed[shard_id]
+                            and (file_id, idx) not in damaged_idx):
+                        rep.missing.setdefault(file_id, []).append((idx, shard_id))
     return rep
 
 

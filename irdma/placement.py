@@ -7,12 +7,28 @@ large file uses every shard's bandwidth at once: the virtually unified buffer bu
 segments of several memory servers of SoftMemoryBox II (Ahn et al., IEEE Access 2020). The
 offset by ``file_id`` spreads the first chunks of small files over all shards.
 
+With ``replicas`` R > 1 each chunk has R copies on distinct shards: the shards that follow
+its own in the stripe, ``stripe[(file_id + i + k) % len(stripe)]`` for k = 0..R-1, in that
+order, which is the chunk's replication chain (head first, tail last). So every shard is head
+of some chunks and tail of others, and the copies of a file are spread as evenly as its first
+copies.
+
 The stripe is fixed when the file is created, so adding shards later never moves a chunk.
+
+Draining a shard (``irdma shard drain``) moves its chunks without touching any file's stripe,
+and so does ``irdma rebalance``, for a share of them: the shard map records each *move* (the
+shard, a frozen list of *targets*, the share of its chunks that moves), and :func:`substitute`
+rewrites every chain that holds a moving chunk. While the move is in progress, the chain keeps
+the shard and gains a *joining* tail (one of the targets not already in the chain, picked by a
+hash of ``file_id + i``), which takes every update and is read from only once the move is done;
+then the shard leaves the chain and the target stays as its tail. Every client of one
+shard-map view computes the same chains, unwritten chunks included, with no per-chunk records:
+the substitution is a pure function of the view, as the formula above is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 #: Default chunk size: 4 MiB.
@@ -53,14 +69,23 @@ class Layout:
         file_id: the file's id on the shards (its inode number).
         chunk_size: bytes per chunk, a power of two.
         stripe: shard ids the file is striped over, in order.
+        replicas: copies of each chunk (at most ``len(stripe)``).
     """
 
     file_id: int
     chunk_size: int
     stripe: tuple[int, ...]
+    replicas: int = 1
 
     def shard_of(self, chunk_index: int) -> int:
+        """The chunk's first replica (the head of its chain)."""
         return self.stripe[(self.file_id + chunk_index) % len(self.stripe)]
+
+    def replicas_of(self, chunk_index: int) -> tuple[int, ...]:
+        """The chunk's replicas in chain order: distinct shards, head first."""
+        n = len(self.stripe)
+        first = self.file_id + chunk_index
+        return tuple(self.stripe[(first + k) % n] for k in range(min(self.replicas, n)))
 
     def pieces(self, offset: int, length: int, max_piece: int | None = None) -> Iterator[Piece]:
         """Split ``[offset, offset+length)`` at chunk boundaries and at ``max_piece`` bytes.
@@ -81,3 +106,73 @@ class Layout:
     def chunk_count(self, size: int) -> int:
         """Chunks that a file of ``size`` bytes spans."""
         return -(-size // self.chunk_size)
+
+
+#: A move's share of a shard's chunks is counted in 1/MOVE_ALL parts.
+MOVE_ALL = 1 << 16
+
+
+def _mix(x: int) -> int:
+    """A 64-bit multiplicative hash (Fibonacci hashing, Knuth): deterministic across processes."""
+    return ((x & 0xFFFFFFFFFFFFFFFF) * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF) >> 24
+
+
+@dataclass(frozen=True)
+class Move:
+    """Chunks leaving a shard (``irdma shard drain``: all of them; ``irdma rebalance``: a share),
+    as the shard map records it.
+
+    Attributes:
+        seq: the move's number; moves apply in this order.
+        shard_id: the shard the chunks leave.
+        targets: shard ids they move to (fixed when the move began), in order.
+        done: False while the move is in progress (the shard is still in the chains, a target
+            joins them as tail); True once it is done (the target has replaced it).
+        share: which of the shard's chunks move, in 1/MOVE_ALL parts (MOVE_ALL: all); a chunk
+            moves when a hash of ``(file_id + index, seq)`` falls below it.
+    """
+
+    seq: int
+    shard_id: int
+    targets: tuple[int, ...]
+    done: bool
+    share: int = MOVE_ALL
+
+    def takes(self, salt: int) -> bool:
+        """Whether the move takes the chunk ``salt = file_id + index`` (if its chain holds the shard)."""
+        return self.share >= MOVE_ALL or _mix(salt * 1000003 + self.seq) % MOVE_ALL < self.share
+
+
+def substitute(chain: tuple[int, ...], moves: Sequence[Move], salt: int) -> tuple[tuple[int, ...], int | None]:
+    """Apply the moves of the shard map to a chunk's chain (see the module's docstring).
+
+    Args:
+        chain: the chunk's replicas by the stripe formula, head first.
+        moves: the shard map's moves, in ``seq`` order (at most one not ``done``).
+        salt: ``file_id + chunk_index``: spreads a shard's chunks over the targets.
+
+    Returns:
+        ``(chain, joining)``: the replicas head first, and the one still catching up (a
+        move's target, the chain's tail; never read) or None. A chunk whose chain holds every
+        target already stays where it is, except when all of its shard's chunks went (a
+        removal by force, after which the chunk has one copy fewer; a drain refuses to begin
+        its copy while such a chunk exists).
+    """
+    joining = None
+    for m in moves:
+        if m.shard_id not in chain or not m.takes(salt):
+            continue
+        cands = [t for t in m.targets if t not in chain]
+        rest = tuple(s for s in chain if s != m.shard_id)
+        if not cands:
+            if m.done and m.share >= MOVE_ALL:
+                chain = rest  # a shard removed by force: its replica is gone, not moved
+            continue  # a partial move (rebalance) leaves a chunk it has nowhere to take
+        # mixed: chunks of one chain recur every len(stripe) indices, and a plain modulo would
+        # send them all to the same target
+        target = cands[_mix(salt) % len(cands)]
+        if m.done:
+            chain = rest + (target,)
+        else:
+            chain, joining = chain + (target,), target
+    return chain, joining

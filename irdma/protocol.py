@@ -16,10 +16,15 @@ Header, ``struct`` format ``!2sBBIHHI`` (16 bytes)::
     flags      u16 FLAG_REPLY on replies, FLAG_HOLE on a READ reply of a missing chunk
     body_len   u32 bytes that follow; at most the decoder's ``max_body``
 
-A connection opens with HELLO (protocol versions the client speaks, its name and room for
-credentials) and the shard answers with its id, capacity, largest payload and *incarnation*: a
-random non-zero u64 made with the shard's memory, so a client tells a shard that lost its chunks
-(a restart) from one that kept them. The header version of a HELLO frame is not checked (the body
+A connection opens with HELLO (protocol versions the client speaks, its name and its *auth
+offer*: the cluster id and a fresh nonce) and the shard answers with its id, capacity, largest
+payload and *incarnation*: a random non-zero u64 made with the shard's memory, so a client tells a
+shard that lost its chunks (a restart) from one that kept them. A shard with a cluster key
+(protocol 4) first answers HELLO with a challenge (FLAG_CHALLENGE: its own nonce), the client
+proves the key with AUTH, and the shard's HELLO-style reply to AUTH carries its proof back; from
+then on every frame in both directions is followed by a 16-byte tag (not counted in
+``body_len``). See :mod:`irdma.auth` for the exchange and the tags; anything else is answered
+AUTH_FAILED and the connection closed. The header version of a HELLO frame is not checked (the body
 carries the range the client speaks, and the shard answers UNSUPPORTED_VERSION); every later frame
 must carry the negotiated version.
 
@@ -29,10 +34,21 @@ lost chunk never silently comes back as zeros plus the new bytes. LIST pages thr
 chunks (for ``irdma gc`` and ``irdma fsck``). SYNC returns once every update the shard applied
 before it is durable (``msync``/``fsync`` of a shard with a data directory; nothing to do for
 one whose memory is volatile or whose durability is ``memory``). Requests are
-answered in order per connection. A reply whose status is not OK carries a UTF-8 message as
+applied in order per connection and answered in order unless replicated (below). A reply whose status is not OK carries a UTF-8 message as
 its body. :class:`FrameDecoder` turns a byte stream, fed in pieces of any size, into frames;
 :func:`decode_body` turns a frame into a message; :func:`encode` does the reverse and returns a
 list of buffers so payloads are sent without being copied.
+
+Replication (protocol 3): a WRITE or REMOTE_WRITE with FLAG_CHAIN carries a :class:`Chain`
+after its fixed part (request id, shard-map epoch, expected version, forward deadline and the
+replicas after the receiver); the receiver applies it once per request id, forwards it in order
+and answers when the rest of the chain did (replies may then come out of order: match them by
+request id). FLAG_REPLACE marks a forward that carries a whole chunk and its version (how a
+replica that missed updates is brought level); RESYNC asks a replica to send its copy of a chunk
+down a chain; CHECKSUM answers a chunk's version and CRC-32 and, like every chained request,
+fences views older than its own. The statuses STALE, FENCED, DIRTY
+and FORWARD_FAILED belong to replication; STALE and FORWARD_FAILED bodies start with the u32 id
+of the replica concerned. See :mod:`irdma.server.replicate`.
 
 The update ops and their semantics (applied atomically per chunk by the shard, each bumps the
 chunk's version by one) follow the parameter-server model of ps-lite (Li et al., OSDI 2014)
@@ -48,9 +64,9 @@ from typing import Union
 
 from ._errors import LocalProtocolError, RemoteProtocolError
 
-PROTOCOL_VERSION = 2
-#: Oldest protocol version this code speaks.
-MIN_PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 5
+#: Oldest protocol version this code speaks (3 added chain replication, 4 authentication, 5 GMAC frame tags).
+MIN_PROTOCOL_VERSION = 5
 MAGIC = b"IR"
 HEADER = struct.Struct("!2sBBIHHI")
 HEADER_SIZE = HEADER.size  # 16
@@ -63,6 +79,15 @@ FLAG_REPLY = 0x1
 FLAG_HOLE = 0x2
 #: On a WRITE request: apply only to an existing chunk, else answer CHUNK_LOST.
 FLAG_EXISTING = 0x4
+#: On WRITE and REMOTE_WRITE: the body carries a replication :class:`Chain` after the fixed part.
+FLAG_CHAIN = 0x8
+#: On a forwarded WRITE: the payload is the whole chunk; set it and the chunk's version to
+#: ``chain.expect`` (how a predecessor brings a stale replica up to date).
+FLAG_REPLACE = 0x10
+#: On READ: answer DIRTY rather than bytes some replica after this one may not have yet.
+FLAG_CLEAN = 0x20
+#: On the reply to HELLO: a challenge (the shard's nonce); prove the key with AUTH.
+FLAG_CHALLENGE = 0x40
 #: Most entries one LIST reply carries.
 MAX_LIST_ENTRIES = 4096
 
@@ -79,6 +104,9 @@ class Opcode(enum.IntEnum):
     REMOTE_WRITE = 9
     LIST = 10
     SYNC = 11
+    RESYNC = 12
+    CHECKSUM = 13
+    AUTH = 14
 
 
 class Status(enum.IntEnum):
@@ -92,6 +120,14 @@ class Status(enum.IntEnum):
     INTERNAL = 7
     BAD_FRAME = 8
     CHUNK_LOST = 9
+    STALE = 10  # a replica's chunk version does not follow the forwarded one (it missed updates)
+    FENCED = 11  # the request's view of the shard map is older than one this shard has seen
+    DIRTY = 12  # FLAG_CLEAN read of a chunk whose last update is not yet on every replica
+    FORWARD_FAILED = 13  # applied here, but a successor failed or missed the forward deadline
+
+
+#: Statuses whose error body starts with the u32 id of the shard concerned.
+SHARD_STATUSES = (Status.STALE, Status.FORWARD_FAILED)
 
 
 class UpdateOp(enum.IntEnum):
@@ -121,7 +157,9 @@ class UpdateOp(enum.IntEnum):
 
 
 # ---------------------------------------------------------------- messages
-_HELLO = struct.Struct("!BBHH")  # min version, max version, name len, credential len
+_HELLO = struct.Struct("!BBHH")  # min version, max version, name len, auth offer len
+#: Bytes of a nonce and of a proof in the auth exchange (HMAC-SHA256).
+AUTH_PROOF_SIZE = 32
 _HELLO_R = struct.Struct("!B3xIQIQI")  # version, shard id, capacity, max payload, incarnation, extra len
 _READ = struct.Struct("!QQII")  # file id, chunk index, offset, length
 _VERSION = struct.Struct("!Q")
@@ -138,6 +176,63 @@ _LIST = struct.Struct("!QQI")  # after file id, after chunk index, max entries
 _LIST_R = struct.Struct("!I")  # entry count, then entries
 _LIST_E = struct.Struct("!QQIQ")  # file id, chunk index, chunk size, version
 _RWRITE = struct.Struct("!QQIIBB2xIQQ")  # file, chunk, chunk size, offset, op, in place, length, staging off, region off
+_CHAIN = struct.Struct("!QQQIB3x")  # request id, view, expect version, forward timeout (ms), successor count
+_PEER = struct.Struct("!IH")  # shard id, address length; the UTF-8 address follows
+_RESYNC = struct.Struct("!QQI")  # file id, chunk index, chunk size
+_CHECKSUM = struct.Struct("!QQQ")  # file id, chunk index, view
+_CHECKSUM_R = struct.Struct("!QI")  # version, CRC-32 of the chunk's bytes
+_ERR_SHARD = struct.Struct("!I")
+
+
+@dataclass
+class Chain:
+    """Chain replication of one update (CRAQ: Terrace & Freedman, USENIX ATC 2009; chain
+    replication: van Renesse & Schneider, OSDI 2004).
+
+    The client sends an update to the chunk's head replica with the rest of the chain as
+    ``successors``; each replica applies it, then forwards it to the next with ``expect`` set to
+    the version it reached, and answers once the rest of the chain answered. ``request_id``
+    (client-chosen, unique, never 0) makes a retried request apply once: a replica that already
+    applied it answers the version it reached and still forwards it along the (possibly new)
+    chain. ``view`` is the shard map epoch the sender acts on: a replica refuses (FENCED) a view
+    older than one it has seen, so a demoted head cannot overwrite the new chain.
+
+    Attributes:
+        request_id: u64, unique per update (0: no deduplication, a REPLACE).
+        view: u64 shard-map epoch.
+        expect: u64, 0 from a client; on a forward, the chunk version the sender reached.
+        timeout_ms: u32 deadline of the forward to the next replica, milliseconds.
+        successors: ``(shard id, "HOST:PORT")`` of the replicas after the receiver, in order.
+    """
+
+    request_id: int
+    view: int = 0
+    expect: int = 0
+    timeout_ms: int = 5000
+    successors: tuple[tuple[int, str], ...] = ()
+
+    def encode(self) -> bytes:
+        out = [_CHAIN.pack(self.request_id, self.view, self.expect, self.timeout_ms, len(self.successors))]
+        for sid, addr in self.successors:
+            a = addr.encode()
+            out.append(_PEER.pack(sid, len(a)) + a)
+        return b"".join(out)
+
+    @classmethod
+    def decode(cls, body: memoryview, at: int) -> tuple[Chain, int]:
+        """Parse a chain at ``body[at:]``; returns it and the offset after it."""
+        _need(body[at:], _CHAIN.size, "chain")
+        rid, view, expect, tmo, n = _CHAIN.unpack_from(body, at)
+        at += _CHAIN.size
+        succ = []
+        for _ in range(n):
+            _need(body[at:], _PEER.size, "chain successor")
+            sid, alen = _PEER.unpack_from(body, at)
+            at += _PEER.size
+            _need(body[at:], alen, "chain successor address")
+            succ.append((sid, bytes(body[at : at + alen]).decode("utf-8", "replace")))
+            at += alen
+        return cls(rid, view, expect, tmo, tuple(succ)), at
 
 
 @dataclass
@@ -145,7 +240,7 @@ class Hello:
     min_version: int = MIN_PROTOCOL_VERSION
     max_version: int = PROTOCOL_VERSION
     client_name: str = ""
-    credentials: bytes = b""
+    auth: bytes = b""  # the auth offer: cluster id (16 bytes) and client nonce (32); empty for none
 
 
 @dataclass
@@ -156,6 +251,21 @@ class HelloReply:
     max_payload: int
     incarnation: int = 0  # random, made with the shard's memory; 0 only in old replies
     extra: bytes = b""  # transport-specific (verbs: region descriptors, QP info)
+    proof: bytes = b""  # the reply to AUTH: the shard's proof of the key (32 bytes)
+
+
+@dataclass
+class AuthChallenge:
+    """The reply to HELLO of a shard with a key: its nonce (32 bytes)."""
+
+    nonce: bytes
+
+
+@dataclass
+class Auth:
+    """The client's proof of the cluster key (32 bytes), after an :class:`AuthChallenge`."""
+
+    proof: bytes
 
 
 @dataclass
@@ -164,6 +274,7 @@ class Read:
     chunk_index: int
     offset: int
     length: int
+    clean: bool = False  # FLAG_CLEAN: answer DIRTY rather than a version not on every replica
 
 
 @dataclass
@@ -182,6 +293,36 @@ class Write:
     op: UpdateOp
     data: memoryview | bytes = b""
     existing: bool = False  # FLAG_EXISTING: never create the chunk
+    chain: Chain | None = None  # FLAG_CHAIN: replicate along this chain
+    replace: bool = False  # FLAG_REPLACE (forwards only): data is the whole chunk
+
+
+@dataclass
+class Resync:
+    """Bring the replicas after the receiver up to date on one chunk: the receiver sends its
+    whole chunk down ``chain`` (a REPLACE ordered after every update it applied before)."""
+
+    file_id: int
+    chunk_index: int
+    chunk_size: int
+    chain: Chain
+
+
+@dataclass
+class Checksum:
+    """The version and CRC-32 of a chunk's bytes (to compare replicas). ``view``: the shard-map
+    epoch the resync acts on; the receiver refuses an older one than it has seen (FENCED) and
+    fences updates older than it from then on, so none can slip past the comparison."""
+
+    file_id: int
+    chunk_index: int
+    view: int = 0
+
+
+@dataclass
+class ChecksumReply:
+    version: int  # 0: no such chunk
+    crc: int  # zlib CRC-32 of the whole chunk; 0 when missing
 
 
 @dataclass
@@ -318,17 +459,21 @@ class RemoteWrite:
     staging_offset: int = 0
     region_offset: int = 0
     existing: bool = False  # FLAG_EXISTING: never create the chunk
+    chain: Chain | None = None  # FLAG_CHAIN: replicate along this chain
 
 
 @dataclass
 class ErrorReply:
     status: Status
     message: str = ""
+    shard_id: int = 0  # STALE, FORWARD_FAILED: the replica concerned
 
 
-Request = Union[Hello, Read, Write, Stat, Free, Punch, VerbsConnect, Locate, RemoteWrite, List, Sync]
+Request = Union[Hello, Read, Write, Stat, Free, Punch, VerbsConnect, Locate, RemoteWrite, List, Sync, Resync, Checksum,
+                Auth]
 Reply = Union[
-    HelloReply, ReadReply, VersionReply, StatReply, FreeReply, ErrorReply, VerbsConnectReply, LocateReply, ListReply
+    HelloReply, ReadReply, VersionReply, StatReply, FreeReply, ErrorReply, VerbsConnectReply, LocateReply, ListReply,
+    ChecksumReply, AuthChallenge,
 ]
 
 _REQUEST_OPCODE: dict[type, Opcode] = {
@@ -343,6 +488,9 @@ _REQUEST_OPCODE: dict[type, Opcode] = {
     RemoteWrite: Opcode.REMOTE_WRITE,
     List: Opcode.LIST,
     Sync: Opcode.SYNC,
+    Resync: Opcode.RESYNC,
+    Checksum: Opcode.CHECKSUM,
+    Auth: Opcode.AUTH,
 }
 
 
@@ -385,14 +533,24 @@ def encode_request(msg: Request, request_id: int) -> list[bytes | memoryview]:
     try:
         if isinstance(msg, Hello):
             name = msg.client_name.encode()
-            fixed = _HELLO.pack(msg.min_version, msg.max_version, len(name), len(msg.credentials))
-            parts: list[bytes | memoryview] = [fixed + name + msg.credentials]
+            fixed = _HELLO.pack(msg.min_version, msg.max_version, len(name), len(msg.auth))
+            parts: list[bytes | memoryview] = [fixed + name + msg.auth]
         elif isinstance(msg, Read):
             parts = [_READ.pack(msg.file_id, msg.chunk_index, msg.offset, msg.length)]
+            flags = FLAG_CLEAN if msg.clean else 0
         elif isinstance(msg, Write):
             fixed = _WRITE.pack(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, int(msg.op))
+            if msg.chain is not None:
+                fixed += msg.chain.encode()
+                flags |= FLAG_CHAIN
             parts = [fixed, msg.data] if len(msg.data) else [fixed]
-            flags = FLAG_EXISTING if msg.existing else 0
+            flags |= (FLAG_EXISTING if msg.existing else 0) | (FLAG_REPLACE if msg.replace else 0)
+        elif isinstance(msg, Resync):
+            parts = [_RESYNC.pack(msg.file_id, msg.chunk_index, msg.chunk_size) + msg.chain.encode()]
+        elif isinstance(msg, Checksum):
+            parts = [_CHECKSUM.pack(msg.file_id, msg.chunk_index, msg.view)]
+        elif isinstance(msg, Auth):
+            parts = [msg.proof]
         elif isinstance(msg, (Stat, Sync)):
             parts = []
         elif isinstance(msg, Free):
@@ -403,8 +561,9 @@ def encode_request(msg: Request, request_id: int) -> list[bytes | memoryview]:
             parts = [_LOCATE.pack(msg.file_id, msg.chunk_index, msg.create_size)]
         elif isinstance(msg, RemoteWrite):
             parts = [_RWRITE.pack(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, int(msg.op),
-                                  int(msg.in_place), msg.length, msg.staging_offset, msg.region_offset)]
-            flags = FLAG_EXISTING if msg.existing else 0
+                                  int(msg.in_place), msg.length, msg.staging_offset, msg.region_offset)
+                     + (msg.chain.encode() if msg.chain is not None else b"")]
+            flags = (FLAG_EXISTING if msg.existing else 0) | (FLAG_CHAIN if msg.chain is not None else 0)
         elif isinstance(msg, List):
             parts = [_LIST.pack(msg.after_file, msg.after_chunk, msg.max_entries)]
         else:
@@ -424,9 +583,14 @@ def encode_reply(opcode: int, request_id: int, msg: Reply) -> list[bytes | memor
     if isinstance(msg, ErrorReply):
         status = msg.status
         parts: list[bytes | memoryview] = [msg.message.encode()[:4096]]
+        if status in SHARD_STATUSES:
+            parts.insert(0, _ERR_SHARD.pack(msg.shard_id))
     elif isinstance(msg, HelloReply):
         parts = [_HELLO_R.pack(msg.version, msg.shard_id, msg.capacity, msg.max_payload, msg.incarnation,
-                               len(msg.extra)) + msg.extra]
+                               len(msg.extra)) + msg.extra + msg.proof]
+    elif isinstance(msg, AuthChallenge):
+        flags |= FLAG_CHALLENGE
+        parts = [msg.nonce]
     elif isinstance(msg, ReadReply):
         if msg.hole:
             flags |= FLAG_HOLE
@@ -445,6 +609,8 @@ def encode_reply(opcode: int, request_id: int, msg: Reply) -> list[bytes | memor
                                msg.staging_rkey, msg.recv_slots, msg.slot_size)]
     elif isinstance(msg, LocateReply):
         parts = [_LOCATE_R.pack(int(msg.exists), msg.region_offset, msg.chunk_size, msg.version_slot)]
+    elif isinstance(msg, ChecksumReply):
+        parts = [_CHECKSUM_R.pack(msg.version, msg.crc)]
     elif isinstance(msg, ListReply):
         parts = [_LIST_R.pack(len(msg.entries))
                  + b"".join(_LIST_E.pack(x.file_id, x.chunk_index, x.chunk_size, x.version) for x in msg.entries)]
@@ -545,12 +711,16 @@ def decode_request(frame: Frame) -> Request:
         _need(body, _HELLO.size, "HELLO")
         lo, hi, nlen, clen = _HELLO.unpack_from(body)
         if len(body) != _HELLO.size + nlen + clen:
-            raise RemoteProtocolError("HELLO body length does not match its name and credentials")
+            raise RemoteProtocolError("HELLO body length does not match its name and auth offer")
         name = bytes(body[_HELLO.size : _HELLO.size + nlen]).decode("utf-8", "replace")
         return Hello(lo, hi, name, bytes(body[_HELLO.size + nlen :]))
+    if op == Opcode.AUTH:
+        _exact(body, AUTH_PROOF_SIZE, "AUTH")
+        return Auth(bytes(body))
     if op == Opcode.READ:
         _exact(body, _READ.size, "READ")
-        return Read(*_READ.unpack_from(body))
+        fid, idx, off, n = _READ.unpack_from(body)
+        return Read(fid, idx, off, n, bool(frame.flags & FLAG_CLEAN))
     if op == Opcode.WRITE:
         _need(body, _WRITE.size, "WRITE")
         fid, idx, csize, off, opv = _WRITE.unpack_from(body)
@@ -558,7 +728,18 @@ def decode_request(frame: Frame) -> Request:
             uop = UpdateOp(opv)
         except ValueError:
             raise RemoteProtocolError(f"unknown update op {opv}") from None
-        return Write(fid, idx, csize, off, uop, body[_WRITE.size :], bool(frame.flags & FLAG_EXISTING))
+        chain, at = (Chain.decode(body, _WRITE.size) if frame.flags & FLAG_CHAIN else (None, _WRITE.size))
+        return Write(fid, idx, csize, off, uop, body[at:], bool(frame.flags & FLAG_EXISTING), chain,
+                     bool(frame.flags & FLAG_REPLACE))
+    if op == Opcode.RESYNC:
+        _need(body, _RESYNC.size, "RESYNC")
+        chain, at = Chain.decode(body, _RESYNC.size)
+        _exact(body, at, "RESYNC")
+        fid, idx, csize = _RESYNC.unpack_from(body)
+        return Resync(fid, idx, csize, chain)
+    if op == Opcode.CHECKSUM:
+        _exact(body, _CHECKSUM.size, "CHECKSUM")
+        return Checksum(*_CHECKSUM.unpack_from(body))
     if op == Opcode.STAT:
         _exact(body, 0, "STAT")
         return Stat()
@@ -578,13 +759,16 @@ def decode_request(frame: Frame) -> Request:
         _exact(body, _LOCATE.size, "LOCATE")
         return Locate(*_LOCATE.unpack_from(body))
     if op == Opcode.REMOTE_WRITE:
-        _exact(body, _RWRITE.size, "REMOTE_WRITE")
+        _need(body, _RWRITE.size, "REMOTE_WRITE")
         fid, idx, csize, off, opv, in_place, n, soff, roff = _RWRITE.unpack_from(body)
         try:
             uop = UpdateOp(opv)
         except ValueError:
             raise RemoteProtocolError(f"unknown update op {opv}") from None
-        return RemoteWrite(fid, idx, csize, off, uop, bool(in_place), n, soff, roff, bool(frame.flags & FLAG_EXISTING))
+        chain, at = (Chain.decode(body, _RWRITE.size) if frame.flags & FLAG_CHAIN else (None, _RWRITE.size))
+        _exact(body, at, "REMOTE_WRITE")
+        return RemoteWrite(fid, idx, csize, off, uop, bool(in_place), n, soff, roff, bool(frame.flags & FLAG_EXISTING),
+                           chain)
     if op == Opcode.LIST:
         _exact(body, _LIST.size, "LIST")
         return List(*_LIST.unpack_from(body))
@@ -615,19 +799,30 @@ def decode_reply(frame: Frame) -> Reply:
             status = Status(frame.status)
         except ValueError:
             status = Status.INTERNAL
-        return ErrorReply(status, bytes(body).decode("utf-8", "replace"))
+        sid = 0
+        if status in SHARD_STATUSES and len(body) >= _ERR_SHARD.size:
+            (sid,) = _ERR_SHARD.unpack_from(body)
+            body = body[_ERR_SHARD.size :]
+        return ErrorReply(status, bytes(body).decode("utf-8", "replace"), sid)
     op = frame.opcode
-    if op == Opcode.HELLO:
+    if op == Opcode.HELLO and frame.flags & FLAG_CHALLENGE:
+        _exact(body, AUTH_PROOF_SIZE, "HELLO challenge")
+        return AuthChallenge(bytes(body))
+    if op in (Opcode.HELLO, Opcode.AUTH):
         _need(body, _HELLO_R.size, "HELLO reply")
         version, sid, cap, maxp, incarnation, elen = _HELLO_R.unpack_from(body)
-        _exact(body, _HELLO_R.size + elen, "HELLO reply")
-        return HelloReply(version, sid, cap, maxp, incarnation, bytes(body[_HELLO_R.size :]))
+        _need(body, _HELLO_R.size + elen, "HELLO reply")
+        proof = bytes(body[_HELLO_R.size + elen :])
+        if len(proof) not in (0, AUTH_PROOF_SIZE):
+            raise RemoteProtocolError(f"HELLO reply carries a {len(proof)}-byte proof")
+        return HelloReply(version, sid, cap, maxp, incarnation, bytes(body[_HELLO_R.size : _HELLO_R.size + elen]),
+                          proof)
     if op == Opcode.READ:
         _need(body, _VERSION.size, "READ reply")
         (version,) = _VERSION.unpack_from(body)
         hole = bool(frame.flags & FLAG_HOLE)
         return ReadReply(version, body[_VERSION.size :], hole)
-    if op in (Opcode.WRITE, Opcode.PUNCH, Opcode.SYNC):
+    if op in (Opcode.WRITE, Opcode.PUNCH, Opcode.SYNC, Opcode.RESYNC):
         _exact(body, _VERSION.size, "WRITE reply")
         return VersionReply(_VERSION.unpack_from(body)[0])
     if op == Opcode.STAT:
@@ -646,6 +841,9 @@ def decode_reply(frame: Frame) -> Reply:
     if op == Opcode.REMOTE_WRITE:
         _exact(body, _VERSION.size, "REMOTE_WRITE reply")
         return VersionReply(_VERSION.unpack_from(body)[0])
+    if op == Opcode.CHECKSUM:
+        _exact(body, _CHECKSUM_R.size, "CHECKSUM reply")
+        return ChecksumReply(*_CHECKSUM_R.unpack_from(body))
     if op == Opcode.LIST:
         _need(body, _LIST_R.size, "LIST reply")
         (count,) = _LIST_R.unpack_from(body)

@@ -11,18 +11,35 @@ goes on through EMFILE/ENFILE with back-off (``trio.serve_listeners``).
 
 from __future__ import annotations
 
-import hmac
+import inspect
 import logging
+import math
 import os
+import secrets
 import signal
+import time
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import trio
 
+from irdma import auth
 from irdma import protocol as P
-from irdma._errors import BadRequest, DataLost, IrdmaError, NoSpace, RemoteProtocolError
-from irdma.transport.tcp import recv_exactly, send_parts, tune_socket
+from irdma._errors import (
+    BadRequest,
+    DataLost,
+    Dirty,
+    Fenced,
+    IrdmaError,
+    NoSpace,
+    RemoteProtocolError,
+    ReplicaFailed,
+    ReplicaStale,
+    ShardUnavailable,
+)
+from irdma.transport.tcp import Macs, recv_exactly, send_parts, tune_socket
 
+from .replicate import Replicator
 from .shard import Shard
 
 if TYPE_CHECKING:
@@ -30,8 +47,48 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("irdma.server")
 
-#: Largest body accepted before a connection's HELLO (a HELLO is a name and credentials).
-HELLO_MAX_BODY = 64 << 10
+#: Largest body accepted before a connection is authenticated (a HELLO: a name and an auth
+#: offer; an AUTH: a proof): nothing larger is reserved for a peer that has not proved the key.
+HELLO_MAX_BODY = 4 << 10
+#: Seconds a connection has to complete HELLO (and AUTH) after it is accepted.
+HANDSHAKE_TIMEOUT_S = 5.0
+#: Seconds the rest of a frame may take once its header arrived (a half-sent frame is dropped).
+FRAME_TIMEOUT_S = 30.0
+#: Most connections served at once, in all and from one peer address.
+MAX_CONNECTIONS = 4096
+MAX_CONNECTIONS_PER_PEER = 1024
+#: Seconds between two warnings about one peer address (the others are counted).
+WARN_INTERVAL_S = 10.0
+
+
+class _PeerWarnings:
+    """Warnings about misbehaving peers, at most one per address per WARN_INTERVAL_S."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def warn(self, peer: str, msg: str, *args: object) -> None:
+        host = peer.rsplit(":", 1)[0]
+        now = time.monotonic()
+        last, quiet = self._last.get(host, (-math.inf, 0))
+        if now - last < WARN_INTERVAL_S:
+            self._last[host] = (last, quiet + 1)
+            return
+        if len(self._last) > 10000:
+            self._last.clear()
+        self._last[host] = (now, 0)
+        extra = f" ({quiet} more from {host} not shown)" if quiet else ""
+        log.warning(msg + extra, *args)
+
+
+class _Handshake:
+    """Where one connection is in the exchange of :mod:`irdma.auth`."""
+
+    def __init__(self) -> None:
+        self.ring: auth.KeyRing | None = None
+        self.client_nonce = b""
+        self.shard_nonce = b""
+        self.macs: Macs | None = None
 
 
 class ShardServer:
@@ -40,20 +97,32 @@ class ShardServer:
     Args:
         shard: the shard's memory and chunks.
         max_payload: largest READ/WRITE payload accepted, bytes.
-        credentials: if not empty, a HELLO must carry exactly these bytes.
+        keys: the cluster's key file; every connection must prove the key (:mod:`irdma.auth`).
+            None: no authentication (``irdma server --no-auth``, for a trusted test bed only).
     """
 
-    def __init__(self, shard: Shard, max_payload: int = P.DEFAULT_MAX_PAYLOAD, credentials: bytes = b"") -> None:
+    def __init__(self, shard: Shard, max_payload: int = P.DEFAULT_MAX_PAYLOAD,
+                 keys: auth.KeySource | None = None, max_connections: int = MAX_CONNECTIONS,
+                 max_per_peer: int = MAX_CONNECTIONS_PER_PEER) -> None:
         self.shard = shard
         self.max_payload = max_payload
-        self.credentials = credentials
+        self.keys = keys
         self.verbs: VerbsShard | None = None  # set when the shard's region is registered for RDMA
+        self.replicator = Replicator(shard, None, keys)  # its nursery is set when serving
+        self.warnings = _PeerWarnings()
+        self.connections = 0
+        self.per_peer: dict[str, int] = {}
+        self.max_connections = max_connections
+        self.max_per_peer = max_per_peer
 
     # ------------------------------------------------------------ pure request handling
-    def handle(self, frame: P.Frame, staging: memoryview | None = None) -> P.Reply:
+    def handle(self, frame: P.Frame, staging: memoryview | None = None) -> P.Reply | Awaitable[P.Reply]:
         """Apply one request frame and return the reply. Never raises for bad input.
 
-        ``staging`` is the connection's staging buffer (verbs transport), if it has one.
+        ``staging`` is the connection's staging buffer (verbs transport), if it has one. An
+        update this shard forwards along a replication chain is applied now and answered later:
+        the reply is then an awaitable, and the request's buffers must stay untouched until it
+        is done (the forward reads them).
         """
         try:
             msg = P.decode_request(frame)
@@ -62,30 +131,68 @@ class ShardServer:
         except RemoteProtocolError as exc:
             return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
         try:
-            return self._apply(msg, staging)
-        except NoSpace as exc:
-            return P.ErrorReply(P.Status.NO_SPACE, str(exc))
-        except BadRequest as exc:
-            return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
-        except DataLost as exc:
-            return P.ErrorReply(P.Status.CHUNK_LOST, str(exc))
-        except Exception as exc:  # a bug: this request fails, the shard goes on
-            log.exception("request %s failed with an unexpected error", type(msg).__name__)
-            return P.ErrorReply(P.Status.INTERNAL, f"shard {self.shard.shard_id}: internal error: {exc!r}")
+            reply = self._apply(msg, staging)
+        except Exception as exc:
+            return self._error(exc, msg)
+        if inspect.isawaitable(reply):
+            return self._finish(reply, msg)
+        return reply
 
-    def _apply(self, msg: P.Request, staging: memoryview | None = None) -> P.Reply:
+    async def _finish(self, version: Awaitable[int], msg: P.Request) -> P.Reply:
+        try:
+            return P.VersionReply(await version)
+        except Exception as exc:
+            return self._error(exc, msg)
+
+    def _error(self, exc: Exception, msg: P.Request) -> P.ErrorReply:
+        """The error reply of a request that raised ``exc`` (the one status table of the shard)."""
+        if isinstance(exc, NoSpace):
+            return P.ErrorReply(P.Status.NO_SPACE, str(exc))
+        if isinstance(exc, BadRequest):
+            return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
+        if isinstance(exc, DataLost):
+            return P.ErrorReply(P.Status.CHUNK_LOST, str(exc))
+        if isinstance(exc, ReplicaStale):
+            return P.ErrorReply(P.Status.STALE, str(exc), exc.shard_id)
+        if isinstance(exc, ReplicaFailed):
+            return P.ErrorReply(P.Status.FORWARD_FAILED, str(exc), exc.shard_id)
+        if isinstance(exc, Fenced):
+            return P.ErrorReply(P.Status.FENCED, str(exc))
+        if isinstance(exc, Dirty):
+            return P.ErrorReply(P.Status.DIRTY, str(exc))
+        if isinstance(exc, ShardUnavailable):
+            return P.ErrorReply(P.Status.INTERNAL, f"shard {self.shard.shard_id}: {exc}")
+        # a bug: this request fails, the shard goes on
+        log.error("request %s failed with an unexpected error", type(msg).__name__, exc_info=exc)
+        return P.ErrorReply(P.Status.INTERNAL, f"shard {self.shard.shard_id}: internal error: {exc!r}")
+
+    def _apply(self, msg: P.Request, staging: memoryview | None = None) -> P.Reply | Awaitable[int]:
         shard = self.shard
         if isinstance(msg, P.Read):
             if msg.length > self.max_payload:
                 raise BadRequest(f"read of {msg.length} bytes exceeds the payload limit {self.max_payload}")
+            self.replicator.check_read(msg)
             version, view = shard.read(msg.file_id, msg.chunk_index, msg.offset, msg.length)
             if view is None:
                 return P.ReadReply(version, hole=True)
-            return P.ReadReply(version, view)
+            # a copy: the reply may take a while to send, and an update applied meanwhile must
+            # not tear it (a chunk's updates are atomic to readers; the frame tag covers it)
+            return P.ReadReply(version, bytes(view))
         if isinstance(msg, P.Write):
+            if msg.chain is not None:
+                out = self.replicator.write(msg, msg.data)
+                return P.VersionReply(out) if isinstance(out, int) else out
+            if msg.replace:
+                raise BadRequest("a whole-chunk copy (FLAG_REPLACE) comes only with a chain")
             version = shard.write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, msg.data,
                                   msg.existing)
             return P.VersionReply(version)
+        if isinstance(msg, P.Resync):
+            out = self.replicator.resync(msg)
+            return P.VersionReply(out) if isinstance(out, int) else out
+        if isinstance(msg, P.Checksum):
+            self.replicator.note_view(msg.view)
+            return P.ChecksumReply(*shard.checksum(msg.file_id, msg.chunk_index))
         if isinstance(msg, P.List):
             limit = max(0, min(msg.max_entries, P.MAX_LIST_ENTRIES))
             return P.ListReply([P.ChunkEntry(*e) for e in shard.list_chunks(msg.after_file, msg.after_chunk, limit)])
@@ -107,23 +214,51 @@ class ShardServer:
             if msg.in_place:
                 if msg.op != P.UpdateOp.ASSIGN:
                     raise BadRequest("only assign may be written in place; stage other update ops")
-                return P.VersionReply(
-                    shard.commit_in_place(msg.file_id, msg.chunk_index, msg.region_offset, msg.offset, msg.length)
-                )
+                done = self.replicator.seen(msg.chain.request_id) if msg.chain is not None else None
+                version = done if done is not None else shard.commit_in_place(
+                    msg.file_id, msg.chunk_index, msg.region_offset, msg.offset, msg.length)
+                if msg.chain is None or not msg.chain.successors:
+                    return P.VersionReply(version)
+                # the bytes are in the chunk already: forward a copy of them (the region changes)
+                snap = shard.read(msg.file_id, msg.chunk_index, msg.offset, msg.length)[1]
+                assert snap is not None
+                fwd = P.Write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, bytes(snap),
+                              chain=msg.chain)
+                out = self.replicator.write(fwd, fwd.data, applied=version)
+                return P.VersionReply(out) if isinstance(out, int) else out
             if staging is None:
                 raise BadRequest("this connection has no staging buffer (REMOTE_WRITE needs the verbs transport)")
             if msg.staging_offset + msg.length > len(staging):
                 raise BadRequest(f"staged range leaves the {len(staging)}-byte staging buffer")
             data = staging[msg.staging_offset : msg.staging_offset + msg.length]
+            if msg.chain is not None:
+                fwd = P.Write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, bytes(data),
+                              msg.existing, msg.chain)
+                out = self.replicator.write(fwd, fwd.data)
+                return P.VersionReply(out) if isinstance(out, int) else out
             return P.VersionReply(shard.write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, data,
                                               msg.existing))
         raise BadRequest(f"{type(msg).__name__} is not valid here")
 
-    def hello(self, frame: P.Frame) -> P.Reply:
+    def hello(self, frame: P.Frame, hs: _Handshake) -> P.Reply:
+        """The handshake of :mod:`irdma.auth`: HELLO, then (with a key) AUTH. Returns the reply;
+        a HelloReply opens the connection (``hs.macs`` then holds its frame tags), an
+        AuthChallenge asks for AUTH, an ErrorReply closes it."""
         try:
             msg = P.decode_request(frame)
         except RemoteProtocolError as exc:
             return P.ErrorReply(P.Status.BAD_REQUEST, f"expected HELLO: {exc}")
+        if hs.ring is not None:  # the challenge went out: only AUTH may follow
+            if not isinstance(msg, P.Auth):
+                return P.ErrorReply(P.Status.AUTH_FAILED, "expected AUTH after the challenge")
+            t = auth.transcript(hs.ring.cluster_id, hs.client_nonce, hs.shard_nonce)
+            key = auth.match_client(hs.ring, t, msg.proof)
+            if key is None:
+                return P.ErrorReply(P.Status.AUTH_FAILED, "wrong cluster key: pass this cluster's key file")
+            c2s, s2c = auth.session_keys(key, t)
+            hs.macs = Macs(s2c, c2s)
+            return P.HelloReply(P.PROTOCOL_VERSION, self.shard.shard_id, self.shard.capacity, self.max_payload,
+                                self.shard.incarnation, proof=auth.shard_proof(key, t))
         if not isinstance(msg, P.Hello):
             return P.ErrorReply(P.Status.BAD_REQUEST, "a connection must open with HELLO")
         if not msg.min_version <= P.PROTOCOL_VERSION <= msg.max_version or msg.max_version < P.MIN_PROTOCOL_VERSION:
@@ -132,15 +267,35 @@ class ShardServer:
                 f"client speaks versions {msg.min_version}..{msg.max_version}, shard speaks"
                 f" {P.MIN_PROTOCOL_VERSION}..{P.PROTOCOL_VERSION}: run the same irdma version on both sides",
             )
-        if self.credentials and not hmac.compare_digest(msg.credentials, self.credentials):
-            return P.ErrorReply(P.Status.AUTH_FAILED, "bad credentials: pass the cluster's --auth-token")
-        return P.HelloReply(
-            P.PROTOCOL_VERSION, self.shard.shard_id, self.shard.capacity, self.max_payload, self.shard.incarnation
-        )
+        try:
+            ring = self.keys.ring() if self.keys is not None else None
+        except IrdmaError as exc:
+            log.error("cannot read the key file: %s", exc)
+            return P.ErrorReply(P.Status.INTERNAL, "the shard cannot read its key file")
+        if ring is None:
+            return P.HelloReply(P.PROTOCOL_VERSION, self.shard.shard_id, self.shard.capacity, self.max_payload,
+                                self.shard.incarnation)
+        if len(msg.auth) != auth.CLUSTER_ID_SIZE + auth.NONCE_SIZE:
+            return P.ErrorReply(P.Status.AUTH_FAILED, "this shard serves only holders of its cluster key")
+        cluster_id = msg.auth[: auth.CLUSTER_ID_SIZE]
+        if cluster_id != ring.cluster_id:
+            return P.ErrorReply(P.Status.AUTH_FAILED, f"this shard belongs to cluster {ring.cluster_hex},"
+                                f" not {cluster_id.hex()}")
+        hs.ring, hs.client_nonce = ring, msg.auth[auth.CLUSTER_ID_SIZE :]
+        hs.shard_nonce = secrets.token_bytes(auth.NONCE_SIZE)
+        return P.AuthChallenge(hs.shard_nonce)
 
     # ------------------------------------------------------------ TCP
     async def serve_tcp_connection(self, sock: Any, peer: str) -> None:
         """Serve one client until it goes away. Never raises: a bug closes this connection only."""
+        host = peer.rsplit(":", 1)[0]
+        if self.connections >= self.max_connections or self.per_peer.get(host, 0) >= self.max_per_peer:
+            self.warnings.warn(peer, "refusing a connection from %s: %d connections open (%d from that address)",
+                               peer, self.connections, self.per_peer.get(host, 0))
+            sock.close()
+            return
+        self.connections += 1
+        self.per_peer[host] = self.per_peer.get(host, 0) + 1
         try:
             tune_socket(sock)
             async with trio.open_nursery() as verbs_nursery:  # queue pairs live as long as this socket
@@ -150,6 +305,11 @@ class ShardServer:
         except Exception:
             log.exception("connection from %s failed with an unexpected error; closed", peer)
             sock.close()
+        finally:
+            self.connections -= 1
+            self.per_peer[host] -= 1
+            if not self.per_peer[host]:
+                del self.per_peer[host]
 
     async def _verbs_connect(self, frame: P.Frame, nursery: trio.Nursery) -> P.Reply:
         try:
@@ -166,34 +326,71 @@ class ShardServer:
         return box[0]
 
     async def _serve_frames(self, sock: Any, peer: str, verbs_nursery: trio.Nursery) -> None:
+        send_lock = trio.Lock()  # replies of forwarded updates are sent by their own tasks
         hdr = bytearray(P.HEADER_SIZE)
+        tag = bytearray(auth.TAG_SIZE)
         staging = bytearray(0)  # grows to the largest body seen, at most max_payload + slack
         opened = False
+        hs = _Handshake()
+        macs: Macs | None = None
         max_body = self.max_payload + P.BODY_SLACK
+        handshake_deadline = trio.current_time() + HANDSHAKE_TIMEOUT_S
         while True:
-            try:
-                if not await recv_exactly(sock, memoryview(hdr)):
+            # before the connection is open the whole handshake has a deadline; after, a frame
+            # may be awaited forever (an idle client) but must then arrive whole in time
+            with trio.move_on_at(handshake_deadline if not opened else math.inf) as idle:
+                try:
+                    if not await recv_exactly(sock, memoryview(hdr)):
+                        break
+                    # before HELLO only a HELLO-sized body is accepted, in any header version
+                    frame = P.parse_header(hdr, max_body if opened else HELLO_MAX_BODY, any_version=not opened)
+                except RemoteProtocolError as exc:
+                    self.warnings.warn(peer, "closing connection from %s: %s", peer, exc)
+                    status = P.Status.TOO_LARGE if isinstance(exc, P.FrameTooLarge) else P.Status.BAD_FRAME
+                    async with send_lock:
+                        await self._send_quietly(sock, P.encode_reply(0, 0, P.ErrorReply(status, str(exc))), macs)
                     break
-                # before HELLO only a HELLO-sized body is accepted, in any header version
-                frame = P.parse_header(hdr, max_body if opened else HELLO_MAX_BODY, any_version=not opened)
-            except RemoteProtocolError as exc:
-                log.warning("closing connection from %s: %s", peer, exc)
-                status = P.Status.TOO_LARGE if isinstance(exc, P.FrameTooLarge) else P.Status.BAD_FRAME
-                await self._send_quietly(sock, P.encode_reply(0, 0, P.ErrorReply(status, str(exc))))
-                break
-            except OSError:
+                except OSError:
+                    break
+            if idle.cancelled_caught:
+                self.warnings.warn(peer, "closing connection from %s: no handshake within %g s", peer,
+                                   HANDSHAKE_TIMEOUT_S)
                 break
             if frame.body_len > len(staging):
                 staging = bytearray(frame.body_len)
             body = memoryview(staging)[: frame.body_len]
-            try:
-                await recv_exactly(sock, body)
-            except (RemoteProtocolError, OSError):
-                break  # truncated frame: nothing applied
+            with trio.move_on_at(min(handshake_deadline if not opened else math.inf,
+                                     trio.current_time() + FRAME_TIMEOUT_S)) as partial:
+                try:
+                    await recv_exactly(sock, body)
+                    if macs is not None:
+                        await recv_exactly(sock, memoryview(tag))
+                except (RemoteProtocolError, OSError):
+                    break  # truncated frame: nothing applied
+            if partial.cancelled_caught:
+                self.warnings.warn(peer, "closing connection from %s: a frame did not arrive whole in time", peer)
+                break
+            if macs is not None:
+                try:
+                    macs.recv.check([hdr, body], tag)
+                except auth.AuthFailed as exc:
+                    self.warnings.warn(peer, "closing connection from %s: %s", peer, exc)
+                    break  # nothing applied
             frame.body = body
             if not opened:
-                reply = self.hello(frame)
+                reply = self.hello(frame, hs)
                 opened = isinstance(reply, P.HelloReply)
+                if isinstance(reply, P.ErrorReply):
+                    self.warnings.warn(peer, "refused connection from %s: %s", peer, reply.message)
+                    async with send_lock:
+                        await self._send_quietly(sock, P.encode_reply(frame.opcode, frame.request_id, reply), None)
+                    break
+                async with send_lock:
+                    sent = await self._send_quietly(sock, P.encode_reply(frame.opcode, frame.request_id, reply), None)
+                macs = hs.macs
+                if not sent:
+                    break
+                continue
             elif frame.opcode == P.Opcode.VERBS_CONNECT:
                 reply = await self._verbs_connect(frame, verbs_nursery)
             elif frame.opcode == P.Opcode.SYNC and not frame.body_len:
@@ -205,14 +402,33 @@ class ShardServer:
                     log.error("sync failed: %s", exc)
                     reply = P.ErrorReply(P.Status.INTERNAL, f"shard {self.shard.shard_id}: sync failed: {exc}")
             else:
-                reply = self.handle(frame)
-            if not await self._send_quietly(sock, P.encode_reply(frame.opcode, frame.request_id, reply)):
-                break
-            if not opened:
+                handled = self.handle(frame)
+                if not inspect.isawaitable(handled):
+                    reply = handled
+                else:
+                    # answered once the chain has it; meanwhile its forward reads the body buffer
+                    staging = bytearray(0)
+                    verbs_nursery.start_soon(self._reply_later, sock, send_lock, frame.opcode, frame.request_id,
+                                             handled, macs)
+                    continue
+            async with send_lock:
+                sent = await self._send_quietly(sock, P.encode_reply(frame.opcode, frame.request_id, reply), macs)
+            if not sent:
                 break
 
+    async def _reply_later(self, sock: Any, send_lock: trio.Lock, opcode: int, request_id: int,
+                           reply: Awaitable[P.Reply], macs: Macs | None) -> None:
+        out = await reply
+        async with send_lock:
+            if not await self._send_quietly(sock, P.encode_reply(opcode, request_id, out), macs):
+                sock.close()
+
     @staticmethod
-    async def _send_quietly(sock: Any, parts: list[bytes | memoryview]) -> bool:
+    async def _send_quietly(sock: Any, parts: list[bytes | memoryview], macs: Macs | None) -> bool:
+        """Send one frame (with its tag on an authenticated connection); call under the send
+        lock, so tags are made in the order frames go on the wire."""
+        if macs is not None:
+            parts.append(macs.send.tag(parts))
         try:
             await send_parts(sock, parts)
             return True
@@ -241,8 +457,10 @@ class ShardServer:
                 peer = "?"
             await self.serve_tcp_connection(stream.socket, peer)
 
-        # serve_listeners backs off on EMFILE/ENFILE instead of dying
-        await trio.serve_listeners(handler, [trio.SocketListener(listener)], task_status=_Started(task_status, bound))
+        async with trio.open_nursery() as links:  # the replication links to successor shards
+            self.replicator.nursery = links
+            # serve_listeners backs off on EMFILE/ENFILE instead of dying
+            await trio.serve_listeners(handler, [trio.SocketListener(listener)], task_status=_Started(task_status, bound))
 
 
 async def run_server(
@@ -251,18 +469,24 @@ async def run_server(
     port: int,
     *,
     port_file: str | None = None,
-    credentials: bytes = b"",
+    keys: auth.KeySource | None = None,
     max_payload: int = P.DEFAULT_MAX_PAYLOAD,
     verbs: VerbsShard | None = None,
+    max_connections: int = MAX_CONNECTIONS,
+    max_per_peer: int = MAX_CONNECTIONS_PER_PEER,
 ) -> None:
     """The ``irdma server`` main: serve until SIGTERM or SIGINT, then exit cleanly."""
-    server = ShardServer(shard, max_payload=max_payload, credentials=credentials)
+    server = ShardServer(shard, max_payload=max_payload, keys=keys, max_connections=max_connections,
+                         max_per_peer=max_per_peer)
     server.verbs = verbs
     async with trio.open_nursery() as nursery:
         bound = await nursery.start(server.serve_tcp, host, port)
         address = f"{bound[0]}:{bound[1]}"
         log.info("shard %d serving %d bytes on %s (%s)", shard.shard_id, shard.capacity, address,
                  "tcp and verbs" if verbs is not None else "tcp")
+        if keys is None:
+            log.warning("serving WITHOUT authentication (--no-auth): anyone who reaches %s can read and write"
+                        " every chunk", address)
         if port_file:
             tmp = port_file + ".tmp"
             with open(tmp, "w") as f:

@@ -16,6 +16,7 @@ import bisect
 import heapq
 import mmap
 import os
+import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -283,6 +284,43 @@ class Shard:
             dst = np.frombuffer(self.region.view[start : start + n], dtype="<f4")
             dst += np.frombuffer(data, dtype="<f4")
         return self._bump(chunk)
+
+    def version_of(self, file_id: int, chunk_index: int) -> int:
+        """The chunk's version; 0 when the shard has no such chunk."""
+        chunk = self._chunks.get((file_id, chunk_index))
+        return 0 if chunk is None else int(self.versions[chunk.slot])
+
+    def snapshot(self, file_id: int, chunk_index: int) -> tuple[int, bytes] | None:
+        """``(version, a copy of the whole chunk)``, or None when the shard has no such chunk."""
+        chunk = self._chunks.get((file_id, chunk_index))
+        if chunk is None:
+            return None
+        return int(self.versions[chunk.slot]), bytes(self.region.view[chunk.offset : chunk.offset + chunk.size])
+
+    def checksum(self, file_id: int, chunk_index: int) -> tuple[int, int]:
+        """``(version, zlib CRC-32 of the whole chunk)``; ``(0, 0)`` when there is no such chunk."""
+        chunk = self._chunks.get((file_id, chunk_index))
+        if chunk is None:
+            return 0, 0
+        return int(self.versions[chunk.slot]), zlib.crc32(self.region.view[chunk.offset : chunk.offset + chunk.size])
+
+    def replace(self, file_id: int, chunk_index: int, chunk_size: int, data: memoryview | bytes, version: int) -> int:
+        """Set a whole chunk (creating it if needed) and its version: how a replica that missed
+        updates is brought level with its predecessor's copy.
+
+        Raises:
+            BadRequest: ``data`` is not ``chunk_size`` bytes, or the version is 0. NoSpace.
+        """
+        if len(data) != chunk_size or version <= 0:
+            raise BadRequest(f"a whole-chunk copy needs {chunk_size} bytes and a version > 0,"
+                             f" got {len(data)} bytes at version {version}")
+        chunk = self._chunks.get((file_id, chunk_index))
+        if chunk is not None and chunk.size != chunk_size:
+            self._drop(file_id, chunk_index)
+        chunk = self._get_or_create(file_id, chunk_index, chunk_size)
+        self.region.view[chunk.offset : chunk.offset + chunk_size] = data
+        self.versions[chunk.slot] = version
+        return version
 
     def _bump(self, chunk: Chunk) -> int:
         self.versions[chunk.slot] += 1

@@ -2,7 +2,8 @@
 
 Layout of ``--data-dir DIR`` (one directory per shard)::
 
-    shard.json   {"format": 1, "shard_id": N, "capacity": BYTES, "incarnation": U63}
+    shard.json   {"format": 1, "shard_id": N, "capacity": BYTES, "incarnation": U63,
+                  "cluster_id": HEX}  (the cluster it belongs to, when it runs with a key)
     region       the memory region: a sparse file of ``capacity`` bytes, memory-mapped
                  MAP_SHARED; chunk bytes live at their region offset
     versions     the chunk version table: little-endian u64, one slot per 4 KiB page of the
@@ -82,7 +83,8 @@ class ShardStore:
             format, or cannot be created or mapped (the message says which and what to do).
     """
 
-    def __init__(self, path: str, shard_id: int, capacity: int | None, durability: str = "fsync") -> None:
+    def __init__(self, path: str, shard_id: int, capacity: int | None, durability: str = "fsync",
+                 cluster_id: str | None = None) -> None:
         if durability not in DURABILITY_MODES:
             raise IrdmaError(f"unknown durability {durability!r}", f"use one of {', '.join(DURABILITY_MODES)}")
         self.path = os.path.abspath(path)
@@ -93,7 +95,7 @@ class ShardStore:
         #: are then zeroed by writing zeros.
         self.punch = True
         try:
-            os.makedirs(self.path, exist_ok=True)
+            os.makedirs(self.path, mode=0o700, exist_ok=True)
         except OSError as exc:
             raise IrdmaError(f"cannot make the shard data directory {self.path}: {exc.strerror}",
                              "pass --data-dir a directory you can write") from None
@@ -105,6 +107,7 @@ class ShardStore:
             self.shard_id = shard_id
             self.capacity = capacity
             self.incarnation = (int.from_bytes(os.urandom(8), "big") >> 1) or 1
+            self.cluster_id = cluster_id
         else:
             with open(meta_path) as f:
                 try:
@@ -121,6 +124,13 @@ class ShardStore:
                 raise IrdmaError(f"{self.path} holds a shard of {cap} bytes, not {capacity}",
                                  "leave out --capacity to use the shard's own")
             self.shard_id, self.capacity, self.incarnation = sid, cap, inc
+            self.cluster_id = info.get("cluster_id")
+            if cluster_id is not None and self.cluster_id is not None and cluster_id != self.cluster_id:
+                raise IrdmaError(f"{self.path} holds a shard of cluster {self.cluster_id}, not of cluster {cluster_id}"
+                                 " (the key file's)", "pass that cluster's --key-file, or another --data-dir")
+            if cluster_id is not None and self.cluster_id is None:
+                self.cluster_id = cluster_id
+                self._write_info(meta_path)  # from now on it belongs to this cluster
         if self.capacity <= 0 or self.capacity % PAGE:
             raise IrdmaError(f"region capacity {self.capacity} must be a positive multiple of {PAGE}")
         try:
@@ -138,13 +148,19 @@ class ShardStore:
         self._db.execute("CREATE TABLE IF NOT EXISTS chunks(file INTEGER NOT NULL, idx INTEGER NOT NULL,"
                          " offset INTEGER NOT NULL, size INTEGER NOT NULL, PRIMARY KEY(file, idx))")
         if self.fresh:  # written last: a directory with shard.json is complete
-            tmp = meta_path + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump({"format": FORMAT, "shard_id": self.shard_id, "capacity": self.capacity,
-                           "incarnation": self.incarnation}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, meta_path)
+            self._write_info(meta_path)
+
+    def _write_info(self, meta_path: str) -> None:
+        info: dict[str, object] = {"format": FORMAT, "shard_id": self.shard_id, "capacity": self.capacity,
+                "incarnation": self.incarnation}
+        if self.cluster_id is not None:
+            info["cluster_id"] = self.cluster_id
+        tmp = meta_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, meta_path)
 
     def _map(self, name: str, size: int) -> tuple[int, mmap.mmap]:
         fd = os.open(os.path.join(self.path, name), os.O_RDWR | os.O_CREAT, 0o600)

@@ -20,7 +20,7 @@ def transport_name(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """Two real shard processes and a SQLite namespace, for one test module."""
-    with running_cluster(str(tmp_path_factory.mktemp("cluster")), shards=2, capacity=128 << 20) as c:
+    with running_cluster(str(tmp_path_factory.mktemp("cluster")), shards=2, capacity=256 << 20) as c:
         yield c
 
 

@@ -50,9 +50,9 @@ def assert_clean_log(path: str, allow: tuple[str, ...] = ()) -> None:
 
 
 class Cluster:
-    def __init__(self, directory: str, shards: int, capacity: int) -> None:
+    def __init__(self, directory: str, shards: int, capacity: int, replicas: int | None = None) -> None:
         self.dir = directory
-        self.meta_url = cluster.up(directory, shards, capacity, fresh=True)
+        self.meta_url = cluster.up(directory, shards, capacity, fresh=True, replicas=replicas)
         self.shards = cluster.read_state(directory)
 
     def logs(self) -> list[str]:
@@ -65,8 +65,10 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def running_cluster(directory: str, shards: int = 2, capacity: int = 64 << 20) -> Iterator[Cluster]:
-    c = Cluster(directory, shards, capacity)
+def running_cluster(directory: str, shards: int = 2, capacity: int = 64 << 20,
+                    replicas: int | None = None) -> Iterator[Cluster]:
+    """``replicas``: None for ``irdma up``'s default (2 with 2 or more shards)."""
+    c = Cluster(directory, shards, capacity, replicas)
     try:
         yield c
     finally:
@@ -87,3 +89,66 @@ def mounted(meta_url: str, mountpoint: str, allow_log: tuple[str, ...] = (), **k
         if os.path.ismount(mountpoint):
             unmount(mountpoint)
         assert_clean_log(log, allow_log)
+
+
+class RawShard:
+    """A blocking socket to a shard that does the HELLO/AUTH exchange of :mod:`irdma.auth` by
+    hand (with ``ring``, else none) and then sends and receives frames with their tags: for
+    tests that put their own bytes on the wire."""
+
+    def __init__(self, address: str, ring: object | None, name: str = "raw") -> None:
+        import secrets
+        import socket
+
+        from irdma import auth
+        from irdma import protocol as P
+        from irdma.transport.tcp import Macs
+
+        self.P = P
+        self.auth = auth
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.macs: Macs | None = None
+        offer = b""
+        if ring is not None:
+            nonce = secrets.token_bytes(auth.NONCE_SIZE)
+            offer = ring.cluster_id + nonce  # type: ignore[attr-defined]
+        self.sock.sendall(b"".join(P.encode_request(P.Hello(client_name=name, auth=offer), 0)))
+        r = self.reply()
+        if isinstance(r, P.AuthChallenge) and ring is not None:
+            t = auth.transcript(ring.cluster_id, nonce, r.nonce)  # type: ignore[attr-defined]
+            self.sock.sendall(b"".join(P.encode_request(P.Auth(auth.client_proof(ring.current, t), ), 0)))  # type: ignore[attr-defined]
+            r = self.reply()
+            assert isinstance(r, P.HelloReply) and r.proof == auth.shard_proof(ring.current, t), r  # type: ignore[attr-defined]
+            c2s, s2c = auth.session_keys(ring.current, t)  # type: ignore[attr-defined]
+            self.macs = Macs(c2s, s2c)
+        self.hello = r
+
+    def send(self, frame: bytes) -> None:
+        """Send one whole frame (header and body) and its tag."""
+        tag = self.macs.send.tag([frame]) if self.macs is not None else b""
+        self.sock.sendall(frame + tag)
+
+    def request(self, msg: object, rid: int) -> None:
+        self.send(b"".join(self.P.encode_request(msg, rid)))  # type: ignore[arg-type]
+
+    def _exactly(self, n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            got = self.sock.recv(n - len(buf))
+            assert got, "the shard closed the connection"
+            buf += got
+        return buf
+
+    def reply(self) -> object:
+        P = self.P
+        hdr = self._exactly(P.HEADER_SIZE)
+        frame = P.parse_header(hdr, 1 << 30, any_version=True)
+        body = self._exactly(frame.body_len) if frame.body_len else b""
+        if self.macs is not None:
+            self.macs.recv.check([hdr, body], self._exactly(self.auth.TAG_SIZE))
+        frame.body = memoryview(body)
+        return P.decode_reply(frame)
+
+    def close(self) -> None:
+        self.sock.close()

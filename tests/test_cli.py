@@ -49,10 +49,10 @@ BAD_INPUTS = [
     (["shard", "add", "{silent}", "--timeout", "0.5", "--meta", "{meta}"], 1, "--force"),
     (["shard", "add", "{busy}", "--meta", "{meta}"], 1, "irdma shard list"),
     (["shard", "add", "127.0.0.1:1", "--meta", "http://x"], 1, "sqlite:///PATH/meta.db"),
-    (["server", "--listen", "{busy}", "--capacity", "8MiB", "--transport", "tcp"], 1, "pick another port"),
-    (["server", "--listen", "192.0.2.1:7700", "--capacity", "8MiB", "--transport", "tcp"], 1, "address of this machine"),
+    (["server", "--listen", "{busy}", "--capacity", "8MiB", "--transport", "tcp", "--no-auth"], 1, "pick another port"),
+    (["server", "--listen", "192.0.2.1:7700", "--capacity", "8MiB", "--transport", "tcp", "--no-auth"], 1, "address of this machine"),
     (["server", "--listen", "nonsense", "--transport", "tcp"], 2, "HOST:PORT"),
-    (["server", "--listen", "127.0.0.1:0", "--capacity", "1000TiB", "--transport", "tcp"], 1, "smaller --capacity"),
+    (["server", "--listen", "127.0.0.1:0", "--capacity", "1000TiB", "--transport", "tcp", "--no-auth"], 1, "smaller --capacity"),
     (["up", "--dir", "/proc/x", "--transport", "tcp"], 1, "pass --dir"),
     (["up", "--dir", "{junk}/x", "--transport", "tcp"], 1, "pass --dir"),
     (["up", "--dir", "{tmp}/c", "--capacity", "0", "--transport", "tcp"], 1, "--capacity 64MiB or more"),
@@ -144,10 +144,16 @@ def test_status_exits_0_when_healthy_and_1_when_a_shard_is_down(cluster: Cluster
 
 
 def test_cluster_health_decides_the_exit_code_of_status() -> None:
+    from irdma.meta import ShardRecord
+
     up, down = object(), None
+    ok, syncing = ShardRecord(1, "a:1", "up", 0, health="up"), ShardRecord(2, "a:2", "up", 0, health="syncing")
     assert cluster_health([]).exit_code == 1
-    assert cluster_health([(None, up, ""), (None, down, "refused")]).exit_code == 1
-    assert cluster_health([(None, up, ""), (None, up, "")]).exit_code == 0
+    assert cluster_health([(ok, up, ""), (ok, down, "refused")]).exit_code == 1
+    assert cluster_health([(ok, up, ""), (ok, up, "")]).exit_code == 0
+    # a shard catching up, or chunks short of replicas: degraded until the resync is done
+    assert cluster_health([(ok, up, ""), (syncing, up, "")]).exit_code == 1
+    assert cluster_health([(ok, up, ""), (ok, up, "")], [], under_replicated=3).exit_code == 1
 
 
 def test_find_mount_reads_the_mount_table_with_its_escapes(tmp_path: object) -> None:

@@ -41,7 +41,7 @@ class ShardProcess:
         with open(self.log, "wb") as logf:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "irdma.cli", "server", "--listen", "127.0.0.1:0", "--capacity", str(capacity),
-                 "--shard-id", "1", "--port-file", self.port_file, "--transport", transport],
+                 "--shard-id", "1", "--port-file", self.port_file, "--transport", transport, "--no-auth"],
                 stdout=logf, stderr=subprocess.STDOUT,
             )
         wait_until(lambda: os.path.exists(self.port_file) or self.proc.poll() is not None, 60, f"{name} to listen")

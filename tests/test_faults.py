@@ -26,7 +26,8 @@ from helpers import Cluster, irdma_cli, mounted, running_cluster, wait_until
 
 import irdma
 from irdma._proc import pid_alive, spawn_detached
-from irdma.cluster import ShardProc
+from irdma.auth import read_key_file
+from irdma.cluster import ShardProc, key_file_of
 from irdma.transport.tcp import TcpTransport
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
@@ -38,7 +39,8 @@ TIMEOUT = 2.0  # the mounts' request deadline in these tests (default 10 s)
 def restart_shard(c: Cluster, s: ShardProc, capacity: int) -> ShardProc:
     """Start a shard process again on the same address and id (fresh, empty memory)."""
     pid = spawn_detached(["-m", "irdma.cli", "server", "--listen", s.address, "--capacity", str(capacity),
-                          "--shard-id", str(s.shard_id), "--transport", "tcp"], s.log)
+                          "--shard-id", str(s.shard_id), "--transport", "tcp",
+                          "--key-file", key_file_of(c.dir)], s.log)
     new = ShardProc(s.shard_id, s.address, pid, s.log)
     c.shards = [new if x.shard_id == s.shard_id else x for x in c.shards]
     from irdma.cluster import _write_state
@@ -47,7 +49,8 @@ def restart_shard(c: Cluster, s: ShardProc, capacity: int) -> ShardProc:
 
     def answers() -> bool:
         try:
-            trio.run(irdma.cluster.wait_for_shard, s.address, "tcp", time.monotonic() + 0.5)
+            trio.run(irdma.cluster.wait_for_shard, s.address, "tcp", time.monotonic() + 0.5, None,
+                     read_key_file(key_file_of(c.dir)))
             return True
         except irdma.ShardUnavailable:
             return False
@@ -92,7 +95,7 @@ LOST_LOG = ("lost", "failed", "did not answer", "DataLost", "is gone", "refused"
 
 def test_a_restarted_shard_never_reads_as_zeros(tmp_path: object) -> None:
     tmp = str(tmp_path)
-    with running_cluster(os.path.join(tmp, "c"), shards=2, capacity=64 * MB) as c, \
+    with running_cluster(os.path.join(tmp, "c"), shards=2, replicas=1, capacity=64 * MB) as c, \
             mount(c, tmp, "m", allow=LOST_LOG) as m:
         os.makedirs(os.path.join(m, "d"))
         os.setxattr(os.path.join(m, "d"), "user.irdma.chunk_size", b"1048576")
@@ -153,7 +156,7 @@ def test_a_restarted_shard_never_reads_as_zeros(tmp_path: object) -> None:
 
 def test_a_stopped_shard_fails_its_reads_within_the_deadline_and_nothing_else(tmp_path: object) -> None:
     tmp = str(tmp_path)
-    with running_cluster(os.path.join(tmp, "c"), shards=2, capacity=64 * MB) as c, \
+    with running_cluster(os.path.join(tmp, "c"), shards=2, replicas=1, capacity=64 * MB) as c, \
             mount(c, tmp, "m", allow=LOST_LOG) as m:
         os.makedirs(os.path.join(m, "d"))
         os.setxattr(os.path.join(m, "d"), "user.irdma.chunk_size", b"1048576")
@@ -194,7 +197,7 @@ def test_a_stopped_shard_fails_its_reads_within_the_deadline_and_nothing_else(tm
 
 def test_a_foreign_free_is_reported_not_read_as_zeros(tmp_path: object) -> None:
     tmp = str(tmp_path)
-    with running_cluster(os.path.join(tmp, "c"), shards=2, capacity=64 * MB) as c, \
+    with running_cluster(os.path.join(tmp, "c"), shards=2, replicas=1, capacity=64 * MB) as c, \
             mount(c, tmp, "m", allow=LOST_LOG) as m:
         data = os.urandom(3 * MB)
         with open(os.path.join(m, "f"), "wb") as f:
@@ -204,7 +207,8 @@ def test_a_foreign_free_is_reported_not_read_as_zeros(tmp_path: object) -> None:
         async def free_everywhere() -> None:
             async with trio.open_nursery() as n:
                 for s in c.shards:
-                    conn = await TcpTransport().connect(s.address, n, client_name="foreign")
+                    conn = await TcpTransport().connect(s.address, n, client_name="foreign",
+                                                        key=read_key_file(key_file_of(c.dir)))
                     await conn.free(layout.file_id, 0)
                     await conn.aclose()
 
@@ -260,7 +264,7 @@ def test_a_killed_mount_is_recovered_and_leaks_nothing(tmp_path: object) -> None
 
 def test_sizes_count_only_stored_bytes_after_enospc(tmp_path: object) -> None:
     tmp = str(tmp_path)
-    with running_cluster(os.path.join(tmp, "c"), shards=2, capacity=8 * MB) as c, \
+    with running_cluster(os.path.join(tmp, "c"), shards=2, replicas=1, capacity=8 * MB) as c, \
             mount(c, tmp, "m", allow=("failed", "full")) as m:
         data = os.urandom(40 * MB)
         path = os.path.join(m, "big")

@@ -242,7 +242,7 @@ def test_directories_modes_and_times(mnt: str) -> None:
 
 def test_statfs_reports_cluster_capacity(mnt: str, cluster: Cluster) -> None:
     st = os.statvfs(mnt)
-    assert st.f_blocks * st.f_frsize == 2 * (128 << 20)
+    assert st.f_blocks * st.f_frsize == 2 * (256 << 20) // 2  # two shards, two replicas of everything
     assert 0 < st.f_bavail <= st.f_blocks
 
 

@@ -6,7 +6,7 @@ import collections
 
 import pytest
 
-from irdma.placement import Layout, check_chunk_size
+from irdma.placement import MOVE_ALL, Layout, Move, check_chunk_size, substitute
 
 
 def test_every_chunk_maps_to_exactly_one_shard_of_the_stripe() -> None:
@@ -51,3 +51,55 @@ def test_bad_ranges_and_chunk_sizes_are_refused() -> None:
         with pytest.raises(ValueError):
             check_chunk_size(bad)
     assert check_chunk_size(1 << 20) == 1 << 20
+
+
+def test_a_drain_moves_exactly_the_drained_shards_replicas_and_spreads_them() -> None:
+    """While shard 2 drains, every chain that holds it gains one target as its joining tail and
+    no other chain changes; once drained, the target replaces it; replicas stay distinct."""
+    layout = Layout(file_id=7, chunk_size=4096, stripe=(1, 2, 3, 4), replicas=2)
+    draining = [Move(1, 2, (1, 3, 4), done=False)]
+    drained = [Move(1, 2, (1, 3, 4), done=True)]
+    moved_to: collections.Counter[int] = collections.Counter()
+    for i in range(400):
+        chain = layout.replicas_of(i)
+        during, joining = substitute(chain, draining, layout.file_id + i)
+        after, none = substitute(chain, drained, layout.file_id + i)
+        assert none is None
+        if 2 not in chain:
+            assert (during, joining, after) == (chain, None, chain)
+            continue
+        assert joining is not None and joining not in chain and during == chain + (joining,)
+        assert after == tuple(s for s in chain if s != 2) + (joining,)  # the copy made while draining
+        assert len(set(after)) == len(after) == 2
+        moved_to[joining] += 1
+    assert set(moved_to) == {1, 3, 4} and max(moved_to.values()) - min(moved_to.values()) <= len(moved_to) * 20
+    # two drains, one after the other: the second applies to the chains the first made
+    both = drained + [Move(2, 3, (1, 4), done=True)]
+    for i in range(100):
+        chain, _ = substitute(layout.replicas_of(i), both, layout.file_id + i)
+        assert not {2, 3} & set(chain) and len(set(chain)) == len(chain) == 2
+
+
+def test_a_drained_shard_with_nowhere_to_go_leaves_its_chain_shorter() -> None:
+    chain, joining = substitute((1, 2), [Move(1, 2, (1,), done=True)], 0)
+    assert (chain, joining) == ((1,), None)
+    chain, joining = substitute((1, 2), [Move(1, 2, (1,), done=False)], 0)
+    assert (chain, joining) == ((1, 2), None)  # still draining: stays where it is
+
+
+def test_a_partial_move_takes_about_its_share_and_only_from_its_shard() -> None:
+    layout = Layout(file_id=3, chunk_size=4096, stripe=(1, 2, 3), replicas=1)
+    move = [Move(1, 1, (4,), done=True, share=MOVE_ALL // 4)]
+    on_1 = [i for i in range(4000) if layout.replicas_of(i) == (1,)]
+    moved = [i for i in on_1 if substitute((1,), move, layout.file_id + i)[0] == (4,)]
+    assert 0.2 < len(moved) / len(on_1) < 0.3  # a quarter, by a hash
+    for i in range(4000):
+        chain = layout.replicas_of(i)
+        if chain != (1,):
+            assert substitute(chain, move, layout.file_id + i)[0] == chain
+
+
+def test_a_partial_move_never_drops_a_replica_it_has_nowhere_to_take() -> None:
+    move = [Move(1, 1, (2,), done=True, share=MOVE_ALL // 2)]
+    for salt in range(200):
+        assert substitute((1, 2), move, salt) == ((1, 2), None)

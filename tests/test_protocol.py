@@ -24,6 +24,18 @@ REQUESTS = [
     P.RemoteWrite(9, 4, 1 << 20, 8, P.UpdateOp.ADD, False, 4096, 65536, 0, existing=True),
     P.Write(7, 3, 4 << 20, 12, P.UpdateOp.ASSIGN, b"abcd", existing=True),
     P.List(7, 3, 100),
+    # replication: a client's update with its chain, a forward, a whole-chunk copy, RESYNC, CHECKSUM
+    P.Write(7, 3, 4 << 20, 12, P.UpdateOp.ADD, b"abcd", chain=P.Chain(2**64 - 1, 9, 0, 5000, ((2, "10.0.0.2:7700"),
+                                                                                          (3, "[::1]:7701")))),
+    P.Write(7, 3, 4 << 20, 12, P.UpdateOp.ADD, b"abcd", chain=P.Chain(5, 9, 42, 2500)),
+    P.Write(7, 3, 8, 0, P.UpdateOp.ASSIGN, b"12345678", chain=P.Chain(0, 9, 43, 2500), replace=True),
+    P.RemoteWrite(9, 4, 1 << 20, 8, P.UpdateOp.ADD, False, 4096, 65536, 0, chain=P.Chain(6, 1, 0, 10, ((4, "h:1"),))),
+    P.Resync(7, 3, 4 << 20, P.Chain(0, 3, 0, 5000, ((2, "127.0.0.1:9"),))),
+    P.Checksum(7, 3, 12),
+    P.Read(7, 3, 0, 4096, clean=True),
+    # authentication: an offer (cluster id and nonce) and a proof
+    P.Hello(4, 4, "worker-1", bytes(range(48))),
+    P.Auth(bytes(range(32))),
 ]
 
 REPLIES = [
@@ -42,6 +54,15 @@ REPLIES = [
     (P.Opcode.LIST, P.ListReply([P.ChunkEntry(7, 0, 4 << 20, 3), P.ChunkEntry(2**64 - 1, 9, 4096, 0)])),
     (P.Opcode.LIST, P.ListReply([])),
     (P.Opcode.WRITE, P.ErrorReply(P.Status.CHUNK_LOST, "chunk (7, 3) is not on shard 1")),
+    (P.Opcode.WRITE, P.ErrorReply(P.Status.FORWARD_FAILED, "replica 3 did not answer", 3)),
+    (P.Opcode.WRITE, P.ErrorReply(P.Status.STALE, "replica 4 is behind", 4)),
+    (P.Opcode.WRITE, P.ErrorReply(P.Status.FENCED, "epoch 9 seen")),
+    (P.Opcode.CHECKSUM, P.ChecksumReply(12, 0xDEADBEEF)),
+    (P.Opcode.RESYNC, P.VersionReply(12)),
+    (P.Opcode.HELLO, P.AuthChallenge(bytes(range(32, 64)))),
+    (P.Opcode.AUTH, P.HelloReply(4, 3, 2 << 30, 16 << 20, 7, b"", bytes(range(32)))),
+    (P.Opcode.AUTH, P.HelloReply(4, 3, 2 << 30, 16 << 20, 7, b"verbs", bytes(range(32)))),
+    (P.Opcode.AUTH, P.ErrorReply(P.Status.AUTH_FAILED, "wrong cluster key")),
 ]
 
 

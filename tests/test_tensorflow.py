@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -78,5 +79,9 @@ def test_demo_runs_end_to_end_and_leaves_nothing_behind() -> None:
     assert "bit-identical" in res.stdout and "demo passed" in res.stdout
     result = json.loads(res.stdout.split("RESULT ", 1)[1].splitlines()[0])
     assert result["accuracy"] >= 0.93 and result["bit_identical"]
+    # its own work directory only: a machine may hold other runs' mounts
+    work = re.search(r"starting a local cluster of \d+ shards in (\S+)/cluster", res.stdout)
+    assert work is not None, res.stdout[-2000:]
     with open("/proc/mounts") as f:
-        assert "irdma-demo-" not in f.read()
+        assert work.group(1) not in f.read()
+    assert not os.path.exists(work.group(1))

@@ -47,6 +47,14 @@ def vcluster(vcluster_dir: str) -> str:
 
 
 @pytest.fixture(scope="module")
+def vkey(vcluster_dir: str):  # type: ignore[no-untyped-def]
+    """The cluster key (shards serve only its holders)."""
+    from irdma import auth
+
+    return auth.read_key_file(_cluster.key_file_of(vcluster_dir))
+
+
+@pytest.fixture(scope="module")
 def vshard(vcluster_dir: str) -> str:
     """The address of one verbs shard of the cluster."""
     return _cluster.read_state(vcluster_dir)[0].address
@@ -133,7 +141,7 @@ def test_memlock_too_low_is_a_clear_error(tmp_path: object) -> None:
         os.setuid(65534)
 
     res = subprocess.run([sys.executable, "-m", "irdma.cli", "server", "--listen", "127.0.0.1:0",
-                          "--capacity", "64MiB", "--transport", "verbs"],
+                          "--capacity", "64MiB", "--transport", "verbs", "--no-auth"],
                          capture_output=True, text=True, preexec_fn=drop, timeout=120, cwd="/")
     assert res.returncode == 1, res.stderr
     assert "memlock" in res.stderr and "ulimit -l" in res.stderr
@@ -151,8 +159,7 @@ def test_tcp_shard_refuses_a_verbs_client_clearly(tmp_path: object) -> None:
         _cluster.down(d)
 
 
-
-def test_cancelled_posts_leak_no_slot_credit_or_buffer(vshard: str) -> None:
+def test_cancelled_posts_leak_no_slot_credit_or_buffer(vshard: str, vkey: object) -> None:
     """300 pushes and pulls cancelled at every point of their work (an assign posts an RDMA
     WRITE and a SEND, an add the same into a staging slot, a pull two RDMA READs); then a
     normal request completes, and once the connection is quiet everything lent is back."""
@@ -161,7 +168,7 @@ def test_cancelled_posts_leak_no_slot_credit_or_buffer(vshard: str) -> None:
     async def main() -> None:
         with trio.fail_after(600):
             async with trio.open_nursery() as nursery:
-                c = await make_transport("verbs").connect(vshard, nursery)
+                c = await make_transport("verbs").connect(vshard, nursery, key=vkey)
                 fid = 9_000_000 + os.getpid()
                 ones = np.ones(1024, "<f4").tobytes()
                 await c.write(fid, 0, chunk, 0, UpdateOp.ASSIGN, bytes(4096))
@@ -191,14 +198,14 @@ def test_cancelled_posts_leak_no_slot_credit_or_buffer(vshard: str) -> None:
     trio.run(main)
 
 
-def test_a_write_to_a_chunk_freed_by_another_client_locates_it_again(vshard: str) -> None:
+def test_a_write_to_a_chunk_freed_by_another_client_locates_it_again(vshard: str, vkey: object) -> None:
     chunk = 1 << 20
 
     async def main() -> None:
         with trio.fail_after(120):
             async with trio.open_nursery() as nursery:
-                a = await make_transport("verbs").connect(vshard, nursery)
-                b = await make_transport("verbs").connect(vshard, nursery)
+                a = await make_transport("verbs").connect(vshard, nursery, key=vkey)
+                b = await make_transport("verbs").connect(vshard, nursery, key=vkey)
                 fid = 9_100_000 + os.getpid()
                 await a.write(fid, 0, chunk, 0, UpdateOp.ASSIGN, b"first")  # a caches the chunk's place
                 assert await b.free(fid, 0) == 1  # b frees it: a's place is stale
@@ -222,7 +229,7 @@ class _StepCounter(trio.abc.Instrument):
         self.steps += 1
 
 
-def test_an_assign_posts_its_write_then_its_commit_in_one_step(vshard: str) -> None:
+def test_an_assign_posts_its_write_then_its_commit_in_one_step(vshard: str, vkey: object) -> None:
     """RC queue pairs execute in order: the RDMA WRITE must be posted before the SEND that
     commits it, by the same task with no checkpoint in between."""
     from irdma.transport.verbs import e
@@ -230,7 +237,7 @@ def test_an_assign_posts_its_write_then_its_commit_in_one_step(vshard: str) -> N
     async def main() -> None:
         with trio.fail_after(120):
             async with trio.open_nursery() as nursery:
-                c = await make_transport("verbs").connect(vshard, nursery)
+                c = await make_transport("verbs").connect(vshard, nursery, key=vkey)
                 fid = 9_200_000 + os.getpid()
                 await c.write(fid, 0, 1 << 20, 0, UpdateOp.ASSIGN, b"located")  # LOCATE once
                 ep = c._ep  # type: ignore[attr-defined]
@@ -253,5 +260,134 @@ def test_an_assign_posts_its_write_then_its_commit_in_one_step(vshard: str) -> N
                 finally:
                     trio.lowlevel.remove_instrument(counter)
                 nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_verbs_client_without_the_key_gets_no_rkey(vshard: str, vcluster_dir: str) -> None:
+    """Memory addresses and rkeys come only in the VERBS_CONNECT reply, on an authenticated
+    control connection: no key, or a wrong one, and there is no queue pair and no rkey."""
+    import secrets
+
+    from irdma import auth
+    from irdma import protocol as P
+    from irdma._errors import AuthFailed
+    from irdma.transport.verbs import VerbsTransport
+
+    ring = auth.read_key_file(_cluster.key_file_of(vcluster_dir))
+
+    async def connect(key: auth.KeyRing | None) -> None:
+        async with trio.open_nursery() as n:
+            conn = await VerbsTransport().connect(vshard, n, key=key, timeout=10)
+            assert conn.remote is not None and conn.remote.region_rkey  # the key holder gets its rkey
+            await conn.aclose()
+
+    trio.run(connect, ring)
+    for key in (None, auth.KeyRing(ring.cluster_id, (secrets.token_bytes(32),))):
+        with pytest.raises(BaseException) as info:
+            trio.run(connect, key)
+        leaves = info.value.exceptions if isinstance(info.value, BaseExceptionGroup) else [info.value]
+        assert all(isinstance(e, AuthFailed) for e in leaves), leaves
+    # VERBS_CONNECT before (or instead of) the handshake: refused, no rkey on the wire
+    import socket
+
+    host, port = vshard.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=10)
+    s.sendall(b"".join(P.encode_request(P.VerbsConnect(1, 2, bytes(16)), 1)))
+    got = b""
+    while chunk := s.recv(65536):
+        got += chunk
+    s.close()
+    frame = P.parse_header(got[: P.HEADER_SIZE], 1 << 20, any_version=True)
+    assert frame.status != P.Status.OK
+
+
+def test_a_killed_verbs_shard_under_load_loses_nothing_with_two_replicas(tmp_path: object) -> None:
+    """3 verbs shards, 2 replicas: a client adds a vector 60 times to one file while the head
+    of its first chunk is SIGKILLed after 20, then drains another shard: no error, the sum is
+    exact, a file written before reads bit-exact, on verbs all along."""
+    import signal
+
+    d = os.path.join(str(tmp_path), "c")
+    meta = _cluster.up(d, 3, 64 << 20, transport="verbs", fresh=True, replicas=2)
+    try:
+        n = 1 << 18  # 1 MiB of float32 over four 256 KiB chunks
+        vec = np.full(n, 1.5, dtype="<f4")
+        before = os.urandom(3 << 20)
+        with irdma.connect(meta, transport="verbs", timeout=4.0) as c:
+            c.write("/before", before, chunk_size=1 << 20)
+            c.write("/sum", np.zeros(n, "<f4"), chunk_size=1 << 18)
+            c.set_update_op("/sum", "add")
+            inode = c.stat("/sum")
+            head = irdma.Layout(inode.ino, inode.chunk_size, inode.stripe, inode.replicas).shard_of(0)
+            for i in range(60):
+                if i == 20:
+                    proc = next(s for s in _cluster.read_state(d) if s.shard_id == head)
+                    os.kill(proc.pid, signal.SIGKILL)
+                c.push("/sum", vec)
+                assert c.read("/before") == before
+            np.testing.assert_array_equal(c.pull("/sum"), vec * 60)
+        _cluster.up(d, 3, 64 << 20, transport="verbs")  # the killed shard back on its data
+        other = next(s.shard_id for s in _cluster.read_state(d) if s.shard_id != head)
+        irdma_cli("shard", "drain", str(other), "--meta", meta)
+        with irdma.connect(meta, transport="verbs", timeout=4.0) as c:
+            np.testing.assert_array_equal(c.pull("/sum"), vec * 60)
+            assert c.read("/before") == before
+            c.push("/sum", vec)
+            np.testing.assert_array_equal(c.pull("/sum"), vec * 61)
+    finally:
+        _cluster.down(d)
+
+
+def test_a_clients_rkeys_stop_working_when_its_connection_ends(vshard: str, vkey: object) -> None:
+    """Every client gets registrations (rkeys) of its own, deregistered when its connection
+    ends: another connection that borrows them reads while the first is open, and is refused
+    by the device once the shard has seen the first one close (within a deadline)."""
+    import dataclasses
+
+    from irdma._errors import IrdmaError
+    from irdma.transport.verbs import VerbsTransport
+
+    fid = 9_300_000 + os.getpid()
+    data = os.urandom(4096)
+
+    async def borrow_read(n: trio.Nursery, keys: object) -> bytes:
+        """Read the chunk on a fresh connection that uses ``keys``' rkeys instead of its own."""
+        b = await VerbsTransport().connect(vshard, n, key=vkey, timeout=10)
+        try:
+            assert b.remote is not None
+            b.remote = dataclasses.replace(b.remote, region_rkey=keys.region_rkey,  # type: ignore[attr-defined]
+                                           versions_rkey=keys.versions_rkey)  # type: ignore[attr-defined]
+            buf = bytearray(4096)
+            await b.read(fid, 0, 0, memoryview(buf))
+            return bytes(buf)
+        finally:
+            await b.aclose()
+
+    async def main() -> None:
+        with trio.fail_after(120):
+            async with trio.open_nursery() as n:
+                a = await VerbsTransport().connect(vshard, n, key=vkey, timeout=10)
+                assert a.remote is not None
+                await a.write(fid, 0, 1 << 20, 0, UpdateOp.ASSIGN, data)
+                keys = a.remote
+                assert await borrow_read(n, keys) == data  # a's keys work while a is connected
+                await a.aclose()
+                refused = False
+                with trio.move_on_after(20):
+                    while not refused:
+                        try:
+                            got = await borrow_read(n, keys)
+                        except IrdmaError:
+                            refused = True
+                        else:
+                            assert got == data
+                            await trio.sleep(0.1)  # the shard has not seen a's close yet
+                assert refused, "a closed connection's rkeys still read the shard's memory after 20 s"
+                c = await VerbsTransport().connect(vshard, n, key=vkey, timeout=10)
+                assert c.remote is not None and c.remote.region_rkey != keys.region_rkey
+                await c.free(fid, 0)
+                await c.aclose()
+                n.cancel_scope.cancel()
 
     trio.run(main)

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import abc
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from irdma.placement import Move
 
 ROOT_INO = 1
 #: The xattr that sets what a write to a file does: ``assign`` or ``add``.
@@ -42,6 +45,7 @@ class Inode:
     stripe: tuple[int, ...] = field(default=())  # shard ids the file is striped over
     update_op: str | None = None  # files: "assign" | "add"; directories: default or None
     rdev: int = 0  # device number of a character or block device node, else 0
+    replicas: int = 1  # files: copies of each chunk, on distinct shards of the stripe
 
     @property
     def is_dir(self) -> bool:
@@ -62,10 +66,14 @@ def setid_bits(mode: int) -> int:
 class ShardRecord:
     shard_id: int
     address: str
-    state: str  # "up" (registered, expected to answer) or "drained"
+    # "up" (in service: new files are striped over it) | "draining" (its chunks are being
+    # moved away) | "drained" (they were: in no chain) | "removed" (out of the cluster)
+    state: str
     added_ns: int
     incarnation: int = 0  # the shard's memory as last seen by a client; 0: never contacted
-    health: str = "unknown"  # "up" | "down" (as last seen by a heartbeat or a request) | "unknown"
+    # "up" | "down" (as last seen by a heartbeat or a request) | "syncing" (back, catching up on
+    # the updates it missed: in its chains as the tail, read from only when no replica is up) | "unknown"
+    health: str = "unknown"
     health_ns: int = 0
 
 
@@ -310,17 +318,111 @@ class MetaStore(abc.ABC):
         chunk recorded on it with the old incarnation is lost."""
 
     @abc.abstractmethod
-    def set_shard_health(self, shard_id: int, health: str) -> None:
-        """``up`` or ``down``, as a heartbeat or a failed request found it."""
+    def set_shard_health(self, shard_id: int, health: str) -> tuple[str, int]:
+        """``up`` or ``down``, as a heartbeat or a failed request found it. A shard found up
+        after it was down becomes ``syncing`` (it may have missed updates) until
+        :meth:`mark_synced`. A change that alters chains bumps the epoch (the *view* requests
+        carry). Returns the health recorded and the epoch."""
+
+    @abc.abstractmethod
+    def mark_synced(self, shard_id: int, epoch: int) -> bool:
+        """A ``syncing`` shard is up to date: ``up`` again, if the epoch is still ``epoch``
+        (else False: resync again)."""
+
+    @abc.abstractmethod
+    def shard_view(self) -> tuple[int, list[ShardRecord], list[Move]]:
+        """The epoch, the shard map and its moves (oldest first), read together."""
+
+    # replication
+    @abc.abstractmethod
+    def replicas(self) -> int:
+        """Copies of each chunk for files created from now on (the namespace's setting)."""
+
+    @abc.abstractmethod
+    def set_replicas(self, replicas: int) -> None:
+        """Set :meth:`replicas` (1 to 8; files get at most as many as they have shards).
+
+        Raises:
+            InvalidArgument: out of range.
+        """
+
+    @abc.abstractmethod
+    def note_replica(self, ino: int, idx: int, shard_id: int, incarnation: int) -> None:
+        """Record that shard ``shard_id`` (in ``incarnation``) holds an up-to-date copy of a
+        written chunk (after a resync brought it level)."""
+
+    @abc.abstractmethod
+    def replicated_chunks(self, shard_ids: Sequence[int], min_replicas: int = 2) -> list[tuple[Inode, list[int]]]:
+        """Every file with at least ``min_replicas`` replicas striped over any of ``shard_ids``,
+        each with the indices of its written chunks (some of which have a replica there; none
+        for an empty file)."""
+
+    # live shard operations (irdma.placement.substitute says what a move does to chains)
+    @abc.abstractmethod
+    def drain_shard(self, shard_id: int) -> int:
+        """Begin draining a shard in service: state ``draining``, and a move of all its chunks
+        to every other shard in service; bumps the epoch. Returns the new epoch (the current
+        one, nothing changed, when it drains already).
+
+        Raises:
+            NotFound: no such shard. InvalidArgument: another move is in progress, the shard is
+            drained or removed, or no other shard is in service.
+        """
+
+    @abc.abstractmethod
+    def begin_move(self, shard_id: int, targets: Sequence[int], share: int) -> int:
+        """Begin moving ``share`` (in 1/MOVE_ALL parts) of a shard's chunks to ``targets``
+        (``irdma rebalance``); bumps the epoch. Returns the new epoch.
+
+        Raises:
+            InvalidArgument: another move is in progress, or a shard is not in service.
+        """
+
+    @abc.abstractmethod
+    def finish_move(self, seq: int, epoch: int, moved: Sequence[tuple[int, int]] = ()) -> bool:
+        """Mark move ``seq`` done, if the epoch is still ``epoch`` (its copies were made on that
+        view), and forget the shard's replicas of the chunks ``moved`` (``(ino, index)``) in
+        the chunk map; a drain forgets all of them and marks the shard ``drained``. Bumps the
+        epoch. Returns whether it did.
+
+        Raises:
+            DataLost: a drain's shard holds the only recorded copy of a chunk (nothing changed).
+        """
+
+    @abc.abstractmethod
+    def cancel_move(self, seq: int) -> None:
+        """Forget move ``seq`` while it is in progress (a drain that cannot finish: its shard is
+        back in service); bumps the epoch."""
+
+    @abc.abstractmethod
+    def remove_shard(self, shard_id: int, force: bool = False) -> list[tuple[int, int]]:
+        """Take a drained shard out of the cluster (state ``removed``; its address may be
+        registered again). With ``force`` a shard in any state: it leaves its chains at once (a
+        move of all its chunks, done), a move in progress to or from it is cancelled, and the
+        chunks only it held count as lost.
+
+        Returns:
+            ``(ino, chunk index)`` of the chunks recorded on it that no other replica holds
+            (now lost; empty unless ``force``).
+
+        Raises:
+            NotFound: no such shard. InvalidArgument: not drained and not ``force``, or removed already.
+        """
+
+    @abc.abstractmethod
+    def under_replicated(self) -> int:
+        """Written chunks with at least one good replica but fewer than their file asks for
+        (a good replica: on the memory it was written to, of a shard neither down nor syncing)."""
 
     # the chunk map: which chunks of a file hold written bytes, and on which shard memory
     @abc.abstractmethod
-    def chunk_map(self, ino: int) -> dict[int, tuple[int, int]]:
-        """Recorded chunks of a file: chunk index -> (shard id, incarnation when written)."""
+    def chunk_map(self, ino: int) -> dict[int, dict[int, int]]:
+        """Recorded chunks of a file: chunk index -> {shard id: incarnation when written there},
+        one entry per replica written."""
 
     @abc.abstractmethod
     def damaged(self) -> list[DamagedFile]:
-        """Files with a recorded chunk whose shard has since changed incarnation."""
+        """Files with a recorded chunk none of whose replicas is on the memory it was written to."""
 
     # sessions and open files (JuiceFS's sessions and sustained inodes)
     @abc.abstractmethod
@@ -343,7 +445,7 @@ class MetaStore(abc.ABC):
     def sessions(self) -> list[Session]: ...
 
     @abc.abstractmethod
-    def open_inode(self, sid: int, ino: int) -> tuple[Inode, bytes, dict[int, tuple[int, int]]]:
+    def open_inode(self, sid: int, ino: int) -> tuple[Inode, bytes, dict[int, dict[int, int]]]:
         """What an open needs, in one transaction: the inode, its ``user.irdma.io`` mode and its
         chunk map; and a record that session ``sid`` holds it open, so that no other client
         frees its chunks while it is open (a "sustained" inode once unlinked).

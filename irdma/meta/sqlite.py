@@ -22,11 +22,12 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from irdma._errors import (
     Busy,
+    DataLost,
     Exists,
     InvalidArgument,
     IrdmaError,
@@ -40,7 +41,7 @@ from irdma._errors import (
     NotPermitted,
     Stale,
 )
-from irdma.placement import DEFAULT_CHUNK_SIZE, check_chunk_size
+from irdma.placement import DEFAULT_CHUNK_SIZE, MOVE_ALL, Move, check_chunk_size
 from irdma.protocol import UpdateOp
 
 from .base import (
@@ -85,9 +86,12 @@ CREATE TABLE IF NOT EXISTS sessions(
     started_ns INTEGER NOT NULL, heartbeat_ns INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS open_files(sid INTEGER NOT NULL, ino INTEGER NOT NULL, PRIMARY KEY(sid, ino));
 CREATE INDEX IF NOT EXISTS open_files_ino ON open_files(ino);
+CREATE TABLE IF NOT EXISTS moves(
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, shard INTEGER NOT NULL, targets TEXT NOT NULL,
+    share INTEGER NOT NULL, done INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS chunks(
     ino INTEGER NOT NULL, idx INTEGER NOT NULL, shard INTEGER NOT NULL, incarnation INTEGER NOT NULL,
-    PRIMARY KEY(ino, idx));
+    PRIMARY KEY(ino, idx, shard));
 """
 #: Columns added to the shards table since the first schema (added on open where missing).
 _SHARD_COLUMNS = {
@@ -96,9 +100,15 @@ _SHARD_COLUMNS = {
     "health_ns": "INTEGER NOT NULL DEFAULT 0",
 }
 _SHARD_COLS = "id, address, state, added_ns, incarnation, health, health_ns"
+#: SQL: chunk-map row ``c`` has another replica on memory its shard still has (not lost).
+_ELSEWHERE = ("EXISTS (SELECT 1 FROM chunks d JOIN shards s ON s.id = d.shard WHERE d.ino = c.ino AND d.idx = c.idx"
+              " AND d.shard <> c.shard AND d.incarnation = s.incarnation AND s.state <> 'removed')")
 #: Columns added to the inodes table since the first schema: the device number of a device
 #: node, the target of a symbolic link.
-_INODE_COLUMNS = {"rdev": "INTEGER NOT NULL DEFAULT 0", "target": "BLOB"}
+_INODE_COLUMNS = {"rdev": "INTEGER NOT NULL DEFAULT 0", "target": "BLOB",
+                  "replicas": "INTEGER NOT NULL DEFAULT 1"}
+#: Shard health that takes a shard out of its chains (it missed updates, or may have).
+_NOT_CURRENT = ("down", "syncing")
 log = logging.getLogger("irdma.meta")
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -124,7 +134,7 @@ def _db_errors(fn: _F) -> _F:
 
     return wrapper  # type: ignore[return-value]
 
-_COLS = "ino, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size, stripe, update_op, rdev"
+_COLS = "ino, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size, stripe, update_op, rdev, replicas"
 _VIRTUAL = (XATTR_UPDATE, XATTR_CHUNK_SIZE)
 
 
@@ -135,7 +145,8 @@ def _now() -> int:
 def _inode(row: tuple) -> Inode:  # type: ignore[type-arg]
     stripe = tuple(int(s) for s in row[10].split(",") if s)
     ino, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size = row[:10]
-    return Inode(ino, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size, stripe, row[11], row[12])
+    return Inode(ino, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size, stripe, row[11], row[12],
+                 row[13])
 
 
 class SqliteMeta(MetaStore):
@@ -165,6 +176,11 @@ class SqliteMeta(MetaStore):
                 f"no metadata database at {path}",
                 "start a cluster with `irdma up` or pass the META URL it printed",
             )
+        if create and not os.path.exists(path):
+            # private from the start: names, owners and the shard map are nobody else's
+            # business (SQLite gives its -wal and -shm files the database's mode)
+            with contextlib.suppress(OSError):
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         self.path = path
         self.url = f"sqlite://{path}"
         self.busy_timeout = busy_timeout
@@ -216,9 +232,15 @@ class SqliteMeta(MetaStore):
             raise InvalidArgument(f"{self.path} is not an irdma metadata database: it has no irdma tables", hint)
         self._db.execute("PRAGMA journal_mode=WAL")
         with self._tx() as c:
+            pk = [r[1] for r in sorted(c.execute("PRAGMA table_info(chunks)"), key=lambda r: r[5]) if r[5]]
+            if pk and "shard" not in pk:  # before replication: one row per chunk, now one per replica
+                c.execute("ALTER TABLE chunks RENAME TO chunks_v1")
             for stmt in SCHEMA.split(";"):
                 if stmt.strip():
                     c.execute(stmt)
+            if pk and "shard" not in pk:
+                c.execute("INSERT INTO chunks SELECT ino, idx, shard, incarnation FROM chunks_v1")
+                c.execute("DROP TABLE chunks_v1")
             for table, columns in (("shards", _SHARD_COLUMNS), ("inodes", _INODE_COLUMNS)):
                 have = {r[1] for r in c.execute(f"PRAGMA table_info({table})")}
                 for col, decl in columns.items():
@@ -401,7 +423,7 @@ class SqliteMeta(MetaStore):
         t = _now()
         values: tuple[object, ...]
         if is_dir:
-            values = (mode, uid, gid, 2, t, t, t, chunk_size, "", None)
+            values = (mode, uid, gid, 2, t, t, t, chunk_size, "", None, 1)
         elif stat.S_ISREG(mode):
             shards = [r[0] for r in c.execute("SELECT id FROM shards WHERE state='up' ORDER BY id")]
             if not shards:
@@ -410,12 +432,13 @@ class SqliteMeta(MetaStore):
                     "start shards with `irdma up` or register one with `irdma shard add`",
                 )
             csize = chunk_size or p.chunk_size or DEFAULT_CHUNK_SIZE
-            values = (mode, uid, gid, 1, t, t, t, csize, ",".join(map(str, shards)), p.update_op or "assign")
+            replicas = max(1, min(self._replicas(c), len(shards)))
+            values = (mode, uid, gid, 1, t, t, t, csize, ",".join(map(str, shards)), p.update_op or "assign", replicas)
         else:  # symbolic links, FIFOs, sockets, device nodes: metadata only
-            values = (mode, uid, gid, 1, t, t, t, None, "", None)
+            values = (mode, uid, gid, 1, t, t, t, None, "", None, 1)
         c.execute(
             "INSERT INTO inodes(mode, uid, gid, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size, stripe,"
-            " update_op, size, rdev, target) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            " update_op, replicas, size, rdev, target) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (*values, len(target) if target is not None else 0, rdev, target),
         )
         ino = c.execute("SELECT last_insert_rowid()").fetchone()[0]
@@ -671,10 +694,10 @@ class SqliteMeta(MetaStore):
             return ShardRecord(int(sid), address, "up", t)
 
     def shards(self) -> list[ShardRecord]:
-        return [ShardRecord(*r) for r in self._db.execute(f"SELECT {_SHARD_COLS} FROM shards ORDER BY id")]
+        return [_shard(r) for r in self._db.execute(f"SELECT {_SHARD_COLS} FROM shards ORDER BY id")]
 
     def epoch(self) -> int:
-        return int(self._db.execute("SELECT value FROM config WHERE key='epoch'").fetchone()[0])
+        return self._epoch(self._db)
 
     def close(self) -> None:
         with self._all_lock:
@@ -691,26 +714,220 @@ class SqliteMeta(MetaStore):
                 raise NotFound(f"shard {shard_id} is not in the shard map")
             if int(row[0]) != incarnation:
                 c.execute("UPDATE shards SET incarnation=? WHERE id=?", (incarnation, shard_id))
+                if int(row[0]):  # it lost its memory: out of its chains until resynced
+                    c.execute("UPDATE shards SET health='syncing', health_ns=? WHERE id=?", (_now(), shard_id))
+                    self._bump_epoch(c)
             return int(row[0])
 
-    def set_shard_health(self, shard_id: int, health: str) -> None:
+    def set_shard_health(self, shard_id: int, health: str) -> tuple[str, int]:
         with self._tx() as c:
-            c.execute("UPDATE shards SET health=?, health_ns=? WHERE id=? AND health<>?",
-                      (health, _now(), shard_id, health))
+            row = c.execute("SELECT health FROM shards WHERE id=?", (shard_id,)).fetchone()
+            if row is None:
+                raise NotFound(f"shard {shard_id} is not in the shard map")
+            old = row[0]
+            if health == "up" and old in _NOT_CURRENT:
+                health = "syncing"  # it may have missed updates: a resync brings it back
+            if health != old:
+                c.execute("UPDATE shards SET health=?, health_ns=? WHERE id=?", (health, _now(), shard_id))
+                if health in _NOT_CURRENT or old in _NOT_CURRENT:  # chains change: a new view
+                    self._bump_epoch(c)
+            return health, self._epoch(c)
+
+    def mark_synced(self, shard_id: int, epoch: int) -> bool:
+        with self._tx() as c:
+            if self._epoch(c) != epoch:
+                return False  # something changed since the resync began: resync again
+            c.execute("UPDATE shards SET health='up', health_ns=? WHERE id=? AND health='syncing'", (_now(), shard_id))
+            self._bump_epoch(c)
+            return True
+
+    @staticmethod
+    def _bump_epoch(c: sqlite3.Cursor) -> None:
+        c.execute("UPDATE config SET value=CAST(value AS INTEGER)+1 WHERE key='epoch'")
+
+    @staticmethod
+    def _epoch(c: sqlite3.Cursor | sqlite3.Connection) -> int:
+        return int(c.execute("SELECT value FROM config WHERE key='epoch'").fetchone()[0])
+
+    def shard_view(self) -> tuple[int, list[ShardRecord], list[Move]]:
+        with self._tx() as c:
+            return (self._epoch(c), [_shard(r) for r in c.execute(f"SELECT {_SHARD_COLS} FROM shards ORDER BY id")],
+                    self._moves(c))
+
+    @staticmethod
+    def _moves(c: sqlite3.Cursor) -> list[Move]:
+        return [Move(int(q), int(sh), tuple(int(t) for t in str(ts).split(",") if t), bool(d), int(share))
+                for q, sh, ts, share, d in c.execute("SELECT seq, shard, targets, share, done FROM moves ORDER BY seq")]
+
+    # ---------------------------------------------------------------- replication
+    @staticmethod
+    def _replicas(c: sqlite3.Cursor | sqlite3.Connection) -> int:
+        row = c.execute("SELECT value FROM config WHERE key='replicas'").fetchone()
+        return int(row[0]) if row else 1
+
+    def replicas(self) -> int:
+        return self._replicas(self._db)
+
+    def set_replicas(self, replicas: int) -> None:
+        if not 1 <= replicas <= 8:
+            raise InvalidArgument(f"replicas must be 1 to 8, not {replicas}")
+        with self._tx() as c:
+            c.execute("INSERT OR REPLACE INTO config VALUES ('replicas', ?)", (str(replicas),))
+
+    def note_replica(self, ino: int, idx: int, shard_id: int, incarnation: int) -> None:
+        with self._tx() as c:
+            if c.execute("SELECT 1 FROM chunks WHERE ino=? AND idx=?", (ino, idx)).fetchone():  # still written
+                c.execute("INSERT OR REPLACE INTO chunks VALUES (?,?,?,?)", (ino, idx, shard_id, incarnation))
+
+    def replicated_chunks(self, shard_ids: Sequence[int], min_replicas: int = 2) -> list[tuple[Inode, list[int]]]:
+        if not shard_ids:
+            return []
+        like = " OR ".join(["(',' || stripe || ',') LIKE ?"] * len(shard_ids))
+        rows = self._db.execute(
+            f"SELECT {_COLS} FROM inodes WHERE replicas >= ? AND chunk_size IS NOT NULL AND ({like}) ORDER BY ino",
+            (min_replicas, *(f"%,{s},%" for s in shard_ids))).fetchall()
+        out = []
+        for row in rows:
+            idx = [int(r[0]) for r in
+                   self._db.execute("SELECT DISTINCT idx FROM chunks WHERE ino=? ORDER BY idx", (row[0],))]
+            out.append((_inode(row), idx))
+        return out
+
+    def under_replicated(self) -> int:
+        row = self._db.execute(
+            "SELECT COUNT(*) FROM (SELECT c.ino, c.idx, i.replicas r,"
+            f" SUM(c.incarnation = s.incarnation AND s.health NOT IN {_NOT_CURRENT!r}) good"
+            " FROM chunks c JOIN shards s ON s.id = c.shard JOIN inodes i ON i.ino = c.ino"
+            " GROUP BY c.ino, c.idx) WHERE good > 0 AND good < r").fetchone()
+        return int(row[0])
+
+    # ---------------------------------------------------------------- live shard operations
+    def drain_shard(self, shard_id: int) -> int:
+        with self._tx() as c:
+            rec = self._shard_row(c, shard_id)
+            if rec.state == "draining":
+                return self._epoch(c)
+            if rec.state != "up":
+                raise InvalidArgument(f"shard {shard_id} is {rec.state}: only a shard in service can be drained")
+            self._no_move_in_progress(c)
+            targets = [int(r[0]) for r in c.execute("SELECT id FROM shards WHERE state='up' AND id<>? ORDER BY id",
+                                                    (shard_id,))]
+            if not targets:
+                raise InvalidArgument(f"shard {shard_id} is the only shard in service: its chunks have nowhere to go",
+                                      "add a shard first (`irdma shard add`)")
+            c.execute("INSERT INTO moves(shard, targets, share) VALUES (?,?,?)",
+                      (shard_id, ",".join(map(str, targets)), MOVE_ALL))
+            c.execute("UPDATE shards SET state='draining' WHERE id=?", (shard_id,))
+            self._bump_epoch(c)
+            return self._epoch(c)
+
+    def begin_move(self, shard_id: int, targets: Sequence[int], share: int) -> int:
+        with self._tx() as c:
+            self._no_move_in_progress(c)
+            for sid in (shard_id, *targets):
+                if self._shard_row(c, sid).state != "up":
+                    raise InvalidArgument(f"shard {sid} is not in service")
+            if not targets or shard_id in targets or not 0 < share <= MOVE_ALL:
+                raise InvalidArgument(f"bad move of {share}/{MOVE_ALL} of shard {shard_id} to {list(targets)}")
+            c.execute("INSERT INTO moves(shard, targets, share) VALUES (?,?,?)",
+                      (shard_id, ",".join(map(str, targets)), share))
+            self._bump_epoch(c)
+            return self._epoch(c)
+
+    def cancel_move(self, seq: int) -> None:
+        with self._tx() as c:
+            self._cancel(c, seq)
+
+    def _cancel(self, c: sqlite3.Cursor, seq: int) -> None:
+        row = c.execute("SELECT shard FROM moves WHERE seq=? AND done=0", (seq,)).fetchone()
+        if row is None:
+            return
+        c.execute("DELETE FROM moves WHERE seq=?", (seq,))
+        c.execute("UPDATE shards SET state='up' WHERE id=? AND state='draining'", (int(row[0]),))
+        self._bump_epoch(c)
+
+    @staticmethod
+    def _no_move_in_progress(c: sqlite3.Cursor) -> None:
+        row = c.execute("SELECT seq, shard FROM moves WHERE done=0").fetchone()
+        if row:
+            raise InvalidArgument(f"chunks of shard {row[1]} are moving (move {row[0]}): one move at a time",
+                                  f"finish it first (`irdma shard drain {row[1]}` or `irdma rebalance`)")
+
+    def finish_move(self, seq: int, epoch: int, moved: Sequence[tuple[int, int]] = ()) -> bool:
+        with self._tx() as c:
+            row = c.execute("SELECT shard FROM moves WHERE seq=? AND done=0", (seq,)).fetchone()
+            if row is None or self._epoch(c) != epoch:
+                return False
+            shard_id = int(row[0])
+            if self._shard_row(c, shard_id).state == "draining":
+                alone = c.execute(f"SELECT ino, idx FROM chunks c WHERE shard=? AND NOT {_ELSEWHERE} LIMIT 5",
+                                  (shard_id,)).fetchall()
+                if alone:
+                    raise DataLost(f"shard {shard_id} holds the only recorded copy of chunks {alone}: not drained",
+                                   f"run `irdma shard drain {shard_id}` again")
+                c.execute("DELETE FROM chunks WHERE shard=?", (shard_id,))
+                c.execute("UPDATE shards SET state='drained' WHERE id=?", (shard_id,))
+            else:
+                c.executemany(f"DELETE FROM chunks AS c WHERE ino=? AND idx=? AND shard=? AND {_ELSEWHERE}",
+                              [(ino, idx, shard_id) for ino, idx in moved])
+            c.execute("UPDATE moves SET done=1 WHERE seq=?", (seq,))
+            self._bump_epoch(c)
+            return True
+
+    def remove_shard(self, shard_id: int, force: bool = False) -> list[tuple[int, int]]:
+        with self._tx() as c:
+            rec = self._shard_row(c, shard_id)
+            if rec.state == "removed":
+                raise InvalidArgument(f"shard {shard_id} was removed already")
+            if rec.state != "drained" and not force:
+                raise InvalidArgument(f"shard {shard_id} is {rec.state}, not drained: removing it would lose"
+                                      " the chunks it holds",
+                                      f"drain it first (`irdma shard drain {shard_id}`), or pass --force to"
+                                      " declare its chunks lost")
+            lost = [(int(i), int(x)) for i, x in c.execute(
+                f"SELECT ino, idx FROM chunks c WHERE shard=? AND NOT {_ELSEWHERE} ORDER BY ino, idx", (shard_id,))]
+            if rec.state != "drained":  # it leaves its chains now: a move of all its chunks, done
+                # a move in progress to or from it cannot finish now: cancelled
+                for seq, targets in c.execute("SELECT seq, targets FROM moves WHERE done=0").fetchall():
+                    if str(shard_id) in str(targets).split(","):
+                        self._cancel(c, int(seq))
+                c.execute("DELETE FROM moves WHERE shard=? AND done=0", (shard_id,))
+                targets = [int(r[0]) for r in c.execute(
+                    "SELECT id FROM shards WHERE state='up' AND id<>? ORDER BY id", (shard_id,))]
+                c.execute("INSERT INTO moves(shard, targets, share, done) VALUES (?,?,?,1)",
+                          (shard_id, ",".join(map(str, targets)), MOVE_ALL))
+            # replicas held elsewhere stay readable there; a chunk it alone held stays recorded on
+            # it with an incarnation no memory has (-1), so it reads as lost, never as zeros
+            c.execute(f"DELETE FROM chunks AS c WHERE shard=? AND {_ELSEWHERE}", (shard_id,))
+            c.execute("UPDATE chunks SET incarnation=-1 WHERE shard=?", (shard_id,))
+            c.execute("UPDATE shards SET state='removed', health='down', address=?, incarnation=0 WHERE id=?",
+                      (f"removed-{shard_id}:{rec.address}", shard_id))
+            self._bump_epoch(c)
+            return lost
+
+    @staticmethod
+    def _shard_row(c: sqlite3.Cursor, shard_id: int) -> ShardRecord:
+        row = c.execute(f"SELECT {_SHARD_COLS} FROM shards WHERE id=?", (shard_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"shard {shard_id} is not in the shard map", "`irdma shard list` shows the shards")
+        return _shard(row)
 
     # ---------------------------------------------------------------- chunk map
-    def chunk_map(self, ino: int) -> dict[int, tuple[int, int]]:
+    def chunk_map(self, ino: int) -> dict[int, dict[int, int]]:
         return self._chunk_map(self._db, ino)
 
     @staticmethod
-    def _chunk_map(c: sqlite3.Cursor | sqlite3.Connection, ino: int) -> dict[int, tuple[int, int]]:
-        return {int(i): (int(s), int(n)) for i, s, n in
-                c.execute("SELECT idx, shard, incarnation FROM chunks WHERE ino=?", (ino,))}
+    def _chunk_map(c: sqlite3.Cursor | sqlite3.Connection, ino: int) -> dict[int, dict[int, int]]:
+        out: dict[int, dict[int, int]] = {}
+        for i, s, n in c.execute("SELECT idx, shard, incarnation FROM chunks WHERE ino=?", (ino,)):
+            out.setdefault(int(i), {})[int(s)] = int(n)
+        return out
 
     def damaged(self) -> list[DamagedFile]:
+        # lost: no replica of the chunk is on the memory it was written to
         rows = self._db.execute(
-            "SELECT c.ino, c.idx, c.shard FROM chunks c JOIN shards s ON s.id = c.shard"
-            " WHERE c.incarnation <> s.incarnation ORDER BY c.ino, c.idx"
+            "SELECT c.ino, c.idx, MIN(c.shard) FROM chunks c JOIN shards s ON s.id = c.shard"
+            " GROUP BY c.ino, c.idx HAVING SUM(c.incarnation = s.incarnation) = 0 ORDER BY c.ino, c.idx"
         ).fetchall()
         out: dict[int, DamagedFile] = {}
         for ino, idx, shard in rows:
@@ -760,7 +977,7 @@ class SqliteMeta(MetaStore):
             "SELECT COUNT(*) FROM open_files o JOIN sessions s ON s.sid = o.sid"
             " WHERE o.ino=? AND o.sid<>? AND s.heartbeat_ns>=?", (ino, exclude, limit)).fetchone()[0])
 
-    def open_inode(self, sid: int, ino: int) -> tuple[Inode, bytes, dict[int, tuple[int, int]]]:
+    def open_inode(self, sid: int, ino: int) -> tuple[Inode, bytes, dict[int, dict[int, int]]]:
         with self._tx() as c:
             got = self._get_io(c, ino)
             if got is None:
@@ -819,6 +1036,12 @@ class SqliteMeta(MetaStore):
 
 for _name in [n for n, v in vars(SqliteMeta).items() if callable(v) and not n.startswith("_")]:
     setattr(SqliteMeta, _name, _db_errors(getattr(SqliteMeta, _name)))
+
+
+def _shard(row: Sequence[Any]) -> ShardRecord:
+    sid, address, state, added_ns, incarnation, health, health_ns = row
+    return ShardRecord(int(sid), str(address), str(state), int(added_ns), int(incarnation), str(health),
+                       int(health_ns))
 
 
 def _live_since() -> int:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import trio
 
-from irdma.protocol import ChunkEntry, StatReply, UpdateOp
+from irdma.auth import KeyRing
+from irdma.protocol import Chain, ChunkEntry, StatReply, UpdateOp
 
 
 @dataclass(frozen=True)
@@ -51,12 +52,16 @@ class ShardConnection(abc.ABC):
 
     info: ShardInfo
     address: str
+    #: Reads are one-sided (RDMA READ): the shard cannot answer DIRTY, so a replicated chunk is
+    #: read from its chain's tail.
+    one_sided_reads: bool = False
 
     @abc.abstractmethod
-    async def read(self, file_id: int, chunk_index: int, offset: int, into: memoryview) -> int:
+    async def read(self, file_id: int, chunk_index: int, offset: int, into: memoryview, clean: bool = False) -> int:
         """Fill ``into`` with bytes ``[offset, offset+len(into))`` of a chunk (a pull).
 
-        A chunk that does not exist reads as zeros.
+        A chunk that does not exist reads as zeros. ``clean``: a replica with an update of the
+        chunk not yet acknowledged by the rest of its chain raises Dirty instead (CRAQ).
 
         Returns:
             The chunk's version (0 for a hole).
@@ -76,11 +81,14 @@ class ShardConnection(abc.ABC):
         op: UpdateOp,
         data: memoryview | bytes,
         existing: bool = False,
+        chain: Chain | None = None,
     ) -> int:
         """Apply update op ``op`` with ``data`` at ``offset`` of a chunk (a push).
 
         ``existing``: the chunk must already exist (the metadata records it as written); a
-        missing one raises DataLost and is not created.
+        missing one raises DataLost and is not created. ``chain``: this shard is the head of the
+        chunk's replication chain; the call returns once every successor applied the update
+        (see :class:`irdma.protocol.Chain`).
 
         Returns:
             The chunk's version after the update.
@@ -89,7 +97,20 @@ class ShardConnection(abc.ABC):
             BadRequest: refused, nothing changed. NoSpace: the shard is full, nothing changed.
             DataLost: ``existing`` and the chunk is gone, nothing changed.
             ShardUnavailable: the connection failed; the update may or may not have applied.
+            ReplicaFailed: applied here, a successor failed (retry with the same request id).
+            Fenced: the chain's view is older than one the shard has seen.
         """
+
+    async def resync(self, file_id: int, chunk_index: int, chunk_size: int, chain: Chain) -> int:
+        """Send this shard's copy of a chunk down ``chain`` (ordered after every update it
+        applied); returns its version. Raises as :meth:`write`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot resync replicas")
+
+    async def checksum(self, file_id: int, chunk_index: int, view: int = 0) -> tuple[int, int]:
+        """``(version, CRC-32)`` of a chunk's bytes; ``(0, 0)`` when the shard has no such chunk.
+        ``view`` (a shard-map epoch, 0 for none) is fenced as a chained update's is: raises
+        Fenced when the shard has seen a newer one."""
+        raise NotImplementedError(f"{type(self).__name__} cannot checksum chunks")
 
     @abc.abstractmethod
     async def stat(self) -> StatReply:
@@ -133,14 +154,15 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     async def connect(
-        self, address: str, nursery: trio.Nursery, *, client_name: str = "", credentials: bytes = b"",
+        self, address: str, nursery: trio.Nursery, *, client_name: str = "", key: KeyRing | None = None,
         timeout: float = 10.0,
     ) -> ShardConnection:
         """Open a connection to the shard at ``address`` and do the handshake, within ``timeout``
-        seconds.
+        seconds: with ``key``, the mutual authentication of :mod:`irdma.auth`.
 
         Background tasks of the connection (its reply reader) run in ``nursery``.
 
         Raises:
             ShardUnavailable: nobody answers there, or the handshake failed.
+            AuthFailed: the shard refused our key, or did not prove it holds it.
         """

@@ -14,18 +14,35 @@ effect on the stream (a late reply is read into a scratch buffer and dropped).
 
 from __future__ import annotations
 
+import hmac
 import itertools
+import logging
+import secrets
 import socket as _stdsocket
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
+from irdma import auth
 from irdma import protocol as P
-from irdma._errors import BadRequest, DataLost, IrdmaError, NoSpace, RemoteProtocolError, ShardUnavailable
+from irdma._errors import (
+    BadRequest,
+    DataLost,
+    Dirty,
+    Fenced,
+    IrdmaError,
+    NoSpace,
+    RemoteProtocolError,
+    ReplicaFailed,
+    ReplicaStale,
+    ShardUnavailable,
+)
 from irdma.protocol import ChunkEntry, StatReply, UpdateOp
 
 from .base import ShardConnection, ShardInfo, Transport, parse_address
+
+log = logging.getLogger("irdma.transport.tcp")
 
 SOCKET_BUFFER = 4 << 20
 _JOIN_LIMIT = 64 << 10
@@ -61,13 +78,20 @@ async def recv_exactly(sock: Any, view: memoryview) -> bool:
 
 
 async def send_parts(sock: Any, parts: list[bytes | memoryview]) -> None:
-    """Send buffers in order; small frames are joined into one send, payloads go as views."""
-    total = sum(len(p) for p in parts)
-    if total <= _JOIN_LIMIT or len(parts) == 1:
-        bufs: list[bytes | memoryview] = [b"".join(parts)] if len(parts) > 1 else parts
-    else:
-        head = [p for p in parts[:-1]]
-        bufs = [b"".join(head), parts[-1]]
+    """Send buffers in order; runs of small buffers are joined into one send, payloads go as
+    views (never copied)."""
+    bufs: list[bytes | memoryview] = []
+    small: list[bytes | memoryview] = []
+    for p in parts:
+        if len(p) <= _JOIN_LIMIT:
+            small.append(p)
+            continue
+        if small:
+            bufs.append(b"".join(small) if len(small) > 1 else small[0])
+            small = []
+        bufs.append(p)
+    if small:
+        bufs.append(b"".join(small) if len(small) > 1 else small[0])
     for buf in bufs:
         view = memoryview(buf).cast("B")
         while len(view):
@@ -85,6 +109,14 @@ def raise_for_error(reply: P.Reply, address: str) -> None:
             raise DataLost(f"{where}: {reply.message}")
         if reply.status in (P.Status.BAD_REQUEST, P.Status.TOO_LARGE, P.Status.UNKNOWN_OPCODE):
             raise BadRequest(f"{where} refused the request: {reply.message}")
+        if reply.status == P.Status.FORWARD_FAILED:
+            raise ReplicaFailed(f"{where}: {reply.message}", reply.shard_id)
+        if reply.status == P.Status.STALE:
+            raise ReplicaStale(f"{where}: {reply.message}", reply.shard_id)
+        if reply.status == P.Status.FENCED:
+            raise Fenced(f"{where}: {reply.message}")
+        if reply.status == P.Status.DIRTY:
+            raise Dirty(f"{where}: {reply.message}")
         raise ShardUnavailable(f"{where} answered {reply.status.name}: {reply.message}")
 
 
@@ -96,13 +128,16 @@ class _Pending:
     done: trio.Event = field(default_factory=trio.Event)
     reply: P.Reply | None = None
     error: IrdmaError | None = None
+    rid: int = 0
 
 
 class TcpConnection(ShardConnection):
     """One pipelined TCP connection to a shard. Create with :meth:`TcpTransport.connect`."""
 
-    def __init__(self, sock: Any, address: str, info: ShardInfo, nursery: trio.Nursery) -> None:
+    def __init__(self, sock: Any, address: str, info: ShardInfo, nursery: trio.Nursery,
+                 macs: Macs | None = None) -> None:
         self._sock = sock
+        self._macs = macs
         self._nursery = nursery
         self.address = address
         self.info = info
@@ -119,6 +154,8 @@ class TcpConnection(ShardConnection):
         hdr = bytearray(P.HEADER_SIZE)
         hview = memoryview(hdr)
         fixed = bytearray(P.READ_REPLY_FIXED)
+        tag = bytearray(auth.TAG_SIZE)
+        macs = self._macs
         pend: _Pending | None = None
         try:
             while True:
@@ -140,18 +177,26 @@ class TcpConnection(ShardConnection):
                     pend.receiving = True
                     await recv_exactly(self._sock, memoryview(fixed))
                     await recv_exactly(self._sock, pend.into)
+                    if macs is not None:  # checked before the caller sees the bytes
+                        await recv_exactly(self._sock, memoryview(tag))
+                        macs.recv.check([hdr, fixed, pend.into], tag)
                     pend.receiving = False
                     pend.reply = P.ReadReply(int.from_bytes(fixed, "big"), pend.into)
                 else:
                     body = bytearray(frame.body_len)
                     if frame.body_len:
                         await recv_exactly(self._sock, memoryview(body))
+                    if macs is not None:
+                        await recv_exactly(self._sock, memoryview(tag))
+                        macs.recv.check([hdr, body], tag)
                     frame.body = memoryview(body)
                     if pend is None:
                         continue  # its caller was cancelled
                     pend.reply = P.decode_reply(frame)
                 pend.done.set()
         except (IrdmaError, OSError, trio.ClosedResourceError) as exc:
+            if isinstance(exc, auth.AuthFailed):
+                log.error("shard at %s: %s", self.address, exc)
             err = exc if isinstance(exc, ShardUnavailable) else ShardUnavailable(
                 f"connection to shard at {self.address} failed: {exc}"
             )
@@ -181,6 +226,12 @@ class TcpConnection(ShardConnection):
         return self._broken is not None
 
     async def _call(self, msg: P.Request, into: memoryview | None = None) -> P.Reply:
+        return await self.finish(await self.start(msg, into))
+
+    async def start(self, msg: P.Request, into: memoryview | None = None) -> _Pending:
+        """Send a request; :meth:`finish` waits for its reply. Requests started one after the
+        other from one task reach the shard in that order (a shard forwarding a chain's updates
+        relies on it)."""
         if self._broken is not None:
             raise ShardUnavailable(str(self._broken))
         rid = next(self._ids) & 0xFFFFFFFF
@@ -190,6 +241,8 @@ class TcpConnection(ShardConnection):
             if self._broken is not None:
                 raise ShardUnavailable(str(self._broken))
             self._pending[rid] = pend
+            if self._macs is not None:
+                parts.append(self._macs.send.tag(parts))
             try:
                 await send_parts(self._sock, parts)
             except (OSError, trio.ClosedResourceError) as exc:
@@ -199,10 +252,15 @@ class TcpConnection(ShardConnection):
                 self._pending.pop(rid, None)
                 self._break("a request was cancelled while being sent")
                 raise
+        pend.rid = rid
+        return pend
+
+    async def finish(self, pend: _Pending) -> P.Reply:
+        """Wait for the reply of a request :meth:`start` sent; raise its error as an exception."""
         try:
             await pend.done.wait()
         except BaseException:
-            self._pending.pop(rid, None)
+            self._pending.pop(pend.rid, None)
             if pend.receiving:
                 self._break("a read was cancelled while its reply was arriving")
             raise
@@ -212,8 +270,8 @@ class TcpConnection(ShardConnection):
         raise_for_error(pend.reply, self.address)
         return pend.reply
 
-    async def read(self, file_id: int, chunk_index: int, offset: int, into: memoryview) -> int:
-        reply = await self._call(P.Read(file_id, chunk_index, offset, len(into)), into)
+    async def read(self, file_id: int, chunk_index: int, offset: int, into: memoryview, clean: bool = False) -> int:
+        reply = await self._call(P.Read(file_id, chunk_index, offset, len(into), clean), into)
         assert isinstance(reply, P.ReadReply)
         if reply.hole:
             into[:] = bytes(len(into))
@@ -232,10 +290,21 @@ class TcpConnection(ShardConnection):
         op: UpdateOp,
         data: memoryview | bytes,
         existing: bool = False,
+        chain: P.Chain | None = None,
     ) -> int:
-        reply = await self._call(P.Write(file_id, chunk_index, chunk_size, offset, op, data, existing))
+        reply = await self._call(P.Write(file_id, chunk_index, chunk_size, offset, op, data, existing, chain))
         assert isinstance(reply, P.VersionReply)
         return reply.version
+
+    async def resync(self, file_id: int, chunk_index: int, chunk_size: int, chain: P.Chain) -> int:
+        reply = await self._call(P.Resync(file_id, chunk_index, chunk_size, chain))
+        assert isinstance(reply, P.VersionReply)
+        return reply.version
+
+    async def checksum(self, file_id: int, chunk_index: int, view: int = 0) -> tuple[int, int]:
+        reply = await self._call(P.Checksum(file_id, chunk_index, view))
+        assert isinstance(reply, P.ChecksumReply)
+        return reply.version, reply.crc
 
     async def stat(self) -> StatReply:
         reply = await self._call(P.Stat())
@@ -266,25 +335,87 @@ class TcpConnection(ShardConnection):
         self._sock.close()
 
 
-async def handshake(sock: Any, address: str, client_name: str, credentials: bytes) -> P.HelloReply:
-    """Send HELLO and read its reply on a fresh socket.
+class Macs:
+    """The frame tags of one authenticated connection: ``send`` for the frames this side
+    sends, ``recv`` for those it receives (see :mod:`irdma.auth`)."""
+
+    def __init__(self, send_key: bytes, recv_key: bytes) -> None:
+        self.send = auth.FrameMac(send_key)
+        self.recv = auth.FrameMac(recv_key)
+
+
+async def read_frame(sock: Any, address: str, max_body: int, macs: Macs | None, what: str) -> P.Frame:
+    """Read exactly one frame (and its tag, checked, on an authenticated connection).
 
     Raises:
-        ShardUnavailable: the peer is not a shard, speaks another version, or refused us.
+        ShardUnavailable: the peer hung up. RemoteProtocolError: a bad header.
+        AuthFailed: the tag did not verify.
     """
-    await send_parts(sock, P.encode_request(P.Hello(client_name=client_name, credentials=credentials), 0))
+    hdr = bytearray(P.HEADER_SIZE)
+    if not await recv_exactly(sock, memoryview(hdr)):
+        raise ShardUnavailable(f"{address} closed the connection during the {what}")
+    frame = P.parse_header(hdr, max_body)
+    body = bytearray(frame.body_len)
+    await recv_exactly(sock, memoryview(body))
+    if macs is not None:
+        tag = bytearray(auth.TAG_SIZE)
+        await recv_exactly(sock, memoryview(tag))
+        macs.recv.check([hdr, body], tag)
+    frame.body = memoryview(body)
+    return frame
+
+
+async def _read_frame(sock: Any, address: str, what: str) -> P.Reply:
     dec = P.FrameDecoder(max_body=1 << 20)
     while (frame := dec.next_frame()) is None:
         data = await sock.recv(65536)
         if not data:
-            raise ShardUnavailable(f"{address} closed the connection during the handshake")
+            raise ShardUnavailable(f"{address} closed the connection during the {what}")
         dec.feed(data)
-    reply = P.decode_reply(frame)
+    return P.decode_reply(frame)
+
+
+async def handshake(sock: Any, address: str, client_name: str,
+                    key: auth.KeyRing | None) -> tuple[P.HelloReply, Macs | None]:
+    """Open a fresh socket: HELLO, and with a cluster key the mutual challenge-response of
+    :mod:`irdma.auth`. Returns the shard's HELLO reply and, when authenticated, the frame tags.
+
+    Raises:
+        AuthFailed: the shard refused our proof, did not prove the key itself, belongs to
+            another cluster, or needs a key we do not have.
+        ShardUnavailable: the peer is not a shard, speaks another version, or hung up.
+    """
+    offer = b""
+    if key is not None:
+        nonce = secrets.token_bytes(auth.NONCE_SIZE)
+        offer = key.cluster_id + nonce
+    await send_parts(sock, P.encode_request(P.Hello(client_name=client_name, auth=offer), 0))
+    reply = await _read_frame(sock, address, "handshake")
+    macs = None
+    if isinstance(reply, P.AuthChallenge):
+        if key is None:
+            raise auth.AuthFailed(f"shard at {address} accepts only holders of its cluster key",
+                                  f"pass the cluster's key file with --key-file or {auth.KEY_FILE_ENV}")
+        t = auth.transcript(key.cluster_id, nonce, reply.nonce)
+        await send_parts(sock, P.encode_request(P.Auth(auth.client_proof(key.current, t)), 0))
+        reply = await _read_frame(sock, address, "authentication")
+        if isinstance(reply, P.HelloReply):
+            if not hmac.compare_digest(reply.proof, auth.shard_proof(key.current, t)):
+                raise auth.AuthFailed(f"shard at {address} did not prove it holds the cluster key",
+                                      "is this address a shard of this cluster? `irdma shard list`")
+            c2s, s2c = auth.session_keys(key.current, t)
+            macs = Macs(c2s, s2c)
+    elif isinstance(reply, P.HelloReply) and key is not None:
+        raise auth.AuthFailed(f"shard at {address} runs without authentication (--no-auth): it cannot prove it"
+                              " belongs to this cluster", "start it with the cluster's --key-file")
     if isinstance(reply, P.ErrorReply):
+        if reply.status == P.Status.AUTH_FAILED:
+            raise auth.AuthFailed(f"shard at {address} refused us: {reply.message}",
+                                  f"pass this cluster's key file with --key-file or {auth.KEY_FILE_ENV}")
         raise ShardUnavailable(f"shard at {address} refused the handshake: {reply.status.name}: {reply.message}")
     if not isinstance(reply, P.HelloReply):
         raise ShardUnavailable(f"{address} answered the handshake with {type(reply).__name__}")
-    return reply
+    return reply, macs
 
 
 class TcpTransport(Transport):
@@ -293,7 +424,7 @@ class TcpTransport(Transport):
     name = "tcp"
 
     async def connect(
-        self, address: str, nursery: trio.Nursery, *, client_name: str = "", credentials: bytes = b"",
+        self, address: str, nursery: trio.Nursery, *, client_name: str = "", key: auth.KeyRing | None = None,
         timeout: float = CONNECT_TIMEOUT,
     ) -> TcpConnection:
         """See :meth:`Transport.connect`; the TCP connect and the HELLO exchange together take at
@@ -307,7 +438,7 @@ class TcpTransport(Transport):
             with trio.fail_after(timeout):
                 await sock.connect((host, port))
                 tune_socket(sock)
-                hello = await handshake(sock, address, client_name, credentials)
+                hello, macs = await handshake(sock, address, client_name, key)
         except trio.TooSlowError:
             sock.close()
             raise ShardUnavailable(
@@ -316,7 +447,7 @@ class TcpTransport(Transport):
             ) from None
         except (OSError, IrdmaError) as exc:
             sock.close()
-            if isinstance(exc, ShardUnavailable):
+            if isinstance(exc, (ShardUnavailable, auth.AuthFailed)):
                 raise
             if isinstance(exc, OSError):
                 raise ShardUnavailable(
@@ -328,4 +459,4 @@ class TcpTransport(Transport):
             sock.close()
             raise
         info = ShardInfo(hello.shard_id, hello.capacity, hello.max_payload, hello.incarnation)
-        return TcpConnection(sock, address, info, nursery)
+        return TcpConnection(sock, address, info, nursery, macs)

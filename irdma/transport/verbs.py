@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import itertools
 import os
@@ -66,10 +67,11 @@ import trio
 
 from irdma import protocol as P
 from irdma._errors import BadRequest, DataLost, IrdmaError, ShardUnavailable, TransportUnavailable
+from irdma.auth import AuthFailed, KeyRing
 from irdma.protocol import ChunkEntry, StatReply, UpdateOp
 
 from .base import ShardConnection, ShardInfo, Transport, parse_address
-from .tcp import handshake, raise_for_error, recv_exactly, send_parts, tune_socket
+from .tcp import Macs, handshake, raise_for_error, read_frame, recv_exactly, send_parts, tune_socket
 
 try:  # Debian installs pyverbs for the system python3; let any python3.11 find it
     import pyverbs  # noqa: F401
@@ -90,6 +92,7 @@ from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr  # noqa: E402
 from pyverbs.wr import SGE, RecvWR, SendWR  # noqa: E402
 
 REMOTE_ACCESS = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
+LOCAL_ACCESS = e.IBV_ACCESS_LOCAL_WRITE  # memory no peer may reach (a shard's own registration)
 SEND_DEPTH = 128  # work requests in flight per queue pair
 RECV_SLOTS = 32  # requests a peer may have outstanding (credits)
 SLOT_SIZE = 8192  # largest control frame carried by SEND, bytes
@@ -628,8 +631,10 @@ class _Call:
 class VerbsConnection(ShardConnection):
     """A client's verbs connection to one shard. Create with :meth:`VerbsTransport.connect`."""
 
-    def __init__(self, sock: Any, address: str, hello: P.HelloReply, dev: VerbsDevice, nursery: trio.Nursery) -> None:
+    def __init__(self, sock: Any, address: str, hello: P.HelloReply, dev: VerbsDevice, nursery: trio.Nursery,
+                 macs: Macs | None = None) -> None:
         self._sock = sock
+        self._macs = macs  # the control connection's frame tags (VERBS_CONNECT goes there)
         self.address = address
         self.dev = dev
         self.info = ShardInfo(hello.shard_id, hello.capacity, min(hello.max_payload, POOL_BUFFER_SIZE), hello.incarnation)
@@ -651,13 +656,11 @@ class VerbsConnection(ShardConnection):
 
     async def _setup(self) -> None:
         qpn, psn, gid = self._ep.local_info()
-        await send_parts(self._sock, P.encode_request(P.VerbsConnect(qpn, psn, gid), 1))
-        dec = P.FrameDecoder(max_body=1 << 16)
-        while (frame := dec.next_frame()) is None:
-            data = await self._sock.recv(65536)
-            if not data:
-                raise ShardUnavailable(f"shard at {self.address} closed the connection during VERBS_CONNECT")
-            dec.feed(data)
+        parts = P.encode_request(P.VerbsConnect(qpn, psn, gid), 1)
+        if self._macs is not None:
+            parts.append(self._macs.send.tag(parts))
+        await send_parts(self._sock, parts)
+        frame = await read_frame(self._sock, self.address, 1 << 16, self._macs, "VERBS_CONNECT")
         reply = P.decode_reply(frame)
         if isinstance(reply, P.ErrorReply):
             raise TransportUnavailable(f"shard at {self.address} cannot serve verbs: {reply.message}",
@@ -787,7 +790,9 @@ class VerbsConnection(ShardConnection):
             del self._locs[key]
 
     # ------------------------------------------------------------ the data path
-    async def read(self, file_id: int, chunk_index: int, offset: int, into: memoryview) -> int:
+    one_sided_reads = True
+
+    async def read(self, file_id: int, chunk_index: int, offset: int, into: memoryview, clean: bool = False) -> int:
         loc = await self._locate(file_id, chunk_index, 0)
         if loc is None:
             into[:] = bytes(len(into))
@@ -827,6 +832,7 @@ class VerbsConnection(ShardConnection):
         op: UpdateOp,
         data: memoryview | bytes,
         existing: bool = False,
+        chain: P.Chain | None = None,
     ) -> int:
         view = memoryview(data).cast("B")
         n = len(view)
@@ -834,9 +840,11 @@ class VerbsConnection(ShardConnection):
             raise BadRequest(f"range [{offset}, {offset + n}) leaves the {chunk_size}-byte chunk")
         if n > self._pool.size:
             version = 0
-            for start in range(0, n, self._pool.size):
+            for k, start in enumerate(range(0, n, self._pool.size)):
+                # each part is its own update: its own request id (clients step ids by 256)
+                sub = None if chain is None else dataclasses.replace(chain, request_id=chain.request_id + k)
                 version = await self.write(file_id, chunk_index, chunk_size, offset + start, op,
-                                           view[start : start + self._pool.size], existing or start > 0)
+                                           view[start : start + self._pool.size], existing or start > 0, sub)
             return version
         assert self.remote is not None
         r = self.remote
@@ -847,7 +855,8 @@ class VerbsConnection(ShardConnection):
                     raise DataLost(f"shard at {self.address}: chunk ({file_id}, {chunk_index}) is gone")
                 if loc.chunk_size != chunk_size:
                     raise BadRequest(f"chunk ({file_id}, {chunk_index}) has size {loc.chunk_size}, request says {chunk_size}")
-                commit = P.RemoteWrite(file_id, chunk_index, chunk_size, offset, op, True, n, 0, loc.region_offset)
+                commit = P.RemoteWrite(file_id, chunk_index, chunk_size, offset, op, True, n, 0, loc.region_offset,
+                                       chain=chain)
                 try:
                     reply = await self._push(view, r.region_addr + loc.region_offset + offset, r.region_rkey, commit)
                     break
@@ -862,7 +871,7 @@ class VerbsConnection(ShardConnection):
             soff = await self._staging.take()
             reply = await self._push(view, r.staging_addr + soff, r.staging_rkey,
                                      P.RemoteWrite(file_id, chunk_index, chunk_size, offset, op, False, n, soff,
-                                                   existing=existing), staging=soff)
+                                                   existing=existing, chain=chain), staging=soff)
         assert isinstance(reply, P.VersionReply)
         return reply.version
 
@@ -907,6 +916,16 @@ class VerbsConnection(ShardConnection):
     async def sync(self) -> None:
         await self._rpc(P.Sync())
 
+    async def resync(self, file_id: int, chunk_index: int, chunk_size: int, chain: P.Chain) -> int:
+        reply = await self._rpc(P.Resync(file_id, chunk_index, chunk_size, chain))
+        assert isinstance(reply, P.VersionReply)
+        return reply.version
+
+    async def checksum(self, file_id: int, chunk_index: int, view: int = 0) -> tuple[int, int]:
+        reply = await self._rpc(P.Checksum(file_id, chunk_index, view))
+        assert isinstance(reply, P.ChecksumReply)
+        return reply.version, reply.crc
+
     async def list_chunks(self, after_file: int = 0, after_chunk: int = 0) -> list[ChunkEntry]:
         reply = await self._rpc(P.List(after_file, after_chunk))
         assert isinstance(reply, P.ListReply)
@@ -946,7 +965,7 @@ class VerbsTransport(Transport):
         self.device = VerbsDevice(device)
 
     async def connect(
-        self, address: str, nursery: trio.Nursery, *, client_name: str = "", credentials: bytes = b"",
+        self, address: str, nursery: trio.Nursery, *, client_name: str = "", key: KeyRing | None = None,
         timeout: float = CONNECT_TIMEOUT,
     ) -> VerbsConnection:
         """See :meth:`Transport.connect`: the TCP connect, HELLO and VERBS_CONNECT together take
@@ -966,8 +985,8 @@ class VerbsTransport(Transport):
             with trio.fail_after(timeout):
                 await sock.connect((host, port))
                 tune_socket(sock)
-                hello = await handshake(sock, address, client_name, credentials)
-                conn = VerbsConnection(sock, address, hello, self.device, nursery)
+                hello, macs = await handshake(sock, address, client_name, key)
+                conn = VerbsConnection(sock, address, hello, self.device, nursery, macs)
                 await conn._setup()
         except BaseException as exc:
             if conn is not None:
@@ -981,7 +1000,7 @@ class VerbsTransport(Transport):
             if isinstance(exc, OSError):
                 raise ShardUnavailable(f"cannot connect to shard at {address}: {exc.strerror or exc}",
                                        "is the shard running? `irdma shard list` shows its state") from None
-            if isinstance(exc, IrdmaError) and not isinstance(exc, (ShardUnavailable, TransportUnavailable)):
+            if isinstance(exc, IrdmaError) and not isinstance(exc, (ShardUnavailable, TransportUnavailable, AuthFailed)):
                 raise ShardUnavailable(f"handshake with {address} failed: {exc}") from None
             raise
         return conn
