@@ -6,15 +6,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-verbs vm-image bench lint clean
+.PHONY: install demo demo-hosts test test-fast test-verbs vm-image bench bench-hosts lint clean
 
 install: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
 	@command -v fusermount3 >/dev/null && pkg-config --exists fuse3 2>/dev/null && command -v redis-server >/dev/null \
-	  && dpkg -s python3-pyverbs >/dev/null 2>&1 || { \
-	  echo "==> installing fuse3, libfuse3-dev, pkg-config, attr, python3-pyverbs, redis-server (apt)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-dev pkg-config attr python3-pyverbs redis-server >/dev/null; }
+	  && dpkg -s python3-pyverbs >/dev/null 2>&1 && test -x /usr/lib/postgresql/15/bin/pg_ctl || { \
+	  echo "==> installing fuse3, libfuse3-dev, pkg-config, attr, python3-pyverbs, redis-server, postgresql-15, iproute2 (apt)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-dev pkg-config attr python3-pyverbs redis-server postgresql-15 iproute2 >/dev/null; }
 	@test -x $(PY) || { echo "==> creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
 	@echo "==> installing irdma and its dependencies into $(VENV) (TensorFlow takes about a minute)"
 	$(PY) -m pip install -q --upgrade pip
@@ -27,6 +27,16 @@ demo: install
 # The side-by-side benchmark suite (about 3 minutes): writes docs/benchmarks.md and plots.
 bench: install
 	$(PY) benchmarks/run.py
+
+# Across hosts (network namespaces with shaped links, PostgreSQL metadata; root): writes
+# docs/benchmarks-hosts.md and docs/bench-hosts.png (a few minutes).
+bench-hosts: install
+	$(PY) benchmarks/hosts.py
+
+# irdma on six hosts (network namespaces; root): PostgreSQL, three shard hosts, two worker hosts
+# training across them with a checkpoint saved on one and restored on the other.
+demo-hosts: install
+	$(PY) examples/demo_hosts.py
 
 test: install
 	$(PY) -m pytest -v --durations=10 tests

@@ -138,6 +138,16 @@ def restore(args: argparse.Namespace) -> int:
     return 0
 
 
+def on_host(netns: list[str], rank: int) -> list[str]:
+    """The command prefix that runs a process on the host (network namespace) of ``rank``, if any."""
+    return ["nsenter", f"--net=/run/netns/{netns[rank]}", "--"] if netns else []
+
+
+def worker_dir(args: argparse.Namespace, rank: int) -> str:
+    """The run directory worker ``rank`` uses: the same run seen through its own host's mount."""
+    return args.worker_run_dirs[rank] if args.worker_run_dirs else args.run_dir
+
+
 def coordinator(args: argparse.Namespace) -> int:
     import tensorflow as tf
 
@@ -154,9 +164,9 @@ def coordinator(args: argparse.Namespace) -> int:
           flush=True)
     t0 = time.monotonic()
     procs = [
-        subprocess.Popen([sys.executable, __file__, "--role", "worker", "--rank", str(r), "--run-dir", args.run_dir,
-                          "--workers", str(args.workers), "--steps", str(args.steps), "--lr", str(args.lr),
-                          "--batch", str(args.batch)])
+        subprocess.Popen([*on_host(args.worker_netns, r), sys.executable, __file__, "--role", "worker", "--rank", str(r),
+                          "--run-dir", worker_dir(args, r), "--workers", str(args.workers), "--steps", str(args.steps),
+                          "--lr", str(args.lr), "--batch", str(args.batch)])
         for r in range(args.workers)
     ]
     try:
@@ -182,7 +192,8 @@ def coordinator(args: argparse.Namespace) -> int:
     saved = mgr.save()
     digest = weights_digest(model)
     print(f"checkpoint saved to {saved} (weights sha256 {digest[:16]})", flush=True)
-    res = subprocess.run([sys.executable, __file__, "--role", "restore", "--run-dir", args.run_dir],
+    res = subprocess.run([*on_host([args.restore_netns] if args.restore_netns else [], 0), sys.executable, __file__,
+                          "--role", "restore", "--run-dir", args.restore_run_dir or args.run_dir],
                          capture_output=True, text=True)
     if res.returncode != 0:
         print(res.stdout, res.stderr, file=sys.stderr)
@@ -213,7 +224,16 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--min-accuracy", type=float, default=0.93)
+    ap.add_argument("--worker-run-dirs", type=lambda v: v.split(","), default=[],
+                    help="comma-separated run directory of each worker (the same run on each worker host's mount)")
+    ap.add_argument("--worker-netns", type=lambda v: v.split(","), default=[],
+                    help="comma-separated network namespace (test bed host) each worker runs in")
+    ap.add_argument("--restore-run-dir", help="the run directory the restoring process reads (another host's mount)")
+    ap.add_argument("--restore-netns", help="the network namespace (test bed host) the restoring process runs in")
     args = ap.parse_args()
+    for name in ("worker_run_dirs", "worker_netns"):
+        if getattr(args, name) and len(getattr(args, name)) != args.workers:
+            ap.error(f"--{name.replace('_', '-')} needs one entry per worker ({args.workers})")
     if args.run_dir is None:
         if args.mount is None:
             ap.error("give --mount (or --run-dir)")

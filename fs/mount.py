@@ -26,6 +26,8 @@ import trio
 from irdma._errors import IrdmaError
 from irdma._proc import last_log_line, pid_alive, spawn_detached
 from irdma.client import DEFAULT_TIMEOUT, Client
+from irdma.metrics import Exporter, forget_mount, parse_metrics_address, record_mount
+from irdma.metrics import serve as serve_metrics
 
 from .operations import IrdmaFS
 
@@ -34,9 +36,14 @@ log = logging.getLogger("irdma.fs")
 
 async def serve_mount(
     meta_url: str, mountpoint: str, *, transport: str = "auto", debug: bool = False, direct_io: bool = False,
-    timeout: float = DEFAULT_TIMEOUT, allow_other: bool = False,
+    timeout: float = DEFAULT_TIMEOUT, allow_other: bool = False, metrics: str | None = None,
 ) -> None:
     """Mount the namespace at ``mountpoint`` and serve it until unmounted.
+
+    ``metrics``: ``HOST:PORT`` to serve Prometheus metrics on (:mod:`irdma.metrics`: FUSE
+    requests, the client's requests to shards; port 0 picks one). The bound address is recorded
+    in :func:`irdma.metrics.mount_state_file` while the mount runs, where ``irdma stats MNT``
+    finds it.
 
     ``timeout``: seconds each request to a shard, and each wait for the metadata database's
     write lock, may take before the request fails (EIO, EBUSY).
@@ -48,8 +55,25 @@ async def serve_mount(
 
     Raises:
         IrdmaError: the namespace cannot be opened, or FUSE could not mount (``/dev/fuse``
-            missing, mountpoint busy).
+            missing, mountpoint busy), or the metrics address cannot be served (bad address,
+            port in use).
     """
+    exporter: Exporter | None = None
+    if metrics:
+        exporter = await trio.to_thread.run_sync(serve_metrics, metrics)
+    try:
+        await _serve_mount(meta_url, mountpoint, transport=transport, debug=debug, direct_io=direct_io,
+                           timeout=timeout, allow_other=allow_other, exporter=exporter)
+    finally:
+        if exporter is not None:
+            forget_mount(mountpoint)
+            exporter.close()
+
+
+async def _serve_mount(
+    meta_url: str, mountpoint: str, *, transport: str, debug: bool, direct_io: bool, timeout: float,
+    allow_other: bool, exporter: Exporter | None,
+) -> None:
     async with Client.open(meta_url, transport=transport, client_name=f"irdma-mount {mountpoint}",
                            timeout=timeout) as client:
         fs = IrdmaFS(client, direct_io=direct_io)
@@ -83,6 +107,15 @@ async def serve_mount(
                 nursery.start_soon(on_signal)
                 nursery.start_soon(fs.run_heartbeats)
                 log.info("mounted %s on %s (transport %s)", meta_url, mountpoint, client.transport.name)
+                if exporter is not None:
+                    try:
+                        where = record_mount(mountpoint, exporter.address, meta_url)
+                        log.info("metrics on %s (recorded in %s for `irdma stats %s`)", exporter.url, where,
+                                 mountpoint)
+                    except OSError as exc:
+                        log.warning("metrics on %s, but `irdma stats %s` cannot find them: cannot write %s: %s"
+                                    " (set $IRDMA_RUN_DIR to a writable directory)", exporter.url, mountpoint,
+                                    exc.filename, exc.strerror)
                 await pyfuse3.main()
                 unmounted = True
                 nursery.cancel_scope.cancel()
@@ -259,10 +292,10 @@ def check_mountpoint(mountpoint: str) -> str:
 
 def spawn_mount(
     meta_url: str, mountpoint: str, *, transport: str, log_file: str, timeout: float = 30.0, direct_io: bool = False,
-    request_timeout: float = DEFAULT_TIMEOUT, allow_other: bool = False,
+    request_timeout: float = DEFAULT_TIMEOUT, allow_other: bool = False, metrics: str | None = None,
 ) -> int:
     """Start a mount process in the background and wait until the mount is up (options as
-    :func:`serve_mount`'s).
+    :func:`serve_mount`'s; ``metrics``: ``HOST:PORT`` of its Prometheus exporter, or None).
 
     Returns:
         The mount process's pid.
@@ -276,6 +309,9 @@ def spawn_mount(
     args = ["-m", "irdma.fs", meta_url, mountpoint, "--transport", transport, "--timeout", str(request_timeout)]
     args += ["--direct-io"] if direct_io else []
     args += ["--allow-other"] if allow_other else []
+    if metrics:
+        parse_metrics_address(metrics)  # a malformed address fails here, before anything starts
+        args += ["--metrics", metrics]
     pid = spawn_detached(args, log_file)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -64,6 +64,7 @@ from irdma._errors import InvalidArgument, IrdmaError, NotFound, Stale
 from irdma.client import ChunkMap, Client, NewChunk, layout_of
 from irdma.meta import Inode
 from irdma.meta.base import setid_bits
+from irdma.metrics import fuse_metrics
 from irdma.placement import Layout
 from irdma.protocol import UpdateOp
 
@@ -726,9 +727,24 @@ class IrdmaFS(pyfuse3.Operations):
 
 
 def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` inside :func:`fuse_errors`, timed and counted in :class:`irdma.metrics.FuseMetrics`
+    (``irdma_fuse_*``: requests, latency, bytes of read and write, errors by errno)."""
+    metrics = fuse_metrics()
+    sized = name in ("read", "write")
+
     async def guarded(self: IrdmaFS, *args: Any, **kwargs: Any) -> Any:
-        with fuse_errors(name):
-            return await fn(self, *args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            with fuse_errors(name):
+                out = await fn(self, *args, **kwargs)
+        except pyfuse3.FUSEError as exc:
+            metrics.end(t0, name, exc.errno)
+            raise
+        nbytes = 0
+        if sized:
+            nbytes = len(out) if name == "read" else out
+        metrics.end(t0, name, 0, nbytes)
+        return out
 
     guarded.__name__ = fn.__name__
     guarded.__doc__ = fn.__doc__

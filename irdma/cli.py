@@ -42,6 +42,12 @@ DIR_OPTION = click.option(
 )
 
 
+METRICS_OPTION = click.option(
+    "--metrics", "metrics_addr", default=None, metavar="HOST:PORT",
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics (port 0: a free one); `irdma stats` shows them.",
+)
+
+
 def _size(ctx: Any, param: Any, value: str) -> int:
     try:
         return parse_size(value)
@@ -184,14 +190,23 @@ def cli(verbose: int) -> None:
               help="Keep the shard's chunks in this directory (memory-mapped files): a restart on it keeps them.")
 @click.option("--durability", type=click.Choice(["fsync", "memory"]), default="fsync", show_default=True,
               help="With --data-dir: fsync/close wait for the disk (fsync), or only for the page cache (memory).")
+@click.option("--meta", "meta_url", default=None,
+              help="Register in this namespace's shard map (sqlite:// or postgresql:// URL): a new shard joins,"
+              " a restarted one keeps its id (the one in --data-dir, or the one registered at its address).")
+@click.option("--advertise", default=None,
+              help="HOST:PORT clients reach this shard at, registered with --meta [default: --listen].")
+@METRICS_OPTION
 @friendly
 def server(listen: str, capacity: int | None, shard_id: int, transport: str, port_file: str | None,
            key_file: str | None, no_auth: bool, max_connections: int, max_connections_per_peer: int,
-           data_dir: str | None, durability: str) -> None:
+           data_dir: str | None, durability: str, meta_url: str | None, advertise: str | None,
+           metrics_addr: str | None = None) -> None:
     """Run one shard server in the foreground until SIGTERM or Ctrl-C.
 
     Every connection must prove the cluster key (--key-file; `irdma up` and `irdma format`
     make one) before any data op; --no-auth serves anyone, for a trusted test bed only.
+    With --meta the shard registers itself (the same command on any host:
+    `irdma server --listen ADDR --meta URL --data-dir DIR --key-file K`).
     """
     from irdma.auth import KeySource
     from irdma.server.serve import run_server
@@ -215,8 +230,18 @@ def server(listen: str, capacity: int | None, shard_id: int, transport: str, por
                               " trusted test bed")
     if key_file is not None and no_auth:
         raise click.BadParameter("--no-auth and --key-file exclude each other", param_hint="--no-auth")
+    from .metrics import parse_metrics_address, shard_address
+
+    if metrics_addr:
+        parse_metrics_address(metrics_addr)  # a bad address fails before anything is registered
     keys = KeySource(key_file) if key_file is not None else None
     ring = keys.ring() if keys is not None else None
+    if meta_url is not None:
+        shard_id = _register_self(meta_url, advertise or listen, data_dir)
+    elif advertise is not None:
+        raise click.BadParameter("--advertise is the address registered with --meta: pass --meta too",
+                                 param_hint="--advertise")
+    metrics_addr = shard_address(metrics_addr, shard_id)  # also `irdma up --metrics` (its environment)
     store = None
     if data_dir is not None:
         store = ShardStore(data_dir, shard_id, capacity, durability, ring.cluster_hex if ring else None)
@@ -255,7 +280,7 @@ def server(listen: str, capacity: int | None, shard_id: int, transport: str, por
     try:
         trio.run(functools.partial(run_server, shard, host, port, port_file=port_file,
                                    keys=keys, verbs=verbs, max_connections=max_connections,
-                                   max_per_peer=max_connections_per_peer))
+                                   max_per_peer=max_connections_per_peer, metrics=metrics_addr))
     except Exception as exc:
         err = _listen_error(_leaf(exc), listen)
         if err is None:
@@ -267,6 +292,23 @@ def server(listen: str, capacity: int | None, shard_id: int, transport: str, por
         if store is not None:
             store.sync()
             store.close()
+
+
+def _register_self(meta_url: str, address: str, data_dir: str | None) -> int:
+    """`irdma server --meta`: check the address clients will use, then register (see
+    :func:`irdma.cluster.register_self`); returns the shard id."""
+    from .transport import parse_address
+
+    try:
+        host, port = parse_address(address)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--advertise") from None
+    if port == 0 or host in ("0.0.0.0", "::", ""):
+        raise click.BadParameter(f"{address} is no address a client can reach: with --meta, listen on a fixed port"
+                                 " of one address, or pass --advertise HOST:PORT", param_hint="--listen")
+    sid = _cluster.register_self(meta_url, address, data_dir)
+    logging.getLogger("irdma.server").info("shard %d at %s: registered in the shard map", sid, address)
+    return sid
 
 
 def _listen_error(exc: BaseException, listen: str) -> IrdmaError | None:
@@ -297,12 +339,19 @@ def _listen_error(exc: BaseException, listen: str) -> IrdmaError | None:
               help="fsync/close wait until the bytes are on disk (fsync) or in the page cache only (memory).")
 @click.option("--replicas", "-r", type=click.IntRange(1, 8), default=None,
               help="Copies of each chunk, on distinct shards (new clusters: 2 with 2 or more shards, else 1).")
+@click.option("--metrics", "metrics_addr", default=None, metavar="HOST:PORT",
+              help="Shard N serves Prometheus metrics on HOST:PORT+N (HOST:0: a free port each); see `irdma stats --meta`.")
 @friendly
 def up(cluster_dir: str, shards: int, capacity: int, host: str, transport: str, fresh: bool, durability: str,
-       replicas: int | None) -> None:
+       replicas: int | None, metrics_addr: str | None = None) -> None:
     """Start a local cluster: SQLite metadata in --dir and N shard processes keeping their
     chunks in --dir/shards/ID. On a stopped cluster's --dir, start it again on its data; on a
     running one, restart just the shards that died and resync them (they missed updates)."""
+    if metrics_addr:
+        from .metrics import SHARD_METRICS_ENV, parse_metrics_address
+
+        parse_metrics_address(metrics_addr)
+        os.environ[SHARD_METRICS_ENV] = metrics_addr  # the shards it starts inherit it
     with console.status(f"starting shards in {cluster_dir}") as status:
 
         def progress(msg: str) -> None:
@@ -351,28 +400,62 @@ def destroy(cluster_dir: str, yes: bool) -> None:
 @click.option("--log-file", type=click.Path(dir_okay=False), help="Log of the background mount process.")
 @click.option("--direct-io", is_flag=True, help="Direct I/O for every file (else per file: xattr user.irdma.io).")
 @click.option("--allow-other", is_flag=True, help="Let every user use the mount; the kernel checks file modes.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Seconds each request to a shard and each metadata lock wait may take (EIO or EBUSY after)"
+              " [default: 10].")
+@METRICS_OPTION
 @friendly
 def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_file: str | None,
-          direct_io: bool, allow_other: bool) -> None:
-    """Mount the namespace at META_URL on MOUNTPOINT with FUSE."""
+          direct_io: bool, allow_other: bool, timeout: float | None, metrics_addr: str | None = None) -> None:
+    """Mount the namespace at META_URL on MOUNTPOINT with FUSE (sqlite:///PATH/meta.db, or
+    postgresql://USER@HOST:PORT/DB with the password in ~/.pgpass or $PGPASSFILE, never in the URL:
+    it would show in `ps`)."""
     from irdma.fs.mount import check_mountpoint, serve_mount, spawn_mount
 
     from .meta import meta_path, open_meta
 
-    open_meta(meta_url).close()  # fail here, clearly, if there is no namespace
+    meta = open_meta(meta_url)  # fail here, clearly, if there is no namespace
+    shown = meta.url
+    meta.close()
+    extra: dict[str, Any] = {} if timeout is None else {"request_timeout": timeout}
     if foreground:
         logging.getLogger("irdma").setLevel(logging.INFO)
         trio.run(functools.partial(serve_mount, meta_url, check_mountpoint(mountpoint), transport=transport,
-                                   direct_io=direct_io, allow_other=allow_other))
+                                   direct_io=direct_io, allow_other=allow_other, metrics=metrics_addr,
+                                   **({} if timeout is None else {"timeout": timeout})))
         return
-    log_file = log_file or os.path.join(
-        os.path.dirname(meta_path(meta_url)), f"mount-{os.path.basename(os.path.abspath(mountpoint))}.log"
-    )
-    with console.status(f"mounting {meta_url} on {mountpoint}"):
+    name = f"mount-{os.path.basename(os.path.abspath(mountpoint))}.log"
+    if log_file is None and (meta_url.startswith("sqlite://") or "://" not in meta_url):
+        log_file = os.path.join(os.path.dirname(meta_path(meta_url)), name)
+    elif log_file is None:
+        os.makedirs(_cluster.default_dir(), mode=0o700, exist_ok=True)
+        log_file = os.path.join(_cluster.default_dir(), name)
+    with console.status(f"mounting {shown} on {mountpoint}"):
         pid = spawn_mount(meta_url, mountpoint, transport=transport, log_file=log_file, direct_io=direct_io,
-                          allow_other=allow_other)
+                          allow_other=allow_other, metrics=metrics_addr, **extra)
     console.print(f"mounted on {os.path.abspath(mountpoint)} (pid {pid}, log {log_file}); `irdma umount {mountpoint}` to stop.",
                   highlight=False, soft_wrap=True)
+
+
+@cli.command("stats")
+@click.argument("mountpoints", nargs=-1, type=click.Path(file_okay=False))
+@click.option("--meta", "meta_url", default=None, help="Show every shard of this namespace (metadata URL).")
+@click.option("--endpoint", "endpoints", multiple=True, metavar="HOST:PORT",
+              help="Also show the metrics served at HOST:PORT (repeatable).")
+@click.option("--interval", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+              help="Seconds between refreshes.")
+@click.option("--count", type=click.IntRange(1), default=None, help="Stop after N refreshes [default: until Ctrl-C].")
+@friendly
+def stats_cmd(mountpoints: tuple[str, ...], meta_url: str | None, endpoints: tuple[str, ...], interval: float,
+              count: int | None) -> None:
+    """Show mounts' and shards' metrics live (as `juicefs stats`): requests/s by op, MB/s pulled
+    and pushed, p50/p99 latency, errors, in flight, bytes held. They must run with --metrics."""
+    from . import stats as stats_mod
+
+    if not (mountpoints or meta_url or endpoints):
+        meta_url = _meta_default()
+    stats_mod.run(mountpoints=mountpoints, meta_url=meta_url, endpoints=endpoints, interval=interval, count=count,
+                  console=out)
 
 
 @cli.command()
@@ -852,28 +935,52 @@ def bench(meta_url: str | None, mountpoint: str | None, size: int, chunk_size: i
 
 
 @cli.command("format")
+@click.argument("url", required=False)
 @META_OPTION
 @click.option("--replicas", "-r", type=click.IntRange(1, 8), default=None,
               help="Copies of each chunk of new files [default: 2 once there are 2 shards or more, else 1].")
 @friendly
-def format_(meta_url: str, replicas: int | None) -> None:
-    """Make an empty namespace by hand (for shards started with `irdma server`) and its cluster
-    key file, cluster.key beside it (mode 0600), unless $IRDMA_KEY_FILE names one."""
+def format_(url: str | None, meta_url: str, replicas: int | None) -> None:
+    """Make an empty namespace by hand in the database at URL (a new SQLite file, or an empty
+    PostgreSQL database: postgresql://USER@HOST:PORT/DB) and the cluster key file.
+
+    The key goes to --key-file / $IRDMA_KEY_FILE (required for PostgreSQL: copy it, mode 0600,
+    to every host), else cluster.key beside a SQLite file. An existing key file is kept. Then on
+    each host: `irdma server --listen ADDR --meta URL --data-dir DIR --key-file K`, and
+    `irdma mount URL MNT --key-file K`.
+    """
     import contextlib
 
-    from ._errors import Exists
+    from ._errors import Exists, NotFound
     from .auth import KEY_FILE_ENV, KEY_FILE_NAME, create_key_file, read_key_file
     from .meta import meta_path, open_meta
 
-    path = meta_path(meta_url)
-    if os.path.exists(path):
-        raise Exists(f"a namespace already exists at {path}", "use it, or pick another --meta")
-    key_file = os.environ.get(KEY_FILE_ENV) or os.path.join(os.path.dirname(path), KEY_FILE_NAME)
+    meta_url = url or meta_url
+    key_file = os.environ.get(KEY_FILE_ENV)
+    if meta_url.startswith("sqlite://") or "://" not in meta_url:
+        path = meta_path(meta_url)
+        if os.path.exists(path):
+            raise Exists(f"a namespace already exists at {path}", "use it, or pick another URL")
+        key_file = key_file or os.path.join(os.path.dirname(path), KEY_FILE_NAME)
+        meta_url = f"sqlite://{path}"
+    else:
+        if not key_file:
+            raise InvalidArgument("where should the cluster key go? a PostgreSQL namespace has no directory of its own",
+                                  "pass --key-file PATH (or set IRDMA_KEY_FILE), then copy that file to every host")
+        try:
+            with contextlib.closing(open_meta(meta_url)):
+                pass
+        except (InvalidArgument, NotFound):
+            pass  # an empty database: what format is for
+        else:
+            raise Exists("the database already holds an irdma namespace", "use it, or pick another database")
     ring = read_key_file(key_file) if os.path.exists(key_file) else create_key_file(key_file)
-    with contextlib.closing(open_meta(path, create=True)) as meta:
+    with contextlib.closing(open_meta(meta_url, create=True)) as meta:
         meta.set_replicas(replicas or 2)
-    console.print(f"namespace sqlite://{path}; cluster key {key_file} (cluster {ring.cluster_hex}): start shards"
-                  f" with `irdma server --key-file {key_file}`", highlight=False, soft_wrap=True)
+        shown = meta.url
+    console.print(f"namespace {shown}; cluster key {key_file} (cluster {ring.cluster_hex}): start shards"
+                  f" with `irdma server --listen HOST:PORT --meta URL --data-dir DIR --key-file {key_file}`",
+                  highlight=False, soft_wrap=True)
 
 
 # ---------------------------------------------------------------- keys
@@ -935,8 +1042,35 @@ def _add_key_file_options(group: click.Group) -> None:
 _add_key_file_options(cli)
 
 
+#: fstab options (mount.fuse3 passes them as ``-o a,b=c``) that `irdma mount` takes; the
+#: kernel's and mount(8)'s own (rw, nosuid, _netdev, noauto, x-systemd.*, ...) are left out.
+_FSTAB_OPTIONS = {"key_file": "--key-file", "transport": "--transport", "timeout": "--timeout",
+                  "log_file": "--log-file", "allow_other": "--allow-other", "direct_io": "--direct-io"}
+
+
+def fstab_args(argv: list[str]) -> list[str] | None:
+    """``irdma URL MOUNTPOINT [-o OPTIONS]``, as mount.fuse3 runs the program of an fstab line of
+    type ``fuse.irdma``, as the arguments of `irdma mount`; None for any other command line."""
+    if len(argv) < 2 or ("://" not in argv[0] and not argv[0].endswith(".db")) or argv[0].startswith("-"):
+        return None
+    args = ["mount", argv[0], argv[1]]
+    rest = argv[2:]
+    while rest:
+        if rest[0] == "-o" and len(rest) > 1:
+            for opt in rest[1].split(","):
+                name, _, value = opt.partition("=")
+                flag = _FSTAB_OPTIONS.get(name.replace("-", "_"))
+                if flag is not None:
+                    args += [flag] + ([value] if value else [])
+            rest = rest[2:]
+        else:
+            rest = rest[1:]
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
-    cli.main(args=argv, prog_name="irdma")
+    argv = sys.argv[1:] if argv is None else argv
+    cli.main(args=fstab_args(argv) or argv, prog_name="irdma")
 
 
 if __name__ == "__main__":

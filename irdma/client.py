@@ -57,6 +57,7 @@ from ._errors import (
 from .meta import Inode, MetaStore, ShardRecord, open_meta
 from .meta.aio import AsyncMeta
 from .meta.base import XATTR_UPDATE
+from .metrics import MeteredConnection
 from .placement import MOVE_ALL, Layout, Move, Piece, substitute
 from .protocol import DEFAULT_MAX_PAYLOAD, Chain, ChunkEntry, StatReply, UpdateOp
 from .transport import ShardConnection, Transport, make_transport
@@ -235,6 +236,7 @@ class Client:
                     await conn.aclose()
                     raise
                 self._shard_map[shard_id] = dataclasses.replace(rec, incarnation=conn.info.incarnation)
+                conn = MeteredConnection(conn, self.transport.name)  # irdma_client_* (irdma.metrics)
                 self._conns[shard_id] = conn
                 self._limits[shard_id] = trio.Semaphore(self._window)
                 await self._note_health(shard_id, "up")

@@ -366,3 +366,49 @@ def destroy(cluster_dir: str, *, progress: Callable[[str], None] = lambda msg: N
     shutil.rmtree(os.path.join(cluster_dir, "shards"), ignore_errors=True)
     shutil.rmtree(os.path.join(cluster_dir, "logs"), ignore_errors=True)
     progress(f"removed the namespace and the shards' data in {cluster_dir}")
+
+
+def register_self(meta_url: str, address: str, data_dir: str | None) -> int:
+    """The shard id a shard started by hand with ``irdma server --meta`` serves as.
+
+    A data directory that holds a shard keeps its id (a restart: the shard map must have it, at
+    this address); otherwise a shard already registered at ``address`` keeps its id (a restart
+    on a new, empty directory or on memory: clients tell its chunks are gone by its new
+    incarnation, never read them as zeros); otherwise the address is registered as a new shard,
+    which bumps the shard map's epoch so every client sees it.
+
+    Args:
+        meta_url: the namespace's metadata URL (``sqlite://`` or ``postgresql://``).
+        address: ``HOST:PORT`` clients reach the shard at (what is registered).
+        data_dir: the shard's ``--data-dir``, or None.
+
+    Returns:
+        The shard id.
+
+    Raises:
+        IrdmaError: the directory holds a shard the namespace does not have, one that was
+            removed, or one registered at another address (each message says what to do);
+            the metadata errors of :func:`irdma.meta.open_meta`.
+    """
+    from irdma.server.store import stored_shard_id
+
+    sid = stored_shard_id(data_dir) if data_dir is not None else None
+    with contextlib.closing(open_meta(meta_url)) as meta:
+        records = meta.shards()
+        if sid is not None:
+            rec = next((r for r in records if r.shard_id == sid), None)
+            if rec is None:
+                raise IrdmaError(f"{data_dir} holds shard {sid}, which the shard map of {meta.url} does not have",
+                                 "pass the --meta of the namespace it belongs to, or an empty --data-dir to join"
+                                 " as a new shard")
+            if rec.state == "removed":
+                raise IrdmaError(f"shard {sid} (in {data_dir}) was removed from the shard map",
+                                 "start it on an empty --data-dir to join as a new shard")
+            if rec.address != address:
+                raise IrdmaError(f"shard {sid} (in {data_dir}) is registered at {rec.address}, not {address}",
+                                 f"start it with --listen (or --advertise) {rec.address}")
+            return sid
+        same = [r for r in records if r.address == address and r.state != "removed"]
+        if same:
+            return same[0].shard_id
+        return meta.add_shard(address).shard_id

@@ -339,10 +339,14 @@ class Stat:
 
 @dataclass
 class StatReply:
+    """Reply to STAT. ``metrics``: the shard's Prometheus exporter, ``HOST:PORT`` as UTF-8 after
+    the fixed part (at most 255 bytes; empty: none), so ``irdma stats --meta`` finds it."""
+
     shard_id: int
     capacity: int
     used: int
     chunks: int
+    metrics: str = ""
 
 
 @dataclass
@@ -601,6 +605,8 @@ def encode_reply(opcode: int, request_id: int, msg: Reply) -> list[bytes | memor
         parts = [_VERSION.pack(msg.version)]
     elif isinstance(msg, StatReply):
         parts = [_STAT_R.pack(msg.shard_id, msg.capacity, msg.used, msg.chunks)]
+        if msg.metrics:
+            parts.append(msg.metrics.encode()[:255])
     elif isinstance(msg, FreeReply):
         parts = [_VERSION.pack(msg.freed)]
     elif isinstance(msg, VerbsConnectReply):
@@ -826,8 +832,14 @@ def decode_reply(frame: Frame) -> Reply:
         _exact(body, _VERSION.size, "WRITE reply")
         return VersionReply(_VERSION.unpack_from(body)[0])
     if op == Opcode.STAT:
-        _exact(body, _STAT_R.size, "STAT reply")
-        return StatReply(*_STAT_R.unpack_from(body))
+        _need(body, _STAT_R.size, "STAT reply")
+        if len(body) > _STAT_R.size + 255:
+            raise RemoteProtocolError(f"STAT reply of {len(body)} bytes is longer than {_STAT_R.size + 255}")
+        try:
+            metrics = bytes(body[_STAT_R.size :]).decode()
+        except UnicodeDecodeError:
+            raise RemoteProtocolError("STAT reply names its metrics address in bytes that are not UTF-8") from None
+        return StatReply(*_STAT_R.unpack_from(body), metrics)
     if op == Opcode.FREE:
         _exact(body, _VERSION.size, "FREE reply")
         return FreeReply(_VERSION.unpack_from(body)[0])

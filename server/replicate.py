@@ -51,6 +51,7 @@ from irdma._errors import (
     ReplicaStale,
     ShardUnavailable,
 )
+from irdma.metrics import error_kind
 from irdma.transport.tcp import TcpConnection, TcpTransport
 
 from .shard import Shard
@@ -173,6 +174,8 @@ class Replicator:
         self._applied: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._dirty: collections.Counter[tuple[int, int]] = collections.Counter()
         self._links: dict[str, Link] = {}
+        #: Where forwards are timed (:class:`irdma.metrics.ShardMetrics`; the server sets it).
+        self.metrics: Any = None
 
     # ------------------------------------------------------------ synchronous part
     def seen(self, request_id: int) -> int | None:
@@ -295,6 +298,8 @@ class Replicator:
 
         async def finish() -> int:
             deadline = trio.current_time() + chain.timeout_ms / 1000
+            t0 = trio.current_time()
+            status = "cancelled"
             try:
                 try:
                     await link.result(fw, deadline)
@@ -305,11 +310,18 @@ class Replicator:
                     if last is None or last.seq < fw.seq:
                         snap = self.shard.snapshot(file_id, chunk_index)
                         if snap is None:  # freed here since: nothing left to bring it
+                            status = "ok"
                             return version
                         last = self._submit_replace(link, file_id, chunk_index, snap[1], snap[0], chain)
                     await self._await_replace(link, key, last, chain, version)
+                status = "ok"
                 return version
+            except Exception as exc:
+                status = error_kind(exc)
+                raise
             finally:
+                if self.metrics is not None:
+                    self.metrics.forwarded(trio.current_time() - t0, status)
                 self._dirty[key] -= 1
                 if not self._dirty[key]:
                     del self._dirty[key]

@@ -37,6 +37,8 @@ from irdma._errors import (
     ReplicaStale,
     ShardUnavailable,
 )
+from irdma.metrics import Exporter, shard_metrics
+from irdma.metrics import serve as serve_metrics
 from irdma.transport.tcp import Macs, recv_exactly, send_parts, tune_socket
 
 from .replicate import Replicator
@@ -114,35 +116,69 @@ class ShardServer:
         self.per_peer: dict[str, int] = {}
         self.max_connections = max_connections
         self.max_per_peer = max_per_peer
+        self.metrics = shard_metrics()
+        self.metrics.watch(self)
+        self.replicator.metrics = self.metrics
+        #: ``HOST:PORT`` of this shard's metrics exporter, if it has one (told in STAT replies).
+        self.metrics_address = ""
 
     # ------------------------------------------------------------ pure request handling
-    def handle(self, frame: P.Frame, staging: memoryview | None = None) -> P.Reply | Awaitable[P.Reply]:
+    def handle(self, frame: P.Frame, staging: memoryview | None = None,
+               transport: str = "tcp") -> P.Reply | Awaitable[P.Reply]:
         """Apply one request frame and return the reply. Never raises for bad input.
 
         ``staging`` is the connection's staging buffer (verbs transport), if it has one. An
         update this shard forwards along a replication chain is applied now and answered later:
         the reply is then an awaitable, and the request's buffers must stay untouched until it
-        is done (the forward reads them).
+        is done (the forward reads them). ``transport`` (``tcp`` or ``verbs``) labels the
+        request's metrics (:mod:`irdma.metrics`).
         """
+        metrics = self.metrics
+        t0 = metrics.begin()
         try:
             msg = P.decode_request(frame)
         except P.UnknownOpcode as exc:
+            metrics.end(t0, "unknown", transport, "unknown_opcode")
             return P.ErrorReply(P.Status.UNKNOWN_OPCODE, str(exc))
         except RemoteProtocolError as exc:
+            metrics.end(t0, _opcode_name(frame.opcode), transport, "bad_request")
             return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
         try:
             reply = self._apply(msg, staging)
         except Exception as exc:
-            return self._error(exc, msg)
+            reply = self._error(exc, msg)
         if inspect.isawaitable(reply):
-            return self._finish(reply, msg)
+            return self._finish(reply, msg, t0, transport)
+        self._observe(t0, msg, reply, transport)
         return reply
 
-    async def _finish(self, version: Awaitable[int], msg: P.Request) -> P.Reply:
+    async def _finish(self, version: Awaitable[int], msg: P.Request, t0: float, transport: str) -> P.Reply:
+        reply: P.Reply
         try:
-            return P.VersionReply(await version)
+            reply = P.VersionReply(await version)
         except Exception as exc:
-            return self._error(exc, msg)
+            reply = self._error(exc, msg)
+        except BaseException:  # cancelled: the connection went away
+            self.metrics.end(t0, _op_of(msg), transport, "cancelled")
+            raise
+        self._observe(t0, msg, reply, transport)
+        return reply
+
+    def _observe(self, t0: float, msg: P.Request, reply: P.Reply, transport: str) -> None:
+        """Record one answered request in the shard's metrics (never raises)."""
+        try:
+            status = "ok" if not isinstance(reply, P.ErrorReply) else _status_name(reply.status)
+            bytes_in = bytes_out = 0
+            if status == "ok":
+                if isinstance(msg, P.Write):
+                    bytes_in = len(msg.data)
+                elif isinstance(msg, P.RemoteWrite):
+                    bytes_in = msg.length
+                elif isinstance(reply, P.ReadReply) and not reply.hole:
+                    bytes_out = len(reply.data)
+            self.metrics.end(t0, _op_of(msg), transport, status, bytes_in, bytes_out)
+        except Exception:  # noqa: BLE001 - metrics never fail a request
+            log.debug("recording a request's metrics failed", exc_info=True)
 
     def _error(self, exc: Exception, msg: P.Request) -> P.ErrorReply:
         """The error reply of a request that raised ``exc`` (the one status table of the shard)."""
@@ -200,7 +236,7 @@ class ShardServer:
             shard.sync()
             return P.VersionReply(0)
         if isinstance(msg, P.Stat):
-            return P.StatReply(shard.shard_id, shard.capacity, shard.used, shard.chunk_count)
+            return P.StatReply(shard.shard_id, shard.capacity, shard.used, shard.chunk_count, self.metrics_address)
         if isinstance(msg, P.Free):
             return P.FreeReply(shard.free(msg.file_id, msg.first_chunk))
         if isinstance(msg, P.Punch):
@@ -395,12 +431,17 @@ class ShardServer:
                 reply = await self._verbs_connect(frame, verbs_nursery)
             elif frame.opcode == P.Opcode.SYNC and not frame.body_len:
                 # msync may take a while: off the event loop, the other connections go on
+                t0 = self.metrics.begin()
                 try:
                     await trio.to_thread.run_sync(self.shard.sync)
                     reply = P.VersionReply(0)
                 except OSError as exc:
                     log.error("sync failed: %s", exc)
                     reply = P.ErrorReply(P.Status.INTERNAL, f"shard {self.shard.shard_id}: sync failed: {exc}")
+                except BaseException:
+                    self.metrics.end(t0, "sync", "tcp", "cancelled")
+                    raise
+                self._observe(t0, P.Sync(), reply, "tcp")
             else:
                 handled = self.handle(frame)
                 if not inspect.isawaitable(handled):
@@ -474,16 +515,39 @@ async def run_server(
     verbs: VerbsShard | None = None,
     max_connections: int = MAX_CONNECTIONS,
     max_per_peer: int = MAX_CONNECTIONS_PER_PEER,
+    metrics: str | None = None,
 ) -> None:
-    """The ``irdma server`` main: serve until SIGTERM or SIGINT, then exit cleanly."""
+    """The ``irdma server`` main: serve until SIGTERM or SIGINT, then exit cleanly.
+
+    ``metrics``: ``HOST:PORT`` to serve Prometheus metrics on (:mod:`irdma.metrics`; port 0
+    picks one); the bound address is told in STAT replies, where ``irdma stats --meta`` finds it.
+
+    Raises:
+        IrdmaError: the metrics address cannot be served (bad address, port in use), before
+            the shard listens; OSError: ``host:port`` cannot be bound.
+    """
     server = ShardServer(shard, max_payload=max_payload, keys=keys, max_connections=max_connections,
                          max_per_peer=max_per_peer)
     server.verbs = verbs
+    exporter: Exporter | None = None
+    if metrics:
+        exporter = await trio.to_thread.run_sync(serve_metrics, metrics)
+        server.metrics_address = exporter.address
+    try:
+        await _serve_until_signal(server, shard, host, port, port_file, keys, verbs)
+    finally:
+        if exporter is not None:
+            exporter.close()
+
+
+async def _serve_until_signal(server: ShardServer, shard: Shard, host: str, port: int, port_file: str | None,
+                              keys: auth.KeySource | None, verbs: VerbsShard | None) -> None:
     async with trio.open_nursery() as nursery:
         bound = await nursery.start(server.serve_tcp, host, port)
         address = f"{bound[0]}:{bound[1]}"
-        log.info("shard %d serving %d bytes on %s (%s)", shard.shard_id, shard.capacity, address,
-                 "tcp and verbs" if verbs is not None else "tcp")
+        log.info("shard %d serving %d bytes on %s (%s)%s", shard.shard_id, shard.capacity, address,
+                 "tcp and verbs" if verbs is not None else "tcp",
+                 f"; metrics on http://{server.metrics_address}/metrics" if server.metrics_address else "")
         if keys is None:
             log.warning("serving WITHOUT authentication (--no-auth): anyone who reaches %s can read and write"
                         " every chunk", address)
@@ -497,6 +561,32 @@ async def run_server(
                 log.info("shard %d stopping on signal %d", shard.shard_id, signum)
                 nursery.cancel_scope.cancel()
                 break
+
+
+def _opcode_name(opcode: int) -> str:
+    try:
+        return P.Opcode(opcode).name.lower()
+    except ValueError:
+        return "unknown"
+
+
+_OP_NAMES = {P.Read: "read", P.Write: "write", P.RemoteWrite: "remote_write", P.Resync: "resync",
+             P.Checksum: "checksum", P.List: "list", P.Sync: "sync", P.Stat: "stat", P.Free: "free",
+             P.Punch: "punch", P.Locate: "locate"}
+
+
+def _op_of(msg: P.Request) -> str:
+    """The ``op`` label of a request: ``forward`` for an update another shard forwarded."""
+    if isinstance(msg, P.Write) and msg.chain is not None and (msg.chain.expect or msg.replace):
+        return "forward"
+    return _OP_NAMES.get(type(msg), type(msg).__name__.lower())
+
+
+def _status_name(status: int) -> str:
+    try:
+        return P.Status(status).name.lower()
+    except ValueError:
+        return "unknown_status"
 
 
 class _Started:

@@ -68,6 +68,23 @@ def address_of(mm: mmap.mmap) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(mm))
 
 
+def stored_shard_id(path: str) -> int | None:
+    """The shard id kept in the data directory ``path`` (its ``shard.json``), or None when the
+    directory holds no shard yet.
+
+    Raises:
+        IrdmaError: ``shard.json`` is there but unreadable or damaged.
+    """
+    info_path = os.path.join(path, "shard.json")
+    if not os.path.exists(info_path):
+        return None
+    try:
+        with open(info_path) as f:
+            return int(json.load(f)["shard_id"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise IrdmaError(f"{info_path} is damaged or unreadable ({exc})", "restore it, or remove the directory") from None
+
+
 class ShardStore:
     """Open (or create) a shard's data directory.
 

@@ -161,7 +161,7 @@ class VerbsShard:
             try:
                 frame = P.parse_header(raw, SLOT_SIZE)
                 frame.body = memoryview(raw)[P.HEADER_SIZE : P.HEADER_SIZE + frame.body_len]
-                reply = server.handle(frame, staging)
+                reply = server.handle(frame, staging, transport="verbs")
             except IrdmaError as exc:
                 log.warning("verbs client sent a bad frame: %s", exc)
                 reply = P.ErrorReply(P.Status.BAD_FRAME, str(exc))

@@ -1,0 +1,621 @@
+"""Prometheus metrics of shards, clients and mounts, and their HTTP exporter.
+
+Every metric irdma exposes is defined here, in one per-process :data:`REGISTRY` (not
+``prometheus_client``'s global one, so a library user's own metrics never mix with ours).
+``irdma server --metrics HOST:PORT`` and ``irdma mount --metrics HOST:PORT`` serve it at
+``http://HOST:PORT/metrics`` (:func:`serve`: a daemon thread, never the trio loop).
+
+Names follow Prometheus conventions: a ``_total`` suffix on counters, base units (``_seconds``,
+``_bytes``) in the name. Labels take values from small fixed sets only (op names, transport
+names, statuses, error kinds, shard ids), never file names or chunk ids.
+
+The shard (``irdma_shard_*``; see :class:`ShardMetrics`):
+
+* ``irdma_shard_requests_total{op,transport,status}``: requests answered. ``op`` is the
+  protocol opcode in lower case (``read``, ``write``, ``remote_write``, ``sync``, ``stat``
+  ...), with ``forward`` for an update another shard forwarded along a replication chain (so
+  ``write`` counts only what clients pushed); ``transport`` is ``tcp`` or ``verbs`` (SENDs on
+  a verbs queue pair; pulls over verbs are one-sided RDMA READs the shard never sees);
+  ``status`` is ``ok`` or the error status in lower case (``no_space``, ``bad_request`` ...).
+* ``irdma_shard_bytes_total{op,transport,direction}``: payload bytes, ``in`` (pushed to the
+  shard: the data of a write) or ``out`` (pulled: the data of a read reply; a hole is 0).
+  Headers, tags and other protocol bytes are not counted.
+* ``irdma_shard_request_seconds{op,transport}``: histogram of the time from a decoded request
+  to its reply (for a chained update: until the rest of the chain acknowledged it).
+* ``irdma_shard_inflight_requests``: requests being applied or waiting for their chain.
+* ``irdma_shard_chunks{shard}``, ``irdma_shard_bytes_held{shard}``,
+  ``irdma_shard_capacity_bytes{shard}``: read from the shard at scrape time.
+* ``irdma_shard_replication_pending_forwards{shard}``: updates forwarded to the next replica
+  and not yet acknowledged by it (the replication lag in updates); ``irdma_shard_dirty_chunks``:
+  chunks with such updates (a clean read of one goes to the chain's tail).
+* ``irdma_shard_replication_forward_seconds``: histogram of the time a forward took to be
+  acknowledged by the rest of the chain (the replication lag in seconds).
+* ``irdma_shard_errors_total{kind}``: failed requests by kind (the status).
+
+The client (``irdma_client_*``, every process with an :class:`irdma.Client`, a mount too; see
+:class:`ClientMetrics`), counted per request to one shard:
+
+* ``irdma_client_requests_total{op,transport,status}``: ``op`` is the transport call
+  (``read``, ``write``, ``stat``, ``sync``, ``free``, ``punch``, ``resync``, ``checksum``,
+  ``list``); ``status`` is ``ok`` or the error kind (:func:`error_kind`).
+* ``irdma_client_bytes_total{op,direction}``: payload bytes of successful calls, ``in``
+  (pulled: the bytes read) or ``out`` (pushed: the data of a write).
+* ``irdma_client_request_seconds{op,transport}``: latency histogram.
+* ``irdma_client_inflight_requests``; ``irdma_client_errors_total{kind}``.
+
+The mount (``irdma_fuse_*``, see :class:`FuseMetrics`): ``irdma_fuse_requests_total{op}``
+(FUSE request type: ``read``, ``write``, ``lookup``, ``getattr``, ``fsync`` ...),
+``irdma_fuse_request_seconds{op}``, ``irdma_fuse_bytes_total{op}`` (bytes returned by ``read``,
+accepted by ``write``), ``irdma_fuse_errors_total{op,errno}`` (``errno`` as its symbolic name).
+
+Recording never fails a request: every hook catches and logs its own errors (once).
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from . import _errors as E
+from .transport.base import ShardConnection
+
+log = logging.getLogger("irdma.metrics")
+
+#: Every irdma metric of this process.
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+#: Histogram buckets of request latencies, seconds: 10 us to 10 s.
+LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+                   0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+#: The environment variable ``irdma up --metrics HOST:PORT`` hands its shards: shard N serves
+#: its metrics on HOST:PORT+N (HOST:0 for a free port each), see :func:`shard_address`.
+SHARD_METRICS_ENV = "IRDMA_SHARD_METRICS"
+
+_warned: set[str] = set()
+
+
+def _warn_once(what: str, exc: BaseException) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        log.warning("metrics: %s failed (%r); requests go on, this metric may be off", what, exc)
+
+
+# ---------------------------------------------------------------- error kinds
+#: The error kind of an exception (a label value), by class; the nearest class wins.
+_KINDS: tuple[tuple[type[BaseException], str], ...] = (
+    (E.Dirty, "dirty"),
+    (E.Fenced, "fenced"),
+    (E.ReplicaStale, "replica_stale"),
+    (E.ReplicaFailed, "replica_failed"),
+    (E.ShardUnavailable, "unavailable"),
+    (E.NoSpace, "no_space"),
+    (E.BadRequest, "bad_request"),
+    (E.DataLost, "data_lost"),
+    (E.AuthFailed, "auth_failed"),
+    (E.RemoteProtocolError, "protocol"),
+    (E.LocalProtocolError, "protocol"),
+    (E.TransportUnavailable, "transport"),
+    (E.IrdmaError, "other"),
+)
+
+
+def error_kind(exc: BaseException) -> str:
+    """The bounded label value naming what kind of failure ``exc`` is.
+
+    Returns:
+        ``cancelled`` for a cancellation (a deadline, most often), one of ``dirty``, ``fenced``,
+        ``replica_stale``, ``replica_failed``, ``unavailable``, ``no_space``, ``bad_request``,
+        ``data_lost``, ``auth_failed``, ``protocol``, ``transport``, ``other`` for an irdma
+        error, ``bug`` for anything else.
+    """
+    for cls, kind in _KINDS:
+        if isinstance(exc, cls):
+            return kind
+    if not isinstance(exc, Exception):
+        return "cancelled"
+    return "bug"
+
+
+# ---------------------------------------------------------------- the shard
+class ShardMetrics:
+    """The request metrics of a shard server process (one per process: :func:`shard_metrics`).
+
+    :meth:`begin` and :meth:`end` bracket each request: a gauge up and down, a counter
+    increment, a histogram observation, and at most one bytes increment; label children are
+    cached, so the hot path does a dict lookup per metric and no per-byte work.
+    """
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.requests = Counter("irdma_shard_requests", "Requests a shard answered.",
+                                ("op", "transport", "status"), registry=registry)
+        self.bytes = Counter("irdma_shard_bytes", "Payload bytes a shard received (in) and sent (out).",
+                             ("op", "transport", "direction"), registry=registry)
+        self.seconds = Histogram("irdma_shard_request_seconds", "Seconds from a decoded request to its reply.",
+                                 ("op", "transport"), buckets=LATENCY_BUCKETS, registry=registry)
+        self.inflight = Gauge("irdma_shard_inflight_requests", "Requests being applied or waiting for their chain.",
+                              registry=registry)
+        self.errors = Counter("irdma_shard_errors", "Failed requests by kind.", ("kind",), registry=registry)
+        self.forward_seconds = Histogram(
+            "irdma_shard_replication_forward_seconds",
+            "Seconds an update forwarded to the next replica took to be acknowledged by the rest of its chain.",
+            buckets=LATENCY_BUCKETS, registry=registry)
+        self.forwards = Counter("irdma_shard_replication_forwards", "Updates forwarded to the next replica.",
+                                ("status",), registry=registry)
+        self._servers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._children: dict[tuple[str, ...], Any] = {}
+        registry.register(_ShardCollector(self._servers))
+
+    def watch(self, server: Any) -> None:
+        """Expose ``server``'s chunks, bytes held, capacity and replication lag (read at each
+        scrape). ``server``: a :class:`irdma.server.serve.ShardServer` (held weakly)."""
+        self._servers.add(server)
+
+    def begin(self) -> float:
+        """Note a request that starts; returns its start time (``time.perf_counter``, s)."""
+        try:
+            self.inflight.inc()
+        except Exception as exc:  # noqa: BLE001 - metrics never fail a request
+            _warn_once("shard begin", exc)
+        return time.perf_counter()
+
+    def end(self, t0: float, op: str, transport: str, status: str, bytes_in: int = 0, bytes_out: int = 0) -> None:
+        """Note a request that ended ``status`` (``ok`` or an error kind) after starting at ``t0``.
+
+        Args:
+            bytes_in: payload bytes it brought (a write's data).
+            bytes_out: payload bytes its reply carries (a read's data).
+        """
+        try:
+            self.inflight.dec()
+        except Exception as exc:  # noqa: BLE001
+            _warn_once("in-flight gauge", exc)
+        try:
+            dt = time.perf_counter() - t0
+            c = self._children
+            key = (op, transport, status)
+            req = c.get(key)
+            if req is None:
+                req = c[key] = self.requests.labels(op, transport, status)
+            req.inc()
+            hkey = ("h", op, transport)
+            hist = c.get(hkey)
+            if hist is None:
+                hist = c[hkey] = self.seconds.labels(op, transport)
+            hist.observe(dt)
+            if bytes_in:
+                self._bytes(op, transport, "in").inc(bytes_in)
+            if bytes_out:
+                self._bytes(op, transport, "out").inc(bytes_out)
+            if status != "ok":
+                self.errors.labels(status).inc()
+        except Exception as exc:  # noqa: BLE001
+            _warn_once("shard end", exc)
+
+    def _bytes(self, op: str, transport: str, direction: str) -> Any:
+        key = ("b", op, transport, direction)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.bytes.labels(op, transport, direction)
+        return child
+
+    def forwarded(self, seconds: float, status: str) -> None:
+        """Note a forward to the next replica that ended ``status`` after ``seconds``."""
+        try:
+            self.forwards.labels(status).inc()
+            if status == "ok":
+                self.forward_seconds.observe(seconds)
+        except Exception as exc:  # noqa: BLE001
+            _warn_once("replication forward", exc)
+
+
+class _ShardCollector(Collector):
+    """Gauges read from the shards at scrape time (off the hot path)."""
+
+    def __init__(self, servers: weakref.WeakSet[Any]) -> None:
+        self._servers = servers
+
+    def describe(self) -> Iterable[Any]:
+        return []  # the families depend on the shards: nothing to check at register time
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        chunks = GaugeMetricFamily("irdma_shard_chunks", "Chunks the shard holds.", labels=("shard",))
+        held = GaugeMetricFamily("irdma_shard_bytes_held", "Bytes of the shard's memory region in use.",
+                                 labels=("shard",))
+        cap = GaugeMetricFamily("irdma_shard_capacity_bytes", "Bytes of the shard's memory region.",
+                                labels=("shard",))
+        pending = GaugeMetricFamily("irdma_shard_replication_pending_forwards",
+                                    "Updates forwarded to the next replica, not yet acknowledged.",
+                                    labels=("shard",))
+        dirty = GaugeMetricFamily("irdma_shard_dirty_chunks", "Chunks with forwarded updates not yet acknowledged.",
+                                  labels=("shard",))
+        for server in list(self._servers):
+            try:
+                # read without a lock, from the exporter's thread: plain ints and a dict copy;
+                # a scrape may see a value one request old, never a torn one
+                shard = server.shard
+                sid = str(shard.shard_id)
+                chunks.add_metric([sid], shard.chunk_count)
+                held.add_metric([sid], shard.used)
+                cap.add_metric([sid], shard.capacity)
+                lag = dict(server.replicator._dirty)
+                pending.add_metric([sid], sum(lag.values()))
+                dirty.add_metric([sid], len(lag))
+            except Exception as exc:  # noqa: BLE001 - a scrape never breaks the shard
+                _warn_once("shard gauges", exc)
+        yield from (chunks, held, cap, pending, dirty)
+
+
+# ---------------------------------------------------------------- the client
+class ClientMetrics:
+    """The request metrics of a client (one per process: :func:`client_metrics`)."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.requests = Counter("irdma_client_requests", "Requests a client sent to shards, by outcome.",
+                                ("op", "transport", "status"), registry=registry)
+        self.bytes = Counter("irdma_client_bytes", "Payload bytes a client pulled (in) and pushed (out).",
+                             ("op", "direction"), registry=registry)
+        self.seconds = Histogram("irdma_client_request_seconds", "Seconds a request to one shard took.",
+                                 ("op", "transport"), buckets=LATENCY_BUCKETS, registry=registry)
+        self.inflight = Gauge("irdma_client_inflight_requests", "Requests to shards awaiting their reply.",
+                              registry=registry)
+        self.errors = Counter("irdma_client_errors", "Failed requests to shards, by kind.", ("kind",),
+                              registry=registry)
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def begin(self) -> float:
+        try:
+            self.inflight.inc()
+        except Exception as exc:  # noqa: BLE001
+            _warn_once("client begin", exc)
+        return time.perf_counter()
+
+    def end(self, t0: float, op: str, transport: str, status: str, nbytes: int = 0, direction: str = "") -> None:
+        """Note a call that ended ``status`` after starting at ``t0`` and moved ``nbytes``."""
+        try:
+            self.inflight.dec()
+        except Exception as exc:  # noqa: BLE001
+            _warn_once("in-flight gauge", exc)
+        try:
+            dt = time.perf_counter() - t0
+            c = self._children
+            key = (op, transport, status)
+            req = c.get(key)
+            if req is None:
+                req = c[key] = self.requests.labels(op, transport, status)
+            req.inc()
+            hkey = ("h", op, transport)
+            hist = c.get(hkey)
+            if hist is None:
+                hist = c[hkey] = self.seconds.labels(op, transport)
+            hist.observe(dt)
+            if nbytes:
+                key = ("b", op, direction)
+                b = c.get(key)
+                if b is None:
+                    b = c[key] = self.bytes.labels(op, direction)
+                b.inc(nbytes)
+            if status != "ok":
+                self.errors.labels(status).inc()
+        except Exception as exc:  # noqa: BLE001
+            _warn_once("client end", exc)
+
+
+class FuseMetrics:
+    """FUSE request metrics of a mount (one per process: :func:`fuse_metrics`)."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.requests = Counter("irdma_fuse_requests", "FUSE requests a mount answered, by type.", ("op",),
+                                registry=registry)
+        self.seconds = Histogram("irdma_fuse_request_seconds", "Seconds a FUSE request took, by type.", ("op",),
+                                 buckets=LATENCY_BUCKETS, registry=registry)
+        self.bytes = Counter("irdma_fuse_bytes", "Bytes a mount returned to read and accepted from write.", ("op",),
+                             registry=registry)
+        self.errors = Counter("irdma_fuse_errors", "FUSE requests answered with an error, by type and errno.",
+                              ("op", "errno"), registry=registry)
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def end(self, t0: float, op: str, errno: int = 0, nbytes: int = 0) -> None:
+        """Note a FUSE request of type ``op`` that started at ``t0`` and failed with ``errno``
+        (0: it succeeded), moving ``nbytes``."""
+        try:
+            dt = time.perf_counter() - t0
+            c = self._children
+            pair = c.get((op,))
+            if pair is None:
+                pair = c[(op,)] = (self.requests.labels(op), self.seconds.labels(op))
+            pair[0].inc()
+            pair[1].observe(dt)
+            if nbytes:
+                b = c.get(("b", op))
+                if b is None:
+                    b = c[("b", op)] = self.bytes.labels(op)
+                b.inc(nbytes)
+            if errno:
+                self.errors.labels(op, _errno.errorcode.get(errno, str(errno))).inc()
+        except Exception as exc:  # noqa: BLE001
+            _warn_once("fuse", exc)
+
+
+class MeteredConnection(ShardConnection):
+    """A :class:`ShardConnection` that records every call in :class:`ClientMetrics` and passes
+    it on unchanged (same results, same exceptions, same cancellation).
+
+    Args:
+        conn: the transport's connection.
+        transport: its transport's name (``tcp`` or ``verbs``), the ``transport`` label.
+    """
+
+    def __init__(self, conn: ShardConnection, transport: str) -> None:
+        self.conn = conn
+        self.transport = transport
+        self.info = conn.info
+        self.address = conn.address
+        self.one_sided_reads = conn.one_sided_reads
+        self._m = client_metrics()
+
+    async def _call(self, op: str, fn: Callable[..., Any], *args: Any, nbytes: int = 0, direction: str = "") -> Any:
+        m = self._m
+        t0 = m.begin()
+        try:
+            out = await fn(*args)
+        except BaseException as exc:
+            m.end(t0, op, self.transport, error_kind(exc))
+            raise
+        m.end(t0, op, self.transport, "ok", nbytes, direction)
+        return out
+
+    async def read(self, file_id: int, chunk_index: int, offset: int, into: memoryview, clean: bool = False) -> int:
+        return await self._call("read", self.conn.read, file_id, chunk_index, offset, into, clean,  # type: ignore[no-any-return]
+                                nbytes=len(into), direction="in")
+
+    async def write(self, file_id: int, chunk_index: int, chunk_size: int, offset: int, op: Any,
+                    data: memoryview | bytes, existing: bool = False, chain: Any = None) -> int:
+        return await self._call("write", self.conn.write, file_id, chunk_index, chunk_size, offset, op,  # type: ignore[no-any-return]
+                                data, existing, chain, nbytes=len(data), direction="out")
+
+    async def resync(self, file_id: int, chunk_index: int, chunk_size: int, chain: Any) -> int:
+        return await self._call("resync", self.conn.resync, file_id, chunk_index, chunk_size, chain)  # type: ignore[no-any-return]
+
+    async def checksum(self, file_id: int, chunk_index: int, view: int = 0) -> tuple[int, int]:
+        return await self._call("checksum", self.conn.checksum, file_id, chunk_index, view)  # type: ignore[no-any-return]
+
+    async def stat(self) -> Any:
+        return await self._call("stat", self.conn.stat)
+
+    async def free(self, file_id: int, first_chunk: int) -> int:
+        return await self._call("free", self.conn.free, file_id, first_chunk)  # type: ignore[no-any-return]
+
+    async def punch(self, file_id: int, chunk_index: int, offset: int) -> int:
+        return await self._call("punch", self.conn.punch, file_id, chunk_index, offset)  # type: ignore[no-any-return]
+
+    async def sync(self) -> None:
+        await self._call("sync", self.conn.sync)
+
+    async def list_chunks(self, after_file: int = 0, after_chunk: int = 0) -> list[Any]:
+        return await self._call("list", self.conn.list_chunks, after_file, after_chunk)  # type: ignore[no-any-return]
+
+    @property
+    def broken(self) -> bool:
+        return self.conn.broken
+
+    def forget_file(self, file_id: int) -> None:
+        self.conn.forget_file(file_id)
+
+    async def aclose(self) -> None:
+        await self.conn.aclose()
+
+    def __getattr__(self, name: str) -> Any:  # what a transport offers beyond the interface
+        return getattr(self.conn, name)
+
+
+_singletons: dict[str, Any] = {}
+_singleton_lock = threading.Lock()
+
+
+def _singleton(name: str, make: Callable[[], Any]) -> Any:
+    obj = _singletons.get(name)
+    if obj is None:
+        with _singleton_lock:
+            obj = _singletons.get(name)
+            if obj is None:
+                obj = _singletons[name] = make()
+    return obj
+
+
+def shard_metrics() -> ShardMetrics:
+    """This process's :class:`ShardMetrics` (made, and registered, on first use)."""
+    return _singleton("shard", ShardMetrics)  # type: ignore[no-any-return]
+
+
+def client_metrics() -> ClientMetrics:
+    """This process's :class:`ClientMetrics` (made, and registered, on first use)."""
+    return _singleton("client", ClientMetrics)  # type: ignore[no-any-return]
+
+
+def fuse_metrics() -> FuseMetrics:
+    """This process's :class:`FuseMetrics` (made, and registered, on first use)."""
+    return _singleton("fuse", FuseMetrics)  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------- the exporter
+class Exporter:
+    """A running HTTP exporter of :data:`REGISTRY` (see :func:`serve`). ``address`` is the
+    bound ``HOST:PORT``; :meth:`close` stops it (safe twice)."""
+
+    def __init__(self, httpd: Any, thread: threading.Thread, address: str) -> None:
+        self._httpd = httpd
+        self._thread = thread
+        self.address = address
+
+    @property
+    def url(self) -> str:
+        """``http://HOST:PORT/metrics``."""
+        return f"http://{format_host(self.address)}/metrics"
+
+    def close(self) -> None:
+        httpd, self._httpd = self._httpd, None
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
+            self._thread.join(timeout=5)
+
+
+def format_host(address: str) -> str:
+    """``HOST:PORT`` with an IPv6 host in brackets, for a URL."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_metrics_address(addr: str, what: str = "--metrics") -> tuple[str, int]:
+    """Split a metrics ``HOST:PORT`` (port 0: a free one).
+
+    Raises:
+        InvalidArgument: not HOST:PORT with a port in 0..65535.
+    """
+    from .transport import parse_address
+
+    try:
+        return parse_address(addr.strip())
+    except ValueError:
+        raise E.InvalidArgument(f"{what} {addr!r} is not HOST:PORT",
+                                f"pass {what} HOST:PORT, such as 127.0.0.1:9100 (port 0 picks a free one)") from None
+
+
+def serve(addr: str) -> Exporter:
+    """Serve :data:`REGISTRY` at ``http://HOST:PORT/metrics`` from a daemon thread.
+
+    Binding happens here (it does not block: call it before the trio loop, or with
+    ``trio.to_thread.run_sync``); requests are served by the exporter's own threads.
+
+    Args:
+        addr: ``HOST:PORT`` to listen on; port 0 picks a free one (see ``Exporter.address``).
+
+    Returns:
+        The running :class:`Exporter`.
+
+    Raises:
+        InvalidArgument: ``addr`` is not HOST:PORT, or HOST is not an address of this machine.
+        IrdmaError: the port is in use, or may not be bound (below 1024 without root).
+    """
+    import socket
+
+    from prometheus_client import start_http_server
+
+    host, port = parse_metrics_address(addr)
+    try:
+        httpd, thread = start_http_server(port, host, registry=REGISTRY)
+    except socket.gaierror as exc:
+        raise E.InvalidArgument(f"cannot serve metrics on {addr}: {exc.strerror}",
+                                "pass --metrics HOST:PORT with a HOST of this machine, such as 127.0.0.1") from None
+    except OSError as exc:
+        if exc.errno == _errno.EADDRINUSE:
+            raise E.IrdmaError(f"cannot serve metrics on {addr}: the address is already in use",
+                               f"pick another --metrics port, 0 for a free one, or stop what listens there:"
+                               f" `ss -ltnp 'sport = :{port}'` names it") from None
+        raise E.IrdmaError(f"cannot serve metrics on {addr}: {exc.strerror or exc}",
+                           "pass --metrics an address of this machine, and a port above 1023 unless root") from None
+    bound_host, bound_port = httpd.server_address[:2]
+    address = f"{host if host else str(bound_host)}:{int(bound_port)}"
+    log.info("serving metrics on http://%s/metrics", format_host(address))
+    return Exporter(httpd, thread, address)
+
+
+def shard_address(explicit: str | None, shard_id: int) -> str | None:
+    """The metrics address of shard ``shard_id``: ``explicit`` (``irdma server --metrics``) when
+    given, else derived from ``$IRDMA_SHARD_METRICS`` (``irdma up --metrics HOST:PORT`` sets it
+    for the shards it starts): ``HOST:PORT+shard_id``, or ``HOST:0`` (a free port each) when
+    PORT is 0. None: no metrics.
+
+    Raises:
+        InvalidArgument: the environment variable is not HOST:PORT, or PORT+shard_id > 65535.
+    """
+    if explicit:
+        return explicit
+    base = os.environ.get(SHARD_METRICS_ENV)
+    if not base:
+        return None
+    host, port = parse_metrics_address(base, f"${SHARD_METRICS_ENV}")
+    if port == 0:
+        return base
+    if port + shard_id > 65535:
+        raise E.InvalidArgument(f"shard {shard_id} would serve metrics on port {port + shard_id} (> 65535)",
+                                "pass `irdma up --metrics` a lower port")
+    return f"{format_host(f'{host}:{port + shard_id}')}"
+
+
+# ---------------------------------------------------------------- mount discovery
+def run_dir() -> str:
+    """Where mounts record their metrics address: ``$IRDMA_RUN_DIR``, else
+    ``$XDG_RUNTIME_DIR/irdma``, else ``/tmp/irdma-UID`` (per user, mode 0700)."""
+    d = os.environ.get("IRDMA_RUN_DIR")
+    if d:
+        return d
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        return os.path.join(xdg, "irdma")
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"irdma-{os.getuid()}")
+
+
+def mount_state_file(mountpoint: str) -> str:
+    """The file where the mount on ``mountpoint`` records its metrics address (JSON:
+    ``mountpoint``, ``pid``, ``metrics``, ``meta_url``), keyed by the mountpoint's absolute path."""
+    import hashlib
+
+    path = os.path.abspath(mountpoint)
+    digest = hashlib.sha256(path.encode()).hexdigest()[:16]
+    name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in os.path.basename(path) or "root")[:64]
+    return os.path.join(run_dir(), "mounts", f"{name}-{digest}.json")
+
+
+def record_mount(mountpoint: str, address: str, meta_url: str) -> str:
+    """Record that this process serves ``mountpoint``'s metrics on ``address``; returns the file.
+
+    Raises:
+        OSError: the run directory cannot be written.
+    """
+    import json
+
+    path = mount_state_file(mountpoint)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"mountpoint": os.path.abspath(mountpoint), "pid": os.getpid(), "metrics": address,
+                   "meta_url": meta_url}, f)
+    os.replace(tmp, path)
+    return path
+
+
+def forget_mount(mountpoint: str) -> None:
+    """Remove the record of :func:`record_mount` if this process made it (best effort)."""
+    import json
+
+    path = mount_state_file(mountpoint)
+    try:
+        with open(path) as f:
+            if json.load(f).get("pid") != os.getpid():
+                return
+        os.unlink(path)
+    except (OSError, ValueError):
+        pass
+
+
+__all__ = [
+    "REGISTRY", "LATENCY_BUCKETS", "SHARD_METRICS_ENV", "ShardMetrics", "ClientMetrics", "FuseMetrics", "Exporter",
+    "MeteredConnection",
+    "error_kind", "shard_metrics", "client_metrics", "fuse_metrics", "serve", "shard_address", "run_dir",
+    "mount_state_file", "record_mount", "forget_mount", "parse_metrics_address", "format_host",
+]

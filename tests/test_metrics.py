@@ -1,0 +1,353 @@
+"""Prometheus metrics of shards and mounts, and the live view of ``irdma stats``.
+
+Real shard processes (each serving its metrics on a port of its own), a real FUSE mount with
+``--metrics``, a known workload, and then the byte counters must equal the bytes moved.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from helpers import assert_clean_log, mounted, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+
+import irdma
+from irdma import metrics, stats
+from irdma._errors import InvalidArgument, IrdmaError
+from irdma.auth import create_key_file
+from irdma.meta import open_meta
+
+#: A shard process as ``irdma server --metrics`` runs it (run_server with its metrics address).
+SHARD = """
+import functools, logging, sys, trio
+from irdma.auth import KeySource
+from irdma.server.serve import run_server
+from irdma.server.shard import Region, Shard
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+host, port = sys.argv[1].rsplit(":", 1)
+try:
+    trio.run(functools.partial(run_server, Shard(int(sys.argv[2]), Region(64 << 20)), host, int(port),
+                               keys=KeySource(sys.argv[3]), metrics=sys.argv[4], port_file=sys.argv[5]))
+except Exception as exc:
+    print(f"error: {exc}", file=sys.stderr)
+    sys.exit(1)
+"""
+
+CAPACITY = 64 << 20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MetricsCluster:
+    """Two shard processes with metrics, a SQLite namespace with replicas=2, and its key."""
+
+    def __init__(self, directory: str) -> None:
+        self.dir = directory
+        self.meta_url = f"sqlite://{directory}/meta.db"
+        self.key = os.path.join(directory, "cluster.key")
+        create_key_file(self.key)
+        meta = open_meta(os.path.join(directory, "meta.db"), create=True)
+        meta.set_replicas(2)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs: list[str] = []
+        self.metrics: dict[int, str] = {}  # shard id -> its metrics HOST:PORT
+        try:
+            for i in range(2):
+                rec = meta.add_shard(f"127.0.0.1:{_free_port()}")
+                log = os.path.join(directory, f"shard-{rec.shard_id}.log")
+                port_file = os.path.join(directory, f"shard-{rec.shard_id}.port")
+                self.logs.append(log)
+                with open(log, "w") as out:
+                    self.procs.append(subprocess.Popen(
+                        [sys.executable, "-c", SHARD, rec.address, str(rec.shard_id), self.key, "127.0.0.1:0",
+                         port_file], stdout=out, stderr=subprocess.STDOUT))
+                wait_until(lambda pf=port_file: os.path.exists(pf), 30, f"shard {i} to listen")
+        finally:
+            meta.close()
+        with irdma.connect(self.meta_url, transport="tcp") as c:
+            for rec, st, _ in c.shard_stats():
+                assert st is not None and st.metrics, f"shard {rec.shard_id} told no metrics address"
+                self.metrics[rec.shard_id] = st.metrics
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.wait(timeout=30)
+        for log in self.logs:
+            assert_clean_log(log)
+
+
+@pytest.fixture(scope="module")
+def mcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MetricsCluster]:
+    c = MetricsCluster(str(tmp_path_factory.mktemp("mcluster")))
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def mmnt(mcluster: MetricsCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if not os.path.exists("/dev/fuse"):
+        pytest.fail("/dev/fuse is missing: FUSE tests cannot run (load the fuse module)")
+    run_dir = str(tmp_path_factory.mktemp("run"))
+    old = os.environ.get("IRDMA_RUN_DIR")
+    os.environ["IRDMA_RUN_DIR"] = run_dir  # the mount process inherits it; so does stats here
+    try:
+        with mounted(mcluster.meta_url, str(tmp_path_factory.mktemp("mmnt") / "m"), direct_io=True,
+                     metrics="127.0.0.1:0") as m:
+            yield m
+    finally:
+        if old is None:
+            os.environ.pop("IRDMA_RUN_DIR", None)
+        else:
+            os.environ["IRDMA_RUN_DIR"] = old
+
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def scrape(address: str) -> Samples:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: Samples = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def local() -> Samples:
+    from prometheus_client import generate_latest
+
+    out: Samples = {}
+    for fam in text_string_to_metric_families(generate_latest(metrics.REGISTRY).decode()):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def total(samples: Samples, name: str, **match: str) -> float:
+    return sum(v for labels, v in samples.get(name, []) if all(labels.get(k) == w for k, w in match.items()))
+
+
+def shards_total(scrapes: list[Samples], name: str, **match: str) -> float:
+    return sum(total(s, name, **match) for s in scrapes)
+
+
+# ---------------------------------------------------------------- bad addresses
+def test_bad_metrics_addresses_give_clear_errors(tmp_path: object) -> None:
+    with pytest.raises(InvalidArgument, match="is not HOST:PORT"):
+        metrics.serve("localhost")
+    with pytest.raises(InvalidArgument, match="is not HOST:PORT"):
+        metrics.serve("127.0.0.1:99999")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        with pytest.raises(IrdmaError, match=f"127.0.0.1:{port}: the address is already in use.*another --metrics"):
+            metrics.serve(f"127.0.0.1:{port}")
+        # a shard process refuses to start on it, saying so
+        d = str(tmp_path)
+        key = os.path.join(d, "cluster.key")
+        create_key_file(key)
+        res = subprocess.run([sys.executable, "-c", SHARD, f"127.0.0.1:{_free_port()}", "0", key,
+                              f"127.0.0.1:{port}", os.path.join(d, "port")], capture_output=True, text=True,
+                             timeout=60)
+        assert res.returncode == 1
+        assert f"cannot serve metrics on 127.0.0.1:{port}: the address is already in use" in res.stderr
+    with pytest.raises(InvalidArgument, match="no-such-host.invalid:9100|cannot serve metrics"):
+        metrics.serve("no-such-host.invalid:9100")
+
+
+def test_spawn_mount_refuses_a_bad_metrics_address(mcluster: MetricsCluster, tmp_path: object) -> None:
+    from irdma.fs.mount import spawn_mount
+
+    mnt = os.path.join(str(tmp_path), "m")
+    os.makedirs(mnt)
+    with pytest.raises(InvalidArgument, match="--metrics 'nope' is not HOST:PORT"):
+        spawn_mount(mcluster.meta_url, mnt, transport="tcp", log_file=mnt + ".log", metrics="nope")
+    assert not os.path.ismount(mnt)
+
+
+def test_shard_address_from_irdma_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert metrics.shard_address("10.0.0.1:9000", 3) == "10.0.0.1:9000"
+    assert metrics.shard_address(None, 3) is None
+    monkeypatch.setenv(metrics.SHARD_METRICS_ENV, "127.0.0.1:9100")
+    assert metrics.shard_address(None, 2) == "127.0.0.1:9102"
+    monkeypatch.setenv(metrics.SHARD_METRICS_ENV, "127.0.0.1:0")
+    assert metrics.shard_address(None, 2) == "127.0.0.1:0"
+
+
+# ---------------------------------------------------------------- counters after a known workload
+def test_native_client_bytes_equal_shard_counters(mcluster: MetricsCluster) -> None:
+    n = 3 * (4 << 20) + 12345 * 4  # several chunks (4 MiB each) and a partial one
+    data = np.arange(n // 4, dtype="<f4")
+    addrs = list(mcluster.metrics.values())
+    before = [scrape(a) for a in addrs]
+    mine0 = local()
+    with irdma.connect(mcluster.meta_url, transport="tcp") as c:
+        c.write("/native.bin", data)
+        c.flush()
+        back = c.pull("/native.bin", shape=(n // 4,))
+    assert np.array_equal(back, data)
+    after = [scrape(a) for a in addrs]
+    mine = local()
+
+    def shard_delta(name: str, **match: str) -> float:
+        return shards_total(after, name, **match) - shards_total(before, name, **match)
+
+    def client_delta(name: str, **match: str) -> float:
+        return total(mine, name, **match) - total(mine0, name, **match)
+
+    # exactly the bytes moved, per op and direction, on both sides of the wire
+    assert client_delta("irdma_client_bytes_total", op="write", direction="out") == n
+    assert client_delta("irdma_client_bytes_total", op="read", direction="in") == n
+    assert shard_delta("irdma_shard_bytes_total", op="write", transport="tcp", direction="in") == n
+    assert shard_delta("irdma_shard_bytes_total", op="read", transport="tcp", direction="out") == n
+    # replicas=2: every byte pushed to a head was forwarded once to the next replica
+    assert shard_delta("irdma_shard_bytes_total", op="forward", transport="tcp", direction="in") == n
+    # requests: at least one per chunk, all answered ok, and as many as the client sent
+    writes = shard_delta("irdma_shard_requests_total", op="write", status="ok")
+    assert writes >= 4
+    assert writes == client_delta("irdma_client_requests_total", op="write", transport="tcp", status="ok")
+    assert shard_delta("irdma_shard_requests_total", op="forward", status="ok") == writes
+    assert shard_delta("irdma_shard_requests_total", op="sync", status="ok") >= 2
+    assert shard_delta("irdma_shard_request_seconds_count", op="write") == writes
+    assert client_delta("irdma_client_request_seconds_count", op="read", transport="tcp") >= 4
+    assert shard_delta("irdma_shard_errors_total") == 0
+    # replication: forwards acknowledged and timed; none pending once the writes returned
+    assert shard_delta("irdma_shard_replication_forwards_total", status="ok") == writes
+    assert shard_delta("irdma_shard_replication_forward_seconds_count") == writes
+    assert shards_total(after, "irdma_shard_replication_pending_forwards") == 0
+    # gauges read at scrape time
+    assert shards_total(after, "irdma_shard_capacity_bytes") == 2 * CAPACITY
+    assert shards_total(after, "irdma_shard_chunks") >= 2 * 4
+    assert shards_total(after, "irdma_shard_bytes_held") >= 2 * n
+    assert shards_total(after, "irdma_shard_inflight_requests") == 0
+    assert total(mine, "irdma_client_inflight_requests") == 0
+
+
+def test_mount_metrics_count_fuse_requests_and_bytes(mcluster: MetricsCluster, mmnt: str) -> None:
+    target = stats.mount_target(mmnt)
+    n = 5 * (1 << 20) + 777
+    payload = os.urandom(n)
+    addrs = list(mcluster.metrics.values())
+    before = [scrape(a) for a in addrs]
+    m0 = scrape(target.address)
+    path = os.path.join(mmnt, "through-fuse.bin")
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    got = bytearray()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while chunk := os.read(fd, 1 << 20):
+            got += chunk
+    finally:
+        os.close(fd)
+    assert bytes(got) == payload
+    m1 = scrape(target.address)
+    after = [scrape(a) for a in addrs]
+
+    def md(name: str, **match: str) -> float:
+        return total(m1, name, **match) - total(m0, name, **match)
+
+    def sd(name: str, **match: str) -> float:
+        return shards_total(after, name, **match) - shards_total(before, name, **match)
+
+    # the mount's FUSE side: exactly the bytes the application moved (direct I/O)
+    assert md("irdma_fuse_bytes_total", op="write") == n
+    assert md("irdma_fuse_bytes_total", op="read") == n
+    assert md("irdma_fuse_requests_total", op="write") >= n // (1 << 20)
+    assert md("irdma_fuse_requests_total", op="fsync") == 1
+    assert md("irdma_fuse_requests_total", op="create") == 1
+    assert md("irdma_fuse_request_seconds_count", op="write") == md("irdma_fuse_requests_total", op="write")
+    # its client side and the shards agree, byte for byte
+    assert md("irdma_client_bytes_total", op="write", direction="out") == n
+    assert sd("irdma_shard_bytes_total", op="write", direction="in") == n
+    pulled = md("irdma_client_bytes_total", op="read", direction="in")
+    assert pulled >= n
+    assert sd("irdma_shard_bytes_total", op="read", direction="out") == pulled
+    assert md("irdma_client_requests_total", op="write", transport="tcp", status="ok") == \
+        sd("irdma_shard_requests_total", op="write", status="ok")
+    assert md("irdma_client_request_seconds_count", op="write", transport="tcp") >= 1
+
+
+# ---------------------------------------------------------------- the live view
+def test_stats_run_shows_mount_and_shards(mcluster: MetricsCluster, mmnt: str) -> None:
+    done = threading.Event()
+
+    def workload() -> None:  # writes while the view measures, so write rows have rates
+        with open(os.path.join(mmnt, "busy.bin"), "wb") as f:
+            while not done.is_set():
+                f.write(b"x" * 65536)
+                f.flush()
+                os.fsync(f.fileno())
+
+    worker = threading.Thread(target=workload)
+    worker.start()
+    buf = io.StringIO()
+    try:
+        shown = stats.run(mountpoints=[mmnt], meta_url=mcluster.meta_url, interval=0.5, count=1,
+                          console=Console(file=buf, width=220, color_system=None))
+    finally:
+        done.set()
+        worker.join()
+    assert shown == 1
+    text = buf.getvalue()
+    assert "irdma stats" in text
+    for sid in mcluster.metrics:
+        assert f"shard {sid}" in text
+    assert f"mount {os.path.abspath(mmnt)}" in text
+    lines = text.splitlines()
+    for layer, op in (("shard", "total"), ("shard", "write"), ("client", "total"), ("client", "write"),
+                      ("fuse", "total"), ("fuse", "write")):
+        assert any(f" {layer} " in ln and f" {op} " in ln for ln in lines), f"no {layer}/{op} row:\n{text}"
+    assert "64.0 MiB" in text  # held / capacity of a shard
+
+
+def test_stats_run_names_an_endpoint_that_does_not_answer(tmp_path: object) -> None:
+    port = _free_port()
+    with pytest.raises(IrdmaError, match=f"no metrics from http://127.0.0.1:{port}/metrics.*--metrics"):
+        stats.run(endpoints=[f"127.0.0.1:{port}"], interval=0.1, count=1, console=Console(file=io.StringIO()))
+    with pytest.raises(IrdmaError, match="no mount on .* serves metrics.*irdma mount --metrics"):
+        stats.run(mountpoints=[str(tmp_path)], count=1, console=Console(file=io.StringIO()))
+    with pytest.raises(InvalidArgument, match="--count 0"):
+        stats.run(endpoints=["127.0.0.1:1"], count=0)
+
+
+def test_quantile_interpolates_within_a_bucket() -> None:
+    b = {0.001: 0.0, 0.01: 50.0, 0.1: 100.0, float("inf"): 100.0}
+    assert stats.quantile(0.5, b) == pytest.approx(0.01)
+    assert stats.quantile(0.75, b) == pytest.approx(0.055)
+    assert stats.quantile(0.5, {float("inf"): 0.0}) is None
+    assert stats.quantile(0.99, {0.5: 1.0, float("inf"): 10.0}) == 0.5
+
+
+def test_metrics_code_never_fails_a_request() -> None:
+    m = metrics.client_metrics()
+    inflight = total(local(), "irdma_client_inflight_requests")
+    t0 = m.begin()
+    m.end(t0, "read", "tcp", "ok", nbytes=-1, direction="in")  # a counter refuses a negative: swallowed
+    assert total(local(), "irdma_client_inflight_requests") == inflight
