@@ -34,7 +34,7 @@ def _meta_default() -> str:
 
 META_OPTION = click.option(
     "--meta", "meta_url", default=_meta_default, show_default="$IRDMA_META or the default cluster's",
-    help="Metadata URL of the namespace (sqlite:///PATH/meta.db).",
+    help="Metadata URL of the namespace (sqlite:///PATH/meta.db or postgresql://USER@HOST:PORT/DB).",
 )
 DIR_OPTION = click.option(
     "--dir", "cluster_dir", default=_cluster.default_dir, show_default="$IRDMA_HOME or ~/.irdma",
@@ -412,7 +412,7 @@ def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_
     it would show in `ps`)."""
     from irdma.fs.mount import check_mountpoint, serve_mount, spawn_mount
 
-    from .meta import meta_path, open_meta
+    from .meta import meta_path, meta_scheme, open_meta
 
     meta = open_meta(meta_url)  # fail here, clearly, if there is no namespace
     shown = meta.url
@@ -425,7 +425,7 @@ def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_
                                    **({} if timeout is None else {"timeout": timeout})))
         return
     name = f"mount-{os.path.basename(os.path.abspath(mountpoint))}.log"
-    if log_file is None and (meta_url.startswith("sqlite://") or "://" not in meta_url):
+    if log_file is None and meta_scheme(meta_url) == "sqlite":
         log_file = os.path.join(os.path.dirname(meta_path(meta_url)), name)
     elif log_file is None:
         os.makedirs(_cluster.default_dir(), mode=0o700, exist_ok=True)
@@ -953,11 +953,11 @@ def format_(url: str | None, meta_url: str, replicas: int | None) -> None:
 
     from ._errors import Exists, NotFound
     from .auth import KEY_FILE_ENV, KEY_FILE_NAME, create_key_file, read_key_file
-    from .meta import meta_path, open_meta
+    from .meta import meta_path, meta_scheme, open_meta
 
     meta_url = url or meta_url
     key_file = os.environ.get(KEY_FILE_ENV)
-    if meta_url.startswith("sqlite://") or "://" not in meta_url:
+    if meta_scheme(meta_url) == "sqlite":
         path = meta_path(meta_url)
         if os.path.exists(path):
             raise Exists(f"a namespace already exists at {path}", "use it, or pick another URL")

@@ -472,11 +472,16 @@ class Client:
                 return
         tried: set[int] = set()
         lost: DataLost | None = None
-        for _ in range(2 * len(reps)):
+        refreshed = False
+        for _ in range(2 * len(reps) + 1):
             cands = [s for s in reps if self._current(s) and s not in tried]  # in chain order
             if not cands:
                 if lost is not None:
                     raise lost
+                if not refreshed:  # the view may be older than the shard map: read it again once
+                    refreshed = True
+                    await self.refresh_view()
+                    continue
                 self.chain_of(layout, p.chunk_index)  # raises the error that says why
                 break
             known = [s for s in cands if rec is None or s in rec] or cands  # replicas written to
@@ -573,8 +578,18 @@ class Client:
         rid = self._request_id()
         single = layout.replicas == 1
         last: IrdmaError | None = None
+        refreshed = False
         for _ in range(MAX_ATTEMPTS if not single else 2):
-            chain = self.chain_of(layout, p.chunk_index)
+            try:
+                chain = self.chain_of(layout, p.chunk_index)
+            except ShardUnavailable as exc:
+                # this client's view may be older than the shard map (a replica that caught
+                # up since its last heartbeat): read it again once before failing the write
+                if refreshed:
+                    raise
+                last, refreshed = exc, True
+                await self.refresh_view()
+                continue
             head = chain[0]
             existing = rec is not None and (head in rec or single)
             inc = rec.get(head) if rec is not None else None

@@ -262,7 +262,22 @@ def _rate_bits(rate: str) -> int:
     return int(float(m.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[m.group(2)])
 
 
-PG_BIN = "/usr/lib/postgresql/15/bin"
+PG_BIN = os.environ.get("IRDMA_PG_BIN", "/usr/lib/postgresql/15/bin")
+
+
+def postgres_available() -> str:
+    """Why :class:`PostgresServer` cannot run here ("" if it can)."""
+    import pwd
+
+    if not os.path.exists(os.path.join(PG_BIN, "pg_ctl")):
+        return f"PostgreSQL 15 is not installed ({PG_BIN}/pg_ctl missing; `apt-get install postgresql-15`)"
+    if os.geteuid() != 0:
+        return "starting PostgreSQL as the postgres user needs root"
+    try:
+        pwd.getpwnam("postgres")
+    except KeyError:
+        return "there is no postgres OS user (Debian's postgresql package makes it)"
+    return ""
 
 
 class PostgresServer:
@@ -307,6 +322,7 @@ class PostgresServer:
         self.listen, self.port, self.prefix = listen, port, list(prefix)
         self.user, self.database = user, database
         self.password = secrets.token_hex(16)
+        self._serial = 0
         self.dir = tempfile.mkdtemp(prefix="irdma-pg-")
         self._rmtree = shutil.rmtree
         self._started = False
@@ -315,6 +331,7 @@ class PostgresServer:
             os.chown(self.dir, pw.pw_uid, pw.pw_gid)
             os.chmod(self.dir, 0o700)
             self.data, self.sock, self.log = (os.path.join(self.dir, n) for n in ("data", "sock", "log"))
+            self.socket_dir = self.sock
             os.mkdir(self.sock)
             os.chown(self.sock, pw.pw_uid, pw.pw_gid)
             self._as_postgres([f"{PG_BIN}/initdb", "-D", self.data, "-U", "postgres", "--auth-local=trust",
@@ -356,14 +373,34 @@ class PostgresServer:
     def create_database(self, name: str) -> str:
         """A new empty database owned by the login role; returns its URL (no password)."""
         self.psql(f"CREATE DATABASE {name} OWNER {self.user}")
-        return f"postgresql://{self.user}@{self.listen}:{self.port}/{name}"
+        return self.url_of(name, password=False)
+
+    def url_of(self, database: str, *, password: bool = True) -> str:
+        """The TCP URL of ``database`` as the login role, with its password unless told not (tests)."""
+        auth = f"{self.user}:{self.password}" if password else self.user
+        return f"postgresql://{auth}@{self.listen}:{self.port}/{database}"
+
+    def new_database(self) -> str:
+        """A new empty database with a fresh name; returns its URL with the password (tests)."""
+        self._serial += 1
+        name = f"t{os.getpid()}_{self._serial}"
+        self.psql(f"CREATE DATABASE {name} OWNER {self.user}")
+        return self.url_of(name)
 
     def close(self) -> None:
         """Stop the server and remove its directory (twice is fine)."""
         if self._started:
             self._started = False
-            subprocess.run(["runuser", "-u", "postgres", "--", f"{PG_BIN}/pg_ctl", "-D", self.data, "-m", "fast",
-                            "-w", "-t", "30", "stop"], capture_output=True, timeout=60)
+            try:
+                res = subprocess.run(["runuser", "-u", "postgres", "--", f"{PG_BIN}/pg_ctl", "-D", self.data, "-m",
+                                      "fast", "-w", "-t", "30", "stop"], capture_output=True, timeout=60)
+                stopped = res.returncode == 0
+            except subprocess.TimeoutExpired:
+                stopped = False
+            if not stopped:  # the postmaster, by its pid file
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    with open(os.path.join(self.data, "postmaster.pid")) as f:
+                        os.kill(int(f.readline()), signal.SIGKILL)
         if os.path.isdir(self.dir):
             self._rmtree(self.dir, ignore_errors=True)
 

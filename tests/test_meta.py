@@ -1,38 +1,71 @@
-"""The SQLite metadata engine: namespace rules, xattrs, shard map, several processes."""
+"""The MetaStore conformance suite: every test runs on SQLite and on PostgreSQL (a real
+PostgreSQL 15 server per test session, a database per test: see tests/pg.py); namespace
+rules, xattrs, the shard map, several processes. SQLite- and PostgreSQL-only checks are
+marked by their names."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
 import stat
+from collections.abc import Iterator
 
+import pg
 import pytest
 
 from irdma import _errors as E
 from irdma.meta import ROOT_INO, XATTR_UPDATE, open_meta
-from irdma.meta.sqlite import SqliteMeta
+from irdma.meta.base import MetaStore
 
 F = stat.S_IFREG | 0o644
 D = stat.S_IFDIR | 0o755
+ENGINES = ["sqlite", "postgresql"]
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[pg.PgServer]:
+    """One PostgreSQL server for the whole test session (skipped with the reason where it
+    cannot run)."""
+    why = pg.available()
+    if why:
+        pytest.skip(why)
+    with pg.postgres_server() as server:
+        yield server
+
+
+@pytest.fixture(params=ENGINES)
+def meta_url(request: pytest.FixtureRequest, tmp_path: object) -> str:
+    """The URL of an empty, not yet formatted metadata database of each engine."""
+    if request.param == "sqlite":
+        return f"sqlite://{tmp_path}/meta.db"
+    server: pg.PgServer = request.getfixturevalue("postgres_server")
+    return server.new_database()
 
 
 @pytest.fixture
-def meta(tmp_path: object) -> SqliteMeta:
-    m = open_meta(f"sqlite://{tmp_path}/meta.db", create=True)
-    m.add_shard("127.0.0.1:1")
-    m.add_shard("127.0.0.1:2")
-    yield m  # type: ignore[misc]
+def store(meta_url: str) -> Iterator[MetaStore]:
+    """A new namespace with no shard registered."""
+    m = open_meta(meta_url, create=True)
+    yield m
     m.close()
 
 
-def test_missing_database_is_a_clear_error(tmp_path: object) -> None:
+@pytest.fixture
+def meta(store: MetaStore) -> MetaStore:
+    """A new namespace with two shards registered."""
+    store.add_shard("127.0.0.1:1")
+    store.add_shard("127.0.0.1:2")
+    return store
+
+
+def test_sqlite_missing_database_is_a_clear_error(tmp_path: object) -> None:
     with pytest.raises(E.NotFound, match="irdma up"):
         open_meta(f"sqlite://{tmp_path}/none.db")
     with pytest.raises(ValueError, match="sqlite"):
-        open_meta("postgres://x")
+        open_meta("mysql://x")
 
 
-def test_files_get_the_stripe_and_inherit_directory_defaults(meta: SqliteMeta) -> None:
+def test_files_get_the_stripe_and_inherit_directory_defaults(meta: MetaStore) -> None:
     d = meta.create(ROOT_INO, b"grads", D, 0, 0)
     meta.setxattr(d.ino, XATTR_UPDATE, b"add")
     meta.setxattr(d.ino, b"user.irdma.chunk_size", b"65536")
@@ -46,7 +79,7 @@ def test_files_get_the_stripe_and_inherit_directory_defaults(meta: SqliteMeta) -
         meta.create(d.ino, b"x" * 256, F, 0, 0)
 
 
-def test_rename_replaces_a_file_and_reports_it(meta: SqliteMeta) -> None:
+def test_rename_replaces_a_file_and_reports_it(meta: MetaStore) -> None:
     a = meta.create(ROOT_INO, b"a", F, 0, 0)
     b = meta.create(ROOT_INO, b"b", F, 0, 0)
     replaced = meta.rename(ROOT_INO, b"a", ROOT_INO, b"b")
@@ -59,7 +92,7 @@ def test_rename_replaces_a_file_and_reports_it(meta: SqliteMeta) -> None:
     assert meta.orphans() == []
 
 
-def test_rename_rules_for_directories(meta: SqliteMeta) -> None:
+def test_rename_rules_for_directories(meta: MetaStore) -> None:
     d1 = meta.create(ROOT_INO, b"d1", D, 0, 0)
     meta.create(ROOT_INO, b"d2", D, 0, 0)
     meta.create(d1.ino, b"f", F, 0, 0)
@@ -78,7 +111,7 @@ def test_rename_rules_for_directories(meta: SqliteMeta) -> None:
     assert meta.getattr(ROOT_INO).nlink == 3
 
 
-def test_bad_xattr_values_change_nothing(meta: SqliteMeta) -> None:
+def test_bad_xattr_values_change_nothing(meta: MetaStore) -> None:
     f = meta.create(ROOT_INO, b"w", F, 0, 0)
     with pytest.raises(E.InvalidArgument, match="assign, add"):
         meta.setxattr(f.ino, XATTR_UPDATE, b"sgd")
@@ -96,9 +129,9 @@ def _creator(url: str, prefix: str) -> None:
     m.close()
 
 
-def test_several_processes_share_one_database(meta: SqliteMeta) -> None:
+def test_several_processes_share_one_database(meta: MetaStore, meta_url: str) -> None:
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_creator, args=(meta.url, p)) for p in "abc"]
+    procs = [ctx.Process(target=_creator, args=(meta_url, p)) for p in "abc"]
     for p in procs:
         p.start()
     for p in procs:
@@ -110,7 +143,7 @@ def test_several_processes_share_one_database(meta: SqliteMeta) -> None:
     assert len(set(inos)) == 150
 
 
-def test_shard_map_epoch_grows_and_addresses_are_unique(meta: SqliteMeta) -> None:
+def test_shard_map_epoch_grows_and_addresses_are_unique(meta: MetaStore) -> None:
     e = meta.epoch()
     meta.add_shard("127.0.0.1:3")
     assert meta.epoch() == e + 1
@@ -119,15 +152,13 @@ def test_shard_map_epoch_grows_and_addresses_are_unique(meta: SqliteMeta) -> Non
     assert [s.shard_id for s in meta.shards()] == [1, 2, 3]
 
 
-def test_a_file_needs_a_registered_shard(tmp_path: object) -> None:
-    m = open_meta(os.path.join(str(tmp_path), "m.db"), create=True)
+def test_a_file_needs_a_registered_shard(store: MetaStore) -> None:
     with pytest.raises(E.InvalidArgument, match="irdma up"):
-        m.create(ROOT_INO, b"f", F, 0, 0)
-    m.close()
+        store.create(ROOT_INO, b"f", F, 0, 0)
 
 
 # ---------------------------------------------------------------- POSIX objects and rules
-def test_symlinks_and_special_files_are_metadata_only(meta: SqliteMeta) -> None:
+def test_symlinks_and_special_files_are_metadata_only(meta: MetaStore) -> None:
     ln = meta.symlink(ROOT_INO, b"ln", b"../some/target", 7, 8)
     assert stat.S_ISLNK(ln.mode) and ln.size == len(b"../some/target") and (ln.uid, ln.gid) == (7, 8)
     assert ln.stripe == () and ln.chunk_size is None
@@ -154,7 +185,7 @@ def test_symlinks_and_special_files_are_metadata_only(meta: SqliteMeta) -> None:
         meta.readlink(ln.ino)
 
 
-def test_hard_links_count_and_the_inode_stays_until_the_last_name(meta: SqliteMeta) -> None:
+def test_hard_links_count_and_the_inode_stays_until_the_last_name(meta: MetaStore) -> None:
     d = meta.create(ROOT_INO, b"d", D, 0, 0)
     f = meta.create(ROOT_INO, b"f", F, 0, 0)
     assert meta.link(f.ino, d.ino, b"g").nlink == 2
@@ -174,7 +205,7 @@ def test_hard_links_count_and_the_inode_stays_until_the_last_name(meta: SqliteMe
         meta.getattr(f.ino)
 
 
-def test_rename_exchange_swaps_and_moves_parent_links(meta: SqliteMeta) -> None:
+def test_rename_exchange_swaps_and_moves_parent_links(meta: MetaStore) -> None:
     a = meta.create(ROOT_INO, b"a", F, 0, 0)
     d1 = meta.create(ROOT_INO, b"d1", D, 0, 0)
     sub = meta.create(d1.ino, b"sub", D, 0, 0)
@@ -194,7 +225,7 @@ def test_rename_exchange_swaps_and_moves_parent_links(meta: SqliteMeta) -> None:
     assert meta.lookup(d1.ino, b"inner").ino == inner.ino
 
 
-def test_setgid_directories_and_setid_bits(meta: SqliteMeta) -> None:
+def test_setgid_directories_and_setid_bits(meta: MetaStore) -> None:
     d = meta.create(ROOT_INO, b"shared", stat.S_IFDIR | 0o2775, 0, 50)
     f = meta.create(d.ino, b"f", F, 1000, 1000)
     sub = meta.create(d.ino, b"sub", D, 1000, 1000)
@@ -210,7 +241,7 @@ def test_setgid_directories_and_setid_bits(meta: SqliteMeta) -> None:
     assert stat.S_IMODE(meta.setattr(sub.ino, uid=1).mode) == 0o2755  # directories keep them
 
 
-def test_names_over_255_bytes(meta: SqliteMeta) -> None:
+def test_names_over_255_bytes(meta: MetaStore) -> None:
     long = b"n" * 256
     f = meta.create(ROOT_INO, b"n" * 255, F, 0, 0)
     for call in (lambda: meta.lookup(ROOT_INO, long), lambda: meta.create(ROOT_INO, long, D, 0, 0),
@@ -221,7 +252,7 @@ def test_names_over_255_bytes(meta: SqliteMeta) -> None:
             call()
 
 
-def test_a_database_from_before_device_and_symlink_columns_opens(tmp_path: object) -> None:
+def test_sqlite_a_database_from_before_device_and_symlink_columns_opens(tmp_path: object) -> None:
     import sqlite3
 
     path = os.path.join(str(tmp_path), "old.db")
@@ -238,3 +269,236 @@ def test_a_database_from_before_device_and_symlink_columns_opens(tmp_path: objec
     assert m.getattr(ROOT_INO).rdev == 0
     assert m.readlink(m.symlink(ROOT_INO, b"ln", b"t", 0, 0).ino) == b"t"
     m.close()
+
+
+# ---------------------------------------------------------------- sessions (both engines)
+def test_sessions_heartbeats_and_reaping(meta: MetaStore) -> None:
+    sid = meta.open_session("mount-a")
+    other = meta.open_session("mount-b")
+    assert sid != other and [s.name for s in meta.sessions()] == ["mount-a", "mount-b"]
+    s = meta.sessions()[0]
+    assert s.pid == os.getpid() and s.heartbeat_ns >= s.started_ns
+    meta.heartbeat(sid)
+    f = meta.create(ROOT_INO, b"f", F, 0, 0)
+    inode, io_mode, chunks = meta.open_inode(other, f.ino)
+    assert (inode.ino, io_mode, chunks) == (f.ino, b"cached", {})
+    assert meta.dead_sessions() == []
+    meta.reap_session(other)
+    with pytest.raises(E.NotFound, match="reaped"):
+        meta.heartbeat(other)
+    meta.close_session(sid)
+    assert meta.sessions() == []
+
+
+# ---------------------------------------------------------------- PostgreSQL only
+@pytest.fixture
+def pg_url(postgres_server: pg.PgServer) -> str:
+    """The URL of a new empty PostgreSQL database (with the password of its owner)."""
+    return postgres_server.new_database()
+
+
+@pytest.fixture
+def pg_meta(pg_url: str) -> Iterator[MetaStore]:
+    """A new namespace in PostgreSQL with two shards registered."""
+    m = open_meta(pg_url, create=True)
+    m.add_shard("127.0.0.1:1")
+    m.add_shard("127.0.0.1:2")
+    yield m
+    m.close()
+
+
+def _namespace_worker(url: str, dir_ino: int, prefix: str, rounds: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    """A client on "another host": creates, links and renames its own names in a shared
+    directory, and flips one shared name between ``A`` and ``B``."""
+    m = open_meta(url)
+    flips = 0
+    try:
+        for i in range(rounds):
+            f = m.create(dir_ino, f"{prefix}{i}".encode(), F, 0, 0)
+            m.link(f.ino, dir_ino, f"{prefix}{i}.l".encode())
+            m.rename(dir_ino, f"{prefix}{i}".encode(), dir_ino, f"{prefix}{i}.r".encode())
+            for src, dst in ((b"A", b"B"), (b"B", b"A")):
+                try:
+                    m.rename(dir_ino, src, dir_ino, dst, flags=1)  # RENAME_NOREPLACE
+                    flips += 1
+                    break
+                except (E.NotFound, E.Exists):
+                    continue
+        out.put((prefix, flips, m.retries))
+    finally:
+        m.close()
+
+
+def test_postgresql_processes_rename_create_and_link_in_one_directory(pg_meta: MetaStore, pg_url: str) -> None:
+    d = pg_meta.create(ROOT_INO, b"shared", D, 0, 0)
+    token = pg_meta.create(d.ino, b"A", F, 0, 0)
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    rounds = 25
+    procs = [ctx.Process(target=_namespace_worker, args=(pg_url, d.ino, p, rounds, out)) for p in "pq"]
+    for p in procs:
+        p.start()
+    seen = 0
+    while any(p.is_alive() for p in procs) and seen < 5000:  # a reader: one name of the token, always
+        names = {n for n, _ in pg_meta.readdir(d.ino)} & {b"A", b"B"}
+        assert len(names) == 1, f"the renamed file had names {names}"
+        seen += 1
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    results = sorted(out.get(timeout=10) for _ in procs)
+    entries = dict(pg_meta.readdir(d.ino))
+    expected = {f"{p}{i}{s}".encode() for p in "pq" for i in range(rounds) for s in (".l", ".r")}
+    assert set(entries) - {b"A", b"B"} == expected  # nothing lost, nothing doubled
+    assert len({b"A", b"B"} & set(entries)) == 1 and {i.ino for n, i in entries.items() if n in (b"A", b"B")} == {
+        token.ino}
+    for p in "pq":
+        for i in range(rounds):
+            a, b = entries[f"{p}{i}.l".encode()], entries[f"{p}{i}.r".encode()]
+            assert a.ino == b.ino and a.nlink == 2
+    assert len({i.ino for i in entries.values()}) == 2 * rounds + 1  # inode numbers never shared
+    assert pg_meta.getattr(d.ino).nlink == 2
+    assert sum(r[1] for r in results) > 0
+
+
+def _cluster_worker(url: str, ino: int, shard: int, base: int, rounds: int) -> None:
+    m = open_meta(url)
+    try:
+        sid = m.open_session(f"w{base}")
+        for i in range(rounds):
+            m.heartbeat(sid)
+            m.extend(ino, (base + i + 1) * 65536, i, ((base + i, shard, 7),))
+            m.add_shard(f"10.0.{base}.{i}:1")
+        m.close_session(sid)
+    finally:
+        m.close()
+
+
+def test_postgresql_concurrent_heartbeats_chunk_map_and_epoch(pg_meta: MetaStore, pg_url: str) -> None:
+    pg_meta.setxattr(ROOT_INO, b"user.irdma.chunk_size", b"65536")
+    f = pg_meta.create(ROOT_INO, b"f", F, 0, 0)
+    epoch = pg_meta.epoch()
+    ctx = multiprocessing.get_context("spawn")
+    rounds = 20
+    procs = [ctx.Process(target=_cluster_worker, args=(pg_url, f.ino, s, b, rounds)) for s, b in ((1, 0), (2, 100))]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    chunks = pg_meta.chunk_map(f.ino)
+    assert chunks == {**{i: {1: 7} for i in range(rounds)}, **{100 + i: {2: 7} for i in range(rounds)}}
+    assert pg_meta.getattr(f.ino).size == (100 + rounds) * 65536  # the larger end won, never shrank
+    assert pg_meta.epoch() == epoch + 2 * rounds  # every bump counted once
+    ids = [s.shard_id for s in pg_meta.shards()]
+    assert len(ids) == len(set(ids)) == 2 + 2 * rounds
+    assert pg_meta.sessions() == []
+
+
+def test_postgresql_conflicting_transaction_is_retried_then_busy(pg_meta: MetaStore, pg_url: str) -> None:
+    import threading
+
+    import psycopg
+
+    pg_meta.create(ROOT_INO, b"before", F, 0, 0)
+    with psycopg.connect(pg_url, autocommit=True) as other:
+        # another client's transaction holds the root's row: a create there waits, then
+        # conflicts (40001) when it commits, and runs again by itself
+        other.execute("BEGIN ISOLATION LEVEL SERIALIZABLE")
+        other.execute("UPDATE inodes SET mtime_ns = mtime_ns + 1 WHERE ino = 1")
+        got: list[object] = []
+        t = threading.Thread(target=lambda: got.append(pg_meta.create(ROOT_INO, b"after", F, 0, 0)))
+        retries = pg_meta.retries  # type: ignore[attr-defined]
+        t.start()
+        t.join(0.3)
+        assert t.is_alive()  # waiting for the row lock
+        other.execute("COMMIT")
+        t.join(10)
+        assert got and pg_meta.lookup(ROOT_INO, b"after").ino == got[0].ino  # type: ignore[attr-defined]
+        assert pg_meta.retries > retries  # type: ignore[attr-defined]
+        # a lock held past busy_timeout: Busy, on time
+        pg_meta.busy_timeout = 0.5  # type: ignore[attr-defined]
+        other.execute("BEGIN")
+        other.execute("UPDATE inodes SET mtime_ns = mtime_ns + 1 WHERE ino = 1")
+        import time
+
+        t0 = time.monotonic()
+        with pytest.raises(E.Busy, match="waited 0.5 s"):
+            pg_meta.create(ROOT_INO, b"blocked", F, 0, 0)
+        assert time.monotonic() - t0 < 3
+        other.execute("ROLLBACK")
+    assert pg_meta.create(ROOT_INO, b"blocked", F, 0, 0).nlink == 1
+
+
+def test_postgresql_unreachable_server_is_a_clear_error_on_time(caplog: pytest.LogCaptureFixture) -> None:
+    import socket
+    import time
+
+    from irdma.meta.postgres import PostgresMeta
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    with pytest.raises(E.IrdmaError, match=f"127.0.0.1:{port}.*pg_hba.conf") as err:
+        open_meta(f"postgresql://irdma:s3cret-pw@127.0.0.1:{port}/db")
+    assert "s3cret-pw" not in str(err.value)
+    with socket.socket() as silent:  # accepts connections, never answers: connect_timeout ends the wait
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(E.IrdmaError, match=f"127.0.0.1:{port}"):
+            PostgresMeta(f"postgresql://irdma:s3cret-pw@127.0.0.1:{port}/db", connect_timeout=2)
+        assert time.monotonic() - t0 < 6
+    assert "s3cret-pw" not in caplog.text
+
+
+def test_postgresql_password_is_never_shown(postgres_server: pg.PgServer, caplog: pytest.LogCaptureFixture) -> None:
+    url = postgres_server.new_database()
+    secret = postgres_server.password
+    with pytest.raises(E.IrdmaError, match="password authentication failed") as err:
+        open_meta(url.replace(secret, "wrong-" + secret[:4]), create=True)
+    assert secret[:4] + "@" not in str(err.value)
+    m = open_meta(url, create=True)
+    try:
+        shown = [m.url, repr(m), str(m), str(err.value), caplog.text]
+        assert m.url == url.replace(secret, "***")
+        assert all(secret not in s for s in shown)
+    finally:
+        m.close()
+    m.close()  # twice is fine
+
+
+def test_postgresql_password_from_pgpassword(postgres_server: pg.PgServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = postgres_server.new_database()
+    monkeypatch.setenv("PGPASSWORD", postgres_server.password)
+    bare = url.replace(":" + postgres_server.password, "")
+    m = open_meta(bare, create=True)
+    try:
+        assert m.url == bare and m.getattr(ROOT_INO).is_dir
+    finally:
+        m.close()
+
+
+def test_postgresql_format_an_empty_database_then_reopen(postgres_server: pg.PgServer) -> None:
+    url = postgres_server.new_database()
+    with pytest.raises(E.InvalidArgument, match="irdma format"):
+        open_meta(url)
+    m = open_meta(url, create=True)
+    m.add_shard("127.0.0.1:1")
+    f = m.create(ROOT_INO, b"f", F, 0, 0)
+    epoch = m.epoch()
+    m.close()
+    for create in (False, True):  # formatting again keeps what is there
+        m = open_meta(url, create=create)
+        assert m.lookup(ROOT_INO, b"f").ino == f.ino and m.epoch() == epoch
+        assert m.getattr(ROOT_INO).nlink == 2 and m.usage()[0] == 2 + create  # one root, f, g of the last round
+        g = m.create(ROOT_INO, f"g{create}".encode(), F, 0, 0)
+        assert g.ino > f.ino  # numbers go on, never reused
+        m.close()
+    via_socket = f"postgresql:///{url.rsplit('/', 1)[1]}?host={postgres_server.socket_dir}&port={postgres_server.port}&user=postgres"
+    m = open_meta(via_socket)
+    try:
+        assert m.lookup(ROOT_INO, b"f").ino == f.ino
+    finally:
+        m.close()

@@ -1,11 +1,12 @@
 """The metadata engine off the event loop: every call runs in a worker thread.
 
 A :class:`MetaStore` is synchronous (SQLite blocks while another process holds its write
-lock). :class:`AsyncMeta` exposes the same methods as trio coroutines that run the call with
+lock; PostgreSQL waits for the server). :class:`AsyncMeta` exposes the same methods as trio coroutines that run the call with
 ``trio.to_thread.run_sync`` under a :class:`trio.CapacityLimiter`, so a slow or locked
 database stalls only the requests that need it, never the FUSE loop or the transfers
 (trio's rule: nothing blocking on the event loop). Engines bound every call by their own
-timeout (SQLite: ``busy_timeout``), so every wait here has a deadline too.
+timeout (``busy_timeout``: SQLite's wait for the write lock; PostgreSQL's lock waits and
+retries of conflicting transactions), so every wait here has a deadline too.
 """
 
 from __future__ import annotations

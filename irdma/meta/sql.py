@@ -1,0 +1,587 @@
+"""The SQL metadata engine: every :class:`~irdma.meta.base.MetaStore` method, written once.
+
+:class:`SqlMeta` holds the namespace's rules and every statement (in the SQL both SQLite and
+PostgreSQL take, see :mod:`irdma.meta.sql_rows`); the shard map, chunk map and sessions come
+from :class:`~irdma.meta.sql_cluster.SqlCluster`. A driver (:mod:`irdma.meta.sqlite`,
+:mod:`irdma.meta.postgres`) is a subclass that supplies the dialect:
+
+- ``_db``: where this call runs statements (a :class:`~irdma.meta.sql_rows.Cursor`); outside a
+  transaction every statement sees the latest committed state (autocommit);
+- ``_BEGIN``: the statement that starts a write transaction (SQLite ``BEGIN IMMEDIATE``: the
+  write lock at once; PostgreSQL ``BEGIN ISOLATION LEVEL SERIALIZABLE``);
+- ``_acquire`` / ``_release``: take and give back this call's connection (a pool's, for PostgreSQL);
+- ``_retryable`` and ``_failure``: which database errors mean "run the whole call again" (a
+  serialization failure: nothing was changed) and what every other one becomes (:class:`Busy`,
+  :class:`MetadataError`), logged once;
+- ``_DB_ERROR``: the driver's base exception class.
+
+How a call runs (:meth:`SqlMeta._call`): every public method is wrapped; the outermost call of a
+thread takes a connection, runs the method, and on a retryable error rolls back (``_tx`` does),
+gives the connection back, sleeps a jittered, growing backoff, and runs the whole method again,
+until ``busy_timeout`` seconds have passed; then :class:`Busy`. A method that calls another
+public method (``lookup`` calls ``getattr``) runs it on the same connection, and leaves errors
+to the outer call. Methods are pure database work, so running one again is safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import random
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, TypeVar
+
+from irdma._errors import (
+    Busy,
+    Exists,
+    InvalidArgument,
+    IrdmaError,
+    IsADirectory,
+    NameTooLong,
+    NoAttribute,
+    NotADirectory,
+    NotEmpty,
+    NotFound,
+    NotPermitted,
+)
+from irdma.placement import DEFAULT_CHUNK_SIZE, check_chunk_size
+from irdma.protocol import UpdateOp
+
+from .base import (
+    IO_MODES,
+    NAME_MAX,
+    RENAME_EXCHANGE,
+    RENAME_NOREPLACE,
+    ROOT_INO,
+    SYMLINK_MAX,
+    XATTR_CHUNK_SIZE,
+    XATTR_IO,
+    XATTR_UPDATE,
+    Inode,
+    MetaStore,
+    setid_bits,
+)
+from .sql_cluster import SqlCluster
+from .sql_rows import COLS, I_COLS, VIRTUAL, Cursor, check_name, inode_row, now
+
+log = logging.getLogger("irdma.meta")
+_F = TypeVar("_F", bound=Callable[..., Any])
+#: First and largest pause (seconds) before a call runs again after a serialization failure.
+RETRY_FIRST_S = 0.002
+RETRY_MAX_S = 0.2
+
+
+class SqlMeta(SqlCluster, MetaStore):
+    """The namespace in an SQL database; a driver subclass supplies the connection and dialect.
+
+    Attributes:
+        url: the metadata URL as users may see it (never with a password).
+        busy_timeout: seconds a call may wait for other writers (locks, retries) before it
+            raises :class:`Busy`; a client sets it to its own request timeout.
+        retries: calls run again after a serialization failure, since the engine opened (a
+            measure of contention between clients).
+    """
+
+    url: str
+    busy_timeout: float = 10.0
+    retries: int = 0
+    _BEGIN: ClassVar[str] = "BEGIN"
+    _DB_ERROR: ClassVar[type[Exception]] = Exception
+    _local: threading.local
+
+    # ---------------------------------------------------------------- the driver's part
+    @property
+    def _db(self) -> Cursor:
+        """Where this call runs statements outside a transaction."""
+        raise NotImplementedError
+
+    def _acquire(self) -> None:
+        """Take a connection for the call now starting on this thread."""
+
+    def _release(self) -> None:
+        """Give back the connection :meth:`_acquire` took."""
+
+    def _retryable(self, exc: Exception, attempt: int) -> bool:
+        """Whether ``exc`` (of ``_DB_ERROR``, the ``attempt``-th failure of this call) changed
+        nothing and the whole call may run again."""
+        return False
+
+    def _failure(self, op: str, exc: Exception, retried: bool) -> IrdmaError:
+        """The :class:`IrdmaError` a database error of method ``op`` becomes (logged here, once).
+        ``retried``: it was retryable but the call's ``busy_timeout`` ran out."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- how a call runs
+    def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run method ``fn`` on one connection, again while it fails in a retryable way."""
+        local = self._local
+        if getattr(local, "depth", 0):  # inside another public call: its connection, its errors
+            return fn(self, *args, **kwargs)
+        deadline = time.monotonic() + self.busy_timeout
+        pause = RETRY_FIRST_S
+        attempt = 0
+        while True:
+            self._acquire()
+            local.depth = 1
+            try:
+                return fn(self, *args, **kwargs)
+            except self._DB_ERROR as exc:
+                attempt += 1
+                retry = self._retryable(exc, attempt)
+                if not retry or time.monotonic() + pause >= deadline:
+                    raise self._failure(fn.__name__, exc, retry) from None
+            finally:
+                local.depth = 0
+                self._release()
+            self.retries += 1
+            time.sleep(random.uniform(pause / 2, pause))  # jitter: two writers do not collide again
+            pause = min(pause * 2, RETRY_MAX_S)
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[Cursor]:
+        """A write transaction: committed if the block returns, rolled back if it raises."""
+        c = self._db
+        c.execute(self._BEGIN)
+        try:
+            yield c
+        except BaseException:
+            with contextlib.suppress(self._DB_ERROR):  # a broken connection has nothing to roll back
+                c.execute("ROLLBACK")
+            raise
+        else:
+            c.execute("COMMIT")
+
+    def _get(self, c: Cursor, ino: int) -> Inode:
+        row = c.execute(f"SELECT {COLS} FROM inodes WHERE ino=?", (ino,)).fetchone()
+        if row is None:
+            raise NotFound(f"no inode {ino}")
+        return inode_row(row)
+
+    def _lookup(self, c: Cursor, parent: int, name: bytes) -> Inode:
+        p = self._get(c, parent)
+        if not p.is_dir:
+            raise NotADirectory(f"inode {parent} is not a directory")
+        row = c.execute(
+            f"SELECT {I_COLS} FROM dentries d"
+            " JOIN inodes i ON i.ino = d.ino WHERE d.parent=? AND d.name=?",
+            (parent, name),
+        ).fetchone()
+        if row is None:
+            raise NotFound(f"no entry {name.decode(errors='replace')!r} in directory {parent}")
+        return inode_row(row)
+
+    # ---------------------------------------------------------------- namespace
+    def lookup(self, parent: int, name: bytes) -> Inode:
+        if len(name) > NAME_MAX:
+            raise NameTooLong(f"name of {len(name)} bytes is longer than {NAME_MAX}")
+        if name == b".":
+            return self.getattr(parent)
+        if name == b"..":
+            return self.getattr(self.parent_of(parent))
+        return self._lookup(self._db, parent, name)
+
+    def getattr(self, ino: int) -> Inode:
+        return self._get(self._db, ino)
+
+    def getattr_io(self, ino: int) -> tuple[Inode, bytes]:
+        got = self._get_io(self._db, ino)
+        if got is None:
+            raise NotFound(f"no inode {ino}")
+        return got
+
+    def _get_io(self, c: Cursor, ino: int) -> tuple[Inode, bytes] | None:
+        """The inode and its ``user.irdma.io`` mode in one query, or None."""
+        row = c.execute(
+            f"SELECT {I_COLS}, x.value FROM inodes i"
+            " LEFT JOIN xattrs x ON x.ino = i.ino AND x.name = ? WHERE i.ino = ?",
+            (XATTR_IO, ino),
+        ).fetchone()
+        if row is None:
+            return None
+        return inode_row(row[:-1]), bytes(row[-1]) if row[-1] is not None else b"cached"
+
+    def parent_of(self, ino: int) -> int:
+        if ino == ROOT_INO:
+            return ROOT_INO
+        row = self._db.execute("SELECT parent FROM dentries WHERE ino=? LIMIT 1", (ino,)).fetchone()
+        if row is None:
+            raise NotFound(f"inode {ino} has no parent")
+        return int(row[0])
+
+    def setattr(
+        self,
+        ino: int,
+        *,
+        mode: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        size: int | None = None,
+        atime_ns: int | None = None,
+        mtime_ns: int | None = None,
+    ) -> Inode:
+        with self._tx() as c:
+            inode = self._get(c, ino)
+            if size is not None:
+                if inode.is_dir:
+                    raise IsADirectory(f"inode {ino} is a directory")
+                if size < 0:
+                    raise InvalidArgument(f"negative size {size}")
+                inode.size = size
+                inode.mtime_ns = now()
+                if inode.chunk_size:  # chunks past the new end are no longer the file's
+                    c.execute("DELETE FROM chunks WHERE ino=? AND idx>=?", (ino, -(-size // inode.chunk_size)))
+            if mode is not None:
+                inode.mode = stat.S_IFMT(inode.mode) | stat.S_IMODE(mode)
+            elif (uid is not None or gid is not None) and not inode.is_dir:
+                inode.mode &= ~setid_bits(inode.mode)  # chown(2) drops them
+            if uid is not None:
+                inode.uid = uid
+            if gid is not None:
+                inode.gid = gid
+            if atime_ns is not None:
+                inode.atime_ns = atime_ns
+            if mtime_ns is not None:
+                inode.mtime_ns = mtime_ns
+            inode.ctime_ns = now()
+            c.execute(
+                "UPDATE inodes SET mode=?, uid=?, gid=?, size=?, atime_ns=?, mtime_ns=?, ctime_ns=? WHERE ino=?",
+                (inode.mode, inode.uid, inode.gid, inode.size, inode.atime_ns, inode.mtime_ns, inode.ctime_ns, ino),
+            )
+            return inode
+
+    def extend(self, ino: int, end: int, mtime_ns: int, chunks: tuple[tuple[int, int, int], ...] = ()) -> Inode:
+        with self._tx() as c:
+            c.execute(
+                "UPDATE inodes SET size=CASE WHEN size > ? THEN size ELSE ? END, mtime_ns=?, ctime_ns=? WHERE ino=?",
+                (end, end, mtime_ns, mtime_ns, ino),
+            )
+            if chunks:
+                c.executemany("INSERT INTO chunks VALUES (?,?,?,?) ON CONFLICT DO NOTHING", [(ino, i, s, n) for i, s, n in chunks])
+            return self._get(c, ino)
+
+    def create(
+        self, parent: int, name: bytes, mode: int, uid: int, gid: int, *, chunk_size: int | None = None
+    ) -> Inode:
+        if not stat.S_ISDIR(mode) and not stat.S_ISREG(mode):
+            raise InvalidArgument("only regular files and directories can be created (mknod, symlink: the others)")
+        if chunk_size is not None:
+            try:
+                check_chunk_size(chunk_size)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+        with self._tx() as c:
+            return self._insert(c, parent, name, mode, uid, gid, chunk_size=chunk_size)
+
+    def mknod(self, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int = 0) -> Inode:
+        if stat.S_IFMT(mode) not in (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK):
+            raise InvalidArgument(f"mknod makes FIFOs, sockets and device nodes, not file type {stat.S_IFMT(mode):o}")
+        if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
+            rdev = 0
+        with self._tx() as c:
+            return self._insert(c, parent, name, mode, uid, gid, rdev=rdev)
+
+    def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
+        if not target or b"\0" in target:
+            raise InvalidArgument(f"invalid symbolic link target {target[:64]!r}")
+        if len(target) > SYMLINK_MAX:
+            raise NameTooLong(f"symbolic link target of {len(target)} bytes is longer than {SYMLINK_MAX}")
+        with self._tx() as c:
+            return self._insert(c, parent, name, stat.S_IFLNK | 0o777, uid, gid, target=target)
+
+    def _insert(
+        self, c: Cursor, parent: int, name: bytes, mode: int, uid: int, gid: int, *,
+        chunk_size: int | None = None, rdev: int = 0, target: bytes | None = None,
+    ) -> Inode:
+        """A new inode of any type named ``name`` in ``parent``; only regular files get a
+        stripe, a chunk size and an update op."""
+        check_name(name)
+        is_dir = stat.S_ISDIR(mode)
+        p = self._get(c, parent)
+        if not p.is_dir:
+            raise NotADirectory(f"inode {parent} is not a directory")
+        if c.execute("SELECT 1 FROM dentries WHERE parent=? AND name=?", (parent, name)).fetchone():
+            raise Exists(f"{name.decode(errors='replace')!r} exists")
+        if p.mode & stat.S_ISGID:  # BSD group semantics in a set-group-ID directory
+            gid = p.gid
+            if is_dir:
+                mode |= stat.S_ISGID
+        t = now()
+        values: tuple[object, ...]
+        if is_dir:
+            values = (mode, uid, gid, 2, t, t, t, chunk_size, "", None, 1)
+        elif stat.S_ISREG(mode):
+            shards = [r[0] for r in c.execute("SELECT id FROM shards WHERE state='up' ORDER BY id")]
+            if not shards:
+                raise InvalidArgument(
+                    "no shard is registered in this namespace",
+                    "start shards with `irdma up` or register one with `irdma shard add`",
+                )
+            csize = chunk_size or p.chunk_size or DEFAULT_CHUNK_SIZE
+            replicas = max(1, min(self._replicas(c), len(shards)))
+            values = (mode, uid, gid, 1, t, t, t, csize, ",".join(map(str, shards)), p.update_op or "assign", replicas)
+        else:  # symbolic links, FIFOs, sockets, device nodes: metadata only
+            values = (mode, uid, gid, 1, t, t, t, None, "", None, 1)
+        ino = c.execute(
+            "INSERT INTO inodes(mode, uid, gid, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size, stripe,"
+            " update_op, replicas, size, rdev, target) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?) RETURNING ino",
+            (*values, len(target) if target is not None else 0, rdev, target),
+        ).fetchone()[0]
+        c.execute("INSERT INTO dentries VALUES (?,?,?)", (parent, name, ino))
+        if is_dir or stat.S_ISREG(mode):
+            # the I/O mode is inherited from the directory, like the update op and chunk size
+            c.execute("INSERT INTO xattrs SELECT ?, name, value FROM xattrs WHERE ino=? AND name=?",
+                      (ino, parent, XATTR_IO))
+        if is_dir:
+            c.execute("UPDATE inodes SET nlink=nlink+1 WHERE ino=?", (parent,))
+        c.execute("UPDATE inodes SET mtime_ns=?, ctime_ns=? WHERE ino=?", (t, t, parent))
+        return self._get(c, ino)
+
+    def readlink(self, ino: int) -> bytes:
+        row = self._db.execute("SELECT mode, target FROM inodes WHERE ino=?", (ino,)).fetchone()
+        if row is None:
+            raise NotFound(f"no inode {ino}")
+        if not stat.S_ISLNK(row[0]) or row[1] is None:
+            raise InvalidArgument(f"inode {ino} is not a symbolic link")
+        return bytes(row[1])
+
+    def link(self, ino: int, parent: int, name: bytes) -> Inode:
+        check_name(name)
+        with self._tx() as c:
+            inode = self._get(c, ino)
+            if inode.is_dir:
+                raise NotPermitted(f"inode {ino} is a directory: directories cannot have hard links")
+            if inode.nlink <= 0:
+                raise NotFound(f"inode {ino} has no name left")
+            p = self._get(c, parent)
+            if not p.is_dir:
+                raise NotADirectory(f"inode {parent} is not a directory")
+            if c.execute("SELECT 1 FROM dentries WHERE parent=? AND name=?", (parent, name)).fetchone():
+                raise Exists(f"{name.decode(errors='replace')!r} exists")
+            t = now()
+            c.execute("INSERT INTO dentries VALUES (?,?,?)", (parent, name, ino))
+            c.execute("UPDATE inodes SET nlink=nlink+1, ctime_ns=? WHERE ino=?", (t, ino))
+            c.execute("UPDATE inodes SET mtime_ns=?, ctime_ns=? WHERE ino=?", (t, t, parent))
+            return self._get(c, ino)
+
+    def clear_setid(self, ino: int) -> Inode:
+        with self._tx() as c:
+            inode = self._get(c, ino)
+            bits = setid_bits(inode.mode)
+            if bits:
+                inode.mode &= ~bits
+                inode.ctime_ns = now()
+                c.execute("UPDATE inodes SET mode=?, ctime_ns=? WHERE ino=?", (inode.mode, inode.ctime_ns, ino))
+            return inode
+
+    def readdir(self, ino: int) -> list[tuple[bytes, Inode]]:
+        if not self.getattr(ino).is_dir:
+            raise NotADirectory(f"inode {ino} is not a directory")
+        rows = self._db.execute(
+            f"SELECT d.name, {I_COLS} FROM dentries d"
+            " JOIN inodes i ON i.ino = d.ino WHERE d.parent=? ORDER BY d.name",
+            (ino,),
+        ).fetchall()
+        return [(bytes(r[0]), inode_row(r[1:])) for r in rows]
+
+    def unlink(self, parent: int, name: bytes) -> Inode:
+        with self._tx() as c:
+            inode = self._lookup(c, parent, name)
+            if inode.is_dir:
+                raise IsADirectory(f"{name.decode(errors='replace')!r} is a directory: use rmdir")
+            self._drop_name(c, parent, name, inode)
+            return inode
+
+    def _drop_name(self, c: Cursor, parent: int, name: bytes, inode: Inode) -> None:
+        t = now()
+        c.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
+        inode.nlink -= 1
+        c.execute("UPDATE inodes SET nlink=?, ctime_ns=? WHERE ino=?", (inode.nlink, t, inode.ino))
+        c.execute("UPDATE inodes SET mtime_ns=?, ctime_ns=? WHERE ino=?", (t, t, parent))
+
+    def rmdir(self, parent: int, name: bytes) -> None:
+        with self._tx() as c:
+            inode = self._lookup(c, parent, name)
+            if not inode.is_dir:
+                raise NotADirectory(f"{name.decode(errors='replace')!r} is not a directory")
+            if c.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (inode.ino,)).fetchone():
+                raise NotEmpty(f"directory {name.decode(errors='replace')!r} is not empty")
+            c.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
+            c.execute("DELETE FROM inodes WHERE ino=?", (inode.ino,))
+            c.execute("DELETE FROM xattrs WHERE ino=?", (inode.ino,))
+            t = now()
+            c.execute("UPDATE inodes SET nlink=nlink-1, mtime_ns=?, ctime_ns=? WHERE ino=?", (t, t, parent))
+
+    def rename(
+        self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes, flags: int = 0
+    ) -> Inode | None:
+        check_name(name_old)
+        check_name(name_new)
+        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE):
+            raise InvalidArgument(f"unsupported rename flags {flags:#x}")
+        if flags & RENAME_NOREPLACE and flags & RENAME_EXCHANGE:
+            raise InvalidArgument("RENAME_NOREPLACE and RENAME_EXCHANGE exclude each other")
+        with self._tx() as c:
+            src = self._lookup(c, parent_old, name_old)
+            if not self._get(c, parent_new).is_dir:
+                raise NotADirectory(f"inode {parent_new} is not a directory")
+            try:
+                dst: Inode | None = self._lookup(c, parent_new, name_new)
+            except NotFound:
+                if flags & RENAME_EXCHANGE:
+                    raise
+                dst = None
+            if dst is not None and dst.ino == src.ino:
+                return None  # same file: rename(2) does nothing
+            if dst is not None and flags & RENAME_NOREPLACE:
+                raise Exists(f"{name_new.decode(errors='replace')!r} exists")
+            if src.is_dir:
+                self._check_not_under(c, src.ino, parent_new)
+            if flags & RENAME_EXCHANGE:
+                assert dst is not None
+                self._exchange(c, parent_old, name_old, src, parent_new, name_new, dst)
+                return None
+            if dst is not None:
+                if dst.is_dir and not src.is_dir:
+                    raise IsADirectory(f"{name_new.decode(errors='replace')!r} is a directory")
+                if src.is_dir and not dst.is_dir:
+                    raise NotADirectory(f"{name_new.decode(errors='replace')!r} is not a directory")
+                if dst.is_dir:
+                    if c.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (dst.ino,)).fetchone():
+                        raise NotEmpty(f"directory {name_new.decode(errors='replace')!r} is not empty")
+                    c.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent_new, name_new))
+                    c.execute("DELETE FROM inodes WHERE ino=?", (dst.ino,))
+                    c.execute("DELETE FROM xattrs WHERE ino=?", (dst.ino,))
+                    c.execute("UPDATE inodes SET nlink=nlink-1 WHERE ino=?", (parent_new,))
+                    dst = None
+                else:
+                    self._drop_name(c, parent_new, name_new, dst)
+            t = now()
+            c.execute(
+                "UPDATE dentries SET parent=?, name=? WHERE parent=? AND name=?",
+                (parent_new, name_new, parent_old, name_old),
+            )
+            if src.is_dir and parent_old != parent_new:
+                c.execute("UPDATE inodes SET nlink=nlink-1 WHERE ino=?", (parent_old,))
+                c.execute("UPDATE inodes SET nlink=nlink+1 WHERE ino=?", (parent_new,))
+            c.execute("UPDATE inodes SET ctime_ns=? WHERE ino=?", (t, src.ino))
+            c.execute("UPDATE inodes SET mtime_ns=?, ctime_ns=? WHERE ino IN (?, ?)", (t, t, parent_old, parent_new))
+            return dst
+
+    def _check_not_under(self, c: Cursor, dir_ino: int, parent: int) -> None:
+        """Refuse to move directory ``dir_ino`` into ``parent`` if that is ``dir_ino`` or lies
+        under it."""
+        p = parent
+        while True:
+            if p == dir_ino:
+                raise InvalidArgument("cannot move a directory into itself")
+            if p == ROOT_INO:
+                return
+            row = c.execute("SELECT parent FROM dentries WHERE ino=?", (p,)).fetchone()
+            if row is None:
+                return
+            p = int(row[0])
+
+    def _exchange(
+        self, c: Cursor, parent_a: int, name_a: bytes, a: Inode, parent_b: int, name_b: bytes, b: Inode
+    ) -> None:
+        """RENAME_EXCHANGE: the two names swap inodes; a directory that changes parent moves
+        its ``..`` link (the parents' ``nlink``) with it."""
+        if b.is_dir:
+            self._check_not_under(c, b.ino, parent_a)
+        c.execute("UPDATE dentries SET ino=? WHERE parent=? AND name=?", (b.ino, parent_a, name_a))
+        c.execute("UPDATE dentries SET ino=? WHERE parent=? AND name=?", (a.ino, parent_b, name_b))
+        if parent_a != parent_b and a.is_dir != b.is_dir:
+            moved_from, moved_to = (parent_a, parent_b) if a.is_dir else (parent_b, parent_a)
+            c.execute("UPDATE inodes SET nlink=nlink-1 WHERE ino=?", (moved_from,))
+            c.execute("UPDATE inodes SET nlink=nlink+1 WHERE ino=?", (moved_to,))
+        t = now()
+        c.execute("UPDATE inodes SET ctime_ns=? WHERE ino IN (?, ?)", (t, a.ino, b.ino))
+        c.execute("UPDATE inodes SET mtime_ns=?, ctime_ns=? WHERE ino IN (?, ?)", (t, t, parent_a, parent_b))
+
+    def delete_inode(self, ino: int) -> None:
+        with self._tx() as c:
+            if c.execute("DELETE FROM inodes WHERE ino=? AND nlink<=0", (ino,)).rowcount:
+                c.execute("DELETE FROM xattrs WHERE ino=?", (ino,))
+                c.execute("DELETE FROM chunks WHERE ino=?", (ino,))
+                c.execute("DELETE FROM open_files WHERE ino=?", (ino,))
+
+    # ---------------------------------------------------------------- xattrs
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        inode = self.getattr(ino)
+        if name == XATTR_UPDATE and inode.update_op:
+            return inode.update_op.encode()
+        if name == XATTR_CHUNK_SIZE and inode.chunk_size:
+            return str(inode.chunk_size).encode()
+        row = self._db.execute("SELECT value FROM xattrs WHERE ino=? AND name=?", (ino, name)).fetchone()
+        if row is None:
+            raise NoAttribute(f"no attribute {name.decode(errors='replace')} on inode {ino}")
+        return bytes(row[0])
+
+    def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
+        with self._tx() as c:
+            inode = self._get(c, ino)
+            if name == XATTR_UPDATE:
+                try:
+                    op = UpdateOp.parse(value).name.lower()
+                except ValueError as exc:
+                    raise InvalidArgument(str(exc)) from None
+                c.execute("UPDATE inodes SET update_op=?, ctime_ns=? WHERE ino=?", (op, now(), ino))
+            elif name == XATTR_CHUNK_SIZE:
+                try:
+                    size = check_chunk_size(int(value.decode("ascii", "replace").strip() or "x"))
+                except ValueError as exc:
+                    raise InvalidArgument(f"bad {XATTR_CHUNK_SIZE.decode()} {value!r}: {exc}") from None
+                if not inode.is_dir and inode.size:
+                    raise Busy("the chunk size of a file can change only while it is empty")
+                c.execute("UPDATE inodes SET chunk_size=?, ctime_ns=? WHERE ino=?", (size, now(), ino))
+            else:
+                if name == XATTR_IO and value.strip() not in IO_MODES:
+                    raise InvalidArgument(f"bad {XATTR_IO.decode()} {value!r}: use cached or direct")
+                c.execute("INSERT INTO xattrs VALUES (?,?,?) ON CONFLICT (ino, name) DO UPDATE SET value=excluded.value",
+                          (ino, name, value.strip() if name == XATTR_IO else value))
+                c.execute("UPDATE inodes SET ctime_ns=? WHERE ino=?", (now(), ino))
+
+    def listxattr(self, ino: int) -> list[bytes]:
+        inode = self.getattr(ino)
+        names = [n for n, v in ((XATTR_UPDATE, inode.update_op), (XATTR_CHUNK_SIZE, inode.chunk_size)) if v]
+        names += [bytes(r[0]) for r in self._db.execute("SELECT name FROM xattrs WHERE ino=? ORDER BY name", (ino,))]
+        return names
+
+    def removexattr(self, ino: int, name: bytes) -> None:
+        with self._tx() as c:
+            inode = self._get(c, ino)
+            if name in VIRTUAL:
+                if not inode.is_dir:
+                    raise InvalidArgument(f"{name.decode()} of a file cannot be removed, only set")
+                col = "update_op" if name == XATTR_UPDATE else "chunk_size"
+                c.execute(f"UPDATE inodes SET {col}=NULL WHERE ino=?", (ino,))
+                return
+            if c.execute("DELETE FROM xattrs WHERE ino=? AND name=?", (ino, name)).rowcount == 0:
+                raise NoAttribute(f"no attribute {name.decode(errors='replace')} on inode {ino}")
+
+    # ---------------------------------------------------------------- whole namespace
+    def usage(self) -> tuple[int, int]:
+        n, size = self._db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM inodes").fetchone()
+        return int(n), int(size)
+
+    def orphans(self) -> list[Inode]:
+        return [inode_row(r) for r in self._db.execute(f"SELECT {COLS} FROM inodes WHERE nlink<=0")]
+
+def _engine_call(fn: _F) -> _F:
+    """Run a public method through :meth:`SqlMeta._call` (connection, retries, errors)."""
+
+    @functools.wraps(fn)
+    def wrapper(self: SqlMeta, *args: Any, **kwargs: Any) -> Any:
+        return self._call(fn, args, kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+#: The methods that run through :meth:`SqlMeta._call`: the whole interface but ``close``.
+ENGINE_METHODS = sorted((MetaStore.__abstractmethods__ | {"getattr_io"}) - {"close"})
+for _name in ENGINE_METHODS:
+    setattr(SqlMeta, _name, _engine_call(getattr(SqlMeta, _name)))
