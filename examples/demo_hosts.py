@@ -123,10 +123,10 @@ def main() -> int:
         rc = 1
     finally:
         step("stopping every process and removing the test bed")
+        if bed is not None:
+            bed.close()  # first: mounts and shards stop while their database still answers
         if pg is not None:
             pg.close()
-        if bed is not None:
-            bed.close()
         shutil.rmtree(work, ignore_errors=True)
     print(f"\ndemo-hosts {'passed' if rc == 0 else 'FAILED'} in {time.monotonic() - t0:.0f} s", flush=True)
     return rc

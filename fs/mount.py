@@ -26,6 +26,7 @@ import trio
 from irdma._errors import IrdmaError
 from irdma._proc import last_log_line, pid_alive, spawn_detached
 from irdma.client import DEFAULT_TIMEOUT, Client
+from irdma.meta import redact
 from irdma.metrics import Exporter, forget_mount, parse_metrics_address, record_mount
 from irdma.metrics import serve as serve_metrics
 
@@ -106,10 +107,10 @@ async def _serve_mount(
 
                 nursery.start_soon(on_signal)
                 nursery.start_soon(fs.run_heartbeats)
-                log.info("mounted %s on %s (transport %s)", meta_url, mountpoint, client.transport.name)
+                log.info("mounted %s on %s (transport %s)", redact(meta_url), mountpoint, client.transport.name)
                 if exporter is not None:
                     try:
-                        where = record_mount(mountpoint, exporter.address, meta_url)
+                        where = record_mount(mountpoint, exporter.address, redact(meta_url))
                         log.info("metrics on %s (recorded in %s for `irdma stats %s`)", exporter.url, where,
                                  mountpoint)
                     except OSError as exc:

@@ -236,8 +236,16 @@ def server(listen: str, capacity: int | None, shard_id: int, transport: str, por
         parse_metrics_address(metrics_addr)  # a bad address fails before anything is registered
     keys = KeySource(key_file) if key_file is not None else None
     ring = keys.ring() if keys is not None else None
+    sock = None
     if meta_url is not None:
-        shard_id = _register_self(meta_url, advertise or listen, data_dir)
+        # listen first, then register: a client that finds the address in the shard map early
+        # waits in the backlog instead of being refused (and marking the shard down)
+        sock = _bind(listen)
+        try:
+            shard_id = _register_self(meta_url, advertise or listen, data_dir)
+        except BaseException:
+            sock.close()
+            raise
     elif advertise is not None:
         raise click.BadParameter("--advertise is the address registered with --meta: pass --meta too",
                                  param_hint="--advertise")
@@ -280,7 +288,7 @@ def server(listen: str, capacity: int | None, shard_id: int, transport: str, por
     try:
         trio.run(functools.partial(run_server, shard, host, port, port_file=port_file,
                                    keys=keys, verbs=verbs, max_connections=max_connections,
-                                   max_per_peer=max_connections_per_peer, metrics=metrics_addr))
+                                   max_per_peer=max_connections_per_peer, metrics=metrics_addr, sock=sock))
     except Exception as exc:
         err = _listen_error(_leaf(exc), listen)
         if err is None:
@@ -292,6 +300,32 @@ def server(listen: str, capacity: int | None, shard_id: int, transport: str, por
         if store is not None:
             store.sync()
             store.close()
+
+
+def _redact(url: str) -> str:
+    """``url`` with any password in it shown as ``***``."""
+    from .meta import redact
+
+    return redact(url)
+
+
+def _bind(listen: str) -> socket.socket:
+    """A stdlib socket bound to ``listen`` and listening; errors as the CLI's one line."""
+    from .transport import parse_address
+
+    host, port = parse_address(listen)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        err = _listen_error(exc, listen)
+        if err is None:
+            raise
+        raise err from None
+    return sock
 
 
 def _register_self(meta_url: str, address: str, data_dir: str | None) -> int:
@@ -632,7 +666,7 @@ def rebalance(meta_url: str, tolerance: float) -> None:
 def shard_list(meta_url: str) -> None:
     """Every shard: id, address, state, capacity, used, chunks."""
     stats, _, epoch = trio.run(_stats, meta_url)
-    table = Table(title=f"shards of {meta_url} (epoch {epoch})")
+    table = Table(title=f"shards of {_redact(meta_url)} (epoch {epoch})")
     for col in ("id", "address", "state", "capacity", "used", "chunks"):
         table.add_column(col, justify="right" if col in ("id", "capacity", "used", "chunks") else "left")
     for rec, st, _why in stats:
@@ -916,7 +950,7 @@ def bench(meta_url: str | None, mountpoint: str | None, size: int, chunk_size: i
                     return await B.bench_native(client, cfg, progress)
 
             results = trio.run(run)
-            where = f"native client ({transport}) on {meta_url}"
+            where = f"native client ({transport}) on {_redact(meta_url)}"
         else:
             assert mountpoint is not None
             results = B.bench_mount(mountpoint, cfg, progress)

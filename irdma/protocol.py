@@ -839,7 +839,8 @@ def decode_reply(frame: Frame) -> Reply:
             metrics = bytes(body[_STAT_R.size :]).decode()
         except UnicodeDecodeError:
             raise RemoteProtocolError("STAT reply names its metrics address in bytes that are not UTF-8") from None
-        return StatReply(*_STAT_R.unpack_from(body), metrics)
+        sid, cap, used, nchunks = _STAT_R.unpack_from(body)
+        return StatReply(sid, cap, used, nchunks, metrics)
     if op == Opcode.FREE:
         _exact(body, _VERSION.size, "FREE reply")
         return FreeReply(_VERSION.unpack_from(body)[0])

@@ -41,6 +41,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ._errors import InvalidArgument, IrdmaError
+from .meta import redact
 from .metrics import format_host, mount_state_file, parse_metrics_address
 
 #: The layers a process may expose, their metric prefixes, and which byte direction is a pull.
@@ -155,7 +156,7 @@ def discover(mountpoints: Sequence[str] = (), meta_url: str | None = None,
     if meta_url:
         shards, notes = trio.run(shard_targets, meta_url)
         if not shards:
-            raise IrdmaError(f"no shard of {meta_url} serves metrics" + (f" ({notes[0]})" if notes else ""),
+            raise IrdmaError(f"no shard of {redact(meta_url)} serves metrics" + (f" ({notes[0]})" if notes else ""),
                              "start the shards with `irdma server --metrics HOST:PORT` (`irdma up --metrics"
                              " HOST:PORT`), or pass --endpoint HOST:PORT")
         targets += shards

@@ -343,7 +343,7 @@ class PostgresServer:
             self._as_postgres([f"{PG_BIN}/pg_ctl", "-D", self.data, "-o", opts, "-l", self.log, "-w", "-t", "60",
                                "start"], prefix=True)
             self._started = True
-            self.psql(f"CREATE ROLE {user} LOGIN PASSWORD '{self.password}'")
+            self.psql(f"CREATE ROLE {user} LOGIN PASSWORD '{self.password}'", stdin=True)  # not in `ps`
             self.psql(f"CREATE DATABASE {database} OWNER {user}")
             self.url = f"postgresql://{user}@{listen}:{port}/{database}"
             self.passfile = os.path.join(self.dir, "pgpass")
@@ -353,9 +353,9 @@ class PostgresServer:
             self.close()
             raise
 
-    def _as_postgres(self, argv: list[str], prefix: bool = False) -> str:
+    def _as_postgres(self, argv: list[str], prefix: bool = False, input: str | None = None) -> str:
         cmd = [*(self.prefix if prefix else []), "runuser", "-u", "postgres", "--", *argv]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=90, input=input)
         if res.returncode != 0:
             tail = ""
             with contextlib.suppress(OSError):
@@ -365,10 +365,11 @@ class PostgresServer:
                              "check that postgresql-15 is installed and /tmp is writable")
         return res.stdout
 
-    def psql(self, sql: str, database: str = "postgres") -> str:
-        """Run ``sql`` as the superuser over the unix socket; returns psql's output."""
-        return self._as_postgres([f"{PG_BIN}/psql", "-h", self.sock, "-p", str(self.port), "-d", database,
-                                  "-v", "ON_ERROR_STOP=1", "-qAt", "-c", sql])
+    def psql(self, sql: str, database: str = "postgres", stdin: bool = False) -> str:
+        """Run ``sql`` as the superuser over the unix socket (on psql's standard input with
+        ``stdin``, so a secret in it never shows in ``ps``); returns psql's output."""
+        args = [f"{PG_BIN}/psql", "-h", self.sock, "-p", str(self.port), "-d", database, "-v", "ON_ERROR_STOP=1", "-qAt"]
+        return self._as_postgres(args if stdin else [*args, "-c", sql], input=sql if stdin else None)
 
     def create_database(self, name: str) -> str:
         """A new empty database owned by the login role; returns its URL (no password)."""

@@ -11,6 +11,7 @@ goes on through EMFILE/ENFILE with back-off (``trio.serve_listeners``).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -476,19 +477,26 @@ class ShardServer:
         except OSError:
             return False
 
-    async def serve_tcp(self, host: str, port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve_tcp(self, host: str, port: int, *, sock: Any = None,
+                        task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on ``host:port`` (port 0 picks one) and serve until cancelled.
 
+        ``sock``: a stdlib socket already bound and listening (``host``/``port`` are then
+        ignored): a shard that registers itself listens before its address is in the shard
+        map, so a client that reads it early waits in the backlog instead of being refused.
         ``task_status.started`` receives the bound ``(host, port)``.
         """
-        listener = trio.socket.socket(trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET)
-        listener.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
-        try:
-            await listener.bind((host, port))
-        except OSError:
-            listener.close()
-            raise  # the CLI names the address and what to do
-        listener.listen(128)
+        if sock is not None:
+            listener = trio.socket.from_stdlib_socket(sock)
+        else:
+            listener = trio.socket.socket(trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET)
+            listener.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+            try:
+                await listener.bind((host, port))
+            except OSError:
+                listener.close()
+                raise  # the CLI names the address and what to do
+            listener.listen(128)
         bound = listener.getsockname()[:2]
 
         async def handler(stream: trio.SocketStream) -> None:
@@ -516,8 +524,12 @@ async def run_server(
     max_connections: int = MAX_CONNECTIONS,
     max_per_peer: int = MAX_CONNECTIONS_PER_PEER,
     metrics: str | None = None,
+    sock: Any = None,
 ) -> None:
     """The ``irdma server`` main: serve until SIGTERM or SIGINT, then exit cleanly.
+
+    ``sock``: a stdlib socket already bound and listening on ``host:port`` (see
+    :meth:`ShardServer.serve_tcp`).
 
     ``metrics``: ``HOST:PORT`` to serve Prometheus metrics on (:mod:`irdma.metrics`; port 0
     picks one); the bound address is told in STAT replies, where ``irdma stats --meta`` finds it.
@@ -534,16 +546,16 @@ async def run_server(
         exporter = await trio.to_thread.run_sync(serve_metrics, metrics)
         server.metrics_address = exporter.address
     try:
-        await _serve_until_signal(server, shard, host, port, port_file, keys, verbs)
+        await _serve_until_signal(server, shard, host, port, port_file, keys, verbs, sock)
     finally:
         if exporter is not None:
             exporter.close()
 
 
 async def _serve_until_signal(server: ShardServer, shard: Shard, host: str, port: int, port_file: str | None,
-                              keys: auth.KeySource | None, verbs: VerbsShard | None) -> None:
+                              keys: auth.KeySource | None, verbs: VerbsShard | None, sock: Any = None) -> None:
     async with trio.open_nursery() as nursery:
-        bound = await nursery.start(server.serve_tcp, host, port)
+        bound = await nursery.start(functools.partial(server.serve_tcp, host, port, sock=sock))
         address = f"{bound[0]}:{bound[1]}"
         log.info("shard %d serving %d bytes on %s (%s)%s", shard.shard_id, shard.capacity, address,
                  "tcp and verbs" if verbs is not None else "tcp",

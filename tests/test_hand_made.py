@@ -85,6 +85,11 @@ def test_a_shard_registers_itself_and_keeps_its_id_across_restarts(namespace: tu
         wait_until(lambda: _answers(url, key, a.address), 30, "shard a to register and answer", interval=0.2)
         b.start()
         wait_until(lambda: _answers(url, key, b.address), 30, "shard b to register and answer", interval=0.2)
+        # polled from the moment they started: a shard listens before it registers, so no early
+        # look at the shard map found it refusing (and marked it down, then catching up)
+        rows = irdma_cli("shard", "list", "--meta", url, "--key-file", key).stdout.splitlines()
+        for addr in (a.address, b.address):
+            assert any(addr in r and " up " in r for r in rows), rows
         before = sorted(_registered(url))
         assert len(before) == 2 and {addr for _, addr in before} == {a.address, b.address}
         # a write, then SIGKILL and the same command again: same id, same bytes, no new shard
