@@ -63,10 +63,11 @@ import trio
 from irdma._errors import InvalidArgument, IrdmaError, NotFound, Stale
 from irdma.client import ChunkMap, Client, NewChunk, layout_of
 from irdma.meta import Inode
-from irdma.meta.base import setid_bits
+from irdma.meta.base import XATTR_UPDATE, setid_bits
 from irdma.metrics import fuse_metrics
+from irdma.optimizers import parse_update
 from irdma.placement import Layout
-from irdma.protocol import UpdateOp
+from irdma.protocol import Update, UpdateOp
 
 from .errors import fuse_errors
 
@@ -136,7 +137,7 @@ class _FileState:
 @dataclass
 class _Handle:
     ino: int
-    op: UpdateOp
+    op: Update
     direct: bool
     kill_setid: bool = False  # opened for writing by an unprivileged process: the first write clears S_ISUID/S_ISGID
     append: bool = False  # O_APPEND: every write lands at the file's size as this mount knows it
@@ -457,7 +458,17 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
         with fuse_errors("setxattr"):
-            await self.meta.setxattr(inode, name, value)
+            try:
+                await self.meta.setxattr(inode, name, value)
+            except InvalidArgument as exc:
+                log.warning("setxattr %s=%r on inode %d refused: %s", name.decode(errors="replace"), value[:200],
+                            inode, exc)
+                raise
+            if name == XATTR_UPDATE:  # this mount's open handles push with the new op at once
+                op = parse_update(value)
+                for h in self._handles.values():
+                    if h.ino == inode and h.op.op.is_float32 == op.op.is_float32:
+                        h.op = op
 
     async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
         with fuse_errors("listxattr"):
@@ -482,8 +493,8 @@ class IrdmaFS(pyfuse3.Operations):
                 st.size = st.persisted_size = inode.size
         st.invalidate()  # close-to-open: a new open pulls fresh bytes
         st.open_count += 1
-        op = UpdateOp.parse(inode.update_op or "assign")
-        direct = op != UpdateOp.ASSIGN or io_mode == b"direct" or self.direct_io or append
+        op = parse_update(inode.update_op or "assign")
+        direct = op.op != UpdateOp.ASSIGN or io_mode == b"direct" or self.direct_io or append
         fh = self._next_fh
         self._next_fh += 1
         self._handles[fh] = _Handle(inode.ino, op, direct, append=append)
@@ -635,8 +646,9 @@ class IrdmaFS(pyfuse3.Operations):
                 st.size = max(st.size, (await self._getattr(h.ino)).size)
                 off = st.size
             end = off + len(buf)
-            if h.op == UpdateOp.ADD and (off % 4 or len(buf) % 4):
-                raise InvalidArgument(f"a write to an add file must be float32 aligned: offset {off}, {len(buf)} bytes")
+            if h.op.op.is_float32 and (off % 4 or len(buf) % 4):
+                raise InvalidArgument(f"a write to an {h.op.op.name.lower()} file must be float32 aligned:"
+                                      f" offset {off}, {len(buf)} bytes")
             async with st.admit:
                 if off > st.size:
                     # a gap: it must read as zeros, whatever a failed writer left there
@@ -655,7 +667,7 @@ class IrdmaFS(pyfuse3.Operations):
                 self.nursery.start_soon(self._push, st, entry, off, buf, h.op)
             return len(buf)
 
-    async def _push(self, st: _FileState, entry: _Pending, off: int, buf: bytes, op: UpdateOp) -> None:
+    async def _push(self, st: _FileState, entry: _Pending, off: int, buf: bytes, op: Update) -> None:
         try:
             created = await self.client.write_from(st.layout, off, buf, op, st.chunks)
             for idx, shard, incarnation in created:

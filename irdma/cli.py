@@ -769,7 +769,9 @@ def cluster_health(stats: list[Any], damaged: list[Any] | None = None, under_rep
         return Health("degraded", "red", 1,
                       "some shards are down: `irdma shard list` names them; restart them or the cluster"
                       " (`irdma up --dir D` restarts the dead shards of a local cluster).")
-    syncing = [str(rec.shard_id) for rec, _, _ in stats if rec.health == "syncing"]
+    # a shard the map records down that answers again is catching up too: it is up to date
+    # only once a resync marked it up (a client that reaches it first records it syncing)
+    syncing = [str(rec.shard_id) for rec, _, _ in stats if rec.health in ("syncing", "down")]
     if draining:
         return Health("degraded", "yellow", 1, f"shard {', '.join(draining)} is draining: finish it with"
                       f" `irdma shard drain {draining[0]}`.")
@@ -808,7 +810,7 @@ def status(meta_url: str) -> None:
     table.add_row("capacity", format_size(cap))
     table.add_row("used", f"{format_size(used)} ({100 * used / cap:.1f}%)" if cap else "-")
     table.add_row("chunks", str(chunks))
-    syncing = [str(rec.shard_id) for rec, st, _ in stats if st is not None and rec.health == "syncing"]
+    syncing = [str(rec.shard_id) for rec, st, _ in stats if st is not None and rec.health in ("syncing", "down")]
     table.add_row("under-replicated chunks", str(under) + (f" (shards {', '.join(syncing)} syncing)" if syncing else ""))
     table.add_row("inodes", str(inodes))
     table.add_row("bytes in files", format_size(file_bytes))

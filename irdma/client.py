@@ -58,8 +58,9 @@ from .meta import Inode, MetaStore, ShardRecord, open_meta
 from .meta.aio import AsyncMeta
 from .meta.base import XATTR_UPDATE
 from .metrics import MeteredConnection
+from .optimizers import parse_update
 from .placement import MOVE_ALL, Layout, Move, Piece, substitute
-from .protocol import DEFAULT_MAX_PAYLOAD, Chain, ChunkEntry, StatReply, UpdateOp
+from .protocol import DEFAULT_MAX_PAYLOAD, Chain, ChunkEntry, StatReply, Update, UpdateOp
 from .transport import ShardConnection, Transport, make_transport
 
 #: Requests in flight per shard connection.
@@ -227,7 +228,9 @@ class Client:
                         key=self._keys.ring() if self._keys is not None else None,
                         timeout=self.timeout,
                     )
-                except ShardUnavailable:
+                except ShardUnavailable as exc:
+                    if self._in_view(shard_id):
+                        log.warning("cannot connect to shard %d: %s; marked down", shard_id, exc.args[0])
                     await self._note_health(shard_id, "down")
                     raise
                 try:
@@ -295,25 +298,36 @@ class Client:
         conn: ShardConnection | None = None
         sent = False
         with trio.move_on_after(self.timeout):
-            try:
-                conn = await self.connection(shard_id)
-            except ShardUnavailable:
-                self._down_until[shard_id] = trio.current_time() + self.timeout
-                raise
-            async with self._limits[shard_id]:
-                sent = True
+            for attempt in (1, 2):
+                old = self._conns.get(shard_id)
+                reused = old is not None and not old.broken
                 try:
-                    result = await fn(conn)
-                except (Dirty, Fenced, ReplicaError):
-                    raise  # answers about the chain, not failures of this connection
+                    conn = await self.connection(shard_id)
                 except ShardUnavailable:
-                    await self._drop(shard_id, conn)
+                    self._down_until[shard_id] = trio.current_time() + self.timeout
                     raise
-                self._down_until.pop(shard_id, None)
-                return result
+                async with self._limits[shard_id]:
+                    sent = True
+                    try:
+                        result = await fn(conn)
+                    except (Dirty, Fenced, ReplicaError):
+                        raise  # answers about the chain, not failures of this connection
+                    except ShardUnavailable:
+                        await self._drop(shard_id, conn)
+                        if attempt == 2 or not reused:
+                            raise
+                        # a connection that failed on its first use since it last worked: the
+                        # shard may have restarted since (its old process reset it). Once more
+                        # on a fresh one, within the same deadline: calls are safe to repeat
+                        # (updates carry request ids that shards apply once)
+                        continue
+                    self._down_until.pop(shard_id, None)
+                    return result
         self._down_until[shard_id] = trio.current_time() + self.timeout
         if sent and conn is not None:
             await self._drop(shard_id, conn)
+        if self._in_view(shard_id):  # once per failure: every request in flight lands here
+            log.warning("%s did not answer within %g s: marked down (%s)", where, self.timeout, hint)
         await self._note_health(shard_id, "down")
         raise ShardUnavailable(f"{where} did not answer within {self.timeout:g} s", hint)
 
@@ -334,6 +348,10 @@ class Client:
         self._view, records, self._moves = await self.meta.shard_view()
         self._shard_map = {r.shard_id: r for r in records}
         for r in records:
+            if r.health == "up" and self._health.get(r.shard_id) in ("down", "syncing"):
+                # back and resynced since this client saw it fail (a restart that `irdma up`
+                # or another mount resynced): its old deadline no longer holds it out
+                self._down_until.pop(r.shard_id, None)
             self._health[r.shard_id] = r.health
 
     def placed(self, layout: Layout, index: int) -> tuple[tuple[int, ...], int | None]:
@@ -527,7 +545,7 @@ class Client:
             raise
 
     async def write_from(
-        self, layout: Layout, offset: int, data: memoryview | bytes, op: UpdateOp, chunks: ChunkMap | None = None
+        self, layout: Layout, offset: int, data: memoryview | bytes, op: UpdateOp | Update, chunks: ChunkMap | None = None
     ) -> list[NewChunk]:
         """Push ``data`` at ``offset`` with update op ``op`` (each chunk's part atomically).
 
@@ -561,7 +579,7 @@ class Client:
                                        chunks, created)
         return created
 
-    async def _write_piece(self, layout: Layout, p: Piece, part: memoryview, op: UpdateOp, chunks: ChunkMap | None,
+    async def _write_piece(self, layout: Layout, p: Piece, part: memoryview, op: UpdateOp | Update, chunks: ChunkMap | None,
                            created: list[NewChunk]) -> None:
         key = (layout.file_id, p.chunk_index)
         self._writing[key] += 1
@@ -572,7 +590,7 @@ class Client:
             if not self._writing[key]:
                 del self._writing[key]
 
-    async def _write_chain(self, layout: Layout, p: Piece, part: memoryview, op: UpdateOp, chunks: ChunkMap | None,
+    async def _write_chain(self, layout: Layout, p: Piece, part: memoryview, op: UpdateOp | Update, chunks: ChunkMap | None,
                            created: list[NewChunk]) -> None:
         rec = chunks.get(p.chunk_index) if chunks else None
         rid = self._request_id()
@@ -1090,11 +1108,12 @@ class Client:
             return await self.meta.create(parent, name, stat.S_IFREG | mode, os.getuid(), os.getgid(),
                                           chunk_size=chunk_size)
 
-    async def write(self, path: str, data: object, offset: int = 0, *, op: UpdateOp | str | None = None,
+    async def write(self, path: str, data: object, offset: int = 0, *, op: UpdateOp | Update | str | None = None,
                     chunk_size: int | None = None) -> int:
         """Write a buffer (bytes, numpy array, memoryview) at ``offset``, creating the file.
 
-        ``op`` defaults to the file's ``user.irdma.update`` (``assign`` unless set). The size
+        ``op`` defaults to the file's ``user.irdma.update`` (``assign`` unless set); a string is
+        parsed as that xattr is (:func:`irdma.optimizers.parse_update`). The size
         grows, and the chunks written join the file's chunk map, only once every shard has
         acknowledged its part: a failed write leaves the size of what is stored.
 
@@ -1105,7 +1124,7 @@ class Client:
             DataLost, NoSpace, ShardUnavailable, BadRequest: see :meth:`write_from`.
         """
         inode = await self.create(path, chunk_size=chunk_size)
-        uop = UpdateOp.parse(op) if isinstance(op, str) else (op if op is not None else UpdateOp.parse(inode.update_op or "assign"))
+        uop = parse_update(op) if isinstance(op, str) else (op if op is not None else parse_update(inode.update_op or "assign"))
         view = _as_bytes_view(data)
         layout = layout_of(inode)
         chunks = await self.meta.chunk_map(inode.ino)
@@ -1147,8 +1166,13 @@ class Client:
         return arr.reshape(shape) if shape is not None else arr
 
     async def set_update_op(self, path: str, op: str) -> None:
-        """Set what writes to ``path`` do (``assign`` or ``add``); on a directory, the default
-        for files created in it."""
+        """Set what writes to ``path`` do: ``assign``, ``add`` or an optimizer with its
+        arguments, e.g. ``"adam learning_rate=0.001"`` (:mod:`irdma.optimizers`); on a
+        directory, the default for files created in it.
+
+        Raises:
+            InvalidArgument: not a valid update op (nothing changed).
+        """
         await self.meta.setxattr((await self.meta.resolve(path)).ino, XATTR_UPDATE, op.encode())
 
     async def truncate(self, path: str, size: int) -> None:

@@ -64,9 +64,10 @@ from typing import Union
 
 from ._errors import LocalProtocolError, RemoteProtocolError
 
-PROTOCOL_VERSION = 5
-#: Oldest protocol version this code speaks (3 added chain replication, 4 authentication, 5 GMAC frame tags).
-MIN_PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
+#: Oldest protocol version this code speaks (3 added chain replication, 4 authentication, 5 GMAC
+#: frame tags, 6 optimizer update ops).
+MIN_PROTOCOL_VERSION = 6
 MAGIC = b"IR"
 HEADER = struct.Struct("!2sBBIHHI")
 HEADER_SIZE = HEADER.size  # 16
@@ -134,11 +135,27 @@ class UpdateOp(enum.IntEnum):
     """What a write does to the bytes already in a chunk.
 
     ``ASSIGN`` overwrites. ``ADD`` adds element-wise as little-endian float32: offset and
-    length must be multiples of 4.
+    length must be multiples of 4. ``SGD``, ``ADAM``, ``ADAGRAD`` and ``RMSPROP`` (protocol 6)
+    take the bytes as a float32 gradient and apply one optimizer step (:class:`Update` carries
+    their arguments; :mod:`irdma.optimizers` parses them, :mod:`irdma.server.optim` applies them).
     """
 
     ASSIGN = 0
     ADD = 1
+    SGD = 2
+    ADAM = 3
+    ADAGRAD = 4
+    RMSPROP = 5
+
+    @property
+    def is_optimizer(self) -> bool:
+        """Whether a write of this op is a gradient with state on the shard."""
+        return self >= UpdateOp.SGD
+
+    @property
+    def is_float32(self) -> bool:
+        """Whether writes must be float32-aligned (offset and length multiples of 4)."""
+        return self != UpdateOp.ASSIGN
 
     @classmethod
     def parse(cls, name: str | bytes) -> UpdateOp:
@@ -154,6 +171,38 @@ class UpdateOp(enum.IntEnum):
         except KeyError:
             valid = ", ".join(op.name.lower() for op in cls)
             raise ValueError(f"unknown update op {name!r}: use one of {valid}") from None
+
+
+#: Flag bits of an optimizer :class:`Update`.
+OPT_NESTEROV = 0x1
+OPT_CENTERED = 0x2
+
+
+@dataclass(frozen=True)
+class Update:
+    """An update op with its arguments, as a WRITE or REMOTE_WRITE carries it.
+
+    Attributes:
+        op: the op (its byte in the fixed part).
+        args: for an optimizer op, its four float64 arguments in the order of
+            :data:`irdma.optimizers.ARGUMENTS` (unused ones 0.0); they follow the fixed part
+            as ``!4dI4x`` (40 bytes) with ``flags``, before any chain.
+        flags: OPT_NESTEROV, OPT_CENTERED.
+    """
+
+    op: UpdateOp
+    args: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    flags: int = 0
+
+
+def as_update(op: UpdateOp | Update) -> Update:
+    """An :class:`Update` for an op given either way."""
+    return op if isinstance(op, Update) else Update(UpdateOp(op))
+
+
+def op_kind(op: UpdateOp | Update) -> UpdateOp:
+    """The op of an :class:`Update` or op."""
+    return op.op if isinstance(op, Update) else UpdateOp(op)
 
 
 # ---------------------------------------------------------------- messages
@@ -182,6 +231,24 @@ _RESYNC = struct.Struct("!QQI")  # file id, chunk index, chunk size
 _CHECKSUM = struct.Struct("!QQQ")  # file id, chunk index, view
 _CHECKSUM_R = struct.Struct("!QI")  # version, CRC-32 of the chunk's bytes
 _ERR_SHARD = struct.Struct("!I")
+_OPTIM = struct.Struct("!4dI4x")  # an optimizer update's arguments and flags
+
+
+def _encode_update(op: UpdateOp | Update) -> tuple[int, bytes]:
+    u = as_update(op)
+    return int(u.op), (_OPTIM.pack(*u.args, u.flags) if u.op.is_optimizer else b"")
+
+
+def _decode_update(opv: int, body: memoryview, at: int) -> tuple[UpdateOp | Update, int]:
+    try:
+        uop = UpdateOp(opv)
+    except ValueError:
+        raise RemoteProtocolError(f"unknown update op {opv}") from None
+    if not uop.is_optimizer:
+        return uop, at
+    _need(body, at + _OPTIM.size, "optimizer arguments")
+    *args, flags = _OPTIM.unpack_from(body, at)
+    return Update(uop, tuple(args), flags), at + _OPTIM.size  # type: ignore[arg-type]
 
 
 @dataclass
@@ -290,7 +357,7 @@ class Write:
     chunk_index: int
     chunk_size: int
     offset: int
-    op: UpdateOp
+    op: UpdateOp | Update
     data: memoryview | bytes = b""
     existing: bool = False  # FLAG_EXISTING: never create the chunk
     chain: Chain | None = None  # FLAG_CHAIN: replicate along this chain
@@ -457,7 +524,7 @@ class RemoteWrite:
     chunk_index: int
     chunk_size: int
     offset: int
-    op: UpdateOp
+    op: UpdateOp | Update
     in_place: bool
     length: int
     staging_offset: int = 0
@@ -543,7 +610,8 @@ def encode_request(msg: Request, request_id: int) -> list[bytes | memoryview]:
             parts = [_READ.pack(msg.file_id, msg.chunk_index, msg.offset, msg.length)]
             flags = FLAG_CLEAN if msg.clean else 0
         elif isinstance(msg, Write):
-            fixed = _WRITE.pack(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, int(msg.op))
+            opv, optim = _encode_update(msg.op)
+            fixed = _WRITE.pack(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, opv) + optim
             if msg.chain is not None:
                 fixed += msg.chain.encode()
                 flags |= FLAG_CHAIN
@@ -564,8 +632,9 @@ def encode_request(msg: Request, request_id: int) -> list[bytes | memoryview]:
         elif isinstance(msg, Locate):
             parts = [_LOCATE.pack(msg.file_id, msg.chunk_index, msg.create_size)]
         elif isinstance(msg, RemoteWrite):
-            parts = [_RWRITE.pack(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, int(msg.op),
-                                  int(msg.in_place), msg.length, msg.staging_offset, msg.region_offset)
+            opv, optim = _encode_update(msg.op)
+            parts = [_RWRITE.pack(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, opv,
+                                  int(msg.in_place), msg.length, msg.staging_offset, msg.region_offset) + optim
                      + (msg.chain.encode() if msg.chain is not None else b"")]
             flags = (FLAG_EXISTING if msg.existing else 0) | (FLAG_CHAIN if msg.chain is not None else 0)
         elif isinstance(msg, List):
@@ -730,11 +799,8 @@ def decode_request(frame: Frame) -> Request:
     if op == Opcode.WRITE:
         _need(body, _WRITE.size, "WRITE")
         fid, idx, csize, off, opv = _WRITE.unpack_from(body)
-        try:
-            uop = UpdateOp(opv)
-        except ValueError:
-            raise RemoteProtocolError(f"unknown update op {opv}") from None
-        chain, at = (Chain.decode(body, _WRITE.size) if frame.flags & FLAG_CHAIN else (None, _WRITE.size))
+        uop, at = _decode_update(opv, body, _WRITE.size)
+        chain, at = (Chain.decode(body, at) if frame.flags & FLAG_CHAIN else (None, at))
         return Write(fid, idx, csize, off, uop, body[at:], bool(frame.flags & FLAG_EXISTING), chain,
                      bool(frame.flags & FLAG_REPLACE))
     if op == Opcode.RESYNC:
@@ -767,11 +833,8 @@ def decode_request(frame: Frame) -> Request:
     if op == Opcode.REMOTE_WRITE:
         _need(body, _RWRITE.size, "REMOTE_WRITE")
         fid, idx, csize, off, opv, in_place, n, soff, roff = _RWRITE.unpack_from(body)
-        try:
-            uop = UpdateOp(opv)
-        except ValueError:
-            raise RemoteProtocolError(f"unknown update op {opv}") from None
-        chain, at = (Chain.decode(body, _RWRITE.size) if frame.flags & FLAG_CHAIN else (None, _RWRITE.size))
+        uop, at = _decode_update(opv, body, _RWRITE.size)
+        chain, at = (Chain.decode(body, at) if frame.flags & FLAG_CHAIN else (None, at))
         _exact(body, at, "REMOTE_WRITE")
         return RemoteWrite(fid, idx, csize, off, uop, bool(in_place), n, soff, roff, bool(frame.flags & FLAG_EXISTING),
                            chain)

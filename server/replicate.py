@@ -54,6 +54,7 @@ from irdma._errors import (
 from irdma.metrics import error_kind
 from irdma.transport.tcp import TcpConnection, TcpTransport
 
+from . import optim
 from .shard import Shard
 
 log = logging.getLogger("irdma.server.replicate")
@@ -264,7 +265,8 @@ class Replicator:
             return version
         link = self._link(msg.chain)
         fw = self._submit_replace(link, msg.file_id, msg.chunk_index, data, version, msg.chain)
-        return self._await_replace(link, (msg.file_id, msg.chunk_index), fw, msg.chain, version)
+        return self._await_replace(link, (msg.file_id, msg.chunk_index), fw, version,
+                                   trio.current_time() + msg.chain.timeout_ms / 1000)
 
     @staticmethod
     def _next(chain: P.Chain, version: int) -> P.Chain:
@@ -287,7 +289,24 @@ class Replicator:
                       replace=True)
         fw = link.submit(msg)
         link.replaced[(file_id, chunk_index)] = fw
+        state = self.shard.state_snapshot(file_id, chunk_index)
+        if state is not None:  # the chunk's optimizer state goes with it, right behind it
+            sv, sdata = state
+            smsg = P.Write(file_id, optim.state_index(chunk_index), len(sdata), 0, P.UpdateOp.ASSIGN, sdata,
+                           chain=P.Chain(0, chain.view, max(sv, 1), max(1, chain.timeout_ms // 2),
+                                         chain.successors[1:]), replace=True)
+            sfw = link.submit(smsg)
+            if self.nursery is not None:
+                self.nursery.start_soon(self._watch_state_copy, link, sfw, (file_id, chunk_index),
+                                        trio.current_time() + chain.timeout_ms / 1000)
         return fw
+
+    async def _watch_state_copy(self, link: Link, fw: _Forward, key: tuple[int, int], deadline: float) -> None:
+        try:
+            await link.result(fw, deadline)
+        except IrdmaError as exc:
+            log.warning("shard %d could not copy the optimizer state of chunk %s to replica %d: %s",
+                        self.shard.shard_id, key, link.successor_id, exc)
 
     # ------------------------------------------------------------ the wait for the chain
     def _forward(self, file_id: int, chunk_index: int, fwd: P.Write, chain: P.Chain, version: int) -> Awaitable[int]:
@@ -295,9 +314,12 @@ class Replicator:
         key = (file_id, chunk_index)
         fw = link.submit(fwd)
         self._dirty[key] += 1
+        # one deadline for the whole wait, a REPLACE after STALE included: the client's own
+        # deadline is twice the forward's, so a head waiting on a failed successor still answers
+        # FORWARD_FAILED in time instead of being taken for failed itself
+        deadline = trio.current_time() + chain.timeout_ms / 1000
 
         async def finish() -> int:
-            deadline = trio.current_time() + chain.timeout_ms / 1000
             t0 = trio.current_time()
             status = "cancelled"
             try:
@@ -313,7 +335,7 @@ class Replicator:
                             status = "ok"
                             return version
                         last = self._submit_replace(link, file_id, chunk_index, snap[1], snap[0], chain)
-                    await self._await_replace(link, key, last, chain, version)
+                    await self._await_replace(link, key, last, version, deadline)
                 status = "ok"
                 return version
             except Exception as exc:
@@ -328,10 +350,10 @@ class Replicator:
 
         return finish()
 
-    async def _await_replace(self, link: Link, key: tuple[int, int], fw: _Forward, chain: P.Chain,
-                             version: int) -> int:
+    async def _await_replace(self, link: Link, key: tuple[int, int], fw: _Forward, version: int,
+                             deadline: float) -> int:
         try:
-            await link.result(fw, trio.current_time() + chain.timeout_ms / 1000)
+            await link.result(fw, deadline)
         except ReplicaStale as exc:  # a REPLACE always follows: only a bug gets here
             raise ReplicaFailed(f"replica {link.successor_id} refused a whole-chunk copy: {exc}",
                                 link.successor_id) from None

@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from irdma._errors import BadRequest, DataLost, NoSpace
-from irdma.protocol import UpdateOp
+from irdma.protocol import Update, UpdateOp, op_kind
+
+from . import optim
 
 if TYPE_CHECKING:
     from .store import ShardStore
@@ -252,7 +254,7 @@ class Shard:
         chunk_index: int,
         chunk_size: int,
         offset: int,
-        op: UpdateOp,
+        op: UpdateOp | Update,
         data: memoryview | bytes,
         existing: bool = False,
     ) -> int:
@@ -260,7 +262,10 @@ class Shard:
         (unless ``existing``: then a missing chunk raises DataLost and nothing is created).
 
         ``data`` for ``ADD`` is little-endian float32; the sum is float32 (IEEE-754, round to
-        nearest even), the same as numpy's ``+=``.
+        nearest even), the same as numpy's ``+=``. For an optimizer (:class:`Update` of SGD,
+        ADAM, ADAGRAD, RMSPROP) ``data`` is a float32 gradient and one step is applied with the
+        chunk's state chunk (created on the first step; :mod:`irdma.server.optim`). A state
+        chunk (index ``optim.STATE_BASE + i``) takes only ``assign`` (restoring a checkpoint).
 
         Returns:
             The chunk's version after the update.
@@ -274,16 +279,54 @@ class Shard:
         n = len(data)
         if offset < 0 or offset + n > chunk_size:
             raise BadRequest(f"range [{offset}, {offset + n}) leaves the {chunk_size}-byte chunk")
-        if op == UpdateOp.ADD and (offset % 4 or n % 4):
-            raise BadRequest(f"add needs float32 alignment: offset {offset} and length {n} must be multiples of 4")
+        kind = op_kind(op)
+        if kind.is_float32 and (offset % 4 or n % 4):
+            raise BadRequest(f"{kind.name.lower()} needs float32 alignment: offset {offset} and length {n}"
+                             " must be multiples of 4")
+        if optim.is_state(chunk_index) and kind != UpdateOp.ASSIGN:
+            raise BadRequest(f"chunk index {chunk_index} names optimizer state: only assign writes it")
+        if kind.is_optimizer and not isinstance(op, Update):
+            raise BadRequest(f"{kind.name.lower()} needs its arguments")
+        if kind.is_optimizer:
+            assert isinstance(op, Update)
+            state = self._state_for(file_id, chunk_index, chunk_size, op, existing)
+            chunk = self._get_or_create(file_id, chunk_index, chunk_size, existing)
+            start = chunk.offset + offset
+            optim.apply(op, self.region.view[start : start + n], data,
+                        self.region.view[state.offset : state.offset + state.size], chunk_size, offset)
+            version = self._bump(chunk)
+            self.versions[state.slot] = version  # the state's version follows its chunk's
+            return version
         chunk = self._get_or_create(file_id, chunk_index, chunk_size, existing)
         start = chunk.offset + offset
-        if op == UpdateOp.ASSIGN:
+        if kind == UpdateOp.ASSIGN:
             self.region.view[start : start + n] = data
         else:
             dst = np.frombuffer(self.region.view[start : start + n], dtype="<f4")
             dst += np.frombuffer(data, dtype="<f4")
         return self._bump(chunk)
+
+    def _state_for(self, file_id: int, chunk_index: int, chunk_size: int, update: Update, existing: bool) -> Chunk:
+        """The state chunk of a chunk, made (or made afresh) for ``update``'s optimizer.
+        Allocated before the chunk itself is created, so a full shard changes nothing."""
+        if existing and (file_id, chunk_index) not in self._chunks:
+            raise DataLost(f"chunk ({file_id}, {chunk_index}) is not on shard {self.shard_id}")
+        size = optim.state_size(update.op, chunk_size)
+        key = (file_id, optim.state_index(chunk_index))
+        state = self._chunks.get(key)
+        if state is not None and state.size != size:  # made for another optimizer
+            self._drop(*key)
+            state = None
+        fresh = state is None
+        state = self._get_or_create(file_id, optim.state_index(chunk_index), size)
+        view = self.region.view[state.offset : state.offset + state.size]
+        if fresh or optim.header_op(view) != update.op:
+            optim.init_state(update, view, chunk_size)
+        return state
+
+    def state_snapshot(self, file_id: int, chunk_index: int) -> tuple[int, bytes] | None:
+        """``(version, copy)`` of chunk ``chunk_index``'s optimizer state, or None."""
+        return self.snapshot(file_id, optim.state_index(chunk_index))
 
     def version_of(self, file_id: int, chunk_index: int) -> int:
         """The chunk's version; 0 when the shard has no such chunk."""
@@ -330,7 +373,8 @@ class Shard:
         """Up to ``limit`` chunks strictly after ``(after_file, after_chunk)`` in (file, chunk) order,
         as ``(file_id, chunk_index, chunk_size in bytes, version)``. File ids are inode numbers
         (never 0), so ``(0, 0)`` starts from the first chunk; pass the last entry to go on."""
-        keys = heapq.nsmallest(limit, (k for k in self._chunks if k > (after_file, after_chunk)))
+        keys = heapq.nsmallest(limit, (k for k in self._chunks if k > (after_file, after_chunk)
+                                       and not optim.is_state(k[1])))  # state follows its chunk
         return [(f, i, self._chunks[(f, i)].size, int(self.versions[self._chunks[(f, i)].slot])) for f, i in keys]
 
     def locate(self, file_id: int, chunk_index: int, create_size: int = 0) -> Chunk | None:
@@ -383,12 +427,16 @@ class Shard:
         Returns:
             How many chunks were freed.
         """
-        indices = [i for i in self._by_file.get(file_id, ()) if i >= first_chunk]
+        indices = [i for i in self._by_file.get(file_id, ()) if first_chunk <= i < optim.STATE_BASE]
         for i in indices:
             self._drop(file_id, i)
+        for i in [i for i in self._by_file.get(file_id, ()) if i >= optim.state_index(first_chunk)]:
+            self._drop(file_id, i)  # their optimizer state (orphans of a crash too)
         return len(indices)
 
     def _drop(self, file_id: int, chunk_index: int) -> None:
+        if not optim.is_state(chunk_index) and (file_id, optim.state_index(chunk_index)) in self._chunks:
+            self._drop(file_id, optim.state_index(chunk_index))  # a chunk's state goes with it
         chunk = self._chunks.pop((file_id, chunk_index))
         idx = self._by_file[file_id]
         idx.discard(chunk_index)

@@ -23,10 +23,13 @@ import pytest
 import trio
 import trio.testing
 from helpers import assert_clean_log, wait_until
+from optim_ref import CONFIGS, Reference, relative_error, spec_text
 
 from irdma import protocol as P
 from irdma._errors import BadRequest, NoSpace, ShardUnavailable
+from irdma.optimizers import parse_update
 from irdma.protocol import UpdateOp
+from irdma.server import optim
 from irdma.transport import ShardConnection, Transport, make_transport
 from irdma.transport.tcp import recv_exactly, send_parts
 
@@ -206,6 +209,55 @@ def test_add_sums_float32_in_place(conn: _Conn) -> None:
         out = np.empty(1000, "<f4")
         await c.read(fid, 0, 400, memoryview(out).cast("B"))
         np.testing.assert_array_equal(out, a + b)
+
+    run(body)
+
+
+@pytest.mark.parametrize("name,args", CONFIGS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CONFIGS)])
+def test_optimizer_steps_match_the_reference_over_two_chunks(conn: _Conn, name: str, args: dict[str, Any]) -> None:
+    """Six steps of random gradients, some over both chunks, some over part of one (so
+    elements step different numbers of times): every element within 1e-5 (norm-wise relative)
+    of a float64 reference; the state chunk holds the optimizer's state (Adam's per-element step)."""
+    update = parse_update(spec_text(name, args))
+    n = CHUNK // 4  # float32 elements per chunk
+
+    async def body(nursery: trio.Nursery) -> None:
+        c = await conn(nursery)
+        fid = new_file()
+        rng = np.random.default_rng(7)
+        w = rng.standard_normal(2 * n).astype("<f4")
+        for i in range(2):
+            await c.write(fid, i, CHUNK, 0, UpdateOp.ASSIGN, w[i * n : (i + 1) * n].tobytes())
+        ref, want = Reference(name, args, 2 * n), w.astype(np.float64)
+        for step in range(6):
+            lo, hi = (0, 2 * n) if step % 2 == 0 else (n // 3, n // 2)  # whole file, then part of chunk 0
+            g = rng.standard_normal(hi - lo).astype("<f4")
+            ref.step(want, g.astype(np.float64), slice(lo, hi))
+            for i in range(2):  # each chunk's part of the range, as the client splits a push
+                a, b = max(lo, i * n), min(hi, (i + 1) * n)
+                if a < b:
+                    await c.write(fid, i, CHUNK, 4 * (a - i * n), update, g[a - lo : b - lo].tobytes())
+        got = np.empty(2 * n, "<f4")
+        for i in range(2):
+            await c.read(fid, i, 0, memoryview(got[i * n : (i + 1) * n]).cast("B"))
+        assert relative_error(got, want) <= 1e-5
+        state = bytearray(optim.state_size(update.op, CHUNK))
+        assert await c.read(fid, optim.state_index(0), 0, memoryview(state)) == 7  # its chunk's version
+        assert optim.header_op(memoryview(state)) == update.op
+        if name == "adam":
+            steps = np.frombuffer(state, "<u4", count=n, offset=optim.HEADER + 2 * CHUNK)
+            assert steps[0] == 3 and steps[n // 3] == 6 and steps[n - 1] == 3
+        # refused: a misaligned gradient, and any op but assign on a state chunk; nothing changed
+        with pytest.raises(BadRequest, match="alignment"):
+            await c.write(fid, 0, CHUNK, 2, update, b"\x00" * 8)
+        with pytest.raises(BadRequest, match="state"):
+            await c.write(fid, optim.state_index(0), len(state), 0, UpdateOp.ADD, b"\x00" * 8)
+        again = np.empty(2 * n, "<f4")
+        for i in range(2):
+            await c.read(fid, i, 0, memoryview(again[i * n : (i + 1) * n]).cast("B"))
+        np.testing.assert_array_equal(again, got)
+        assert await c.free(fid, 0) == 2  # the state goes with its chunks
+        assert await c.read(fid, optim.state_index(0), 0, memoryview(state)) == 0
 
     run(body)
 

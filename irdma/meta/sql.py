@@ -48,8 +48,8 @@ from irdma._errors import (
     NotFound,
     NotPermitted,
 )
+from irdma.optimizers import format_update, parse_update
 from irdma.placement import DEFAULT_CHUNK_SIZE, check_chunk_size
-from irdma.protocol import UpdateOp
 
 from .base import (
     IO_MODES,
@@ -526,7 +526,7 @@ class SqlMeta(SqlCluster, MetaStore):
             inode = self._get(c, ino)
             if name == XATTR_UPDATE:
                 try:
-                    op = UpdateOp.parse(value).name.lower()
+                    op = format_update(parse_update(value))
                 except ValueError as exc:
                     raise InvalidArgument(str(exc)) from None
                 c.execute("UPDATE inodes SET update_op=?, ctime_ns=? WHERE ino=?", (op, now(), ino))

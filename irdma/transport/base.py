@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import trio
 
 from irdma.auth import KeyRing
-from irdma.protocol import Chain, ChunkEntry, StatReply, UpdateOp
+from irdma.protocol import Chain, ChunkEntry, StatReply, Update, UpdateOp
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class ShardConnection(abc.ABC):
         chunk_index: int,
         chunk_size: int,
         offset: int,
-        op: UpdateOp,
+        op: UpdateOp | Update,
         data: memoryview | bytes,
         existing: bool = False,
         chain: Chain | None = None,

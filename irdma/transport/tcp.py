@@ -38,7 +38,7 @@ from irdma._errors import (
     ReplicaStale,
     ShardUnavailable,
 )
-from irdma.protocol import ChunkEntry, StatReply, UpdateOp
+from irdma.protocol import ChunkEntry, StatReply, Update, UpdateOp
 
 from .base import ShardConnection, ShardInfo, Transport, parse_address
 
@@ -287,7 +287,7 @@ class TcpConnection(ShardConnection):
         chunk_index: int,
         chunk_size: int,
         offset: int,
-        op: UpdateOp,
+        op: UpdateOp | Update,
         data: memoryview | bytes,
         existing: bool = False,
         chain: P.Chain | None = None,

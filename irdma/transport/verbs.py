@@ -829,7 +829,7 @@ class VerbsConnection(ShardConnection):
         chunk_index: int,
         chunk_size: int,
         offset: int,
-        op: UpdateOp,
+        op: UpdateOp | P.Update,
         data: memoryview | bytes,
         existing: bool = False,
         chain: P.Chain | None = None,
@@ -848,7 +848,8 @@ class VerbsConnection(ShardConnection):
             return version
         assert self.remote is not None
         r = self.remote
-        if op == UpdateOp.ASSIGN:
+        if P.op_kind(op) == UpdateOp.ASSIGN:
+            op = UpdateOp.ASSIGN
             for attempt in (1, 2):
                 loc = await self._locate(file_id, chunk_index, 0 if existing else chunk_size)
                 if loc is None:

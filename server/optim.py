@@ -1,0 +1,159 @@
+"""Server-side optimizers: one step of SGD, Adam, Adagrad or RMSprop on a chunk's elements.
+
+Where the state lives
+---------------------
+A chunk of a file whose update op is an optimizer has a *state chunk* beside it on every shard
+that holds the chunk: chunk index ``STATE_BASE + i`` of the same file id (no real file reaches
+that index: 2^62 chunks). It is allocated, persisted (the data directory's index), freed and,
+for a replica brought level by a whole-chunk copy, copied with its chunk, so the state is
+replicated and persisted exactly as the weights are. Its layout (``chunk_size`` = the data
+chunk's size in bytes, ``n = chunk_size // 4`` elements)::
+
+    [0, 4096)                     header: magic b"IRST", u8 op (irdma.protocol.UpdateOp), zeros
+    [4096 + k*chunk_size, ...)    slot k: n little-endian float32 (or u32 for ``step``)
+
+    sgd      slot 0 momentum
+    adam     slot 0 m (first moment), slot 1 v (second moment), slot 2 step (u32)
+    adagrad  slot 0 accumulator (starts at initial_accumulator_value)
+    rmsprop  slot 0 velocity, slot 1 momentum, slot 2 average gradient (centered)
+
+Adam's step is counted *per element* (how many gradients reached it), not per chunk: Keras
+counts steps per optimizer and applies each to every variable once, which per element is the
+same count, and per element stays right when a chunk holds several tensors pushed separately
+(the unified buffer of SoftMemoryBox II) or a push covers part of a chunk.
+
+The arithmetic follows Keras 3 (``keras/src/optimizers/{sgd,adam,adagrad,rmsprop}.py``)
+operation by operation in float32 (IEEE-754, round to nearest even): the hyperparameters are
+cast to float32 as ``ops.cast`` does, and ``1 - beta`` is formed in float64 first, as Python
+does before TensorFlow converts it. A different optimizer name than the header's starts the
+state afresh (zeros; Adagrad's initial accumulator); a new learning rate or other argument keeps
+it. A gradient must be float32-aligned (offset and length multiples of 4).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from irdma.protocol import OPT_CENTERED, OPT_NESTEROV, Update, UpdateOp
+
+#: Chunk indices from here on name state chunks (index ``STATE_BASE + i`` is chunk i's state).
+STATE_BASE = 1 << 62
+HEADER = 4096
+MAGIC = b"IRST"
+#: Slots of state per element for each optimizer.
+SLOTS = {UpdateOp.SGD: 1, UpdateOp.ADAM: 3, UpdateOp.ADAGRAD: 1, UpdateOp.RMSPROP: 3}
+#: Slot names, in order (what :func:`slot_names` and ``irdma.Client.optimizer_state`` give).
+SLOT_NAMES = {
+    UpdateOp.SGD: ("momentum",),
+    UpdateOp.ADAM: ("m", "v", "step"),
+    UpdateOp.ADAGRAD: ("accumulator",),
+    UpdateOp.RMSPROP: ("velocity", "momentum", "average_gradient"),
+}
+_F32 = np.float32
+
+
+def state_index(chunk_index: int) -> int:
+    """The chunk index of chunk ``chunk_index``'s state chunk."""
+    return STATE_BASE + chunk_index
+
+
+def is_state(chunk_index: int) -> bool:
+    return chunk_index >= STATE_BASE
+
+
+def state_size(op: UpdateOp, chunk_size: int) -> int:
+    """Bytes of the state chunk of a ``chunk_size``-byte chunk (a multiple of 4096 when
+    ``chunk_size`` is)."""
+    return HEADER + SLOTS[op] * chunk_size
+
+
+def slot_names(op: UpdateOp) -> tuple[str, ...]:
+    return SLOT_NAMES[op]
+
+
+def header_op(state: memoryview) -> UpdateOp | None:
+    """The op a state chunk was made for, or None when it holds none yet (all zeros)."""
+    if bytes(state[:4]) != MAGIC:
+        return None
+    return UpdateOp(state[4])
+
+
+def init_state(update: Update, state: memoryview, chunk_size: int) -> None:
+    """Make ``state`` a fresh state for ``update``'s optimizer (the header, zeros; Adagrad's
+    accumulators at ``initial_accumulator_value``)."""
+    state[:] = bytes(len(state))
+    state[:4] = MAGIC
+    state[4] = int(update.op)
+    if update.op == UpdateOp.ADAGRAD:
+        acc = np.frombuffer(state[HEADER : HEADER + chunk_size], dtype="<f4")
+        acc[:] = _F32(update.args[1])
+
+
+def _slot(state: memoryview, chunk_size: int, k: int, start: int, stop: int, dtype: str = "<f4") -> np.ndarray:
+    base = HEADER + k * chunk_size
+    return np.frombuffer(state[base + start : base + stop], dtype=dtype)
+
+
+def apply(update: Update, weights: memoryview, grad: memoryview | bytes, state: memoryview, chunk_size: int,
+          offset: int) -> None:
+    """Apply one optimizer step to the float32 elements ``weights`` (bytes ``[offset,
+    offset+len(grad))`` of the chunk) with the float32 gradient ``grad``, using and updating the
+    chunk's ``state`` (which the caller made with :func:`init_state` for this op).
+
+    Raises nothing for well-formed input; the caller checks alignment and ranges.
+    """
+    var = np.frombuffer(weights, dtype="<f4")
+    g = np.frombuffer(grad, dtype="<f4")
+    stop = offset + len(grad)
+    a = update.args
+    lr = _F32(a[0])
+    with np.errstate(all="ignore"):  # a step to inf/nan is what Keras would compute too
+        if update.op == UpdateOp.SGD:
+            momentum = a[1]
+            if momentum != 0:
+                m = _slot(state, chunk_size, 0, offset, stop)
+                mu = _F32(momentum)
+                m[:] = m * mu - g * lr
+                if update.flags & OPT_NESTEROV:
+                    var += m * mu - g * lr
+                else:
+                    var += m
+            else:
+                var -= g * lr
+        elif update.op == UpdateOp.ADAM:
+            beta_1, beta_2, eps = a[1], a[2], a[3]
+            m = _slot(state, chunk_size, 0, offset, stop)
+            v = _slot(state, chunk_size, 1, offset, stop)
+            step = _slot(state, chunk_size, 2, offset, stop, "<u4")
+            step += 1
+            local_step = step.astype(_F32)
+            beta_1_power = np.power(_F32(beta_1), local_step)
+            beta_2_power = np.power(_F32(beta_2), local_step)
+            alpha = lr * np.sqrt(_F32(1) - beta_2_power) / (_F32(1) - beta_1_power)
+            m += (g - m) * _F32(1 - beta_1)
+            v += (np.square(g) - v) * _F32(1 - beta_2)
+            var -= (m * alpha) / (np.sqrt(v) + _F32(eps))
+        elif update.op == UpdateOp.ADAGRAD:
+            eps = a[2]
+            acc = _slot(state, chunk_size, 0, offset, stop)
+            acc += np.square(g)
+            var -= (lr * g) / np.sqrt(acc + _F32(eps))
+        elif update.op == UpdateOp.RMSPROP:
+            rho, momentum, eps = a[1], a[2], a[3]
+            velocity = _slot(state, chunk_size, 0, offset, stop)
+            velocity[:] = _F32(rho) * velocity + _F32(1 - rho) * np.square(g)
+            if update.flags & OPT_CENTERED:
+                avg = _slot(state, chunk_size, 2, offset, stop)
+                avg[:] = _F32(rho) * avg + _F32(1 - rho) * g
+                denominator = velocity - np.square(avg) + _F32(eps)
+            else:
+                denominator = velocity + _F32(eps)
+            increment = (lr * g) / np.sqrt(denominator)
+            if momentum > 0:
+                velocity_m = _slot(state, chunk_size, 1, offset, stop)
+                velocity_m[:] = _F32(momentum) * velocity_m + increment
+                var -= velocity_m
+            else:
+                var -= increment
+        else:  # pragma: no cover - callers dispatch only optimizer ops here
+            raise ValueError(f"{update.op!r} is not an optimizer")
