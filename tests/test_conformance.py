@@ -23,13 +23,13 @@ import pytest
 import trio
 import trio.testing
 from helpers import assert_clean_log, wait_until
+from irdma.server import optim
 from optim_ref import CONFIGS, Reference, relative_error, spec_text
 
 from irdma import protocol as P
 from irdma._errors import BadRequest, NoSpace, ShardUnavailable
 from irdma.optimizers import parse_update
 from irdma.protocol import UpdateOp
-from irdma.server import optim
 from irdma.transport import ShardConnection, Transport, make_transport
 from irdma.transport.tcp import recv_exactly, send_parts
 
