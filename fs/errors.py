@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import pyfuse3
 
 from irdma import _errors as E
+from irdma.coord import SyncTimeout
 
 log = logging.getLogger("irdma.fs")
 
@@ -41,6 +42,7 @@ ERRNO: dict[type[E.IrdmaError], int] = {
     E.MetadataError: errno.EIO,
     E.Stale: errno.ESTALE,
     E.AuthFailed: errno.EACCES,
+    SyncTimeout: errno.ETIMEDOUT,
 }
 #: The errno of an unexpected exception (a bug): the request fails, the mount lives on.
 FALLBACK_ERRNO = errno.EIO

@@ -60,15 +60,18 @@ from typing import Any
 import pyfuse3
 import trio
 
+from irdma import coord
 from irdma._errors import InvalidArgument, IrdmaError, NotFound, Stale
 from irdma.client import ChunkMap, Client, NewChunk, layout_of
-from irdma.meta import Inode
+from irdma.meta import ROOT_INO, Inode
 from irdma.meta.base import XATTR_UPDATE, setid_bits
 from irdma.metrics import fuse_metrics
 from irdma.optimizers import parse_update
 from irdma.placement import Layout
 from irdma.protocol import Update, UpdateOp
 
+from .control import CLOCK_PREFIX, CONTROL, Control
+from .control import ROOT as CONTROL_ROOT
 from .errors import fuse_errors
 
 log = logging.getLogger("irdma.fs")
@@ -132,6 +135,11 @@ class _FileState:
     def invalidate(self) -> None:
         self.generation += 1
         self.windows.clear()
+        # and fetches in flight: one started before a write may have read the shards before
+        # the write landed, so a read issued after the write must never join it (it would
+        # return the old bytes, zeros where the write filled a hole); its readers from before
+        # keep waiting on it, and it is not kept as a window (its generation is old)
+        self.fetching.clear()
 
 
 @dataclass
@@ -171,9 +179,12 @@ class IrdmaFS(pyfuse3.Operations):
         self._handles: dict[int, _Handle] = {}
         self._next_fh = 1
         self._dirs: dict[int, list[tuple[bytes, Inode]]] = {}  # readdir snapshots per open directory
+        self._control_dirs: dict[int, list[tuple[bytes, int]]] = {}
         # an open and the last release of one inode never interleave (FUSE sends RELEASE
         # asynchronously: a reopen may arrive while the last close is freeing the file)
         self._ino_locks: dict[int, trio.Lock] = {}
+        #: ``.irdma/``: barriers, locks and counters as files (:mod:`irdma.fs.control`)
+        self.control = Control(self.meta, 0, tick=client.clock_at)
 
     def init(self) -> None:
         """FUSE INIT: once the kernel has the reply, run ``after_init`` (it may change settings
@@ -190,6 +201,7 @@ class IrdmaFS(pyfuse3.Operations):
     async def start_session(self, name: str) -> None:
         """Register this mount as a session, then reap dead sessions and their orphans."""
         self.sid = await self.meta.open_session(name)
+        self.control.session = self.sid
         from irdma.fsck import collect_garbage
 
         try:
@@ -339,14 +351,33 @@ class IrdmaFS(pyfuse3.Operations):
     # ------------------------------------------------------------ namespace
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
         with fuse_errors("lookup"):
+            if parent_inode == ROOT_INO and name == CONTROL:
+                return self._control_entry(CONTROL_ROOT)
+            if Control.owns(parent_inode):
+                return self._control_entry(self.control.lookup(parent_inode, name))
+            if name.startswith(CLOCK_PREFIX):  # JOB/.irdma-clock@K (irdma.coord)
+                if not (await self._getattr(parent_inode)).is_dir:
+                    raise NotFound("not a directory")
+                return self._control_entry(self.control.clock_file(parent_inode, name))
             return self._entry(await self.meta.lookup(parent_inode, name))
 
     async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
         with fuse_errors("getattr"):
+            if Control.owns(inode):
+                return self._control_entry(inode)
             return self._entry(await self._getattr(inode))
+
+    def _control_entry(self, ino: int) -> pyfuse3.EntryAttributes:
+        e = pyfuse3.EntryAttributes()
+        for k, v in self.control.attr(ino, os.getuid(), os.getgid()).items():
+            setattr(e, k, v)
+        e.entry_timeout = e.attr_timeout = 0
+        return e
 
     async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any) -> pyfuse3.EntryAttributes:
         with fuse_errors("setattr"):
+            if Control.owns(inode):  # `echo 4 > .irdma/barrier/x` truncates first: nothing to do
+                return self._control_entry(inode)
             kw: dict[str, int] = {}
             if fields.update_size:
                 await self._truncate(await self._getattr(inode), attr.st_size)
@@ -412,6 +443,11 @@ class IrdmaFS(pyfuse3.Operations):
         """Take a snapshot of the directory: readdir continuations are served from it (linear
         in the directory's size, and stable while other mounts change it)."""
         with fuse_errors("opendir"):
+            if Control.owns(inode):
+                fh = self._next_fh
+                self._next_fh += 1
+                self._control_dirs[fh] = self.control.entries(inode)
+                return fh
             if not (await self._getattr(inode)).is_dir:
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
             fh = self._next_fh
@@ -421,6 +457,12 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def readdir(self, fh: int, start_id: int, token: Any) -> None:
         with fuse_errors("readdir"):
+            if fh in self._control_dirs:
+                listing = self._control_dirs[fh]
+                for i in range(start_id, len(listing)):
+                    if not pyfuse3.readdir_reply(token, listing[i][0], self._control_entry(listing[i][1]), i + 1):
+                        break
+                return
             entries = self._dirs.get(fh, [])
             for i in range(start_id, len(entries)):
                 name, inode = entries[i]
@@ -429,6 +471,7 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def releasedir(self, fh: int) -> None:
         self._dirs.pop(fh, None)
+        self._control_dirs.pop(fh, None)
 
     async def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
         """The shards' capacity and use, divided by the namespace's replica count."""
@@ -454,6 +497,9 @@ class IrdmaFS(pyfuse3.Operations):
     # ------------------------------------------------------------ xattrs
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
         with fuse_errors("getxattr"):
+            if name == coord.XATTR_CLOCKS:
+                clocks = await self.meta.clocks(inode)
+                return " ".join(f"{w}:{c}" for w, c in sorted(clocks.items())).encode()
             return await self.meta.getxattr(inode, name)  # type: ignore[no-any-return]
 
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
@@ -517,6 +563,11 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
         with fuse_errors("open"):
+            if Control.owns(inode):
+                fh = self._next_fh
+                self._next_fh += 1
+                self.control.open(inode, fh, ctx.pid)
+                return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
             try:
                 async with self._ino_lock(inode):
                     return await self._open(inode, flags, ctx)
@@ -558,6 +609,8 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         with fuse_errors("read"):
+            if fh in self.control._handles:
+                return (await self.control.read(fh))[off : off + size]
             h = self._handles[fh]
             st = self._files[h.ino]
             for p in list(st.pending):
@@ -635,6 +688,8 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         with fuse_errors("write"):
+            if fh in self.control._handles:
+                return await self.control.write(fh, buf)
             h = self._handles[fh]
             st = self._files[h.ino]
             if st.error is not None:  # reported here and kept for the next fsync/close
@@ -691,6 +746,8 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def flush(self, fh: int) -> None:
         with fuse_errors("flush"):
+            if fh in self.control._handles:
+                return
             h = self._handles[fh]
             await self._drain(self._files[h.ino], h.ino)
 
@@ -698,6 +755,7 @@ class IrdmaFS(pyfuse3.Operations):
         await self.flush(fh)
 
     async def release(self, fh: int) -> None:
+        self.control.release(fh)
         h = self._handles.pop(fh, None)
         if h is None:
             return

@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import socket
 import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -38,7 +39,7 @@ from typing import TypeVar, cast
 import numpy as np
 import trio
 
-from . import auth
+from . import auth, coord
 from ._concurrency import open_nursery
 from ._errors import (
     BadRequest,
@@ -48,6 +49,7 @@ from ._errors import (
     InvalidArgument,
     IrdmaError,
     IsADirectory,
+    NoAttribute,
     NoSpace,
     NotFound,
     ReplicaError,
@@ -1174,6 +1176,61 @@ class Client:
             InvalidArgument: not a valid update op (nothing changed).
         """
         await self.meta.setxattr((await self.meta.resolve(path)).ino, XATTR_UPDATE, op.encode())
+
+    # ------------------------------------------------------------ training semantics
+    async def clock_at(self, job: int, worker: int | bytes | str) -> int:
+        """Advance worker ``worker``'s clock in the job directory with inode ``job`` and wait
+        as its consistency model says (:func:`irdma.coord.tick`; ASP when the directory has no
+        ``user.irdma.consistency``).
+
+        Raises:
+            InvalidArgument: not a job directory's worker (the message says why);
+            SyncTimeout: the slowest worker stayed too far behind until the deadline.
+        """
+        try:
+            w = int(worker)
+        except ValueError:
+            raise InvalidArgument(f"the clock takes a worker id, not {worker!r}") from None
+
+        async def xattr(name: bytes) -> bytes | None:
+            try:
+                return await self.meta.getxattr(job, name)  # type: ignore[no-any-return]
+            except NoAttribute:
+                return None
+
+        raw_c, raw_n, raw_t = (await xattr(coord.XATTR_CONSISTENCY), await xattr(coord.XATTR_WORKERS),
+                               await xattr(coord.XATTR_SYNC_TIMEOUT))
+        if raw_n is None:
+            raise InvalidArgument(f"inode {job} is not a job directory: set {coord.XATTR_WORKERS.decode()} on it first")
+        consistency = coord.parse_consistency(raw_c or b"asp")
+        timeout = coord.parse_timeout(raw_t) if raw_t else coord.DEFAULT_SYNC_TIMEOUT
+        return await coord.tick(self.meta, job, w, coord.parse_workers(raw_n), consistency, timeout)
+
+    async def clock(self, job_dir: str, worker: int) -> int:
+        """The end of worker ``worker``'s push round in ``job_dir``: see :meth:`clock_at`."""
+        return await self.clock_at((await self.meta.resolve(job_dir)).ino, worker)
+
+    async def barrier(self, name: str, n: int, timeout: float = coord.DEFAULT_SYNC_TIMEOUT) -> None:
+        """Return once ``n`` callers (any client or mount of the namespace) arrived at barrier
+        ``name`` (:func:`irdma.coord.barrier`). Raises SyncTimeout, InvalidArgument."""
+        await coord.barrier(self.meta, name, n, timeout)
+
+    async def lock(self, name: str, lease: float, timeout: float = coord.DEFAULT_SYNC_TIMEOUT) -> int:
+        """Take lock ``name`` for this client with a lease of ``lease`` seconds (again: renew
+        it); the expiry (ns since the epoch). Raises SyncTimeout."""
+        return await coord.lock(self.meta, name, self._holder, lease, timeout)
+
+    async def unlock(self, name: str) -> bool:
+        """Release lock ``name``; False when this client did not hold it (or its lease ran out)."""
+        return bool(await self.meta.lock_release(name, self._holder))
+
+    async def fetch_add(self, name: str, delta: int = 1) -> int:
+        """Add ``delta`` to counter ``name`` atomically; the value before."""
+        return int(await self.meta.counter_add(name, delta))
+
+    @property
+    def _holder(self) -> str:
+        return f"{socket.gethostname()}/client/{os.getpid()}/{id(self):x}"
 
     async def truncate(self, path: str, size: int) -> None:
         """Set a file's size; bytes past the old end read as zeros."""

@@ -63,6 +63,7 @@ from irdma._errors import Busy, InvalidArgument, IrdmaError, MetadataError
 from .base import ROOT_INO
 from .sql import SqlMeta, log
 from .sql_rows import Result, now, redact
+from .sql_sync import SYNC_SCHEMA
 
 #: The schema (what SQLite's is, in PostgreSQL's types: BIGINT, BYTEA, identity columns).
 SCHEMA = """
@@ -93,7 +94,7 @@ CREATE TABLE IF NOT EXISTS moves(
 CREATE TABLE IF NOT EXISTS chunks(
     ino BIGINT NOT NULL, idx BIGINT NOT NULL, shard BIGINT NOT NULL, incarnation BIGINT NOT NULL,
     PRIMARY KEY(ino, idx, shard));
-"""
+""" + SYNC_SCHEMA
 #: Serializes schema creation of several processes formatting one database at once.
 _SCHEMA_LOCK = 0x1D3A_0001
 #: SQLSTATEs after which the whole call runs again: nothing it did was committed.

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, TypeVar
 
+from irdma import coord
 from irdma._errors import (
     Busy,
     Exists,
@@ -67,6 +68,7 @@ from .base import (
 )
 from .sql_cluster import SqlCluster
 from .sql_rows import COLS, I_COLS, VIRTUAL, Cursor, check_name, inode_row, now
+from .sql_sync import SqlSync
 
 log = logging.getLogger("irdma.meta")
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -75,7 +77,14 @@ RETRY_FIRST_S = 0.002
 RETRY_MAX_S = 0.2
 
 
-class SqlMeta(SqlCluster, MetaStore):
+_JOB_XATTRS = {
+    coord.XATTR_CONSISTENCY: lambda v: coord.parse_consistency(v).name,
+    coord.XATTR_WORKERS: lambda v: str(coord.parse_workers(v)),
+    coord.XATTR_SYNC_TIMEOUT: lambda v: repr(coord.parse_timeout(v)),
+}
+
+
+class SqlMeta(SqlCluster, SqlSync, MetaStore):
     """The namespace in an SQL database; a driver subclass supplies the connection and dialect.
 
     Attributes:
@@ -530,6 +539,13 @@ class SqlMeta(SqlCluster, MetaStore):
                 except ValueError as exc:
                     raise InvalidArgument(str(exc)) from None
                 c.execute("UPDATE inodes SET update_op=?, ctime_ns=? WHERE ino=?", (op, now(), ino))
+            elif name in _JOB_XATTRS:  # a training job's settings (irdma.coord), normalized
+                try:
+                    text = _JOB_XATTRS[name](value)
+                except InvalidArgument:
+                    raise
+                c.execute("INSERT INTO xattrs VALUES (?,?,?) ON CONFLICT (ino, name) DO UPDATE SET value=excluded.value",
+                          (ino, name, text.encode()))
             elif name == XATTR_CHUNK_SIZE:
                 try:
                     size = check_chunk_size(int(value.decode("ascii", "replace").strip() or "x"))

@@ -29,6 +29,7 @@ from irdma._errors import Busy, InvalidArgument, IrdmaError, MetadataError, NotF
 from .base import ROOT_INO
 from .sql import SqlMeta, log
 from .sql_rows import now
+from .sql_sync import SYNC_SCHEMA
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS inodes(
@@ -58,7 +59,7 @@ CREATE TABLE IF NOT EXISTS moves(
 CREATE TABLE IF NOT EXISTS chunks(
     ino INTEGER NOT NULL, idx INTEGER NOT NULL, shard INTEGER NOT NULL, incarnation INTEGER NOT NULL,
     PRIMARY KEY(ino, idx, shard));
-"""
+""" + SYNC_SCHEMA
 #: Columns added to the shards table since the first schema (added on open where missing).
 _SHARD_COLUMNS = {
     "incarnation": "INTEGER NOT NULL DEFAULT 0",

@@ -1,0 +1,160 @@
+"""The SQL engine's synchronization state: worker clocks (ASP/BSP/SSP), barriers, leased
+locks and counters (a mixin of :class:`~irdma.meta.sql.SqlMeta`, which supplies ``_db`` and
+``_tx``).
+
+Every call is one short transaction (SERIALIZABLE on PostgreSQL, the write lock on SQLite), so
+the state is shared by every mount and native client of the namespace, on any host; the waits
+(a barrier's generation, a lock held by another, a worker clock too far ahead) poll these rows
+from :mod:`irdma.coord` with a deadline. Times are the metadata host's clients' wall clocks
+(``time.time_ns``): leases assume clocks synchronised to well under a lease (NTP).
+
+Tables (both engines)::
+
+    sync(kind, name, value, gen, n, holder, expires_ns)   kind: 'barrier' | 'lock' | 'counter'
+    clocks(job, worker, clock)                            job: the job directory's inode
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from irdma._errors import InvalidArgument
+
+from .sql_rows import Cursor, now
+
+SYNC_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sync(
+    kind TEXT NOT NULL, name TEXT NOT NULL, value BIGINT NOT NULL DEFAULT 0, gen BIGINT NOT NULL DEFAULT 0,
+    n BIGINT NOT NULL DEFAULT 0, holder TEXT, expires_ns BIGINT NOT NULL DEFAULT 0, PRIMARY KEY(kind, name));
+CREATE TABLE IF NOT EXISTS clocks(
+    job BIGINT NOT NULL, worker BIGINT NOT NULL, clock BIGINT NOT NULL, PRIMARY KEY(job, worker));
+"""
+#: Longest name of a barrier, lock or counter (bytes of UTF-8).
+MAX_SYNC_NAME = 200
+
+
+def check_sync_name(name: str) -> None:
+    """Raises InvalidArgument for an empty, too long or path-like name."""
+    if not name or len(name.encode()) > MAX_SYNC_NAME or "/" in name or "\0" in name:
+        raise InvalidArgument(f"bad name {name!r}: 1 to {MAX_SYNC_NAME} bytes, no '/'")
+
+
+class SqlSync:
+    """Clocks, barriers, locks and counters (see the module docstring)."""
+
+    if TYPE_CHECKING:
+        @property
+        def _db(self) -> Cursor: ...
+
+        def _tx(self) -> Any: ...
+
+    # ---------------------------------------------------------------- counters
+    def counter_add(self, name: str, delta: int) -> int:
+        """Add ``delta`` to counter ``name`` (created at 0); the value *before* (fetch-and-add)."""
+        check_sync_name(name)
+        with self._tx() as c:
+            row = c.execute("SELECT value FROM sync WHERE kind='counter' AND name=?", (name,)).fetchone()
+            old = int(row[0]) if row else 0
+            if not -(1 << 62) < old + delta < 1 << 62:
+                raise InvalidArgument(f"counter {name} would overflow")
+            c.execute("INSERT INTO sync(kind, name, value) VALUES ('counter', ?, ?)"
+                      " ON CONFLICT (kind, name) DO UPDATE SET value=excluded.value", (name, old + delta))
+            return old
+
+    # ---------------------------------------------------------------- barriers
+    def barrier_arrive(self, name: str, n: int) -> tuple[int, bool]:
+        """Arrive at barrier ``name`` of ``n`` parties: ``(generation, released)``; the caller
+        waits until :meth:`barrier_generation` passes the generation unless it was the last.
+
+        Raises:
+            InvalidArgument: ``n`` < 1, or the barrier is already waiting for a different count.
+        """
+        check_sync_name(name)
+        if not 1 <= n <= 1 << 20:
+            raise InvalidArgument(f"a barrier needs 1 to {1 << 20} parties, not {n}")
+        with self._tx() as c:
+            row = c.execute("SELECT value, gen, n FROM sync WHERE kind='barrier' AND name=?", (name,)).fetchone()
+            count, gen, want = (int(row[0]), int(row[1]), int(row[2])) if row else (0, 0, n)
+            if count and want != n:
+                raise InvalidArgument(f"barrier {name} is waiting for {want} parties ({count} arrived), not {n}")
+            if count + 1 >= n:
+                count, gen_next, released = 0, gen + 1, True
+            else:
+                count, gen_next, released = count + 1, gen, False
+            c.execute("INSERT INTO sync(kind, name, value, gen, n) VALUES ('barrier', ?, ?, ?, ?)"
+                      " ON CONFLICT (kind, name) DO UPDATE SET value=excluded.value, gen=excluded.gen, n=excluded.n",
+                      (name, count, gen_next, n))
+            return gen, released
+
+    def barrier_generation(self, name: str) -> int:
+        row = self._db.execute("SELECT gen FROM sync WHERE kind='barrier' AND name=?", (name,)).fetchone()
+        return int(row[0]) if row else 0
+
+    def barrier_leave(self, name: str, gen: int) -> bool:
+        """Withdraw an arrival that gave up (its deadline passed) if the barrier has not released
+        that generation since; True when withdrawn."""
+        with self._tx() as c:
+            row = c.execute("SELECT value, gen FROM sync WHERE kind='barrier' AND name=?", (name,)).fetchone()
+            if row is None or int(row[1]) != gen or int(row[0]) == 0:
+                return False
+            c.execute("UPDATE sync SET value=value-1 WHERE kind='barrier' AND name=?", (name,))
+            return True
+
+    # ---------------------------------------------------------------- leased locks
+    def lock_acquire(self, name: str, holder: str, lease_s: float) -> tuple[bool, str | None, int]:
+        """Take lock ``name`` for ``holder`` until ``lease_s`` seconds from now if it is free,
+        its lease ran out, or ``holder`` has it (a renewal).
+
+        Returns:
+            ``(acquired, holder now, expiry in ns)``.
+        """
+        check_sync_name(name)
+        if not 0 < lease_s <= 86400:
+            raise InvalidArgument(f"a lease is more than 0 and at most 86400 s, not {lease_s:g}")
+        with self._tx() as c:
+            t = now()
+            row = c.execute("SELECT holder, expires_ns FROM sync WHERE kind='lock' AND name=?", (name,)).fetchone()
+            if row is not None and row[0] is not None and row[0] != holder and int(row[1]) > t:
+                return False, str(row[0]), int(row[1])
+            expires = t + int(lease_s * 1e9)
+            c.execute("INSERT INTO sync(kind, name, holder, expires_ns) VALUES ('lock', ?, ?, ?)"
+                      " ON CONFLICT (kind, name) DO UPDATE SET holder=excluded.holder, expires_ns=excluded.expires_ns",
+                      (name, holder, expires))
+            return True, holder, expires
+
+    def lock_release(self, name: str, holder: str) -> bool:
+        """Release lock ``name`` if ``holder`` holds it (its lease not run out); True if it did."""
+        with self._tx() as c:
+            row = c.execute("SELECT holder, expires_ns FROM sync WHERE kind='lock' AND name=?", (name,)).fetchone()
+            if row is None or row[0] != holder or int(row[1]) <= now():
+                return False
+            c.execute("UPDATE sync SET holder=NULL, expires_ns=0 WHERE kind='lock' AND name=?", (name,))
+            return True
+
+    def lock_state(self, name: str) -> tuple[str | None, int]:
+        """``(holder, expiry in ns)`` of lock ``name``; ``(None, 0)`` when free."""
+        row = self._db.execute("SELECT holder, expires_ns FROM sync WHERE kind='lock' AND name=?", (name,)).fetchone()
+        if row is None or row[0] is None or int(row[1]) <= now():
+            return None, 0
+        return str(row[0]), int(row[1])
+
+    # ---------------------------------------------------------------- worker clocks
+    def clock_tick(self, job: int, worker: int) -> int:
+        """Advance worker ``worker``'s clock in job ``job`` (a directory's inode) by one; the new clock."""
+        if not 0 <= worker < 1 << 20:
+            raise InvalidArgument(f"worker ids are 0 to {(1 << 20) - 1}, not {worker}")
+        with self._tx() as c:
+            row = c.execute("SELECT clock FROM clocks WHERE job=? AND worker=?", (job, worker)).fetchone()
+            clock = (int(row[0]) if row else 0) + 1
+            c.execute("INSERT INTO clocks VALUES (?,?,?) ON CONFLICT (job, worker) DO UPDATE SET clock=excluded.clock",
+                      (job, worker, clock))
+            return clock
+
+    def clocks(self, job: int) -> dict[int, int]:
+        """Every worker's clock in job ``job`` (workers that never ticked are absent: clock 0)."""
+        return {int(w): int(k) for w, k in self._db.execute("SELECT worker, clock FROM clocks WHERE job=?", (job,))}
+
+    def clock_reset(self, job: int) -> None:
+        """Forget job ``job``'s clocks (a new run in the same directory)."""
+        with self._tx() as c:
+            c.execute("DELETE FROM clocks WHERE job=?", (job,))
