@@ -5,7 +5,8 @@
     .irdma/barrier/NAME@N     read: returns once N readers (any mount, any host) arrived
                               (the text is the barrier's generation)
     .irdma/lock/NAME@LEASE    read: returns once the reading process holds lock NAME, for
-                              LEASE seconds (read again to renew); the text is the expiry (ns)
+                              LEASE seconds (open and read again to renew); the text is the
+                              expiry (ns since the epoch)
     .irdma/lock/NAME          read: the holder and expiry, or "free"; write 0: release it (the
                               holder is the process: host, mount session, pid); a holder that
                               dies frees it when its lease runs out

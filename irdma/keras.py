@@ -126,8 +126,10 @@ class ShardOptimizer(keras.optimizers.Optimizer):
             f.read()
 
     @staticmethod
-    def _flat(arrays: list[np.ndarray]) -> bytes:
-        return np.concatenate([np.asarray(a, dtype="<f4").ravel() for a in arrays]).tobytes()
+    def _flat(arrays: list[np.ndarray]) -> memoryview:
+        """Every tensor in layout order as one little-endian float32 buffer (one copy)."""
+        flat = np.concatenate([np.asarray(a, dtype="<f4").ravel() for a in arrays])
+        return memoryview(flat).cast("B")  # type: ignore[arg-type]
 
     # ------------------------------------------------------------ the step
     def _pull(self) -> list[np.ndarray]:

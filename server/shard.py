@@ -289,8 +289,14 @@ class Shard:
             raise BadRequest(f"{kind.name.lower()} needs its arguments")
         if kind.is_optimizer:
             assert isinstance(op, Update)
+            had_state = (file_id, optim.state_index(chunk_index)) in self._chunks
             state = self._state_for(file_id, chunk_index, chunk_size, op, existing)
-            chunk = self._get_or_create(file_id, chunk_index, chunk_size, existing)
+            try:
+                chunk = self._get_or_create(file_id, chunk_index, chunk_size, existing)
+            except NoSpace:
+                if not had_state:  # a refused write leaves nothing behind
+                    self._drop(file_id, optim.state_index(chunk_index))
+                raise
             start = chunk.offset + offset
             optim.apply(op, self.region.view[start : start + n], data,
                         self.region.view[state.offset : state.offset + state.size], chunk_size, offset)
@@ -307,8 +313,8 @@ class Shard:
         return self._bump(chunk)
 
     def _state_for(self, file_id: int, chunk_index: int, chunk_size: int, update: Update, existing: bool) -> Chunk:
-        """The state chunk of a chunk, made (or made afresh) for ``update``'s optimizer.
-        Allocated before the chunk itself is created, so a full shard changes nothing."""
+        """The state chunk of a chunk, made (or made afresh) for ``update``'s optimizer
+        (allocated before the chunk itself; :meth:`write` drops it again if the chunk finds no room)."""
         if existing and (file_id, chunk_index) not in self._chunks:
             raise DataLost(f"chunk ({file_id}, {chunk_index}) is not on shard {self.shard_id}")
         size = optim.state_size(update.op, chunk_size)

@@ -298,6 +298,10 @@ def test_a_full_region_answers_enospc_and_keeps_what_it_holds(small_shard: Shard
         await c.read(fid, 3, 0, memoryview(buf))
         assert buf == bytes([4]) * 100
         assert await c.free(fid, 2) == 2
+        # an optimizer step whose state fits but whose chunk then does not: refused, nothing kept
+        with pytest.raises(NoSpace):
+            await c.write(fid, 9, CHUNK, 0, parse_update("sgd momentum=0.9"), bytes(8))
+        assert (await c.stat()).used == 2 * CHUNK
         await c.write(fid, 4, CHUNK, 0, UpdateOp.ASSIGN, b"y")  # room again
         assert await c.free(fid, 0) == 3
         assert (await c.stat()).used == 0

@@ -540,10 +540,7 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
                     raise InvalidArgument(str(exc)) from None
                 c.execute("UPDATE inodes SET update_op=?, ctime_ns=? WHERE ino=?", (op, now(), ino))
             elif name in _JOB_XATTRS:  # a training job's settings (irdma.coord), normalized
-                try:
-                    text = _JOB_XATTRS[name](value)
-                except InvalidArgument:
-                    raise
+                text = _JOB_XATTRS[name](value)  # InvalidArgument: nothing stored
                 c.execute("INSERT INTO xattrs VALUES (?,?,?) ON CONFLICT (ino, name) DO UPDATE SET value=excluded.value",
                           (ino, name, text.encode()))
             elif name == XATTR_CHUNK_SIZE:
