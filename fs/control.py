@@ -13,6 +13,10 @@
     .irdma/counter/NAME       write DELTA (an integer): atomic add; a read of the same handle
                               gives the value before that add, of a fresh handle the current value
 
+Beside them, in any directory: ``DIR/.irdma-clock@K`` (worker K's clock in job directory DIR:
+:func:`irdma.coord.tick`) and ``DIR/.irdma-state@NAME`` (file NAME's optimizer state image,
+:meth:`irdma.Client.state_of`; read to checkpoint, write to restore; its file's owner and mode).
+
 The waits are *reads* because the kernel serializes writes to one file (its inode lock): a
 blocked write would hold back every other writer of the name, a release included. Each file
 exists as soon as it is named (any name without '/'), reads end with a newline, so ``cat
@@ -38,6 +42,9 @@ CONTROL = b".irdma"
 #: ``JOB/.irdma-clock@K``: a read advances worker K's clock in job directory JOB and returns once
 #: the job's consistency model lets it pull (:func:`irdma.coord.tick`); the text is the new clock
 CLOCK_PREFIX = b".irdma-clock@"
+#: ``DIR/.irdma-state@NAME``: file NAME's optimizer state image (:meth:`irdma.Client.state_of`):
+#: read it to checkpoint the state, write it back to restore it (the file's mode and owner)
+STATE_PREFIX = b".irdma-state@"
 #: Virtual inode numbers start here (metadata inodes are counted from 1).
 BASE = 1 << 60
 ROOT = BASE
@@ -114,6 +121,25 @@ class Control:
             ino = self._files[key] = BASE + 1000 + len(self._files)
             self._names[ino] = key
         return ino
+
+    def state_file(self, target: int) -> int:
+        """The virtual inode of ``DIR/.irdma-state@NAME`` for file inode ``target``."""
+        key = (b"state", str(target))
+        ino = self._files.get(key)
+        if ino is None:
+            ino = self._files[key] = BASE + 1000 + len(self._files)
+            self._names[ino] = key
+        return ino
+
+    def target_of(self, ino: int) -> int | None:
+        """The file inode whose state image ``ino`` is, or None for the other control files."""
+        kind, name = self._names.get(ino, (b"", ""))
+        return int(name) if kind == b"state" else None
+
+    def handle_target(self, fh: int) -> int | None:
+        """The file inode whose state image handle ``fh`` reads or writes, else None."""
+        h = self._handles.get(fh)
+        return int(h.name) if h is not None and h.kind == b"state" else None
 
     def attr(self, ino: int, uid: int, gid: int) -> dict[str, int]:
         """``st_*`` fields of a virtual inode."""

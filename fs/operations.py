@@ -47,6 +47,7 @@ Inode and file-handle bookkeeping follows pyfuse3's ``examples/passthroughfs.py`
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import inspect
 import logging
@@ -70,7 +71,7 @@ from irdma.optimizers import parse_update
 from irdma.placement import Layout
 from irdma.protocol import Update, UpdateOp
 
-from .control import CLOCK_PREFIX, CONTROL, Control
+from .control import CLOCK_PREFIX, CONTROL, STATE_PREFIX, Control
 from .control import ROOT as CONTROL_ROOT
 from .errors import fuse_errors
 
@@ -359,13 +360,43 @@ class IrdmaFS(pyfuse3.Operations):
                 if not (await self._getattr(parent_inode)).is_dir:
                     raise NotFound("not a directory")
                 return self._control_entry(self.control.clock_file(parent_inode, name))
+            if name.startswith(STATE_PREFIX):  # DIR/.irdma-state@NAME: NAME's optimizer state
+                target = await self.meta.lookup(parent_inode, name[len(STATE_PREFIX):])
+                if target.is_dir:
+                    raise NotFound(f"{name.decode(errors='replace')}: a directory has no optimizer state")
+                return await self._state_entry(self.control.state_file(target.ino))
             return self._entry(await self.meta.lookup(parent_inode, name))
 
     async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
         with fuse_errors("getattr"):
             if Control.owns(inode):
+                if self.control.target_of(inode) is not None:
+                    return await self._state_entry(inode)
                 return self._control_entry(inode)
             return self._entry(await self._getattr(inode))
+
+    async def _state_of(self, target_ino: int) -> tuple[Layout, int, int, Inode]:
+        """``(layout, state chunk bytes, image bytes, inode)`` of a file's optimizer state,
+        sized by the file as this mount sees it (its own writes included)."""
+        target = await self._getattr(target_ino)
+        st = self._files.get(target_ino)
+        if st is not None and st.dirty:
+            target = dataclasses.replace(target, size=st.size)
+        layout, _, per, total = await self.client.state_of(target)
+        return layout, per, total, target
+
+    async def _state_entry(self, ino: int) -> pyfuse3.EntryAttributes:
+        """Attributes of a state image: its file's owner and mode (so the kernel's permission
+        checks are the file's), its size, never cached."""
+        target_ino = self.control.target_of(ino)
+        assert target_ino is not None
+        _, _, total, target = await self._state_of(target_ino)
+        e = self._entry(target)
+        e.st_ino = ino
+        e.st_size = total
+        e.st_blocks = (total + 511) // 512
+        e.entry_timeout = e.attr_timeout = 0
+        return e
 
     def _control_entry(self, ino: int) -> pyfuse3.EntryAttributes:
         e = pyfuse3.EntryAttributes()
@@ -609,6 +640,13 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         with fuse_errors("read"):
+            target = self.control.handle_target(fh)
+            if target is not None:  # DIR/.irdma-state@NAME
+                layout, per, total, _ = await self._state_of(target)
+                buf = bytearray(max(0, min(size, total - off)))
+                if buf:
+                    await self.client.read_state_into(layout, per, off, memoryview(buf))
+                return bytes(buf)
             if fh in self.control._handles:
                 return (await self.control.read(fh))[off : off + size]
             h = self._handles[fh]
@@ -688,6 +726,16 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         with fuse_errors("write"):
+            target = self.control.handle_target(fh)
+            if target is not None:  # DIR/.irdma-state@NAME: a restore
+                layout, per, total, node = await self._state_of(target)
+                if not total or off + len(buf) > total:
+                    raise InvalidArgument(
+                        f"optimizer state of inode {target}: the image is {total} bytes"
+                        f" ({node.update_op or 'assign'}, {node.size} bytes of weights); a write of"
+                        f" [{off}, {off + len(buf)}) does not fit: set the optimizer and write the weights first")
+                await self.client.write_state_from(layout, per, off, buf)
+                return len(buf)
             if fh in self.control._handles:
                 return await self.control.write(fh, buf)
             h = self._handles[fh]

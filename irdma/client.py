@@ -60,7 +60,7 @@ from .meta import Inode, MetaStore, ShardRecord, open_meta
 from .meta.aio import AsyncMeta
 from .meta.base import XATTR_UPDATE
 from .metrics import MeteredConnection
-from .optimizers import parse_update
+from .optimizers import HEADER, SLOT_NAMES, SLOTS, parse_update, state_index, state_size
 from .placement import MOVE_ALL, Layout, Move, Piece, substitute
 from .protocol import DEFAULT_MAX_PAYLOAD, Chain, ChunkEntry, StatReply, Update, UpdateOp
 from .transport import ShardConnection, Transport, make_transport
@@ -1176,6 +1176,159 @@ class Client:
             InvalidArgument: not a valid update op (nothing changed).
         """
         await self.meta.setxattr((await self.meta.resolve(path)).ino, XATTR_UPDATE, op.encode())
+
+    # ------------------------------------------------------------ optimizer state
+    async def state_of(self, inode: Inode) -> tuple[Layout, UpdateOp | None, int, int]:
+        """Where a file's optimizer state lives: ``(layout, op, state chunk bytes, total bytes)``.
+
+        The *state image* of a file whose update op is an optimizer is the concatenation, chunk
+        by chunk, of each chunk's state chunk (:mod:`irdma.server.optim`: a 4096-byte header,
+        then one slot of ``chunk_size`` bytes per state variable, little-endian float32, Adam's
+        step as u32), ``ceil(size / chunk_size)`` state chunks in all. ``op`` is None (and the
+        image empty) for ``assign`` and ``add``.
+        """
+        layout = layout_of(inode)
+        op = parse_update(inode.update_op or "assign").op
+        if op not in SLOTS:
+            return layout, None, 0, 0
+        per = state_size(op, layout.chunk_size)
+        return layout, op, per, -(-inode.size // layout.chunk_size) * per
+
+    def _state_pieces(self, per: int, offset: int, length: int) -> list[tuple[int, int, int, int]]:
+        out, pos = [], offset
+        while pos < offset + length:
+            index, within = divmod(pos, per)
+            n = min(per - within, offset + length - pos)
+            out.append((index, within, pos - offset, n))
+            pos += n
+        return out
+
+    async def read_state_into(self, layout: Layout, per: int, offset: int, into: memoryview) -> None:
+        """Read bytes ``[offset, offset+len(into))`` of a file's state image (:meth:`state_of`;
+        ``per`` its state chunk size) from the tail of each chunk's chain (an up-to-date
+        replica). A chunk that has no state for this optimizer yet (never stepped, or stepped
+        by another optimizer) reads as zeros: its next step starts it afresh.
+
+        Raises:
+            ShardUnavailable: no replica of a chunk answered in time.
+        """
+        into = into.cast("B") if into.format != "B" or into.ndim != 1 else into
+
+        async def one(index: int, within: int, at: int, n: int) -> None:
+            view = into[at : at + n]
+            for _ in range(len(layout.replicas_of(index)) + 1):
+                chain = self.chain_of(layout, index)
+                tail = chain[-1]
+
+                async def fn(conn: ShardConnection) -> int:
+                    return await conn.read(layout.file_id, state_index(index), within, view)
+
+                try:
+                    if await self._on_shard(tail, fn) == 0:
+                        view[:] = bytes(n)
+                    return
+                except BadRequest:  # a state chunk of another optimizer's size
+                    view[:] = bytes(n)
+                    return
+                except ShardUnavailable:
+                    if len(chain) == 1:
+                        raise
+                    await self._mark_down(tail)
+            raise ShardUnavailable(f"no replica of chunk {index} of file {layout.file_id} answered",
+                                   "`irdma status` shows the shards; restart them with `irdma up`")
+
+        async with open_nursery() as nursery:
+            for piece in self._state_pieces(per, offset, len(into)):
+                nursery.start_soon(one, *piece)
+
+    async def write_state_from(self, layout: Layout, per: int, offset: int, data: memoryview | bytes) -> None:
+        """Restore bytes ``[offset, offset+len(data))`` of a file's state image (as
+        :meth:`read_state_into` gave them) on every replica of each chunk, in chain order with
+        one request id (``assign`` of the state chunk: exactly once on every replica).
+
+        Write the whole image, and the weights with the file's op set to ``assign``, before the
+        next gradient: a restore applies to the chunks as they are. A state chunk is copied to a
+        replica that catches up only with its data chunk (when that one's version differs).
+
+        Raises:
+            BadRequest: a range past the image; NoSpace; ShardUnavailable.
+        """
+        view = _as_bytes_view(data)
+
+        async def one(index: int, within: int, at: int, n: int) -> None:
+            part = view[at : at + n]
+            rid = self._request_id()
+            last: IrdmaError | None = None
+            for _ in range(MAX_ATTEMPTS):
+                chain = self.chain_of(layout, index)
+
+                async def fn(conn: ShardConnection, chain: tuple[int, ...] = chain) -> None:
+                    await conn.write(layout.file_id, state_index(index), per, within, UpdateOp.ASSIGN, part, False,
+                                     self._chain(rid, chain[1:]))
+
+                try:
+                    await self._on_shard(chain[0], fn)
+                    for sid in chain:
+                        self._unsynced.add(sid)
+                    return
+                except ReplicaFailed as exc:
+                    last = exc
+                    await self._mark_down(exc.shard_id)
+                except Fenced as exc:
+                    last = exc
+                    await self.refresh_view()
+                except ShardUnavailable as exc:
+                    if len(chain) == 1:
+                        raise
+                    last = exc
+                    await self._mark_down(chain[0])
+            assert last is not None
+            raise last
+
+        async with open_nursery() as nursery:
+            for piece in self._state_pieces(per, offset, len(view)):
+                nursery.start_soon(one, *piece)
+
+    async def read_state(self, path: str) -> bytes:
+        """A file's whole optimizer state image (:meth:`state_of`), for a checkpoint; empty when
+        its update op is not an optimizer. Raises ShardUnavailable."""
+        layout, _, per, total = await self.state_of(await self.meta.resolve(path))
+        buf = bytearray(total)
+        if total:
+            await self.read_state_into(layout, per, 0, memoryview(buf))
+        return bytes(buf)
+
+    async def write_state(self, path: str, image: bytes | memoryview) -> None:
+        """Restore a file's optimizer state from a :meth:`read_state` image taken under the same
+        optimizer and chunk size (see :meth:`write_state_from` for the order of a restore).
+
+        Raises:
+            InvalidArgument: the file's op is not an optimizer, or the image's size is not this
+                file's (nothing written). NoSpace, ShardUnavailable.
+        """
+        layout, op, per, total = await self.state_of(await self.meta.resolve(path))
+        if op is None or len(image) != total:
+            raise InvalidArgument(f"{path}: a state image of {total} bytes restores it"
+                                  f" ({'its update op is not an optimizer' if op is None else f'not {len(image)}'});"
+                                  " set the optimizer it was taken under first")
+        await self.write_state_from(layout, per, 0, image)
+
+    async def optimizer_state(self, path: str) -> dict[str, np.ndarray]:
+        """A file's optimizer state as arrays, one per slot, each of the file's ``size // 4``
+        elements: little-endian float32, Adam's ``step`` u32 (names:
+        :data:`irdma.optimizers.SLOT_NAMES`, e.g. ``m``, ``v``, ``step`` for Adam, as Keras names
+        its variables). Empty for ``assign`` and ``add``. Raises ShardUnavailable."""
+        inode = await self.meta.resolve(path)
+        layout, op, per, total = await self.state_of(inode)
+        if op is None:
+            return {}
+        image = np.frombuffer(await self.read_state(path), dtype=np.uint8).reshape(-1, per)
+        cs, n = layout.chunk_size, inode.size // 4
+        out = {}
+        for k, name in enumerate(SLOT_NAMES[op]):
+            raw = np.ascontiguousarray(image[:, HEADER + k * cs : HEADER + (k + 1) * cs]).reshape(-1)
+            out[name] = raw.view("<u4" if name == "step" else "<f4")[:n].copy()
+        return out
 
     # ------------------------------------------------------------ training semantics
     async def clock_at(self, job: int, worker: int | bytes | str) -> int:

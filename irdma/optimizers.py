@@ -149,3 +149,46 @@ def argument(update: Update, name: str) -> float:
         if k == name:
             return update.args[i]
     raise KeyError(name)
+
+
+# ---------------------------------------------------------------- the state layout
+# (shared by the shards, :mod:`irdma.server.optim`, and the client's state reads and restores)
+#: Chunk indices from here on name state chunks (index ``STATE_BASE + i`` is chunk i's state).
+STATE_BASE = 1 << 62
+HEADER = 4096
+MAGIC = b"IRST"
+#: Slots of state per element for each optimizer.
+SLOTS = {UpdateOp.SGD: 1, UpdateOp.ADAM: 3, UpdateOp.ADAGRAD: 1, UpdateOp.RMSPROP: 3}
+#: Slot names, in order (what :func:`slot_names` and ``irdma.Client.optimizer_state`` give).
+SLOT_NAMES = {
+    UpdateOp.SGD: ("momentum",),
+    UpdateOp.ADAM: ("m", "v", "step"),
+    UpdateOp.ADAGRAD: ("accumulator",),
+    UpdateOp.RMSPROP: ("velocity", "momentum", "average_gradient"),
+}
+
+
+def state_index(chunk_index: int) -> int:
+    """The chunk index of chunk ``chunk_index``'s state chunk."""
+    return STATE_BASE + chunk_index
+
+
+def is_state(chunk_index: int) -> bool:
+    return chunk_index >= STATE_BASE
+
+
+def state_size(op: UpdateOp, chunk_size: int) -> int:
+    """Bytes of the state chunk of a ``chunk_size``-byte chunk (a multiple of 4096 when
+    ``chunk_size`` is)."""
+    return HEADER + SLOTS[op] * chunk_size
+
+
+def slot_names(op: UpdateOp) -> tuple[str, ...]:
+    return SLOT_NAMES[op]
+
+
+def header_op(state: memoryview) -> UpdateOp | None:
+    """The op a state chunk was made for, or None when it holds none yet (all zeros)."""
+    if bytes(state[:4]) != MAGIC:
+        return None
+    return UpdateOp(state[4])

@@ -34,48 +34,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from irdma.optimizers import (  # noqa: F401  (the state layout, shared with the client)
+    HEADER,
+    MAGIC,
+    SLOT_NAMES,
+    SLOTS,
+    STATE_BASE,
+    header_op,
+    is_state,
+    slot_names,
+    state_index,
+    state_size,
+)
 from irdma.protocol import OPT_CENTERED, OPT_NESTEROV, Update, UpdateOp
 
-#: Chunk indices from here on name state chunks (index ``STATE_BASE + i`` is chunk i's state).
-STATE_BASE = 1 << 62
-HEADER = 4096
-MAGIC = b"IRST"
-#: Slots of state per element for each optimizer.
-SLOTS = {UpdateOp.SGD: 1, UpdateOp.ADAM: 3, UpdateOp.ADAGRAD: 1, UpdateOp.RMSPROP: 3}
-#: Slot names, in order (what :func:`slot_names` and ``irdma.Client.optimizer_state`` give).
-SLOT_NAMES = {
-    UpdateOp.SGD: ("momentum",),
-    UpdateOp.ADAM: ("m", "v", "step"),
-    UpdateOp.ADAGRAD: ("accumulator",),
-    UpdateOp.RMSPROP: ("velocity", "momentum", "average_gradient"),
-}
 _F32 = np.float32
-
-
-def state_index(chunk_index: int) -> int:
-    """The chunk index of chunk ``chunk_index``'s state chunk."""
-    return STATE_BASE + chunk_index
-
-
-def is_state(chunk_index: int) -> bool:
-    return chunk_index >= STATE_BASE
-
-
-def state_size(op: UpdateOp, chunk_size: int) -> int:
-    """Bytes of the state chunk of a ``chunk_size``-byte chunk (a multiple of 4096 when
-    ``chunk_size`` is)."""
-    return HEADER + SLOTS[op] * chunk_size
-
-
-def slot_names(op: UpdateOp) -> tuple[str, ...]:
-    return SLOT_NAMES[op]
-
-
-def header_op(state: memoryview) -> UpdateOp | None:
-    """The op a state chunk was made for, or None when it holds none yet (all zeros)."""
-    if bytes(state[:4]) != MAGIC:
-        return None
-    return UpdateOp(state[4])
 
 
 def init_state(update: Update, state: memoryview, chunk_size: int) -> None:

@@ -148,3 +148,87 @@ def test_every_optimizer_matches_keras_through_failover_resync_and_a_new_learnin
             assert "no argument 'lr'" in f.read()  # the refusal is logged
     finally:
         irdma_cli("down", "--dir", d, check=False)
+
+
+# ---------------------------------------------------------------- the state in a checkpoint
+@pytest.mark.fuse
+def test_the_optimizer_state_checkpoints_and_restores_through_the_mount(tmp_path: object) -> None:
+    """Save the weights and ``.irdma-state@w`` (Adam's m, v and steps) to a local directory,
+    train on, restore both (op ``assign`` for the weights, then the optimizer and its state):
+    the same gradients then give bit-identical weights. The native API reads the same state,
+    equal to a float64 reference of Adam; a restore of the wrong size is EINVAL."""
+    import trio
+    from optim_ref import Reference
+
+    import irdma
+
+    d = os.path.join(str(tmp_path), "c")
+    url = cluster.up(d, 2, 64 * MB, replicas=2)
+    n, spec = 3000, "adam learning_rate=0.01 beta_1=0.8"
+    rng = np.random.default_rng(11)
+    w0 = rng.standard_normal(n).astype("<f4")
+    grads = [rng.standard_normal(n).astype("<f4") for _ in range(5)]
+    ckpt = os.path.join(str(tmp_path), "ckpt")
+    os.makedirs(ckpt)
+    try:
+        with mounted(url, os.path.join(str(tmp_path), "m")) as m:
+            os.makedirs(os.path.join(m, "job"))
+            os.setxattr(os.path.join(m, "job"), "user.irdma.chunk_size", b"4096")  # 3 chunks, the last partly used
+            path, state = os.path.join(m, "job", "w"), os.path.join(m, "job", ".irdma-state@w")
+            with open(path, "wb") as f:
+                f.write(w0.tobytes())
+            assert os.stat(state).st_size == 0  # assign: no optimizer, no state
+            os.setxattr(path, "user.irdma.update", spec.encode())
+            assert os.stat(state).st_size == 3 * (4096 + 3 * 4096)  # header + m, v, step per chunk
+            ref = Reference("adam", {"learning_rate": 0.01, "beta_1": 0.8}, n)
+            w_ref = w0.astype(np.float64)
+            for g in grads[:3]:
+                with open(path, "r+b") as f:
+                    f.write(g.tobytes())
+                ref.step(w_ref, g.astype(np.float64), slice(None))
+            for name in ("w", ".irdma-state@w"):  # the checkpoint: two plain copies
+                with open(os.path.join(m, "job", name), "rb") as src, open(os.path.join(ckpt, name), "wb") as dst:
+                    dst.write(src.read())
+
+            with open(os.path.join(ckpt, ".irdma-state@w"), "rb") as f:
+                image = f.read()
+
+            async def native() -> dict[str, np.ndarray]:
+                async with irdma.Client.open(url) as c:
+                    assert await c.read_state("/job/w") == image
+                    return await c.optimizer_state("/job/w")
+
+            st = trio.run(native)
+            assert sorted(st) == ["m", "step", "v"] and st["step"].dtype == np.dtype("<u4")
+            assert (st["step"] == 3).all()
+            assert relative_error(st["m"], ref.s1) <= 1e-5 and relative_error(st["v"], ref.s2) <= 1e-5
+
+            def train(gs: list[np.ndarray]) -> np.ndarray:
+                for g in gs:
+                    with open(path, "r+b") as f:
+                        f.write(g.tobytes())
+                with open(path, "rb") as f:
+                    return np.frombuffer(f.read(), "<f4").copy()
+
+            straight = train(grads[3:])
+            # restore: the weights under assign, then the optimizer and its state
+            os.setxattr(path, "user.irdma.update", b"assign")
+            with open(os.path.join(ckpt, "w"), "rb") as src, open(path, "r+b") as dst:
+                dst.write(src.read())
+            os.setxattr(path, "user.irdma.update", spec.encode())
+            with pytest.raises(OSError) as exc:  # an image of another size: refused, nothing written
+                with open(state, "r+b") as f:
+                    f.write(bytes(os.stat(state).st_size + 4))
+            assert exc.value.errno == errno.EINVAL
+            with open(os.path.join(ckpt, ".irdma-state@w"), "rb") as src, open(state, "r+b") as dst:
+                dst.write(src.read())
+            again = train(grads[3:])
+            assert np.array_equal(again, straight), "a restored Adam state must give the same steps"
+            # the weights restored without the state: the same gradients give other weights
+            os.setxattr(path, "user.irdma.update", b"assign")
+            with open(os.path.join(ckpt, "w"), "rb") as src, open(path, "r+b") as dst:
+                dst.write(src.read())
+            os.setxattr(path, "user.irdma.update", spec.encode())
+            assert not np.array_equal(train(grads[3:]), straight)
+    finally:
+        irdma_cli("down", "--dir", d, check=False)
