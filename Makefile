@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-hosts test test-fast test-verbs vm-image bench bench-hosts lint clean
+.PHONY: install demo demo-hosts test test-fast test-verbs vm-image bench bench-hosts train-table lint clean
 
 install: $(STAMP)
 
@@ -27,6 +27,11 @@ demo: install
 # The side-by-side benchmark suite (about 3 minutes): writes docs/benchmarks.md and plots.
 bench: install
 	$(PY) benchmarks/run.py
+
+# The accuracy table of docs/training.md (about 15 minutes): train_keras.py under ASP, BSP and
+# SSP:2 at 2 and 4 workers with SGD+momentum and Adam on the shards, against one process.
+train-table: install
+	$(PY) benchmarks/train_table.py
 
 # Across hosts (network namespaces with shaped links, PostgreSQL metadata; root): writes
 # docs/benchmarks-hosts.md and docs/bench-hosts.png (a few minutes).

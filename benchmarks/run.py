@@ -368,20 +368,33 @@ def model_rounds(shapes: list[list[int]], rounds: int) -> dict[str, float]:
             for i, n in enumerate(nbytes):
                 c.write(f"/model/l{i:03d}", np.zeros(n // 4, "<f4"), chunk_size=_pow2_chunk(n))
                 c.set_update_op(f"/model/l{i:03d}", "add")
-        say("model round: irdma through the mount (2 workers, one mount each)")
-        with mounted(meta) as (mp1, _), mounted(meta) as (mp2, _):
-            start = tempfile.mktemp()
-            procs = [subprocess.Popen([PY, os.path.join(HERE, "workers.py"), "irdma-mount", mp, shapes_file,
-                                       str(rounds), str(r), start], stdout=subprocess.PIPE, text=True)
-                     for r, mp in enumerate((mp1, mp2))]
-            _start_together(procs, start)
-            res = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
-            _cleanup_barrier(start)
-            out["irdma-mount"] = max(r["round_s"] for r in res)
-        # native, ParameterServerStrategy and Redis alternately, twice: the machine drifts
-        runs: dict[str, list[float]] = {"irdma-native": [], "tf-ps": [], "redis": []}
+            # SoftMemoryBox II's unified buffer: every tensor at its offset in one file
+            c.write("/model/params", np.zeros(sum(nbytes) // 4, "<f4"), chunk_size=4 * MiB)
+            c.set_update_op("/model/params", "add")
+
+        def through_mounts(kind: str) -> float:
+            with mounted(meta) as (mp1, _), mounted(meta) as (mp2, _):
+                start = tempfile.mktemp()
+                procs = [subprocess.Popen([PY, os.path.join(HERE, "workers.py"), kind, mp, shapes_file,
+                                           str(rounds), str(r), start], stdout=subprocess.PIPE, text=True)
+                         for r, mp in enumerate((mp1, mp2))]
+                _start_together(procs, start)
+                res = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+                _cleanup_barrier(start)
+                return max(r["round_s"] for r in res)
+
+        say("model round: irdma through the mount, a file per tensor (2 workers, one mount each)")
+        out["irdma-mount"] = through_mounts("irdma-mount")
+        # the unified buffer (native and mount), ParameterServerStrategy and Redis alternately,
+        # twice: the machine drifts
+        runs: dict[str, list[float]] = {"irdma-native-unified": [], "irdma-mount-unified": [], "irdma-native": [],
+                                        "tf-ps": [], "redis": []}
         for _ in range(2):
-            say("model round: irdma native (2 workers, 2 shards)")
+            say("model round: irdma through the mount, one unified buffer file (2 workers, one mount each)")
+            runs["irdma-mount-unified"].append(through_mounts("irdma-mount-unified"))
+            say("model round: irdma native, one unified buffer file (2 workers, 2 shards)")
+            runs["irdma-native-unified"].append(_run_workers("irdma-native-unified", meta, shapes_file, rounds))
+            say("model round: irdma native, a file per tensor (2 workers, 2 shards)")
             runs["irdma-native"].append(_run_workers("irdma-native", meta, shapes_file, rounds))
             say("model round: TensorFlow ParameterServerStrategy (2 ps, 2 workers, gRPC in-process)")
             res_ps = subprocess.run([PY, os.path.join(HERE, "peer_tf_ps.py"), "--shapes", shapes_file, "--rounds",

@@ -5,6 +5,8 @@ workers wait on a barrier file before they start, so their rounds overlap.
 
     python benchmarks/workers.py irdma-native META SHAPES ROUNDS RANK START_FILE
     python benchmarks/workers.py irdma-mount MOUNTDIR SHAPES ROUNDS RANK START_FILE
+    python benchmarks/workers.py irdma-native-unified META SHAPES ROUNDS RANK START_FILE
+    python benchmarks/workers.py irdma-mount-unified MOUNTDIR SHAPES ROUNDS RANK START_FILE
     python benchmarks/workers.py redis PORT,PORT SHAPES ROUNDS RANK START_FILE
 
 Prints one JSON line: {"round_s": seconds per round, "bytes": bytes moved per round}.
@@ -99,6 +101,67 @@ def irdma_mount(mountdir: str, shapes: list[tuple[int, ...]], rounds: int, start
         return (time.perf_counter() - t0) / rounds
 
 
+def irdma_native_unified(meta: str, shapes: list[tuple[int, ...]], rounds: int, start: str) -> float:
+    """SoftMemoryBox II's unified buffer: every tensor at its offset in one file ``/model/params``
+    (update op ``add``); a round is one push of all gradients and one pull of all weights."""
+    import trio
+
+    import irdma
+    from irdma.client import layout_of
+    from irdma.protocol import UpdateOp
+
+    total = sum(int(np.prod(s)) for s in shapes)
+    grads = np.full(total, 1e-3, "<f4")
+    out = np.empty(total, "<f4")
+
+    async def main() -> float:
+        async with irdma.Client.open(meta, transport="tcp") as c:
+            layout = layout_of(c.store.resolve("/model/params"))
+
+            async def one_round() -> None:
+                await c.write_from(layout, 0, memoryview(grads).cast("B"), UpdateOp.ADD)
+                await c.read_into(layout, 0, memoryview(out).cast("B"))
+
+            await one_round()  # warm-up, untimed
+            _wait_for(start)
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                await one_round()
+            return (time.perf_counter() - t0) / rounds
+
+    return trio.run(main)
+
+
+def irdma_mount_unified(mountdir: str, shapes: list[tuple[int, ...]], rounds: int, start: str) -> float:
+    """The unified buffer through the mount, as :class:`irdma.keras.ShardOptimizer` moves it: the
+    file stays open across rounds; a round is one ``pwrite`` of all gradients and one
+    ``preadv`` of all weights (the read waits for this mount's push: read your writes)."""
+    total = sum(int(np.prod(s)) for s in shapes)
+    grads = np.full(total, 1e-3, "<f4")
+    out = np.empty(total, "<f4")
+    fd = os.open(os.path.join(mountdir, "model", "params"), os.O_RDWR)
+    view = memoryview(out).cast("B")
+
+    def one_round() -> None:
+        os.pwrite(fd, grads, 0)
+        got = 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], got)
+            if n <= 0:
+                raise SystemExit(f"short read at {got}")
+            got += n
+
+    try:
+        one_round()  # warm-up, untimed
+        _wait_for(start)
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            one_round()
+        return (time.perf_counter() - t0) / rounds
+    finally:
+        os.close(fd)
+
+
 def redis_peer(ports: str, shapes: list[tuple[int, ...]], rounds: int, start: str) -> float:
     import redis
 
@@ -145,7 +208,8 @@ def main() -> None:
     kind, target, shapes_file, rounds, rank, start = sys.argv[1:7]
     with open(shapes_file) as f:
         shapes = [tuple(s) for s in json.load(f)]
-    fn = {"irdma-native": irdma_native, "irdma-mount": irdma_mount, "redis": redis_peer}[kind]
+    fn = {"irdma-native": irdma_native, "irdma-mount": irdma_mount, "irdma-native-unified": irdma_native_unified,
+          "irdma-mount-unified": irdma_mount_unified, "redis": redis_peer}[kind]
     secs = fn(target, shapes, int(rounds), start)
     nbytes = 2 * 4 * sum(int(np.prod(s)) for s in shapes)
     print(json.dumps({"rank": int(rank), "round_s": secs, "bytes": nbytes}), flush=True)

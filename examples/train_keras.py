@@ -119,6 +119,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--timeout", type=float, default=1200, help="seconds the workers may take in all")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--single-json", help="reuse the single-process figures kept in this file (from an earlier run"
+                   " with the same optimizer, epochs and batch), or keep them there")
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     p.add_argument("--job", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -150,8 +152,20 @@ def main() -> None:
                 proc.kill()
     with open(result) as f:
         irdma_run = json.load(f)
-    print("==> the same training in one process", flush=True)
-    single = run_single(args)
+    single = None
+    key = {"optimizer": args.optimizer, "epochs": args.epochs, "batch": args.batch}
+    if args.single_json and os.path.exists(args.single_json):
+        with open(args.single_json) as f:
+            kept = json.load(f)
+        if kept.get("key") == key:
+            single = kept["single"]
+            print(f"==> the same training in one process: kept in {args.single_json}", flush=True)
+    if single is None:
+        print("==> the same training in one process", flush=True)
+        single = run_single(args)
+        if args.single_json:
+            with open(args.single_json, "w") as f:
+                json.dump({"key": key, "single": single}, f)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workers": args.workers, "consistency": args.consistency, "optimizer": args.optimizer,
