@@ -491,7 +491,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the suite, not figures")
     ap.add_argument("--out", default=os.path.join(REPO, "docs"))
-    ap.add_argument("--only", choices=["replication", "authentication"],
+    ap.add_argument("--only", choices=["replication", "authentication", "rounds"],
                     help="run one section and print its figures as JSON")
     args = ap.parse_args()
     if args.only == "replication":
@@ -499,6 +499,9 @@ def main() -> int:
         return 0
     if args.only == "authentication":
         print(json.dumps(authentication(64 * MiB if args.quick else 512 * MiB), indent=1))
+        return 0
+    if args.only == "rounds":
+        print(json.dumps(model_rounds(model_shapes(), 1 if args.quick else 3), indent=1))
         return 0
     big = 64 * MiB if args.quick else GiB
     sweep = 16 * MiB if args.quick else 256 * MiB

@@ -124,13 +124,13 @@ class VerbsShard:
             return
         ready.set()
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(ep.poll_forever)
-                try:
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(ep.poll_forever)
                     await self._serve_requests(ep, server, staging, recv_out)
-                except IrdmaError as exc:  # caught here, not across the nursery (exception groups)
-                    log.warning("verbs connection ended: %s", exc)
-                nursery.cancel_scope.cancel()
+                    nursery.cancel_scope.cancel()
+            except* IrdmaError as group:  # the queue pair broke: this connection ends, the shard goes on
+                log.warning("verbs connection ended: %s", group.exceptions[0])
         finally:
             ep.close()
             staging_mr.close()
@@ -171,7 +171,11 @@ class VerbsShard:
                 continue
             if isinstance(reply, P.ReadReply):  # READ goes one-sided; refuse it here
                 reply = P.ErrorReply(P.Status.BAD_REQUEST, "READ over SEND is not served: use RDMA READ")
-            await ep.send_frame(P.encode_reply(frame.opcode, frame.request_id, reply))
+            try:
+                await ep.send_frame(P.encode_reply(frame.opcode, frame.request_id, reply))
+            except IrdmaError as exc:  # the client closed its queue pair while we answered
+                log.info("verbs connection ended while replying: %s", exc)
+                return
 
     def close(self) -> None:
         self.dev.close()

@@ -45,8 +45,11 @@ def assert_clean_log(path: str, allow: tuple[str, ...] = ()) -> None:
     if not os.path.exists(path):
         return
     with open(path, errors="replace") as f:
-        bad = [line for line in f if _BAD_LOG.search(line) and not any(a in line for a in allow + _BENIGN)]
-    assert not bad, f"{path} logged errors:\n" + "".join(bad[:20])
+        lines = f.readlines()
+    bad = [i for i, line in enumerate(lines) if _BAD_LOG.search(line) and not any(a in line for a in allow + _BENIGN)]
+    # the first error with the lines after it (its traceback), then the rest of the error lines
+    assert not bad, (f"{path} logged errors:\n" + "".join(lines[bad[0] : bad[0] + 40]) + "...\n"
+                     + "".join(lines[i] for i in bad[1:20]))
 
 
 class Cluster:
