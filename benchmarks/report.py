@@ -127,7 +127,9 @@ def write_report(R: dict[str, Any], out: str) -> None:
     L = ["# irdma benchmarks", "",
          f"One run of `make bench` (`.venv/bin/python benchmarks/run.py`) on {m['date']}: {m['cpus']} cores,",
          f"Python {m['python']}, kernel {m['kernel']}{' (quick mode: not figures)' if m['quick'] else ''}. "
-         f"The run took {R['elapsed_s']:.0f} s.",
+         f"The run took {R['elapsed_s']:.0f} s."
+         + (f" The model rounds were measured again on {R['rounds_date']} (`benchmarks/run.py --only rounds`),"
+            " the other figures kept." if R.get("rounds_date") else ""),
          "Every figure is set against a baseline measured in the same run (the machine is noisy).",
          "Bandwidth in MB/s (10^6 bytes per second); everything on 127.0.0.1.", "",
          "## Targets", "", "| target | ratio | baseline | wanted | met | figures |", "|---|---|---|---|---|---|"]
