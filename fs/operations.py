@@ -58,6 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyfuse3
 import trio
 
@@ -106,7 +107,7 @@ class _Fetch:
     evicted meanwhile is never looked up again (the old KeyError)."""
 
     done: trio.Event = field(default_factory=trio.Event)
-    data: bytearray | None = None
+    data: memoryview | None = None
     error: IrdmaError | None = None
 
 
@@ -129,7 +130,7 @@ class _FileState:
     slots: trio.Semaphore = field(default_factory=lambda: trio.Semaphore(MAX_INFLIGHT_WRITES))
     admit: trio.Lock = field(default_factory=trio.Lock)  # orders writes against gap clearing
     # read-ahead windows: start offset -> bytes, in use order; fetches in flight
-    windows: dict[int, bytearray] = field(default_factory=dict)
+    windows: dict[int, memoryview] = field(default_factory=dict)
     fetching: dict[int, _Fetch] = field(default_factory=dict)
     generation: int = 0  # bumped by every write and truncate: older windows are dropped
 
@@ -638,7 +639,7 @@ class IrdmaFS(pyfuse3.Operations):
             self._handles[fi.fh].kill_setid = self._kills_setid(inode, flags, ctx)
             return fi, self._entry(inode)
 
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
         with fuse_errors("read"):
             target = self.control.handle_target(fh)
             if target is not None:  # DIR/.irdma-state@NAME
@@ -660,7 +661,7 @@ class IrdmaFS(pyfuse3.Operations):
                 return b""
             return await self._read_windows(st, off, n, file_size)
 
-    async def _read_windows(self, st: _FileState, off: int, n: int, file_size: int) -> bytes:
+    async def _read_windows(self, st: _FileState, off: int, n: int, file_size: int) -> bytes | memoryview:
         """Serve a read from read-ahead windows, fetching the missing ones and the next one."""
         first = off - off % READAHEAD_WINDOW
         starts = list(range(first, off + n, READAHEAD_WINDOW))
@@ -680,10 +681,11 @@ class IrdmaFS(pyfuse3.Operations):
             lo, hi = max(off, w), min(off + n, w + len(buf))
             if hi > lo:
                 parts.append(memoryview(buf)[lo - w : hi - w])
-        # one copy of the bytes, into what FUSE sends back
-        return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
+        # a read inside one window is answered from the window itself (pyfuse3 copies it into
+        # the reply at once; a window is never written after its fetch): no copy of ours
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    async def _window(self, st: _FileState, start: int, file_size: int) -> bytearray:
+    async def _window(self, st: _FileState, start: int, file_size: int) -> memoryview:
         buf = st.windows.get(start)
         if buf is not None:
             return buf
@@ -705,9 +707,11 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def _fetch(self, st: _FileState, start: int, length: int, fetch: _Fetch) -> None:
         gen = st.generation
-        buf = bytearray(length)
+        # not zeroed first: read_into fills every byte (zeros for holes) or raises, and a
+        # failed fetch's buffer is never served
+        buf = memoryview(np.empty(length, dtype=np.uint8))  # type: ignore[arg-type]
         try:
-            await self.client.read_into(st.layout, start, memoryview(buf), st.chunks)
+            await self.client.read_into(st.layout, start, buf, st.chunks)
             fetch.data = buf
             if gen == st.generation:
                 st.windows[start] = buf
