@@ -84,12 +84,17 @@ ATTR_TIMEOUT = 1.0
 MAX_INFLIGHT_WRITES = 64
 #: Seconds between mtime updates of a file written only through direct I/O without growing.
 MTIME_LAZY_S = 1.0
-#: Read-ahead: the kernel asks for 128 KiB (page cache) or up to 1 MiB (direct I/O) at a time;
-#: the mount pulls aligned windows of this many bytes, serves the kernel from them, and fetches
-#: the next window while it does. Windows are dropped by every write, truncate and open.
+#: Read-ahead that follows the reader (as the kernel's on-demand read-ahead, mm/readahead.c):
+#: per open handle, a read that starts where the handle's last one ended is *sequential*. A
+#: sequential read is served from aligned windows (a power of two of bytes, aligned to its size)
+#: that start at READAHEAD_MIN and double with every sequential hit up to READAHEAD_WINDOW, and
+#: the next window is fetched while the kernel consumes this one. Any other read (random,
+#: strided) is one exact pull of the bytes asked for, unless a window already holds them.
+#: Windows are dropped by every write, truncate and open.
+READAHEAD_MIN = 128 << 10
 READAHEAD_WINDOW = 4 << 20
-#: Windows kept per open file (bytes held: READAHEAD_WINDOW times this).
-READAHEAD_WINDOWS = 6
+#: Bytes of windows kept per open file (the oldest dropped first).
+READAHEAD_BYTES = 6 * READAHEAD_WINDOW
 #: Seconds between a mount's session heartbeats (and shard health checks).
 HEARTBEAT_S = 5.0
 
@@ -129,9 +134,9 @@ class _FileState:
     fail_start: int | None = None  # lowest offset of a push that failed since then
     slots: trio.Semaphore = field(default_factory=lambda: trio.Semaphore(MAX_INFLIGHT_WRITES))
     admit: trio.Lock = field(default_factory=trio.Lock)  # orders writes against gap clearing
-    # read-ahead windows: start offset -> bytes, in use order; fetches in flight
-    windows: dict[int, memoryview] = field(default_factory=dict)
-    fetching: dict[int, _Fetch] = field(default_factory=dict)
+    # read-ahead windows: (start offset, size) -> bytes, oldest first; fetches in flight
+    windows: dict[tuple[int, int], memoryview] = field(default_factory=dict)
+    fetching: dict[tuple[int, int], _Fetch] = field(default_factory=dict)
     generation: int = 0  # bumped by every write and truncate: older windows are dropped
 
     def invalidate(self) -> None:
@@ -151,6 +156,8 @@ class _Handle:
     direct: bool
     kill_setid: bool = False  # opened for writing by an unprivileged process: the first write clears S_ISUID/S_ISGID
     append: bool = False  # O_APPEND: every write lands at the file's size as this mount knows it
+    next_read: int = 0  # where a sequential read would start (read-ahead; a fresh handle: 0)
+    seq_hits: int = 0  # sequential reads in a row (the read-ahead window doubles with each)
 
 
 class IrdmaFS(pyfuse3.Operations):
@@ -639,7 +646,7 @@ class IrdmaFS(pyfuse3.Operations):
             self._handles[fi.fh].kill_setid = self._kills_setid(inode, flags, ctx)
             return fi, self._entry(inode)
 
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
+    async def read(self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:  # type: ignore[override]
         with fuse_errors("read"):
             target = self.control.handle_target(fh)
             if target is not None:  # DIR/.irdma-state@NAME
@@ -659,53 +666,103 @@ class IrdmaFS(pyfuse3.Operations):
             n = max(0, min(size, file_size - off))
             if n == 0:
                 return b""
-            return await self._read_windows(st, off, n, file_size)
+            if off == h.next_read:
+                h.seq_hits += 1
+            else:
+                h.seq_hits = 0
+            h.next_read = off + n
+            if h.seq_hits:
+                return await self._read_windows(st, off, n, file_size, h.seq_hits)
+            return await self._read_exact(st, off, n)
 
-    async def _read_windows(self, st: _FileState, off: int, n: int, file_size: int) -> bytes | memoryview:
-        """Serve a read from read-ahead windows, fetching the missing ones and the next one."""
-        first = off - off % READAHEAD_WINDOW
-        starts = list(range(first, off + n, READAHEAD_WINDOW))
-        nxt = starts[-1] + READAHEAD_WINDOW
-        if nxt < file_size:
-            self._start_fetch(st, nxt, file_size)
+    def _held(self, st: _FileState, pos: int) -> tuple[tuple[int, int], memoryview | _Fetch] | None:
+        """The window (cached or in flight) that holds byte ``pos``, if any."""
+        size = READAHEAD_MIN
+        while size <= READAHEAD_WINDOW:
+            key = (pos - pos % size, size)
+            buf = st.windows.get(key)
+            if buf is not None:
+                return key, buf
+            fetch = st.fetching.get(key)
+            if fetch is not None:
+                return key, fetch
+            size <<= 1
+        return None
+
+    async def _read_exact(self, st: _FileState, off: int, n: int) -> bytearray | memoryview:
+        """A read that is not sequential: from a window that holds all of it, else one pull of
+        exactly these bytes (a 4 KiB read is one small request to one shard)."""
+        held = self._held(st, off)
+        if held is not None:
+            (start, _), buf = held
+            if isinstance(buf, memoryview) and off + n <= start + len(buf):
+                return buf[off - start : off - start + n]
+        out = bytearray(n)
+        await self.client.read_into(st.layout, off, memoryview(out), st.chunks)
+        return out
+
+    async def _read_windows(self, st: _FileState, off: int, n: int, file_size: int,
+                            hits: int) -> bytes | bytearray | memoryview:
+        """Serve a sequential read from read-ahead windows of ``READAHEAD_MIN << hits`` bytes
+        (at most READAHEAD_WINDOW, at least the read), fetching the missing ones and the next."""
+        want = min(READAHEAD_WINDOW, READAHEAD_MIN << min(hits - 1, 16))
+        while want < n and want < READAHEAD_WINDOW:
+            want <<= 1
         parts: list[memoryview] = []
-        for w in starts:
+        pos, end, nxt = off, off + n, off
+        while pos < end:
+            held = self._held(st, pos)
+            if held is None:
+                key = self._window_at(pos, want)
+                held = key, self._start_fetch(st, key, file_size)
+            (start, _), got = held
             try:
-                buf = await self._window(st, w, file_size)
+                buf = got if isinstance(got, memoryview) else await self._wait_fetch(got)
+                if start + len(buf) <= pos:  # cut short by the file size it saw
+                    raise IrdmaError("short window")
             except IrdmaError:
                 # the window may span a lost chunk or a down shard that this read does not
                 # touch: read exactly the range asked for (and fail only if it fails)
                 out = bytearray(n)
                 await self.client.read_into(st.layout, off, memoryview(out), st.chunks)
-                return bytes(out)
-            lo, hi = max(off, w), min(off + n, w + len(buf))
-            if hi > lo:
-                parts.append(memoryview(buf)[lo - w : hi - w])
+                return out
+            hi = min(end, start + len(buf))
+            parts.append(buf[pos - start : hi - start])
+            pos, nxt = hi, start + len(buf)
+        if nxt < file_size and self._held(st, nxt) is None:  # the next window, while the kernel takes this one
+            self._start_fetch(st, self._window_at(nxt, want), file_size)
         # a read inside one window is answered from the window itself (pyfuse3 copies it into
         # the reply at once; a window is never written after its fetch): no copy of ours
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    async def _window(self, st: _FileState, start: int, file_size: int) -> memoryview:
-        buf = st.windows.get(start)
-        if buf is not None:
-            return buf
-        fetch = self._start_fetch(st, start, file_size)
+    @staticmethod
+    def _window_at(pos: int, want: int) -> tuple[int, int]:
+        """The window to fetch for byte ``pos``: the largest power of two up to ``want`` bytes
+        that ``pos`` is aligned to (windows never overlap in a scan), at least READAHEAD_MIN."""
+        size = want
+        while pos % size and size > READAHEAD_MIN:
+            size >>= 1
+        return pos - pos % size, size
+
+    @staticmethod
+    async def _wait_fetch(fetch: _Fetch) -> memoryview:
         await fetch.done.wait()
         if fetch.error is not None:
             raise fetch.error
         assert fetch.data is not None
         return fetch.data
 
-    def _start_fetch(self, st: _FileState, start: int, file_size: int) -> _Fetch:
-        fetch = st.fetching.get(start)
+    def _start_fetch(self, st: _FileState, key: tuple[int, int], file_size: int) -> _Fetch:
+        fetch = st.fetching.get(key)
         if fetch is not None:
             return fetch
         assert self.nursery is not None
-        fetch = st.fetching[start] = _Fetch()
-        self.nursery.start_soon(self._fetch, st, start, min(READAHEAD_WINDOW, file_size - start), fetch)
+        fetch = st.fetching[key] = _Fetch()
+        self.nursery.start_soon(self._fetch, st, key, max(0, min(key[1], file_size - key[0])), fetch)
         return fetch
 
-    async def _fetch(self, st: _FileState, start: int, length: int, fetch: _Fetch) -> None:
+    async def _fetch(self, st: _FileState, key: tuple[int, int], length: int, fetch: _Fetch) -> None:
+        start = key[0]
         gen = st.generation
         # not zeroed first: read_into fills every byte (zeros for holes) or raises, and a
         # failed fetch's buffer is never served
@@ -714,9 +771,10 @@ class IrdmaFS(pyfuse3.Operations):
             await self.client.read_into(st.layout, start, buf, st.chunks)
             fetch.data = buf
             if gen == st.generation:
-                st.windows[start] = buf
-                while len(st.windows) > READAHEAD_WINDOWS:
-                    del st.windows[next(iter(st.windows))]
+                st.windows[key] = buf
+                held = sum(len(b) for b in st.windows.values())
+                while held > READAHEAD_BYTES:
+                    held -= len(st.windows.pop(next(iter(st.windows))))
         except IrdmaError as exc:
             log.warning("read of %d bytes at %d of file %d failed: %s", length, start, st.layout.file_id, exc)
             fetch.error = exc
@@ -724,8 +782,8 @@ class IrdmaFS(pyfuse3.Operations):
             log.exception("read of %d bytes at %d of file %d failed unexpectedly", length, start, st.layout.file_id)
             fetch.error = IrdmaError(f"internal error: {exc!r}")
         finally:
-            if st.fetching.get(start) is fetch:
-                del st.fetching[start]
+            if st.fetching.get(key) is fetch:
+                del st.fetching[key]
             fetch.done.set()
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:

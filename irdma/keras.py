@@ -37,6 +37,7 @@ worker 0 before the barrier. Errors (a shard down, a wait past its deadline: ETI
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from typing import Any
@@ -177,10 +178,58 @@ class ShardOptimizer(keras.optimizers.Optimizer):
         self._iterations.assign_add(1)
         return self._iterations
 
+    # ------------------------------------------------------------ checkpoints
+    def save_state(self, path: str) -> int:
+        """Copy the shards' optimizer state of the job (``JOB/.irdma-state@params``: the state
+        image of :meth:`irdma.Client.state_of`) to ``path`` (any filesystem), beside a
+        ``model.save_weights`` of the pulled weights. Returns the bytes written.
+
+        Raises:
+            OSError: e.g. a shard unavailable (EIO) or ``path`` not writable.
+        """
+        return _copy(os.path.join(self.job_dir, f".irdma-state@{PARAMS}"), path)
+
+    def restore_state(self, path: str) -> None:
+        """Make the job's weights the model's current variables (e.g. after
+        ``model.load_weights``) and its optimizer state the image saved in ``path`` by
+        :meth:`save_state`: the op goes to ``assign`` for the weights, back to this optimizer,
+        then the state is written. One worker restores; the others pass a barrier after it and
+        call :meth:`pull_weights`.
+
+        Raises:
+            OSError: EINVAL when the image's size is not this job's (another model, optimizer
+                or chunk size); nothing of the state is written then.
+        """
+        params = os.path.join(self.job_dir, PARAMS)
+        state = os.path.join(self.job_dir, f".irdma-state@{PARAMS}")
+        have, want = os.path.getsize(path), os.stat(state).st_size
+        if have != want:
+            raise OSError(errno.EINVAL, f"{path} holds {have} bytes of optimizer state; this job's image is {want}"
+                          " (another model, optimizer or chunk size): nothing restored")
+        os.setxattr(params, "user.irdma.update", b"assign")
+        try:
+            with open(params, "r+b") as f:
+                f.write(self._flat([np.asarray(v.numpy()) for v in self._vars]))
+        finally:
+            os.setxattr(params, "user.irdma.update", self.update_spec.encode())
+        _copy(path, state)
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _copy(src: str, dst: str) -> int:
+    """Copy ``src`` to ``dst`` by plain reads and writes (the state image is a virtual file:
+    no sendfile or copy_file_range)."""
+    with open(src, "rb", buffering=0) as f:
+        data = f.read()
+    with open(dst, "wb", buffering=0) as g:
+        view, done = memoryview(data), 0
+        while done < len(view):
+            done += g.write(view[done:]) or 0
+    return len(data)
 
 
 def keras_optimizer(update: str) -> keras.optimizers.Optimizer:

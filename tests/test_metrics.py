@@ -14,6 +14,7 @@ import sys
 import threading
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -351,3 +352,51 @@ def test_metrics_code_never_fails_a_request() -> None:
     t0 = m.begin()
     m.end(t0, "read", "tcp", "ok", nbytes=-1, direction="in")  # a counter refuses a negative: swallowed
     assert total(local(), "irdma_client_inflight_requests") == inflight
+
+
+# ---------------------------------------------------------------- read-ahead that follows the reader
+def test_read_ahead_follows_the_reader(mcluster: MetricsCluster, mmnt: str) -> None:
+    """Bytes pulled from the shards per pattern, through a direct-I/O mount (the FUSE reads are
+    the application's): random and strided 4 KiB reads pull exactly what they read (at most
+    64 KiB each), a sequential scan pulls the file about once, in windows that grow."""
+    n = 32 << 20
+    data = np.random.default_rng(5).integers(0, 255, n, dtype=np.uint8)
+    with irdma.connect(mcluster.meta_url, transport="tcp") as c:
+        c.write("/ra.bin", data)
+    addrs = list(mcluster.metrics.values())
+
+    def pulled(fn: Any) -> float:
+        before = shards_total([scrape(a) for a in addrs], "irdma_shard_bytes_total", op="read", direction="out")
+        fn()
+        return shards_total([scrape(a) for a in addrs], "irdma_shard_bytes_total", op="read",
+                            direction="out") - before
+
+    path = os.path.join(mmnt, "ra.bin")
+    rng = np.random.default_rng(6)
+    offsets = [int(o) * 4096 for o in rng.integers(0, n // 4096, 200)]
+
+    def random_reads() -> None:
+        with open(path, "rb", buffering=0) as f:
+            for off in offsets:
+                assert os.pread(f.fileno(), 4096, off) == data[off : off + 4096].tobytes()
+
+    got = pulled(random_reads)
+    assert got <= 200 * 64 * 1024, f"random 4 KiB reads pulled {got / 200 / 1024:.0f} KiB each"
+
+    def strided_reads() -> None:
+        with open(path, "rb", buffering=0) as f:
+            for off in range(4096, n, 1 << 20):  # 4 KiB every MiB, never at a handle's start
+                assert os.pread(f.fileno(), 4096, off) == data[off : off + 4096].tobytes()
+
+    got = pulled(strided_reads)
+    assert got <= 32 * 64 * 1024, f"strided 4 KiB reads pulled {got / 32 / 1024:.0f} KiB each"
+
+    def sequential() -> None:
+        with open(path, "rb", buffering=0) as f:
+            out = bytearray()
+            while chunk := f.read(1 << 20):
+                out += chunk
+        assert out == data.tobytes()
+
+    got = pulled(sequential)
+    assert n <= got <= n + (8 << 20), f"a sequential scan of {n} bytes pulled {got:.0f}"

@@ -29,3 +29,54 @@ def test_train_keras_two_workers(mnt: str, consistency: str) -> None:
     single, shared = float(m.group(1)), float(m.group(2))
     assert single > 0.9 and shared > single - 0.04, last  # 6 epochs: within 4 points
     assert "worker 1: epoch 6/6" in res.stdout
+
+
+def test_a_shard_optimizer_checkpoint_restores_weights_and_state(mnt: str, tmp_path: object) -> None:
+    """``model.save_weights`` + ``ShardOptimizer.save_state`` after an epoch; another epoch;
+    ``load_weights`` + ``restore_state``; the same epoch again gives bit-identical weights (Adam's
+    moments and steps came back from the checkpoint). Restoring a state saved later gives other
+    weights; an image of another size is EINVAL."""
+    import errno
+    import uuid
+
+    import keras
+    import numpy as np
+
+    from irdma.keras import ShardOptimizer
+
+    job = os.path.join(mnt, "jobs", f"ckpt-{uuid.uuid4().hex[:8]}")
+    os.makedirs(os.path.dirname(job), exist_ok=True)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((96, 8)).astype("float32"), rng.integers(0, 3, 96)
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                          keras.layers.Dense(3, activation="softmax")])
+    opt = ShardOptimizer(job, 0, 1, "adam learning_rate=0.01")
+    m.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    opt.build(m.trainable_variables)
+    try:
+        def epoch() -> list[np.ndarray]:
+            m.fit(x, y, epochs=1, batch_size=16, shuffle=False, verbose=0)
+            return [w.copy() for w in m.get_weights()]
+
+        epoch()
+        weights, state = os.path.join(str(tmp_path), "w.weights.h5"), os.path.join(str(tmp_path), "adam.state")
+        m.save_weights(weights)
+        assert opt.save_state(state) == os.stat(os.path.join(job, ".irdma-state@params")).st_size > 0
+        after = epoch()
+        m.load_weights(weights)
+        opt.restore_state(state)
+        again = epoch()
+        assert all(np.array_equal(a, b) for a, b in zip(after, again, strict=True))
+        later = os.path.join(str(tmp_path), "later.state")
+        opt.save_state(later)  # the state after two more epochs' steps
+        m.load_weights(weights)
+        opt.restore_state(later)
+        assert not all(np.array_equal(a, b) for a, b in zip(after, epoch(), strict=True))
+        with open(state, "r+b") as f:
+            f.truncate(os.path.getsize(state) - 4)
+        with pytest.raises(OSError) as exc:
+            opt.restore_state(state)
+        assert exc.value.errno == errno.EINVAL
+    finally:
+        opt.close()
