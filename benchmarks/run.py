@@ -548,8 +548,9 @@ def main() -> int:
         tcp_after = tcp_ceiling(big, 4)
         R["tcp"] = {k: (tcp_before[k] + tcp_after[k]) / 2 for k in tcp_before}
         R["tcp_runs"] = [tcp_before, tcp_after]
-        say("checkpoints: tf.train.CheckpointManager, 100 MB, tmpfs and mount alternately, 3 each")
-        R["ckpt"] = checkpoints(meta)
+        say("checkpoints: tf.train.CheckpointManager, 100 MB, tmpfs and mount alternately,"
+            f" {1 if args.quick else 3} each")
+        R["ckpt"] = checkpoints(meta, 1 if args.quick else 3)  # quick: a smoke run, not figures
 
     say("how cost grows: shards")
     R["by_shards"] = {}
