@@ -42,6 +42,7 @@ import threading
 from collections.abc import Sequence
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from irdma._errors import AuthFailed, InvalidArgument
 
@@ -206,18 +207,32 @@ def match_client(ring: KeyRing, t: bytes, proof: bytes) -> bytes | None:
     return found
 
 
+#: Frames up to this many bytes are tagged by the one-shot AEAD (joined: a copy this small
+#: costs less than a fresh GCM context).
+_ONE_SHOT_MAX = 64 << 10
+
+
 class FrameMac:
     """The tags of one direction of one connection: a running sequence number under a session
     key. Tags must be made (or checked) in the order frames go on the wire."""
 
     def __init__(self, key: bytes) -> None:
         self._aes = algorithms.AES(key)
+        self._aead = AESGCM(key)
         self.seq = 0
 
     def tag(self, parts: Sequence[bytes | bytearray | memoryview]) -> bytes:
-        """The GMAC of the next frame, ``parts`` in order (see the module's docstring)."""
-        gcm = Cipher(self._aes, modes.GCM(self.seq.to_bytes(12, "big"))).encryptor()
+        """The GMAC of the next frame, ``parts`` in order (see the module's docstring).
+
+        The same tag two ways (GCM with an empty plaintext and the frame as associated data,
+        NIST SP 800-38D): a small frame goes through the one-shot AEAD, whose key schedule is
+        made once per connection (about 5x cheaper per frame); a large one is fed part by part
+        to a fresh GCM context, so its payload is never copied."""
+        nonce = self.seq.to_bytes(12, "big")
         self.seq += 1
+        if sum(len(p) for p in parts) <= _ONE_SHOT_MAX:
+            return self._aead.encrypt(nonce, b"", b"".join(parts))[:TAG_SIZE]
+        gcm = Cipher(self._aes, modes.GCM(nonce)).encryptor()
         for p in parts:
             gcm.authenticate_additional_data(p)
         gcm.finalize()
