@@ -57,6 +57,17 @@ def targets(R: dict[str, Any]) -> list[tuple[str, float, str, float, bool, str]]
         f"{ck['mount_save_s']:.2f} vs {ck['tmpfs_save_s']:.2f} s", lower_is_better=True)
     add("checkpoint restore, mount over tmpfs", ck["mount_restore_s"] / ck["tmpfs_restore_s"], "tmpfs", 1.5,
         f"{ck['mount_restore_s']:.2f} vs {ck['tmpfs_restore_s']:.2f} s", lower_is_better=True)
+    fio = R.get("fio")
+    if fio:
+        pt, mn = fio["pyfuse3 passthrough of tmpfs"], fio["irdma mount"]
+        for what, key, field, want in (("fio seq read 1 MiB, 4 jobs, mount over passthrough", "seq read 1 MiB x4", "mb_s", 0.6),
+                                       ("fio seq write 1 MiB, 4 jobs, mount over passthrough", "seq write 1 MiB x4", "mb_s", 0.6),
+                                       ("fio rand read 4 KiB, 16 jobs, mount over passthrough", "rand read 4 KiB x16", "iops",
+                                        0.5)):
+            if key in mn and key in pt:
+                unit = "MB/s" if field == "mb_s" else "IOPS"
+                add(what, mn[key][field] / pt[key][field], "minimal pyfuse3 passthrough of tmpfs", want,
+                    f"{mn[key][field]:.0f} vs {pt[key][field]:.0f} {unit}")
     return out
 
 
@@ -115,6 +126,26 @@ def plots(R: dict[str, Any], out: str) -> list[str]:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     files.append(path)
+    fio = R.get("fio")
+    if fio:
+        targets = list(fio)
+        keys = [k for k in fio[targets[0]] if k.endswith(" x1") or k.endswith(" x16")]
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for ax, field, label in ((ax1, "mb_s", "MB/s (log)"), (ax2, "p50_us", "p50 latency, us (log)")):
+            width = 0.8 / len(targets)
+            for i, t in enumerate(targets):
+                ax.bar([j + i * width for j in range(len(keys))], [fio[t][k][field] for k in keys], width, label=t)
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(keys))], keys, rotation=30, ha="right", fontsize=8)
+            ax.set_yscale("log")
+            ax.set_ylabel(label)
+            ax.legend(fontsize=8)
+        ax1.set_title("fio bandwidth")
+        ax2.set_title("fio completion latency")
+        fig.tight_layout()
+        path = os.path.join(out, "bench-fio.png")
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        files.append(path)
     return files
 
 
@@ -128,8 +159,8 @@ def write_report(R: dict[str, Any], out: str) -> None:
          f"One run of `make bench` (`.venv/bin/python benchmarks/run.py`) on {m['date']}: {m['cpus']} cores,",
          f"Python {m['python']}, kernel {m['kernel']}{' (quick mode: not figures)' if m['quick'] else ''}. "
          f"The run took {R['elapsed_s']:.0f} s."
-         + (f" The model rounds were measured again on {R['rounds_date']} (`benchmarks/run.py --only rounds`),"
-            " the other figures kept." if R.get("rounds_date") else ""),
+         + "".join(f" The {what} were measured again on {R[key + '_date']} (`benchmarks/run.py --only {key}`)."
+                   for key, what in (("rounds", "model rounds"), ("fio", "fio runs")) if R.get(key + "_date")),
          "Every figure is set against a baseline measured in the same run (the machine is noisy).",
          "Bandwidth in MB/s (10^6 bytes per second); everything on 127.0.0.1.", "",
          "## Targets", "", "| target | ratio | baseline | wanted | met | figures |", "|---|---|---|---|---|---|"]
@@ -213,6 +244,24 @@ def write_report(R: dict[str, Any], out: str) -> None:
         for test in ("pull", "push-assign", "push-add"):
             a, b = au["off"][test], au["on"][test]
             L.append(f"| {test} | {a:.0f} | {b:.0f} | {b / a:.2f} | >= 0.9 |")
+        L.append("")
+    fio = R.get("fio")
+    if fio:
+        where = list(fio)
+        L += ["## fio: tmpfs, the FUSE ceiling and the mount", "",
+              "`benchmarks/fio.py`: fio 3 (psync engine, O_DIRECT through the FUSE mounts; tmpfs takes no O_DIRECT)"
+              " on tmpfs, a minimal",
+              "pyfuse3 + trio passthrough of tmpfs (`benchmarks/passthrough.py`: the cost of FUSE and pyfuse3 alone)"
+              " and irdma's mount",
+              "(4 shards, one replica). MB/s, IOPS, completion latency p50/p99 in microseconds; the last column is"
+              " the mount over the passthrough"
+              + (f" (measured again on {R['fio_date']}, `benchmarks/run.py --only fio`)." if R.get("fio_date") else "."),
+              "", "| job | " + " | ".join(where) + " | mount / passthrough |", "|---|" + "---|" * (len(where) + 1)]
+        for k in fio[where[0]]:
+            cells = [f"{fio[t][k]['mb_s']:.1f} MB/s, {fio[t][k]['iops']:.0f} IOPS, {fio[t][k]['p50_us']:.0f}/"
+                     f"{fio[t][k]['p99_us']:.0f} us" for t in where]
+            pt, mn = fio["pyfuse3 passthrough of tmpfs"][k], fio["irdma mount"][k]
+            L.append(f"| {k} | " + " | ".join(cells) + f" | {mn['iops'] / pt['iops']:.2f} |")
         L.append("")
     L += ["## Memory", "", "| shard holding | shard RSS |", "|---|---|"]
     for k, v in R["shard_rss"].items():

@@ -491,7 +491,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the suite, not figures")
     ap.add_argument("--out", default=os.path.join(REPO, "docs"))
-    ap.add_argument("--only", choices=["replication", "authentication", "rounds"],
+    ap.add_argument("--only", choices=["replication", "authentication", "rounds", "fio"],
                     help="run one section and print its figures as JSON")
     args = ap.parse_args()
     if args.only == "replication":
@@ -500,17 +500,22 @@ def main() -> int:
     if args.only == "authentication":
         print(json.dumps(authentication(64 * MiB if args.quick else 512 * MiB), indent=1))
         return 0
-    if args.only == "rounds":  # re-measure the model rounds into the last report
-        rounds = model_rounds(model_shapes(), 1 if args.quick else 3)
-        print(json.dumps(rounds, indent=1))
+    if args.only in ("rounds", "fio"):  # measure one section again into the last report
+        if args.only == "rounds":
+            part = model_rounds(model_shapes(), 1 if args.quick else 3)
+        else:
+            import fio
+
+            part = fio.run_all(args.quick, say)
+        print(json.dumps(part, indent=1))
         with open(os.path.join(args.out, "benchmarks.json")) as f:
             R = json.load(f)
-        R["rounds"] = rounds
-        R["rounds_date"] = time.strftime("%Y-%m-%d %H:%M")
+        R[args.only] = part
+        R[f"{args.only}_date"] = time.strftime("%Y-%m-%d %H:%M")
         from report import write_report
 
         write_report(R, args.out)
-        say(f"wrote {args.out}/benchmarks.md (the model rounds re-measured, the rest kept)")
+        say(f"wrote {args.out}/benchmarks.md ({args.only} measured again, the rest kept)")
         return 0
     big = 64 * MiB if args.quick else GiB
     sweep = 16 * MiB if args.quick else 256 * MiB
@@ -600,6 +605,11 @@ def main() -> int:
     say("model rounds: 25.6 M float32 (ResNet-50's variables), 2 workers, 2 servers")
     shapes = model_shapes()
     R["rounds"] = model_rounds(shapes[:40] if args.quick else shapes, rounds)  # quick: a smoke run, not figures
+
+    import fio
+
+    say("fio: sequential 1 MiB and random 4 KiB, read and write, on tmpfs, a pyfuse3 passthrough and the mount")
+    R["fio"] = fio.run_all(args.quick, say)
     R["elapsed_s"] = time.monotonic() - t_start
     sys.path.insert(0, HERE)
     from report import write_report

@@ -49,9 +49,25 @@ def test_benchmark_suite_quick_run_writes_the_report(tmp_path: object) -> None:
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     with open(os.path.join(out, "benchmarks.md")) as f:
         md = f.read()
-    assert "## Targets" in md and "ParameterServerStrategy" in md and "Redis" in md
-    for png in ("bench-scaling.png", "bench-peers.png"):
+    assert "## Targets" in md and "ParameterServerStrategy" in md and "Redis" in md and "## fio" in md
+    for png in ("bench-scaling.png", "bench-peers.png", "bench-fio.png"):
         assert os.path.getsize(os.path.join(out, png)) > 10_000
     with open(os.path.join(out, "benchmarks.json")) as f:
         data = json.load(f)
     assert data["rounds"]["irdma-native"] > 0 and data["tcp"]["pull"] > 0
+    assert data["rounds"]["irdma-mount-unified"] > 0 and data["fio"]["irdma mount"]["rand read 4 KiB x1"]["iops"] > 0
+
+
+@pytest.mark.fuse
+def test_fio_through_the_mount_verifies_what_it_wrote(mnt: str) -> None:
+    """fio's own check through the mount: 2 jobs write 8 MiB each in 1 MiB blocks with a crc32c
+    in every block, read it all back and verify it; then a short random 4 KiB read run."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import fio
+
+    d = os.path.join(mnt, "fio-smoke")
+    os.makedirs(d, exist_ok=True)
+    w = fio.run_fio(d, "write", "1M", 2, "8M", 30, True, verify=True)
+    assert w["mb_s"] > 0 and w["iops"] > 0
+    r = fio.run_fio(d, "randread", "4k", 1, "8M", 1, True)
+    assert r["iops"] > 0 and 0 < r["p50_us"] <= r["p99_us"]
