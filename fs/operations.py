@@ -432,8 +432,17 @@ class IrdmaFS(pyfuse3.Operations):
                 kw["mtime_ns"] = attr.st_mtime_ns
             return self._entry(await self.meta.setattr(inode, **kw))
 
+    @staticmethod
+    def _new_name(name: bytes) -> None:
+        """Refuse a new name the mount serves itself (``.irdma-clock@K``, ``.irdma-state@NAME``):
+        a real file there would be hidden behind the virtual one."""
+        if name.startswith((CLOCK_PREFIX, STATE_PREFIX)):
+            raise InvalidArgument(f"{name.decode(errors='replace')}: names starting {CLOCK_PREFIX.decode()} or"
+                                  f" {STATE_PREFIX.decode()} are the mount's own (clocks, optimizer state): pick another")
+
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> pyfuse3.EntryAttributes:
         with fuse_errors("mkdir"):
+            self._new_name(name)
             inode = await self.meta.create(parent_inode, name, stat.S_IFDIR | (mode & ~ctx.umask & 0o7777), ctx.uid,
                                            ctx.gid)
             return self._entry(inode)
@@ -450,6 +459,7 @@ class IrdmaFS(pyfuse3.Operations):
         self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes, flags: int, ctx: Any
     ) -> None:
         with fuse_errors("rename"):
+            self._new_name(name_new)
             await self._maybe_destroy(
                 await self.meta.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
             )
@@ -457,10 +467,12 @@ class IrdmaFS(pyfuse3.Operations):
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
         """A hard link: the file's chunks stay until its last name and its last open handle go."""
         with fuse_errors("link"):
+            self._new_name(new_name)
             return self._entry(await self.meta.link(inode, new_parent_inode, new_name))
 
     async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
         with fuse_errors("symlink"):
+            self._new_name(name)
             return self._entry(await self.meta.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
 
     async def readlink(self, inode: int, ctx: Any) -> bytes:
@@ -471,6 +483,7 @@ class IrdmaFS(pyfuse3.Operations):
         """FIFOs, sockets and device nodes (metadata only: the kernel serves them, never this
         mount); a regular file when ``mode`` says so."""
         with fuse_errors("mknod"):
+            self._new_name(name)
             perm = mode & ~ctx.umask & 0o7777
             if stat.S_IFMT(mode) in (0, stat.S_IFREG):
                 inode = await self.meta.create(parent_inode, name, stat.S_IFREG | perm, ctx.uid, ctx.gid)
@@ -639,6 +652,7 @@ class IrdmaFS(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         with fuse_errors("create"):
+            self._new_name(name)
             inode = await self.meta.create(parent_inode, name, stat.S_IFREG | (mode & ~ctx.umask & 0o7777), ctx.uid,
                                            ctx.gid)
             inode, io_mode, chunks = await self.meta.open_inode(self.sid, inode.ino)
@@ -653,8 +667,10 @@ class IrdmaFS(pyfuse3.Operations):
                 layout, per, total, _ = await self._state_of(target)
                 buf = bytearray(max(0, min(size, total - off)))
                 if buf:
-                    await self.client.read_state_into(layout, per, off, memoryview(buf))
-                return bytes(buf)
+                    st = self._files.get(target)
+                    await self.client.read_state_into(layout, per, off, memoryview(buf),
+                                                      st.chunks if st is not None else await self.meta.chunk_map(target))
+                return buf
             if fh in self.control._handles:
                 return (await self.control.read(fh))[off : off + size]
             h = self._handles[fh]
@@ -764,6 +780,9 @@ class IrdmaFS(pyfuse3.Operations):
     async def _fetch(self, st: _FileState, key: tuple[int, int], length: int, fetch: _Fetch) -> None:
         start = key[0]
         gen = st.generation
+        for p in list(st.pending):  # this mount's pushes into the window land before it is pulled
+            if p.start < start + length and start < p.end:
+                await p.done.wait()
         # not zeroed first: read_into fills every byte (zeros for holes) or raises, and a
         # failed fetch's buffer is never served
         buf = memoryview(np.empty(length, dtype=np.uint8))  # type: ignore[arg-type]
@@ -856,6 +875,9 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def flush(self, fh: int) -> None:
         with fuse_errors("flush"):
+            if self.control.handle_target(fh) is not None:  # a restored state: durable on close
+                await self.client.flush()
+                return
             if fh in self.control._handles:
                 return
             h = self._handles[fh]

@@ -60,7 +60,7 @@ from .meta import Inode, MetaStore, ShardRecord, open_meta
 from .meta.aio import AsyncMeta
 from .meta.base import XATTR_UPDATE
 from .metrics import MeteredConnection
-from .optimizers import HEADER, SLOT_NAMES, SLOTS, parse_update, state_index, state_size
+from .optimizers import HEADER, MAGIC, SLOT_NAMES, SLOTS, parse_update, state_index, state_size
 from .placement import MOVE_ALL, Layout, Move, Piece, substitute
 from .protocol import DEFAULT_MAX_PAYLOAD, Chain, ChunkEntry, StatReply, Update, UpdateOp
 from .transport import ShardConnection, Transport, make_transport
@@ -1194,51 +1194,66 @@ class Client:
         per = state_size(op, layout.chunk_size)
         return layout, op, per, -(-inode.size // layout.chunk_size) * per
 
-    def _state_pieces(self, per: int, offset: int, length: int) -> list[tuple[int, int, int, int]]:
+    @staticmethod
+    def _state_pieces(per: int, offset: int, length: int, most: int | None) -> list[tuple[int, int, int, int]]:
+        """``(chunk index, offset in its state chunk, offset in the buffer, length)`` of each
+        piece of ``[offset, offset+length)`` of a state image, none longer than ``most``."""
         out, pos = [], offset
         while pos < offset + length:
             index, within = divmod(pos, per)
-            n = min(per - within, offset + length - pos)
+            n = min(per - within, offset + length - pos, most or per)
             out.append((index, within, pos - offset, n))
             pos += n
         return out
 
-    async def read_state_into(self, layout: Layout, per: int, offset: int, into: memoryview) -> None:
+    async def read_state_into(self, layout: Layout, per: int, offset: int, into: memoryview,
+                              chunks: ChunkMap | None = None) -> None:
         """Read bytes ``[offset, offset+len(into))`` of a file's state image (:meth:`state_of`;
-        ``per`` its state chunk size) from the tail of each chunk's chain (an up-to-date
-        replica). A chunk that has no state for this optimizer yet (never stepped, or stepped
-        by another optimizer) reads as zeros: its next step starts it afresh.
+        ``per`` its state chunk size) from an up-to-date replica of each chunk (the last one up
+        in chain order: never one catching up, nor a move's target). A chunk that has no state
+        chunk on that replica (never stepped) reads as zeros, as does the part of a smaller state
+        chunk made by another optimizer (its header names that one; the next step starts this
+        optimizer's afresh). ``chunks``, the file's chunk map: a replica restarted on empty memory
+        since it got the chunk raises DataLost instead of answering zeros.
 
         Raises:
-            ShardUnavailable: no replica of a chunk answered in time.
+            DataLost; ShardUnavailable: no up-to-date replica of a chunk answered in time.
         """
         into = into.cast("B") if into.format != "B" or into.ndim != 1 else into
 
         async def one(index: int, within: int, at: int, n: int) -> None:
             view = into[at : at + n]
+            rec = chunks.get(index) if chunks else None
             for _ in range(len(layout.replicas_of(index)) + 1):
-                chain = self.chain_of(layout, index)
-                tail = chain[-1]
+                _, joining = self.placed(layout, index)
+                chain = self.chain_of(layout, index)  # raises when no replica is up to date
+                cands = [s for s in chain if s != joining and (len(chain) == 1 or self._current(s))]
+                if not cands:
+                    break
+                pick = cands[-1]
+                inc = rec.get(pick) if rec is not None else None
 
-                async def fn(conn: ShardConnection) -> int:
+                async def fn(conn: ShardConnection, pick: int = pick, inc: int | None = inc) -> int:
+                    if inc and inc != conn.info.incarnation:
+                        raise self._lost(layout, index, pick, "restarted with empty memory since")
                     return await conn.read(layout.file_id, state_index(index), within, view)
 
                 try:
-                    if await self._on_shard(tail, fn) == 0:
+                    if await self._on_shard(pick, fn) == 0:
                         view[:] = bytes(n)
                     return
-                except BadRequest:  # a state chunk of another optimizer's size
+                except BadRequest:  # past the end of a smaller state chunk (another optimizer's)
                     view[:] = bytes(n)
                     return
                 except ShardUnavailable:
                     if len(chain) == 1:
                         raise
-                    await self._mark_down(tail)
-            raise ShardUnavailable(f"no replica of chunk {index} of file {layout.file_id} answered",
+                    await self._mark_down(pick)
+            raise ShardUnavailable(f"no up-to-date replica of chunk {index} of file {layout.file_id} answered",
                                    "`irdma status` shows the shards; restart them with `irdma up`")
 
         async with open_nursery() as nursery:
-            for piece in self._state_pieces(per, offset, len(into)):
+            for piece in self._state_pieces(per, offset, len(into), self._max_piece(layout)):
                 nursery.start_soon(one, *piece)
 
     async def write_state_from(self, layout: Layout, per: int, offset: int, data: memoryview | bytes) -> None:
@@ -1268,6 +1283,8 @@ class Client:
 
                 try:
                     await self._on_shard(chain[0], fn)
+                    if len(chain) == 1:
+                        self._unsynced_single.add(chain[0])
                     for sid in chain:
                         self._unsynced.add(sid)
                     return
@@ -1286,16 +1303,17 @@ class Client:
             raise last
 
         async with open_nursery() as nursery:
-            for piece in self._state_pieces(per, offset, len(view)):
+            for piece in self._state_pieces(per, offset, len(view), self._max_piece(layout)):
                 nursery.start_soon(one, *piece)
 
     async def read_state(self, path: str) -> bytes:
         """A file's whole optimizer state image (:meth:`state_of`), for a checkpoint; empty when
         its update op is not an optimizer. Raises ShardUnavailable."""
-        layout, _, per, total = await self.state_of(await self.meta.resolve(path))
+        inode = await self.meta.resolve(path)
+        layout, _, per, total = await self.state_of(inode)
         buf = bytearray(total)
         if total:
-            await self.read_state_into(layout, per, 0, memoryview(buf))
+            await self.read_state_into(layout, per, 0, memoryview(buf), await self.meta.chunk_map(inode.ino))
         return bytes(buf)
 
     async def write_state(self, path: str, image: bytes | memoryview) -> None:
@@ -1317,12 +1335,15 @@ class Client:
         """A file's optimizer state as arrays, one per slot, each of the file's ``size // 4``
         elements: little-endian float32, Adam's ``step`` u32 (names:
         :data:`irdma.optimizers.SLOT_NAMES`, e.g. ``m``, ``v``, ``step`` for Adam, as Keras names
-        its variables). Empty for ``assign`` and ``add``. Raises ShardUnavailable."""
+        its variables). Empty for ``assign`` and ``add``; zeros for a chunk never stepped or
+        holding another optimizer's state. Raises ShardUnavailable, DataLost."""
         inode = await self.meta.resolve(path)
         layout, op, per, total = await self.state_of(inode)
         if op is None:
             return {}
-        image = np.frombuffer(await self.read_state(path), dtype=np.uint8).reshape(-1, per)
+        image = np.frombuffer(await self.read_state(path), dtype=np.uint8).reshape(-1, per).copy()
+        mine = (image[:, :4] == np.frombuffer(MAGIC, np.uint8)).all(axis=1) & (image[:, 4] == int(op))
+        image[~mine] = 0  # chunks never stepped, or with another optimizer's state: none of this one's yet
         cs, n = layout.chunk_size, inode.size // 4
         out = {}
         for k, name in enumerate(SLOT_NAMES[op]):

@@ -151,7 +151,12 @@ class ShardOptimizer(keras.optimizers.Optimizer):
         return out
 
     def pull_weights(self) -> None:
-        """Set the model's variables to the shards' current weights (eager)."""
+        """Set the model's variables to the shards' current weights (eager). The file is opened
+        afresh first: an open drops this mount's read-ahead windows (close-to-open), so a
+        restore made by another worker, on another mount, is seen."""
+        assert self._fd is not None
+        fd, self._fd = self._fd, os.open(os.path.join(self.job_dir, PARAMS), os.O_RDWR)
+        os.close(fd)
         for v, w in zip(self._vars, self._pull(), strict=True):
             v.assign(w)
 
@@ -187,7 +192,7 @@ class ShardOptimizer(keras.optimizers.Optimizer):
         Raises:
             OSError: e.g. a shard unavailable (EIO) or ``path`` not writable.
         """
-        return _copy(os.path.join(self.job_dir, f".irdma-state@{PARAMS}"), path)
+        return _copy(os.path.join(self.job_dir, f".irdma-state@{PARAMS}"), path, atomic=True)
 
     def restore_state(self, path: str) -> None:
         """Make the job's weights the model's current variables (e.g. after
@@ -220,15 +225,20 @@ class ShardOptimizer(keras.optimizers.Optimizer):
             self._fd = None
 
 
-def _copy(src: str, dst: str) -> int:
+def _copy(src: str, dst: str, atomic: bool = False) -> int:
     """Copy ``src`` to ``dst`` by plain reads and writes (the state image is a virtual file:
-    no sendfile or copy_file_range)."""
+    no sendfile or copy_file_range); ``atomic``: through ``DST.tmp`` renamed over ``dst`` once
+    written and fsynced, so a failed save leaves the previous checkpoint whole."""
     with open(src, "rb", buffering=0) as f:
         data = f.read()
-    with open(dst, "wb", buffering=0) as g:
+    out = dst + ".tmp" if atomic else dst
+    with open(out, "wb", buffering=0) as g:
         view, done = memoryview(data), 0
         while done < len(view):
             done += g.write(view[done:]) or 0
+        os.fsync(g.fileno())  # a restore: durable on every replica (close does it too)
+    if atomic:
+        os.replace(out, dst)
     return len(data)
 
 

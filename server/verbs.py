@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from irdma import protocol as P
-from irdma._errors import IrdmaError
+from irdma._errors import IrdmaError, ShardUnavailable
 from irdma.transport.verbs import (
     LOCAL_ACCESS,
     POOL_BUFFER_SIZE,
@@ -173,7 +173,7 @@ class VerbsShard:
                 reply = P.ErrorReply(P.Status.BAD_REQUEST, "READ over SEND is not served: use RDMA READ")
             try:
                 await ep.send_frame(P.encode_reply(frame.opcode, frame.request_id, reply))
-            except IrdmaError as exc:  # the client closed its queue pair while we answered
+            except ShardUnavailable as exc:  # the client closed its queue pair while we answered
                 log.info("verbs connection ended while replying: %s", exc)
                 return
 

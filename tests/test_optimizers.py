@@ -178,6 +178,10 @@ def test_the_optimizer_state_checkpoints_and_restores_through_the_mount(tmp_path
             with open(path, "wb") as f:
                 f.write(w0.tobytes())
             assert os.stat(state).st_size == 0  # assign: no optimizer, no state
+            for reserved in (".irdma-state@nope", ".irdma-clock@x"):  # the mount's own names: never real files
+                with pytest.raises(OSError) as exc:
+                    open(os.path.join(m, "job", reserved), "w").close()
+                assert exc.value.errno == errno.EINVAL, reserved
             os.setxattr(path, "user.irdma.update", spec.encode())
             assert os.stat(state).st_size == 3 * (4096 + 3 * 4096)  # header + m, v, step per chunk
             ref = Reference("adam", {"learning_rate": 0.01, "beta_1": 0.8}, n)
