@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 
 MAX_SIZE = 12 << 20
 MAX_IO = 3 << 20
-OPS = 5000
+OPS = 3500  # per seed and mode: 21,000 checked operations in all (CI time: about 5 min)
 SEEDS = (1, 2, 3)
 
 
