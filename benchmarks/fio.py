@@ -53,7 +53,7 @@ def run_fio(directory: str, rw: str, bs: str, numjobs: int, size: str, runtime: 
            f"--numjobs={numjobs}", "--ioengine=psync", f"--direct={int(direct)}", "--fallocate=none",
            "--group_reporting", "--output-format=json", f"--runtime={runtime:g}"]
     if verify:
-        cmd += ["--verify=crc32c", "--do_verify=1"]
+        cmd += ["--verify=crc32c", "--do_verify=1", "--verify_state_save=0"]  # no state files in the cwd
     elif "rand" in rw:
         cmd += ["--time_based"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=runtime * 4 + 300)

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 
@@ -30,6 +31,17 @@ def _wait_for(path: str, timeout: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise SystemExit(f"no start signal {path} within {timeout} s")
         time.sleep(0.001)
+
+
+async def _timed_async(one_round: Callable[[], Awaitable[None]], rounds: int, start: str) -> float:
+    """Seconds per round: one warm-up round, untimed (as every system here gets), then the
+    start barrier, then ``rounds`` timed rounds."""
+    await one_round()
+    _wait_for(start)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        await one_round()
+    return (time.perf_counter() - t0) / rounds
 
 
 def irdma_native(meta: str, shapes: list[tuple[int, ...]], rounds: int, start: str) -> float:
@@ -63,12 +75,7 @@ def irdma_native(meta: str, shapes: list[tuple[int, ...]], rounds: int, start: s
                     for i in range(len(shapes)):
                         n.start_soon(pull, i)
 
-            await one_round()  # warm-up, untimed (as every system here gets)
-            _wait_for(start)
-            t0 = time.perf_counter()
-            for _ in range(rounds):
-                await one_round()
-            return (time.perf_counter() - t0) / rounds
+            return await _timed_async(one_round, rounds, start)
 
     return trio.run(main)
 
@@ -122,12 +129,7 @@ def irdma_native_unified(meta: str, shapes: list[tuple[int, ...]], rounds: int, 
                 await c.write_from(layout, 0, memoryview(grads).cast("B"), UpdateOp.ADD)
                 await c.read_into(layout, 0, memoryview(out).cast("B"))
 
-            await one_round()  # warm-up, untimed
-            _wait_for(start)
-            t0 = time.perf_counter()
-            for _ in range(rounds):
-                await one_round()
-            return (time.perf_counter() - t0) / rounds
+            return await _timed_async(one_round, rounds, start)
 
     return trio.run(main)
 

@@ -189,6 +189,8 @@ class IrdmaFS(pyfuse3.Operations):
         self._next_fh = 1
         self._dirs: dict[int, list[tuple[bytes, Inode]]] = {}  # readdir snapshots per open directory
         self._control_dirs: dict[int, list[tuple[bytes, int]]] = {}
+        #: open ``.irdma-state@NAME`` handles: (layout, state chunk bytes, image bytes, inode, chunk map)
+        self._state_handles: dict[int, tuple[Layout, int, int, Inode, ChunkMap]] = {}
         # an open and the last release of one inode never interleave (FUSE sends RELEASE
         # asynchronously: a reopen may arrive while the last close is freeing the file)
         self._ino_locks: dict[int, trio.Lock] = {}
@@ -392,6 +394,18 @@ class IrdmaFS(pyfuse3.Operations):
             target = dataclasses.replace(target, size=st.size)
         layout, _, per, total = await self.client.state_of(target)
         return layout, per, total, target
+
+    async def _state_handle(self, fh: int, target_ino: int) -> tuple[Layout, int, int, Inode, ChunkMap]:
+        """What a state image handle reads and writes, looked up at its first request and kept
+        until it is released (close-to-open, as a file's size): no metadata round trip per
+        request. The chunk map is this mount's own when it has the file open."""
+        got = self._state_handles.get(fh)
+        if got is None:
+            layout, per, total, node = await self._state_of(target_ino)
+            st = self._files.get(target_ino)
+            chunks = st.chunks if st is not None else await self.meta.chunk_map(target_ino)
+            got = self._state_handles[fh] = (layout, per, total, node, chunks)
+        return got
 
     async def _state_entry(self, ino: int) -> pyfuse3.EntryAttributes:
         """Attributes of a state image: its file's owner and mode (so the kernel's permission
@@ -664,12 +678,10 @@ class IrdmaFS(pyfuse3.Operations):
         with fuse_errors("read"):
             target = self.control.handle_target(fh)
             if target is not None:  # DIR/.irdma-state@NAME
-                layout, per, total, _ = await self._state_of(target)
+                layout, per, total, _, chunks = await self._state_handle(fh, target)
                 buf = bytearray(max(0, min(size, total - off)))
                 if buf:
-                    st = self._files.get(target)
-                    await self.client.read_state_into(layout, per, off, memoryview(buf),
-                                                      st.chunks if st is not None else await self.meta.chunk_map(target))
+                    await self.client.read_state_into(layout, per, off, memoryview(buf), chunks)
                 return buf
             if fh in self.control._handles:
                 return (await self.control.read(fh))[off : off + size]
@@ -809,7 +821,7 @@ class IrdmaFS(pyfuse3.Operations):
         with fuse_errors("write"):
             target = self.control.handle_target(fh)
             if target is not None:  # DIR/.irdma-state@NAME: a restore
-                layout, per, total, node = await self._state_of(target)
+                layout, per, total, node, _ = await self._state_handle(fh, target)
                 if not total or off + len(buf) > total:
                     raise InvalidArgument(
                         f"optimizer state of inode {target}: the image is {total} bytes"
@@ -888,6 +900,7 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def release(self, fh: int) -> None:
         self.control.release(fh)
+        self._state_handles.pop(fh, None)
         h = self._handles.pop(fh, None)
         if h is None:
             return
