@@ -58,11 +58,12 @@ from ._errors import (
 )
 from .meta import Inode, MetaStore, ShardRecord, open_meta
 from .meta.aio import AsyncMeta
-from .meta.base import XATTR_UPDATE
+from .meta.base import XATTR_SHAPE, XATTR_UPDATE, parse_shape
 from .metrics import MeteredConnection
 from .optimizers import HEADER, MAGIC, SLOT_NAMES, SLOTS, parse_update, state_index, state_size
 from .placement import MOVE_ALL, Layout, Move, Piece, substitute
 from .protocol import DEFAULT_MAX_PAYLOAD, Chain, ChunkEntry, StatReply, Update, UpdateOp
+from .protocol import extents as P_extents
 from .transport import ShardConnection, Transport, make_transport
 
 #: Requests in flight per shard connection.
@@ -667,6 +668,307 @@ class Client:
         assert last is not None
         raise last
 
+    # ------------------------------------------------------------ sparse rows
+    @staticmethod
+    def row_extents(layout: Layout, ids: np.ndarray, row_bytes: int) -> tuple[np.ndarray, ...]:
+        """The extents of rows ``ids`` (distinct, int64) of ``row_bytes`` bytes each: a row
+        that crosses a chunk boundary is two (or more) extents.
+
+        Returns:
+            ``(chunk, offset, length, at)``, int64 arrays sorted by chunk: each extent's chunk
+            index, byte offset in the chunk, bytes, and byte position in the packed rows
+            (row ``ids[k]`` at ``k * row_bytes``).
+        """
+        cs = layout.chunk_size
+        cur = ids.astype(np.int64) * row_bytes
+        end = cur + row_bytes
+        at = np.arange(len(ids), dtype=np.int64) * row_bytes
+        parts: list[tuple[np.ndarray, ...]] = []
+        while len(cur):
+            c = cur // cs
+            n = np.minimum(end, (c + 1) * cs) - cur
+            parts.append((c, cur - c * cs, n, at))
+            more = cur + n < end
+            cur, at, end = (cur + n)[more], (at + n)[more], end[more]
+        chunk, offset, length, at = (np.concatenate([q[k] for q in parts]) for k in range(4))
+        order = np.argsort(chunk, kind="stable")
+        return chunk[order], offset[order], length[order], at[order]
+
+    def _batches(self, chunk: np.ndarray, length: np.ndarray, sel: np.ndarray, limit: int) -> list[np.ndarray]:
+        """``sel`` (extent positions) cut into requests whose bytes plus 24 per extent fit ``limit``."""
+        cost = np.cumsum(length[sel] + 24)
+        out, start, base = [], 0, 0
+        while start < len(sel):
+            stop = int(np.searchsorted(cost, base + limit, side="right"))
+            stop = max(stop, start + 1)
+            out.append(sel[start:stop])
+            base, start = int(cost[stop - 1]), stop
+        return out
+
+    async def read_rows_into(self, layout: Layout, ids: np.ndarray, row_bytes: int, into: memoryview,
+                             chunks: ChunkMap | None = None) -> None:
+        """Pull rows ``ids`` (distinct, in-range, int64) of ``row_bytes`` bytes each into ``into``
+        (row ``ids[k]`` at byte ``k * row_bytes``): one GATHER per shard (more when the rows'
+        bytes exceed a request's payload limit), all shards at once. ps-lite's sparse pull (Li
+        et al., OSDI 2014). A replicated chunk is read from its chain's tail (always clean, CRAQ);
+        a replica that fails or lost the chunk is left for the next one.
+
+        Raises:
+            DataLost: a recorded chunk is gone from every replica. ShardUnavailable: no replica
+                answered. BadRequest. ``into`` is then partly filled.
+        """
+        out = np.frombuffer(into, dtype=np.uint8)
+        chunk, offset, length, at = self.row_extents(layout, ids, row_bytes)
+        cuts = np.flatnonzero(np.diff(chunk)) + 1
+        groups = {int(chunk[g[0]]): g for g in np.split(np.arange(len(chunk)), cuts) if len(g)}
+        cands: dict[int, list[int]] = {}
+        for c in groups:
+            placed, joining = self.placed(layout, c)
+            reps = [x for x in placed if x != joining]
+            cands[c] = reps if len(reps) == 1 else [x for x in reversed(reps) if self._current(x)]
+        errors: dict[int, IrdmaError] = {}
+        pending = set(groups)
+        limit = (self._max_piece(layout) or DEFAULT_MAX_PAYLOAD)
+        while pending:
+            by_shard: dict[int, list[int]] = collections.defaultdict(list)
+            for c in sorted(pending):
+                if not cands[c]:
+                    raise errors.get(c) or ShardUnavailable(
+                        f"no up-to-date replica of chunk {c} of file {layout.file_id} answered",
+                        "`irdma status` shows the shards; restart them with `irdma up`")
+                by_shard[cands[c][0]].append(c)
+            failed: list[tuple[int, int]] = []
+
+            async def from_shard(sid: int, cs: list[int], failed: list[tuple[int, int]] = failed) -> None:
+                sel = np.concatenate([groups[c] for c in cs])
+                for part in self._batches(chunk, length, sel, limit):
+                    lost, down = await self._gather_part(layout, sid, chunk[part], offset[part], length[part],
+                                                         at[part], out, chunks, errors)
+                    if down:  # the replica failed: every chunk asked of it goes to the next one
+                        failed.extend((c, sid) for c in cs)
+                        return
+                    failed.extend((c, sid) for c in lost)
+
+            async with open_nursery() as nursery:
+                for sid, cs in by_shard.items():
+                    nursery.start_soon(from_shard, sid, cs)
+            pending = set()
+            for c, sid in failed:
+                if sid in cands[c]:
+                    cands[c].remove(sid)
+                pending.add(c)
+
+    async def _gather_part(self, layout: Layout, shard_id: int, chunk: np.ndarray, offset: np.ndarray,
+                           length: np.ndarray, at: np.ndarray, out: np.ndarray, chunks: ChunkMap | None,
+                           errors: dict[int, IrdmaError]) -> tuple[list[int], bool]:
+        """One GATHER of these extents from one shard into ``out``; returns the chunks it lost
+        (another replica may have them) and whether the replica failed (then nothing was read)."""
+        ext = P_extents(chunk, offset, length)
+        buf = np.empty(int(length.sum()), dtype=np.uint8)
+        names = sorted(set(chunk.tolist()))
+        recorded = {c: chunks[c] for c in names if chunks and c in chunks}
+
+        async def fn(conn: ShardConnection) -> np.ndarray:
+            return await conn.gather(layout.file_id, ext, memoryview(buf))  # type: ignore[arg-type]
+
+        try:
+            versions = await self._on_shard(shard_id, fn)
+        except ShardUnavailable as exc:
+            if layout.replicas == 1:
+                raise
+            await self._mark_down(shard_id)
+            for c in names:
+                errors[c] = exc
+            return names, True
+        conn = self._conns.get(shard_id)
+        inc = conn.info.incarnation if conn is not None else None
+        lost: list[int] = []
+        for c, rec in recorded.items():
+            # written to an earlier incarnation of this shard's memory, or not here at all
+            was = rec.get(shard_id)
+            gone = bool(was and inc is not None and was != inc) or bool((versions[chunk == c] == 0).any())
+            if gone:
+                lost.append(c)
+                errors[c] = self._lost(layout, c, shard_id, "restarted with empty memory since, or no longer has it")
+        if lost:
+            bad = np.isin(chunk, lost)
+            keep = ~bad
+        else:
+            keep = slice(None)
+        pos = np.zeros(len(length) + 1, dtype=np.int64)
+        np.cumsum(length, out=pos[1:])
+        src_pos, dst_pos, lens = pos[:-1][keep], at[keep], length[keep]
+        rows = int(lens[0]) if len(lens) else 0
+        if rows and bool((lens == rows).all()) and not len(out) % rows and not bool((dst_pos % rows).any()):
+            out.reshape(-1, rows)[dst_pos // rows] = buf.reshape(-1, rows)[src_pos // rows]
+        else:
+            for sp, dp, n in zip(src_pos.tolist(), dst_pos.tolist(), lens.tolist(), strict=True):
+                out[dp : dp + n] = buf[sp : sp + n]
+        return lost, False
+
+    async def write_rows_from(self, layout: Layout, ids: np.ndarray, row_bytes: int, data: memoryview | bytes,
+                              op: UpdateOp | Update, chunks: ChunkMap | None = None) -> list[NewChunk]:
+        """Push rows ``ids`` (distinct, in-range, int64; row ``ids[k]`` at byte ``k * row_bytes``
+        of ``data``) with update op ``op`` applied per row on the shards: one SCATTER per chunk
+        chain (one per shard for files of one replica; more when the bytes exceed a request's
+        payload limit). Each chunk's rows are applied atomically with one version bump, exactly
+        once (request ids, as :meth:`write_from`).
+
+        Returns:
+            The chunk replicas created, for the chunk map (see :meth:`write_from`).
+
+        Raises:
+            As :meth:`write_from`. Other chunks' rows may have been applied.
+        """
+        src = np.frombuffer(_as_bytes_view(data), dtype=np.uint8)
+        chunk, offset, length, at = self.row_extents(layout, ids, row_bytes)
+        # rows packed in extent order: each request's payload is one contiguous slice
+        pos = np.zeros(len(length) + 1, dtype=np.int64)
+        np.cumsum(length, out=pos[1:])
+        rows = int(row_bytes)
+        if bool((length == rows).all()) and not bool((at % rows).any()):
+            packed = src.reshape(-1, rows)[at // rows].reshape(-1)
+        else:
+            packed = np.concatenate([src[a : a + n] for a, n in zip(at.tolist(), length.tolist(), strict=True)])
+        created: list[NewChunk] = []
+        limit = self._max_piece(layout) or DEFAULT_MAX_PAYLOAD
+        units = self._scatter_units(layout, chunk, chunks)
+        async with open_nursery() as nursery:
+            for sel in units:
+                for part in self._batches(chunk, length, sel, limit):
+                    nursery.start_soon(self._scatter_chain, layout, chunk[part], offset[part], length[part],
+                                       packed, pos[part], op, chunks, created, self._request_id())
+        return list(dict.fromkeys(created))  # a chunk in two requests is created once
+
+    def _scatter_units(self, layout: Layout, chunk: np.ndarray, chunks: ChunkMap | None,
+                       sel: np.ndarray | None = None) -> list[np.ndarray]:
+        """Extent positions grouped so that each group's chunks share one chain, one head
+        incarnation and whether they exist (so one request with one FLAG_EXISTING serves it)."""
+        if sel is None:
+            sel = np.arange(len(chunk))
+        keys: dict[tuple[object, ...], list[np.ndarray]] = collections.defaultdict(list)
+        sub = chunk[sel]
+        cuts = np.flatnonzero(np.diff(sub)) + 1
+        single = layout.replicas == 1
+        for g in np.split(np.arange(len(sub)), cuts):
+            if not len(g):
+                continue
+            c = int(sub[g[0]])
+            try:
+                chain: tuple[int, ...] | None = self.chain_of(layout, c)
+            except ShardUnavailable:
+                chain = None  # _scatter_chain raises the error that says why
+            rec = chunks.get(c) if chunks else None
+            head = chain[0] if chain else None
+            existing = rec is not None and (head in rec or single)
+            keys[(chain, existing, rec.get(head) if rec is not None and head is not None else None)].append(sel[g])
+        return [np.concatenate(v) for v in keys.values()]
+
+    async def _scatter_chain(self, layout: Layout, chunk: np.ndarray, offset: np.ndarray, length: np.ndarray,
+                             packed: np.ndarray, pos: np.ndarray, op: UpdateOp | Update, chunks: ChunkMap | None,
+                             created: list[NewChunk], rid: int) -> None:
+        """One SCATTER along its chunks' chain, retried with the same request id as
+        :meth:`_write_chain` does (a group whose chunks' chains parted is split)."""
+        names = sorted(set(chunk.tolist()))
+        for c in names:
+            self._writing[(layout.file_id, c)] += 1
+        try:
+            await self._scatter_attempts(layout, chunk, offset, length, packed, pos, op, chunks, created, rid)
+        finally:
+            for c in names:
+                key = (layout.file_id, c)
+                self._writing[key] -= 1
+                if not self._writing[key]:
+                    del self._writing[key]
+
+    async def _scatter_attempts(self, layout: Layout, chunk: np.ndarray, offset: np.ndarray, length: np.ndarray,
+                                packed: np.ndarray, pos: np.ndarray, op: UpdateOp | Update,
+                                chunks: ChunkMap | None, created: list[NewChunk], rid: int) -> None:
+        single = layout.replicas == 1
+        last: IrdmaError | None = None
+        refreshed = False
+        for _ in range(MAX_ATTEMPTS if not single else 2):
+            units = self._scatter_units(layout, chunk, chunks)
+            if len(units) > 1:  # the chunks' chains parted since: one request per chain, same id
+                async with open_nursery() as nursery:
+                    for u in units:
+                        nursery.start_soon(self._scatter_attempts, layout, chunk[u], offset[u], length[u], packed,
+                                           pos[u], op, chunks, created, rid)
+                return
+            c0 = int(chunk[0])
+            try:
+                chain = self.chain_of(layout, c0)
+            except ShardUnavailable as exc:
+                if refreshed:
+                    raise
+                last, refreshed = exc, True
+                await self.refresh_view()
+                continue
+            head = chain[0]
+            rec = chunks.get(c0) if chunks else None
+            existing = rec is not None and (head in rec or single)
+            inc = rec.get(head) if rec is not None else None
+            ext = P_extents(chunk, offset, length)
+            if bool((np.diff(pos) == length[:-1]).all()) if len(pos) > 1 else True:
+                payload = packed[int(pos[0]) : int(pos[0]) + int(length.sum())]
+            else:
+                payload = np.concatenate([packed[p : p + n] for p, n in zip(pos.tolist(), length.tolist(), strict=True)])
+
+            async def fn(conn: ShardConnection, chain: tuple[int, ...] = chain, head: int = head,
+                         existing: bool = existing, inc: int | None = inc, payload: np.ndarray = payload,
+                         c0: int = c0, ext: np.ndarray = ext) -> None:
+                if inc and inc != conn.info.incarnation:
+                    if single:
+                        raise self._lost(layout, c0, head, "restarted with empty memory since")
+                    raise ReplicaFailed(f"shard {head} restarted with empty memory", head)
+                await conn.scatter(layout.file_id, layout.chunk_size, ext, op, memoryview(payload), existing,
+                                   self._chain(rid, chain[1:]))
+
+            try:
+                await self._on_shard(head, fn)
+            except ReplicaFailed as exc:
+                last = exc
+                if self._current(exc.shard_id):
+                    log.warning("replica %d failed during a scatter: %s; going on without it", exc.shard_id,
+                                exc.args[0])
+                await self._mark_down(exc.shard_id)
+                continue
+            except Fenced as exc:
+                last = exc
+                await self.refresh_view()
+                continue
+            except DataLost as exc:
+                view = self._view
+                await self.refresh_view()
+                if self._view == view:
+                    raise
+                last = exc
+                continue
+            except (BadRequest, NoSpace):
+                raise
+            except ShardUnavailable as exc:
+                last = exc
+                if single:
+                    if trio.current_time() < self._down_until.get(head, 0.0):
+                        raise
+                    continue
+                if self._current(head):
+                    log.warning("head replica %d failed during a scatter: %s; going on without it", head, exc.args[0])
+                await self._mark_down(head)
+                continue
+            if single:
+                self._unsynced_single.add(head)
+            for sid in chain:
+                self._unsynced.add(sid)
+            for c in sorted(set(chunk.tolist())):
+                rc = chunks.get(c) if chunks else None
+                for sid in chain:
+                    if rc is None or sid not in rc:
+                        created.append((c, sid, await self._incarnation(sid)))
+            return
+        assert last is not None
+        raise last
+
     async def flush(self) -> None:
         """Return once every write this client made so far is durable on its shards (SYNC to
         each shard written since the last flush, every replica of the chains written included:
@@ -1166,6 +1468,120 @@ class Client:
             await self.read_into(layout_of(inode), 0, memoryview(arr).cast("B"),  # type: ignore[arg-type]
                                  await self.meta.chunk_map(inode.ino))
         return arr.reshape(shape) if shape is not None else arr
+
+    async def set_shape(self, path: str, shape: Sequence[int]) -> None:
+        """Record a file's tensor shape in its ``user.irdma.shape`` xattr (what
+        :meth:`pull_rows` and :meth:`push_rows` take rows from), creating the file if needed.
+
+        Raises:
+            InvalidArgument: not one or more positive dimensions (nothing changed).
+        """
+        inode = await self.create(path)
+        await self.meta.setxattr(inode.ino, XATTR_SHAPE, ",".join(str(int(d)) for d in shape).encode())
+
+    async def _rows_of(self, inode: Inode, row_len: int | None) -> tuple[int, int | None]:
+        """``(row bytes, row count or None)`` of a file read as float32 rows: ``row_len`` if
+        given, else from its ``user.irdma.shape`` xattr.
+
+        Raises:
+            InvalidArgument: neither says, or ``row_len`` disagrees with the shape.
+        """
+        try:
+            raw = await self.meta.getxattr(inode.ino, XATTR_SHAPE)
+        except NoAttribute:
+            raw = None
+        shape = parse_shape(raw) if raw else None
+        per_row = int(np.prod(shape[1:])) if shape else None
+        if row_len is None:
+            if per_row is None:
+                raise InvalidArgument(f"inode {inode.ino} has no {XATTR_SHAPE.decode()} xattr: pass row_len, or set"
+                                      " it (setfattr -n user.irdma.shape -v ROWS,COLS FILE)")
+            row_len = per_row
+        if row_len <= 0 or (per_row is not None and row_len != per_row):
+            raise InvalidArgument(f"row length {row_len} disagrees with {XATTR_SHAPE.decode()} {shape}"
+                                  if per_row is not None else f"row length {row_len} must be positive")
+        return 4 * row_len, (shape[0] if shape else None)
+
+    @staticmethod
+    def _row_ids(ids: object) -> np.ndarray:
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+            raise InvalidArgument(f"row ids must be a 1-D array of integers, got {arr.dtype} of shape {arr.shape}")
+        arr = arr.astype(np.int64)
+        if arr.size and int(arr.min()) < 0:
+            raise InvalidArgument(f"row id {int(arr.min())} is negative")
+        return arr
+
+    async def pull_rows(self, path: str, ids: Sequence[int] | np.ndarray, *, row_len: int | None = None) -> np.ndarray:
+        """Sparse pull: rows ``ids`` of a 2-D little-endian float32 file, in the order given
+        (duplicates allowed), as a ``(len(ids), row_len)`` float32 array. The row length comes
+        from ``row_len`` or the file's ``user.irdma.shape`` xattr (e.g. ``1000000,256``).
+        One GATHER per shard carries every row it holds (ps-lite's sparse pull).
+
+        Raises:
+            InvalidArgument: bad ids, a row past the end of the file, no row length.
+            DataLost, ShardUnavailable: as :meth:`pull`.
+        """
+        inode = await self.meta.resolve(path)
+        rb, _ = await self._rows_of(inode, row_len)
+        ids_arr = self._row_ids(ids)
+        out = np.empty((len(ids_arr), rb // 4), dtype="<f4")
+        if not len(ids_arr):
+            return out
+        if (int(ids_arr.max()) + 1) * rb > inode.size:
+            raise InvalidArgument(f"row {int(ids_arr.max())} of {rb} bytes is past the end of {path}"
+                                  f" ({inode.size} bytes, {inode.size // rb} rows)")
+        uniq, inv = np.unique(ids_arr, return_inverse=True)
+        got = out if len(uniq) == len(ids_arr) and bool((uniq == ids_arr).all()) else np.empty((len(uniq), rb // 4),
+                                                                                               dtype="<f4")
+        await self.read_rows_into(layout_of(inode), uniq, rb, memoryview(got).cast("B"),  # type: ignore[arg-type]
+                                  await self.meta.chunk_map(inode.ino))
+        if got is not out:
+            out[:] = got[inv.reshape(-1)]
+        return out
+
+    async def push_rows(self, path: str, ids: Sequence[int] | np.ndarray, rows: np.ndarray, *,
+                        op: UpdateOp | Update | str | None = None, row_len: int | None = None) -> None:
+        """Sparse push: apply ``rows`` (``(len(ids), row_len)``, cast to little-endian float32)
+        to rows ``ids`` of a file with update op ``op`` (default: the file's
+        ``user.irdma.update``; assign, add and the optimizers, applied per row on the shards).
+        Duplicate ids are summed first (their sum is what is assigned or added; ps-lite's
+        sparse push). One SCATTER per shard (per chain when replicated) carries every row it
+        holds; each chunk's rows are applied atomically. A file with a shape xattr grows to take
+        rows up to its row count; one without takes rows inside its size.
+
+        Raises:
+            InvalidArgument: bad ids or rows (nothing changed). DataLost, NoSpace,
+                ShardUnavailable, BadRequest: as :meth:`write` (other chunks' rows may have
+                been applied).
+        """
+        inode = await self.meta.resolve(path)
+        rb, nrows = await self._rows_of(inode, row_len)
+        ids_arr = self._row_ids(ids)
+        data = np.asarray(rows, dtype="<f4")
+        if data.size != len(ids_arr) * (rb // 4):
+            raise InvalidArgument(f"{len(ids_arr)} row ids need {len(ids_arr)} x {rb // 4} values, got an array of"
+                                  f" shape {data.shape}")
+        if not len(ids_arr):
+            return
+        limit = nrows if nrows is not None else inode.size // rb
+        if int(ids_arr.max()) >= limit:
+            raise InvalidArgument(f"row {int(ids_arr.max())} is past the last row of {path} ({limit} rows"
+                                  + ("" if nrows is not None else f"; set {XATTR_SHAPE.decode()} to grow it") + ")")
+        data = data.reshape(len(ids_arr), rb // 4)
+        order = np.argsort(ids_arr, kind="stable")
+        sorted_ids = ids_arr[order]
+        starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+        uniq = sorted_ids[starts]
+        summed = np.add.reduceat(data[order], starts, axis=0) if len(uniq) < len(ids_arr) else data[order]
+        uop = parse_update(op) if isinstance(op, str) else (op if op is not None else parse_update(inode.update_op or "assign"))
+        layout = layout_of(inode)
+        end = (int(uniq[-1]) + 1) * rb
+        if end > inode.size:  # the rows between must read as zeros (see write)
+            await self.truncate_data(layout, inode.size)
+        created = await self.write_rows_from(layout, uniq, rb, np.ascontiguousarray(summed, dtype="<f4"), uop,
+                                             await self.meta.chunk_map(inode.ino))
+        await self.meta.extend(inode.ino, end, time.time_ns(), tuple(created))
 
     async def set_update_op(self, path: str, op: str) -> None:
         """Set what writes to ``path`` do: ``assign``, ``add`` or an optimizer with its

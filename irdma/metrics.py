@@ -384,6 +384,15 @@ class MeteredConnection(ShardConnection):
         return await self._call("write", self.conn.write, file_id, chunk_index, chunk_size, offset, op,  # type: ignore[no-any-return]
                                 data, existing, chain, nbytes=len(data), direction="out")
 
+    async def gather(self, file_id: int, extents: Any, into: memoryview, clean: bool = False) -> Any:
+        return await self._call("gather", self.conn.gather, file_id, extents, into, clean, nbytes=len(into),
+                                direction="in")
+
+    async def scatter(self, file_id: int, chunk_size: int, extents: Any, op: Any, data: memoryview | bytes,
+                      existing: bool = False, chain: Any = None) -> int:
+        return await self._call("scatter", self.conn.scatter, file_id, chunk_size, extents, op,  # type: ignore[no-any-return]
+                                data, existing, chain, nbytes=len(data), direction="out")
+
     async def resync(self, file_id: int, chunk_index: int, chunk_size: int, chain: Any) -> int:
         return await self._call("resync", self.conn.resync, file_id, chunk_index, chunk_size, chain)  # type: ignore[no-any-return]
 

@@ -50,6 +50,14 @@ fences views older than its own. The statuses STALE, FENCED, DIRTY
 and FORWARD_FAILED belong to replication; STALE and FORWARD_FAILED bodies start with the u32 id
 of the replica concerned. See :mod:`irdma.server.replicate`.
 
+Sparse access (protocol 7): GATHER pulls a list of *extents* (chunk index, offset, length) of
+one file in one request and SCATTER pushes one with an update op, ps-lite's sparse pull and push
+(Li et al., OSDI 2014) as vectored I/O in the manner of ``preadv``/``pwritev``. An extent lies
+inside one chunk; a SCATTER applies its extents of each chunk atomically with one version bump
+per chunk (extents of one chunk must not overlap); a GATHER reply carries one u64 version per
+extent (0: a hole, read as zeros), after a u32 count and 4 pad bytes, and then the extents' bytes in request order. Extents travel
+as ``!QII`` records (16 bytes each) after the fixed part.
+
 The update ops and their semantics (applied atomically per chunk by the shard, each bumps the
 chunk's version by one) follow the parameter-server model of ps-lite (Li et al., OSDI 2014)
 and the server-side accumulate of SoftMemoryBox II (Ahn et al., IEEE Access 2020).
@@ -62,12 +70,14 @@ import struct
 from dataclasses import dataclass, field
 from typing import Union
 
+import numpy as np
+
 from ._errors import LocalProtocolError, RemoteProtocolError
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 #: Oldest protocol version this code speaks (3 added chain replication, 4 authentication, 5 GMAC
-#: frame tags, 6 optimizer update ops).
-MIN_PROTOCOL_VERSION = 6
+#: frame tags, 6 optimizer update ops, 7 GATHER and SCATTER of extents: sparse rows).
+MIN_PROTOCOL_VERSION = 7
 MAGIC = b"IR"
 HEADER = struct.Struct("!2sBBIHHI")
 HEADER_SIZE = HEADER.size  # 16
@@ -89,6 +99,9 @@ FLAG_REPLACE = 0x10
 FLAG_CLEAN = 0x20
 #: On the reply to HELLO: a challenge (the shard's nonce); prove the key with AUTH.
 FLAG_CHALLENGE = 0x40
+#: On SCATTER: the payload is not in the frame but in the connection's staging buffer at
+#: ``staging_offset`` (verbs: it moved there by RDMA WRITE).
+FLAG_STAGED = 0x80
 #: Most entries one LIST reply carries.
 MAX_LIST_ENTRIES = 4096
 
@@ -108,6 +121,8 @@ class Opcode(enum.IntEnum):
     RESYNC = 12
     CHECKSUM = 13
     AUTH = 14
+    GATHER = 15
+    SCATTER = 16
 
 
 class Status(enum.IntEnum):
@@ -232,6 +247,36 @@ _CHECKSUM = struct.Struct("!QQQ")  # file id, chunk index, view
 _CHECKSUM_R = struct.Struct("!QI")  # version, CRC-32 of the chunk's bytes
 _ERR_SHARD = struct.Struct("!I")
 _OPTIM = struct.Struct("!4dI4x")  # an optimizer update's arguments and flags
+_GATHER = struct.Struct("!QI4x")  # file id, extent count; extents follow
+_GATHER_R = struct.Struct("!I4x")  # extent count; a u64 version per extent and the bytes follow
+_SCATTER = struct.Struct("!QIIB3xQ")  # file id, chunk size, extent count, op, staging offset
+#: One extent of GATHER and SCATTER: chunk index (u64), offset in the chunk, length (u32 each).
+EXTENT = np.dtype([("chunk", ">u8"), ("offset", ">u4"), ("length", ">u4")])
+#: Bytes of one extent on the wire.
+EXTENT_SIZE = EXTENT.itemsize  # 16
+_VERSIONS = np.dtype(">u8")
+
+
+def extents(chunk: object, offset: object, length: object) -> np.ndarray:
+    """An array of :data:`EXTENT` records from three equal-length integer sequences.
+
+    Raises:
+        LocalProtocolError: the sequences differ in length or a value does not fit its field.
+    """
+    c, o, n = (np.asarray(x, dtype=np.int64).reshape(-1) for x in (chunk, offset, length))
+    if not len(c) == len(o) == len(n):
+        raise LocalProtocolError(f"extents of {len(c)} chunks, {len(o)} offsets and {len(n)} lengths")
+    if len(c) and (c.min() < 0 or o.min() < 0 or n.min() < 0 or o.max() >= 1 << 32 or n.max() >= 1 << 32):
+        raise LocalProtocolError("an extent's chunk, offset or length does not fit its field")
+    out = np.empty(len(c), dtype=EXTENT)
+    out["chunk"], out["offset"], out["length"] = c, o, n
+    return out
+
+
+def _decode_extents(body: memoryview, at: int, count: int, what: str) -> tuple[np.ndarray, int]:
+    end = at + count * EXTENT_SIZE
+    _need(body, end, what)
+    return np.frombuffer(body[at:end], dtype=EXTENT), end
 
 
 def _encode_update(op: UpdateOp | Update) -> tuple[int, bytes]:
@@ -362,6 +407,52 @@ class Write:
     existing: bool = False  # FLAG_EXISTING: never create the chunk
     chain: Chain | None = None  # FLAG_CHAIN: replicate along this chain
     replace: bool = False  # FLAG_REPLACE (forwards only): data is the whole chunk
+
+
+@dataclass
+class Gather:
+    """Pull ``extents`` (:data:`EXTENT` records) of one file in one request (sparse rows).
+    ``clean``: FLAG_CLEAN, answer DIRTY if any extent's chunk has an update in flight (CRAQ)."""
+
+    file_id: int
+    extents: np.ndarray
+    clean: bool = False
+
+
+@dataclass
+class GatherReply:
+    """Reply to GATHER: ``versions`` (u64 per extent, 0 for a hole, which reads as zeros) and
+    ``data``, the extents' bytes one after the other in request order."""
+
+    versions: np.ndarray
+    data: memoryview | bytes = b""
+
+
+@dataclass
+class Scatter:
+    """Push ``data`` into ``extents`` of one file with update op ``op`` (sparse rows).
+
+    ``data`` is the extents' bytes one after the other in request order; with ``staged`` (FLAG_STAGED,
+    verbs) it is not in the frame but at ``staging_offset`` of the connection's staging buffer.
+    The extents of one chunk are applied atomically, one version bump per chunk; a chained
+    SCATTER is applied once per (request id, chunk) and forwarded chunk by chunk. Answered with a
+    :class:`VersionReply` of the highest chunk version reached.
+    """
+
+    file_id: int
+    chunk_size: int
+    extents: np.ndarray
+    op: UpdateOp | Update
+    data: memoryview | bytes = b""
+    existing: bool = False  # FLAG_EXISTING: never create a chunk
+    chain: Chain | None = None  # FLAG_CHAIN
+    staged: bool = False  # FLAG_STAGED
+    staging_offset: int = 0
+
+    @property
+    def length(self) -> int:
+        """Bytes of payload the extents name."""
+        return int(self.extents["length"].sum(dtype=np.int64))
 
 
 @dataclass
@@ -541,10 +632,10 @@ class ErrorReply:
 
 
 Request = Union[Hello, Read, Write, Stat, Free, Punch, VerbsConnect, Locate, RemoteWrite, List, Sync, Resync, Checksum,
-                Auth]
+                Auth, Gather, Scatter]
 Reply = Union[
     HelloReply, ReadReply, VersionReply, StatReply, FreeReply, ErrorReply, VerbsConnectReply, LocateReply, ListReply,
-    ChecksumReply, AuthChallenge,
+    ChecksumReply, AuthChallenge, GatherReply,
 ]
 
 _REQUEST_OPCODE: dict[type, Opcode] = {
@@ -562,6 +653,8 @@ _REQUEST_OPCODE: dict[type, Opcode] = {
     Resync: Opcode.RESYNC,
     Checksum: Opcode.CHECKSUM,
     Auth: Opcode.AUTH,
+    Gather: Opcode.GATHER,
+    Scatter: Opcode.SCATTER,
 }
 
 
@@ -639,6 +732,23 @@ def encode_request(msg: Request, request_id: int) -> list[bytes | memoryview]:
             flags = (FLAG_EXISTING if msg.existing else 0) | (FLAG_CHAIN if msg.chain is not None else 0)
         elif isinstance(msg, List):
             parts = [_LIST.pack(msg.after_file, msg.after_chunk, msg.max_entries)]
+        elif isinstance(msg, Gather):
+            ext = np.ascontiguousarray(msg.extents, dtype=EXTENT)
+            parts = [_GATHER.pack(msg.file_id, len(ext)), ext.tobytes()]
+            flags = FLAG_CLEAN if msg.clean else 0
+        elif isinstance(msg, Scatter):
+            ext = np.ascontiguousarray(msg.extents, dtype=EXTENT)
+            opv, optim = _encode_update(msg.op)
+            fixed = _SCATTER.pack(msg.file_id, msg.chunk_size, len(ext), opv, msg.staging_offset) + optim
+            if msg.chain is not None:
+                fixed += msg.chain.encode()
+                flags |= FLAG_CHAIN
+            if not msg.staged and len(msg.data) != msg.length:
+                raise LocalProtocolError(f"SCATTER of {len(msg.data)} bytes into extents of {msg.length}")
+            parts = [fixed, ext.tobytes()]
+            if not msg.staged and len(msg.data):
+                parts.append(msg.data)
+            flags |= (FLAG_EXISTING if msg.existing else 0) | (FLAG_STAGED if msg.staged else 0)
         else:
             parts = [_PUNCH.pack(msg.file_id, msg.chunk_index, msg.offset)]
     except struct.error as exc:
@@ -664,6 +774,9 @@ def encode_reply(opcode: int, request_id: int, msg: Reply) -> list[bytes | memor
     elif isinstance(msg, AuthChallenge):
         flags |= FLAG_CHALLENGE
         parts = [msg.nonce]
+    elif isinstance(msg, GatherReply):
+        parts = [_GATHER_R.pack(len(msg.versions)) + np.ascontiguousarray(msg.versions, dtype=_VERSIONS).tobytes(),
+                 msg.data]
     elif isinstance(msg, ReadReply):
         if msg.hole:
             flags |= FLAG_HOLE
@@ -841,6 +954,26 @@ def decode_request(frame: Frame) -> Request:
     if op == Opcode.LIST:
         _exact(body, _LIST.size, "LIST")
         return List(*_LIST.unpack_from(body))
+    if op == Opcode.GATHER:
+        _need(body, _GATHER.size, "GATHER")
+        fid, count = _GATHER.unpack_from(body)
+        ext, at = _decode_extents(body, _GATHER.size, count, "GATHER")
+        _exact(body, at, "GATHER")
+        return Gather(fid, ext, bool(frame.flags & FLAG_CLEAN))
+    if op == Opcode.SCATTER:
+        _need(body, _SCATTER.size, "SCATTER")
+        fid, csize, count, opv, soff = _SCATTER.unpack_from(body)
+        uop, at = _decode_update(opv, body, _SCATTER.size)
+        chain, at = (Chain.decode(body, at) if frame.flags & FLAG_CHAIN else (None, at))
+        ext, at = _decode_extents(body, at, count, "SCATTER")
+        staged = bool(frame.flags & FLAG_STAGED)
+        msg = Scatter(fid, csize, ext, uop, b"" if staged else body[at:], bool(frame.flags & FLAG_EXISTING), chain,
+                      staged, soff)
+        if staged:
+            _exact(body, at, "SCATTER (staged)")
+        elif len(body) - at != msg.length:
+            raise RemoteProtocolError(f"SCATTER carries {len(body) - at} bytes for extents of {msg.length}")
+        return msg
     raise UnknownOpcode(f"unknown opcode {op}")
 
 
@@ -920,6 +1053,15 @@ def decode_reply(frame: Frame) -> Reply:
     if op == Opcode.CHECKSUM:
         _exact(body, _CHECKSUM_R.size, "CHECKSUM reply")
         return ChecksumReply(*_CHECKSUM_R.unpack_from(body))
+    if op == Opcode.GATHER:
+        _need(body, _GATHER_R.size, "GATHER reply")
+        (count,) = _GATHER_R.unpack_from(body)
+        end = _GATHER_R.size + 8 * count
+        _need(body, end, "GATHER reply")
+        return GatherReply(np.frombuffer(body[_GATHER_R.size : end], dtype=_VERSIONS), body[end:])
+    if op == Opcode.SCATTER:
+        _exact(body, _VERSION.size, "SCATTER reply")
+        return VersionReply(_VERSION.unpack_from(body)[0])
     if op == Opcode.LIST:
         _need(body, _LIST_R.size, "LIST reply")
         (count,) = _LIST_R.unpack_from(body)

@@ -85,6 +85,19 @@ class SyncClient:
     def pull(self, path: str, shape: Sequence[int] | None = None, dtype: str = "<f4") -> np.ndarray:
         return self._run(self.client.pull, path, shape, dtype)  # type: ignore[no-any-return]
 
+    def pull_rows(self, path: str, ids: Sequence[int] | np.ndarray, *, row_len: int | None = None) -> np.ndarray:
+        """Sparse pull (see Client.pull_rows)."""
+        return self._run(self.client.pull_rows, path, ids, row_len=row_len)  # type: ignore[no-any-return]
+
+    def push_rows(self, path: str, ids: Sequence[int] | np.ndarray, rows: np.ndarray, *, op: str | None = None,
+                  row_len: int | None = None) -> None:
+        """Sparse push (see Client.push_rows)."""
+        self._run(self.client.push_rows, path, ids, rows, op=op, row_len=row_len)
+
+    def set_shape(self, path: str, shape: Sequence[int]) -> None:
+        """Record a file's tensor shape (see Client.set_shape)."""
+        self._run(self.client.set_shape, path, shape)
+
     def create(self, path: str, *, chunk_size: int | None = None) -> Inode:
         return self._run(self.client.create, path, chunk_size=chunk_size)  # type: ignore[no-any-return]
 

@@ -36,6 +36,7 @@ import math
 from collections.abc import Awaitable
 from typing import Any
 
+import numpy as np
 import trio
 
 from irdma import auth
@@ -55,7 +56,7 @@ from irdma.metrics import error_kind
 from irdma.transport.tcp import TcpConnection, TcpTransport
 
 from . import optim
-from .shard import Shard
+from .shard import Shard, split_extents
 
 log = logging.getLogger("irdma.server.replicate")
 
@@ -69,7 +70,7 @@ CONNECT_TIMEOUT_S = 2.0
 
 @dataclasses.dataclass(eq=False)
 class _Forward:
-    msg: P.Write
+    msg: P.Write | P.Scatter
     seq: int
     sent: trio.Event = dataclasses.field(default_factory=trio.Event)
     conn: TcpConnection | None = None
@@ -99,7 +100,7 @@ class Link:
         self.replaced: dict[tuple[int, int], _Forward] = {}  # the last REPLACE queued per chunk
         nursery.start_soon(self._run, name=f"irdma-forward {address}")
 
-    def submit(self, msg: P.Write) -> _Forward:
+    def submit(self, msg: P.Write | P.Scatter) -> _Forward:
         self._seq += 1
         fw = _Forward(msg, self._seq)
         self._send.send_nowait(fw)
@@ -172,7 +173,8 @@ class Replicator:
         self.nursery = nursery
         self.keys = keys
         self.view = 0
-        self._applied: collections.OrderedDict[int, int] = collections.OrderedDict()
+        # request id -> version reached; (request id, chunk index) for a SCATTER's chunks
+        self._applied: collections.OrderedDict[int | tuple[int, int], int] = collections.OrderedDict()
         self._dirty: collections.Counter[tuple[int, int]] = collections.Counter()
         self._links: dict[str, Link] = {}
         #: Where forwards are timed (:class:`irdma.metrics.ShardMetrics`; the server sets it).
@@ -188,6 +190,14 @@ class Replicator:
         if msg.clean and self._dirty[(msg.file_id, msg.chunk_index)]:
             raise Dirty(f"shard {self.shard.shard_id}: chunk ({msg.file_id}, {msg.chunk_index}) has an update"
                         " not yet on every replica: read the chain's tail")
+
+    def check_gather(self, file_id: int, chunks: Any) -> None:
+        """Raise Dirty for a clean GATHER that names a chunk with forwards in flight."""
+        if self._dirty:
+            for index in set(chunks.tolist()):
+                if self._dirty[(file_id, index)]:
+                    raise Dirty(f"shard {self.shard.shard_id}: chunk ({file_id}, {index}) has an update not yet on"
+                                " every replica: read the chain's tail")
 
     def note_view(self, view: int) -> None:
         """Fence shard-map epochs older than ``view`` from now on (0: none named).
@@ -207,7 +217,7 @@ class Replicator:
     def _check_view(self, chain: P.Chain) -> None:
         self.note_view(chain.view)
 
-    def _remember(self, request_id: int, version: int) -> None:
+    def _remember(self, request_id: int | tuple[int, int], version: int) -> None:
         if request_id:
             self._applied[request_id] = version
             if len(self._applied) > DEDUP_ENTRIES:
@@ -253,6 +263,70 @@ class Replicator:
             return version
         fwd = dataclasses.replace(msg, data=data, existing=False, chain=self._next(chain, version))
         return self._forward(msg.file_id, msg.chunk_index, fwd, chain, version)
+
+    def scatter(self, msg: P.Scatter, data: memoryview | bytes) -> int | Awaitable[int]:
+        """Apply a chained SCATTER once per (request id, chunk) and forward each chunk's part
+        down the chain as a SCATTER of that chunk alone (so a successor's ``expect`` check and a
+        stale replica's whole-chunk REPLACE work per chunk, as for :meth:`write`).
+
+        Returns:
+            The highest chunk version reached, or an awaitable of it (see :meth:`write`).
+
+        Raises:
+            Fenced, ReplicaStale, and what :meth:`Shard.scatter` raises.
+        """
+        chain = msg.chain
+        assert chain is not None
+        self._check_view(chain)
+        shard = self.shard
+        parts = split_extents(msg.extents, msg.chunk_size, msg.op, len(data))
+        if chain.expect and len(parts) != 1:
+            raise BadRequest("a forwarded SCATTER names extents of one chunk")
+        src = np.frombuffer(data, dtype=np.uint8)
+        outs: list[int | Awaitable[int]] = []
+        for index, offs, lens, at in parts:
+            key = (chain.request_id, index) if chain.request_id else 0
+            version = self._applied.get(key) if key else None
+            if version is None:
+                if chain.expect:
+                    have = shard.version_of(msg.file_id, index)
+                    if have + 1 != chain.expect:
+                        raise ReplicaStale(
+                            f"shard {shard.shard_id}: chunk ({msg.file_id}, {index}) is at version {have},"
+                            f" the update follows version {chain.expect - 1}", shard.shard_id)
+                version = shard.scatter(msg.file_id, index, msg.chunk_size, offs, lens, at, msg.op, data,
+                                        msg.existing and not chain.expect)
+                self._remember(key, version)
+            if not chain.successors:
+                outs.append(version)
+                continue
+            packed = np.concatenate([src[p : p + n] for p, n in zip(at.tolist(), lens.tolist(), strict=True)])
+            fwd = P.Scatter(msg.file_id, msg.chunk_size, P.extents(np.full(len(offs), index), offs, lens), msg.op,
+                            packed.tobytes(), chain=self._next(chain, version))
+            outs.append(self._forward(msg.file_id, index, fwd, chain, version))
+        if all(isinstance(o, int) for o in outs):
+            return max(outs)  # type: ignore[type-var]
+
+        async def all_of() -> int:
+            # every chunk's wait runs (and ends: its chunk stops being dirty), cancelled or not
+            results: list[int] = [o for o in outs if isinstance(o, int)]
+            errors: list[Exception] = []
+
+            async def one(aw: Awaitable[int]) -> None:
+                try:
+                    results.append(await aw)
+                except Exception as exc:
+                    errors.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                for o in outs:
+                    if not isinstance(o, int):
+                        nursery.start_soon(one, o)
+            if errors:
+                raise errors[0]
+            return max(results)
+
+        return all_of()
 
     def resync(self, msg: P.Resync) -> int | Awaitable[int]:
         """Send this shard's copy of a chunk down the chain (RESYNC); see :meth:`write`."""
@@ -309,7 +383,8 @@ class Replicator:
                         self.shard.shard_id, key, link.successor_id, exc)
 
     # ------------------------------------------------------------ the wait for the chain
-    def _forward(self, file_id: int, chunk_index: int, fwd: P.Write, chain: P.Chain, version: int) -> Awaitable[int]:
+    def _forward(self, file_id: int, chunk_index: int, fwd: P.Write | P.Scatter, chain: P.Chain,
+                 version: int) -> Awaitable[int]:
         link = self._link(chain)
         key = (file_id, chunk_index)
         fw = link.submit(fwd)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import trio
 
 from irdma import auth
@@ -43,7 +44,7 @@ from irdma.metrics import serve as serve_metrics
 from irdma.transport.tcp import Macs, recv_exactly, send_parts, tune_socket
 
 from .replicate import Replicator
-from .shard import Shard
+from .shard import Shard, split_extents
 
 if TYPE_CHECKING:
     from .verbs import VerbsShard
@@ -173,6 +174,10 @@ class ShardServer:
             if status == "ok":
                 if isinstance(msg, P.Write):
                     bytes_in = len(msg.data)
+                elif isinstance(msg, P.Scatter):
+                    bytes_in = msg.length
+                elif isinstance(reply, P.GatherReply):
+                    bytes_out = len(reply.data)
                 elif isinstance(msg, P.RemoteWrite):
                     bytes_in = msg.length
                 elif isinstance(reply, P.ReadReply) and not reply.hole:
@@ -223,6 +228,36 @@ class ShardServer:
                 raise BadRequest("a whole-chunk copy (FLAG_REPLACE) comes only with a chain")
             version = shard.write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, msg.data,
                                   msg.existing)
+            return P.VersionReply(version)
+        if isinstance(msg, P.Gather):
+            chunks = msg.extents["chunk"].astype(np.int64)
+            lengths = msg.extents["length"].astype(np.int64)
+            total = int(lengths.sum())
+            if total + 8 * len(lengths) > self.max_payload:
+                raise BadRequest(f"a gather of {total} bytes in {len(lengths)} extents exceeds the payload limit"
+                                 f" {self.max_payload} (8 bytes of version per extent count)")
+            if msg.clean:
+                self.replicator.check_gather(msg.file_id, chunks)
+            out = bytearray(total)  # a copy: see READ
+            versions = shard.gather(msg.file_id, chunks, msg.extents["offset"].astype(np.int64), lengths,
+                                    memoryview(out))
+            return P.GatherReply(versions, out)
+        if isinstance(msg, P.Scatter):
+            data: memoryview | bytes = msg.data
+            if msg.staged:
+                if staging is None:
+                    raise BadRequest("this connection has no staging buffer (a staged SCATTER needs the verbs transport)")
+                n = msg.length
+                if msg.staging_offset + n > len(staging):
+                    raise BadRequest(f"staged range leaves the {len(staging)}-byte staging buffer")
+                data = bytes(staging[msg.staging_offset : msg.staging_offset + n])
+            if msg.chain is not None:
+                out = self.replicator.scatter(msg, data)
+                return P.VersionReply(out) if isinstance(out, int) else out
+            version = 0
+            for index, offs, lens, at in split_extents(msg.extents, msg.chunk_size, msg.op, len(data)):
+                version = max(version, shard.scatter(msg.file_id, index, msg.chunk_size, offs, lens, at, msg.op, data,
+                                                     msg.existing))
             return P.VersionReply(version)
         if isinstance(msg, P.Resync):
             out = self.replicator.resync(msg)
@@ -584,12 +619,12 @@ def _opcode_name(opcode: int) -> str:
 
 _OP_NAMES = {P.Read: "read", P.Write: "write", P.RemoteWrite: "remote_write", P.Resync: "resync",
              P.Checksum: "checksum", P.List: "list", P.Sync: "sync", P.Stat: "stat", P.Free: "free",
-             P.Punch: "punch", P.Locate: "locate"}
+             P.Punch: "punch", P.Locate: "locate", P.Gather: "gather", P.Scatter: "scatter"}
 
 
 def _op_of(msg: P.Request) -> str:
     """The ``op`` label of a request: ``forward`` for an update another shard forwarded."""
-    if isinstance(msg, P.Write) and msg.chain is not None and (msg.chain.expect or msg.replace):
+    if isinstance(msg, (P.Write, P.Scatter)) and msg.chain is not None and (msg.chain.expect or getattr(msg, "replace", False)):
         return "forward"
     return _OP_NAMES.get(type(msg), type(msg).__name__.lower())
 

@@ -312,6 +312,114 @@ class Shard:
             dst += np.frombuffer(data, dtype="<f4")
         return self._bump(chunk)
 
+    # ------------------------------------------------------------ extents (sparse rows)
+    def gather(self, file_id: int, chunk: np.ndarray, offset: np.ndarray, length: np.ndarray,
+               out: memoryview) -> np.ndarray:
+        """Copy extents of a file into ``out``, one after the other (GATHER: sparse rows).
+
+        ``chunk``, ``offset``, ``length``: int64 arrays, one extent each (chunk index, byte
+        offset in the chunk, bytes); ``out`` has room for exactly their total. A missing chunk
+        reads as zeros. A copy, so the caller may send it while updates go on.
+
+        Returns:
+            The version of each extent's chunk (uint64; 0 for a hole).
+
+        Raises:
+            BadRequest: an extent leaves its chunk, or ``out`` is not the extents' total.
+        """
+        pos = _positions(length)
+        if pos[-1] != len(out):
+            raise BadRequest(f"{len(out)} bytes of room for extents of {pos[-1]}")
+        versions = np.zeros(len(chunk), dtype=np.uint64)
+        dst = np.frombuffer(out, dtype=np.uint8)
+        for index, sel in _by_chunk(chunk):
+            c = self._chunks.get((file_id, index))
+            if c is None:
+                for i in sel:
+                    dst[pos[i] : pos[i] + length[i]] = 0
+                continue
+            offs, lens = offset[sel], length[sel]
+            if int((offs + lens).max()) > c.size:
+                raise BadRequest(f"an extent leaves the {c.size}-byte chunk ({file_id}, {index})")
+            versions[sel] = self.versions[c.slot]
+            src = np.frombuffer(self.region.view[c.offset : c.offset + c.size], dtype=np.uint8)
+            rows = _uniform(offs, lens, pos[sel], c.size, len(dst))
+            if rows:  # equal, aligned extents: one fancy-indexed copy of rows
+                dst.reshape(-1, rows)[pos[sel] // rows] = src.reshape(-1, rows)[offs // rows]
+            else:
+                for o, n, p in zip(offs.tolist(), lens.tolist(), pos[sel].tolist(), strict=True):
+                    dst[p : p + n] = src[o : o + n]
+        return versions
+
+    def scatter(self, file_id: int, chunk_index: int, chunk_size: int, offset: np.ndarray, length: np.ndarray,
+                at: np.ndarray, op: UpdateOp | Update, data: memoryview | bytes, existing: bool = False) -> int:
+        """Apply an update op to extents of one chunk, atomically, with one version bump
+        (SCATTER: sparse rows; every op of :meth:`write`, applied extent by extent).
+
+        ``offset``, ``length``: int64 arrays, byte offset in the chunk and bytes of each
+        extent; ``at``: where each extent's bytes start in ``data``. Extents must not overlap.
+
+        Returns:
+            The chunk's version after the update.
+
+        Raises:
+            BadRequest: an extent leaves the chunk, extents overlap, an op other than assign is
+                not float32-aligned, or as :meth:`write`. NoSpace, DataLost: as :meth:`write`.
+                Nothing changed in every case.
+        """
+        if not len(offset):
+            raise BadRequest("a scatter names no extent")
+        kind = op_kind(op)
+        ends = offset + length
+        if int(offset.min()) < 0 or int(ends.max()) > chunk_size or int(length.min()) < 0:
+            raise BadRequest(f"an extent leaves the {chunk_size}-byte chunk ({file_id}, {chunk_index})")
+        if int((at + length).max()) > len(data):
+            raise BadRequest("an extent's bytes leave the payload")
+        order = np.argsort(offset, kind="stable")
+        if len(order) > 1 and bool((offset[order][1:] < ends[order][:-1]).any()):
+            raise BadRequest(f"extents of chunk ({file_id}, {chunk_index}) overlap: sum duplicate rows first")
+        if kind.is_float32 and bool(((offset % 4) | (length % 4)).any()):
+            raise BadRequest(f"{kind.name.lower()} needs float32 alignment: every extent's offset and length"
+                             " must be multiples of 4")
+        if optim.is_state(chunk_index) and kind != UpdateOp.ASSIGN:
+            raise BadRequest(f"chunk index {chunk_index} names optimizer state: only assign writes it")
+        if kind.is_optimizer and not isinstance(op, Update):
+            raise BadRequest(f"{kind.name.lower()} needs its arguments")
+        src = np.frombuffer(data, dtype=np.uint8)
+        if kind.is_optimizer:
+            assert isinstance(op, Update)
+            had_state = (file_id, optim.state_index(chunk_index)) in self._chunks
+            state = self._state_for(file_id, chunk_index, chunk_size, op, existing)
+            try:
+                chunk = self._get_or_create(file_id, chunk_index, chunk_size, existing)
+            except NoSpace:
+                if not had_state:
+                    self._drop(file_id, optim.state_index(chunk_index))
+                raise
+            sview = self.region.view[state.offset : state.offset + state.size]
+            for o, n, p in zip(offset.tolist(), length.tolist(), at.tolist(), strict=True):
+                start = chunk.offset + o
+                optim.apply(op, self.region.view[start : start + n], src[p : p + n], sview, chunk_size, o)
+            version = self._bump(chunk)
+            self.versions[state.slot] = version
+            return version
+        chunk = self._get_or_create(file_id, chunk_index, chunk_size, existing)
+        dst = np.frombuffer(self.region.view[chunk.offset : chunk.offset + chunk.size], dtype=np.uint8)
+        rows = _uniform(offset, length, at, chunk.size, len(src))
+        if rows and kind == UpdateOp.ASSIGN:
+            dst.reshape(-1, rows)[offset // rows] = src.reshape(-1, rows)[at // rows]
+        elif rows:  # add: the extents are distinct rows, so one fancy-indexed += is exact
+            d32, s32 = dst.view("<f4").reshape(-1, rows // 4), src.view("<f4").reshape(-1, rows // 4)
+            d32[offset // rows] += s32[at // rows]
+        else:
+            for o, n, p in zip(offset.tolist(), length.tolist(), at.tolist(), strict=True):
+                if kind == UpdateOp.ASSIGN:
+                    dst[o : o + n] = src[p : p + n]
+                else:
+                    d = dst[o : o + n].view("<f4")
+                    d += src[p : p + n].view("<f4")
+        return self._bump(chunk)
+
     def _state_for(self, file_id: int, chunk_index: int, chunk_size: int, update: Update, existing: bool) -> Chunk:
         """The state chunk of a chunk, made (or made afresh) for ``update``'s optimizer
         (allocated before the chunk itself; :meth:`write` drops it again if the chunk finds no room)."""
@@ -455,3 +563,61 @@ class Shard:
         self.versions[chunk.slot] = 0
         self._alloc.free(chunk.offset, chunk.size)
         self.used -= chunk.size
+
+
+def _positions(length: np.ndarray) -> np.ndarray:
+    """Where each extent's bytes start in a payload of them one after the other, plus the total."""
+    pos = np.zeros(len(length) + 1, dtype=np.int64)
+    np.cumsum(length, out=pos[1:])
+    return pos
+
+
+def _by_chunk(chunk: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """``(chunk index, positions of its extents in request order)`` for each chunk named."""
+    order = np.argsort(chunk, kind="stable")
+    sorted_chunks = chunk[order]
+    cuts = np.flatnonzero(np.diff(sorted_chunks)) + 1
+    return [(int(sorted_chunks[g[0]]), g) for g in np.split(order, cuts) if len(g)] if len(order) else []
+
+
+def _uniform(offset: np.ndarray, length: np.ndarray, at: np.ndarray, chunk_size: int, payload: int) -> int:
+    """The common length L of extents that tile both the chunk and the payload in rows of L
+    bytes (so a copy is one fancy-indexed row copy), or 0 when they do not."""
+    rows = int(length[0])
+    if rows <= 0 or rows % 4 or chunk_size % rows or payload % rows:
+        return 0
+    if bool((length != rows).any()) or bool((offset % rows).any()) or bool((at % rows).any()):
+        return 0
+    return rows
+
+
+def split_extents(ext: np.ndarray, chunk_size: int, op: UpdateOp | Update,
+                  payload: int) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+    """Check a SCATTER's extents and group them by chunk, before anything is applied.
+
+    Returns:
+        ``(chunk index, offsets, lengths, payload positions)`` per chunk, int64 arrays, in
+        chunk order.
+
+    Raises:
+        BadRequest: no extent, an extent leaves its chunk, extents of one chunk overlap, the
+            payload is not the extents' total, or an op other than assign is not aligned to float32.
+    """
+    chunk = ext["chunk"].astype(np.int64)
+    offset = ext["offset"].astype(np.int64)
+    length = ext["length"].astype(np.int64)
+    if not len(chunk):
+        raise BadRequest("a scatter names no extent")
+    pos = _positions(length)
+    if pos[-1] != payload:
+        raise BadRequest(f"a scatter carries {payload} bytes for extents of {pos[-1]}")
+    if int((offset + length).max()) > chunk_size:
+        raise BadRequest(f"an extent leaves the {chunk_size}-byte chunk")
+    if op_kind(op).is_float32 and bool(((offset % 4) | (length % 4)).any()):
+        raise BadRequest(f"{op_kind(op).name.lower()} needs float32 alignment: every extent's offset and length"
+                         " must be multiples of 4")
+    order = np.lexsort((offset, chunk))
+    c, o, e = chunk[order], offset[order], (offset + length)[order]
+    if len(order) > 1 and bool(((c[1:] == c[:-1]) & (o[1:] < e[:-1])).any()):
+        raise BadRequest("extents of one chunk overlap: sum duplicate rows into one first")
+    return [(index, offset[sel], length[sel], pos[sel]) for index, sel in _by_chunk(chunk)]

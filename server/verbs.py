@@ -169,8 +169,8 @@ class VerbsShard:
             if inspect.isawaitable(reply):
                 later.start_soon(reply_later, frame.opcode, frame.request_id, reply)
                 continue
-            if isinstance(reply, P.ReadReply):  # READ goes one-sided; refuse it here
-                reply = P.ErrorReply(P.Status.BAD_REQUEST, "READ over SEND is not served: use RDMA READ")
+            if isinstance(reply, (P.ReadReply, P.GatherReply)):  # reads go one-sided; refuse them here
+                reply = P.ErrorReply(P.Status.BAD_REQUEST, "READ and GATHER over SEND are not served: use RDMA READ")
             try:
                 await ep.send_frame(P.encode_reply(frame.opcode, frame.request_id, reply))
             except ShardUnavailable as exc:  # the client closed its queue pair while we answered

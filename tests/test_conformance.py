@@ -262,6 +262,106 @@ def test_optimizer_steps_match_the_reference_over_two_chunks(conn: _Conn, name: 
     run(body)
 
 
+# ---------------------------------------------------------------- sparse rows: GATHER and SCATTER
+def _row_extents(fid: int, ids: np.ndarray, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The wire extents of rows ``ids`` (a row crossing a chunk boundary is two) and where each
+    extent's bytes sit in the packed rows."""
+    from irdma.client import Client
+    from irdma.placement import Layout
+
+    chunk, offset, length, at = Client.row_extents(Layout(fid, CHUNK, (1,), 1), ids, row_bytes)
+    return P.extents(chunk, offset, length), at
+
+
+def _pack(rows: np.ndarray, ext: np.ndarray, at: np.ndarray) -> bytes:
+    flat = rows.reshape(-1).view(np.uint8)
+    return b"".join(flat[a : a + n].tobytes() for a, n in zip(at.tolist(), ext["length"].tolist(), strict=True))
+
+
+def _unpack(buf: bytes, ext: np.ndarray, at: np.ndarray, nbytes: int) -> np.ndarray:
+    out = np.zeros(nbytes, dtype=np.uint8)
+    pos = 0
+    for a, n in zip(at.tolist(), ext["length"].tolist(), strict=True):
+        out[a : a + n] = np.frombuffer(buf, dtype=np.uint8, count=n, offset=pos)
+        pos += n
+    return out.view("<f4")
+
+
+@pytest.mark.parametrize("row_floats", [256, 250])  # rows that tile a chunk, and rows that cross chunks
+def test_gather_and_scatter_of_random_rows_match_numpy(conn: _Conn, row_floats: int) -> None:
+    """Sparse pull and push (GATHER, SCATTER) of random rows against numpy: holes read as zeros
+    with version 0, assign and add per row, one version bump per chunk per request, and a refused
+    request (overlapping extents) changes nothing."""
+
+    async def body(nursery: trio.Nursery) -> None:
+        c = await conn(nursery)
+        fid = new_file()
+        rb = 4 * row_floats
+        nrows = (3 * CHUNK) // rb
+        rng = np.random.default_rng(row_floats)
+        table = rng.integers(-1000, 1000, size=(nrows, row_floats)).astype("<f4") / 4  # sums stay exact
+        for k in range(2):  # chunks 0 and 1 written; chunk 2 is a hole
+            await c.write(fid, k, CHUNK, 0, UpdateOp.ASSIGN, table.reshape(-1).view(np.uint8)[k * CHUNK : (k + 1) * CHUNK])
+        table.reshape(-1).view(np.uint8)[2 * CHUNK :] = 0
+        ids = rng.choice(nrows, size=400, replace=False)
+        ext, at = _row_extents(fid, ids, rb)
+        buf = bytearray(int(ext["length"].sum()))
+        versions = await c.gather(fid, ext, memoryview(buf))
+        np.testing.assert_array_equal(_unpack(bytes(buf), ext, at, len(ids) * rb).reshape(len(ids), -1), table[ids])
+        assert set(np.asarray(versions)[ext["chunk"] == 2].tolist()) <= {0}
+        assert (np.asarray(versions)[ext["chunk"] < 2] > 0).all()
+
+        delta = rng.integers(-64, 64, size=(len(ids), row_floats)).astype("<f4") / 8
+        await c.scatter(fid, CHUNK, ext, UpdateOp.ADD, _pack(delta, ext, at))
+        table[ids] += delta
+        new = rng.integers(-64, 64, size=(50, row_floats)).astype("<f4")
+        ext2, at2 = _row_extents(fid, ids[:50], rb)
+        await c.scatter(fid, CHUNK, ext2, UpdateOp.ASSIGN, _pack(new, ext2, at2))
+        table[ids[:50]] = new
+        whole = bytearray(3 * CHUNK)
+        for k in range(3):
+            await c.read(fid, k, 0, memoryview(whole)[k * CHUNK : (k + 1) * CHUNK])
+        np.testing.assert_array_equal(np.frombuffer(whole, "<f4")[: nrows * row_floats].reshape(nrows, -1), table)
+        if row_floats == 256:  # one version bump per chunk per request: write 1, add 2, assign 3
+            before = bytearray(4)
+            assert await c.read(fid, int(ext2["chunk"][0]), 0, memoryview(before)) == 3
+
+        # overlapping extents of one chunk are refused whole: nothing changes
+        bad = P.extents([0, 1, 1], [0, 0, 8], [16, 16, 16])
+        with pytest.raises(BadRequest, match="overlap"):
+            await c.scatter(fid, CHUNK, bad, UpdateOp.ADD, bytes(48))
+        with pytest.raises(BadRequest, match="leaves"):
+            await c.scatter(fid, CHUNK, P.extents([0], [CHUNK - 4], [8]), UpdateOp.ASSIGN, bytes(8))
+        again = bytearray(3 * CHUNK)
+        for k in range(3):
+            await c.read(fid, k, 0, memoryview(again)[k * CHUNK : (k + 1) * CHUNK])
+        assert again == whole
+
+    run(body)
+
+
+def test_scatter_applies_an_optimizer_per_row(conn: _Conn) -> None:
+    """A SCATTER with SGD steps exactly the rows it names, as numpy computes it, and no other."""
+
+    async def body(nursery: trio.Nursery) -> None:
+        c = await conn(nursery)
+        fid = new_file()
+        rng = np.random.default_rng(7)
+        table = rng.standard_normal((CHUNK // 1024, 256)).astype("<f4")
+        await c.write(fid, 0, CHUNK, 0, UpdateOp.ASSIGN, table.tobytes())
+        ids = rng.choice(len(table), size=64, replace=False)
+        grad = rng.standard_normal((64, 256)).astype("<f4")
+        ext, at = _row_extents(fid, ids, 1024)
+        update = parse_update("sgd learning_rate=0.5")
+        await c.scatter(fid, CHUNK, ext, update, _pack(grad, ext, at))
+        table[ids] -= grad * np.float32(0.5)
+        out = bytearray(CHUNK)
+        await c.read(fid, 0, 0, memoryview(out))
+        np.testing.assert_array_equal(np.frombuffer(out, "<f4").reshape(table.shape), table)
+
+    run(body)
+
+
 # ---------------------------------------------------------------- errors change nothing
 def test_refused_requests_change_nothing_and_the_connection_goes_on(conn: _Conn) -> None:
     async def body(nursery: trio.Nursery) -> None:

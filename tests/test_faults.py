@@ -138,6 +138,13 @@ def test_a_restarted_shard_never_reads_as_zeros(tmp_path: object) -> None:
         with irdma.connect(c.meta_url, transport="tcp") as cl:
             with pytest.raises(irdma.DataLost):
                 cl.pull("/d/weights")
+            # sparse rows too: a pull of rows on the lost chunks, and a push of rows into them
+            lost = next(i for i, sid in enumerate(shards) if sid == victim.shard_id)
+            rows = np.arange(lost * 1024, (lost + 1) * 1024, 97)  # 1 KiB rows of that chunk
+            with pytest.raises(irdma.DataLost):
+                cl.pull_rows("/d/weights", rows, row_len=256)
+            with pytest.raises(irdma.DataLost):
+                cl.push_rows("/d/grads", np.arange(0, 512, 7), np.ones((74, 256), "<f4"), op="add", row_len=256)
         # status and fsck name the damaged files and exit 2
         res = irdma_cli("status", "--meta", c.meta_url, check=False)
         assert res.returncode == 2, res.stdout + res.stderr

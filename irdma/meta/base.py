@@ -23,6 +23,23 @@ XATTR_CHUNK_SIZE = b"user.irdma.chunk_size"
 #: ``direct`` (direct I/O: no page cache, large requests; for parameters streamed in bulk).
 XATTR_IO = b"user.irdma.io"
 IO_MODES = (b"cached", b"direct")
+#: The xattr that gives a file's tensor shape, e.g. ``1000000,256`` (C order, little-endian
+#: float32): a sparse pull or push of rows (:meth:`irdma.Client.pull_rows`) takes its row length
+#: (the product of every dimension after the first) and row count (the first) from it.
+XATTR_SHAPE = b"user.irdma.shape"
+
+
+def parse_shape(value: bytes | str) -> tuple[int, ...]:
+    """``b"1000000,256"`` (commas or ``x``, spaces ignored) -> ``(1000000, 256)``.
+
+    Raises:
+        ValueError: not one or more positive integers.
+    """
+    text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+    parts = [p.strip() for p in text.replace("x", ",").split(",")]
+    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"bad {XATTR_SHAPE.decode()} {text!r}: use positive dimensions such as 1000000,256")
+    return tuple(int(p) for p in parts)
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 #: The longest file name (bytes) and symlink target (bytes, PATH_MAX less its NUL).

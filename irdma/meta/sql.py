@@ -61,9 +61,11 @@ from .base import (
     SYMLINK_MAX,
     XATTR_CHUNK_SIZE,
     XATTR_IO,
+    XATTR_SHAPE,
     XATTR_UPDATE,
     Inode,
     MetaStore,
+    parse_shape,
     setid_bits,
 )
 from .sql_cluster import SqlCluster
@@ -554,6 +556,11 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
             else:
                 if name == XATTR_IO and value.strip() not in IO_MODES:
                     raise InvalidArgument(f"bad {XATTR_IO.decode()} {value!r}: use cached or direct")
+                if name == XATTR_SHAPE:
+                    try:
+                        value = ",".join(map(str, parse_shape(value))).encode()
+                    except ValueError as exc:
+                        raise InvalidArgument(str(exc)) from None
                 c.execute("INSERT INTO xattrs VALUES (?,?,?) ON CONFLICT (ino, name) DO UPDATE SET value=excluded.value",
                           (ino, name, value.strip() if name == XATTR_IO else value))
                 c.execute("UPDATE inodes SET ctime_ns=? WHERE ino=?", (now(), ino))

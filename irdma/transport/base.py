@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+import numpy as np
 import trio
 
 from irdma.auth import KeyRing
@@ -100,6 +101,37 @@ class ShardConnection(abc.ABC):
             ReplicaFailed: applied here, a successor failed (retry with the same request id).
             Fenced: the chain's view is older than one the shard has seen.
         """
+
+    async def gather(self, file_id: int, extents: np.ndarray, into: memoryview, clean: bool = False) -> np.ndarray:
+        """Fill ``into`` with the bytes of ``extents`` (:data:`irdma.protocol.EXTENT` records,
+        each inside one chunk) one after the other: a sparse pull in one request (TCP) or one
+        batch of RDMA READs (verbs). A missing chunk reads as zeros. ``clean``: as :meth:`read`.
+
+        Returns:
+            uint64 array, per extent: its chunk's version, 0 for a hole (one-sided transports
+            answer only 0 or non-zero).
+
+        Raises:
+            BadRequest: an extent leaves its chunk, or the request exceeds the payload limit
+                (the extents' bytes plus 24 bytes per extent must fit ``info.max_payload``).
+            Dirty: ``clean`` and a chunk has an update in flight. ShardUnavailable.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot gather")
+
+    async def scatter(self, file_id: int, chunk_size: int, extents: np.ndarray, op: UpdateOp | Update,
+                      data: memoryview | bytes, existing: bool = False, chain: Chain | None = None) -> int:
+        """Apply update op ``op`` with ``data`` (the extents' bytes one after the other) to
+        ``extents`` of a file: a sparse push. Each chunk's extents are applied atomically with
+        one version bump; extents of one chunk must not overlap. ``existing`` and ``chain`` as
+        :meth:`write` (a chained scatter is applied once per request id and chunk).
+
+        Returns:
+            The highest chunk version reached.
+
+        Raises:
+            As :meth:`write`; BadRequest also for overlapping extents.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot scatter")
 
     async def resync(self, file_id: int, chunk_index: int, chunk_size: int, chain: Chain) -> int:
         """Send this shard's copy of a chunk down ``chain`` (ordered after every update it

@@ -22,6 +22,7 @@ import socket as _stdsocket
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import trio
 
 from irdma import auth
@@ -293,6 +294,21 @@ class TcpConnection(ShardConnection):
         chain: P.Chain | None = None,
     ) -> int:
         reply = await self._call(P.Write(file_id, chunk_index, chunk_size, offset, op, data, existing, chain))
+        assert isinstance(reply, P.VersionReply)
+        return reply.version
+
+    async def gather(self, file_id: int, extents: np.ndarray, into: memoryview, clean: bool = False) -> np.ndarray:
+        reply = await self._call(P.Gather(file_id, extents, clean))
+        assert isinstance(reply, P.GatherReply)
+        if len(reply.versions) != len(extents) or len(reply.data) != len(into):
+            raise ShardUnavailable(f"shard at {self.address} answered a gather of {len(extents)} extents,"
+                                   f" {len(into)} bytes, with {len(reply.versions)} and {len(reply.data)}")
+        into[:] = reply.data
+        return reply.versions
+
+    async def scatter(self, file_id: int, chunk_size: int, extents: np.ndarray, op: UpdateOp | Update,
+                      data: memoryview | bytes, existing: bool = False, chain: P.Chain | None = None) -> int:
+        reply = await self._call(P.Scatter(file_id, chunk_size, extents, op, data, existing, chain))
         assert isinstance(reply, P.VersionReply)
         return reply.version
 

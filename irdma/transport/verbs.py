@@ -63,6 +63,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import trio
 
 from irdma import protocol as P
@@ -102,6 +103,10 @@ STAGING_SLOTS = 4  # staging buffers per connection on the shard, POOL_BUFFER_SI
 CONNECT_TIMEOUT = 10.0  # seconds for TCP connect, HELLO and VERBS_CONNECT together
 RELEASE_TIMEOUT = 10.0  # seconds aclose waits for the poller to release the verbs resources
 _RECV_BIT = 1 << 62
+#: RDMA READs of one gather batch (at most half the send queue, so two batches fit in flight).
+GATHER_WRS = SEND_DEPTH // 2
+#: Extents of one staged SCATTER: its control frame (16 bytes each) must fit a SEND slot.
+SCATTER_EXTENTS = 384
 
 
 def _fix(exc: BaseException) -> str:
@@ -876,7 +881,90 @@ class VerbsConnection(ShardConnection):
         assert isinstance(reply, P.VersionReply)
         return reply.version
 
-    async def _push(self, view: memoryview, raddr: int, rkey: int, commit: P.RemoteWrite,
+    async def gather(self, file_id: int, extents: np.ndarray, into: memoryview, clean: bool = False) -> np.ndarray:
+        """One-sided: each extent is an RDMA READ from the chunk's place in the region (located
+        once, then cached), up to GATHER_WRS of them posted at once into a pool buffer. The
+        versions answered are 0 for a hole and 1 for a chunk that exists (no version table read)."""
+        chunk = extents["chunk"].astype(np.int64)
+        offset = extents["offset"].astype(np.int64)
+        length = extents["length"].astype(np.int64)
+        pos = np.zeros(len(chunk) + 1, dtype=np.int64)
+        np.cumsum(length, out=pos[1:])
+        if pos[-1] != len(into):
+            raise BadRequest(f"{len(into)} bytes of room for extents of {pos[-1]}")
+        locs = {int(c): await self._locate(file_id, int(c), 0) for c in np.unique(chunk)}
+        assert self.remote is not None
+        r = self.remote
+        pool = self._pool
+        versions = np.zeros(len(chunk), dtype=np.uint64)
+        out = np.frombuffer(into, dtype=np.uint8)
+        n, i = len(chunk), 0
+        while i < n:
+            hold = await pool.take()
+            try:
+                base = pool.mr.buf + hold.offset
+                wrs, items, fill = [], [], 0
+                while i < n and len(wrs) < GATHER_WRS:
+                    c, o, k, p = int(chunk[i]), int(offset[i]), int(length[i]), int(pos[i])
+                    if k > pool.size:
+                        raise BadRequest(f"an extent of {k} bytes exceeds the {pool.size}-byte transfer buffer")
+                    if fill + k > pool.size:
+                        break
+                    loc = locs[c]
+                    if loc is None:
+                        out[p : p + k] = 0
+                    else:
+                        if o + k > loc.chunk_size:
+                            raise BadRequest(f"range [{o}, {o + k}) leaves the {loc.chunk_size}-byte chunk")
+                        versions[i] = 1
+                        if k:
+                            wrs.append((e.IBV_WR_RDMA_READ, base + fill, k, pool.mr.lkey,
+                                        r.region_addr + loc.region_offset + o, r.region_rkey))
+                            items.append((p, fill, k))
+                            fill += k
+                    i += 1
+                if wrs:
+                    await self._ep.wait(await self._ep.post(wrs, hold=hold))
+                    # no checkpoint from here on: the device is done with the buffer
+                    for p, f, k in items:
+                        out[p : p + k] = pool.view[hold.offset + f : hold.offset + f + k]
+            finally:
+                hold.drop()
+        return versions
+
+    async def scatter(self, file_id: int, chunk_size: int, extents: np.ndarray, op: UpdateOp | P.Update,
+                      data: memoryview | bytes, existing: bool = False, chain: P.Chain | None = None) -> int:
+        """Staged: up to a pool buffer's worth of bytes (and SCATTER_EXTENTS extents) goes by RDMA
+        WRITE into a staging slot, then a SCATTER naming it by SEND; each batch is its own update
+        (its own request id: the chain's plus the batch's number)."""
+        view = memoryview(data).cast("B")
+        length = extents["length"].astype(np.int64)
+        pos = np.zeros(len(length) + 1, dtype=np.int64)
+        np.cumsum(length, out=pos[1:])
+        if pos[-1] != len(view):
+            raise BadRequest(f"a scatter of {len(view)} bytes into extents of {pos[-1]}")
+        assert self.remote is not None
+        r = self.remote
+        version, i, batch = 0, 0, 0
+        while i < len(length):
+            j = i
+            while j < len(length) and j - i < SCATTER_EXTENTS and pos[j + 1] - pos[i] <= self._pool.size:
+                j += 1
+            if j == i:
+                raise BadRequest(f"an extent of {int(length[i])} bytes exceeds the {self._pool.size}-byte transfer buffer")
+            if chain is not None and batch >= 256:
+                raise BadRequest("a scatter of more than 256 batches: send fewer extents per call")
+            sub = None if chain is None else dataclasses.replace(chain, request_id=chain.request_id + batch)
+            soff = await self._staging.take()
+            msg = P.Scatter(file_id, chunk_size, extents[i:j], op, b"", existing, sub, True, soff)
+            reply = await self._push(view[int(pos[i]) : int(pos[j])], r.staging_addr + soff, r.staging_rkey, msg,
+                                     staging=soff)
+            assert isinstance(reply, P.VersionReply)
+            version = max(version, reply.version)
+            i, batch = j, batch + 1
+        return version
+
+    async def _push(self, view: memoryview, raddr: int, rkey: int, commit: P.RemoteWrite | P.Scatter,
                     staging: int | None = None) -> P.Reply:
         """RDMA WRITE ``view`` to ``raddr`` from a pool buffer, then SEND ``commit``: both posted
         together, in that order. Takes over ``staging`` (see :meth:`_rpc`)."""

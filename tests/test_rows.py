@@ -1,0 +1,135 @@
+"""Sparse rows through the native client (ps-lite's sparse pull and push): random row ids
+with duplicates against numpy, on real shard processes with one and two replicas; the shape
+xattr; refused input changes nothing (a lost chunk: test_faults.py); and the mount's own sparse
+path (pread/pwrite of rows) agrees with the client's."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from helpers import Cluster, mounted, running_cluster
+
+import irdma
+
+ROW = 256  # float32 per row
+CHUNK = 1 << 20
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-replica", "two-replicas"])
+def rows_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with running_cluster(str(tmp_path_factory.mktemp("rows")), shards=3, capacity=64 << 20,
+                         replicas=request.param) as c:
+        yield c
+
+
+def _table(rng: np.random.Generator, nrows: int, cols: int = ROW) -> np.ndarray:
+    return (rng.integers(-1000, 1000, size=(nrows, cols)) / 4).astype("<f4")  # sums of these stay exact
+
+
+@pytest.mark.parametrize("cols", [ROW, 250])  # rows that tile a chunk, rows that cross chunk boundaries
+def test_pull_and_push_rows_with_duplicates_match_numpy(rows_cluster: Cluster, cols: int) -> None:
+    rng = np.random.default_rng(cols)
+    nrows = 5000  # 5 MB: chunks on every shard
+    path = f"/emb-{cols}"
+    with irdma.connect(rows_cluster.meta_url, transport="tcp") as c:
+        table = _table(rng, nrows, cols)
+        c.write(path, table, chunk_size=CHUNK)
+        c.set_shape(path, (nrows, cols))
+
+        ids = rng.integers(0, nrows, size=3000)  # duplicates, any order
+        np.testing.assert_array_equal(c.pull_rows(path, ids), table[ids])
+
+        delta = (rng.integers(-64, 64, size=(len(ids), cols)) / 8).astype("<f4")
+        c.push_rows(path, ids, delta, op="add")
+        np.add.at(table, ids, delta)
+        np.testing.assert_array_equal(c.pull(path).reshape(nrows, cols), table)
+
+        # assign: duplicates are summed first, and their sum is what lands
+        few = np.array([7, 3, 7, nrows - 1], dtype=np.int64)
+        vals = (rng.integers(-8, 8, size=(4, cols))).astype("<f4")
+        c.push_rows(path, few, vals, op="assign")
+        table[3], table[7], table[nrows - 1] = vals[1], vals[0] + vals[2], vals[3]
+        np.testing.assert_array_equal(c.pull(path).reshape(nrows, cols), table)
+        np.testing.assert_array_equal(c.pull_rows(path, [nrows - 1, 0, 3]), table[[nrows - 1, 0, 3]])
+        assert c.pull_rows(path, []).shape == (0, cols)
+        c.unlink(path)
+
+
+def test_push_rows_with_the_files_optimizer_steps_only_those_rows(rows_cluster: Cluster) -> None:
+    rng = np.random.default_rng(3)
+    with irdma.connect(rows_cluster.meta_url, transport="tcp") as c:
+        table = rng.standard_normal((2000, ROW)).astype("<f4")
+        c.write("/emb-sgd", table, chunk_size=CHUNK)
+        c.set_shape("/emb-sgd", table.shape)
+        c.set_update_op("/emb-sgd", "sgd learning_rate=0.25")
+        ids = rng.choice(2000, size=300, replace=False)
+        grad = rng.standard_normal((300, ROW)).astype("<f4")
+        c.push_rows("/emb-sgd", ids, grad)  # the file's op
+        table[ids] -= grad * np.float32(0.25)
+        np.testing.assert_array_equal(c.pull("/emb-sgd").reshape(table.shape), table)
+        c.unlink("/emb-sgd")
+
+
+def test_rows_grow_a_shaped_file_and_bad_input_changes_nothing(rows_cluster: Cluster) -> None:
+    with irdma.connect(rows_cluster.meta_url, transport="tcp") as c:
+        c.set_shape("/emb-new", (1000, ROW))  # an empty table of 1000 rows
+        c.push_rows("/emb-new", [900, 10], np.ones((2, ROW), "<f4"), op="add")
+        assert c.stat("/emb-new").size == 901 * ROW * 4
+        got = c.pull("/emb-new").reshape(901, ROW)
+        assert got[900].tolist() == [1.0] * ROW and got[10].tolist() == [1.0] * ROW
+        assert not got[np.r_[0:10, 11:900]].any()  # the rows between read as zeros
+        before = c.read("/emb-new")
+        with pytest.raises(irdma.InvalidArgument, match="past the last row"):
+            c.push_rows("/emb-new", [1000], np.ones((1, ROW), "<f4"))
+        with pytest.raises(irdma.InvalidArgument, match="negative"):
+            c.push_rows("/emb-new", [-1], np.ones((1, ROW), "<f4"))
+        with pytest.raises(irdma.InvalidArgument, match="values"):
+            c.push_rows("/emb-new", [1, 2], np.ones((1, ROW), "<f4"))
+        with pytest.raises(irdma.InvalidArgument, match="past the end"):
+            c.pull_rows("/emb-new", [950])
+        with pytest.raises(irdma.InvalidArgument, match="integers"):
+            c.pull_rows("/emb-new", [1.5])
+        with pytest.raises(irdma.InvalidArgument, match="disagrees"):
+            c.pull_rows("/emb-new", [1], row_len=ROW + 1)
+        with pytest.raises(irdma.InvalidArgument, match="dimensions"):
+            c.set_shape("/emb-new", (0, ROW))
+        assert c.read("/emb-new") == before
+        c.write("/plain", np.zeros(4 * ROW, "<f4"))
+        with pytest.raises(irdma.InvalidArgument, match="row_len"):
+            c.pull_rows("/plain", [1])
+        np.testing.assert_array_equal(c.pull_rows("/plain", [3], row_len=ROW), np.zeros((1, ROW), "<f4"))
+        c.unlink("/emb-new")
+        c.unlink("/plain")
+
+
+def test_rows_through_the_mount_agree_with_the_client(rows_cluster: Cluster, tmp_path: object) -> None:
+    """The mount's sparse path: a pread per row (the documented way) sees what push_rows
+    wrote, and a pwrite per row is what pull_rows reads."""
+    rng = np.random.default_rng(11)
+    with irdma.connect(rows_cluster.meta_url, transport="tcp") as c:
+        table = _table(rng, 3000)
+        c.write("/emb-mnt", table, chunk_size=CHUNK)
+        c.set_shape("/emb-mnt", table.shape)
+        ids = rng.choice(3000, size=200, replace=False)
+        delta = np.ones((200, ROW), "<f4")
+        c.push_rows("/emb-mnt", ids, delta, op="add")
+        table[ids] += delta
+        with mounted(rows_cluster.meta_url, str(tmp_path) + "/m") as m:
+            fd = os.open(m + "/emb-mnt", os.O_RDWR)
+            try:
+                rb = ROW * 4
+                for i in ids[:50].tolist():
+                    np.testing.assert_array_equal(np.frombuffer(os.pread(fd, rb, i * rb), "<f4"), table[i])
+                new = np.full(ROW, 2.5, "<f4")
+                for i in ids[:20].tolist():
+                    assert os.pwrite(fd, new.tobytes(), i * rb) == rb
+                    table[i] = new
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        np.testing.assert_array_equal(c.pull_rows("/emb-mnt", ids), table[ids])
+        c.unlink("/emb-mnt")
+
