@@ -94,6 +94,15 @@ def layout_of(inode: Inode) -> Layout:
     return Layout(inode.ino, inode.chunk_size, inode.stripe, inode.replicas)
 
 
+def _pack(src: np.ndarray, at: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """The bytes ``src[at[k] : at[k] + length[k]]`` one after the other (one fancy-indexed copy
+    when every extent is a whole row of the same length)."""
+    rows = int(length[0]) if len(length) else 0
+    if rows and not len(src) % rows and bool((length == rows).all()) and not bool((at % rows).any()):
+        return src.reshape(-1, rows)[at // rows].reshape(-1)
+    return np.concatenate([src[a : a + n] for a, n in zip(at.tolist(), length.tolist(), strict=True)])
+
+
 def _as_bytes_view(data: object) -> memoryview:
     view = memoryview(data)  # type: ignore[arg-type]
     if not view.c_contiguous:
@@ -675,7 +684,7 @@ class Client:
         that crosses a chunk boundary is two (or more) extents.
 
         Returns:
-            ``(chunk, offset, length, at)``, int64 arrays sorted by chunk: each extent's chunk
+            ``(chunk, offset, length, at)``, int64 arrays sorted by chunk and offset: each extent's chunk
             index, byte offset in the chunk, bytes, and byte position in the packed rows
             (row ``ids[k]`` at ``k * row_bytes``).
         """
@@ -691,7 +700,7 @@ class Client:
             more = cur + n < end
             cur, at, end = (cur + n)[more], (at + n)[more], end[more]
         chunk, offset, length, at = (np.concatenate([q[k] for q in parts]) for k in range(4))
-        order = np.argsort(chunk, kind="stable")
+        order = np.lexsort((offset, chunk))  # ascending within each chunk: the shard walks its memory in order
         return chunk[order], offset[order], length[order], at[order]
 
     def _batches(self, chunk: np.ndarray, length: np.ndarray, sel: np.ndarray, limit: int) -> list[np.ndarray]:
@@ -764,15 +773,15 @@ class Client:
         """One GATHER of these extents from one shard into ``out``; returns the chunks it lost
         (another replica may have them) and whether the replica failed (then nothing was read)."""
         ext = P_extents(chunk, offset, length)
-        buf = np.empty(int(length.sum()), dtype=np.uint8)
         names = sorted(set(chunk.tolist()))
         recorded = {c: chunks[c] for c in names if chunks and c in chunks}
 
-        async def fn(conn: ShardConnection) -> np.ndarray:
-            return await conn.gather(layout.file_id, ext, memoryview(buf))  # type: ignore[arg-type]
+        async def fn(conn: ShardConnection) -> tuple[np.ndarray, memoryview]:
+            return await conn.gather(layout.file_id, ext)
 
         try:
-            versions = await self._on_shard(shard_id, fn)
+            versions, got = await self._on_shard(shard_id, fn)
+            buf = np.frombuffer(got, dtype=np.uint8)
         except ShardUnavailable as exc:
             if layout.replicas == 1:
                 raise
@@ -822,14 +831,6 @@ class Client:
         """
         src = np.frombuffer(_as_bytes_view(data), dtype=np.uint8)
         chunk, offset, length, at = self.row_extents(layout, ids, row_bytes)
-        # rows packed in extent order: each request's payload is one contiguous slice
-        pos = np.zeros(len(length) + 1, dtype=np.int64)
-        np.cumsum(length, out=pos[1:])
-        rows = int(row_bytes)
-        if bool((length == rows).all()) and not bool((at % rows).any()):
-            packed = src.reshape(-1, rows)[at // rows].reshape(-1)
-        else:
-            packed = np.concatenate([src[a : a + n] for a, n in zip(at.tolist(), length.tolist(), strict=True)])
         created: list[NewChunk] = []
         limit = self._max_piece(layout) or DEFAULT_MAX_PAYLOAD
         units = self._scatter_units(layout, chunk, chunks)
@@ -837,7 +838,7 @@ class Client:
             for sel in units:
                 for part in self._batches(chunk, length, sel, limit):
                     nursery.start_soon(self._scatter_chain, layout, chunk[part], offset[part], length[part],
-                                       packed, pos[part], op, chunks, created, self._request_id())
+                                       src, at[part], op, chunks, created, self._request_id())
         return list(dict.fromkeys(created))  # a chunk in two requests is created once
 
     def _scatter_units(self, layout: Layout, chunk: np.ndarray, chunks: ChunkMap | None,
@@ -865,7 +866,7 @@ class Client:
         return [np.concatenate(v) for v in keys.values()]
 
     async def _scatter_chain(self, layout: Layout, chunk: np.ndarray, offset: np.ndarray, length: np.ndarray,
-                             packed: np.ndarray, pos: np.ndarray, op: UpdateOp | Update, chunks: ChunkMap | None,
+                             src: np.ndarray, at: np.ndarray, op: UpdateOp | Update, chunks: ChunkMap | None,
                              created: list[NewChunk], rid: int) -> None:
         """One SCATTER along its chunks' chain, retried with the same request id as
         :meth:`_write_chain` does (a group whose chunks' chains parted is split)."""
@@ -873,7 +874,7 @@ class Client:
         for c in names:
             self._writing[(layout.file_id, c)] += 1
         try:
-            await self._scatter_attempts(layout, chunk, offset, length, packed, pos, op, chunks, created, rid)
+            await self._scatter_attempts(layout, chunk, offset, length, src, at, op, chunks, created, rid)
         finally:
             for c in names:
                 key = (layout.file_id, c)
@@ -882,7 +883,7 @@ class Client:
                     del self._writing[key]
 
     async def _scatter_attempts(self, layout: Layout, chunk: np.ndarray, offset: np.ndarray, length: np.ndarray,
-                                packed: np.ndarray, pos: np.ndarray, op: UpdateOp | Update,
+                                src: np.ndarray, at: np.ndarray, op: UpdateOp | Update,
                                 chunks: ChunkMap | None, created: list[NewChunk], rid: int) -> None:
         single = layout.replicas == 1
         last: IrdmaError | None = None
@@ -892,8 +893,8 @@ class Client:
             if len(units) > 1:  # the chunks' chains parted since: one request per chain, same id
                 async with open_nursery() as nursery:
                     for u in units:
-                        nursery.start_soon(self._scatter_attempts, layout, chunk[u], offset[u], length[u], packed,
-                                           pos[u], op, chunks, created, rid)
+                        nursery.start_soon(self._scatter_attempts, layout, chunk[u], offset[u], length[u], src,
+                                           at[u], op, chunks, created, rid)
                 return
             c0 = int(chunk[0])
             try:
@@ -909,10 +910,7 @@ class Client:
             existing = rec is not None and (head in rec or single)
             inc = rec.get(head) if rec is not None else None
             ext = P_extents(chunk, offset, length)
-            if bool((np.diff(pos) == length[:-1]).all()) if len(pos) > 1 else True:
-                payload = packed[int(pos[0]) : int(pos[0]) + int(length.sum())]
-            else:
-                payload = np.concatenate([packed[p : p + n] for p, n in zip(pos.tolist(), length.tolist(), strict=True)])
+            payload = _pack(src, at, length)
 
             async def fn(conn: ShardConnection, chain: tuple[int, ...] = chain, head: int = head,
                          existing: bool = existing, inc: int | None = inc, payload: np.ndarray = payload,
@@ -1512,31 +1510,38 @@ class Client:
             raise InvalidArgument(f"row id {int(arr.min())} is negative")
         return arr
 
-    async def pull_rows(self, path: str, ids: Sequence[int] | np.ndarray, *, row_len: int | None = None) -> np.ndarray:
+    async def pull_rows(self, path: str, ids: Sequence[int] | np.ndarray, *, row_len: int | None = None,
+                        out: np.ndarray | None = None) -> np.ndarray:
         """Sparse pull: rows ``ids`` of a 2-D little-endian float32 file, in the order given
-        (duplicates allowed), as a ``(len(ids), row_len)`` float32 array. The row length comes
-        from ``row_len`` or the file's ``user.irdma.shape`` xattr (e.g. ``1000000,256``).
-        One GATHER per shard carries every row it holds (ps-lite's sparse pull).
+        (duplicates allowed), as a ``(len(ids), row_len)`` float32 array (``out`` if given: a
+        C-contiguous float32 array of that shape, reused across calls to spare page faults).
+        The row length comes from ``row_len`` or the file's ``user.irdma.shape`` xattr (e.g.
+        ``1000000,256``). One GATHER per shard carries every row it holds (ps-lite's sparse pull).
 
         Raises:
-            InvalidArgument: bad ids, a row past the end of the file, no row length.
+            InvalidArgument: bad ids, a row past the end of the file, no row length, a bad ``out``.
             DataLost, ShardUnavailable: as :meth:`pull`.
         """
         inode = await self.meta.resolve(path)
         rb, _ = await self._rows_of(inode, row_len)
         ids_arr = self._row_ids(ids)
-        out = np.empty((len(ids_arr), rb // 4), dtype="<f4")
+        if out is None:
+            out = np.empty((len(ids_arr), rb // 4), dtype="<f4")
+        elif out.dtype != np.dtype("<f4") or out.shape != (len(ids_arr), rb // 4) or not out.flags.c_contiguous:
+            raise InvalidArgument(f"out must be a C-contiguous float32 array of shape {(len(ids_arr), rb // 4)},"
+                                  f" got {out.dtype} {out.shape}")
         if not len(ids_arr):
             return out
         if (int(ids_arr.max()) + 1) * rb > inode.size:
             raise InvalidArgument(f"row {int(ids_arr.max())} of {rb} bytes is past the end of {path}"
                                   f" ({inode.size} bytes, {inode.size // rb} rows)")
         uniq, inv = np.unique(ids_arr, return_inverse=True)
-        got = out if len(uniq) == len(ids_arr) and bool((uniq == ids_arr).all()) else np.empty((len(uniq), rb // 4),
-                                                                                               dtype="<f4")
-        await self.read_rows_into(layout_of(inode), uniq, rb, memoryview(got).cast("B"),  # type: ignore[arg-type]
+        dups = len(uniq) < len(ids_arr)  # without duplicates each row lands in place, in the order asked
+        got = np.empty((len(uniq), rb // 4), dtype="<f4") if dups else out
+        await self.read_rows_into(layout_of(inode), uniq if dups else ids_arr, rb,
+                                  memoryview(got).cast("B"),  # type: ignore[arg-type]
                                   await self.meta.chunk_map(inode.ino))
-        if got is not out:
+        if dups:
             out[:] = got[inv.reshape(-1)]
         return out
 
@@ -1572,11 +1577,13 @@ class Client:
         order = np.argsort(ids_arr, kind="stable")
         sorted_ids = ids_arr[order]
         starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
-        uniq = sorted_ids[starts]
-        summed = np.add.reduceat(data[order], starts, axis=0) if len(uniq) < len(ids_arr) else data[order]
+        if len(starts) < len(ids_arr):  # duplicates: summed (in the order given) into one row each
+            uniq, summed = sorted_ids[starts], np.add.reduceat(data[order], starts, axis=0)
+        else:
+            uniq, summed = ids_arr, data
         uop = parse_update(op) if isinstance(op, str) else (op if op is not None else parse_update(inode.update_op or "assign"))
         layout = layout_of(inode)
-        end = (int(uniq[-1]) + 1) * rb
+        end = (int(sorted_ids[-1]) + 1) * rb
         if end > inode.size:  # the rows between must read as zeros (see write)
             await self.truncate_data(layout, inode.size)
         created = await self.write_rows_from(layout, uniq, rb, np.ascontiguousarray(summed, dtype="<f4"), uop,

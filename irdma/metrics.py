@@ -384,9 +384,9 @@ class MeteredConnection(ShardConnection):
         return await self._call("write", self.conn.write, file_id, chunk_index, chunk_size, offset, op,  # type: ignore[no-any-return]
                                 data, existing, chain, nbytes=len(data), direction="out")
 
-    async def gather(self, file_id: int, extents: Any, into: memoryview, clean: bool = False) -> Any:
-        return await self._call("gather", self.conn.gather, file_id, extents, into, clean, nbytes=len(into),
-                                direction="in")
+    async def gather(self, file_id: int, extents: Any, clean: bool = False) -> Any:
+        return await self._call("gather", self.conn.gather, file_id, extents, clean,
+                                nbytes=int(extents["length"].sum()), direction="in")
 
     async def scatter(self, file_id: int, chunk_size: int, extents: Any, op: Any, data: memoryview | bytes,
                       existing: bool = False, chain: Any = None) -> int:

@@ -1072,4 +1072,5 @@ def decode_reply(frame: Frame) -> Reply:
 
 #: Sizes of the fixed parts, for transports that receive payloads in place.
 READ_REPLY_FIXED = _VERSION.size
+GATHER_REPLY_FIXED = _GATHER_R.size
 WRITE_FIXED = _WRITE.size

@@ -85,9 +85,10 @@ class SyncClient:
     def pull(self, path: str, shape: Sequence[int] | None = None, dtype: str = "<f4") -> np.ndarray:
         return self._run(self.client.pull, path, shape, dtype)  # type: ignore[no-any-return]
 
-    def pull_rows(self, path: str, ids: Sequence[int] | np.ndarray, *, row_len: int | None = None) -> np.ndarray:
+    def pull_rows(self, path: str, ids: Sequence[int] | np.ndarray, *, row_len: int | None = None,
+                  out: np.ndarray | None = None) -> np.ndarray:
         """Sparse pull (see Client.pull_rows)."""
-        return self._run(self.client.pull_rows, path, ids, row_len=row_len)  # type: ignore[no-any-return]
+        return self._run(self.client.pull_rows, path, ids, row_len=row_len, out=out)  # type: ignore[no-any-return]
 
     def push_rows(self, path: str, ids: Sequence[int] | np.ndarray, rows: np.ndarray, *, op: str | None = None,
                   row_len: int | None = None) -> None:

@@ -283,20 +283,25 @@ class Replicator:
         if chain.expect and len(parts) != 1:
             raise BadRequest("a forwarded SCATTER names extents of one chunk")
         src = np.frombuffer(data, dtype=np.uint8)
+        keys = [(chain.request_id, index) if chain.request_id else 0 for index, _, _, _ in parts]
+        versions = [self._applied.get(k) if k else None for k in keys]
+        todo = [i for i, v in enumerate(versions) if v is None]  # chunks this request id has not reached yet
+        if todo:
+            if chain.expect:
+                index = parts[0][0]
+                have = shard.version_of(msg.file_id, index)
+                if have + 1 != chain.expect:
+                    raise ReplicaStale(
+                        f"shard {shard.shard_id}: chunk ({msg.file_id}, {index}) is at version {have},"
+                        f" the update follows version {chain.expect - 1}", shard.shard_id)
+            done = shard.scatter_many(msg.file_id, msg.chunk_size, [parts[i] for i in todo], msg.op, data,
+                                      msg.existing and not chain.expect)
+            for i, v in zip(todo, done, strict=True):
+                versions[i] = v
+                self._remember(keys[i], v)
         outs: list[int | Awaitable[int]] = []
-        for index, offs, lens, at in parts:
-            key = (chain.request_id, index) if chain.request_id else 0
-            version = self._applied.get(key) if key else None
-            if version is None:
-                if chain.expect:
-                    have = shard.version_of(msg.file_id, index)
-                    if have + 1 != chain.expect:
-                        raise ReplicaStale(
-                            f"shard {shard.shard_id}: chunk ({msg.file_id}, {index}) is at version {have},"
-                            f" the update follows version {chain.expect - 1}", shard.shard_id)
-                version = shard.scatter(msg.file_id, index, msg.chunk_size, offs, lens, at, msg.op, data,
-                                        msg.existing and not chain.expect)
-                self._remember(key, version)
+        for (index, offs, lens, at), version in zip(parts, versions, strict=True):
+            assert version is not None
             if not chain.successors:
                 outs.append(version)
                 continue

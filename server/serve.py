@@ -238,9 +238,8 @@ class ShardServer:
                                  f" {self.max_payload} (8 bytes of version per extent count)")
             if msg.clean:
                 self.replicator.check_gather(msg.file_id, chunks)
-            out = bytearray(total)  # a copy: see READ
-            versions = shard.gather(msg.file_id, chunks, msg.extents["offset"].astype(np.int64), lengths,
-                                    memoryview(out))
+            out = memoryview(np.empty(total, dtype=np.uint8))  # a copy (see READ); every byte is filled
+            versions = shard.gather(msg.file_id, chunks, msg.extents["offset"].astype(np.int64), lengths, out)
             return P.GatherReply(versions, out)
         if isinstance(msg, P.Scatter):
             data: memoryview | bytes = msg.data
@@ -254,11 +253,9 @@ class ShardServer:
             if msg.chain is not None:
                 out = self.replicator.scatter(msg, data)
                 return P.VersionReply(out) if isinstance(out, int) else out
-            version = 0
-            for index, offs, lens, at in split_extents(msg.extents, msg.chunk_size, msg.op, len(data)):
-                version = max(version, shard.scatter(msg.file_id, index, msg.chunk_size, offs, lens, at, msg.op, data,
-                                                     msg.existing))
-            return P.VersionReply(version)
+            parts = split_extents(msg.extents, msg.chunk_size, msg.op, len(data))
+            return P.VersionReply(max(shard.scatter_many(msg.file_id, msg.chunk_size, parts, msg.op, data,
+                                                         msg.existing)))
         if isinstance(msg, P.Resync):
             out = self.replicator.resync(msg)
             return P.VersionReply(out) if isinstance(out, int) else out

@@ -319,7 +319,8 @@ class Shard:
 
         ``chunk``, ``offset``, ``length``: int64 arrays, one extent each (chunk index, byte
         offset in the chunk, bytes); ``out`` has room for exactly their total. A missing chunk
-        reads as zeros. A copy, so the caller may send it while updates go on.
+        reads as zeros. A copy, so the caller may send it while updates go on. Equal extents
+        aligned to their length (rows) are copied by one fancy-indexed copy over the region.
 
         Returns:
             The version of each extent's chunk (uint64; 0 for a hole).
@@ -330,26 +331,72 @@ class Shard:
         pos = _positions(length)
         if pos[-1] != len(out):
             raise BadRequest(f"{len(out)} bytes of room for extents of {pos[-1]}")
-        versions = np.zeros(len(chunk), dtype=np.uint64)
         dst = np.frombuffer(out, dtype=np.uint8)
-        for index, sel in _by_chunk(chunk):
+        if not len(chunk):
+            return np.zeros(0, dtype=np.uint64)
+        names, inv = np.unique(chunk, return_inverse=True)
+        base = np.full(len(names), -1, dtype=np.int64)
+        size = np.zeros(len(names), dtype=np.int64)
+        ver = np.zeros(len(names), dtype=np.uint64)
+        for k, index in enumerate(names.tolist()):
             c = self._chunks.get((file_id, index))
-            if c is None:
-                for i in sel:
-                    dst[pos[i] : pos[i] + length[i]] = 0
-                continue
-            offs, lens = offset[sel], length[sel]
-            if int((offs + lens).max()) > c.size:
-                raise BadRequest(f"an extent leaves the {c.size}-byte chunk ({file_id}, {index})")
-            versions[sel] = self.versions[c.slot]
-            src = np.frombuffer(self.region.view[c.offset : c.offset + c.size], dtype=np.uint8)
-            rows = _uniform(offs, lens, pos[sel], c.size, len(dst))
-            if rows:  # equal, aligned extents: one fancy-indexed copy of rows
-                dst.reshape(-1, rows)[pos[sel] // rows] = src.reshape(-1, rows)[offs // rows]
-            else:
-                for o, n, p in zip(offs.tolist(), lens.tolist(), pos[sel].tolist(), strict=True):
-                    dst[p : p + n] = src[o : o + n]
-        return versions
+            if c is not None:
+                base[k], size[k], ver[k] = c.offset, c.size, self.versions[c.slot]
+        held = base[inv] >= 0
+        if bool((held & (offset + length > size[inv])).any()):
+            raise BadRequest(f"an extent leaves its chunk of file {file_id}")
+        src = base[inv] + offset  # each extent's place in the region
+        region = np.frombuffer(self.region.view, dtype=np.uint8)
+        at = pos[:-1]
+        rows = _rows_of(length, (src[held], at), (len(region), len(dst)))
+        if rows:
+            d2 = dst.reshape(-1, rows)
+            d2[at[held] // rows] = region.reshape(-1, rows)[src[held] // rows]
+            d2[at[~held] // rows] = 0
+        else:
+            for h, s0, p, n in zip(held.tolist(), src.tolist(), at.tolist(), length.tolist(), strict=True):
+                dst[p : p + n] = region[s0 : s0 + n] if h else 0
+        return ver[inv]
+
+    def scatter_many(self, file_id: int, chunk_size: int,
+                     parts: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], op: UpdateOp | Update,
+                     data: memoryview | bytes, existing: bool = False) -> list[int]:
+        """:meth:`scatter` of several chunks' extents (from :func:`split_extents`), each chunk
+        atomically with one version bump; assign and add of equal rows over every chunk in one
+        fancy-indexed operation on the region.
+
+        Returns:
+            Each part's chunk version after the update, in order.
+
+        Raises:
+            As :meth:`scatter`. Chunks are made (or found) first: NoSpace or DataLost then leaves
+            every chunk's bytes unchanged (chunks made by then stay, empty, at version 0).
+        """
+        kind = op_kind(op)
+        if kind.is_optimizer or len(parts) == 1:
+            return [self.scatter(file_id, i, chunk_size, o, n, a, op, data, existing) for i, o, n, a in parts]
+        if any(optim.is_state(i) for i, _, _, _ in parts) and kind != UpdateOp.ASSIGN:
+            raise BadRequest("optimizer state chunks take only assign")
+        made = [self._get_or_create(file_id, i, chunk_size, existing) for i, _, _, _ in parts]
+        offset = np.concatenate([c.offset + o for c, (_, o, _, _) in zip(made, parts, strict=True)])
+        length = np.concatenate([n for _, _, n, _ in parts])
+        at = np.concatenate([a for _, _, _, a in parts])
+        src = np.frombuffer(data, dtype=np.uint8)
+        region = np.frombuffer(self.region.view, dtype=np.uint8)
+        rows = _rows_of(length, (offset, at), (len(region), len(src)))
+        if rows and kind == UpdateOp.ASSIGN:
+            region.reshape(-1, rows)[offset // rows] = src.reshape(-1, rows)[at // rows]
+        elif rows:  # add: distinct rows (split_extents refused overlaps), so one fancy += is exact
+            r32 = region.view("<f4").reshape(-1, rows // 4)
+            r32[offset // rows] += src.view("<f4").reshape(-1, rows // 4)[at // rows]
+        else:
+            for o, n, p in zip(offset.tolist(), length.tolist(), at.tolist(), strict=True):
+                if kind == UpdateOp.ASSIGN:
+                    region[o : o + n] = src[p : p + n]
+                else:
+                    d = region[o : o + n].view("<f4")
+                    d += src[p : p + n].view("<f4")
+        return [self._bump(c) for c in made]
 
     def scatter(self, file_id: int, chunk_index: int, chunk_size: int, offset: np.ndarray, length: np.ndarray,
                 at: np.ndarray, op: UpdateOp | Update, data: memoryview | bytes, existing: bool = False) -> int:
@@ -621,3 +668,17 @@ def split_extents(ext: np.ndarray, chunk_size: int, op: UpdateOp | Update,
     if len(order) > 1 and bool(((c[1:] == c[:-1]) & (o[1:] < e[:-1])).any()):
         raise BadRequest("extents of one chunk overlap: sum duplicate rows into one first")
     return [(index, offset[sel], length[sel], pos[sel]) for index, sel in _by_chunk(chunk)]
+
+
+def _rows_of(length: np.ndarray, places: tuple[np.ndarray, ...], sizes: tuple[int, ...]) -> int:
+    """The common length L of extents whose every place (byte offsets, in ``places``) and both
+    buffers (``sizes``) are multiples of L, so that one fancy-indexed copy of rows moves them;
+    0 when they are not."""
+    if not len(length):
+        return 0
+    rows = int(length[0])
+    if rows <= 0 or rows % 4 or any(n % rows for n in sizes) or bool((length != rows).any()):
+        return 0
+    if any(bool((p % rows).any()) for p in places):
+        return 0
+    return rows

@@ -143,8 +143,11 @@ def test_a_restarted_shard_never_reads_as_zeros(tmp_path: object) -> None:
             rows = np.arange(lost * 1024, (lost + 1) * 1024, 97)  # 1 KiB rows of that chunk
             with pytest.raises(irdma.DataLost):
                 cl.pull_rows("/d/weights", rows, row_len=256)
+            _, grad_shards = chunk_shards(c.meta_url, "/d/grads")
+            gone = grad_shards.index(victim.shard_id)
             with pytest.raises(irdma.DataLost):
-                cl.push_rows("/d/grads", np.arange(0, 512, 7), np.ones((74, 256), "<f4"), op="add", row_len=256)
+                cl.push_rows("/d/grads", np.arange(gone * 1024, (gone + 1) * 1024, 7), np.ones((147, 256), "<f4"),
+                             op="add", row_len=256)
         # status and fsck name the damaged files and exit 2
         res = irdma_cli("status", "--meta", c.meta_url, check=False)
         assert res.returncode == 2, res.stdout + res.stderr

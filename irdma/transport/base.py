@@ -102,14 +102,15 @@ class ShardConnection(abc.ABC):
             Fenced: the chain's view is older than one the shard has seen.
         """
 
-    async def gather(self, file_id: int, extents: np.ndarray, into: memoryview, clean: bool = False) -> np.ndarray:
-        """Fill ``into`` with the bytes of ``extents`` (:data:`irdma.protocol.EXTENT` records,
-        each inside one chunk) one after the other: a sparse pull in one request (TCP) or one
-        batch of RDMA READs (verbs). A missing chunk reads as zeros. ``clean``: as :meth:`read`.
+    async def gather(self, file_id: int, extents: np.ndarray, clean: bool = False) -> tuple[np.ndarray, memoryview]:
+        """Pull the bytes of ``extents`` (:data:`irdma.protocol.EXTENT` records, each inside one
+        chunk): a sparse pull in one request (TCP) or in batches of RDMA READs (verbs). A
+        missing chunk reads as zeros. ``clean``: as :meth:`read`.
 
         Returns:
-            uint64 array, per extent: its chunk's version, 0 for a hole (one-sided transports
-            answer only 0 or non-zero).
+            ``(versions, data)``: per extent its chunk's version as uint64, 0 for a hole
+            (one-sided transports answer only 0 or non-zero), and the extents' bytes one after
+            the other, in a buffer the caller owns.
 
         Raises:
             BadRequest: an extent leaves its chunk, or the request exceeds the payload limit

@@ -170,8 +170,26 @@ class TcpConnection(ShardConnection):
                     and frame.status == P.Status.OK
                     and not frame.flags & P.FLAG_HOLE
                     and frame.body_len == P.READ_REPLY_FIXED + len(pend.into)
+                    and pend.opcode == P.Opcode.READ
                 )
-                if direct:
+                whole = (  # a GATHER reply: its whole body into the caller's buffer (not zeroed first)
+                    pend is not None
+                    and pend.into is not None
+                    and frame.status == P.Status.OK
+                    and pend.opcode == P.Opcode.GATHER
+                    and frame.body_len == len(pend.into)
+                )
+                if whole:
+                    assert pend is not None and pend.into is not None
+                    pend.receiving = True
+                    await recv_exactly(self._sock, pend.into)
+                    if macs is not None:
+                        await recv_exactly(self._sock, memoryview(tag))
+                        macs.recv.check([hdr, pend.into], tag)
+                    pend.receiving = False
+                    frame.body = pend.into
+                    pend.reply = P.decode_reply(frame)
+                elif direct:
                     assert pend is not None and pend.into is not None
                     # the caller may be cancelled while we fill its buffer: it then breaks the
                     # connection (see _call), which stops us before the next byte lands
@@ -297,14 +315,16 @@ class TcpConnection(ShardConnection):
         assert isinstance(reply, P.VersionReply)
         return reply.version
 
-    async def gather(self, file_id: int, extents: np.ndarray, into: memoryview, clean: bool = False) -> np.ndarray:
-        reply = await self._call(P.Gather(file_id, extents, clean))
+    async def gather(self, file_id: int, extents: np.ndarray, clean: bool = False) -> tuple[np.ndarray, memoryview]:
+        # the reply's body lands whole in one buffer (count, versions, bytes), not zeroed first
+        n = int(extents["length"].sum(dtype=np.int64))
+        body = memoryview(np.empty(P.GATHER_REPLY_FIXED + 8 * len(extents) + n, dtype=np.uint8))
+        reply = await self._call(P.Gather(file_id, extents, clean), body)
         assert isinstance(reply, P.GatherReply)
-        if len(reply.versions) != len(extents) or len(reply.data) != len(into):
+        if len(reply.versions) != len(extents) or len(reply.data) != n:
             raise ShardUnavailable(f"shard at {self.address} answered a gather of {len(extents)} extents,"
-                                   f" {len(into)} bytes, with {len(reply.versions)} and {len(reply.data)}")
-        into[:] = reply.data
-        return reply.versions
+                                   f" {n} bytes, with {len(reply.versions)} and {len(reply.data)}")
+        return reply.versions, memoryview(reply.data)
 
     async def scatter(self, file_id: int, chunk_size: int, extents: np.ndarray, op: UpdateOp | Update,
                       data: memoryview | bytes, existing: bool = False, chain: P.Chain | None = None) -> int:

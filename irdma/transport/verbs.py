@@ -881,7 +881,7 @@ class VerbsConnection(ShardConnection):
         assert isinstance(reply, P.VersionReply)
         return reply.version
 
-    async def gather(self, file_id: int, extents: np.ndarray, into: memoryview, clean: bool = False) -> np.ndarray:
+    async def gather(self, file_id: int, extents: np.ndarray, clean: bool = False) -> tuple[np.ndarray, memoryview]:
         """One-sided: each extent is an RDMA READ from the chunk's place in the region (located
         once, then cached), up to GATHER_WRS of them posted at once into a pool buffer. The
         versions answered are 0 for a hole and 1 for a chunk that exists (no version table read)."""
@@ -890,14 +890,13 @@ class VerbsConnection(ShardConnection):
         length = extents["length"].astype(np.int64)
         pos = np.zeros(len(chunk) + 1, dtype=np.int64)
         np.cumsum(length, out=pos[1:])
-        if pos[-1] != len(into):
-            raise BadRequest(f"{len(into)} bytes of room for extents of {pos[-1]}")
+        into = np.empty(int(pos[-1]), dtype=np.uint8)
         locs = {int(c): await self._locate(file_id, int(c), 0) for c in np.unique(chunk)}
         assert self.remote is not None
         r = self.remote
         pool = self._pool
         versions = np.zeros(len(chunk), dtype=np.uint64)
-        out = np.frombuffer(into, dtype=np.uint8)
+        out = into
         n, i = len(chunk), 0
         while i < n:
             hold = await pool.take()
@@ -930,7 +929,7 @@ class VerbsConnection(ShardConnection):
                         out[p : p + k] = pool.view[hold.offset + f : hold.offset + f + k]
             finally:
                 hold.drop()
-        return versions
+        return versions, memoryview(into)
 
     async def scatter(self, file_id: int, chunk_size: int, extents: np.ndarray, op: UpdateOp | P.Update,
                       data: memoryview | bytes, existing: bool = False, chain: P.Chain | None = None) -> int:
