@@ -68,6 +68,13 @@ def targets(R: dict[str, Any]) -> list[tuple[str, float, str, float, bool, str]]
                 unit = "MB/s" if field == "mb_s" else "IOPS"
                 add(what, mn[key][field] / pt[key][field], "minimal pyfuse3 passthrough of tmpfs", want,
                     f"{mn[key][field]:.0f} vs {pt[key][field]:.0f} {unit}")
+    rw = R.get("rows")
+    if rw:
+        add("sparse rows pull, 10,000 of 256 float32, native", rw["pull_ratio"], "contiguous pull of the same bytes",
+            0.5, f"{rw['rows-pull']['mb_s']:.0f} vs {rw['contig-pull']['mb_s']:.0f} MB/s")
+        add("sparse rows push (add), 10,000 of 256 float32, native", rw["add_ratio"],
+            "contiguous push (add) of the same bytes", 0.4,
+            f"{rw['rows-add']['mb_s']:.0f} vs {rw['contig-add']['mb_s']:.0f} MB/s")
     return out
 
 
@@ -160,7 +167,8 @@ def write_report(R: dict[str, Any], out: str) -> None:
          f"Python {m['python']}, kernel {m['kernel']}{' (quick mode: not figures)' if m['quick'] else ''}. "
          f"The run took {R['elapsed_s']:.0f} s."
          + "".join(f" The {what} were measured again on {R[key + '_date']} (`benchmarks/run.py --only {key}`)."
-                   for key, what in (("rounds", "model rounds"), ("fio", "fio runs")) if R.get(key + "_date")),
+                   for key, what in (("rounds", "model rounds"), ("fio", "fio runs"), ("rows", "sparse rows"))
+                   if R.get(key + "_date")),
          "Every figure is set against a baseline measured in the same run (the machine is noisy).",
          "Bandwidth in MB/s (10^6 bytes per second); everything on 127.0.0.1.", "",
          "## Targets", "", "| target | ratio | baseline | wanted | met | figures |", "|---|---|---|---|---|---|"]
@@ -262,6 +270,27 @@ def write_report(R: dict[str, Any], out: str) -> None:
                      f"{fio[t][k]['p99_us']:.0f} us" for t in where]
             pt, mn = fio["pyfuse3 passthrough of tmpfs"][k], fio["irdma mount"][k]
             L.append(f"| {k} | " + " | ".join(cells) + f" | {mn['iops'] / pt['iops']:.2f} |")
+        L.append("")
+    rw = R.get("rows")
+    if rw:
+        mb = rw["picked"] * rw["row_bytes"] / 1e6
+        L += ["## Sparse rows (ps-lite's sparse pull and push)", "",
+              f"`benchmarks/rows.py`: {rw['picked']:,} random rows of {rw['row_bytes'] // 4} float32 ({mb:.0f} MB) of a"
+              f" {rw['rows']:,}-row file over 4 shards (one replica), median of {rw['repeats']} alternating runs"
+              + (f" (measured again on {R['rows_date']}, `benchmarks/run.py --only rows`)" if R.get("rows_date") else "")
+              + ".", "",
+              "| how | seconds | MB/s |", "|---|---|---|"]
+        for key, what in (("contig-pull", "contiguous pull of the same bytes (`read_into`)"),
+                          ("rows-pull", "`pull_rows` (one GATHER per shard)"),
+                          ("contig-add", "contiguous push, add (`write_from`)"),
+                          ("rows-add", "`push_rows`, add (one SCATTER per shard)"),
+                          ("mount-pread-x1", "through the mount: one `pread` per row, 1 thread"),
+                          ("mount-pread-x16", "through the mount: one `pread` per row, 16 threads")):
+            if key in rw:
+                L.append(f"| {what} | {rw[key]['seconds']:.4f} | {rw[key]['mb_s']:.0f} |")
+        if "rows-pull-batches-of-1000" in rw:
+            L.append(f"| `pull_rows` in 10 calls of 1,000 rows | {rw['rows-pull-batches-of-1000']['seconds']:.4f} |"
+                     f" {mb / rw['rows-pull-batches-of-1000']['seconds']:.0f} |")
         L.append("")
     L += ["## Memory", "", "| shard holding | shard RSS |", "|---|---|"]
     for k, v in R["shard_rss"].items():

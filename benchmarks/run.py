@@ -491,7 +491,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the suite, not figures")
     ap.add_argument("--out", default=os.path.join(REPO, "docs"))
-    ap.add_argument("--only", choices=["replication", "authentication", "rounds", "fio"],
+    ap.add_argument("--only", choices=["replication", "authentication", "rounds", "fio", "rows"],
                     help="run one section and print its figures as JSON")
     args = ap.parse_args()
     if args.only == "replication":
@@ -500,9 +500,13 @@ def main() -> int:
     if args.only == "authentication":
         print(json.dumps(authentication(64 * MiB if args.quick else 512 * MiB), indent=1))
         return 0
-    if args.only in ("rounds", "fio"):  # measure one section again into the last report
+    if args.only in ("rounds", "fio", "rows"):  # measure one section again into the last report
         if args.only == "rounds":
             part = model_rounds(model_shapes(), 1 if args.quick else 3)
+        elif args.only == "rows":
+            import rows
+
+            part = rows.run(args.quick, say)
         else:
             import fio
 
@@ -605,6 +609,11 @@ def main() -> int:
     say("model rounds: 25.6 M float32 (ResNet-50's variables), 2 workers, 2 servers")
     shapes = model_shapes()
     R["rounds"] = model_rounds(shapes[:40] if args.quick else shapes, rounds)  # quick: a smoke run, not figures
+
+    import rows
+
+    say("sparse rows: 10,000 random rows of 256 float32, pull_rows/push_rows against contiguous transfers")
+    R["rows"] = rows.run(args.quick, say)
 
     import fio
 

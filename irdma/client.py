@@ -75,6 +75,8 @@ DEFAULT_TIMEOUT = 10.0
 MOVE_COPIES = 4
 #: Attempts of one update (a failed replica or a new view each cost one).
 MAX_ATTEMPTS = 6
+#: Seconds between mtime refreshes by sparse pushes that neither grow a file nor make chunks.
+MTIME_LAZY_S = 1.0
 
 #: A file's chunk map: chunk index -> {shard id: incarnation of the shard's memory when the
 #: chunk was written there}, one entry per replica.
@@ -160,6 +162,7 @@ class Client:
         self._moves: list[Move] = []  # the view's moves of chunks between shards, oldest first
         self._writing: collections.Counter[tuple[int, int]] = collections.Counter()  # updates in flight per chunk
         self._request_base = int.from_bytes(os.urandom(8), "big")
+        self._mtime_at: dict[int, float] = {}  # when push_rows last refreshed a file's mtime (monotonic s)
         self._request_seq = 0
 
     @classmethod
@@ -799,11 +802,7 @@ class Client:
             if gone:
                 lost.append(c)
                 errors[c] = self._lost(layout, c, shard_id, "restarted with empty memory since, or no longer has it")
-        if lost:
-            bad = np.isin(chunk, lost)
-            keep = ~bad
-        else:
-            keep = slice(None)
+        keep = ~np.isin(chunk, lost) if lost else np.ones(len(chunk), dtype=bool)
         pos = np.zeros(len(length) + 1, dtype=np.int64)
         np.cumsum(length, out=pos[1:])
         src_pos, dst_pos, lens = pos[:-1][keep], at[keep], length[keep]
@@ -919,7 +918,8 @@ class Client:
                     if single:
                         raise self._lost(layout, c0, head, "restarted with empty memory since")
                     raise ReplicaFailed(f"shard {head} restarted with empty memory", head)
-                await conn.scatter(layout.file_id, layout.chunk_size, ext, op, memoryview(payload), existing,
+                await conn.scatter(layout.file_id, layout.chunk_size, ext, op, memoryview(payload),  # type: ignore[arg-type]
+                                   existing,
                                    self._chain(rid, chain[1:]))
 
             try:
@@ -1586,9 +1586,16 @@ class Client:
         end = (int(sorted_ids[-1]) + 1) * rb
         if end > inode.size:  # the rows between must read as zeros (see write)
             await self.truncate_data(layout, inode.size)
-        created = await self.write_rows_from(layout, uniq, rb, np.ascontiguousarray(summed, dtype="<f4"), uop,
+        created = await self.write_rows_from(layout, uniq, rb,
+                                             memoryview(np.ascontiguousarray(summed, dtype="<f4")),  # type: ignore[arg-type]
+                                             uop,
                                              await self.meta.chunk_map(inode.ino))
-        await self.meta.extend(inode.ino, end, time.time_ns(), tuple(created))
+        # mtime is refreshed at most once a second by pushes that neither grow the file nor make
+        # chunks (as a mount's direct-I/O pushes, and lazytime): no metadata transaction per push
+        now = time.monotonic()
+        if created or end > inode.size or now - self._mtime_at.get(inode.ino, -MTIME_LAZY_S) >= MTIME_LAZY_S:
+            await self.meta.extend(inode.ino, end, time.time_ns(), tuple(created))
+            self._mtime_at[inode.ino] = now
 
     async def set_update_op(self, path: str, op: str) -> None:
         """Set what writes to ``path`` do: ``assign``, ``add`` or an optimizer with its

@@ -238,9 +238,9 @@ class ShardServer:
                                  f" {self.max_payload} (8 bytes of version per extent count)")
             if msg.clean:
                 self.replicator.check_gather(msg.file_id, chunks)
-            out = memoryview(np.empty(total, dtype=np.uint8))  # a copy (see READ); every byte is filled
-            versions = shard.gather(msg.file_id, chunks, msg.extents["offset"].astype(np.int64), lengths, out)
-            return P.GatherReply(versions, out)
+            into = memoryview(np.empty(total, dtype=np.uint8))  # type: ignore[arg-type]  # a copy (see READ), filled whole
+            versions = shard.gather(msg.file_id, chunks, msg.extents["offset"].astype(np.int64), lengths, into)
+            return P.GatherReply(versions, into)
         if isinstance(msg, P.Scatter):
             data: memoryview | bytes = msg.data
             if msg.staged:

@@ -446,7 +446,8 @@ class Shard:
             sview = self.region.view[state.offset : state.offset + state.size]
             for o, n, p in zip(offset.tolist(), length.tolist(), at.tolist(), strict=True):
                 start = chunk.offset + o
-                optim.apply(op, self.region.view[start : start + n], src[p : p + n], sview, chunk_size, o)
+                optim.apply(op, self.region.view[start : start + n], memoryview(src[p : p + n]),  # type: ignore[arg-type]
+                            sview, chunk_size, o)
             version = self._bump(chunk)
             self.versions[state.slot] = version
             return version

@@ -50,12 +50,14 @@ def test_benchmark_suite_quick_run_writes_the_report(tmp_path: object) -> None:
     with open(os.path.join(out, "benchmarks.md")) as f:
         md = f.read()
     assert "## Targets" in md and "ParameterServerStrategy" in md and "Redis" in md and "## fio" in md
+    assert "## Sparse rows" in md and "sparse rows pull" in md
     for png in ("bench-scaling.png", "bench-peers.png", "bench-fio.png"):
         assert os.path.getsize(os.path.join(out, png)) > 10_000
     with open(os.path.join(out, "benchmarks.json")) as f:
         data = json.load(f)
     assert data["rounds"]["irdma-native"] > 0 and data["tcp"]["pull"] > 0
     assert data["rounds"]["irdma-mount-unified"] > 0 and data["fio"]["irdma mount"]["rand read 4 KiB x1"]["iops"] > 0
+    assert data["rows"]["rows-pull"]["mb_s"] > 0 and data["rows"]["mount-pread-x16"]["mb_s"] > 0
 
 
 @pytest.mark.fuse

@@ -318,7 +318,7 @@ class TcpConnection(ShardConnection):
     async def gather(self, file_id: int, extents: np.ndarray, clean: bool = False) -> tuple[np.ndarray, memoryview]:
         # the reply's body lands whole in one buffer (count, versions, bytes), not zeroed first
         n = int(extents["length"].sum(dtype=np.int64))
-        body = memoryview(np.empty(P.GATHER_REPLY_FIXED + 8 * len(extents) + n, dtype=np.uint8))
+        body = memoryview(np.empty(P.GATHER_REPLY_FIXED + 8 * len(extents) + n, dtype=np.uint8))  # type: ignore[arg-type]
         reply = await self._call(P.Gather(file_id, extents, clean), body)
         assert isinstance(reply, P.GatherReply)
         if len(reply.versions) != len(extents) or len(reply.data) != n:

@@ -902,7 +902,9 @@ class VerbsConnection(ShardConnection):
             hold = await pool.take()
             try:
                 base = pool.mr.buf + hold.offset
-                wrs, items, fill = [], [], 0
+                wrs: list[Wr] = []
+                items: list[tuple[int, int, int]] = []
+                fill = 0
                 while i < n and len(wrs) < GATHER_WRS:
                     c, o, k, p = int(chunk[i]), int(offset[i]), int(length[i]), int(pos[i])
                     if k > pool.size:
@@ -929,7 +931,7 @@ class VerbsConnection(ShardConnection):
                         out[p : p + k] = pool.view[hold.offset + f : hold.offset + f + k]
             finally:
                 hold.drop()
-        return versions, memoryview(into)
+        return versions, memoryview(into)  # type: ignore[arg-type]
 
     async def scatter(self, file_id: int, chunk_size: int, extents: np.ndarray, op: UpdateOp | P.Update,
                       data: memoryview | bytes, existing: bool = False, chain: P.Chain | None = None) -> int:
