@@ -117,7 +117,7 @@ async def _serve_mount(
                         log.warning("metrics on %s, but `irdma stats %s` cannot find them: cannot write %s: %s"
                                     " (set $IRDMA_RUN_DIR to a writable directory)", exporter.url, mountpoint,
                                     exc.filename, exc.strerror)
-                await pyfuse3.main()
+                await pyfuse3.main(min_tasks=FUSE_IDLE_TASKS, max_tasks=FUSE_MAX_TASKS)
                 unmounted = True
                 nursery.cancel_scope.cancel()
         finally:
@@ -125,6 +125,14 @@ async def _serve_mount(
             pyfuse3.close(unmount=not unmounted or _still_mounted(mountpoint))
             await fs.end_session()
 
+
+#: pyfuse3 serves each request in flight with one trio task; a task that answered its request
+#: goes back to reading ``/dev/fuse`` unless more than FUSE_IDLE_TASKS already wait there, and a
+#: new task starts whenever none waits (up to FUSE_MAX_TASKS requests at once). pyfuse3's
+#: default of 1 idle task makes a burst of parallel reads (16 readers of O_DIRECT 4 KiB) start
+#: and end a task per request; a pool the size of a busy reader set keeps them.
+FUSE_IDLE_TASKS = 32
+FUSE_MAX_TASKS = 256
 
 #: Kernel read-ahead for the mount, KiB. libfuse offers the kernel 128 KiB and pyfuse3 cannot
 #: change that, but the mount's backing device takes a larger value from sysfs once INIT is

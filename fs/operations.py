@@ -675,6 +675,31 @@ class IrdmaFS(pyfuse3.Operations):
             return fi, self._entry(inode)
 
     async def read(self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:  # type: ignore[override]
+        # A file's handle first: a small random read is this, _read_exact and one client call.
+        # (Its errors are mapped by _guard, which wraps every handler in fuse_errors.)
+        h = self._handles.get(fh)
+        if h is None:
+            return await self._read_control(fh, off, size)
+        st = self._files[h.ino]
+        if st.pending:
+            for p in list(st.pending):
+                if p.start < off + size and off < p.end:
+                    await p.done.wait()
+        file_size = st.size  # as of open, plus this mount's writes (close-to-open)
+        n = max(0, min(size, file_size - off))
+        if n == 0:
+            return b""
+        if off == h.next_read:
+            h.seq_hits += 1
+        else:
+            h.seq_hits = 0
+        h.next_read = off + n
+        if h.seq_hits:
+            return await self._read_windows(st, off, n, file_size, h.seq_hits)
+        return await self._read_exact(st, off, n)
+
+    async def _read_control(self, fh: int, off: int, size: int) -> bytes | bytearray:
+        """A read of a file the mount serves itself: a state image, or one of ``.irdma/``."""
         with fuse_errors("read"):
             target = self.control.handle_target(fh)
             if target is not None:  # DIR/.irdma-state@NAME
@@ -683,25 +708,7 @@ class IrdmaFS(pyfuse3.Operations):
                 if buf:
                     await self.client.read_state_into(layout, per, off, memoryview(buf), chunks)
                 return buf
-            if fh in self.control._handles:
-                return (await self.control.read(fh))[off : off + size]
-            h = self._handles[fh]
-            st = self._files[h.ino]
-            for p in list(st.pending):
-                if p.start < off + size and off < p.end:
-                    await p.done.wait()
-            file_size = st.size  # as of open, plus this mount's writes (close-to-open)
-            n = max(0, min(size, file_size - off))
-            if n == 0:
-                return b""
-            if off == h.next_read:
-                h.seq_hits += 1
-            else:
-                h.seq_hits = 0
-            h.next_read = off + n
-            if h.seq_hits:
-                return await self._read_windows(st, off, n, file_size, h.seq_hits)
-            return await self._read_exact(st, off, n)
+            return (await self.control.read(fh))[off : off + size]
 
     def _held(self, st: _FileState, pos: int) -> tuple[tuple[int, int], memoryview | _Fetch] | None:
         """The window (cached or in flight) that holds byte ``pos``, if any."""
@@ -720,7 +727,7 @@ class IrdmaFS(pyfuse3.Operations):
     async def _read_exact(self, st: _FileState, off: int, n: int) -> bytearray | memoryview:
         """A read that is not sequential: from a window that holds all of it, else one pull of
         exactly these bytes (a 4 KiB read is one small request to one shard)."""
-        held = self._held(st, off)
+        held = self._held(st, off) if st.windows else None
         if held is not None:
             (start, _), buf = held
             if isinstance(buf, memoryview) and off + n <= start + len(buf):
