@@ -41,7 +41,7 @@ from irdma._errors import (
 )
 from irdma.metrics import Exporter, shard_metrics
 from irdma.metrics import serve as serve_metrics
-from irdma.transport.tcp import Macs, recv_exactly, send_parts, tune_socket
+from irdma.transport.tcp import Macs, Receiver, send_parts, tune_socket
 
 from .replicate import Replicator
 from .shard import Shard, split_extents
@@ -395,6 +395,7 @@ class ShardServer:
         return box[0]
 
     async def _serve_frames(self, sock: Any, peer: str, verbs_nursery: trio.Nursery) -> None:
+        rx = Receiver(sock)
         send_lock = trio.Lock()  # replies of forwarded updates are sent by their own tasks
         hdr = bytearray(P.HEADER_SIZE)
         tag = bytearray(auth.TAG_SIZE)
@@ -409,7 +410,7 @@ class ShardServer:
             # may be awaited forever (an idle client) but must then arrive whole in time
             with trio.move_on_at(handshake_deadline if not opened else math.inf) as idle:
                 try:
-                    if not await recv_exactly(sock, memoryview(hdr)):
+                    if not await rx.exactly(memoryview(hdr)):
                         break
                     # before HELLO only a HELLO-sized body is accepted, in any header version
                     frame = P.parse_header(hdr, max_body if opened else HELLO_MAX_BODY, any_version=not opened)
@@ -431,9 +432,9 @@ class ShardServer:
             with trio.move_on_at(min(handshake_deadline if not opened else math.inf,
                                      trio.current_time() + FRAME_TIMEOUT_S)) as partial:
                 try:
-                    await recv_exactly(sock, body)
+                    await rx.exactly(body)
                     if macs is not None:
-                        await recv_exactly(sock, memoryview(tag))
+                        await rx.exactly(memoryview(tag))
                 except (RemoteProtocolError, OSError):
                     break  # truncated frame: nothing applied
             if partial.cancelled_caught:
