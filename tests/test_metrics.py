@@ -37,14 +37,14 @@ from irdma.server.shard import Region, Shard
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 host, port = sys.argv[1].rsplit(":", 1)
 try:
-    trio.run(functools.partial(run_server, Shard(int(sys.argv[2]), Region(64 << 20)), host, int(port),
+    trio.run(functools.partial(run_server, Shard(int(sys.argv[2]), Region(128 << 20)), host, int(port),
                                keys=KeySource(sys.argv[3]), metrics=sys.argv[4], port_file=sys.argv[5]))
 except Exception as exc:
     print(f"error: {exc}", file=sys.stderr)
     sys.exit(1)
 """
 
-CAPACITY = 64 << 20
+CAPACITY = 128 << 20  # the SHARD script's region
 
 
 def _free_port() -> int:
@@ -325,7 +325,7 @@ def test_stats_run_shows_mount_and_shards(mcluster: MetricsCluster, mmnt: str) -
     for layer, op in (("shard", "total"), ("shard", "write"), ("client", "total"), ("client", "write"),
                       ("fuse", "total"), ("fuse", "write")):
         assert any(f" {layer} " in ln and f" {op} " in ln for ln in lines), f"no {layer}/{op} row:\n{text}"
-    assert "64.0 MiB" in text  # held / capacity of a shard
+    assert "128.0 MiB" in text  # held / capacity of a shard
 
 
 def test_stats_run_names_an_endpoint_that_does_not_answer(tmp_path: object) -> None:
@@ -400,3 +400,5 @@ def test_read_ahead_follows_the_reader(mcluster: MetricsCluster, mmnt: str) -> N
 
     got = pulled(sequential)
     assert n <= got <= n + (8 << 20), f"a sequential scan of {n} bytes pulled {got:.0f}"
+    with irdma.connect(mcluster.meta_url, transport="tcp") as c:
+        c.unlink("/ra.bin")  # the module's shards are small: leave room for the next test
