@@ -56,6 +56,7 @@ from ._errors import (
     ReplicaFailed,
     ShardUnavailable,
 )
+from .extents import move, positions
 from .meta import Inode, MetaStore, ShardRecord, open_meta
 from .meta.aio import AsyncMeta
 from .meta.base import XATTR_SHAPE, XATTR_UPDATE, parse_shape
@@ -77,6 +78,8 @@ _SHARD_HINT = "is the shard process stopped or overloaded? `irdma shard list` sh
 MOVE_COPIES = 4
 #: Attempts of one update (a failed replica or a new view each cost one).
 MAX_ATTEMPTS = 6
+#: Most extents one GATHER or SCATTER carries (a verbs SCATTER of them stays under 256 batches).
+MAX_EXTENTS = 1 << 16
 #: Seconds between mtime refreshes by sparse pushes that neither grow a file nor make chunks.
 MTIME_LAZY_S = 1.0
 
@@ -99,12 +102,11 @@ def layout_of(inode: Inode) -> Layout:
 
 
 def _pack(src: np.ndarray, at: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """The bytes ``src[at[k] : at[k] + length[k]]`` one after the other (one fancy-indexed copy
-    when every extent is a whole row of the same length)."""
-    rows = int(length[0]) if len(length) else 0
-    if rows and not len(src) % rows and bool((length == rows).all()) and not bool((at % rows).any()):
-        return src.reshape(-1, rows)[at // rows].reshape(-1)
-    return np.concatenate([src[a : a + n] for a, n in zip(at.tolist(), length.tolist(), strict=True)])
+    """The bytes ``src[at[k] : at[k] + length[k]]`` one after the other."""
+    pos = positions(length)
+    out = np.empty(int(pos[-1]), dtype=np.uint8)
+    move(out, pos[:-1], src, at, length)
+    return out
 
 
 def _as_bytes_view(data: object) -> memoryview:
@@ -733,12 +735,21 @@ class Client:
         return chunk[order], offset[order], length[order], at[order]
 
     def _batches(self, chunk: np.ndarray, length: np.ndarray, sel: np.ndarray, limit: int) -> list[np.ndarray]:
-        """``sel`` (extent positions) cut into requests whose bytes plus 24 per extent fit ``limit``."""
+        """``sel`` (extent positions) cut into requests whose bytes plus 24 per extent fit
+        ``limit``, of at most MAX_EXTENTS extents each.
+
+        Raises:
+            InvalidArgument: one extent alone does not fit a request (a row larger than the
+                shards' payload limit: pull or push it with ``read``/``write``).
+        """
+        if len(sel) and int(length[sel].max()) + 24 > limit:
+            raise InvalidArgument(f"a row piece of {int(length[sel].max())} bytes exceeds the shards' payload limit"
+                                  f" of {limit} bytes: use read/write (or pull/push) for rows this large")
         cost = np.cumsum(length[sel] + 24)
         out, start, base = [], 0, 0
         while start < len(sel):
             stop = int(np.searchsorted(cost, base + limit, side="right"))
-            stop = max(stop, start + 1)
+            stop = min(max(stop, start + 1), start + MAX_EXTENTS)
             out.append(sel[start:stop])
             base, start = int(cost[stop - 1]), stop
         return out
@@ -748,26 +759,40 @@ class Client:
         """Pull rows ``ids`` (distinct, in-range, int64) of ``row_bytes`` bytes each into ``into``
         (row ``ids[k]`` at byte ``k * row_bytes``): one GATHER per shard (more when the rows'
         bytes exceed a request's payload limit), all shards at once. ps-lite's sparse pull (Li
-        et al., OSDI 2014). A replicated chunk is read from its chain's tail (always clean, CRAQ);
-        a replica that fails or lost the chunk is left for the next one.
+        et al., OSDI 2014). A replicated chunk is read from its chain's tail (always clean,
+        CRAQ); a replica that fails or lost the chunk is left for the next one, read clean (one
+        with an update still in flight is asked again shortly).
 
         Raises:
             DataLost: a recorded chunk is gone from every replica. ShardUnavailable: no replica
                 answered. BadRequest. ``into`` is then partly filled.
         """
+        if not len(ids):
+            return
         out = np.frombuffer(into, dtype=np.uint8)
         chunk, offset, length, at = self.row_extents(layout, ids, row_bytes)
         cuts = np.flatnonzero(np.diff(chunk)) + 1
         groups = {int(chunk[g[0]]): g for g in np.split(np.arange(len(chunk)), cuts) if len(g)}
-        cands: dict[int, list[int]] = {}
-        for c in groups:
+
+        def candidates(c: int) -> list[int]:
             placed, joining = self.placed(layout, c)
             reps = [x for x in placed if x != joining]
-            cands[c] = reps if len(reps) == 1 else [x for x in reversed(reps) if self._current(x)]
+            return reps if len(reps) == 1 else [x for x in reversed(reps) if self._current(x)]  # the tail first
+
+        cands = {c: candidates(c) for c in groups}
+        tails = {c: (v[0] if v else None) for c, v in cands.items()}
+        tried: dict[int, set[int]] = collections.defaultdict(set)  # replicas that failed or lost a chunk
         errors: dict[int, IrdmaError] = {}
         pending = set(groups)
-        limit = (self._max_piece(layout) or DEFAULT_MAX_PAYLOAD)
+        limit = self._max_piece(layout) or DEFAULT_MAX_PAYLOAD
+        refreshed, dirty_rounds = False, 0
         while pending:
+            if any(not cands[c] for c in pending) and not refreshed:
+                refreshed = True  # the view may be older than the shard map: read it once more
+                await self.refresh_view()
+                for c in pending:
+                    if not cands[c]:
+                        cands[c] = [x for x in candidates(c) if x not in tried[c]]
             by_shard: dict[int, list[int]] = collections.defaultdict(list)
             for c in sorted(pending):
                 if not cands[c]:
@@ -776,69 +801,81 @@ class Client:
                         "`irdma status` shows the shards; restart them with `irdma up`")
                 by_shard[cands[c][0]].append(c)
             failed: list[tuple[int, int]] = []
+            again: list[int] = []
 
-            async def from_shard(sid: int, cs: list[int], failed: list[tuple[int, int]] = failed) -> None:
+            async def from_shard(sid: int, cs: list[int], failed: list[tuple[int, int]] = failed,
+                                 again: list[int] = again) -> None:
                 sel = np.concatenate([groups[c] for c in cs])
+                clean = layout.replicas > 1 and any(tails[c] != sid for c in cs)
                 for part in self._batches(chunk, length, sel, limit):
-                    lost, down = await self._gather_part(layout, sid, chunk[part], offset[part], length[part],
-                                                         at[part], out, chunks, errors)
-                    if down:  # the replica failed: every chunk asked of it goes to the next one
+                    lost, outcome = await self._gather_part(layout, sid, chunk[part], offset[part], length[part],
+                                                            at[part], out, chunks, errors, clean)
+                    if outcome == "down":  # the replica failed: every chunk asked of it goes to the next one
                         failed.extend((c, sid) for c in cs)
                         return
+                    if outcome == "dirty":  # an update in flight there: ask again shortly
+                        again.extend(sorted(set(chunk[part].tolist())))
+                        continue
                     failed.extend((c, sid) for c in lost)
 
             async with open_nursery() as nursery:
                 for sid, cs in by_shard.items():
                     nursery.start_soon(from_shard, sid, cs)
-            pending = set()
+            pending = set(again)
             for c, sid in failed:
+                tried[c].add(sid)
                 if sid in cands[c]:
                     cands[c].remove(sid)
                 pending.add(c)
+            if again:
+                dirty_rounds += 1
+                if dirty_rounds > 50:
+                    raise ShardUnavailable(f"chunks of file {layout.file_id} kept an update in flight on their"
+                                           " replicas while the tail was down", "`irdma status` shows the shards")
+                await trio.sleep(0.002 * dirty_rounds)  # the chain acknowledges it within its deadline
 
     async def _gather_part(self, layout: Layout, shard_id: int, chunk: np.ndarray, offset: np.ndarray,
                            length: np.ndarray, at: np.ndarray, out: np.ndarray, chunks: ChunkMap | None,
-                           errors: dict[int, IrdmaError]) -> tuple[list[int], bool]:
+                           errors: dict[int, IrdmaError], clean: bool = False) -> tuple[list[int], str]:
         """One GATHER of these extents from one shard into ``out``; returns the chunks it lost
-        (another replica may have them) and whether the replica failed (then nothing was read)."""
+        (another replica may have them) and ``ok``, ``down`` (the replica failed: nothing read)
+        or ``dirty`` (a clean read met an update in flight: nothing read)."""
         ext = P_extents(chunk, offset, length)
         names = sorted(set(chunk.tolist()))
-        recorded = {c: chunks[c] for c in names if chunks and c in chunks}
 
         async def fn(conn: ShardConnection) -> tuple[np.ndarray, memoryview]:
-            return await conn.gather(layout.file_id, ext)
+            return await conn.gather(layout.file_id, ext, clean and not conn.one_sided_reads)
 
         try:
             versions, got = await self._on_shard(shard_id, fn)
             buf = np.frombuffer(got, dtype=np.uint8)
+        except Dirty:
+            return [], "dirty"
         except ShardUnavailable as exc:
             if layout.replicas == 1:
                 raise
             await self._mark_down(shard_id)
             for c in names:
                 errors[c] = exc
-            return names, True
+            return names, "down"
         conn = self._conns.get(shard_id)
         inc = conn.info.incarnation if conn is not None else None
         lost: list[int] = []
-        for c, rec in recorded.items():
-            # written to an earlier incarnation of this shard's memory, or not here at all
-            was = rec.get(shard_id)
-            gone = bool(was and inc is not None and was != inc) or bool((versions[chunk == c] == 0).any())
-            if gone:
-                lost.append(c)
-                errors[c] = self._lost(layout, c, shard_id, "restarted with empty memory since, or no longer has it")
+        if chunks:
+            holes = set(np.unique(chunk[versions == 0]).tolist())
+            for c in names:
+                rec = chunks.get(c)
+                if rec is None:
+                    continue
+                # written to an earlier incarnation of this shard's memory, or not here at all
+                was = rec.get(shard_id)
+                if c in holes or (was and inc is not None and was != inc):
+                    lost.append(c)
+                    errors[c] = self._lost(layout, c, shard_id, "restarted with empty memory since, or no longer has it")
         keep = ~np.isin(chunk, lost) if lost else np.ones(len(chunk), dtype=bool)
-        pos = np.zeros(len(length) + 1, dtype=np.int64)
-        np.cumsum(length, out=pos[1:])
-        src_pos, dst_pos, lens = pos[:-1][keep], at[keep], length[keep]
-        rows = int(lens[0]) if len(lens) else 0
-        if rows and bool((lens == rows).all()) and not len(out) % rows and not bool((dst_pos % rows).any()):
-            out.reshape(-1, rows)[dst_pos // rows] = buf.reshape(-1, rows)[src_pos // rows]
-        else:
-            for sp, dp, n in zip(src_pos.tolist(), dst_pos.tolist(), lens.tolist(), strict=True):
-                out[dp : dp + n] = buf[sp : sp + n]
-        return lost, False
+        pos = positions(length)
+        move(out, at[keep], buf, pos[:-1][keep], length[keep])
+        return lost, "ok"
 
     async def write_rows_from(self, layout: Layout, ids: np.ndarray, row_bytes: int, data: memoryview | bytes,
                               op: UpdateOp | Update, chunks: ChunkMap | None = None) -> list[NewChunk]:
@@ -854,6 +891,8 @@ class Client:
         Raises:
             As :meth:`write_from`. Other chunks' rows may have been applied.
         """
+        if not len(ids):
+            return []
         src = np.frombuffer(_as_bytes_view(data), dtype=np.uint8)
         chunk, offset, length, at = self.row_extents(layout, ids, row_bytes)
         created: list[NewChunk] = []
@@ -1495,13 +1534,21 @@ class Client:
 
     async def set_shape(self, path: str, shape: Sequence[int]) -> None:
         """Record a file's tensor shape in its ``user.irdma.shape`` xattr (what
-        :meth:`pull_rows` and :meth:`push_rows` take rows from), creating the file if needed.
+        :meth:`pull_rows` and :meth:`push_rows` take rows from), creating the file if needed
+        and growing it to the shape's size (the new rows read as zeros), so that sparse pushes
+        from many workers never change its size.
 
         Raises:
-            InvalidArgument: not one or more positive dimensions (nothing changed).
+            InvalidArgument: not one or more positive integer dimensions (nothing changed).
         """
+        dims = [int(d) for d in shape if isinstance(d, (int, np.integer)) and not isinstance(d, bool)]
+        if not dims or len(dims) != len(shape) or min(dims) <= 0:
+            raise InvalidArgument(f"bad shape {tuple(shape)!r}: use positive integer dimensions such as (1000000, 256)")
         inode = await self.create(path)
-        await self.meta.setxattr(inode.ino, XATTR_SHAPE, ",".join(str(int(d)) for d in shape).encode())
+        await self.meta.setxattr(inode.ino, XATTR_SHAPE, ",".join(map(str, dims)).encode())
+        need = 4 * int(np.prod(dims))
+        if inode.size < need:
+            await self.truncate(path, need)
 
     async def _rows_of(self, inode: Inode, row_len: int | None) -> tuple[int, int | None]:
         """``(row bytes, row count or None)`` of a file read as float32 rows: ``row_len`` if
@@ -1578,8 +1625,8 @@ class Client:
         ``user.irdma.update``; assign, add and the optimizers, applied per row on the shards).
         Duplicate ids are summed first (their sum is what is assigned or added; ps-lite's
         sparse push). One SCATTER per shard (per chain when replicated) carries every row it
-        holds; each chunk's rows are applied atomically. A file with a shape xattr grows to take
-        rows up to its row count; one without takes rows inside its size.
+        holds; each chunk's rows are applied atomically. Rows must lie inside the file (and its
+        shape's row count): :meth:`set_shape` sizes a table.
 
         Raises:
             InvalidArgument: bad ids or rows (nothing changed). DataLost, NoSpace,
@@ -1595,10 +1642,10 @@ class Client:
                                   f" shape {data.shape}")
         if not len(ids_arr):
             return
-        limit = nrows if nrows is not None else inode.size // rb
+        limit = inode.size // rb if nrows is None else min(nrows, inode.size // rb)
         if int(ids_arr.max()) >= limit:
-            raise InvalidArgument(f"row {int(ids_arr.max())} is past the last row of {path} ({limit} rows"
-                                  + ("" if nrows is not None else f"; set {XATTR_SHAPE.decode()} to grow it") + ")")
+            raise InvalidArgument(f"row {int(ids_arr.max())} is past the last row of {path} ({limit} rows;"
+                                  f" set_shape sizes a table)")
         data = data.reshape(len(ids_arr), rb // 4)
         order = np.argsort(ids_arr, kind="stable")
         sorted_ids = ids_arr[order]
@@ -1609,9 +1656,7 @@ class Client:
             uniq, summed = ids_arr, data
         uop = parse_update(op) if isinstance(op, str) else (op if op is not None else parse_update(inode.update_op or "assign"))
         layout = layout_of(inode)
-        end = (int(sorted_ids[-1]) + 1) * rb
-        if end > inode.size:  # the rows between must read as zeros (see write)
-            await self.truncate_data(layout, inode.size)
+        end = (int(sorted_ids[-1]) + 1) * rb  # inside the file: a sparse push never changes its size
         created = await self.write_rows_from(layout, uniq, rb,
                                              memoryview(np.ascontiguousarray(summed, dtype="<f4")),  # type: ignore[arg-type]
                                              uop,
@@ -1619,7 +1664,7 @@ class Client:
         # mtime is refreshed at most once a second by pushes that neither grow the file nor make
         # chunks (as a mount's direct-I/O pushes, and lazytime): no metadata transaction per push
         now = time.monotonic()
-        if created or end > inode.size or now - self._mtime_at.get(inode.ino, -MTIME_LAZY_S) >= MTIME_LAZY_S:
+        if created or now - self._mtime_at.get(inode.ino, -MTIME_LAZY_S) >= MTIME_LAZY_S:
             await self.meta.extend(inode.ino, end, time.time_ns(), tuple(created))
             self._mtime_at[inode.ino] = now
 

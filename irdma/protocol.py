@@ -276,7 +276,10 @@ def extents(chunk: object, offset: object, length: object) -> np.ndarray:
 def _decode_extents(body: memoryview, at: int, count: int, what: str) -> tuple[np.ndarray, int]:
     end = at + count * EXTENT_SIZE
     _need(body, end, what)
-    return np.frombuffer(body[at:end], dtype=EXTENT), end
+    ext = np.frombuffer(body[at:end], dtype=EXTENT)
+    if count and int(ext["chunk"].max()) >= 1 << 63:
+        raise RemoteProtocolError(f"{what} names a chunk index of 2^63 or more")
+    return ext, end
 
 
 def _encode_update(op: UpdateOp | Update) -> tuple[int, bytes]:

@@ -52,6 +52,7 @@ from irdma._errors import (
     ReplicaStale,
     ShardUnavailable,
 )
+from irdma.extents import move, positions
 from irdma.metrics import error_kind
 from irdma.transport.tcp import TcpConnection, TcpTransport
 
@@ -294,23 +295,24 @@ class Replicator:
                     raise ReplicaStale(
                         f"shard {shard.shard_id}: chunk ({msg.file_id}, {index}) is at version {have},"
                         f" the update follows version {chain.expect - 1}", shard.shard_id)
-            done = shard.scatter_many(msg.file_id, msg.chunk_size, [parts[i] for i in todo], msg.op, data,
-                                      msg.existing and not chain.expect)
+            done = shard.scatter(msg.file_id, msg.chunk_size, [parts[i] for i in todo], msg.op, data,
+                                 msg.existing and not chain.expect)
             for i, v in zip(todo, done, strict=True):
                 versions[i] = v
                 self._remember(keys[i], v)
-        outs: list[int | Awaitable[int]] = []
+        if not chain.successors:
+            return max(v for v in versions if v is not None)
+        # every forward is built before any is queued: nothing can fail between queueing them
+        forwards = []
         for (index, offs, lens, at), version in zip(parts, versions, strict=True):
             assert version is not None
-            if not chain.successors:
-                outs.append(version)
-                continue
-            packed = np.concatenate([src[p : p + n] for p, n in zip(at.tolist(), lens.tolist(), strict=True)])
-            fwd = P.Scatter(msg.file_id, msg.chunk_size, P.extents(np.full(len(offs), index), offs, lens), msg.op,
-                            packed.tobytes(), chain=self._next(chain, version))
-            outs.append(self._forward(msg.file_id, index, fwd, chain, version))
-        if all(isinstance(o, int) for o in outs):
-            return max(outs)  # type: ignore[type-var]
+            packed = np.empty(int(lens.sum()), dtype=np.uint8)
+            move(packed, positions(lens)[:-1], src, at, lens)
+            forwards.append((index, version, P.Scatter(msg.file_id, msg.chunk_size,
+                                                       P.extents(np.full(len(offs), index), offs, lens), msg.op,
+                                                       packed.tobytes(), chain=self._next(chain, version))))
+        outs: list[int | Awaitable[int]] = [self._forward(msg.file_id, index, fwd, chain, version)
+                                            for index, version, fwd in forwards]
 
         async def all_of() -> int:
             # every chunk's wait runs (and ends: its chunk stops being dirty), cancelled or not

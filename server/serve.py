@@ -254,7 +254,7 @@ class ShardServer:
                 out = self.replicator.scatter(msg, data)
                 return P.VersionReply(out) if isinstance(out, int) else out
             parts = split_extents(msg.extents, msg.chunk_size, msg.op, len(data))
-            return P.VersionReply(max(shard.scatter_many(msg.file_id, msg.chunk_size, parts, msg.op, data,
+            return P.VersionReply(max(shard.scatter(msg.file_id, msg.chunk_size, parts, msg.op, data,
                                                          msg.existing)))
         if isinstance(msg, P.Resync):
             out = self.replicator.resync(msg)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from irdma._errors import BadRequest, DataLost, NoSpace
+from irdma.extents import fill, move, positions
 from irdma.protocol import Update, UpdateOp, op_kind
 
 from . import optim
@@ -319,8 +320,8 @@ class Shard:
 
         ``chunk``, ``offset``, ``length``: int64 arrays, one extent each (chunk index, byte
         offset in the chunk, bytes); ``out`` has room for exactly their total. A missing chunk
-        reads as zeros. A copy, so the caller may send it while updates go on. Equal extents
-        aligned to their length (rows) are copied by one fancy-indexed copy over the region.
+        reads as zeros. A copy, so the caller may send it while updates go on; one fancy-indexed
+        copy per distinct extent length (:func:`irdma.extents.move`).
 
         Returns:
             The version of each extent's chunk (uint64; 0 for a hole).
@@ -328,7 +329,7 @@ class Shard:
         Raises:
             BadRequest: an extent leaves its chunk, or ``out`` is not the extents' total.
         """
-        pos = _positions(length)
+        pos = positions(length)
         if pos[-1] != len(out):
             raise BadRequest(f"{len(out)} bytes of room for extents of {pos[-1]}")
         dst = np.frombuffer(out, dtype=np.uint8)
@@ -342,131 +343,77 @@ class Shard:
             c = self._chunks.get((file_id, index))
             if c is not None:
                 base[k], size[k], ver[k] = c.offset, c.size, self.versions[c.slot]
+        inv = inv.reshape(-1)
         held = base[inv] >= 0
         if bool((held & (offset + length > size[inv])).any()):
             raise BadRequest(f"an extent leaves its chunk of file {file_id}")
-        src = base[inv] + offset  # each extent's place in the region
-        region = np.frombuffer(self.region.view, dtype=np.uint8)
         at = pos[:-1]
-        rows = _rows_of(length, (src[held], at), (len(region), len(dst)))
-        if rows:
-            d2 = dst.reshape(-1, rows)
-            d2[at[held] // rows] = region.reshape(-1, rows)[src[held] // rows]
-            d2[at[~held] // rows] = 0
-        else:
-            for h, s0, p, n in zip(held.tolist(), src.tolist(), at.tolist(), length.tolist(), strict=True):
-                dst[p : p + n] = region[s0 : s0 + n] if h else 0
+        move(dst, at[held], np.frombuffer(self.region.view, dtype=np.uint8), (base[inv] + offset)[held], length[held])
+        fill(dst, at[~held], length[~held])
         return ver[inv]
 
-    def scatter_many(self, file_id: int, chunk_size: int,
-                     parts: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], op: UpdateOp | Update,
-                     data: memoryview | bytes, existing: bool = False) -> list[int]:
-        """:meth:`scatter` of several chunks' extents (from :func:`split_extents`), each chunk
-        atomically with one version bump; assign and add of equal rows over every chunk in one
-        fancy-indexed operation on the region.
+    def scatter(self, file_id: int, chunk_size: int, parts: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]],
+                op: UpdateOp | Update, data: memoryview | bytes, existing: bool = False) -> list[int]:
+        """Apply an update op to extents of chunks (SCATTER: sparse rows), each chunk with one
+        version bump; every op of :meth:`write`, applied extent by extent.
+
+        ``parts``: per chunk, ``(chunk index, offsets in the chunk, lengths, positions in
+        data)`` as :func:`split_extents` makes them (checked there: in range, aligned, not
+        overlapping). Every chunk (and optimizer state) is found or made first: a NoSpace or
+        DataLost then undoes what this call made and changes nothing; only then are the bytes
+        applied (assign and add in one fancy-indexed operation over the region).
 
         Returns:
             Each part's chunk version after the update, in order.
 
         Raises:
-            As :meth:`scatter`. Chunks are made (or found) first: NoSpace or DataLost then leaves
-            every chunk's bytes unchanged (chunks made by then stay, empty, at version 0).
+            BadRequest: an op other than assign on optimizer state, an optimizer without its
+                arguments. NoSpace, DataLost: as :meth:`write`. Nothing changed in each case.
         """
         kind = op_kind(op)
-        if kind.is_optimizer or len(parts) == 1:
-            return [self.scatter(file_id, i, chunk_size, o, n, a, op, data, existing) for i, o, n, a in parts]
-        if any(optim.is_state(i) for i, _, _, _ in parts) and kind != UpdateOp.ASSIGN:
-            raise BadRequest("optimizer state chunks take only assign")
-        made = [self._get_or_create(file_id, i, chunk_size, existing) for i, _, _, _ in parts]
-        offset = np.concatenate([c.offset + o for c, (_, o, _, _) in zip(made, parts, strict=True)])
-        length = np.concatenate([n for _, _, n, _ in parts])
-        at = np.concatenate([a for _, _, _, a in parts])
-        src = np.frombuffer(data, dtype=np.uint8)
-        region = np.frombuffer(self.region.view, dtype=np.uint8)
-        rows = _rows_of(length, (offset, at), (len(region), len(src)))
-        if rows and kind == UpdateOp.ASSIGN:
-            region.reshape(-1, rows)[offset // rows] = src.reshape(-1, rows)[at // rows]
-        elif rows:  # add: distinct rows (split_extents refused overlaps), so one fancy += is exact
-            r32 = region.view("<f4").reshape(-1, rows // 4)
-            r32[offset // rows] += src.view("<f4").reshape(-1, rows // 4)[at // rows]
-        else:
-            for o, n, p in zip(offset.tolist(), length.tolist(), at.tolist(), strict=True):
-                if kind == UpdateOp.ASSIGN:
-                    region[o : o + n] = src[p : p + n]
-                else:
-                    d = region[o : o + n].view("<f4")
-                    d += src[p : p + n].view("<f4")
-        return [self._bump(c) for c in made]
-
-    def scatter(self, file_id: int, chunk_index: int, chunk_size: int, offset: np.ndarray, length: np.ndarray,
-                at: np.ndarray, op: UpdateOp | Update, data: memoryview | bytes, existing: bool = False) -> int:
-        """Apply an update op to extents of one chunk, atomically, with one version bump
-        (SCATTER: sparse rows; every op of :meth:`write`, applied extent by extent).
-
-        ``offset``, ``length``: int64 arrays, byte offset in the chunk and bytes of each
-        extent; ``at``: where each extent's bytes start in ``data``. Extents must not overlap.
-
-        Returns:
-            The chunk's version after the update.
-
-        Raises:
-            BadRequest: an extent leaves the chunk, extents overlap, an op other than assign is
-                not float32-aligned, or as :meth:`write`. NoSpace, DataLost: as :meth:`write`.
-                Nothing changed in every case.
-        """
-        if not len(offset):
-            raise BadRequest("a scatter names no extent")
-        kind = op_kind(op)
-        ends = offset + length
-        if int(offset.min()) < 0 or int(ends.max()) > chunk_size or int(length.min()) < 0:
-            raise BadRequest(f"an extent leaves the {chunk_size}-byte chunk ({file_id}, {chunk_index})")
-        if int((at + length).max()) > len(data):
-            raise BadRequest("an extent's bytes leave the payload")
-        order = np.argsort(offset, kind="stable")
-        if len(order) > 1 and bool((offset[order][1:] < ends[order][:-1]).any()):
-            raise BadRequest(f"extents of chunk ({file_id}, {chunk_index}) overlap: sum duplicate rows first")
-        if kind.is_float32 and bool(((offset % 4) | (length % 4)).any()):
-            raise BadRequest(f"{kind.name.lower()} needs float32 alignment: every extent's offset and length"
-                             " must be multiples of 4")
-        if optim.is_state(chunk_index) and kind != UpdateOp.ASSIGN:
-            raise BadRequest(f"chunk index {chunk_index} names optimizer state: only assign writes it")
         if kind.is_optimizer and not isinstance(op, Update):
             raise BadRequest(f"{kind.name.lower()} needs its arguments")
+        if kind != UpdateOp.ASSIGN and any(optim.is_state(i) for i, _, _, _ in parts):
+            raise BadRequest("optimizer state chunks take only assign")
+        made: list[tuple[int, int]] = []  # what this call created: dropped again if it fails
+        chunks: list[Chunk] = []
+        states: list[Chunk] = []
+        try:
+            for index, _, _, _ in parts:
+                if kind.is_optimizer:
+                    assert isinstance(op, Update)
+                    skey = (file_id, optim.state_index(index))
+                    had = skey in self._chunks
+                    states.append(self._state_for(file_id, index, chunk_size, op, existing))
+                    if not had:
+                        made.append(skey)
+                key = (file_id, index)
+                had = key in self._chunks
+                chunks.append(self._get_or_create(file_id, index, chunk_size, existing))
+                if not had:
+                    made.append(key)
+        except BaseException:
+            for key in reversed(made):
+                if key in self._chunks:
+                    self._drop(*key)
+            raise
         src = np.frombuffer(data, dtype=np.uint8)
         if kind.is_optimizer:
             assert isinstance(op, Update)
-            had_state = (file_id, optim.state_index(chunk_index)) in self._chunks
-            state = self._state_for(file_id, chunk_index, chunk_size, op, existing)
-            try:
-                chunk = self._get_or_create(file_id, chunk_index, chunk_size, existing)
-            except NoSpace:
-                if not had_state:
-                    self._drop(file_id, optim.state_index(chunk_index))
-                raise
-            sview = self.region.view[state.offset : state.offset + state.size]
-            for o, n, p in zip(offset.tolist(), length.tolist(), at.tolist(), strict=True):
-                start = chunk.offset + o
-                optim.apply(op, self.region.view[start : start + n], memoryview(src[p : p + n]),  # type: ignore[arg-type]
-                            sview, chunk_size, o)
-            version = self._bump(chunk)
-            self.versions[state.slot] = version
-            return version
-        chunk = self._get_or_create(file_id, chunk_index, chunk_size, existing)
-        dst = np.frombuffer(self.region.view[chunk.offset : chunk.offset + chunk.size], dtype=np.uint8)
-        rows = _uniform(offset, length, at, chunk.size, len(src))
-        if rows and kind == UpdateOp.ASSIGN:
-            dst.reshape(-1, rows)[offset // rows] = src.reshape(-1, rows)[at // rows]
-        elif rows:  # add: the extents are distinct rows, so one fancy-indexed += is exact
-            d32, s32 = dst.view("<f4").reshape(-1, rows // 4), src.view("<f4").reshape(-1, rows // 4)
-            d32[offset // rows] += s32[at // rows]
+            for (_, offs, lens, at), c, st in zip(parts, chunks, states, strict=True):
+                sview = self.region.view[st.offset : st.offset + st.size]
+                for o, n, p in zip(offs.tolist(), lens.tolist(), at.tolist(), strict=True):
+                    optim.apply(op, self.region.view[c.offset + o : c.offset + o + n],
+                                memoryview(src[p : p + n]), sview, chunk_size, o)  # type: ignore[arg-type]
         else:
-            for o, n, p in zip(offset.tolist(), length.tolist(), at.tolist(), strict=True):
-                if kind == UpdateOp.ASSIGN:
-                    dst[o : o + n] = src[p : p + n]
-                else:
-                    d = dst[o : o + n].view("<f4")
-                    d += src[p : p + n].view("<f4")
-        return self._bump(chunk)
+            move(np.frombuffer(self.region.view, dtype=np.uint8),
+                 np.concatenate([c.offset + o for c, (_, o, _, _) in zip(chunks, parts, strict=True)]), src,
+                 np.concatenate([a for _, _, _, a in parts]), np.concatenate([n for _, _, n, _ in parts]),
+                 add=kind == UpdateOp.ADD)
+        versions = [self._bump(c) for c in chunks]
+        for st, v in zip(states, versions, strict=False):
+            self.versions[st.slot] = v  # the state's version follows its chunk's
+        return versions
 
     def _state_for(self, file_id: int, chunk_index: int, chunk_size: int, update: Update, existing: bool) -> Chunk:
         """The state chunk of a chunk, made (or made afresh) for ``update``'s optimizer
@@ -613,30 +560,12 @@ class Shard:
         self.used -= chunk.size
 
 
-def _positions(length: np.ndarray) -> np.ndarray:
-    """Where each extent's bytes start in a payload of them one after the other, plus the total."""
-    pos = np.zeros(len(length) + 1, dtype=np.int64)
-    np.cumsum(length, out=pos[1:])
-    return pos
-
-
 def _by_chunk(chunk: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """``(chunk index, positions of its extents in request order)`` for each chunk named."""
     order = np.argsort(chunk, kind="stable")
     sorted_chunks = chunk[order]
     cuts = np.flatnonzero(np.diff(sorted_chunks)) + 1
     return [(int(sorted_chunks[g[0]]), g) for g in np.split(order, cuts) if len(g)] if len(order) else []
-
-
-def _uniform(offset: np.ndarray, length: np.ndarray, at: np.ndarray, chunk_size: int, payload: int) -> int:
-    """The common length L of extents that tile both the chunk and the payload in rows of L
-    bytes (so a copy is one fancy-indexed row copy), or 0 when they do not."""
-    rows = int(length[0])
-    if rows <= 0 or rows % 4 or chunk_size % rows or payload % rows:
-        return 0
-    if bool((length != rows).any()) or bool((offset % rows).any()) or bool((at % rows).any()):
-        return 0
-    return rows
 
 
 def split_extents(ext: np.ndarray, chunk_size: int, op: UpdateOp | Update,
@@ -656,7 +585,9 @@ def split_extents(ext: np.ndarray, chunk_size: int, op: UpdateOp | Update,
     length = ext["length"].astype(np.int64)
     if not len(chunk):
         raise BadRequest("a scatter names no extent")
-    pos = _positions(length)
+    if int(length.min()) <= 0:
+        raise BadRequest("an extent of a scatter is empty")
+    pos = positions(length)
     if pos[-1] != payload:
         raise BadRequest(f"a scatter carries {payload} bytes for extents of {pos[-1]}")
     if int((offset + length).max()) > chunk_size:
@@ -669,17 +600,3 @@ def split_extents(ext: np.ndarray, chunk_size: int, op: UpdateOp | Update,
     if len(order) > 1 and bool(((c[1:] == c[:-1]) & (o[1:] < e[:-1])).any()):
         raise BadRequest("extents of one chunk overlap: sum duplicate rows into one first")
     return [(index, offset[sel], length[sel], pos[sel]) for index, sel in _by_chunk(chunk)]
-
-
-def _rows_of(length: np.ndarray, places: tuple[np.ndarray, ...], sizes: tuple[int, ...]) -> int:
-    """The common length L of extents whose every place (byte offsets, in ``places``) and both
-    buffers (``sizes``) are multiples of L, so that one fancy-indexed copy of rows moves them;
-    0 when they are not."""
-    if not len(length):
-        return 0
-    rows = int(length[0])
-    if rows <= 0 or rows % 4 or any(n % rows for n in sizes) or bool((length != rows).any()):
-        return 0
-    if any(bool((p % rows).any()) for p in places):
-        return 0
-    return rows

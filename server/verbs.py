@@ -161,7 +161,10 @@ class VerbsShard:
             try:
                 frame = P.parse_header(raw, SLOT_SIZE)
                 frame.body = memoryview(raw)[P.HEADER_SIZE : P.HEADER_SIZE + frame.body_len]
-                reply = server.handle(frame, staging, transport="verbs")
+                if frame.opcode in (P.Opcode.READ, P.Opcode.GATHER):  # reads go one-sided: refused unread
+                    reply = P.ErrorReply(P.Status.BAD_REQUEST, "READ and GATHER over SEND are not served: use RDMA READ")
+                else:
+                    reply = server.handle(frame, staging, transport="verbs")
             except IrdmaError as exc:
                 log.warning("verbs client sent a bad frame: %s", exc)
                 reply = P.ErrorReply(P.Status.BAD_FRAME, str(exc))
@@ -169,8 +172,6 @@ class VerbsShard:
             if inspect.isawaitable(reply):
                 later.start_soon(reply_later, frame.opcode, frame.request_id, reply)
                 continue
-            if isinstance(reply, (P.ReadReply, P.GatherReply)):  # reads go one-sided; refuse them here
-                reply = P.ErrorReply(P.Status.BAD_REQUEST, "READ and GATHER over SEND are not served: use RDMA READ")
             try:
                 await ep.send_frame(P.encode_reply(frame.opcode, frame.request_id, reply))
             except ShardUnavailable as exc:  # the client closed its queue pair while we answered

@@ -73,14 +73,19 @@ def test_push_rows_with_the_files_optimizer_steps_only_those_rows(rows_cluster: 
         c.unlink("/emb-sgd")
 
 
-def test_rows_grow_a_shaped_file_and_bad_input_changes_nothing(rows_cluster: Cluster) -> None:
+def test_set_shape_sizes_a_table_and_bad_input_changes_nothing(rows_cluster: Cluster) -> None:
     with irdma.connect(rows_cluster.meta_url, transport="tcp") as c:
-        c.set_shape("/emb-new", (1000, ROW))  # an empty table of 1000 rows
+        with pytest.raises(irdma.InvalidArgument, match="dimensions"):
+            c.set_shape("/emb-new", (1000.5, ROW))  # type: ignore[arg-type]
+        assert "emb-new" not in c.listdir("/")  # refused before anything was made
+        c.set_shape("/emb-new", (1000, ROW))  # a table of 1000 rows, all zeros
+        assert c.stat("/emb-new").size == 1000 * ROW * 4
         c.push_rows("/emb-new", [900, 10], np.ones((2, ROW), "<f4"), op="add")
-        assert c.stat("/emb-new").size == 901 * ROW * 4
-        got = c.pull("/emb-new").reshape(901, ROW)
+        assert c.stat("/emb-new").size == 1000 * ROW * 4  # a push never changes the size
+        got = c.pull("/emb-new").reshape(1000, ROW)
         assert got[900].tolist() == [1.0] * ROW and got[10].tolist() == [1.0] * ROW
-        assert not got[np.r_[0:10, 11:900]].any()  # the rows between read as zeros
+        assert not got[np.r_[0:10, 11:900, 901:1000]].any()  # the other rows read as zeros
+        np.testing.assert_array_equal(c.pull_rows("/emb-new", [999, 900]), got[[999, 900]])
         before = c.read("/emb-new")
         with pytest.raises(irdma.InvalidArgument, match="past the last row"):
             c.push_rows("/emb-new", [1000], np.ones((1, ROW), "<f4"))
@@ -89,7 +94,7 @@ def test_rows_grow_a_shaped_file_and_bad_input_changes_nothing(rows_cluster: Clu
         with pytest.raises(irdma.InvalidArgument, match="values"):
             c.push_rows("/emb-new", [1, 2], np.ones((1, ROW), "<f4"))
         with pytest.raises(irdma.InvalidArgument, match="past the end"):
-            c.pull_rows("/emb-new", [950])
+            c.pull_rows("/emb-new", [1000])
         with pytest.raises(irdma.InvalidArgument, match="integers"):
             c.pull_rows("/emb-new", [1.5])
         with pytest.raises(irdma.InvalidArgument, match="disagrees"):
@@ -103,6 +108,31 @@ def test_rows_grow_a_shaped_file_and_bad_input_changes_nothing(rows_cluster: Clu
         np.testing.assert_array_equal(c.pull_rows("/plain", [3], row_len=ROW), np.zeros((1, ROW), "<f4"))
         c.unlink("/emb-new")
         c.unlink("/plain")
+
+
+def test_concurrent_pushes_of_many_workers_into_a_fresh_table_all_land(rows_cluster: Cluster) -> None:
+    """ps-lite's pattern: workers push rows into a table just made by set_shape, at once; every
+    push lands (none is undone by another's bookkeeping), with overlapping ids summed."""
+    import trio
+
+    rng = np.random.default_rng(21)
+    pushes = [rng.integers(0, 3000, size=400) for _ in range(12)]
+
+    async def main() -> None:
+        async with irdma.Client.open(rows_cluster.meta_url, transport="tcp") as c:
+            await c.set_shape("/emb-con", (3000, ROW))
+            async with trio.open_nursery() as nursery:
+                for ids in pushes:
+                    nursery.start_soon(lambda ids=ids: c.push_rows("/emb-con", ids, np.ones((len(ids), ROW), "<f4"),
+                                                                   op="add"))
+            got = await c.pull("/emb-con", shape=(3000, ROW))
+            want = np.zeros(3000, "<f4")
+            for ids in pushes:
+                np.add.at(want, ids, 1)
+            np.testing.assert_array_equal(got, np.repeat(want[:, None], ROW, axis=1))
+            await c.unlink("/emb-con")
+
+    trio.run(main)
 
 
 def test_rows_through_the_mount_agree_with_the_client(rows_cluster: Cluster, tmp_path: object) -> None:
@@ -133,3 +163,23 @@ def test_rows_through_the_mount_agree_with_the_client(rows_cluster: Cluster, tmp
         np.testing.assert_array_equal(c.pull_rows("/emb-mnt", ids), table[ids])
         c.unlink("/emb-mnt")
 
+
+
+@pytest.mark.parametrize("op", ["add", "sgd learning_rate=0.5"])
+def test_a_scatter_the_shard_cannot_hold_changes_nothing(op: str) -> None:
+    """A SCATTER over three chunks whose third finds no room: NoSpace, and no chunk was stepped
+    or left behind (the shard makes every chunk and optimizer state first, then applies)."""
+    from irdma.optimizers import parse_update
+    from irdma.server.shard import Region, Shard, split_extents
+
+    from irdma import protocol as P
+
+    shard = Shard(1, Region(2 * CHUNK + (64 << 10)))  # room for two chunks and their states
+    shard.write(7, 0, CHUNK, 0, P.UpdateOp.ASSIGN, np.ones(CHUNK // 4, "<f4").tobytes())
+    before = (shard.snapshot(7, 0), shard.used, shard.chunk_count)
+    ext = P.extents([0, 1, 2], [0, 0, 0], [1024, 1024, 1024])
+    update = parse_update(op)
+    parts = split_extents(ext, CHUNK, update, 3 * 1024)
+    with pytest.raises(irdma.NoSpace):
+        shard.scatter(7, CHUNK, parts, update, np.ones(3 * 256, "<f4").tobytes())
+    assert (shard.snapshot(7, 0), shard.used, shard.chunk_count) == before

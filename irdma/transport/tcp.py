@@ -86,13 +86,13 @@ class Receiver:
     connection is open.
     """
 
-    BUFFER = 256 << 10
+    BUFFER = 64 << 10
     #: Bytes still wanted from which a read skips the buffer.
-    DIRECT = 64 << 10
+    DIRECT = 16 << 10
 
     def __init__(self, sock: Any) -> None:
         self.sock = sock
-        self._buf = memoryview(bytearray(self.BUFFER))
+        self._buf = memoryview(b"")  # allocated at the first buffered read
         self._lo = self._hi = 0
 
     @property
@@ -116,6 +116,8 @@ class Receiver:
             if need >= self.DIRECT:
                 k = await self.sock.recv_into(view[got:], need)
             else:  # the buffer is empty here: take what has arrived, keep the rest
+                if not self._buf:
+                    self._buf = memoryview(bytearray(self.BUFFER))
                 k = await self.sock.recv_into(self._buf, self.BUFFER)
                 self._lo, self._hi = min(k, need), k
                 view[got : got + self._lo] = self._buf[: self._lo]

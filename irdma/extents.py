@@ -1,0 +1,52 @@
+"""Moving many small byte extents between buffers at once (sparse rows: GATHER, SCATTER).
+
+An extent is ``(position, length)`` in a buffer of bytes (a numpy ``uint8`` array). Copying
+thousands of them one Python slice at a time costs a microsecond or more each; :func:`move`
+does it with one fancy-indexed copy per distinct length, over ``sliding_window_view`` of both
+buffers (so any alignment works, not only rows that tile the buffer), as numpy's ``take``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+def positions(length: np.ndarray) -> np.ndarray:
+    """Where each extent starts in a buffer of them one after the other, plus the total
+    (int64, ``len(length) + 1`` entries)."""
+    pos = np.zeros(len(length) + 1, dtype=np.int64)
+    np.cumsum(length, out=pos[1:])
+    return pos
+
+
+def move(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np.ndarray, length: np.ndarray,
+         add: bool = False) -> None:
+    """``dst[dst_at[k] : dst_at[k] + length[k]] = src[src_at[k] : ...]`` for every k (``+=`` as
+    little-endian float32 with ``add``: positions and lengths then multiples of 4).
+
+    ``dst`` and ``src`` are 1-D uint8 arrays; the extents of ``dst`` must not overlap (the
+    caller checks). Ranges are the caller's to check too: an extent outside a buffer raises
+    IndexError and may leave earlier lengths' extents moved.
+    """
+    if not len(length):
+        return
+    lengths = np.unique(length)
+    for n in lengths.tolist():
+        if n <= 0:
+            continue
+        sel = slice(None) if len(lengths) == 1 else length == n
+        d_at, s_at = dst_at[sel], src_at[sel]
+        if add:
+            d = sliding_window_view(dst.view("<f4"), n // 4, writeable=True)
+            s = sliding_window_view(src.view("<f4"), n // 4)
+            d[d_at // 4] += s[s_at // 4]
+        else:
+            sliding_window_view(dst, n, writeable=True)[d_at] = sliding_window_view(src, n)[s_at]
+
+
+def fill(dst: np.ndarray, dst_at: np.ndarray, length: np.ndarray, value: int = 0) -> None:
+    """``dst[dst_at[k] : dst_at[k] + length[k]] = value`` for every k (holes read as zeros)."""
+    for n in np.unique(length).tolist():
+        if n > 0:
+            sliding_window_view(dst, n, writeable=True)[dst_at[length == n]] = value
