@@ -158,6 +158,7 @@ class VerbsShard:
             off = slot * SLOT_SIZE
             raw = bytes(ep.recv_view[off : off + length])
             ep.repost(slot)
+            reply: Any
             try:
                 frame = P.parse_header(raw, SLOT_SIZE)
                 frame.body = memoryview(raw)[P.HEADER_SIZE : P.HEADER_SIZE + frame.body_len]

@@ -69,6 +69,7 @@ import trio
 from irdma import protocol as P
 from irdma._errors import BadRequest, DataLost, IrdmaError, ShardUnavailable, TransportUnavailable
 from irdma.auth import AuthFailed, KeyRing
+from irdma.extents import move, positions
 from irdma.protocol import ChunkEntry, StatReply, UpdateOp
 
 from .base import ShardConnection, ShardInfo, Transport, parse_address
@@ -883,52 +884,61 @@ class VerbsConnection(ShardConnection):
 
     async def gather(self, file_id: int, extents: np.ndarray, clean: bool = False) -> tuple[np.ndarray, memoryview]:
         """One-sided: each extent is an RDMA READ from the chunk's place in the region (located
-        once, then cached), up to GATHER_WRS of them posted at once into a pool buffer. The
-        versions answered are 0 for a hole and 1 for a chunk that exists (no version table read)."""
+        once, then cached), up to GATHER_WRS work requests posted at once into a pool buffer,
+        each chunk's version slot read first (as :meth:`read` does: at most the version of the
+        bytes read; 0 for a chunk freed since it was located)."""
         chunk = extents["chunk"].astype(np.int64)
         offset = extents["offset"].astype(np.int64)
         length = extents["length"].astype(np.int64)
-        pos = np.zeros(len(chunk) + 1, dtype=np.int64)
-        np.cumsum(length, out=pos[1:])
+        pos = positions(length)
         into = np.empty(int(pos[-1]), dtype=np.uint8)
         locs = {int(c): await self._locate(file_id, int(c), 0) for c in np.unique(chunk)}
         assert self.remote is not None
         r = self.remote
         pool = self._pool
+        room = pool.size - 8 * GATHER_WRS  # the buffer's tail takes the version reads
         versions = np.zeros(len(chunk), dtype=np.uint64)
-        out = into
         n, i = len(chunk), 0
         while i < n:
             hold = await pool.take()
             try:
                 base = pool.mr.buf + hold.offset
                 wrs: list[Wr] = []
-                items: list[tuple[int, int, int]] = []
+                items: list[tuple[int, int, int, int, int]] = []
+                slots: dict[int, int] = {}
                 fill = 0
-                while i < n and len(wrs) < GATHER_WRS:
+                while i < n and len(wrs) + 2 <= GATHER_WRS:
                     c, o, k, p = int(chunk[i]), int(offset[i]), int(length[i]), int(pos[i])
-                    if k > pool.size:
-                        raise BadRequest(f"an extent of {k} bytes exceeds the {pool.size}-byte transfer buffer")
-                    if fill + k > pool.size:
+                    if k > room:
+                        raise BadRequest(f"an extent of {k} bytes exceeds the {room}-byte transfer buffer")
+                    if fill + k > room:
                         break
                     loc = locs[c]
                     if loc is None:
-                        out[p : p + k] = 0
-                    else:
-                        if o + k > loc.chunk_size:
-                            raise BadRequest(f"range [{o}, {o + k}) leaves the {loc.chunk_size}-byte chunk")
-                        versions[i] = 1
-                        if k:
-                            wrs.append((e.IBV_WR_RDMA_READ, base + fill, k, pool.mr.lkey,
-                                        r.region_addr + loc.region_offset + o, r.region_rkey))
-                            items.append((p, fill, k))
-                            fill += k
+                        into[p : p + k] = 0
+                        i += 1
+                        continue
+                    if o + k > loc.chunk_size:
+                        raise BadRequest(f"range [{o}, {o + k}) leaves the {loc.chunk_size}-byte chunk")
+                    if c not in slots:
+                        slots[c] = len(slots)
+                        wrs.append((e.IBV_WR_RDMA_READ, base + room + 8 * slots[c], 8, pool.mr.lkey,
+                                    r.versions_addr + 8 * loc.version_slot, r.versions_rkey))
+                    if k:
+                        wrs.append((e.IBV_WR_RDMA_READ, base + fill, k, pool.mr.lkey,
+                                    r.region_addr + loc.region_offset + o, r.region_rkey))
+                    items.append((i, p, fill, k, c))
+                    fill += k
                     i += 1
                 if wrs:
                     await self._ep.wait(await self._ep.post(wrs, hold=hold))
                     # no checkpoint from here on: the device is done with the buffer
-                    for p, f, k in items:
-                        out[p : p + k] = pool.view[hold.offset + f : hold.offset + f + k]
+                    at = hold.offset + room
+                    seen = {c: int.from_bytes(pool.view[at + 8 * s : at + 8 * s + 8], "little")
+                            for c, s in slots.items()}
+                    for idx, p, f, k, c in items:
+                        into[p : p + k] = pool.view[hold.offset + f : hold.offset + f + k]
+                        versions[idx] = seen[c]
             finally:
                 hold.drop()
         return versions, memoryview(into)  # type: ignore[arg-type]
@@ -936,33 +946,64 @@ class VerbsConnection(ShardConnection):
     async def scatter(self, file_id: int, chunk_size: int, extents: np.ndarray, op: UpdateOp | P.Update,
                       data: memoryview | bytes, existing: bool = False, chain: P.Chain | None = None) -> int:
         """Staged: up to a pool buffer's worth of bytes (and SCATTER_EXTENTS extents) goes by RDMA
-        WRITE into a staging slot, then a SCATTER naming it by SEND; each batch is its own update
-        (its own request id: the chain's plus the batch's number)."""
-        view = memoryview(data).cast("B")
+        WRITE into a staging slot, then a SCATTER naming it by SEND. Batches hold whole chunks
+        (request id: the chain's); a chunk too large for one is cut in pieces, piece j with the
+        chain's request id plus j. So a (request id, chunk) pair always names the same extents,
+        however a retry groups the chunks, and the shard applies each exactly once."""
+        src = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        chunk = extents["chunk"].astype(np.int64)
         length = extents["length"].astype(np.int64)
-        pos = np.zeros(len(length) + 1, dtype=np.int64)
-        np.cumsum(length, out=pos[1:])
-        if pos[-1] != len(view):
-            raise BadRequest(f"a scatter of {len(view)} bytes into extents of {pos[-1]}")
+        pos = positions(length)
+        if pos[-1] != len(src):
+            raise BadRequest(f"a scatter of {len(src)} bytes into extents of {pos[-1]}")
+        size = self._pool.size
+        if len(length) and int(length.max()) > size:
+            raise BadRequest(f"an extent of {int(length.max())} bytes exceeds the {size}-byte transfer buffer")
+        # pieces of each chunk (in order of first appearance), then batches of whole-chunk pieces
+        order = np.argsort(chunk, kind="stable")
+        cuts = np.flatnonzero(np.diff(chunk[order])) + 1
+        batches: list[tuple[int, np.ndarray]] = []  # (piece number, extent positions)
+        whole: list[np.ndarray] = []
+        whole_n = whole_bytes = 0
+
+        def close_whole() -> None:
+            nonlocal whole, whole_n, whole_bytes
+            if whole:
+                batches.append((0, np.concatenate(whole)))
+            whole, whole_n, whole_bytes = [], 0, 0
+
+        for sel in np.split(order, cuts):
+            if not len(sel):
+                continue
+            cost = np.cumsum(length[sel])
+            nbytes = int(cost[-1])
+            if len(sel) <= SCATTER_EXTENTS and nbytes <= size:
+                if whole_n + len(sel) > SCATTER_EXTENTS or whole_bytes + nbytes > size:
+                    close_whole()
+                whole.append(sel)
+                whole_n, whole_bytes = whole_n + len(sel), whole_bytes + nbytes
+                continue
+            start, j, base = 0, 0, 0
+            while start < len(sel):
+                stop = min(int(np.searchsorted(cost, base + size, side="right")), start + SCATTER_EXTENTS)
+                batches.append((j, sel[start:stop]))
+                base, start, j = int(cost[stop - 1]), stop, j + 1
+        close_whole()
+        if chain is not None and max((j for j, _ in batches), default=0) >= 256:
+            raise BadRequest("a chunk of more than 256 pieces in one scatter: send fewer extents per call")
         assert self.remote is not None
         r = self.remote
-        version, i, batch = 0, 0, 0
-        while i < len(length):
-            j = i
-            while j < len(length) and j - i < SCATTER_EXTENTS and pos[j + 1] - pos[i] <= self._pool.size:
-                j += 1
-            if j == i:
-                raise BadRequest(f"an extent of {int(length[i])} bytes exceeds the {self._pool.size}-byte transfer buffer")
-            if chain is not None and batch >= 256:
-                raise BadRequest("a scatter of more than 256 batches: send fewer extents per call")
-            sub = None if chain is None else dataclasses.replace(chain, request_id=chain.request_id + batch)
+        version = 0
+        for j, sel in batches:
+            payload = np.empty(int(length[sel].sum()), dtype=np.uint8)
+            move(payload, positions(length[sel])[:-1], src, pos[:-1][sel], length[sel])
+            sub = None if chain is None else dataclasses.replace(chain, request_id=chain.request_id + j)
             soff = await self._staging.take()
-            msg = P.Scatter(file_id, chunk_size, extents[i:j], op, b"", existing, sub, True, soff)
-            reply = await self._push(view[int(pos[i]) : int(pos[j])], r.staging_addr + soff, r.staging_rkey, msg,
-                                     staging=soff)
+            msg = P.Scatter(file_id, chunk_size, extents[sel], op, b"", existing, sub, True, soff)
+            reply = await self._push(memoryview(payload), r.staging_addr + soff,  # type: ignore[arg-type]
+                                     r.staging_rkey, msg, staging=soff)
             assert isinstance(reply, P.VersionReply)
             version = max(version, reply.version)
-            i, batch = j, batch + 1
         return version
 
     async def _push(self, view: memoryview, raddr: int, rkey: int, commit: P.RemoteWrite | P.Scatter,
