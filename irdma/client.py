@@ -50,7 +50,6 @@ from ._errors import (
     IrdmaError,
     IsADirectory,
     NoAttribute,
-    NoSpace,
     NotFound,
     ReplicaError,
     ReplicaFailed,
@@ -666,37 +665,9 @@ class Client:
 
             try:
                 await self._on_shard(head, fn)
-            except ReplicaFailed as exc:  # applied up to the failed replica: drop it, send again
+            except IrdmaError as exc:
+                await self._before_resend(exc, head, single, "write")
                 last = exc
-                if self._current(exc.shard_id):  # once per failure, not once per request in flight
-                    log.warning("replica %d failed during a write: %s; going on without it", exc.shard_id,
-                                exc.args[0])
-                await self._mark_down(exc.shard_id)
-                continue
-            except Fenced as exc:
-                last = exc
-                await self.refresh_view()
-                continue
-            except DataLost as exc:
-                # a move may have taken the chunk from this view's head since: read the shard map
-                # again and send it along the new chain if it changed
-                view = self._view
-                await self.refresh_view()
-                if self._view == view:
-                    raise
-                last = exc
-                continue
-            except (BadRequest, NoSpace):
-                raise
-            except ShardUnavailable as exc:
-                last = exc
-                if single:
-                    if trio.current_time() < self._down_until.get(head, 0.0):
-                        raise  # missed its deadline: not tried again now
-                    continue  # a lost reply or a broken connection: once more, same request id
-                if self._current(head):
-                    log.warning("head replica %d failed during a write: %s; going on without it", head, exc.args[0])
-                await self._mark_down(head)
                 continue
             if single:
                 self._unsynced_single.add(head)
@@ -989,35 +960,9 @@ class Client:
 
             try:
                 await self._on_shard(head, fn)
-            except ReplicaFailed as exc:
+            except IrdmaError as exc:
+                await self._before_resend(exc, head, single, "scatter")
                 last = exc
-                if self._current(exc.shard_id):
-                    log.warning("replica %d failed during a scatter: %s; going on without it", exc.shard_id,
-                                exc.args[0])
-                await self._mark_down(exc.shard_id)
-                continue
-            except Fenced as exc:
-                last = exc
-                await self.refresh_view()
-                continue
-            except DataLost as exc:
-                view = self._view
-                await self.refresh_view()
-                if self._view == view:
-                    raise
-                last = exc
-                continue
-            except (BadRequest, NoSpace):
-                raise
-            except ShardUnavailable as exc:
-                last = exc
-                if single:
-                    if trio.current_time() < self._down_until.get(head, 0.0):
-                        raise
-                    continue
-                if self._current(head):
-                    log.warning("head replica %d failed during a scatter: %s; going on without it", head, exc.args[0])
-                await self._mark_down(head)
                 continue
             if single:
                 self._unsynced_single.add(head)
@@ -1031,6 +976,39 @@ class Client:
             return
         assert last is not None
         raise last
+
+    async def _before_resend(self, exc: IrdmaError, head: int, single: bool, what: str) -> None:
+        """What a chained update (a write's piece or a scatter) that failed with ``exc`` does
+        before it is sent again with the same request id; raises ``exc`` when it must not be.
+
+        A failed replica is marked down (applied up to it: the shorter chain takes the resend);
+        a fence or a lost chunk reads the shard map again (a move may have taken the chunk from
+        this view's head; a lost chunk fails unless the view changed); a file of one replica is
+        sent once more after a lost reply or a broken connection, unless its shard missed its
+        deadline; a failed head of a replicated chunk is marked down.
+        """
+        if isinstance(exc, ReplicaFailed):
+            if self._current(exc.shard_id):  # once per failure, not once per request in flight
+                log.warning("replica %d failed during a %s: %s; going on without it", exc.shard_id, what,
+                            exc.args[0])
+            await self._mark_down(exc.shard_id)
+        elif isinstance(exc, Fenced):
+            await self.refresh_view()
+        elif isinstance(exc, DataLost):
+            view = self._view
+            await self.refresh_view()
+            if self._view == view:
+                raise exc
+        elif isinstance(exc, ShardUnavailable):
+            if single:
+                if trio.current_time() < self._down_until.get(head, 0.0):
+                    raise exc  # missed its deadline: not tried again now
+                return
+            if self._current(head):
+                log.warning("head replica %d failed during a %s: %s; going on without it", head, what, exc.args[0])
+            await self._mark_down(head)
+        else:
+            raise exc  # BadRequest, NoSpace and the rest: the caller hears them
 
     async def flush(self) -> None:
         """Return once every write this client made so far is durable on its shards (SYNC to
