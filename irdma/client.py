@@ -39,7 +39,7 @@ from typing import TypeVar, cast
 import numpy as np
 import trio
 
-from . import auth, coord
+from . import auth, comm, coord
 from ._concurrency import open_nursery
 from ._errors import (
     BadRequest,
@@ -127,7 +127,8 @@ class Client:
         nursery: where connection tasks live.
         keys: the cluster key to prove to shards (:mod:`irdma.auth`), read again when its file
             changes; None to connect without one (shards with a key refuse it).
-        window: requests in flight per shard.
+        window: requests in flight per shard; waiting ones are admitted by priority
+            (:func:`irdma.comm.priority`: P3, lower levels first), FIFO among equal levels.
         timeout: seconds each request to a shard may take, queueing and connecting included.
     """
 
@@ -158,7 +159,7 @@ class Client:
         self._name = client_name or f"irdma-client pid {os.getpid()}"
         self._window = window
         self._conns: dict[int, ShardConnection] = {}
-        self._limits: dict[int, trio.Semaphore] = {}
+        self._limits: dict[int, comm.PriorityWindow] = {}  # requests in flight per shard, by priority (P3)
         self._connect_locks: dict[int, trio.Lock] = {}
         self._shard_map: dict[int, ShardRecord] = {}
         self._view = 0  # the shard map's epoch this client acts on (sent with every update)
@@ -259,7 +260,7 @@ class Client:
                 self._shard_map[shard_id] = dataclasses.replace(rec, incarnation=conn.info.incarnation)
                 conn = MeteredConnection(conn, self.transport.name)  # irdma_client_* (irdma.metrics)
                 self._conns[shard_id] = conn
-                self._limits[shard_id] = trio.Semaphore(self._window)
+                self._limits[shard_id] = comm.PriorityWindow(self._window)
                 await self._note_health(shard_id, "up")
         return conn
 
@@ -1047,7 +1048,9 @@ class Client:
 
     def _max_piece(self, layout: Layout) -> int | None:
         sizes = [c.info.max_payload for c in self._conns.values()]
-        return min(sizes) if sizes else DEFAULT_MAX_PAYLOAD
+        most = min(sizes) if sizes else DEFAULT_MAX_PAYLOAD
+        cut = comm.current().slice_bytes  # P3's slices (irdma.comm.priority)
+        return min(most, cut) if cut else most
 
     async def truncate_data(self, layout: Layout, new_size: int) -> None:
         """Drop the bytes of a file from ``new_size`` on, on every shard of its stripe (every

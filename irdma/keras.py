@@ -37,15 +37,20 @@ worker 0 before the barrier. Errors (a shard down, a wait past its deadline: ETI
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from . import comm
+from .comm import DEFAULT_SLICE_ELEMS, parse_drop, parse_slice
 from .coord import XATTR_CONSISTENCY, XATTR_SYNC_TIMEOUT, XATTR_WORKERS, parse_consistency
 from .optimizers import parse_update
 
@@ -259,3 +264,310 @@ def keras_optimizer(update: str) -> keras.optimizers.Optimizer:
     cls = {"SGD": keras.optimizers.SGD, "ADAM": keras.optimizers.Adam, "ADAGRAD": keras.optimizers.Adagrad,
            "RMSPROP": keras.optimizers.RMSprop}[u.op.name]
     return cls(**kwargs)
+
+
+# ---------------------------------------------------------------- less and smarter communication
+OVERLAPS = ("none", "fifo", "p3")
+
+
+@dataclass
+class CommStats:
+    """What a :class:`CommTrainer` moved and skipped, since it was built.
+
+    Bytes are payload bytes of pushes and pulls as sent (compressed pushes at their encoded
+    size); ``skipped`` counts layer pushes held back by layer dropping; ``steps`` the training
+    steps and ``step_s`` their wall-clock seconds.
+    """
+
+    pushed_bytes: int = 0
+    pulled_bytes: int = 0
+    pushes: int = 0
+    skipped: int = 0
+    steps: int = 0
+    step_s: list[float] = field(default_factory=list)
+
+
+class CommTrainer:
+    """Data-parallel training of a ``keras.Sequential`` with issue 12's communication techniques.
+
+    Every layer with trainable weights is one file ``JOB/layer-NNN`` (its variables in order,
+    little-endian float32, C order) whose ``user.irdma.update`` is the shards' optimizer and
+    whose ``user.irdma.priority`` is the layer's index in the forward pass (0 first). A step runs
+    the model layer by layer in eager mode, so that:
+
+    * ``overlap="p3"`` (P3, Jayarajan et al., SysML 2019): back-propagation pushes each layer's
+      gradient as soon as it is computed and then pulls the layer's new weights, in slices of
+      ``slice_elems`` float32 scheduled by priority (:func:`irdma.comm.priority`): the first
+      layers, which the next forward pass needs first, overtake the big later ones; the forward
+      pass of the next step waits only for the layer it is about to run.
+    * ``overlap="fifo"``: the same overlap in whole tensors and arrival order (no priority), the
+      baseline P3 is measured against; ``overlap="none"``: back-propagation, then every push,
+      then every pull, then the next forward pass.
+    * ``drop`` (layer dropping with a residual cache, :class:`irdma.comm.ResidualCache`): a
+      layer's push is skipped while ``learning_rate * ||accumulated gradient||_1 <
+      drop * ||weights||_1``; what was skipped is added to its next push (nothing is lost).
+    * ``compress`` (``"topk:F"`` or ``"sign"``, :mod:`irdma.compress`): pushes are encoded per
+      slice, decoded on the shards, and the compression error is kept per layer and added to
+      the next push (error feedback).
+    * ``group`` (a :class:`irdma.hier.HostGroup`, DASO-style hierarchy): the workers of a host
+      sum their gradients in shared memory, the group's leader pushes the sum once for the host
+      and pulls once, and hands the weights to the others.
+
+    Args:
+        model: a built ``keras.Sequential``.
+        client: an :func:`irdma.connect` client (its ``window`` bounds the requests in flight
+            per shard: P3 wants a few, e.g. 4).
+        job: the job's directory in the namespace (created by worker 0).
+        worker, workers: this worker's id and the job's worker count (for the start barrier).
+        update: the optimizer the shards apply (``user.irdma.update``).
+        loss: a Keras loss (name or object).
+        overlap, slice_elems, drop, compress, group: as above.
+        timeout: seconds any wait of a step (a pull, the barrier) may take.
+
+    Raises:
+        ValueError: a model that is not a built Sequential, or a bad flag (before anything is
+            written).
+    """
+
+    def __init__(self, model: Any, client: Any, job: str, *, worker: int = 0, workers: int = 1,
+                 update: str = "sgd learning_rate=0.05", loss: Any = "sparse_categorical_crossentropy",
+                 overlap: str = "p3", slice_elems: int = DEFAULT_SLICE_ELEMS, drop: float = 0.0,
+                 compress: str | None = None, group: Any = None, timeout: float = 120.0) -> None:
+        if not isinstance(model, keras.Sequential) or not model.built:
+            raise ValueError("CommTrainer runs a built keras.Sequential layer by layer: build it first"
+                             " (model.build(input_shape) or call it once)")
+        if overlap not in OVERLAPS:
+            raise ValueError(f"overlap {overlap!r}: use one of {', '.join(OVERLAPS)}")
+        if not 0 <= worker < workers:
+            raise ValueError(f"worker {worker} is not one of {workers} workers")
+        self.op = parse_update(update)
+        if not self.op.op.is_optimizer:
+            raise ValueError(f"update {update!r} is not an optimizer: use e.g. 'sgd learning_rate=0.05'")
+        self.update_spec = update
+        self.slice_bytes = 4 * parse_slice(str(slice_elems))
+        self.drop = parse_drop(str(drop))
+        self.compress = compress
+        self._codec = None
+        if compress is not None:
+            from . import compress as _compress
+
+            self._codec = _compress.parse_compress(compress)
+        self.model, self.client, self.job = model, client, job.rstrip("/") or "/"
+        self.worker, self.workers, self.overlap, self.timeout = int(worker), int(workers), overlap, float(timeout)
+        self.group = group
+        self.loss_fn = keras.losses.get(loss)
+        self.layers = [layer for layer in model.layers if layer.trainable_weights]
+        self._index = {id(layer): i for i, layer in enumerate(self.layers)}
+        self._sizes = [[int(np.prod(v.shape)) for v in layer.trainable_weights] for layer in self.layers]
+        lr = self.op.args[0] if self.op.args[0] > 0 else 1.0
+        self.cache = comm.ResidualCache(self.drop, scale=lr)
+        self._feedback: dict[int, np.ndarray] = {}  # compression error per layer (error feedback)
+        self._pulls: dict[int, Any] = {}  # layer -> future of its weights (float32, flat)
+        self._pushes: list[Any] = []
+        self._pending = False  # whether every layer's pull of the last step is in flight
+        self._layouts: list[Any] = []
+        self._chunks: list[Any] = []
+        self.stats = CommStats()
+
+    # ------------------------------------------------------------ set-up
+    @property
+    def leader(self) -> bool:
+        """Whether this worker talks to the shards (every worker, or its host group's leader)."""
+        return self.group is None or self.group.rank == 0
+
+    def path(self, i: int) -> str:
+        return f"{self.job}/layer-{i:03d}"
+
+    def _flat(self, i: int) -> np.ndarray:
+        return np.concatenate([np.asarray(v.numpy(), dtype="<f4").ravel() for v in self.layers[i].trainable_weights])
+
+    def build(self) -> None:
+        """Join the job: worker 0 writes every layer's initial weights (op ``assign``), then sets
+        the optimizer and the xattrs; every worker passes the start barrier and pulls."""
+        c = self.client
+        if self.worker == 0:
+            c.makedirs(self.job)
+            meta = c.client.store
+            job_ino = c.stat(self.job).ino
+            meta.setxattr(job_ino, comm.XATTR_SLICE, str(self.slice_bytes // 4).encode())
+            meta.setxattr(job_ino, comm.XATTR_DROP, repr(self.drop).encode())
+            for i in range(len(self.layers)):
+                c.write(self.path(i), self._flat(i), op="assign")
+                c.set_update_op(self.path(i), self.update_spec)
+                meta.setxattr(c.stat(self.path(i)).ino, comm.XATTR_PRIORITY, str(i).encode())
+        c._run(c.client.barrier, f"{self.job.strip('/').replace('/', '-')}-start", self.workers, self.timeout)
+
+        async def locate(cl: Any) -> tuple[list[Any], list[Any]]:
+            from .client import layout_of
+
+            layouts, chunks = [], []
+            for i in range(len(self.layers)):
+                inode = await cl.meta.resolve(self.path(i))
+                layouts.append(layout_of(inode))
+                chunks.append(await cl.meta.chunk_map(inode.ino))
+            return layouts, chunks
+
+        self._layouts, self._chunks = c._run(locate, c.client)
+        self._pull_all()
+
+    # ------------------------------------------------------------ transfers
+    def _level(self, i: int) -> tuple[int, int]:
+        return (i, self.slice_bytes) if self.overlap == "p3" else (0, 0)
+
+    def _transfer(self, i: int, grad: np.ndarray | None, pull: bool) -> Any:
+        """Start pushing layer ``i``'s gradient (unless None), then pulling its weights (if
+        ``pull``), as one task at the layer's priority; returns its future (the weights, or None)."""
+        layout, chunks = self._layouts[i], self._chunks[i]
+        level, cut = self._level(i)
+        n = sum(self._sizes[i])
+        op, feedback, data = self.op, None, None
+        if grad is not None:
+            data = np.ascontiguousarray(grad, dtype="<f4")
+            if self._codec is not None:
+                from . import compress as _compress
+
+                op = dataclasses.replace(self.op, encoding=self._codec.encoding)
+                feedback = self._feedback.setdefault(i, np.zeros(data.size, np.float32))
+                data = data + feedback  # error feedback: what earlier pushes left out goes now
+                self.stats.pushed_bytes += sum(_compress.wire_bytes(k, self._codec)
+                                               for k in _pieces(data.size, cut // 4 or data.size))
+            else:
+                self.stats.pushed_bytes += data.nbytes
+            self.stats.pushes += 1
+        if pull:
+            self.stats.pulled_bytes += 4 * n
+
+        async def run(cl: Any) -> np.ndarray | None:
+            if data is not None:
+                kwargs = {"feedback": feedback} if feedback is not None else {}
+                created = await cl.write_from(layout, 0, memoryview(data).cast("B"), op, chunks, **kwargs)
+                if created:  # chunks the file had not stored (a replica back from a failure): record them
+                    await cl.meta.extend(layout.file_id, data.nbytes, time.time_ns(), tuple(created))
+            if not pull:
+                return None
+            out = np.empty(n, dtype="<f4")  # a fresh buffer per pull: none is reused in flight
+            await cl.read_into(layout, 0, memoryview(out).cast("B"), chunks)
+            return out
+
+        return self.client.submit(run, priority=level, slice_bytes=cut)
+
+    def _start_pull(self, i: int) -> None:
+        if self.leader:
+            self._pulls[i] = self._transfer(i, None, True)
+
+    def _send(self, i: int, grad: np.ndarray) -> None:
+        """Layer ``i``'s gradient (float32, flat) is ready: push it (or cache it), then pull."""
+        if self.group is not None:
+            grad = self.group.reduce_to_leader(grad)
+            if not self.leader:
+                return
+        keep = self.cache.offer(i, grad, self._flat(i)) if self.drop else grad
+        if keep is None:
+            self.stats.skipped += 1  # layer dropping: held back in the residual cache
+        if self.overlap == "none":
+            if keep is not None:
+                self._pushes.append(self._transfer(i, keep, False))
+        else:
+            self._pulls[i] = self._transfer(i, keep, True)  # other workers' updates still come in
+
+    def _set_weights(self, i: int) -> None:
+        if self.leader:
+            flat = self._pulls.pop(i).result(timeout=self.timeout)
+        else:
+            flat = None
+        if self.group is not None:
+            flat = self.group.broadcast(flat)
+        at = 0
+        for v, n in zip(self.layers[i].trainable_weights, self._sizes[i], strict=True):
+            v.assign(flat[at : at + n].reshape(v.shape))
+            at += n
+
+    def _wait_pushes(self) -> None:
+        for fut in self._pushes:
+            fut.result(timeout=self.timeout)
+        self._pushes.clear()
+
+    # ------------------------------------------------------------ the step
+    def train_step(self, x: Any, y: Any) -> float:
+        """One step on a batch: returns the batch's loss (float). Raises what a transfer raised
+        (e.g. ShardUnavailable), or TimeoutError past ``timeout``."""
+        t0 = time.perf_counter()
+        h = tf.convert_to_tensor(x)
+        records = []
+        pending, self._pending = self._pending, False
+        for layer in self.model.layers:
+            i = self._index.get(id(layer))
+            if i is not None and pending:
+                self._set_weights(i)  # waits for this layer's pull only
+            with tf.GradientTape() as tape:
+                tape.watch(h)
+                out = layer(h, training=True)
+            records.append((layer, tape, h, out))
+            h = out
+        with tf.GradientTape() as tape:
+            tape.watch(h)
+            # tf.identity: a softmax output carries its logits, from which Keras's losses would
+            # compute the loss (and gradient) around ``h``, leaving none for it
+            loss = tf.reduce_mean(self.loss_fn(y, tf.identity(h)))
+        g = tape.gradient(loss, h)
+        for layer, tape, hin, out in reversed(records):
+            weights = layer.trainable_weights
+            grads = tape.gradient(out, [hin, *weights], output_gradients=g)
+            g = grads[0]
+            i = self._index.get(id(layer))
+            if i is not None:
+                self._send(i, np.concatenate([np.asarray(t, dtype="<f4").ravel() for t in grads[1:]]))
+        if self.overlap == "none":
+            self._wait_pushes()
+            self._pull_all()
+        else:
+            self._pending = True  # every layer's pull is on its way: the next forward pass waits for each
+        self.stats.steps += 1
+        self.stats.step_s.append(time.perf_counter() - t0)
+        return float(loss)
+
+    def fit(self, x: np.ndarray, y: np.ndarray, *, epochs: int = 1, batch_size: int = 32,
+            seed: int = 0, steps: int | None = None) -> list[float]:
+        """Train on ``x``, ``y`` (this worker's part of the data) for ``epochs`` epochs, or
+        ``steps`` steps; returns the mean loss of each epoch."""
+        rng = np.random.default_rng(seed)
+        losses, done = [], 0
+        for _ in range(epochs):
+            order = rng.permutation(len(x))
+            total, n = 0.0, 0
+            for s in range(0, len(x) - batch_size + 1, batch_size):
+                idx = order[s : s + batch_size]
+                total += self.train_step(x[idx], y[idx])
+                n += 1
+                done += 1
+                if steps is not None and done >= steps:
+                    break
+            losses.append(total / max(n, 1))
+            if steps is not None and done >= steps:
+                break
+        self.finish()
+        return losses
+
+    def finish(self) -> None:
+        """Wait for every transfer in flight and set the model to the weights they pulled."""
+        self._wait_pushes()
+        if self._pending:
+            self._pending = False
+            for i in range(len(self.layers)):
+                self._set_weights(i)
+
+    def _pull_all(self) -> None:
+        for i in range(len(self.layers)):
+            self._start_pull(i)
+        for i in range(len(self.layers)):
+            self._set_weights(i)
+
+    def pull_weights(self) -> None:
+        """Set the model's variables to the shards' current weights (every worker of a group calls it)."""
+        self.finish()
+        self._pull_all()
+
+
+def _pieces(n: int, per: int) -> list[int]:
+    """Sizes of ``n`` elements cut in pieces of at most ``per``."""
+    return [min(per, n - at) for at in range(0, n, per)] or [0]

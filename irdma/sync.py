@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
 import trio
 
+from . import comm
 from ._errors import IrdmaError
 from .client import Client
 from .meta import Inode
@@ -28,6 +30,7 @@ class SyncClient:
         self._error: BaseException | None = None
         self._client: Client | None = None
         self._stop: trio.Event | None = None
+        self._nursery: trio.Nursery | None = None
         self._thread = threading.Thread(target=self._main, args=(meta_url, kwargs), name="irdma-sync", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -37,12 +40,14 @@ class SyncClient:
     def _main(self, meta_url: str, kwargs: dict[str, Any]) -> None:
         async def amain() -> None:
             try:
-                async with Client.open(meta_url, **kwargs) as client:
+                async with Client.open(meta_url, **kwargs) as client, trio.open_nursery() as nursery:
                     self._client = client
+                    self._nursery = nursery  # where submit()'s calls run
                     self._token = trio.lowlevel.current_trio_token()
                     self._stop = trio.Event()
                     self._ready.set()
                     await self._stop.wait()
+                    nursery.cancel_scope.cancel()  # calls still running end as "client closed"
             except BaseException as exc:  # reported to the constructor, or to the next call
                 self._error = exc
                 self._ready.set()
@@ -66,6 +71,54 @@ class SyncClient:
                 f"this irdma client stopped: {cause!r}" if cause else "this irdma client stopped",
                 "open a new one with irdma.connect()",
             ) from cause
+
+    def submit(self, fn: Callable[[Client], Awaitable[Any]], *, priority: int = 0,
+               slice_bytes: int = 0) -> concurrent.futures.Future[Any]:
+        """Start ``await fn(client)`` on the client's loop and return at once (overlapped
+        transfers: P3's pushes during back-propagation, pulls ahead of the forward pass).
+
+        Its requests go at ``priority`` (0 = most urgent) in slices of at most ``slice_bytes``
+        bytes (0: none): :func:`irdma.comm.priority`. A buffer handed to ``fn`` must not be
+        touched until the future is done.
+
+        Returns:
+            A future of ``fn``'s result; its exception is ``fn``'s, or IrdmaError when the
+            client closed before ``fn`` finished.
+
+        Raises:
+            ValueError: a bad priority or slice size; IrdmaError: the client is closed.
+        """
+        comm.check_priority(priority)
+        comm.check_slice(slice_bytes)
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        async def run() -> None:
+            try:
+                with comm.priority(priority, slice_bytes):
+                    result = await fn(self.client)
+            except trio.Cancelled:
+                fut.set_exception(IrdmaError("this irdma client closed before the call finished",
+                                             "keep the client open until its futures are done"))
+                raise
+            except BaseException as exc:  # the caller's to see
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+        def start() -> None:
+            assert self._nursery is not None
+            self._nursery.start_soon(run)
+
+        self._run_sync(start)
+        return fut
+
+    def _run_sync(self, fn: Callable[[], None]) -> None:
+        if self._token is None or self._client is None:
+            raise IrdmaError("this irdma client is closed", "open a new one with irdma.connect()")
+        try:
+            trio.from_thread.run_sync(fn, trio_token=self._token)
+        except trio.RunFinishedError:
+            raise IrdmaError("this irdma client stopped", "open a new one with irdma.connect()") from self._error
 
     @property
     def client(self) -> Client:

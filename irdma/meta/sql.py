@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, TypeVar
 
-from irdma import coord
+from irdma import comm, coord
 from irdma._errors import (
     Busy,
     Exists,
@@ -79,10 +79,23 @@ RETRY_FIRST_S = 0.002
 RETRY_MAX_S = 0.2
 
 
+def _invalid_as_einval(parse: Callable[[bytes], str]) -> Callable[[bytes], str]:
+    """A normalizer whose ValueError becomes InvalidArgument (EINVAL: nothing stored)."""
+
+    def check(value: bytes) -> str:
+        try:
+            return parse(value)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+
+    return check
+
+
 _JOB_XATTRS = {
     coord.XATTR_CONSISTENCY: lambda v: coord.parse_consistency(v).name,
     coord.XATTR_WORKERS: lambda v: str(coord.parse_workers(v)),
     coord.XATTR_SYNC_TIMEOUT: lambda v: repr(coord.parse_timeout(v)),
+    **{name: _invalid_as_einval(parse) for name, parse in comm.XATTRS.items()},  # P3 slicing, layer dropping
 }
 
 
