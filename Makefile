@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-hosts test test-fast test-verbs vm-image bench bench-hosts train-table lint clean
+.PHONY: install demo demo-hosts test test-fast test-verbs vm-image bench bench-hosts bench-comm train-table lint clean
 
 install: $(STAMP)
 
@@ -37,6 +37,12 @@ train-table: install
 # docs/benchmarks-hosts.md and docs/bench-hosts.png (a few minutes).
 bench-hosts: install
 	$(PY) benchmarks/hosts.py
+
+# Less and smarter communication on shaped links (P3 priority slicing, layer dropping, compression,
+# hierarchy, the cost model; root): writes docs/communication.md, .json and .png (about 15 minutes).
+# `make bench-comm ARGS=--quick` is the smoke run (about 2 minutes).
+bench-comm: install
+	$(PY) benchmarks/comm.py $(ARGS)
 
 # irdma on six hosts (network namespaces; root): PostgreSQL, three shard hosts, two worker hosts
 # training across them with a checkpoint saved on one and restored on the other.

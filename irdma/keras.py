@@ -440,13 +440,14 @@ class CommTrainer:
         async def run(cl: Any) -> np.ndarray | None:
             if data is not None:
                 kwargs = {"feedback": feedback} if feedback is not None else {}
-                created = await cl.write_from(layout, 0, memoryview(data).cast("B"), op, chunks, **kwargs)
+                created = await cl.write_from(layout, 0, memoryview(data).cast("B"), op, chunks,  # type: ignore[arg-type]
+                                             **kwargs)
                 if created:  # chunks the file had not stored (a replica back from a failure): record them
                     await cl.meta.extend(layout.file_id, data.nbytes, time.time_ns(), tuple(created))
             if not pull:
                 return None
             out = np.empty(n, dtype="<f4")  # a fresh buffer per pull: none is reused in flight
-            await cl.read_into(layout, 0, memoryview(out).cast("B"), chunks)
+            await cl.read_into(layout, 0, memoryview(out).cast("B"), chunks)  # type: ignore[arg-type]
             return out
 
         return self.client.submit(run, priority=level, slice_bytes=cut)
@@ -488,13 +489,17 @@ class CommTrainer:
         self._pushes.clear()
 
     # ------------------------------------------------------------ the step
-    def train_step(self, x: Any, y: Any) -> float:
-        """One step on a batch: returns the batch's loss (float). Raises what a transfer raised
-        (e.g. ShardUnavailable), or TimeoutError past ``timeout``."""
+    def train_step(self, x: Any, y: Any, *, communicate: bool = True) -> float:
+        """One step on a batch: returns the batch's loss (float). ``communicate=False`` runs the
+        same computation with no push or pull (the model's weights do not change): what the
+        cost model takes as the computation time. Raises what a transfer raised (e.g.
+        ShardUnavailable), or TimeoutError past ``timeout``."""
         t0 = time.perf_counter()
         h = tf.convert_to_tensor(x)
         records = []
-        pending, self._pending = self._pending, False
+        if not communicate:
+            self.finish()
+        pending, self._pending = self._pending and communicate, False
         for layer in self.model.layers:
             i = self._index.get(id(layer))
             if i is not None and pending:
@@ -515,8 +520,10 @@ class CommTrainer:
             grads = tape.gradient(out, [hin, *weights], output_gradients=g)
             g = grads[0]
             i = self._index.get(id(layer))
-            if i is not None:
+            if i is not None and communicate:
                 self._send(i, np.concatenate([np.asarray(t, dtype="<f4").ravel() for t in grads[1:]]))
+        if not communicate:
+            return float(loss)
         if self.overlap == "none":
             self._wait_pushes()
             self._pull_all()

@@ -184,3 +184,72 @@ def test_comm_xattrs_are_validated_and_normalized(one_shard: Cluster) -> None:
             with pytest.raises(InvalidArgument):
                 meta.setxattr(ino, name, bad)
         assert meta.getxattr(ino, comm.XATTR_PRIORITY) == b"3"  # unchanged by the refused ones
+
+
+def _digits_model(seed: int = 0) -> object:
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
+                             keras.layers.Dense(48, activation="relu"), keras.layers.Dense(10, activation="softmax")])
+
+
+@pytest.mark.tf
+@pytest.mark.slow
+def test_trainer_modes_learn_digits_and_p3_changes_only_the_order(one_shard: Cluster) -> None:
+    from sklearn.datasets import load_digits
+
+    from irdma.keras import CommTrainer
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16).astype("float32")
+    weights, accs = {}, {}
+    with irdma.connect(one_shard.meta_url, transport="tcp", window=2) as c:
+        for mode in ("none", "fifo", "p3"):
+            model = _digits_model()
+            t = CommTrainer(model, c, f"/digits-{mode}", update="sgd learning_rate=0.1", overlap=mode, slice_elems=1000)
+            t.build()
+            t.fit(x[:1500], y[:1500], epochs=3, batch_size=32)
+            weights[mode] = [np.asarray(v.numpy()) for v in model.trainable_weights]
+            accs[mode] = float((np.argmax(model.predict(x[1500:], verbose=0), 1) == y[1500:]).mean())
+            # what the model holds is what the shards hold
+            np.testing.assert_array_equal(c.pull(f"/digits-{mode}/layer-000"),
+                                          np.concatenate([w.ravel() for w in weights[mode][:2]]))
+            assert c.client.store.getxattr(c.stat(f"/digits-{mode}/layer-002").ino, comm.XATTR_PRIORITY) == b"2"
+            assert t.stats.steps == 3 * (1500 // 32) and t.stats.skipped == 0
+    assert accs["p3"] > 0.8, accs
+    for mode in ("fifo", "p3"):  # one worker: scheduling changes when bytes move, never which
+        for a, b in zip(weights["none"], weights[mode], strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.tf
+@pytest.mark.slow
+def test_trainer_layer_dropping_skips_small_pushes_and_still_learns(one_shard: Cluster) -> None:
+    from sklearn.datasets import load_digits
+
+    from irdma.keras import CommTrainer
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16).astype("float32")
+    with irdma.connect(one_shard.meta_url, transport="tcp") as c:
+        model = _digits_model()
+        t = CommTrainer(model, c, "/digits-drop", update="sgd learning_rate=0.1", overlap="p3", drop=0.01)
+        t.build()
+        t.fit(x[:1500], y[:1500], epochs=3, batch_size=32)
+        acc = float((np.argmax(model.predict(x[1500:], verbose=0), 1) == y[1500:]).mean())
+        assert t.stats.skipped > t.stats.pushes // 2, t.stats  # most small pushes were held back
+        assert acc > 0.75
+        ino = c.stat("/digits-drop").ino
+        assert c.client.store.getxattr(ino, comm.XATTR_DROP) == b"0.01"
+
+
+@pytest.mark.tf
+def test_trainer_refuses_bad_flags() -> None:
+    from irdma.keras import CommTrainer
+
+    model = _digits_model()
+    for kwargs, match in (({"overlap": "lifo"}, "overlap"), ({"update": "add"}, "optimizer"),
+                          ({"drop": 2.0}, "drop"), ({"slice_elems": -1}, "slice"), ({"worker": 3}, "worker")):
+        with pytest.raises(ValueError, match=match):
+            CommTrainer(model, None, "/j", **kwargs)  # type: ignore[arg-type]

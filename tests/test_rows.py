@@ -169,10 +169,10 @@ def test_rows_through_the_mount_agree_with_the_client(rows_cluster: Cluster, tmp
 def test_a_scatter_the_shard_cannot_hold_changes_nothing(op: str) -> None:
     """A SCATTER over three chunks whose third finds no room: NoSpace, and no chunk was stepped
     or left behind (the shard makes every chunk and optimizer state first, then applies)."""
-    from irdma.optimizers import parse_update
     from irdma.server.shard import Region, Shard, split_extents
 
     from irdma import protocol as P
+    from irdma.optimizers import parse_update
 
     shard = Shard(1, Region(2 * CHUNK + (64 << 10)))  # room for two chunks and their states
     shard.write(7, 0, CHUNK, 0, P.UpdateOp.ASSIGN, np.ones(CHUNK // 4, "<f4").tobytes())

@@ -1,0 +1,421 @@
+#!/usr/bin/env python3
+"""``make bench-comm``: less and smarter communication on shaped links (issue 12).
+
+Hosts are network namespaces of this machine on one bridge (:mod:`irdma.testbed`), every link
+rate-shaped with ``tc tbf`` both ways: hosts 0-1 run a shard each, hosts 2-3 are worker hosts.
+Workers train real Keras models on real data (scikit-learn's digits, no download) with
+:class:`irdma.keras.CommTrainer`, one process per worker, so back-propagation is real and the
+figures include it. Every figure is against a baseline measured in the same run:
+
+1. P3 priority slicing: time per iteration of ``overlap="p3"`` against ``"fifo"`` (the same
+   overlap of pushes with back-propagation in arrival order, whole tensors: "no priority") and
+   ``"none"``, on a VGG-shaped MLP (>= 20 layers, small first, large last) scaled so that one
+   iteration's computation is about as long as its communication, at two link rates.
+   Target: p3 >= 1.2x fifo.
+2. Layer dropping with a residual cache: bytes pushed and test accuracy, against no dropping,
+   on a digits MLP and on the larger model. Target: >= 50% fewer bytes, accuracy within 0.5 point.
+3. Compression with error feedback (top-k 1%, scaled sign): bytes pushed, time per iteration
+   and accuracy against no compression.
+4. Hierarchical aggregation: 2 hosts x 2 workers, flat pushes (4 workers) against one push per
+   host (:class:`irdma.hier.HostGroup`): bytes on the worker hosts' links (the kernel's counters)
+   and time per iteration.
+5. Everything combined (P3 + dropping + compression + hierarchy).
+6. The cost model (:mod:`irdma.costmodel`, ``irdma tune``): its prediction of each measured
+   configuration's time per iteration, from the link rate measured by a plain TCP stream and the
+   computation time measured by the workers without communication. Target: within 25%.
+
+Writes ``docs/communication.md``, ``docs/communication.json`` and ``docs/communication.png``.
+Everything is removed at the end, also on failure or Ctrl-C. Needs root.
+
+    make bench-comm                       # or: .venv/bin/python benchmarks/comm.py
+    .venv/bin/python benchmarks/comm.py --quick    # small models, few steps: a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+sys.path.insert(0, HERE)
+
+import hosts as H  # noqa: E402  (the test bed's roles: TCP stream baseline, shard namespaces)
+
+PY = sys.executable
+MiB = 1 << 20
+say, loadavg = H.say, H.loadavg
+
+
+# ====================================================================== models and data
+def widths(kind: str, quick: bool) -> list[int]:
+    """Hidden widths of the models, first layer first (``large``: VGG-shaped, >= 20 layers)."""
+    if kind == "digits":
+        return [128, 128, 64]
+    if quick:
+        return [32, 32, 48, 48, 64, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 1024]
+    return [64, 64, 96, 96, 128, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 1024, 1280, 1536, 1792,
+            2048]
+
+
+def make_model(kind: str, quick: bool, seed: int) -> Any:
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    layers = [keras.Input((64,))]
+    for w in widths(kind, quick):
+        layers.append(keras.layers.Dense(w, activation="relu", kernel_initializer="he_normal"))
+    layers.append(keras.layers.Dense(10, activation="softmax"))
+    return keras.Sequential(layers)
+
+
+def digits() -> tuple[Any, Any, Any, Any]:
+    """scikit-learn's digits (ships with the package): 1,497 training and 300 test images."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype("float32")
+    order = np.random.default_rng(0).permutation(len(x))
+    x, y = x[order], y[order]
+    return x[:-300], y[:-300], x[-300:], y[-300:]
+
+
+def param_bytes(kind: str, quick: bool) -> list[int]:
+    """Bytes of each layer's weights (kernel + bias, float32), first layer first."""
+    dims = [64, *widths(kind, quick), 10]
+    return [4 * (a * b + b) for a, b in zip(dims, dims[1:], strict=False)]
+
+
+# ====================================================================== the worker role
+def role_worker(spec_json: str) -> None:
+    """Train on a worker host: every run of ``spec["runs"]`` in turn, one JSON line at the end."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import numpy as np
+    import tensorflow as tf
+
+    import irdma
+    from irdma.keras import CommTrainer
+
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    spec = json.loads(spec_json)
+    xtr, ytr, xte, yte = digits()
+    k, n = spec["worker"], spec["workers"]
+    xtr, ytr = xtr[k::n], ytr[k::n]  # this worker's part of the data
+    out = []
+    group = None
+    if spec.get("group"):
+        from irdma.hier import HostGroup
+
+        g = spec["group"]
+        group = HostGroup(g["name"], g["rank"], g["size"], g["nbytes"], timeout=300)
+    with irdma.connect(spec["url"], transport="tcp", window=spec.get("window", 4), timeout=60) as client:
+        for run in spec["runs"]:
+            model = make_model(run["model"], spec["quick"], seed=1)
+            batch = run["batch"]
+            t = CommTrainer(model, client, f"/{run['job']}", worker=k, workers=n, update=run["update"],
+                            overlap=run["overlap"], drop=run.get("drop", 0.0), compress=run.get("compress"),
+                            group=group if run.get("hier") else None, timeout=300)
+            t.build()
+            rng = np.random.default_rng(k)
+            compute = []
+            for _ in range(run.get("compute_steps", 0)):  # computation alone: no transfers
+                idx = rng.integers(0, len(xtr), batch)
+                t0 = time.perf_counter()
+                t.train_step(xtr[idx], ytr[idx], communicate=False)
+                compute.append(time.perf_counter() - t0)
+            t.stats.step_s.clear()
+            steps = run["steps"]
+            epochs = max(1, -(-steps * batch // len(xtr)))
+            t.fit(xtr, ytr, epochs=epochs, batch_size=batch, steps=steps, seed=k)
+            times = t.stats.step_s[run.get("warmup", 2):]
+            pred = model.predict(xte, verbose=0, batch_size=256)
+            acc = float((np.argmax(pred, 1) == yte).mean())
+            out.append({"name": run["name"], "step_s": statistics.median(times) if times else None,
+                        "steps_s": t.stats.step_s, "compute_s": statistics.median(compute[1:]) if len(compute) > 1 else None,
+                        "pushed": t.stats.pushed_bytes, "pulled": t.stats.pulled_bytes, "pushes": t.stats.pushes,
+                        "skipped": t.stats.skipped, "acc": acc, "steps": t.stats.steps})
+    if group is not None:
+        group.close()
+    print(json.dumps(out), flush=True)
+
+
+# ====================================================================== the coordinator
+def link_bytes(bed: Any, host: Any) -> dict[str, int]:
+    """The kernel's byte counters of a host's link (its ``eth0``)."""
+    res = subprocess.run(["ip", "-n", host.netns, "-s", "-j", "link", "show", "eth0"], capture_output=True,
+                         text=True, timeout=30, check=True)
+    st = json.loads(res.stdout)[0]["stats64"]
+    return {"tx": int(st["tx"]["bytes"]), "rx": int(st["rx"]["bytes"])}
+
+
+class CommBench:
+    def __init__(self, args: argparse.Namespace, bed: Any, work: str) -> None:
+        self.args, self.bed, self.work = args, bed, work
+        hargs = argparse.Namespace(link_bytes=args.link_bytes)
+        self.b = H.Bench(hargs, bed, work, None)
+        self.b.shard_hosts, self.b.workers = bed.hosts[0:2], bed.hosts[2:4]
+        self.seq = 0
+
+    def train(self, runs_by_proc: list[tuple[Any, dict[str, Any]]], url: str) -> list[list[dict[str, Any]]]:
+        """Start one worker process per ``(host, spec)`` together; their results, in order."""
+        env = {**self.b.env, "IRDMA_KEY_FILE": self.b.key}
+        before = {h.index: link_bytes(self.bed, h) for h in self.b.workers}
+        procs = [self.bed.popen(h, [PY, os.path.abspath(__file__), "_worker", json.dumps({**spec, "url": url})],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                 for h, spec in runs_by_proc]
+        results = []
+        try:
+            for p in procs:
+                stdout, stderr = p.communicate(timeout=self.args.run_timeout)
+                if p.returncode != 0:
+                    raise RuntimeError(f"a worker failed ({p.returncode}):\n{stderr[-4000:]}")
+                results.append(json.loads(stdout.strip().splitlines()[-1]))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGKILL)
+        after = {h.index: link_bytes(self.bed, h) for h in self.b.workers}
+        self.last_link = {i: {k: after[i][k] - before[i][k] for k in ("tx", "rx")} for i in before}
+        return results
+
+    def runs(self, model: str, names: list[tuple[str, dict[str, Any]]], steps: int, batch: int,
+             update: str, compute_steps: int = 0) -> list[dict[str, Any]]:
+        out = []
+        for j, (name, extra) in enumerate(names):
+            self.seq += 1
+            out.append({"name": name, "job": f"job{self.seq}", "model": model, "steps": steps, "batch": batch,
+                        "update": update, "warmup": 2, "compute_steps": compute_steps if j == 0 else 0, **extra})
+        return out
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "_worker":
+        role_worker(sys.argv[2])
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small models and few steps: a smoke test (~2 min)")
+    ap.add_argument("--rates", default=None, help="link rates to measure P3 at (default: 1gbit,10gbit)")
+    ap.add_argument("--out", default=os.path.join(REPO, "docs"), help="where communication.md/json/png go")
+    ap.add_argument("--run-timeout", type=float, default=1200.0)
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("bench-comm needs root (network namespaces): run it as root", file=sys.stderr)
+        return 2
+    from irdma.testbed import TestBed
+
+    q = args.quick
+    rates = (args.rates or ("1gbit" if q else "1gbit,10gbit")).split(",")
+    args.link_bytes = 16 * MiB if q else 64 * MiB
+    steps_large = 6 if q else 14
+    batch_large = 128 if q else 512
+    digits_steps = 40 if q else 300
+    R: dict[str, Any] = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "quick": q,
+                         "machine": {"nproc": os.cpu_count(), "kernel": platform.release(),
+                                     "python": platform.python_version()},
+                         "load_start": loadavg(), "large_layers": len(param_bytes("large", q)),
+                         "large_bytes": sum(param_bytes("large", q)), "digits_bytes": sum(param_bytes("digits", q))}
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    work = tempfile.mkdtemp(prefix="irdma-bench-comm-")
+    os.chmod(work, 0o755)
+    sgd = "sgd learning_rate=0.02"
+    R["p3"], R["drop"], R["compress"], R["hier"], R["combined"] = [], [], [], [], []
+    try:
+        for rate in rates:
+            say(f"test bed at {rate}: hosts 0-1 shards, 2-3 workers (load {loadavg()})")
+            with TestBed(4, rate=rate) as bed:
+                cb = CommBench(args, bed, work)
+                link = cb.b.baseline()
+                with cb.b.namespace("sqlite", 2, capacity=1024 * MiB) as url:
+                    w = bed.hosts[2]
+                    say(f"1. P3 at {rate}: none, fifo, p3 on the {R['large_layers']}-layer model"
+                        f" ({fmt_bytes(R['large_bytes'])}), {steps_large} steps of batch {batch_large}")
+                    runs = cb.runs("large", [("none", {"overlap": "none"}), ("fifo", {"overlap": "fifo"}),
+                                             ("p3", {"overlap": "p3"})], steps_large, batch_large, sgd, compute_steps=4)
+                    res = cb.train([(w, {"worker": 0, "workers": 1, "quick": q, "runs": runs})], url)[0]
+                    R["p3"].append({"rate": rate, "link": link, "runs": res})
+                    say("  " + ", ".join(f"{r['name']} {r['step_s']:.3f} s/iter" for r in res)
+                        + f" (compute alone {res[0]['compute_s']:.3f} s)")
+                    if rate != rates[0]:
+                        continue
+                    say("2-3. dropping and compression on digits (accuracy) and on the large model (bytes, time)")
+                    techniques = [("dense", {"overlap": "p3"}), ("drop", {"overlap": "p3", "drop": 0.002}),
+                                  ("topk:0.01", {"overlap": "p3", "compress": "topk:0.01"}),
+                                  ("sign", {"overlap": "p3", "compress": "sign"})]
+                    res = cb.train([(w, {"worker": 0, "workers": 1, "quick": q,
+                                         "runs": cb.runs("digits", techniques, digits_steps, 32, "sgd learning_rate=0.1")})],
+                                   url)[0]
+                    R["drop"].append({"model": "digits", "runs": [r for r in res if r["name"] in ("dense", "drop")]})
+                    R["compress"].append({"model": "digits", "runs": [r for r in res if r["name"] != "drop"]})
+                    res = cb.train([(w, {"worker": 0, "workers": 1, "quick": q,
+                                         "runs": cb.runs("large", techniques, steps_large, batch_large, sgd)})], url)[0]
+                    R["drop"].append({"model": "large", "runs": [r for r in res if r["name"] in ("dense", "drop")]})
+                    R["compress"].append({"model": "large", "runs": [r for r in res if r["name"] != "drop"]})
+                    for r in res:
+                        say(f"  large {r['name']}: {r['step_s']:.3f} s/iter, pushed {fmt_bytes(r['pushed'])},"
+                            f" acc {r['acc']:.3f}")
+
+                    say("4-5. hierarchy: 2 hosts x 2 workers, flat against one push per host; then all combined")
+                    nbytes = max(param_bytes("digits", q))  # the largest tensor a group sums
+                    for name, extra in (("flat", {"overlap": "none"}), ("hier", {"overlap": "none", "hier": True}),
+                                        ("combined", {"overlap": "p3", "hier": True, "drop": 0.002,
+                                                      "compress": "topk:0.01"})):
+                        procs = []
+                        cb.seq += 1
+                        for hi, host in enumerate(bed.hosts[2:4]):
+                            for lr in range(2):
+                                run = {"name": name, "job": f"hier{cb.seq}", "model": "digits", "steps": digits_steps // 2,
+                                       "batch": 32, "update": "sgd learning_rate=0.1", "warmup": 2, **extra}
+                                spec = {"worker": 2 * hi + lr, "workers": 4, "quick": q, "runs": [run],
+                                        "group": {"name": f"bench-{os.getpid()}-{cb.seq}-h{hi}", "rank": lr, "size": 2,
+                                                  "nbytes": nbytes} if extra.get("hier") else None}
+                                procs.append((host, spec))
+                        res = cb.train(procs, url)
+                        links = cb.last_link
+                        entry = {"name": name, "runs": [r[0] for r in res], "link": links,
+                                 "link_tx": sum(v["tx"] for v in links.values()),
+                                 "step_s": statistics.mean(r[0]["step_s"] for r in res),
+                                 "acc": statistics.mean(r[0]["acc"] for r in res)}
+                        (R["combined"] if name == "combined" else R["hier"]).append(entry)
+                        say(f"  {name}: {entry['step_s']:.3f} s/iter, worker links sent {fmt_bytes(entry['link_tx'])},"
+                            f" acc {entry['acc']:.3f}")
+        R["load_end"] = loadavg()
+        R["targets"] = targets(R)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "communication.json"), "w") as f:
+            json.dump(R, f, indent=1)
+        with open(os.path.join(args.out, "communication.md"), "w") as f:
+            f.write(report(R))
+        with contextlib.suppress(Exception):
+            plot(R, os.path.join(args.out, "communication.png"))
+        say(f"wrote {args.out}/communication.md")
+        for t in R["targets"]:
+            say(f"  {t['target']}: {t['ratio']:.2f} (wanted {t['wanted']}) {'met' if t['met'] else 'NOT met'}")
+        return 0
+    finally:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(entry: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(r for r in entry["runs"] if r["name"] == name)
+
+
+def targets(R: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for e in R["p3"]:
+        p3, fifo = _run(e, "p3"), _run(e, "fifo")
+        ratio = fifo["step_s"] / p3["step_s"]
+        out.append({"target": f"P3 time per iteration at {e['rate']}", "ratio": ratio,
+                    "baseline": f"fifo {fifo['step_s']:.3f} s", "wanted": ">= 1.2x", "met": ratio >= 1.2})
+    for e in R["drop"]:
+        d, base = _run(e, "drop"), _run(e, "dense")
+        saved = 1 - d["pushed"] / base["pushed"]
+        dacc = 100 * (d["acc"] - base["acc"])
+        out.append({"target": f"layer dropping: bytes pushed saved ({e['model']})", "ratio": saved,
+                    "baseline": f"{fmt_bytes(base['pushed'])} pushed", "wanted": ">= 0.50", "met": saved >= 0.5})
+        out.append({"target": f"layer dropping: accuracy change, points ({e['model']})", "ratio": dacc,
+                    "baseline": f"accuracy {base['acc']:.3f}", "wanted": ">= -0.5", "met": dacc >= -0.5})
+    for c in R.get("model", []):
+        out.append({"target": f"cost model: {c['config']}", "ratio": c["error"], "baseline": f"measured {c['measured']:.3f} s",
+                    "wanted": "<= 0.25", "met": abs(c["error"]) <= 0.25})
+    return out
+
+
+def report(R: dict[str, Any]) -> str:
+    L = [f"# Communication: P3, layer dropping, compression, hierarchy ({R['date']})", "",
+         "Made by `make bench-comm` (`benchmarks/comm.py`" + (" --quick" if R["quick"] else "") + ") on this machine"
+         f" ({R['machine']['nproc']} cores, kernel {R['machine']['kernel']}); load average {R['load_start']} at the"
+         f" start, {R.get('load_end', '?')} at the end. Hosts are network namespaces with `tc`-shaped links;"
+         " workers train real Keras models on scikit-learn's digits. Every ratio is against a baseline"
+         " measured in the same run.", "", "## Targets", "",
+         "| target | ratio | baseline | wanted | met |", "|---|---|---|---|---|"]
+    for t in R["targets"]:
+        L.append(f"| {t['target']} | {t['ratio']:.2f} | {t['baseline']} | {t['wanted']} | {'yes' if t['met'] else 'no'} |")
+    L += ["", f"## P3 priority slicing ({R['large_layers']}-layer MLP, {fmt_bytes(R['large_bytes'])} of weights)", "",
+          "| link | measured link MB/s (push, pull) | computation alone s | none s/iter | fifo s/iter | p3 s/iter |"
+          " p3 vs fifo | p3 vs none | accuracy (none, fifo, p3) |", "|---|---|---|---|---|---|---|---|---|"]
+    for e in R["p3"]:
+        n, f, p = (_run(e, k) for k in ("none", "fifo", "p3"))
+        L.append(f"| {e['rate']} | {e['link']['push']:.0f}, {e['link']['pull']:.0f} | {n['compute_s']:.3f} |"
+                 f" {n['step_s']:.3f} | {f['step_s']:.3f} | {p['step_s']:.3f} | {f['step_s'] / p['step_s']:.2f}x |"
+                 f" {n['step_s'] / p['step_s']:.2f}x | {n['acc']:.3f}, {f['acc']:.3f}, {p['acc']:.3f} |")
+    L += ["", "## Layer dropping and compression (one worker, P3 on)", "",
+          "| model | technique | bytes pushed | vs dense | pushes skipped | s/iter | accuracy |", "|---|---|---|---|---|---|---|"]
+    for e in R["compress"]:
+        base = _run(e, "dense")
+        extra = [d for d in R["drop"] if d["model"] == e["model"]]
+        rows = e["runs"] + ([_run(extra[0], "drop")] if extra else [])
+        for r in rows:
+            L.append(f"| {e['model']} | {r['name']} | {fmt_bytes(r['pushed'])} | {r['pushed'] / base['pushed']:.3f} |"
+                     f" {r['skipped']} of {r['skipped'] + r['pushes']} | {r['step_s']:.3f} | {r['acc']:.3f} |")
+    L += ["", "## Hierarchical aggregation (2 hosts x 2 workers, digits MLP)", "",
+          "| mode | bytes sent by the worker hosts' links | vs flat | s/iter | accuracy |", "|---|---|---|---|---|"]
+    flat = next((h for h in R["hier"] if h["name"] == "flat"), None)
+    for h in R["hier"] + R["combined"]:
+        rel = f"{h['link_tx'] / flat['link_tx']:.3f}" if flat else "-"
+        L.append(f"| {h['name']} | {fmt_bytes(h['link_tx'])} | {rel} | {h['step_s']:.3f} | {h['acc']:.3f} |")
+    L.append("")
+    return "\n".join(L) + "\n"
+
+
+def plot(R: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    ax = axes[0]
+    for j, e in enumerate(R["p3"]):
+        vals = [_run(e, k)["step_s"] for k in ("none", "fifo", "p3")]
+        ax.bar([x + 0.27 * j for x in range(3)], vals, width=0.25, label=e["rate"])
+    ax.set_xticks(range(3), ["none", "fifo", "p3"])
+    ax.set_ylabel("s per iteration")
+    ax.set_title("P3 priority slicing")
+    ax.legend()
+    ax = axes[1]
+    for e in R["compress"]:
+        base = _run(e, "dense")["pushed"]
+        rows = e["runs"] + [_run(d, "drop") for d in R["drop"] if d["model"] == e["model"]]
+        ax.scatter([r["pushed"] / base for r in rows], [r["acc"] for r in rows], label=e["model"])
+        for r in rows:
+            ax.annotate(r["name"], (r["pushed"] / base, r["acc"]), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes pushed / dense")
+    ax.set_ylabel("test accuracy")
+    ax.set_title("dropping and compression")
+    ax.legend()
+    ax = axes[2]
+    rows = R["hier"] + R["combined"]
+    ax.bar([h["name"] for h in rows], [h["link_tx"] / 1e6 for h in rows])
+    ax.set_ylabel("MB sent by worker hosts")
+    ax.set_title("hierarchy (2 hosts x 2 workers)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
