@@ -56,6 +56,8 @@ import hosts as H  # noqa: E402  (the test bed's roles: TCP stream baseline, sha
 
 PY = sys.executable
 MiB = 1 << 20
+DEFAULT_SLICE = 40_000  # P3's slice, float32
+BIG_SLICE = 262_144  # 1 MiB: fewer requests where each costs CPU (the cost model's overhead term)
 say, loadavg = H.say, H.loadavg
 
 
@@ -122,11 +124,14 @@ def role_worker(spec_json: str) -> None:
         g = spec["group"]
         group = HostGroup(g["name"], g["rank"], g["size"], g["nbytes"], timeout=300)
     with irdma.connect(spec["url"], transport="tcp", window=spec.get("window", 4), timeout=60) as client:
+        if spec.get("probe"):
+            out.append(probe(client, spec["worker"]))
         for run in spec["runs"]:
             model = make_model(run["model"], spec["quick"], seed=1)
             batch = run["batch"]
             t = CommTrainer(model, client, f"/{run['job']}", worker=k, workers=n, update=run["update"],
                             overlap=run["overlap"], drop=run.get("drop", 0.0), compress=run.get("compress"),
+                            slice_elems=run.get("slice", DEFAULT_SLICE),
                             group=group if run.get("hier") else None, timeout=300)
             t.build()
             rng = np.random.default_rng(k)
@@ -152,6 +157,48 @@ def role_worker(spec_json: str) -> None:
     print(json.dumps(out), flush=True)
 
 
+def probe(client: Any, worker: int) -> dict[str, Any]:
+    """The cost model's inputs that a plain TCP stream does not give: the rate at which this
+    client pushes and pulls (assign, 1 MiB pieces: the software cap with the link) and the wall
+    time of one small request with the window full (its per-request overhead)."""
+    import numpy as np
+
+    path, n = f"/probe-{worker}", 32 * MiB
+    data = np.ones(n // 4, dtype="<f4")
+    client.write(path, data, op="assign")
+    rates: dict[str, float] = {}
+    for kind in ("push", "pull"):
+        best = 0.0
+        for _ in range(2):
+            t0 = time.perf_counter()
+            if kind == "push":
+                client.submit(lambda c: c.write(path, data, op="assign"), slice_bytes=MiB).result(120)
+            else:
+                client.submit(lambda c: c.read(path), slice_bytes=MiB).result(120)
+            best = max(best, n / (time.perf_counter() - t0))
+        rates[kind] = best
+    count = 400
+
+    async def many(c: Any) -> float:
+        import trio
+
+        from irdma.client import layout_of
+
+        inode = await c.meta.resolve(path)
+        layout, chunks = layout_of(inode), await c.meta.chunk_map(inode.ino)
+        buf = memoryview(bytearray(4096 * count))
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for i in range(count):
+                nursery.start_soon(c.read_into, layout, 4096 * (i % 64), buf[4096 * i : 4096 * (i + 1)], chunks)
+        return (trio.current_time() - t0) / count
+
+    per = client.submit(many).result(120)
+    client.unlink(path)
+    return {"name": "probe", "push_bytes_per_s": rates["push"], "pull_bytes_per_s": rates["pull"],
+            "request_s": per}
+
+
 # ====================================================================== the coordinator
 def link_bytes(bed: Any, host: Any) -> dict[str, int]:
     """The kernel's byte counters of a host's link (its ``eth0``)."""
@@ -164,7 +211,7 @@ def link_bytes(bed: Any, host: Any) -> dict[str, int]:
 class CommBench:
     def __init__(self, args: argparse.Namespace, bed: Any, work: str) -> None:
         self.args, self.bed, self.work = args, bed, work
-        hargs = argparse.Namespace(link_bytes=args.link_bytes)
+        hargs = argparse.Namespace(link_bytes=args.link_bytes, rate=bed.rate)
         self.b = H.Bench(hargs, bed, work, None)
         self.b.shard_hosts, self.b.workers = bed.hosts[0:2], bed.hosts[2:4]
         self.seq = 0
@@ -215,6 +262,7 @@ def main() -> int:
     ap.add_argument("--rates", default=None, help="link rates to measure P3 at (default: 1gbit,10gbit)")
     ap.add_argument("--out", default=os.path.join(REPO, "docs"), help="where communication.md/json/png go")
     ap.add_argument("--run-timeout", type=float, default=1200.0)
+    ap.add_argument("--only", default="p3,techniques,hier", help="which parts to run (comma-separated)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench-comm needs root (network namespaces): run it as root", file=sys.stderr)
@@ -249,58 +297,66 @@ def main() -> int:
                 link = cb.b.baseline()
                 with cb.b.namespace("sqlite", 2, capacity=1024 * MiB) as url:
                     w = bed.hosts[2]
-                    say(f"1. P3 at {rate}: none, fifo, p3 on the {R['large_layers']}-layer model"
-                        f" ({fmt_bytes(R['large_bytes'])}), {steps_large} steps of batch {batch_large}")
-                    runs = cb.runs("large", [("none", {"overlap": "none"}), ("fifo", {"overlap": "fifo"}),
-                                             ("p3", {"overlap": "p3"})], steps_large, batch_large, sgd, compute_steps=4)
-                    res = cb.train([(w, {"worker": 0, "workers": 1, "quick": q, "runs": runs})], url)[0]
-                    R["p3"].append({"rate": rate, "link": link, "runs": res})
-                    say("  " + ", ".join(f"{r['name']} {r['step_s']:.3f} s/iter" for r in res)
-                        + f" (compute alone {res[0]['compute_s']:.3f} s)")
-                    if rate != rates[0]:
-                        continue
-                    say("2-3. dropping and compression on digits (accuracy) and on the large model (bytes, time)")
-                    techniques = [("dense", {"overlap": "p3"}), ("drop", {"overlap": "p3", "drop": 0.002}),
-                                  ("topk:0.01", {"overlap": "p3", "compress": "topk:0.01"}),
-                                  ("sign", {"overlap": "p3", "compress": "sign"})]
-                    res = cb.train([(w, {"worker": 0, "workers": 1, "quick": q,
-                                         "runs": cb.runs("digits", techniques, digits_steps, 32, "sgd learning_rate=0.1")})],
-                                   url)[0]
-                    R["drop"].append({"model": "digits", "runs": [r for r in res if r["name"] in ("dense", "drop")]})
-                    R["compress"].append({"model": "digits", "runs": [r for r in res if r["name"] != "drop"]})
-                    res = cb.train([(w, {"worker": 0, "workers": 1, "quick": q,
-                                         "runs": cb.runs("large", techniques, steps_large, batch_large, sgd)})], url)[0]
-                    R["drop"].append({"model": "large", "runs": [r for r in res if r["name"] in ("dense", "drop")]})
-                    R["compress"].append({"model": "large", "runs": [r for r in res if r["name"] != "drop"]})
-                    for r in res:
-                        say(f"  large {r['name']}: {r['step_s']:.3f} s/iter, pushed {fmt_bytes(r['pushed'])},"
-                            f" acc {r['acc']:.3f}")
+                    if "p3" in args.only:
+                        say(f"1. P3 at {rate}: none, fifo, p3 on the {R['large_layers']}-layer model"
+                            f" ({fmt_bytes(R['large_bytes'])}), {steps_large} steps of batch {batch_large}")
+                        runs = cb.runs("large", [("none", {"overlap": "none"}), ("fifo", {"overlap": "fifo"}),
+                                                 ("p3", {"overlap": "p3"}),
+                                                 ("p3-1MiB", {"overlap": "p3", "slice": BIG_SLICE})],
+                                       steps_large, batch_large, sgd, compute_steps=4)
+                        res = cb.train([(w, {"worker": 0, "workers": 1, "quick": q, "runs": runs, "probe": True})],
+                                       url)[0]
+                        pr = res.pop(0)
+                        R["p3"].append({"rate": rate, "link": link, "runs": res, "probe": pr})
+                        say(f"  probe: client push {pr['push_bytes_per_s'] / 1e6:.0f} MB/s, pull"
+                            f" {pr['pull_bytes_per_s'] / 1e6:.0f} MB/s, {1e6 * pr['request_s']:.0f} us per 4 KB request")
+                        say("  " + ", ".join(f"{r['name']} {r['step_s']:.3f} s/iter" for r in res)
+                            + f" (compute alone {res[0]['compute_s']:.3f} s)")
+                    if rate == rates[0] and "techniques" in args.only:
+                        say("2-3. dropping and compression on digits (accuracy) and on the large model (bytes, time)")
+                        techniques = [("dense", {"overlap": "p3"}), ("drop", {"overlap": "p3", "drop": 0.002}),
+                                      ("topk:0.01", {"overlap": "p3", "compress": "topk:0.01"}),
+                                      ("sign", {"overlap": "p3", "compress": "sign"})]
+                        res = cb.train([(w, {"worker": 0, "workers": 1, "quick": q,
+                                             "runs": cb.runs("digits", techniques, digits_steps, 32, "sgd learning_rate=0.1")})],
+                                       url)[0]
+                        R["drop"].append({"model": "digits", "runs": [r for r in res if r["name"] in ("dense", "drop")]})
+                        R["compress"].append({"model": "digits", "runs": [r for r in res if r["name"] != "drop"]})
+                        res = cb.train([(w, {"worker": 0, "workers": 1, "quick": q,
+                                             "runs": cb.runs("large", techniques, steps_large, batch_large, sgd)})], url)[0]
+                        R["drop"].append({"model": "large", "runs": [r for r in res if r["name"] in ("dense", "drop")]})
+                        R["compress"].append({"model": "large", "runs": [r for r in res if r["name"] != "drop"]})
+                        for r in res:
+                            say(f"  large {r['name']}: {r['step_s']:.3f} s/iter, pushed {fmt_bytes(r['pushed'])},"
+                                f" acc {r['acc']:.3f}")
 
-                    say("4-5. hierarchy: 2 hosts x 2 workers, flat against one push per host; then all combined")
-                    nbytes = max(param_bytes("digits", q))  # the largest tensor a group sums
-                    for name, extra in (("flat", {"overlap": "none"}), ("hier", {"overlap": "none", "hier": True}),
-                                        ("combined", {"overlap": "p3", "hier": True, "drop": 0.002,
-                                                      "compress": "topk:0.01"})):
-                        procs = []
-                        cb.seq += 1
-                        for hi, host in enumerate(bed.hosts[2:4]):
-                            for lr in range(2):
-                                run = {"name": name, "job": f"hier{cb.seq}", "model": "digits", "steps": digits_steps // 2,
-                                       "batch": 32, "update": "sgd learning_rate=0.1", "warmup": 2, **extra}
-                                spec = {"worker": 2 * hi + lr, "workers": 4, "quick": q, "runs": [run],
-                                        "group": {"name": f"bench-{os.getpid()}-{cb.seq}-h{hi}", "rank": lr, "size": 2,
-                                                  "nbytes": nbytes} if extra.get("hier") else None}
-                                procs.append((host, spec))
-                        res = cb.train(procs, url)
-                        links = cb.last_link
-                        entry = {"name": name, "runs": [r[0] for r in res], "link": links,
-                                 "link_tx": sum(v["tx"] for v in links.values()),
-                                 "step_s": statistics.mean(r[0]["step_s"] for r in res),
-                                 "acc": statistics.mean(r[0]["acc"] for r in res)}
-                        (R["combined"] if name == "combined" else R["hier"]).append(entry)
-                        say(f"  {name}: {entry['step_s']:.3f} s/iter, worker links sent {fmt_bytes(entry['link_tx'])},"
-                            f" acc {entry['acc']:.3f}")
+                    if rate == rates[0] and "hier" in args.only:
+                        say("4-5. hierarchy: 2 hosts x 2 workers, flat against one push per host; then all combined")
+                        nbytes = max(param_bytes("digits", q))  # the largest tensor a group sums
+                        for name, extra in (("flat", {"overlap": "none"}), ("hier", {"overlap": "none", "hier": True}),
+                                            ("combined", {"overlap": "p3", "hier": True, "drop": 0.002,
+                                                          "compress": "topk:0.01"})):
+                            procs = []
+                            cb.seq += 1
+                            for hi, host in enumerate(bed.hosts[2:4]):
+                                for lr in range(2):
+                                    run = {"name": name, "job": f"hier{cb.seq}", "model": "digits", "steps": digits_steps // 2,
+                                           "batch": 32, "update": "sgd learning_rate=0.1", "warmup": 2, **extra}
+                                    spec = {"worker": 2 * hi + lr, "workers": 4, "quick": q, "runs": [run],
+                                            "group": {"name": f"bench-{os.getpid()}-{cb.seq}-h{hi}", "rank": lr, "size": 2,
+                                                      "nbytes": nbytes} if extra.get("hier") else None}
+                                    procs.append((host, spec))
+                            res = cb.train(procs, url)
+                            links = cb.last_link
+                            entry = {"name": name, "runs": [r[0] for r in res], "link": links,
+                                     "link_tx": sum(v["tx"] for v in links.values()),
+                                     "step_s": statistics.mean(r[0]["step_s"] for r in res),
+                                     "acc": statistics.mean(r[0]["acc"] for r in res)}
+                            (R["combined"] if name == "combined" else R["hier"]).append(entry)
+                            say(f"  {name}: {entry['step_s']:.3f} s/iter, worker links sent {fmt_bytes(entry['link_tx'])},"
+                                f" acc {entry['acc']:.3f}")
         R["load_end"] = loadavg()
+        R["model"] = model_rows(R, q)
         R["targets"] = targets(R)
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "communication.json"), "w") as f:
@@ -319,6 +375,42 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def model_rows(R: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
+    """The cost model's prediction of every measured configuration of a large-model run.
+
+    Its inputs are measured apart from the runs it predicts: the link (a plain TCP stream), the
+    client's own push and pull rate and the wall time of one request with the window full (the
+    probe), and the computation alone (the workers, without transfers)."""
+    from irdma import costmodel as cm
+
+    out: list[dict[str, Any]] = []
+    for e in R["p3"]:
+        pr = e["probe"]
+        compute = _run(e, "none")["compute_s"]
+        base = {"sizes": tuple(param_bytes("large", quick)), "workers": 1, "hosts": 1, "shards": 2,
+                "link_bytes_per_s": 1e6 * min(e["link"]["push"], e["link"]["pull"]), "latency_s": 50e-6,
+                "cap_bytes_per_s": min(pr["push_bytes_per_s"], pr["pull_bytes_per_s"]), "window": 4,
+                # the model charges o/(S*window) per request; the probe measured the wall time per
+                # request with S*window requests in flight
+                "overhead_s": pr["request_s"] * 2 * 4, "compute_s": compute}
+        runs = [(r, {}) for r in e["runs"]]
+        if e is R["p3"][0]:
+            runs += [(r, {"compress": True}) for c in R["compress"] if c["model"] == "large" for r in c["runs"]
+                     if r["name"] != "dense"]
+        for r, flags in runs:
+            name = r["name"]
+            overlap = "none" if name == "none" else "fifo" if name == "fifo" else "p3"
+            slice_bytes = {"p3": 4 * DEFAULT_SLICE, "p3-1MiB": 4 * BIG_SLICE}.get(name, 0)
+            mode = name if flags.get("compress") else "flat"
+            if flags.get("compress"):
+                slice_bytes = 4 * DEFAULT_SLICE
+            cfg = cm.Config(**base, overlap=overlap, slice_bytes=slice_bytes, mode=mode)  # type: ignore[arg-type]
+            p = cm.predict(cfg)
+            out.append({"config": f"{e['rate']} {name}", "predicted": p.time_s, "measured": r["step_s"],
+                        "error": p.time_s / r["step_s"] - 1, "bound": p.bound})
+    return out
+
+
 def _run(entry: dict[str, Any], name: str) -> dict[str, Any]:
     return next(r for r in entry["runs"] if r["name"] == name)
 
@@ -326,10 +418,12 @@ def _run(entry: dict[str, Any], name: str) -> dict[str, Any]:
 def targets(R: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for e in R["p3"]:
-        p3, fifo = _run(e, "p3"), _run(e, "fifo")
-        ratio = fifo["step_s"] / p3["step_s"]
-        out.append({"target": f"P3 time per iteration at {e['rate']}", "ratio": ratio,
-                    "baseline": f"fifo {fifo['step_s']:.3f} s", "wanted": ">= 1.2x", "met": ratio >= 1.2})
+        fifo = _run(e, "fifo")
+        for name, what in (("p3", "160 KB slices"), ("p3-1MiB", "1 MiB slices")):
+            p3 = _run(e, name)
+            ratio = fifo["step_s"] / p3["step_s"]
+            out.append({"target": f"P3 time per iteration at {e['rate']}, {what}", "ratio": ratio,
+                        "baseline": f"fifo {fifo['step_s']:.3f} s", "wanted": ">= 1.2x", "met": ratio >= 1.2})
     for e in R["drop"]:
         d, base = _run(e, "drop"), _run(e, "dense")
         saved = 1 - d["pushed"] / base["pushed"]
@@ -355,13 +449,20 @@ def report(R: dict[str, Any]) -> str:
     for t in R["targets"]:
         L.append(f"| {t['target']} | {t['ratio']:.2f} | {t['baseline']} | {t['wanted']} | {'yes' if t['met'] else 'no'} |")
     L += ["", f"## P3 priority slicing ({R['large_layers']}-layer MLP, {fmt_bytes(R['large_bytes'])} of weights)", "",
-          "| link | measured link MB/s (push, pull) | computation alone s | none s/iter | fifo s/iter | p3 s/iter |"
-          " p3 vs fifo | p3 vs none | accuracy (none, fifo, p3) |", "|---|---|---|---|---|---|---|---|---|"]
+          "| link | measured link MB/s (push, pull) | computation alone s | none s/iter | fifo s/iter |"
+          " p3 160 KB s/iter | p3 1 MiB s/iter | best p3 vs fifo | best p3 vs none | accuracy (none, fifo, p3, p3 1 MiB) |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
     for e in R["p3"]:
-        n, f, p = (_run(e, k) for k in ("none", "fifo", "p3"))
+        n, f, p, pb = (_run(e, k) for k in ("none", "fifo", "p3", "p3-1MiB"))
+        best = min(p["step_s"], pb["step_s"])
         L.append(f"| {e['rate']} | {e['link']['push']:.0f}, {e['link']['pull']:.0f} | {n['compute_s']:.3f} |"
-                 f" {n['step_s']:.3f} | {f['step_s']:.3f} | {p['step_s']:.3f} | {f['step_s'] / p['step_s']:.2f}x |"
-                 f" {n['step_s'] / p['step_s']:.2f}x | {n['acc']:.3f}, {f['acc']:.3f}, {p['acc']:.3f} |")
+                 f" {n['step_s']:.3f} | {f['step_s']:.3f} | {p['step_s']:.3f} | {pb['step_s']:.3f} |"
+                 f" {f['step_s'] / best:.2f}x | {n['step_s'] / best:.2f}x |"
+                 f" {n['acc']:.3f}, {f['acc']:.3f}, {p['acc']:.3f}, {pb['acc']:.3f} |")
+    L += ["", "## The cost model against the measurements (`irdma tune`, `irdma/costmodel.py`)", "",
+          "| configuration | predicted s/iter | measured s/iter | error | bound (model) |", "|---|---|---|---|---|"]
+    for c in R.get("model", []):
+        L.append(f"| {c['config']} | {c['predicted']:.3f} | {c['measured']:.3f} | {100 * c['error']:+.0f}% | {c['bound']} |")
     L += ["", "## Layer dropping and compression (one worker, P3 on)", "",
           "| model | technique | bytes pushed | vs dense | pushes skipped | s/iter | accuracy |", "|---|---|---|---|---|---|---|"]
     for e in R["compress"]:
@@ -390,9 +491,9 @@ def plot(R: dict[str, Any], path: str) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     ax = axes[0]
     for j, e in enumerate(R["p3"]):
-        vals = [_run(e, k)["step_s"] for k in ("none", "fifo", "p3")]
-        ax.bar([x + 0.27 * j for x in range(3)], vals, width=0.25, label=e["rate"])
-    ax.set_xticks(range(3), ["none", "fifo", "p3"])
+        vals = [_run(e, k)["step_s"] for k in ("none", "fifo", "p3", "p3-1MiB")]
+        ax.bar([x + 0.27 * j for x in range(4)], vals, width=0.25, label=e["rate"])
+    ax.set_xticks(range(4), ["none", "fifo", "p3", "p3 1MiB"])
     ax.set_ylabel("s per iteration")
     ax.set_title("P3 priority slicing")
     ax.legend()
