@@ -41,14 +41,11 @@ One group is ``size`` processes on one host, ranks ``0 .. size-1``; rank 0 is th
   its socket, which the leader sees as end of file. A dead process's socket is closed by the
   kernel, so its death is noticed at once; a stuck one after ``timeout``.
 
-Wire format: every message starts with the 32-byte header ``_HDR`` (little endian: magic
-``b"IRHG"``, version u8, kind u8, op u8, pad, rank u32, ndim u32, step u64, extra u64),
-followed by ``ndim`` u64 dimensions (REQ, DONE), or by a payload (HELLO, WELCOME, ERROR).
+The messages, as bytes, are in :mod:`irdma._hier_wire`.
 """
 
 from __future__ import annotations
 
-import enum
 import fcntl
 import math
 import mmap
@@ -67,19 +64,13 @@ from types import TracebackType
 import numpy as np
 import numpy.typing as npt
 
+from . import _hier_wire as wire
 from ._errors import IrdmaError
 
 __all__ = ["HostGroup", "HostGroupError", "local_rank_and_size"]
 
 Float32Array = npt.NDArray[np.float32]
 
-_MAGIC = b"IRHG"
-_VERSION = 1
-_HDR = struct.Struct("<4sBBBxIIQQ")  # magic, version, kind, op, rank, ndim, step, extra
-_HELLO = struct.Struct("<II")  # size, pid (after the header; extra = nbytes)
-_NONE = 0xFFFFFFFF  # ndim of "no array", rank of "no rank in particular"
-_MAX_MSG = 16384
-_MAX_TEXT = 4000
 _ALIGN = 64
 _MAX_SIZE = 4096
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
@@ -103,26 +94,6 @@ class HostGroupError(IrdmaError):
         super().__init__(message, hint)
         self.rank = rank
         self.step = step
-
-
-class _Kind(enum.IntEnum):
-    HELLO = 1
-    WELCOME = 2
-    REQ = 3
-    DONE = 4
-    ERROR = 5
-
-
-class _Op(enum.IntEnum):
-    JOIN = 0
-    ALLREDUCE = 1
-    REDUCE_TO_LEADER = 2
-    BROADCAST = 3
-    BARRIER = 4
-
-    @property
-    def call(self) -> str:
-        return self.name.lower()
 
 
 _RESTART = "then start the group again on every rank (a HostGroup cannot take a rank back)"
@@ -149,8 +120,9 @@ def local_rank_and_size(environ: Mapping[str, str] | None = None) -> tuple[int, 
     if raw_rank is None and raw_size is None:
         return 0, 1
     if raw_rank is None or raw_size is None:
-        have, lack = ("IRDMA_LOCAL_RANK", "IRDMA_LOCAL_SIZE") if raw_size is None else ("IRDMA_LOCAL_SIZE", "IRDMA_LOCAL_RANK")
-        raise ValueError(f"{have} is set but {lack} is not: set both (e.g. IRDMA_LOCAL_RANK=0 IRDMA_LOCAL_SIZE=2) or neither")
+        have, lack = ("RANK", "SIZE") if raw_size is None else ("SIZE", "RANK")
+        raise ValueError(f"IRDMA_LOCAL_{have} is set but IRDMA_LOCAL_{lack} is not: set both "
+                         "(e.g. IRDMA_LOCAL_RANK=0 IRDMA_LOCAL_SIZE=2) or neither")
     values = []
     for var, raw in (("IRDMA_LOCAL_RANK", raw_rank), ("IRDMA_LOCAL_SIZE", raw_size)):
         text = raw.strip()
@@ -161,7 +133,8 @@ def local_rank_and_size(environ: Mapping[str, str] | None = None) -> tuple[int, 
     if not 1 <= size <= _MAX_SIZE:
         raise ValueError(f"IRDMA_LOCAL_SIZE={raw_size!r}: the number of workers on a host must be 1 .. {_MAX_SIZE}")
     if rank >= size:
-        raise ValueError(f"IRDMA_LOCAL_RANK={raw_rank!r} is not below IRDMA_LOCAL_SIZE={raw_size!r} (ranks are 0 .. size-1)")
+        raise ValueError(f"IRDMA_LOCAL_RANK={raw_rank!r} is not below IRDMA_LOCAL_SIZE={raw_size!r} "
+                         "(ranks are 0 .. size-1)")
     return rank, size
 
 
@@ -203,7 +176,8 @@ class HostGroup:
             caller above, is the one that pushes).
         size: number of processes in the group, 1 .. 4096.
         nbytes: the most bytes an array may have (the shared memory holds ``size`` slots of it).
-        timeout: seconds any wait may last, > 0: joining, and each step.
+        timeout: seconds any wait may last, > 0: joining, and each step (members wait
+            ``min(5, max(0.5, timeout / 4))`` s more for the leader).
         run_dir: directory of the socket and lock file (created with mode 0700 if missing; refused
             if it is a symlink, owned by another user, or open to group or others). Default:
             :func:`default_run_dir`.
@@ -222,7 +196,8 @@ class HostGroup:
         run_dir = default_run_dir() if run_dir is None else os.path.abspath(run_dir)
         sock_path = os.path.join(run_dir, f"{name}.sock")
         if len(os.fsencode(sock_path)) > _SUN_PATH_MAX:
-            raise ValueError(f"socket path {sock_path!r} is longer than {_SUN_PATH_MAX} bytes: choose a shorter run_dir or name")
+            raise ValueError(f"socket path {sock_path!r} is longer than {_SUN_PATH_MAX} bytes: "
+                             "choose a shorter run_dir or name")
         self.name = name
         self.rank = int(rank)
         self.size = int(size)
@@ -295,19 +270,19 @@ class HostGroup:
                 step. The group is closed after it.
         """
         arr = self._check_array(x, "allreduce")
-        with self._call(_Op.ALLREDUCE):
+        with self._call(wire.Op.ALLREDUCE):
             if self.rank == 0:
-                self._gather(_Op.ALLREDUCE, arr.shape)
+                self._gather(wire.Op.ALLREDUCE, arr.shape)
                 if self.size == 1:
                     return np.array(arr, dtype=np.float32, order="C", copy=True)
                 res = self._view(self.size, arr.shape)
                 np.add(arr, self._view(1, arr.shape), out=res)
                 for r in range(2, self.size):
                     np.add(res, self._view(r, arr.shape), out=res)
-                self._release(_Op.ALLREDUCE, arr.shape)
+                self._release(wire.Op.ALLREDUCE, arr.shape)
                 return res.copy()
             np.copyto(self._view(self.rank, arr.shape), arr)
-            shape = self._request(_Op.ALLREDUCE, arr.shape)
+            shape = self._request(wire.Op.ALLREDUCE, arr.shape)
             return self._view(self.size, shape).copy()
 
     def reduce_to_leader(self, x: Float32Array) -> Float32Array | None:
@@ -326,16 +301,16 @@ class HostGroup:
             TypeError, ValueError, HostGroupError: as for :meth:`allreduce`.
         """
         arr = self._check_array(x, "reduce_to_leader")
-        with self._call(_Op.REDUCE_TO_LEADER):
+        with self._call(wire.Op.REDUCE_TO_LEADER):
             if self.rank == 0:
-                self._gather(_Op.REDUCE_TO_LEADER, arr.shape)
+                self._gather(wire.Op.REDUCE_TO_LEADER, arr.shape)
                 out = np.array(arr, dtype=np.float32, order="C", copy=True)
                 for r in range(1, self.size):
                     np.add(out, self._view(r, arr.shape), out=out)
-                self._release(_Op.REDUCE_TO_LEADER, None)
+                self._release(wire.Op.REDUCE_TO_LEADER, None)
                 return out
             np.copyto(self._view(self.rank, arr.shape), arr)
-            self._request(_Op.REDUCE_TO_LEADER, arr.shape)
+            self._request(wire.Op.REDUCE_TO_LEADER, arr.shape)
             return None
 
     def broadcast(self, x: Float32Array | None = None) -> Float32Array:
@@ -361,15 +336,15 @@ class HostGroup:
             raise TypeError("broadcast: the leader (rank 0) must pass the array to send")
         arr = None if x is None else self._check_array(x, "broadcast")
         shape = None if arr is None else arr.shape
-        with self._call(_Op.BROADCAST):
+        with self._call(wire.Op.BROADCAST):
             if self.rank == 0:
                 assert arr is not None
-                self._gather(_Op.BROADCAST, arr.shape)
+                self._gather(wire.Op.BROADCAST, arr.shape)
                 if self.size > 1:
                     np.copyto(self._view(self.size, arr.shape), arr)
-                    self._release(_Op.BROADCAST, arr.shape)
+                    self._release(wire.Op.BROADCAST, arr.shape)
                 return np.array(arr, dtype=np.float32, order="C", copy=True)
-            got = self._request(_Op.BROADCAST, shape)
+            got = self._request(wire.Op.BROADCAST, shape)
             return self._view(self.size, got).copy()
 
     def barrier(self) -> None:
@@ -378,12 +353,12 @@ class HostGroup:
         Raises:
             HostGroupError: as for :meth:`allreduce`.
         """
-        with self._call(_Op.BARRIER):
+        with self._call(wire.Op.BARRIER):
             if self.rank == 0:
-                self._gather(_Op.BARRIER, None)
-                self._release(_Op.BARRIER, None)
+                self._gather(wire.Op.BARRIER, None)
+                self._release(wire.Op.BARRIER, None)
             else:
-                self._request(_Op.BARRIER, None)
+                self._request(wire.Op.BARRIER, None)
 
     def close(self) -> None:
         """Leave the group and release its memory and sockets. Safe to call twice.
@@ -449,8 +424,7 @@ class HostGroup:
             listener.listen(self.size)
             self._accept_members(listener)
             for conn in self._members.values():
-                socket.send_fds(conn, [_pack(_Kind.WELCOME, _Op.JOIN, 0, None, 0, _HELLO.pack(self.size, self._pid),
-                                             extra=self.nbytes)], [shm_fd])
+                socket.send_fds(conn, [self._greeting(wire.Kind.WELCOME)], [shm_fd])
             self._sel = selectors.DefaultSelector()
             for r, conn in self._members.items():
                 self._sel.register(conn, selectors.EVENT_READ, r)
@@ -473,7 +447,8 @@ class HostGroup:
                 os.close(fd)
                 raise HostGroupError(
                     f"host group {self.name!r}: another leader (pid {holder}) is forming a group of this name in "
-                    f"{self.run_dir}", "give each group of a host its own name, and rank 0 to one process only") from None
+                    f"{self.run_dir}", "give each group of a host its own name, and rank 0 to one process only",
+                ) from None
             try:
                 same = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
@@ -506,7 +481,7 @@ class HostGroup:
                 continue
             conn.settimeout(max(deadline - time.monotonic(), 0.001))
             try:
-                msg = conn.recv(_MAX_MSG)
+                msg = conn.recv(wire.MAX_MSG)
             except (TimeoutError, OSError):
                 conn.close()
                 continue
@@ -520,13 +495,13 @@ class HostGroup:
 
     def _check_hello(self, msg: bytes) -> int:
         try:
-            kind, _, rank, _, _, nbytes, payload = _unpack(msg)
-            size, pid = _HELLO.unpack(payload)
+            kind, _, rank, _, _, nbytes, payload = wire.unpack(msg)
+            size, pid = wire.HELLO.unpack(payload)
         except (ValueError, struct.error) as exc:
             raise HostGroupError(f"host group {self.name!r}: a process joined with a malformed greeting ({exc})",
                                  "run the same irdma version on every rank") from None
         what = f"host group {self.name!r}: rank {rank} (pid {pid})"
-        if kind != _Kind.HELLO:
+        if kind != wire.Kind.HELLO:
             raise HostGroupError(f"{what} sent {kind.name} instead of HELLO", rank=rank)
         if not 1 <= rank < self.size:
             raise HostGroupError(f"{what} is outside ranks 1 .. {self.size - 1}",
@@ -544,11 +519,10 @@ class HostGroup:
         deadline = time.monotonic() + self.timeout + self._margin
         conn = self._connect(deadline)
         self._leader = conn
-        conn.sendall(_pack(_Kind.HELLO, _Op.JOIN, self.rank, None, 0, _HELLO.pack(self.size, self._pid),
-                           extra=self.nbytes))
+        conn.sendall(self._greeting(wire.Kind.HELLO))
         conn.settimeout(max(deadline - time.monotonic(), 0.001))
         try:
-            msg, fds, _, _ = socket.recv_fds(conn, _MAX_MSG, 1)
+            msg, fds, _, _ = socket.recv_fds(conn, wire.MAX_MSG, 1)
         except TimeoutError:
             raise HostGroupError(
                 f"host group {self.name!r} rank {self.rank}: the leader (rank 0) did not complete the group within "
@@ -561,14 +535,14 @@ class HostGroup:
                 raise HostGroupError(f"host group {self.name!r} rank {self.rank}: the leader closed the connection "
                                      "while the group formed", "look at rank 0's log", rank=0)
             try:
-                kind, _, _, _, _, nbytes, payload = _unpack(msg)
-                if kind == _Kind.ERROR:
+                kind, _, _, _, _, nbytes, payload = wire.unpack(msg)
+                if kind == wire.Kind.ERROR:
                     raise self._leader_error(msg)
-                size, _ = _HELLO.unpack(payload)
+                size, _ = wire.HELLO.unpack(payload)
             except (ValueError, struct.error) as exc:
                 raise HostGroupError(f"host group {self.name!r} rank {self.rank}: the leader sent a malformed "
                                      f"greeting ({exc})", "run the same irdma version on every rank", rank=0) from None
-            if kind != _Kind.WELCOME or len(fds) != 1 or size != self.size or nbytes != self.nbytes:
+            if kind != wire.Kind.WELCOME or len(fds) != 1 or size != self.size or nbytes != self.nbytes:
                 raise HostGroupError(f"host group {self.name!r} rank {self.rank}: the leader answered "
                                      f"{kind.name} size={size} nbytes={nbytes} fds={len(fds)}",
                                      "run the same irdma version on every rank", rank=0)
@@ -579,6 +553,10 @@ class HostGroup:
         finally:
             for fd in fds:
                 os.close(fd)
+
+    def _greeting(self, kind: wire.Kind) -> bytes:
+        payload = wire.HELLO.pack(self.size, self._pid)
+        return wire.pack(kind, wire.Op.JOIN, self.rank, None, 0, payload, extra=self.nbytes)
 
     def _connect(self, deadline: float) -> socket.socket:
         # No stdlib way to be woken when a socket file appears: retry with a short backoff.
@@ -618,7 +596,7 @@ class HostGroup:
     # ---- one step ----
 
     @contextmanager
-    def _call(self, op: _Op) -> Iterator[None]:
+    def _call(self, op: wire.Op) -> Iterator[None]:
         if self._closed:
             if self._broken is not None:
                 raise HostGroupError(f"host group {self.name!r} rank {self.rank} is closed after an earlier error: "
@@ -663,7 +641,7 @@ class HostGroup:
         n = 4 * math.prod(shape)
         return self._buf[start:start + n].view(np.float32).reshape(shape)
 
-    def _gather(self, op: _Op, shape: tuple[int, ...] | None) -> None:
+    def _gather(self, op: wire.Op, shape: tuple[int, ...] | None) -> None:
         """Leader: wait for every member's REQ of this step and check that all agree."""
         assert self._sel is not None
         got: dict[int, tuple[int, tuple[int, ...] | None]] = {}
@@ -683,7 +661,7 @@ class HostGroup:
                 r: int = key.data
                 conn = self._members[r]
                 try:
-                    msg = conn.recv(_MAX_MSG)
+                    msg = conn.recv(wire.MAX_MSG)
                 except OSError:
                     msg = b""
                 if not msg:
@@ -691,11 +669,11 @@ class HostGroup:
                         f"host group {self.name!r}: rank {r} left the group at step {self._step} ({op.call}): its "
                         f"process exited or it closed the group", f"look at rank {r}'s log for why; {_RESTART}", rank=r)
                 try:
-                    kind, got_op, rank, dims, step, _, _ = _unpack(msg)
+                    kind, got_op, rank, dims, step, _, _ = wire.unpack(msg)
                 except ValueError as exc:
                     raise HostGroupError(f"host group {self.name!r}: rank {r} sent a malformed message ({exc})",
                                          rank=r) from None
-                if kind != _Kind.REQ or rank != r or r in got:
+                if kind != wire.Kind.REQ or rank != r or r in got:
                     raise HostGroupError(f"host group {self.name!r}: rank {r} sent {kind.name} (rank {rank}) out of "
                                          f"turn at step {self._step}", rank=r)
                 if step != self._step:
@@ -704,12 +682,12 @@ class HostGroup:
                         f"({op.call})", f"every rank must make the same calls in the same order; {_RESTART}", rank=r)
                 if got_op != op:
                     raise HostGroupError(
-                        f"host group {self.name!r}: at step {self._step} rank {r} called {_op_name(got_op)}, the "
+                        f"host group {self.name!r}: at step {self._step} rank {r} called {wire.op_name(got_op)}, the "
                         f"leader {op.call}", f"every rank must make the same calls in the same order; {_RESTART}",
                         rank=r)
                 got[r] = (got_op, dims)
         shapes = {0: shape, **{r: dims for r, (_, dims) in got.items()}}
-        if op == _Op.BROADCAST:
+        if op == wire.Op.BROADCAST:
             bad = [r for r, s in shapes.items() if s is not None and s != shape]
         else:
             bad = [r for r, s in shapes.items() if s != shape]
@@ -719,9 +697,9 @@ class HostGroup:
                 f"host group {self.name!r}: ranks disagree on the shape at step {self._step} ({op.call}): {listing}",
                 f"every rank must pass an array of the same shape to the same call; {_RESTART}", rank=bad[0])
 
-    def _release(self, op: _Op, shape: tuple[int, ...] | None) -> None:
+    def _release(self, op: wire.Op, shape: tuple[int, ...] | None) -> None:
         """Leader: tell every member that the step is done (and the result's shape)."""
-        msg = _pack(_Kind.DONE, op, 0, shape, self._step)
+        msg = wire.pack(wire.Kind.DONE, op, 0, shape, self._step)
         for r, conn in self._members.items():
             try:
                 conn.sendall(msg)
@@ -730,18 +708,18 @@ class HostGroup:
                     f"host group {self.name!r}: rank {r} left the group at step {self._step} ({op.call}): "
                     f"{exc.strerror}", f"look at rank {r}'s log for why; {_RESTART}", rank=r) from None
 
-    def _request(self, op: _Op, shape: tuple[int, ...] | None) -> tuple[int, ...]:
+    def _request(self, op: wire.Op, shape: tuple[int, ...] | None) -> tuple[int, ...]:
         """Member: send this step's REQ and wait for the leader's DONE; return the result's shape."""
         conn = self._leader
         assert conn is not None
         deadline = time.monotonic() + self.timeout + self._margin
         try:
-            conn.sendall(_pack(_Kind.REQ, op, self.rank, shape, self._step))
+            conn.sendall(wire.pack(wire.Kind.REQ, op, self.rank, shape, self._step))
         except OSError:
             pass  # the leader is gone; what it said last, if anything, is still to be read below
         conn.settimeout(max(deadline - time.monotonic(), 0.001))
         try:
-            msg = conn.recv(_MAX_MSG)
+            msg = conn.recv(wire.MAX_MSG)
         except TimeoutError:
             raise HostGroupError(
                 f"host group {self.name!r} rank {self.rank}: the leader (rank 0) did not answer at step {self._step} "
@@ -755,36 +733,35 @@ class HostGroup:
                 f"host group {self.name!r} rank {self.rank}: the leader (rank 0) left the group at step {self._step} "
                 f"({op.call}): its process exited or it closed the group", f"look at rank 0's log; {_RESTART}", rank=0)
         try:
-            kind, got_op, _, dims, step, _, _ = _unpack(msg)
+            kind, got_op, _, dims, step, _, _ = wire.unpack(msg)
         except ValueError as exc:
             raise HostGroupError(f"host group {self.name!r} rank {self.rank}: the leader sent a malformed message "
                                  f"({exc})", "run the same irdma version on every rank", rank=0) from None
-        if kind == _Kind.ERROR:
+        if kind == wire.Kind.ERROR:
             raise self._leader_error(msg)
-        if kind != _Kind.DONE or got_op != op or step != self._step:
+        if kind != wire.Kind.DONE or got_op != op or step != self._step:
             raise HostGroupError(
-                f"host group {self.name!r} rank {self.rank}: the leader answered {kind.name} {_op_name(got_op)} "
+                f"host group {self.name!r} rank {self.rank}: the leader answered {kind.name} {wire.op_name(got_op)} "
                 f"step {step} to {op.call} step {self._step}", f"every rank must make the same calls; {_RESTART}",
                 rank=0)
         return () if dims is None else dims
 
     def _leader_error(self, msg: bytes) -> HostGroupError:
-        _, _, rank, _, step, _, payload = _unpack(msg)
+        _, _, rank, _, step, _, payload = wire.unpack(msg)
         text, _, hint = payload.decode(errors="replace").partition("\0")
         return HostGroupError(f"{text} [reported by the leader to rank {self.rank}]", hint,
-                              rank=None if rank == _NONE else rank, step=None if step == 2**64 - 1 else step)
+                              rank=None if rank == wire.NONE else rank, step=None if step == wire.NO_STEP else step)
 
     def _abort(self, exc: HostGroupError | None) -> None:
         """Close after a failure; the leader first tells every member still connected why."""
-        if self.rank == 0 and self._members:
-            msg = _pack_error(exc, self._step if self._sel is not None else None) if exc is not None else \
-                _pack(_Kind.ERROR, _Op.JOIN, _NONE, None, self._step,
-                      f"host group {self.name!r}: the leader failed at step {self._step}\0look at rank 0's log; "
-                      f"{_RESTART}".encode())
+        if exc is None:  # another exception (KeyboardInterrupt, a bug) stopped this rank mid-call
+            exc = HostGroupError(f"host group {self.name!r}: rank {self.rank} was interrupted in a call",
+                                 f"look at rank {self.rank}'s log; {_RESTART}", rank=self.rank)
+        if self.rank == 0:
+            msg = _pack_error(exc, self._step if self._sel is not None else None)
             for conn in self._members.values():
                 _send_quietly(conn, msg)
-        self._broken = exc if exc is not None else HostGroupError(
-            f"host group {self.name!r} rank {self.rank} was interrupted in a call", rank=self.rank)
+        self._broken = exc
         self.close()
 
 
@@ -852,7 +829,7 @@ def _after_reset(conn: socket.socket) -> bytes:
     before the messages the peer sent us first (such as the leader's ERROR), which a second
     receive returns."""
     try:
-        return conn.recv(_MAX_MSG, socket.MSG_DONTWAIT)
+        return conn.recv(wire.MAX_MSG, socket.MSG_DONTWAIT)
     except OSError:
         return b""
 
@@ -864,45 +841,8 @@ def _send_quietly(conn: socket.socket, msg: bytes) -> None:
         pass  # that member is gone or not reading: it learns from end of file instead
 
 
-def _pack(kind: _Kind, op: _Op, rank: int, shape: tuple[int, ...] | None, step: int, payload: bytes = b"",
-          extra: int = 0) -> bytes:
-    ndim = _NONE if shape is None else len(shape)
-    dims = b"" if shape is None else struct.pack(f"<{len(shape)}Q", *shape)
-    return _HDR.pack(_MAGIC, _VERSION, kind, op, rank, ndim, step, extra) + dims + payload
-
-
 def _pack_error(exc: HostGroupError, step: int | None) -> bytes:
-    text = f"{exc.args[0] if exc.args else exc}\0{exc.hint}".encode()[:_MAX_TEXT]
-    rank = _NONE if exc.rank is None else exc.rank
-    return _pack(_Kind.ERROR, _Op.JOIN, rank, None, 2**64 - 1 if step is None else step, text)
-
-
-def _unpack(msg: bytes) -> tuple[_Kind, int, int, tuple[int, ...] | None, int, int, bytes]:
-    """``(kind, op, rank, shape or None, step, extra, payload)`` of one message.
-
-    Raises:
-        ValueError: not a message of this protocol version.
-    """
-    if len(msg) < _HDR.size:
-        raise ValueError(f"{len(msg)} bytes, shorter than a header")
-    magic, version, kind, op, rank, ndim, step, extra = _HDR.unpack_from(msg)
-    if magic != _MAGIC or version != _VERSION:
-        raise ValueError(f"magic {magic!r} version {version}, expected {_MAGIC!r} version {_VERSION}")
-    rest = msg[_HDR.size:]
-    shape: tuple[int, ...] | None = None
-    if ndim != _NONE:
-        if len(rest) < 8 * ndim:
-            raise ValueError(f"ndim {ndim} but {len(rest)} bytes of dimensions")
-        shape = struct.unpack_from(f"<{ndim}Q", rest)
-        rest = rest[8 * ndim:]
-    return _Kind(kind), op, rank, shape, step, extra, rest
-
-
-def _op_name(op: int) -> str:
-    try:
-        return _Op(op).call
-    except ValueError:
-        return f"op {op}"
+    return wire.pack_error(str(exc.args[0]) if exc.args else "", exc.hint, exc.rank, step)
 
 
 def _shape_text(shape: tuple[int, ...] | None) -> str:

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from helpers import wait_until
 
+from irdma import _hier_wire as wire
 from irdma._errors import IrdmaError
 from irdma.hier import HostGroup, HostGroupError, local_rank_and_size
 
@@ -70,7 +71,8 @@ class Ranks:
         self.pipes, self.start, self.go, self.procs = pipes, start, go, procs
         self.got: dict[tuple[int, str], Any] = {}
 
-    def wait(self, kinds: tuple[str, ...], ranks: list[int], timeout: float = RESULT_WAIT_S) -> dict[int, tuple[str, Any]]:
+    def wait(self, kinds: tuple[str, ...], ranks: list[int],
+             timeout: float = RESULT_WAIT_S) -> dict[int, tuple[str, Any]]:
         """Wait until each of ``ranks`` has reported one of ``kinds``; return rank -> (kind, payload)."""
         deadline = time.monotonic() + timeout
         while True:
@@ -373,3 +375,16 @@ def test_one_call_at_a_time(name: str, run_dir: str) -> None:
         member.barrier()
         t.join(10)
         assert "error" not in box and leader.step == member.step == 1
+
+
+def test_wire_round_trip_and_malformed_messages() -> None:
+    for shape in (None, (), (3, 7), (2**40, 1)):
+        msg = wire.pack(wire.Kind.REQ, wire.Op.ALLREDUCE, 2, shape, 7, b"tail", extra=9)
+        assert wire.unpack(msg) == (wire.Kind.REQ, wire.Op.ALLREDUCE, 2, shape, 7, 9, b"tail")
+    err = wire.unpack(wire.pack_error("x" * 5000, "hint", None, None))
+    assert err[2] == wire.NONE and err[4] == wire.NO_STEP and len(err[6]) == wire.MAX_TEXT
+    good = wire.pack(wire.Kind.DONE, wire.Op.BARRIER, 0, (4,), 1)
+    for bad in (good[:31], b"XXXX" + good[4:], good[:4] + bytes([2]) + good[5:], good[:5] + bytes([9]) + good[6:],
+                good[:-1]):
+        with pytest.raises(ValueError):
+            wire.unpack(bad)
