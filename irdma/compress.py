@@ -54,8 +54,8 @@ replica of a chunk decodes a forwarded payload to the same bytes.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Hashable
+from dataclasses import dataclass
 
 import numpy as np
 

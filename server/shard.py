@@ -582,7 +582,7 @@ def _decoded(op: Update, payload: memoryview | bytes, offset: int, chunk_size: i
     except ValueError as exc:
         what = f"{op.op.name.lower()} with a {Encoding(op.encoding).name.lower()} payload"
         raise BadRequest(f"{what} refused: {exc}") from None
-    return memoryview(dense).cast("B")
+    return memoryview(dense).cast("B")  # type: ignore[arg-type]
 
 
 def _by_chunk(chunk: np.ndarray) -> list[tuple[int, np.ndarray]]:

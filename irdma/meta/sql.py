@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, TypeVar
 
-from irdma import coord
+from irdma import compress, coord
 from irdma._errors import (
     Busy,
     Exists,
@@ -83,6 +83,7 @@ _JOB_XATTRS = {
     coord.XATTR_CONSISTENCY: lambda v: coord.parse_consistency(v).name,
     coord.XATTR_WORKERS: lambda v: str(coord.parse_workers(v)),
     coord.XATTR_SYNC_TIMEOUT: lambda v: repr(coord.parse_timeout(v)),
+    compress.XATTR_COMPRESS: compress.xattr_value,
 }
 
 
