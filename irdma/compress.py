@@ -56,6 +56,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 
@@ -151,8 +152,9 @@ def xattr_value(value: bytes | str) -> str:
 
 
 def topk_count(n: int, fraction: float) -> int:
-    """k of a top-k payload of ``n`` elements: ``max(1, ceil(fraction * n))``, at most n."""
-    return min(n, max(1, math.ceil(fraction * n)))
+    """k of a top-k payload of ``n`` elements: ``max(1, ceil(fraction * n))``, at most n, with
+    ``fraction`` taken as the decimal it prints as (``0.05 * 1020`` is 51, not 52)."""
+    return min(n, max(1, math.ceil(Fraction(repr(fraction)) * n)))
 
 
 def wire_bytes(n: int, c: Compression) -> int:
