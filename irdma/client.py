@@ -82,6 +82,8 @@ MOVE_COPIES = 4
 MAX_ATTEMPTS = 6
 #: Most extents one GATHER or SCATTER carries (a verbs SCATTER of them stays under 256 batches).
 MAX_EXTENTS = 1 << 16
+#: Float32 elements of a piece from which it is compressed in a worker thread.
+ENCODE_IN_THREAD = 1 << 16
 #: Seconds between mtime refreshes by sparse pushes that neither grow a file nor make chunks.
 MTIME_LAZY_S = 1.0
 
@@ -678,7 +680,12 @@ class Client:
                 return
             dense = np.frombuffer(part, dtype="<f4")
             try:
-                payload, decoded = compress_encode(dense, coded)  # once: a resend carries the same bytes
+                # once: a resend carries the same bytes; a large piece off the event loop (numpy
+                # sorts and packs without the GIL, so pieces encode in parallel)
+                if len(dense) >= ENCODE_IN_THREAD:
+                    payload, decoded = await trio.to_thread.run_sync(compress_encode, dense, coded)
+                else:
+                    payload, decoded = compress_encode(dense, coded)
             except ValueError as exc:
                 raise InvalidArgument(f"cannot compress the gradient at byte {p.buf_offset}: {exc}") from None
             await self._write_chain(layout, p, memoryview(payload), op, chunks, created)

@@ -446,7 +446,7 @@ class Write:
     chunk_size: int
     offset: int
     op: UpdateOp | Update
-    data: memoryview | bytes = b""
+    data: memoryview | bytes = b""  # with an encoded op (protocol 8): the encoded gradient
     existing: bool = False  # FLAG_EXISTING: never create the chunk
     chain: Chain | None = None  # FLAG_CHAIN: replicate along this chain
     replace: bool = False  # FLAG_REPLACE (forwards only): data is the whole chunk

@@ -234,6 +234,25 @@ def test_sgd_applies_the_decoded_gradient(replicated: Cluster) -> None:
         client.unlink("/sgd")
 
 
+def test_large_pieces_are_compressed_off_the_event_loop_alike(replicated: Cluster) -> None:
+    """Pieces of 2^18 elements (compressed in worker threads, side by side) land as the same
+    decoded vectors as one at a time."""
+    from irdma.client import ENCODE_IN_THREAD
+
+    per = (1 << 20) // 4
+    assert per >= ENCODE_IN_THREAD
+    n = 2 * per + 1000
+    g = np.random.default_rng(9).standard_normal(n).astype("<f4")
+    with irdma.connect(replicated.meta_url, transport="tcp") as client:
+        client.write("/big", np.zeros(n, "<f4"), chunk_size=1 << 20)
+        residual = np.zeros(n, "<f4")
+        client.push("/big", g, compress=SIGN, residual=residual)
+        want = np.concatenate([C.encode(g[j : j + per], SIGN)[1] for j in range(0, n, per)])
+        np.testing.assert_array_equal(client.pull("/big"), want)
+        np.testing.assert_array_equal(residual, g - want)
+        client.unlink("/big")
+
+
 async def _direct(c: Cluster, address: str, fn: object) -> object:
     async with trio.open_nursery() as nursery:
         conn = await TcpTransport().connect(address, nursery, client_name="test", key=read_key_file(key_file_of(c.dir)))
