@@ -42,6 +42,17 @@ over by any mount keeps its chunks until the last handle on any live mount close
 "sustained" inodes), and an open through a cached name of a removed inode answers ESTALE so
 the kernel looks the path up again. Metadata calls run in worker threads.
 
+Compressed pushes with error feedback. A file whose update op is ``add`` or an optimizer and
+whose xattr ``user.irdma.compress`` (else its directory's, read at open) is ``topk:FRACTION`` or
+``sign`` gets handles whose writes are sent compressed (:mod:`irdma.compress`) and decoded on the
+shards. This mount keeps one residual per inode (float32, one element per 4 bytes of the file,
+made on the first compressed write and grown to cover what is written): a write of gradient
+``g`` at ``off`` pushes ``g + residual[off/4 : ...]`` and keeps what the compression dropped in
+its place, so error feedback works through plain ``pwrite``. The residual of a write that failed
+is left as it was (the write's error is reported as for any push). It lives as long as the
+kernel knows the inode (dropped at ``forget``, or once the file has no name left): across opens
+and closes, not across mounts. Writes of ``assign`` are never compressed.
+
 Inode and file-handle bookkeeping follows pyfuse3's ``examples/passthroughfs.py``.
 """
 
@@ -63,8 +74,9 @@ import pyfuse3
 import trio
 
 from irdma import coord
-from irdma._errors import InvalidArgument, IrdmaError, NotFound, Stale
+from irdma._errors import InvalidArgument, IrdmaError, NoAttribute, NotFound, Stale
 from irdma.client import ChunkMap, Client, NewChunk, layout_of
+from irdma.compress import XATTR_COMPRESS, Compression, parse_compress
 from irdma.meta import ROOT_INO, Inode
 from irdma.meta.base import XATTR_UPDATE, setid_bits
 from irdma.metrics import fuse_metrics
@@ -158,6 +170,7 @@ class _Handle:
     append: bool = False  # O_APPEND: every write lands at the file's size as this mount knows it
     next_read: int = 0  # where a sequential read would start (read-ahead; a fresh handle: 0)
     seq_hits: int = 0  # sequential reads in a row (the read-ahead window doubles with each)
+    compress: Compression | None = None  # user.irdma.compress of the file (or its directory) at open
 
 
 class IrdmaFS(pyfuse3.Operations):
@@ -194,6 +207,8 @@ class IrdmaFS(pyfuse3.Operations):
         # an open and the last release of one inode never interleave (FUSE sends RELEASE
         # asynchronously: a reopen may arrive while the last close is freeing the file)
         self._ino_locks: dict[int, trio.Lock] = {}
+        #: error feedback of compressed writes: per inode, float32, element i is bytes [4i, 4i+4)
+        self._residuals: dict[int, np.ndarray] = {}
         #: ``.irdma/``: barriers, locks and counters as files (:mod:`irdma.fs.control`)
         self.control = Control(self.meta, 0, tick=client.clock_at)
 
@@ -338,11 +353,14 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def _destroy(self, inode: Inode) -> None:
         """Free the chunks of a file with no name and no open handle left, then its inode."""
+        self._residuals.pop(inode.ino, None)
         if not inode.is_dir and inode.stripe:
             await self.client.truncate_data(layout_of(inode), 0)
         await self.meta.delete_inode(inode.ino)
 
     async def _maybe_destroy(self, replaced: Inode | None) -> None:
+        if replaced is not None and replaced.nlink <= 0:
+            self._residuals.pop(replaced.ino, None)  # no name left: nobody pushes to it again
         if replaced is not None and replaced.nlink <= 0 and replaced.ino not in self._files:
             # freed after its grace period unless a live session holds it open then (its last
             # close frees it)
@@ -581,6 +599,11 @@ class IrdmaFS(pyfuse3.Operations):
                 for h in self._handles.values():
                     if h.ino == inode and h.op.op.is_float32 == op.op.is_float32:
                         h.op = op
+            elif name == XATTR_COMPRESS:  # this inode's open handles compress as told at once
+                coded = parse_compress(value) or None
+                for h in self._handles.values():
+                    if h.ino == inode:
+                        h.compress = coded
 
     async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
         with fuse_errors("listxattr"):
@@ -591,7 +614,30 @@ class IrdmaFS(pyfuse3.Operations):
             await self.meta.removexattr(inode, name)
 
     # ------------------------------------------------------------ files
-    def _open_handle(self, inode: Inode, io_mode: bytes, chunks: ChunkMap, *, append: bool = False) -> pyfuse3.FileInfo:
+    async def _compression_of(self, inode: Inode) -> Compression | None:
+        """The compression of writes to ``inode``: its ``user.irdma.compress``, else its
+        directory's; None for a file whose update op is assign or with none set.
+
+        Raises:
+            InvalidArgument: a stored value that does not parse (remove the xattr or set a valid one).
+        """
+        if not parse_update(inode.update_op or "assign").op.is_float32:
+            return None
+        for ino in (inode.ino, None):
+            try:
+                if ino is None:
+                    ino = await self.meta.parent_of(inode.ino)
+                value = await self.meta.getxattr(ino, XATTR_COMPRESS)
+            except (NoAttribute, NotFound):
+                continue
+            try:
+                return parse_compress(value) or None
+            except ValueError as exc:
+                raise InvalidArgument(f"inode {ino}: {exc}") from None
+        return None
+
+    def _open_handle(self, inode: Inode, io_mode: bytes, chunks: ChunkMap, *, append: bool = False,
+                     compress: Compression | None = None) -> pyfuse3.FileInfo:
         st = self._files.get(inode.ino)
         if st is None:
             self.client.forget_file(inode.ino)  # close-to-open: no stale chunk places
@@ -609,7 +655,7 @@ class IrdmaFS(pyfuse3.Operations):
         direct = op.op != UpdateOp.ASSIGN or io_mode == b"direct" or self.direct_io or append
         fh = self._next_fh
         self._next_fh += 1
-        self._handles[fh] = _Handle(inode.ino, op, direct, append=append)
+        self._handles[fh] = _Handle(inode.ino, op, direct, append=append, compress=compress)
         st.cached_handles += 0 if direct else 1
         keep = not direct and self._cached.get(inode.ino) == (inode.mtime_ns, inode.size)
         log.debug("open inode %d: keep_cache %s (as last closed %s, now %s)", inode.ino, keep,
@@ -653,7 +699,8 @@ class IrdmaFS(pyfuse3.Operations):
                 await self._truncate(node, 0)
                 node = await self._getattr(inode)
                 chunks = {}
-            fi = self._open_handle(node, io_mode, chunks, append=bool(flags & os.O_APPEND))
+            fi = self._open_handle(node, io_mode, chunks, append=bool(flags & os.O_APPEND),
+                                   compress=await self._compression_of(node))
             self._handles[fi.fh].kill_setid = kill_setid
             return fi
         except BaseException:
@@ -670,7 +717,8 @@ class IrdmaFS(pyfuse3.Operations):
             inode = await self.meta.create(parent_inode, name, stat.S_IFREG | (mode & ~ctx.umask & 0o7777), ctx.uid,
                                            ctx.gid)
             inode, io_mode, chunks = await self.meta.open_inode(self.sid, inode.ino)
-            fi = self._open_handle(inode, io_mode, chunks, append=bool(flags & os.O_APPEND))
+            fi = self._open_handle(inode, io_mode, chunks, append=bool(flags & os.O_APPEND),
+                                   compress=await self._compression_of(inode))
             self._handles[fi.fh].kill_setid = self._kills_setid(inode, flags, ctx)
             return fi, self._entry(inode)
 
@@ -860,6 +908,13 @@ class IrdmaFS(pyfuse3.Operations):
                 for p in list(st.pending):  # keep overlapping writes in order
                     if p.start < end and off < p.end:
                         await p.done.wait()
+                coded = h.compress if h.op.op.is_float32 and buf else None
+                data: bytes | np.ndarray = buf
+                feedback = None
+                if coded is not None:  # after the overlapping writes: their residuals are in
+                    res = self._residual(h.ino, end // 4)
+                    data = np.frombuffer(buf, dtype="<f4") + res[off // 4 : end // 4]
+                    feedback = res[off // 4 : end // 4].copy()
                 await st.slots.acquire()
                 st.invalidate()
                 entry = _Pending(off, end)
@@ -867,27 +922,44 @@ class IrdmaFS(pyfuse3.Operations):
                 st.size = max(st.size, end)
                 st.dirty = True
                 assert self.nursery is not None
-                self.nursery.start_soon(self._push, st, entry, off, buf, h.op)
+                self.nursery.start_soon(self._push, st, entry, off, data, h.op, coded, feedback)
             return len(buf)
 
-    async def _push(self, st: _FileState, entry: _Pending, off: int, buf: bytes, op: Update) -> None:
+    def _residual(self, ino: int, elements: int) -> np.ndarray:
+        """The residual of ``ino``, grown (zeros) to at least ``elements``."""
+        res = self._residuals.get(ino)
+        if res is None or len(res) < elements:
+            grown = np.zeros(max(elements, 0 if res is None else len(res) + len(res) // 2), dtype=np.float32)
+            if res is not None:
+                grown[: len(res)] = res
+            res = self._residuals[ino] = grown
+        return res
+
+    async def _push(self, st: _FileState, entry: _Pending, off: int, buf: bytes | np.ndarray, op: Update,
+                    coded: Compression | None = None, feedback: np.ndarray | None = None) -> None:
+        """Push one write; ``coded``: compressed, what its compression dropped put in ``feedback``
+        (the inode's residual over the write's range as it was: a piece that failed keeps it),
+        which becomes the residual there before the write counts as done."""
         try:
-            created = await self.client.write_from(st.layout, off, buf, op, st.chunks)
+            created = await self.client.write_from(st.layout, off, buf, op, st.chunks, compress=coded,
+                                                   feedback=feedback)
             for idx, shard, incarnation in created:
                 st.chunks.setdefault(idx, {}).setdefault(shard, incarnation)
             st.new_chunks.extend(created)
             st.acked_ends.append(entry.end)
         except Exception as exc:
             if isinstance(exc, IrdmaError):
-                log.warning("push of %d bytes at %d to file %d failed: %s", len(buf), off, st.layout.file_id, exc)
+                log.warning("push of %d bytes at %d to file %d failed: %s", entry.end - off, off, st.layout.file_id, exc)
             else:  # a bug: this push fails, the mount lives on
-                log.exception("push of %d bytes at %d to file %d failed unexpectedly", len(buf), off,
+                log.exception("push of %d bytes at %d to file %d failed unexpectedly", entry.end - off, off,
                               st.layout.file_id)
                 exc = IrdmaError(f"internal error: {exc!r}")
             st.fail_start = off if st.fail_start is None else min(st.fail_start, off)
             if st.error is None:
                 st.error = exc  # type: ignore[assignment]
         finally:
+            if feedback is not None:  # what the compression dropped waits for the next write
+                self._residual(st.layout.file_id, entry.end // 4)[off // 4 : entry.end // 4] = feedback
             st.pending.remove(entry)
             entry.done.set()
             st.slots.release()
@@ -945,7 +1017,8 @@ class IrdmaFS(pyfuse3.Operations):
             pass  # logged; `irdma gc` frees what is left
 
     async def forget(self, inode_list: Any) -> None:
-        return None
+        for ino, _ in inode_list:  # the kernel evicted the inode: its residual goes with it
+            self._residuals.pop(ino, None)
 
 
 def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:

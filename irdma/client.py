@@ -55,6 +55,9 @@ from ._errors import (
     ReplicaFailed,
     ShardUnavailable,
 )
+from .compress import Compression, parse_compress
+from .compress import encode as compress_encode
+from .compress import max_elements as compress_max_elements
 from .extents import move, positions
 from .meta import Inode, MetaStore, ShardRecord, open_meta
 from .meta.aio import AsyncMeta
@@ -62,7 +65,7 @@ from .meta.base import XATTR_SHAPE, XATTR_UPDATE, parse_shape
 from .metrics import MeteredConnection
 from .optimizers import HEADER, MAGIC, SLOT_NAMES, SLOTS, parse_update, state_index, state_size
 from .placement import MOVE_ALL, Layout, Move, Piece, substitute
-from .protocol import DEFAULT_MAX_PAYLOAD, Chain, ChunkEntry, StatReply, Update, UpdateOp
+from .protocol import DEFAULT_MAX_PAYLOAD, Chain, ChunkEntry, StatReply, Update, UpdateOp, as_update
 from .protocol import extents as P_extents
 from .transport import ShardConnection, Transport, make_transport
 
@@ -79,6 +82,8 @@ MOVE_COPIES = 4
 MAX_ATTEMPTS = 6
 #: Most extents one GATHER or SCATTER carries (a verbs SCATTER of them stays under 256 batches).
 MAX_EXTENTS = 1 << 16
+#: Float32 elements of a piece from which it is compressed in a worker thread.
+ENCODE_IN_THREAD = 1 << 16
 #: Seconds between mtime refreshes by sparse pushes that neither grow a file nor make chunks.
 MTIME_LAZY_S = 1.0
 
@@ -113,6 +118,17 @@ def _as_bytes_view(data: object) -> memoryview:
     if not view.c_contiguous:
         view = memoryview(np.ascontiguousarray(data))  # type: ignore[arg-type]
     return view.cast("B")
+
+
+def _compression(value: Compression | str | bytes | None) -> Compression | None:
+    """A compression given as an object or an xattr value (None and ``none``: None).
+
+    Raises:
+        ValueError: a bad value.
+    """
+    if value is None or isinstance(value, Compression):
+        return value or None
+    return parse_compress(value) or None
 
 
 class Client:
@@ -588,7 +604,8 @@ class Client:
             raise
 
     async def write_from(
-        self, layout: Layout, offset: int, data: memoryview | bytes, op: UpdateOp | Update, chunks: ChunkMap | None = None
+        self, layout: Layout, offset: int, data: memoryview | bytes | np.ndarray, op: UpdateOp | Update, chunks: ChunkMap | None = None,
+        *, compress: Compression | None = None, feedback: np.ndarray | None = None,
     ) -> list[NewChunk]:
         """Push ``data`` at ``offset`` with update op ``op`` (each chunk's part atomically).
 
@@ -600,6 +617,15 @@ class Client:
         (the file's chunk map) is sent with FLAG_EXISTING, so a lost chunk is never recreated
         from zeros.
 
+        Compressed gradients (``compress`` of kind topk or sign, with ``add`` or an optimizer;
+        ignored with ``assign``): ``data`` is little-endian float32 and each piece (a chunk's
+        part, cut so that its payload fits the shard's largest) is encoded once
+        (:func:`irdma.compress.encode`) and the payload sent, the same payload on a resend; the
+        shards apply the op to the decoded gradient. ``feedback`` (float32, C-contiguous,
+        ``len(data) // 4`` elements) receives, for each piece acknowledged, what its compression
+        dropped: ``piece - decoded`` (error feedback: add it to the next gradient); the elements
+        of a piece that failed are left as they were.
+
         Returns:
             ``(chunk index, shard id, incarnation)`` of every chunk replica written that
             ``chunks`` did not record: the caller records them (:meth:`MetaStore.extend`) before
@@ -608,26 +634,64 @@ class Client:
         Raises:
             BadRequest: e.g. an ``add`` not aligned to float32; NoSpace: a shard is full;
             DataLost: a recorded chunk is gone; ShardUnavailable: no replica took it in time.
+            InvalidArgument: a gradient to compress that is not finite, ``feedback`` of the
+            wrong size or dtype, or an ``op`` that says it is encoded without ``compress``.
             Other chunks' parts may have been applied.
         """
         view = _as_bytes_view(data)
-        pieces = list(layout.pieces(offset, len(view), self._max_piece(layout)))
+        update = as_update(op)
+        if update.encoding and not compress:
+            raise InvalidArgument("an encoded write needs its compression: pass compress=")
+        coded = compress if compress and update.op.is_float32 else None
+        if coded is not None:
+            if offset % 4 or len(view) % 4:
+                raise BadRequest(f"a compressed {update.op.name.lower()} must be float32 aligned: offset {offset},"
+                                 f" {len(view)} bytes")
+            if feedback is not None and (feedback.dtype != np.float32 or feedback.size != len(view) // 4
+                                         or not feedback.flags.c_contiguous):
+                raise InvalidArgument(f"feedback must be C-contiguous float32 of {len(view) // 4} elements,"
+                                      f" not {feedback.dtype} of {feedback.size}")
+            op = dataclasses.replace(update, encoding=coded.kind)
+            limit = self._max_piece(layout) or DEFAULT_MAX_PAYLOAD
+            max_piece: int | None = 4 * max(1, compress_max_elements(limit, coded))
+        else:
+            op = update.dense if update.encoding else op
+            max_piece = self._max_piece(layout)
+        pieces = list(layout.pieces(offset, len(view), max_piece))
         created: list[NewChunk] = []
+        fb = None if coded is None or feedback is None else feedback.reshape(-1)
         if len(pieces) == 1:
-            await self._write_piece(layout, pieces[0], view, op, chunks, created)
+            await self._write_piece(layout, pieces[0], view, op, chunks, created, coded, fb)
         else:
             async with open_nursery() as nursery:
                 for p in pieces:
                     nursery.start_soon(self._write_piece, layout, p, view[p.buf_offset : p.buf_offset + p.length], op,
-                                       chunks, created)
+                                       chunks, created, coded,
+                                       None if fb is None else fb[p.buf_offset // 4 : (p.buf_offset + p.length) // 4])
         return created
 
     async def _write_piece(self, layout: Layout, p: Piece, part: memoryview, op: UpdateOp | Update, chunks: ChunkMap | None,
-                           created: list[NewChunk]) -> None:
+                           created: list[NewChunk], coded: Compression | None = None,
+                           feedback: np.ndarray | None = None) -> None:
         key = (layout.file_id, p.chunk_index)
         self._writing[key] += 1
         try:
-            await self._write_chain(layout, p, part, op, chunks, created)
+            if coded is None:
+                await self._write_chain(layout, p, part, op, chunks, created)
+                return
+            dense = np.frombuffer(part, dtype="<f4")
+            try:
+                # once: a resend carries the same bytes; a large piece off the event loop (numpy
+                # sorts and packs without the GIL, so pieces encode in parallel)
+                if len(dense) >= ENCODE_IN_THREAD:
+                    payload, decoded = await trio.to_thread.run_sync(compress_encode, dense, coded)
+                else:
+                    payload, decoded = compress_encode(dense, coded)
+            except ValueError as exc:
+                raise InvalidArgument(f"cannot compress the gradient at byte {p.buf_offset}: {exc}") from None
+            await self._write_chain(layout, p, memoryview(payload), op, chunks, created)
+            if feedback is not None:
+                np.subtract(dense, decoded, out=feedback)
         finally:
             self._writing[key] -= 1
             if not self._writing[key]:
@@ -1457,20 +1521,24 @@ class Client:
                                           chunk_size=chunk_size)
 
     async def write(self, path: str, data: object, offset: int = 0, *, op: UpdateOp | Update | str | None = None,
-                    chunk_size: int | None = None) -> int:
+                    chunk_size: int | None = None, compress: Compression | str | None = None,
+                    feedback: np.ndarray | None = None) -> int:
         """Write a buffer (bytes, numpy array, memoryview) at ``offset``, creating the file.
 
         ``op`` defaults to the file's ``user.irdma.update`` (``assign`` unless set); a string is
         parsed as that xattr is (:func:`irdma.optimizers.parse_update`). The size
         grows, and the chunks written join the file's chunk map, only once every shard has
         acknowledged its part: a failed write leaves the size of what is stored.
+        ``compress`` (a :class:`irdma.compress.Compression` or a ``user.irdma.compress``
+        value) and ``feedback``: see :meth:`write_from` (ignored with ``assign``).
 
         Returns:
             Bytes written.
 
         Raises:
-            DataLost, NoSpace, ShardUnavailable, BadRequest: see :meth:`write_from`.
+            DataLost, NoSpace, ShardUnavailable, BadRequest, InvalidArgument: see :meth:`write_from`.
         """
+        coded = _compression(compress)
         inode = await self.create(path, chunk_size=chunk_size)
         uop = parse_update(op) if isinstance(op, str) else (op if op is not None else parse_update(inode.update_op or "assign"))
         view = _as_bytes_view(data)
@@ -1479,7 +1547,7 @@ class Client:
         if offset > inode.size:
             # the gap must read as zeros: clear what an earlier, failed writer may have left there
             await self.truncate_data(layout, inode.size)
-        created = await self.write_from(layout, offset, view, uop, chunks)
+        created = await self.write_from(layout, offset, view, uop, chunks, compress=coded, feedback=feedback)
         await self.meta.extend(inode.ino, offset + len(view), time.time_ns(), tuple(created))
         return len(view)
 
@@ -1496,9 +1564,38 @@ class Client:
             await self.read_into(layout_of(inode), offset, memoryview(buf), await self.meta.chunk_map(inode.ino))
         return buf
 
-    async def push(self, path: str, delta: np.ndarray, offset: int = 0) -> None:
-        """Add ``delta`` (cast to little-endian float32) element-wise into the file's bytes."""
-        await self.write(path, np.ascontiguousarray(delta, dtype="<f4"), offset, op=UpdateOp.ADD)
+    async def push(self, path: str, delta: np.ndarray, offset: int = 0, *, compress: Compression | str | None = None,
+                   residual: np.ndarray | None = None) -> None:
+        """Add ``delta`` (cast to little-endian float32) element-wise into the file's bytes.
+
+        ``compress`` (a :class:`irdma.compress.Compression` or a ``user.irdma.compress`` value
+        such as ``"topk:0.01"`` or ``"sign"``; None: dense) sends it compressed, decoded and
+        added on the shards. ``residual`` (float32, C-contiguous, as many elements as
+        ``delta``; zeros at first, then kept by the caller between pushes) is error feedback:
+        ``delta + residual`` is pushed and ``residual`` becomes, in place, what the compression
+        dropped (zeros for a dense push); its elements in a piece that failed are left as they
+        were. Over pushes, what the shards added plus ``residual`` is the sum of the deltas
+        (Karimireddy et al., ICML 2019).
+
+        Raises:
+            ValueError: a bad ``compress`` value, or ``residual`` of the wrong size or dtype.
+            And what :meth:`write` raises.
+        """
+        coded = _compression(compress)
+        g = np.ascontiguousarray(delta, dtype="<f4").reshape(-1)
+        if residual is None:
+            await self.write(path, g, offset, op=UpdateOp.ADD, compress=coded)
+            return
+        if residual.dtype != np.float32 or residual.size != g.size or not residual.flags.c_contiguous:
+            raise ValueError(f"residual must be C-contiguous float32 of {g.size} elements, not {residual.dtype} of"
+                             f" {residual.size}")
+        flat = residual.reshape(-1)
+        corrected = g + flat
+        if not coded:
+            await self.write(path, corrected, offset, op=UpdateOp.ADD)
+            flat[:] = 0
+            return
+        await self.write(path, corrected, offset, op=UpdateOp.ADD, compress=coded, feedback=flat)
 
     async def pull(self, path: str, shape: Sequence[int] | None = None, dtype: str = "<f4") -> np.ndarray:
         """Read a whole tensor: the file's bytes as ``dtype`` (little-endian float32 by default).

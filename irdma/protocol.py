@@ -61,10 +61,17 @@ as ``!QII`` records (16 bytes each) after the fixed part.
 The update ops and their semantics (applied atomically per chunk by the shard, each bumps the
 chunk's version by one) follow the parameter-server model of ps-lite (Li et al., OSDI 2014)
 and the server-side accumulate of SoftMemoryBox II (Ahn et al., IEEE Access 2020).
+
+Compressed gradients (protocol 8): the op byte of WRITE and REMOTE_WRITE is ``op | encoding << 4``
+(:class:`Encoding`: 0 none, 1 top-k, 2 scaled sign; the layouts are in :mod:`irdma.compress`).
+The payload of an encoded write is the encoded gradient; the shard decodes it (refusing a
+malformed one, BAD_REQUEST, nothing changed) and applies the op to the ``4 * n`` decoded bytes
+at ``offset``, exactly as a dense write of them. ``assign`` and SCATTER are never encoded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import struct
 from dataclasses import dataclass, field
@@ -74,10 +81,11 @@ import numpy as np
 
 from ._errors import LocalProtocolError, RemoteProtocolError
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 #: Oldest protocol version this code speaks (3 added chain replication, 4 authentication, 5 GMAC
-#: frame tags, 6 optimizer update ops, 7 GATHER and SCATTER of extents: sparse rows).
-MIN_PROTOCOL_VERSION = 7
+#: frame tags, 6 optimizer update ops, 7 GATHER and SCATTER of extents: sparse rows, 8 encoded
+#: (compressed) gradients in WRITE and REMOTE_WRITE).
+MIN_PROTOCOL_VERSION = 8
 MAGIC = b"IR"
 HEADER = struct.Struct("!2sBBIHHI")
 HEADER_SIZE = HEADER.size  # 16
@@ -188,6 +196,16 @@ class UpdateOp(enum.IntEnum):
             raise ValueError(f"unknown update op {name!r}: use one of {valid}") from None
 
 
+class Encoding(enum.IntEnum):
+    """How the payload of a WRITE or REMOTE_WRITE is encoded (protocol 8): the high nibble of
+    the op byte. ``TOPK`` and ``SIGN`` carry a compressed float32 gradient that the shard
+    decodes before applying the op (layouts: :mod:`irdma.compress`); never with ``assign``."""
+
+    NONE = 0
+    TOPK = 1
+    SIGN = 2
+
+
 #: Flag bits of an optimizer :class:`Update`.
 OPT_NESTEROV = 0x1
 OPT_CENTERED = 0x2
@@ -203,11 +221,22 @@ class Update:
             :data:`irdma.optimizers.ARGUMENTS` (unused ones 0.0); they follow the fixed part
             as ``!4dI4x`` (40 bytes) with ``flags``, before any chain.
         flags: OPT_NESTEROV, OPT_CENTERED.
+        encoding: how the payload is encoded (:class:`Encoding`, protocol 8; the op byte's
+            high nibble): the shard decodes it and applies ``op`` to the decoded gradient.
+            Only with ``add`` and the optimizers.
     """
 
     op: UpdateOp
     args: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     flags: int = 0
+    encoding: Encoding = Encoding.NONE
+
+    @property
+    def dense(self) -> UpdateOp | Update:
+        """The same update with its payload decoded: what the shard applies."""
+        if not self.encoding:
+            return self
+        return dataclasses.replace(self, encoding=Encoding.NONE) if self.op.is_optimizer else self.op
 
 
 def as_update(op: UpdateOp | Update) -> Update:
@@ -282,21 +311,32 @@ def _decode_extents(body: memoryview, at: int, count: int, what: str) -> tuple[n
     return ext, end
 
 
-def _encode_update(op: UpdateOp | Update) -> tuple[int, bytes]:
+def _encode_update(op: UpdateOp | Update, encodable: bool = True) -> tuple[int, bytes]:
     u = as_update(op)
-    return int(u.op), (_OPTIM.pack(*u.args, u.flags) if u.op.is_optimizer else b"")
+    enc = Encoding(u.encoding)
+    if enc and (not encodable or not u.op.is_float32):
+        raise LocalProtocolError(f"an encoded ({enc.name.lower()}) payload goes only with add or an optimizer"
+                                 " in WRITE or REMOTE_WRITE")
+    return int(u.op) | int(enc) << 4, (_OPTIM.pack(*u.args, u.flags) if u.op.is_optimizer else b"")
 
 
-def _decode_update(opv: int, body: memoryview, at: int) -> tuple[UpdateOp | Update, int]:
+def _decode_update(opv: int, body: memoryview, at: int, encodable: bool = True) -> tuple[UpdateOp | Update, int]:
     try:
-        uop = UpdateOp(opv)
+        uop = UpdateOp(opv & 0xF)
     except ValueError:
-        raise RemoteProtocolError(f"unknown update op {opv}") from None
+        raise RemoteProtocolError(f"unknown update op {opv & 0xF}") from None
+    try:
+        enc = Encoding(opv >> 4)
+    except ValueError:
+        raise RemoteProtocolError(f"unknown payload encoding {opv >> 4}") from None
+    if enc and (not encodable or not uop.is_float32):
+        raise RemoteProtocolError(f"an encoded ({enc.name.lower()}) payload goes only with add or an optimizer"
+                                  " in WRITE or REMOTE_WRITE")
     if not uop.is_optimizer:
-        return uop, at
+        return (Update(uop, encoding=enc) if enc else uop), at
     _need(body, at + _OPTIM.size, "optimizer arguments")
     *args, flags = _OPTIM.unpack_from(body, at)
-    return Update(uop, tuple(args), flags), at + _OPTIM.size  # type: ignore[arg-type]
+    return Update(uop, tuple(args), flags, enc), at + _OPTIM.size  # type: ignore[arg-type]
 
 
 @dataclass
@@ -406,7 +446,7 @@ class Write:
     chunk_size: int
     offset: int
     op: UpdateOp | Update
-    data: memoryview | bytes = b""
+    data: memoryview | bytes = b""  # with an encoded op (protocol 8): the encoded gradient
     existing: bool = False  # FLAG_EXISTING: never create the chunk
     chain: Chain | None = None  # FLAG_CHAIN: replicate along this chain
     replace: bool = False  # FLAG_REPLACE (forwards only): data is the whole chunk
@@ -741,7 +781,7 @@ def encode_request(msg: Request, request_id: int) -> list[bytes | memoryview]:
             flags = FLAG_CLEAN if msg.clean else 0
         elif isinstance(msg, Scatter):
             ext = np.ascontiguousarray(msg.extents, dtype=EXTENT)
-            opv, optim = _encode_update(msg.op)
+            opv, optim = _encode_update(msg.op, encodable=False)
             fixed = _SCATTER.pack(msg.file_id, msg.chunk_size, len(ext), opv, msg.staging_offset) + optim
             if msg.chain is not None:
                 fixed += msg.chain.encode()
@@ -966,7 +1006,7 @@ def decode_request(frame: Frame) -> Request:
     if op == Opcode.SCATTER:
         _need(body, _SCATTER.size, "SCATTER")
         fid, csize, count, opv, soff = _SCATTER.unpack_from(body)
-        uop, at = _decode_update(opv, body, _SCATTER.size)
+        uop, at = _decode_update(opv, body, _SCATTER.size, encodable=False)
         chain, at = (Chain.decode(body, at) if frame.flags & FLAG_CHAIN else (None, at))
         ext, at = _decode_extents(body, at, count, "SCATTER")
         staged = bool(frame.flags & FLAG_STAGED)

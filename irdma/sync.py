@@ -13,6 +13,7 @@ import trio
 from . import comm
 from ._errors import IrdmaError
 from .client import Client
+from .compress import Compression
 from .meta import Inode
 from .protocol import UpdateOp
 
@@ -126,14 +127,18 @@ class SyncClient:
         return self._client
 
     def write(self, path: str, data: object, offset: int = 0, *, op: UpdateOp | str | None = None,
-              chunk_size: int | None = None) -> int:
-        return int(self._run(self.client.write, path, data, offset, op=op, chunk_size=chunk_size))
+              chunk_size: int | None = None, compress: Compression | str | None = None,
+              feedback: np.ndarray | None = None) -> int:
+        return int(self._run(self.client.write, path, data, offset, op=op, chunk_size=chunk_size, compress=compress,
+                             feedback=feedback))
 
     def read(self, path: str, offset: int = 0, length: int | None = None) -> bytearray:
         return self._run(self.client.read, path, offset, length)  # type: ignore[no-any-return]
 
-    def push(self, path: str, delta: np.ndarray, offset: int = 0) -> None:
-        self._run(self.client.push, path, delta, offset)
+    def push(self, path: str, delta: np.ndarray, offset: int = 0, *, compress: Compression | str | None = None,
+             residual: np.ndarray | None = None) -> None:
+        """Add ``delta`` into the file, compressed with error feedback if asked (see Client.push)."""
+        self._run(self.client.push, path, delta, offset, compress=compress, residual=residual)
 
     def pull(self, path: str, shape: Sequence[int] | None = None, dtype: str = "<f4") -> np.ndarray:
         return self._run(self.client.pull, path, shape, dtype)  # type: ignore[no-any-return]

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from irdma import compress
 from irdma._errors import BadRequest, DataLost, NoSpace
 from irdma.extents import fill, move, positions
-from irdma.protocol import Update, UpdateOp, op_kind
+from irdma.protocol import Encoding, Update, UpdateOp, op_kind
 
 from . import optim
 
@@ -267,16 +268,23 @@ class Shard:
         ADAM, ADAGRAD, RMSPROP) ``data`` is a float32 gradient and one step is applied with the
         chunk's state chunk (created on the first step; :mod:`irdma.server.optim`). A state
         chunk (index ``optim.STATE_BASE + i``) takes only ``assign`` (restoring a checkpoint).
+        An :class:`Update` with an ``encoding`` (protocol 8) carries a compressed gradient:
+        ``data`` is decoded first (:func:`irdma.compress.decode`, into a new buffer: a payload
+        in a staging buffer is never applied in place) and the op applied to the ``4 * n``
+        decoded bytes at ``offset``, by the same code as a dense write of them.
 
         Returns:
             The chunk's version after the update.
 
         Raises:
             BadRequest: the range leaves the chunk, the chunk size disagrees with the chunk's,
-                or an ``ADD`` is not 4-byte aligned. Nothing changed.
+                an ``ADD`` is not 4-byte aligned, or an encoded payload is malformed or decodes
+                past the chunk. Nothing changed.
             NoSpace: the chunk is new and the region has no room for it. Nothing changed.
             DataLost: ``existing`` and the chunk is not here. Nothing changed.
         """
+        if isinstance(op, Update) and op.encoding:
+            data, op = _decoded(op, data, offset, chunk_size), op.dense
         n = len(data)
         if offset < 0 or offset + n > chunk_size:
             raise BadRequest(f"range [{offset}, {offset + n}) leaves the {chunk_size}-byte chunk")
@@ -558,6 +566,23 @@ class Shard:
         self.versions[chunk.slot] = 0
         self._alloc.free(chunk.offset, chunk.size)
         self.used -= chunk.size
+
+
+def _decoded(op: Update, payload: memoryview | bytes, offset: int, chunk_size: int) -> memoryview:
+    """The dense bytes of an encoded write (little-endian float32, a new buffer).
+
+    Raises:
+        BadRequest: the payload is malformed, or its vector does not fit the chunk at ``offset``.
+    """
+    if offset < 0 or offset % 4 or offset > chunk_size:
+        raise BadRequest(f"an encoded write at offset {offset} of a {chunk_size}-byte chunk: the offset must be"
+                         " float32 aligned and inside the chunk")
+    try:
+        dense = compress.decode(payload, op.encoding, limit=(chunk_size - offset) // 4)
+    except ValueError as exc:
+        what = f"{op.op.name.lower()} with a {Encoding(op.encoding).name.lower()} payload"
+        raise BadRequest(f"{what} refused: {exc}") from None
+    return memoryview(dense).cast("B")  # type: ignore[arg-type]
 
 
 def _by_chunk(chunk: np.ndarray) -> list[tuple[int, np.ndarray]]:

@@ -26,6 +26,7 @@ from helpers import assert_clean_log, wait_until
 from irdma.server import optim
 from optim_ref import CONFIGS, Reference, relative_error, spec_text
 
+from irdma import compress
 from irdma import protocol as P
 from irdma._errors import BadRequest, NoSpace, ShardUnavailable
 from irdma.optimizers import parse_update
@@ -209,6 +210,41 @@ def test_add_sums_float32_in_place(conn: _Conn) -> None:
         out = np.empty(1000, "<f4")
         await c.read(fid, 0, 400, memoryview(out).cast("B"))
         np.testing.assert_array_equal(out, a + b)
+
+    run(body)
+
+
+def test_an_encoded_add_applies_the_decoded_gradient_and_a_malformed_one_changes_nothing(conn: _Conn) -> None:
+    """Compressed gradients (protocol 8): a top-k and a sign payload, through the staging buffer
+    on verbs, land as the decoded vector at their offset; a payload that does not decode is
+    refused (BadRequest) with the chunk and its version untouched, and the connection goes on."""
+    async def body(nursery: trio.Nursery) -> None:
+        c = await conn(nursery)
+        fid = new_file()
+        rng = np.random.default_rng(12)
+        n, at = 100_000, 4096  # elements, byte offset
+        base = rng.standard_normal(n).astype("<f4")
+        await c.write(fid, 0, CHUNK, at, UpdateOp.ASSIGN, base.tobytes())
+        want = base.copy()
+        for spec in ("topk:0.01", "sign"):
+            coded = compress.parse_compress(spec)
+            payload, decoded = compress.encode(rng.standard_normal(n).astype("<f4"), coded)
+            assert len(payload) < n  # a quarter of the dense bytes or less
+            await c.write(fid, 0, CHUNK, at, P.Update(UpdateOp.ADD, encoding=coded.kind), payload)
+            want += decoded
+        out = np.empty(n, "<f4")
+        assert await c.read(fid, 0, at, memoryview(out).cast("B")) == 3
+        np.testing.assert_array_equal(out, want)
+        bad = bytearray(compress.encode(np.ones(n, "<f4"), compress.parse_compress("topk:0.01"))[0])
+        k = compress.topk_count(n, 0.01)
+        bad[4 + 4 * k : 8 + 4 * k] = (n + 5).to_bytes(4, "little")  # the last index: past the vector
+        with pytest.raises(BadRequest, match="index"):
+            await c.write(fid, 0, CHUNK, at, P.Update(UpdateOp.ADD, encoding=P.Encoding.TOPK), bytes(bad))
+        with pytest.raises(BadRequest, match="fit"):  # decodes past the chunk
+            await c.write(fid, 0, CHUNK, CHUNK - 4 * 100, P.Update(UpdateOp.ADD, encoding=P.Encoding.SIGN),
+                          compress.encode(np.ones(101, "<f4"), compress.parse_compress("sign"))[0])
+        assert await c.read(fid, 0, at, memoryview(out).cast("B")) == 3
+        np.testing.assert_array_equal(out, want)
 
     run(body)
 

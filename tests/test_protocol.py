@@ -33,6 +33,12 @@ REQUESTS = [
     P.Resync(7, 3, 4 << 20, P.Chain(0, 3, 0, 5000, ((2, "127.0.0.1:9"),))),
     P.Checksum(7, 3, 12),
     P.Read(7, 3, 0, 4096, clean=True),
+    # compressed gradients (protocol 8): the encoding in the op byte's high nibble
+    P.Write(7, 3, 4 << 20, 12, P.Update(P.UpdateOp.ADD, encoding=P.Encoding.TOPK), b"\x01" * 16),
+    P.Write(7, 3, 4 << 20, 12, P.Update(P.UpdateOp.SGD, (0.1, 0.0, 0.0, 0.0), encoding=P.Encoding.SIGN), b"\x02" * 13,
+            chain=P.Chain(5, 9, 42, 2500)),
+    P.RemoteWrite(9, 4, 1 << 20, 8, P.Update(P.UpdateOp.ADD, encoding=P.Encoding.SIGN), False, 4096, 65536, 0,
+                  chain=P.Chain(6, 1, 0, 10, ((4, "h:1"),))),
     # authentication: an offer (cluster id and nonce) and a proof
     P.Hello(4, 4, "worker-1", bytes(range(48))),
     P.Auth(bytes(range(32))),
@@ -219,3 +225,46 @@ def test_a_hello_header_of_any_version_parses_so_the_body_can_negotiate() -> Non
         assert isinstance(hello, P.Hello) and (hello.min_version, hello.max_version) == (1, 9)
         with pytest.raises(RemoteProtocolError, match="version"):
             P.parse_header(wire, 1 << 16)
+
+
+def _write_with_op_byte(opv: int) -> P.Frame:
+    wire = b"".join(P.encode_request(P.Write(7, 3, 4096, 0, P.UpdateOp.ADD, b"\x00" * 16), 1))
+    at = P.HEADER_SIZE + 24  # the op byte of the fixed part (!QQII then the op)
+    wire = wire[:at] + bytes([opv]) + wire[at + 1 :]
+    [frame] = _frames(wire)
+    return frame
+
+
+def test_the_op_byte_carries_the_encoding_in_its_high_nibble() -> None:
+    msg = P.Write(7, 3, 4096, 0, P.Update(P.UpdateOp.ADD, encoding=P.Encoding.SIGN), b"\x00" * 16)
+    wire = b"".join(P.encode_request(msg, 1))
+    assert wire[P.HEADER_SIZE + 24] == P.UpdateOp.ADD | P.Encoding.SIGN << 4
+    got = P.decode_request(_write_with_op_byte(P.UpdateOp.ADD | P.Encoding.TOPK << 4))
+    assert isinstance(got, P.Write) and got.op == P.Update(P.UpdateOp.ADD, encoding=P.Encoding.TOPK)
+    assert P.as_update(got.op).dense is P.UpdateOp.ADD
+    # no encoding: the op as before (a bare UpdateOp)
+    assert P.decode_request(_write_with_op_byte(P.UpdateOp.ADD)).op is P.UpdateOp.ADD  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("opv", [P.UpdateOp.ADD | 3 << 4, P.UpdateOp.ADD | 15 << 4,
+                                 P.UpdateOp.ASSIGN | P.Encoding.TOPK << 4, P.UpdateOp.ASSIGN | P.Encoding.SIGN << 4])
+def test_unknown_encodings_and_encoded_assign_are_refused(opv: int) -> None:
+    with pytest.raises(RemoteProtocolError, match="encoding|encoded"):
+        P.decode_request(_write_with_op_byte(opv))
+
+
+def test_encoding_assign_or_a_scatter_is_a_local_error() -> None:
+    with pytest.raises(LocalProtocolError, match="encoded"):
+        P.encode_request(P.Write(7, 3, 4096, 0, P.Update(P.UpdateOp.ASSIGN, encoding=P.Encoding.TOPK), b"x"), 1)
+    ext = P.extents([0], [0], [4])
+    with pytest.raises(LocalProtocolError, match="encoded"):
+        P.encode_request(P.Scatter(7, 4096, ext, P.Update(P.UpdateOp.ADD, encoding=P.Encoding.SIGN), b"abcd"), 1)
+    wire = bytearray(b"".join(P.encode_request(P.Scatter(7, 4096, ext, P.UpdateOp.ADD, b"abcd"), 1)))
+    wire[P.HEADER_SIZE + 16] |= P.Encoding.TOPK << 4  # !QIIB: the op byte
+    [frame] = _frames(bytes(wire))
+    with pytest.raises(RemoteProtocolError, match="encoded"):
+        P.decode_request(frame)
+
+
+def test_protocol_8_is_the_only_version_spoken() -> None:
+    assert (P.MIN_PROTOCOL_VERSION, P.PROTOCOL_VERSION) == (8, 8)

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, TypeVar
 
-from irdma import comm, coord
+from irdma import comm, compress, coord
 from irdma._errors import (
     Busy,
     Exists,
@@ -96,6 +96,7 @@ _JOB_XATTRS = {
     coord.XATTR_WORKERS: lambda v: str(coord.parse_workers(v)),
     coord.XATTR_SYNC_TIMEOUT: lambda v: repr(coord.parse_timeout(v)),
     **{name: _invalid_as_einval(parse) for name, parse in comm.XATTRS.items()},  # P3 slicing, layer dropping
+    compress.XATTR_COMPRESS: compress.xattr_value,
 }
 
 

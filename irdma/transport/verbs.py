@@ -842,7 +842,13 @@ class VerbsConnection(ShardConnection):
     ) -> int:
         view = memoryview(data).cast("B")
         n = len(view)
-        if offset < 0 or offset + n > chunk_size:
+        encoded = bool(P.as_update(op).encoding)
+        if encoded:
+            # a compressed gradient (protocol 8): the shard checks the decoded range; a payload
+            # is one update and cannot be cut (the client sizes pieces to fit a staging buffer)
+            if n > self._pool.size:
+                raise BadRequest(f"an encoded payload of {n} bytes exceeds the {self._pool.size}-byte staging buffer")
+        elif offset < 0 or offset + n > chunk_size:
             raise BadRequest(f"range [{offset}, {offset + n}) leaves the {chunk_size}-byte chunk")
         if n > self._pool.size:
             version = 0
