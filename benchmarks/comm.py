@@ -62,25 +62,63 @@ say, loadavg = H.say, H.loadavg
 
 
 # ====================================================================== models and data
-def widths(kind: str, quick: bool) -> list[int]:
-    """Hidden widths of the models, first layer first (``large``: VGG-shaped, >= 20 layers)."""
+def architecture(kind: str, quick: bool) -> list[tuple[str, int]]:
+    """The layers of the models, first first: ``("conv", channels)`` (3x3, same padding, ReLU),
+    ``("pool", 2)``, ``("dense", units)``. ``large`` is VGG-shaped (P3's best case): 12
+    convolutions that hold most of the computation and few weights, then 8 dense layers that
+    hold most of the weights; ``digits`` is a small MLP."""
     if kind == "digits":
-        return [128, 128, 64]
-    if quick:
-        return [32, 32, 48, 48, 64, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 1024]
-    return [64, 64, 96, 96, 128, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 1024, 1280, 1536, 1792,
-            2048]
+        return [("dense", 128), ("dense", 128), ("dense", 64)]
+    s = 2 if quick else 1
+    convs = [32, 32, 64, 64, 96, 96, 128, 128, 160, 160, 192, 192]
+    dense = [2048, 2048, 1024, 512, 256, 128, 64]
+    arch: list[tuple[str, int]] = []
+    for j, c in enumerate(convs):
+        arch.append(("conv", c // s))
+        if j == 5:
+            arch.append(("pool", 2))
+    return arch + [("dense", d // s) for d in dense]
 
 
 def make_model(kind: str, quick: bool, seed: int) -> Any:
     import keras
 
     keras.utils.set_random_seed(seed)
-    layers = [keras.Input((64,))]
-    for w in widths(kind, quick):
-        layers.append(keras.layers.Dense(w, activation="relu", kernel_initializer="he_normal"))
+    layers: list[Any] = [keras.Input((64,))]
+    arch = architecture(kind, quick)
+    if arch[0][0] == "conv":
+        layers.append(keras.layers.Reshape((8, 8, 1)))
+    flat = True
+    for what, n in arch:
+        if what == "conv":
+            layers.append(keras.layers.Conv2D(n, 3, padding="same", activation="relu", kernel_initializer="he_normal"))
+            flat = False
+        elif what == "pool":
+            layers.append(keras.layers.MaxPooling2D(n))
+        else:
+            if not flat:
+                layers.append(keras.layers.Flatten())
+                flat = True
+            layers.append(keras.layers.Dense(n, activation="relu", kernel_initializer="he_normal"))
     layers.append(keras.layers.Dense(10, activation="softmax"))
     return keras.Sequential(layers)
+
+
+def param_bytes(kind: str, quick: bool) -> list[int]:
+    """Bytes of each layer's weights (kernel + bias, float32), first layer first."""
+    out, cin, side, flat = [], 1, 8, None
+    for what, n in architecture(kind, quick):
+        if what == "conv":
+            out.append(4 * (9 * cin * n + n))
+            cin = n
+        elif what == "pool":
+            side //= n
+        else:
+            fan_in = flat if flat is not None else (cin * side * side if kind != "digits" else 64)
+            out.append(4 * (fan_in * n + n))
+            flat = n
+    out.append(4 * ((flat or 64) * 10 + 10))
+    return out
 
 
 def digits() -> tuple[Any, Any, Any, Any]:
@@ -95,12 +133,6 @@ def digits() -> tuple[Any, Any, Any, Any]:
     return x[:-300], y[:-300], x[-300:], y[-300:]
 
 
-def param_bytes(kind: str, quick: bool) -> list[int]:
-    """Bytes of each layer's weights (kernel + bias, float32), first layer first."""
-    dims = [64, *widths(kind, quick), 10]
-    return [4 * (a * b + b) for a, b in zip(dims, dims[1:], strict=False)]
-
-
 # ====================================================================== the worker role
 def role_worker(spec_json: str) -> None:
     """Train on a worker host: every run of ``spec["runs"]`` in turn, one JSON line at the end."""
@@ -111,7 +143,11 @@ def role_worker(spec_json: str) -> None:
     import irdma
     from irdma.keras import CommTrainer
 
+    # The computation gets one core; the other is left to the transfers, the shards and the
+    # kernel's TCP (what a NIC's offload does on a real worker): on a 2-core machine they would
+    # otherwise take their CPU from back-propagation and no overlap could show.
     tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
     spec = json.loads(spec_json)
     xtr, ytr, xte, yte = digits()
     k, n = spec["worker"], spec["workers"]
@@ -150,6 +186,9 @@ def role_worker(spec_json: str) -> None:
             acc = float((np.argmax(pred, 1) == yte).mean())
             out.append({"name": run["name"], "step_s": statistics.median(times) if times else None,
                         "steps_s": t.stats.step_s, "compute_s": statistics.median(compute[1:]) if len(compute) > 1 else None,
+                        "layer_compute_s": [statistics.median(x) for x in zip(*t.layer_compute_s[1:], strict=True)]
+                        if len(t.layer_compute_s) > 1 else None,
+                        "backward_share": statistics.median(t.backward_share[1:]) if len(t.backward_share) > 1 else None,
                         "pushed": t.stats.pushed_bytes, "pulled": t.stats.pulled_bytes, "pushes": t.stats.pushes,
                         "skipped": t.stats.skipped, "acc": acc, "steps": t.stats.steps})
     if group is not None:
@@ -259,7 +298,7 @@ def main() -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small models and few steps: a smoke test (~2 min)")
-    ap.add_argument("--rates", default=None, help="link rates to measure P3 at (default: 1gbit,10gbit)")
+    ap.add_argument("--rates", default=None, help="link rates to measure P3 at (default: 500mbit,1gbit)")
     ap.add_argument("--out", default=os.path.join(REPO, "docs"), help="where communication.md/json/png go")
     ap.add_argument("--run-timeout", type=float, default=1200.0)
     ap.add_argument("--only", default="p3,techniques,hier", help="which parts to run (comma-separated)")
@@ -270,10 +309,12 @@ def main() -> int:
     from irdma.testbed import TestBed
 
     q = args.quick
-    rates = (args.rates or ("1gbit" if q else "1gbit,10gbit")).split(",")
+    # communication about as long as computation: the large model's weights (59 MB) take about
+    # its computation on one core (~0.9 s) at 500 Mbit/s, half of it at 1 Gbit/s
+    rates = (args.rates or ("1gbit" if q else "500mbit,1gbit")).split(",")
     args.link_bytes = 16 * MiB if q else 64 * MiB
     steps_large = 6 if q else 14
-    batch_large = 128 if q else 512
+    batch_large = 32 if q else 128
     digits_steps = 40 if q else 300
     R: dict[str, Any] = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "quick": q,
                          "machine": {"nproc": os.cpu_count(), "kernel": platform.release(),
@@ -392,7 +433,13 @@ def model_rows(R: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
                 "cap_bytes_per_s": min(pr["push_bytes_per_s"], pr["pull_bytes_per_s"]), "window": 4,
                 # the model charges o/(S*window) per request; the probe measured the wall time per
                 # request with S*window requests in flight
-                "overhead_s": pr["request_s"] * 2 * 4, "compute_s": compute}
+                "overhead_s": pr["request_s"] * 2 * 4}
+        # per layer, as measured (forward + back-prop): a convolution computes much per byte
+        # of weights, a dense layer little, so "proportional to bytes" would misplace the work
+        layers = _run(e, "none")["layer_compute_s"]
+        scale = compute / sum(layers)  # the per-layer split of the measured total
+        base["layer_compute_s"] = tuple(x * scale for x in layers)
+        base["backward_fraction"] = _run(e, "none")["backward_share"]
         runs = [(r, {}) for r in e["runs"]]
         if e is R["p3"][0]:
             runs += [(r, {"compress": True}) for c in R["compress"] if c["model"] == "large" for r in c["runs"]

@@ -58,6 +58,7 @@ Inode and file-handle bookkeeping follows pyfuse3's ``examples/passthroughfs.py`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import inspect
@@ -73,7 +74,7 @@ import numpy as np
 import pyfuse3
 import trio
 
-from irdma import coord
+from irdma import comm, coord
 from irdma._errors import InvalidArgument, IrdmaError, NoAttribute, NotFound, Stale
 from irdma.client import ChunkMap, Client, NewChunk, layout_of
 from irdma.compress import XATTR_COMPRESS, Compression, parse_compress
@@ -171,6 +172,12 @@ class _Handle:
     next_read: int = 0  # where a sequential read would start (read-ahead; a fresh handle: 0)
     seq_hits: int = 0  # sequential reads in a row (the read-ahead window doubles with each)
     compress: Compression | None = None  # user.irdma.compress of the file (or its directory) at open
+    sched: comm.Scheduling | None = None  # user.irdma.priority/.slice of the file (or its directory) at open
+
+
+def _scheduled(h: _Handle) -> contextlib.AbstractContextManager[object]:
+    """The P3 priority and slices of a handle's requests (none set: as they come)."""
+    return comm.priority(h.sched.level, h.sched.slice_bytes) if h.sched is not None else contextlib.nullcontext()
 
 
 class IrdmaFS(pyfuse3.Operations):
@@ -636,8 +643,29 @@ class IrdmaFS(pyfuse3.Operations):
                 raise InvalidArgument(f"inode {ino}: {exc}") from None
         return None
 
+    async def _scheduling_of(self, inode: Inode) -> comm.Scheduling | None:
+        """P3's scheduling of a parameter file's pulls and pushes (update op add or an
+        optimizer): ``user.irdma.priority`` and ``user.irdma.slice`` of the file, else of its
+        directory; a priority alone slices at P3's 40,000 float32. None when neither is set.
+
+        Raises:
+            InvalidArgument: a stored value that does not parse.
+        """
+        if not parse_update(inode.update_op or "assign").op.is_float32:
+            return None
+        found = await self.meta.inherited_xattrs(inode.ino, (comm.XATTR_PRIORITY, comm.XATTR_SLICE))
+        if not found:
+            return None
+        try:
+            level = comm.parse_priority(found[comm.XATTR_PRIORITY]) if comm.XATTR_PRIORITY in found else 0
+            elems = (comm.parse_slice(found[comm.XATTR_SLICE]) if comm.XATTR_SLICE in found
+                     else comm.DEFAULT_SLICE_ELEMS)
+        except ValueError as exc:
+            raise InvalidArgument(f"inode {inode.ino}: {exc}") from None
+        return comm.Scheduling(level, 4 * elems)
+
     def _open_handle(self, inode: Inode, io_mode: bytes, chunks: ChunkMap, *, append: bool = False,
-                     compress: Compression | None = None) -> pyfuse3.FileInfo:
+                     compress: Compression | None = None, sched: comm.Scheduling | None = None) -> pyfuse3.FileInfo:
         st = self._files.get(inode.ino)
         if st is None:
             self.client.forget_file(inode.ino)  # close-to-open: no stale chunk places
@@ -655,7 +683,7 @@ class IrdmaFS(pyfuse3.Operations):
         direct = op.op != UpdateOp.ASSIGN or io_mode == b"direct" or self.direct_io or append
         fh = self._next_fh
         self._next_fh += 1
-        self._handles[fh] = _Handle(inode.ino, op, direct, append=append, compress=compress)
+        self._handles[fh] = _Handle(inode.ino, op, direct, append=append, compress=compress, sched=sched)
         st.cached_handles += 0 if direct else 1
         keep = not direct and self._cached.get(inode.ino) == (inode.mtime_ns, inode.size)
         log.debug("open inode %d: keep_cache %s (as last closed %s, now %s)", inode.ino, keep,
@@ -700,7 +728,7 @@ class IrdmaFS(pyfuse3.Operations):
                 node = await self._getattr(inode)
                 chunks = {}
             fi = self._open_handle(node, io_mode, chunks, append=bool(flags & os.O_APPEND),
-                                   compress=await self._compression_of(node))
+                                   compress=await self._compression_of(node), sched=await self._scheduling_of(node))
             self._handles[fi.fh].kill_setid = kill_setid
             return fi
         except BaseException:
@@ -718,7 +746,7 @@ class IrdmaFS(pyfuse3.Operations):
                                            ctx.gid)
             inode, io_mode, chunks = await self.meta.open_inode(self.sid, inode.ino)
             fi = self._open_handle(inode, io_mode, chunks, append=bool(flags & os.O_APPEND),
-                                   compress=await self._compression_of(inode))
+                                   compress=await self._compression_of(inode), sched=await self._scheduling_of(inode))
             self._handles[fi.fh].kill_setid = self._kills_setid(inode, flags, ctx)
             return fi, self._entry(inode)
 
@@ -742,9 +770,10 @@ class IrdmaFS(pyfuse3.Operations):
         else:
             h.seq_hits = 0
         h.next_read = off + n
-        if h.seq_hits:
-            return await self._read_windows(st, off, n, file_size, h.seq_hits)
-        return await self._read_exact(st, off, n)
+        with _scheduled(h):
+            if h.seq_hits:
+                return await self._read_windows(st, off, n, file_size, h.seq_hits)
+            return await self._read_exact(st, off, n)
 
     async def _read_control(self, fh: int, off: int, size: int) -> bytes | bytearray:
         """A read of a file the mount serves itself: a state image, or one of ``.irdma/``."""
@@ -922,7 +951,8 @@ class IrdmaFS(pyfuse3.Operations):
                 st.size = max(st.size, end)
                 st.dirty = True
                 assert self.nursery is not None
-                self.nursery.start_soon(self._push, st, entry, off, data, h.op, coded, feedback)
+                with _scheduled(h):  # the push task inherits the file's P3 priority and slices
+                    self.nursery.start_soon(self._push, st, entry, off, data, h.op, coded, feedback)
             return len(buf)
 
     def _residual(self, ino: int, elements: int) -> np.ndarray:

@@ -36,7 +36,7 @@ import contextlib
 import contextvars
 import heapq
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,7 +149,7 @@ def parse_drop(value: bytes | str) -> float:
 
 
 #: The communication xattrs and their normalizers (the metadata engine stores the normalized text).
-XATTRS = {
+XATTRS: dict[bytes, Callable[[bytes | str], str]] = {
     XATTR_SLICE: lambda v: str(parse_slice(v)),
     XATTR_PRIORITY: lambda v: str(parse_priority(v)),
     XATTR_DROP: lambda v: repr(parse_drop(v)),

@@ -37,7 +37,6 @@ worker 0 before the barrier. Errors (a shard down, a wait past its deadline: ETI
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import os
@@ -48,6 +47,7 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+import trio
 
 from . import comm
 from .comm import DEFAULT_SLICE_ELEMS, parse_drop, parse_slice
@@ -364,7 +364,10 @@ class CommTrainer:
         self._feedback: dict[int, np.ndarray] = {}  # compression error per layer (error feedback)
         self._pulls: dict[int, Any] = {}  # layer -> future of its weights (float32, flat)
         self._pushes: list[Any] = []
+        self._held: list[tuple[int, np.ndarray]] = []  # overlap "none": this step's gradients until back-prop ends
         self._pending = False  # whether every layer's pull of the last step is in flight
+        self.layer_compute_s: list[list[float]] = []  # per step run with communicate=False: seconds per layer
+        self.backward_share: list[float] = []  # and the share of back-propagation in them
         self._layouts: list[Any] = []
         self._chunks: list[Any] = []
         self.stats = CommStats()
@@ -426,7 +429,6 @@ class CommTrainer:
             if self._codec is not None:
                 from . import compress as _compress
 
-                op = dataclasses.replace(self.op, encoding=self._codec.encoding)
                 feedback = self._feedback.setdefault(i, np.zeros(data.size, np.float32))
                 data = data + feedback  # error feedback: what earlier pushes left out goes now
                 self.stats.pushed_bytes += sum(_compress.wire_bytes(k, self._codec)
@@ -437,17 +439,28 @@ class CommTrainer:
         if pull:
             self.stats.pulled_bytes += 4 * n
 
-        async def run(cl: Any) -> np.ndarray | None:
+        out = np.empty(n, dtype="<f4") if pull else None  # a fresh buffer per pull: none is reused in flight
+        created: list[Any] = []
+
+        async def piece(cl: Any, a: int, b: int) -> None:
+            """Elements [a, b): push them, then pull them (each slice on its own: P3 pulls a slice
+            as soon as its push is applied, so a big layer streams both ways at once)."""
             if data is not None:
-                kwargs = {"feedback": feedback} if feedback is not None else {}
-                created = await cl.write_from(layout, 0, memoryview(data).cast("B"), op, chunks,  # type: ignore[arg-type]
-                                             **kwargs)
-                if created:  # chunks the file had not stored (a replica back from a failure): record them
-                    await cl.meta.extend(layout.file_id, data.nbytes, time.time_ns(), tuple(created))
-            if not pull:
-                return None
-            out = np.empty(n, dtype="<f4")  # a fresh buffer per pull: none is reused in flight
-            await cl.read_into(layout, 0, memoryview(out).cast("B"), chunks)  # type: ignore[arg-type]
+                created.extend(await cl.write_from(layout, 4 * a, data[a:b], op, chunks, compress=self._codec,
+                                                   feedback=None if feedback is None else feedback[a:b]))
+            if out is not None:
+                await cl.read_into(layout, 4 * a, memoryview(out[a:b]).cast("B"), chunks)  # type: ignore[arg-type]
+
+        async def run(cl: Any) -> np.ndarray | None:
+            per = cut // 4 if cut and self.overlap == "p3" else n
+            if per >= n:
+                await piece(cl, 0, n)
+            else:
+                async with trio.open_nursery() as nursery:
+                    for a in range(0, n, per):
+                        nursery.start_soon(piece, cl, a, min(n, a + per))
+            if created:  # chunks the file had not stored (a replica back from a failure): record them
+                await cl.meta.extend(layout.file_id, 4 * n, time.time_ns(), tuple(created))
             return out
 
         return self.client.submit(run, priority=level, slice_bytes=cut)
@@ -467,7 +480,7 @@ class CommTrainer:
             self.stats.skipped += 1  # layer dropping: held back in the residual cache
         if self.overlap == "none":
             if keep is not None:
-                self._pushes.append(self._transfer(i, keep, False))
+                self._held.append((i, keep))  # pushed once back-propagation is over
         else:
             self._pulls[i] = self._transfer(i, keep, True)  # other workers' updates still come in
 
@@ -497,6 +510,8 @@ class CommTrainer:
         t0 = time.perf_counter()
         h = tf.convert_to_tensor(x)
         records = []
+        spent: dict[int, float] = {}  # layer -> seconds of its forward and back-prop (communicate=False)
+        backward = 0.0
         if not communicate:
             self.finish()
         pending, self._pending = self._pending and communicate, False
@@ -504,10 +519,13 @@ class CommTrainer:
             i = self._index.get(id(layer))
             if i is not None and pending:
                 self._set_weights(i)  # waits for this layer's pull only
+            t1 = time.perf_counter()
             with tf.GradientTape() as tape:
                 tape.watch(h)
                 out = layer(h, training=True)
             records.append((layer, tape, h, out))
+            if not communicate:
+                spent[id(layer)] = time.perf_counter() - t1
             h = out
         with tf.GradientTape() as tape:
             tape.watch(h)
@@ -517,14 +535,28 @@ class CommTrainer:
         g = tape.gradient(loss, h)
         for layer, tape, hin, out in reversed(records):
             weights = layer.trainable_weights
+            t1 = time.perf_counter()
             grads = tape.gradient(out, [hin, *weights], output_gradients=g)
+            if not communicate:
+                spent[id(layer)] += time.perf_counter() - t1
+                backward += time.perf_counter() - t1
             g = grads[0]
             i = self._index.get(id(layer))
             if i is not None and communicate:
                 self._send(i, np.concatenate([np.asarray(t, dtype="<f4").ravel() for t in grads[1:]]))
         if not communicate:
+            # what the cost model takes per tensor: a layer with weights, plus the layers
+            # without weights that follow it (the first ones go to the first layer with weights)
+            per, cur = [0.0] * len(self.layers), 0
+            for layer in self.model.layers:
+                cur = self._index.get(id(layer), cur)
+                per[cur] += spent.get(id(layer), 0.0)
+            self.layer_compute_s.append(per)
+            self.backward_share.append(backward / max(sum(per), 1e-9))
             return float(loss)
         if self.overlap == "none":
+            self._pushes = [self._transfer(i, keep, False) for i, keep in self._held]
+            self._held.clear()
             self._wait_pushes()
             self._pull_all()
         else:

@@ -253,3 +253,37 @@ def test_trainer_refuses_bad_flags() -> None:
                           ({"drop": 2.0}, "drop"), ({"slice_elems": -1}, "slice"), ({"worker": 3}, "worker")):
         with pytest.raises(ValueError, match=match):
             CommTrainer(model, None, "/j", **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.fuse
+def test_mount_pushes_and_pulls_a_file_by_its_directory_priority_and_slices(one_shard: Cluster,
+                                                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+    import errno
+    import os
+
+    from helpers import mounted
+
+    with mounted(one_shard.meta_url, str(tmp_path_factory.mktemp("mnt") / "m")) as m:
+        job = os.path.join(m, "job-p3")
+        os.mkdir(job)
+        os.setxattr(job, "user.irdma.priority", b"2")
+        os.setxattr(job, "user.irdma.slice", b"1000")  # 4,000-byte slices
+        with pytest.raises(OSError) as err:
+            os.setxattr(job, "user.irdma.slice", b"lots")
+        assert err.value.errno == errno.EINVAL
+        assert os.getxattr(job, "user.irdma.slice") == b"1000"
+        path = os.path.join(job, "layer-000")
+        base = np.arange(100_000, dtype="<f4")
+        with open(path, "wb") as f:
+            f.write(base.tobytes())
+        os.setxattr(path, "user.irdma.update", b"add")
+        delta = np.full(100_000, 0.5, dtype="<f4")
+        fd = os.open(path, os.O_RDWR)
+        try:
+            for _ in range(3):
+                assert os.pwrite(fd, delta.tobytes(), 0) == delta.nbytes
+            os.fsync(fd)
+            got = np.frombuffer(os.pread(fd, base.nbytes, 0), dtype="<f4")
+        finally:
+            os.close(fd)
+        np.testing.assert_array_equal(got, base + 1.5)

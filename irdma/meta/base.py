@@ -274,6 +274,30 @@ class MetaStore(abc.ABC):
     @abc.abstractmethod
     def parent_of(self, ino: int) -> int: ...
 
+    def inherited_xattrs(self, ino: int, names: Sequence[bytes], depth: int = 1) -> dict[bytes, bytes]:
+        """Each of ``names`` as set on ``ino``, else on its nearest ancestor up to ``depth``
+        levels up (a file's settings given on its job directory); names set nowhere are absent.
+        One call (engines run it in one worker-thread hop)."""
+        from irdma._errors import NoAttribute, NotFound
+
+        found: dict[bytes, bytes] = {}
+        at: int | None = ino
+        for _ in range(depth + 1):
+            if at is None or len(found) == len(names):
+                break
+            for name in names:
+                if name not in found:
+                    try:
+                        found[name] = self.getxattr(at, name)
+                    except (NoAttribute, NotFound):
+                        pass
+            try:
+                parent = self.parent_of(at)
+            except NotFound:
+                break
+            at = parent if parent != at else None
+        return found
+
     def getattr_io(self, ino: int) -> tuple[Inode, bytes]:
         """The inode and its ``user.irdma.io`` mode (``cached`` if unset): what an open needs.
 

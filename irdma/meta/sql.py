@@ -79,10 +79,10 @@ RETRY_FIRST_S = 0.002
 RETRY_MAX_S = 0.2
 
 
-def _invalid_as_einval(parse: Callable[[bytes], str]) -> Callable[[bytes], str]:
+def _invalid_as_einval(parse: Callable[[bytes | str], str]) -> Callable[[bytes | str], str]:
     """A normalizer whose ValueError becomes InvalidArgument (EINVAL: nothing stored)."""
 
-    def check(value: bytes) -> str:
+    def check(value: bytes | str) -> str:
         try:
             return parse(value)
         except ValueError as exc:
