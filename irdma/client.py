@@ -276,7 +276,8 @@ class Client:
                 self._shard_map[shard_id] = dataclasses.replace(rec, incarnation=conn.info.incarnation)
                 conn = MeteredConnection(conn, self.transport.name)  # irdma_client_* (irdma.metrics)
                 self._conns[shard_id] = conn
-                self._limits[shard_id] = comm.PriorityWindow(self._window)
+                # aging at a quarter of the deadline: a request never starves behind urgent ones
+                self._limits[shard_id] = comm.PriorityWindow(self._window, max_wait=self.timeout / 4)
                 await self._note_health(shard_id, "up")
         return conn
 

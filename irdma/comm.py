@@ -32,6 +32,7 @@ The per-file settings (xattrs, on the file or inherited from its nearest directo
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import heapq
@@ -161,16 +162,21 @@ class PriorityWindow:
 
     A drop-in for the ``trio.Semaphore`` of a shard connection: :meth:`acquire_nowait`,
     :meth:`acquire`, :meth:`release`. The priority is the caller's :func:`current` level;
-    lower goes first, equal ones in arrival order. A cancelled waiter takes nothing (a permit
-    handed to it as it was cancelled is passed on).
+    lower goes first, equal ones in arrival order; a waiter that has waited ``max_wait``
+    seconds goes next whatever its level (aging: no starvation). A cancelled waiter takes
+    nothing (a permit handed to it as it was cancelled is passed on).
     """
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, max_wait: float = math.inf) -> None:
         if size < 1:
             raise ValueError(f"a window of {size} requests: use at least 1")
+        if not max_wait > 0:
+            raise ValueError(f"max_wait {max_wait!r}: use seconds > 0")
         self.size = size
+        self.max_wait = max_wait
         self._free = size
-        self._waiters: list[list[object]] = []  # heap of [level, seq, event, state]
+        self._waiters: list[list[object]] = []  # heap of [level, seq, event, state, arrived]
+        self._arrivals: collections.deque[list[object]] = collections.deque()  # the same, oldest first
         self._seq = 0
 
     @property
@@ -200,8 +206,9 @@ class PriorityWindow:
             return
         self._seq += 1
         event = trio.Event()
-        entry: list[object] = [current().level, self._seq, event, "waiting"]
+        entry: list[object] = [current().level, self._seq, event, "waiting", trio.current_time()]
         heapq.heappush(self._waiters, entry)
+        self._arrivals.append(entry)
         try:
             await event.wait()
         except BaseException:
@@ -212,11 +219,17 @@ class PriorityWindow:
             raise
 
     def release(self) -> None:
-        """Give a permit back: to the most urgent waiter, else to the pool."""
+        """Give a permit back: to the most urgent waiter (or to the oldest, once it has waited
+        ``max_wait`` seconds: no request starves behind a stream of urgent ones), else to the pool."""
+        while self._arrivals and self._arrivals[0][3] != "waiting":
+            self._arrivals.popleft()
         while self._waiters:
-            entry = heapq.heappop(self._waiters)
-            if entry[3] != "waiting":
-                continue
+            if self._arrivals and trio.current_time() - self._arrivals[0][4] >= self.max_wait:  # type: ignore[operator]
+                entry = self._arrivals.popleft()  # aged: it goes now; its heap entry is skipped later
+            else:
+                entry = heapq.heappop(self._waiters)
+                if entry[3] != "waiting":
+                    continue
             entry[3] = "granted"
             event = entry[2]
             assert isinstance(event, trio.Event)
@@ -234,8 +247,9 @@ class ResidualCache:
     sum now: when ``scale * ||residual||_1 >= threshold * ||weights||_1`` (``scale`` turns a
     gradient into the update it causes: the learning rate for SGD). Pushed or not, nothing is
     lost: the caller pushes exactly the array returned and the cache is then zero for that
-    layer, so the sum of everything pushed plus :meth:`residual` equals the sum of everything
-    offered (exactly, when float32 sums of the values are exact, e.g. integer-valued ones).
+    layer (a push that fails is given back with :meth:`restore`), so the sum of everything
+    pushed plus :meth:`residual` equals the sum of everything offered (exactly, when float32
+    sums of the values are exact, e.g. integer-valued ones).
 
     Args:
         threshold: the relative L1 threshold, >= 0 (0: push every step, never cache).
@@ -278,6 +292,15 @@ class ResidualCache:
         out = acc.copy()
         acc[...] = 0.0
         return out
+
+    def restore(self, key: object, update: np.ndarray) -> None:
+        """Give back an update :meth:`offer` returned whose push failed: it is added to the
+        layer's residual again (and goes with its next push)."""
+        acc = self._residual.get(key)
+        if acc is None or acc.shape != np.shape(update):
+            raise ValueError(f"layer {key!r}: no residual of shape {np.shape(update)} to restore into")
+        acc += np.asarray(update, dtype=np.float32)
+        self.pushed -= 1
 
     def residual(self, key: object) -> np.ndarray | None:
         """What layer ``key`` holds back now (a copy), None if it never had an update."""

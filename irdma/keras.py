@@ -47,12 +47,14 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
-import trio
 
 from . import comm
+from ._concurrency import open_nursery
+from ._errors import IrdmaError
 from .comm import DEFAULT_SLICE_ELEMS, parse_drop, parse_slice
 from .coord import XATTR_CONSISTENCY, XATTR_SYNC_TIMEOUT, XATTR_WORKERS, parse_consistency
 from .optimizers import parse_update
+from .protocol import Update, UpdateOp
 
 PARAMS = "params"
 LAYOUT = "layout.json"
@@ -311,7 +313,10 @@ class CommTrainer:
       the next push (error feedback).
     * ``group`` (a :class:`irdma.hier.HostGroup`, DASO-style hierarchy): the workers of a host
       sum their gradients in shared memory, the group's leader pushes the sum once for the host
-      and pulls once, and hands the weights to the others.
+      and pulls once, and hands the weights to the others. With ``sync_every=K`` > 1 (DASO's
+      global synchronisation every K steps) the workers of a host take K local steps of plain
+      SGD with the host's mean gradient, then each leader adds its host's change, divided by
+      the number of hosts, to the shards' model (files of op ``add``) and all pull the result.
 
     Args:
         model: a built ``keras.Sequential``.
@@ -321,8 +326,10 @@ class CommTrainer:
         worker, workers: this worker's id and the job's worker count (for the start barrier).
         update: the optimizer the shards apply (``user.irdma.update``).
         loss: a Keras loss (name or object).
-        overlap, slice_elems, drop, compress, group: as above.
-        timeout: seconds any wait of a step (a pull, the barrier) may take.
+        overlap, slice_elems, drop, compress, group, sync_every: as above.
+        timeout: seconds a transfer (a layer's push and pull) or the start barrier may take;
+            at most the group's. A transfer past it is cancelled and the trainer stops: every
+            later step raises the error (updates not acknowledged are back in the residual cache).
 
     Raises:
         ValueError: a model that is not a built Sequential, or a bad flag (before anything is
@@ -332,7 +339,7 @@ class CommTrainer:
     def __init__(self, model: Any, client: Any, job: str, *, worker: int = 0, workers: int = 1,
                  update: str = "sgd learning_rate=0.05", loss: Any = "sparse_categorical_crossentropy",
                  overlap: str = "p3", slice_elems: int = DEFAULT_SLICE_ELEMS, drop: float = 0.0,
-                 compress: str | None = None, group: Any = None, timeout: float = 120.0) -> None:
+                 compress: str | None = None, group: Any = None, sync_every: int = 1, timeout: float = 120.0) -> None:
         if not isinstance(model, keras.Sequential) or not model.built:
             raise ValueError("CommTrainer runs a built keras.Sequential layer by layer: build it first"
                              " (model.build(input_shape) or call it once)")
@@ -344,6 +351,26 @@ class CommTrainer:
         if not self.op.op.is_optimizer:
             raise ValueError(f"update {update!r} is not an optimizer: use e.g. 'sgd learning_rate=0.05'")
         self.update_spec = update
+        self.sync_every = int(sync_every)
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every {sync_every!r}: use 1 (every step) or more local steps per synchronisation")
+        if self.sync_every > 1:
+            if self.op.op != UpdateOp.SGD or self.op.args[1] or self.op.flags:
+                raise ValueError("sync_every > 1 takes local steps of plain SGD on the workers (DASO): use"
+                                 f" update='sgd learning_rate=...' with no momentum, not {update!r}")
+            if overlap != "none" or drop or compress:
+                raise ValueError("sync_every > 1 synchronises whole models every K steps: use overlap='none',"
+                                 " and no drop or compress")
+        self.sync_every = int(sync_every)
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every {sync_every!r}: use 1 (every step) or more local steps per synchronisation")
+        if self.sync_every > 1:
+            if self.op.op != UpdateOp.SGD or self.op.args[1] or self.op.flags:
+                raise ValueError("sync_every > 1 takes local steps of plain SGD on the workers (DASO): use"
+                                 f" update='sgd learning_rate=...' with no momentum, not {update!r}")
+            if overlap != "none" or drop or compress:
+                raise ValueError("sync_every > 1 synchronises whole models every K steps: use overlap='none',"
+                                 " and no drop or compress")
         self.slice_bytes = 4 * parse_slice(str(slice_elems))
         self.drop = parse_drop(str(drop))
         self.compress = compress
@@ -355,6 +382,10 @@ class CommTrainer:
         self.model, self.client, self.job = model, client, job.rstrip("/") or "/"
         self.worker, self.workers, self.overlap, self.timeout = int(worker), int(workers), overlap, float(timeout)
         self.group = group
+        if group is not None:
+            # a member waits in broadcast for at most the group's deadline: the leader must give
+            # up on a transfer before that, and say so (its close reaches the members at once)
+            self.timeout = min(self.timeout, float(group.timeout))
         self.loss_fn = keras.losses.get(loss)
         self.layers = [layer for layer in model.layers if layer.trainable_weights]
         self._index = {id(layer): i for i, layer in enumerate(self.layers)}
@@ -364,8 +395,11 @@ class CommTrainer:
         self._feedback: dict[int, np.ndarray] = {}  # compression error per layer (error feedback)
         self._pulls: dict[int, Any] = {}  # layer -> future of its weights (float32, flat)
         self._pushes: list[Any] = []
+        self._unacked: dict[int, np.ndarray] = {}  # layer dropping: pushed updates not acknowledged yet
+        self._broken: BaseException | None = None
         self._held: list[tuple[int, np.ndarray]] = []  # overlap "none": this step's gradients until back-prop ends
         self._pending = False  # whether every layer's pull of the last step is in flight
+        self._anchor: list[np.ndarray] = []
         self.layer_compute_s: list[list[float]] = []  # per step run with communicate=False: seconds per layer
         self.backward_share: list[float] = []  # and the share of back-propagation in them
         self._layouts: list[Any] = []
@@ -396,7 +430,8 @@ class CommTrainer:
             meta.setxattr(job_ino, comm.XATTR_DROP, repr(self.drop).encode())
             for i in range(len(self.layers)):
                 c.write(self.path(i), self._flat(i), op="assign")
-                c.set_update_op(self.path(i), self.update_spec)
+                # K > 1: the hosts push their models' changes, averaged: the shards add them
+                c.set_update_op(self.path(i), self.update_spec if self.sync_every == 1 else "add")
                 meta.setxattr(c.stat(self.path(i)).ino, comm.XATTR_PRIORITY, str(i).encode())
         c._run(c.client.barrier, f"{self.job.strip('/').replace('/', '-')}-start", self.workers, self.timeout)
 
@@ -412,18 +447,19 @@ class CommTrainer:
 
         self._layouts, self._chunks = c._run(locate, c.client)
         self._pull_all()
+        self._anchor = [self._flat(i) for i in range(len(self.layers))]  # the weights at the last synchronisation
 
     # ------------------------------------------------------------ transfers
     def _level(self, i: int) -> tuple[int, int]:
         return (i, self.slice_bytes) if self.overlap == "p3" else (0, 0)
 
-    def _transfer(self, i: int, grad: np.ndarray | None, pull: bool) -> Any:
+    def _transfer(self, i: int, grad: np.ndarray | None, pull: bool, op: Any = None) -> Any:
         """Start pushing layer ``i``'s gradient (unless None), then pulling its weights (if
         ``pull``), as one task at the layer's priority; returns its future (the weights, or None)."""
         layout, chunks = self._layouts[i], self._chunks[i]
         level, cut = self._level(i)
         n = sum(self._sizes[i])
-        op, feedback, data = self.op, None, None
+        op, feedback, data = op or self.op, None, None
         if grad is not None:
             data = np.ascontiguousarray(grad, dtype="<f4")
             if self._codec is not None:
@@ -456,14 +492,20 @@ class CommTrainer:
             if per >= n:
                 await piece(cl, 0, n)
             else:
-                async with trio.open_nursery() as nursery:
+                async with open_nursery() as nursery:  # an IrdmaError comes out as itself
                     for a in range(0, n, per):
                         nursery.start_soon(piece, cl, a, min(n, a + per))
             if created:  # chunks the file had not stored (a replica back from a failure): record them
                 await cl.meta.extend(layout.file_id, 4 * n, time.time_ns(), tuple(created))
+                for index, shard, incarnation in created:
+                    chunks.setdefault(index, {})[shard] = incarnation
+            if grad is not None:
+                self._unacked.pop(i, None)  # acknowledged by every shard: the update is applied
             return out
 
-        return self.client.submit(run, priority=level, slice_bytes=cut)
+        if grad is not None and self.drop:
+            self._unacked[i] = np.asarray(grad, dtype=np.float32)  # back to the residual cache if the push fails
+        return self.client.submit(run, priority=level, slice_bytes=cut, timeout=self.timeout)
 
     def _start_pull(self, i: int) -> None:
         if self.leader:
@@ -471,6 +513,11 @@ class CommTrainer:
 
     def _send(self, i: int, grad: np.ndarray) -> None:
         """Layer ``i``'s gradient (float32, flat) is ready: push it (or cache it), then pull."""
+        if self.sync_every > 1:  # DASO: a local step with the host's mean gradient, no transfer
+            if self.group is not None:
+                grad = self.group.allreduce(grad) / np.float32(self.group.size)
+            self._set_flat(i, self._flat(i) - np.float32(self.op.args[0]) * grad)
+            return
         if self.group is not None:
             grad = self.group.reduce_to_leader(grad)
             if not self.leader:
@@ -484,22 +531,44 @@ class CommTrainer:
         else:
             self._pulls[i] = self._transfer(i, keep, True)  # other workers' updates still come in
 
+    def _result(self, fut: Any) -> Any:
+        """A transfer's result (it has its own deadline: ``timeout``). A failure breaks the
+        trainer: updates not acknowledged go back to the residual cache, the host group (if
+        any) is told, and every later step raises the same error."""
+        try:
+            return fut.result()
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._broken is None:
+            self._broken = exc
+            for i, update in list(self._unacked.items()):
+                self.cache.restore(i, update)
+            self._unacked.clear()
+            if self.group is not None:
+                self.group.close()  # the others learn at once that this worker is gone
+
     def _set_weights(self, i: int) -> None:
         if self.leader:
-            flat = self._pulls.pop(i).result(timeout=self.timeout)
+            flat = self._result(self._pulls.pop(i))
         else:
             flat = None
         if self.group is not None:
             flat = self.group.broadcast(flat)
+        self._set_flat(i, flat)
+
+    def _set_flat(self, i: int, flat: np.ndarray) -> None:
         at = 0
         for v, n in zip(self.layers[i].trainable_weights, self._sizes[i], strict=True):
             v.assign(flat[at : at + n].reshape(v.shape))
             at += n
 
     def _wait_pushes(self) -> None:
-        for fut in self._pushes:
-            fut.result(timeout=self.timeout)
-        self._pushes.clear()
+        pushes, self._pushes = self._pushes, []
+        for fut in pushes:
+            self._result(fut)
 
     # ------------------------------------------------------------ the step
     def train_step(self, x: Any, y: Any, *, communicate: bool = True) -> float:
@@ -507,6 +576,9 @@ class CommTrainer:
         same computation with no push or pull (the model's weights do not change): what the
         cost model takes as the computation time. Raises what a transfer raised (e.g.
         ShardUnavailable), or TimeoutError past ``timeout``."""
+        if self._broken is not None:
+            raise IrdmaError(f"this trainer stopped on an earlier error: {self._broken!r}",
+                             "build a new CommTrainer (and restore the last checkpoint)") from self._broken
         t0 = time.perf_counter()
         h = tf.convert_to_tensor(x)
         records = []
@@ -554,7 +626,10 @@ class CommTrainer:
             self.layer_compute_s.append(per)
             self.backward_share.append(backward / max(sum(per), 1e-9))
             return float(loss)
-        if self.overlap == "none":
+        if self.sync_every > 1:
+            if (self.stats.steps + 1) % self.sync_every == 0:
+                self._synchronise()
+        elif self.overlap == "none":
             self._pushes = [self._transfer(i, keep, False) for i, keep in self._held]
             self._held.clear()
             self._wait_pushes()
@@ -586,6 +661,18 @@ class CommTrainer:
                 break
         self.finish()
         return losses
+
+    def _synchronise(self) -> None:
+        """DASO's global step: each host's leader adds its model's change since the last one,
+        divided by the number of hosts, to the shards' model (op ``add``: the average of the
+        hosts' changes), then every worker takes the result."""
+        hosts = self.workers // (self.group.size if self.group is not None else 1)
+        if self.leader:
+            self._pushes = [self._transfer(i, (self._flat(i) - self._anchor[i]) / np.float32(hosts), False,
+                                           op=Update(UpdateOp.ADD)) for i in range(len(self.layers))]
+        self._wait_pushes()
+        self._pull_all()
+        self._anchor = [self._flat(i) for i in range(len(self.layers))]
 
     def finish(self) -> None:
         """Wait for every transfer in flight and set the model to the weights they pulled."""

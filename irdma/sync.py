@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -74,34 +75,46 @@ class SyncClient:
             ) from cause
 
     def submit(self, fn: Callable[[Client], Awaitable[Any]], *, priority: int = 0,
-               slice_bytes: int = 0) -> concurrent.futures.Future[Any]:
+               slice_bytes: int = 0, timeout: float | None = None) -> concurrent.futures.Future[Any]:
         """Start ``await fn(client)`` on the client's loop and return at once (overlapped
         transfers: P3's pushes during back-propagation, pulls ahead of the forward pass).
 
         Its requests go at ``priority`` (0 = most urgent) in slices of at most ``slice_bytes``
         bytes (0: none): :func:`irdma.comm.priority`. A buffer handed to ``fn`` must not be
-        touched until the future is done.
+        touched until the future is done. ``timeout`` (seconds) cancels ``fn`` when it runs
+        longer: the future then fails with TimeoutError and nothing of ``fn`` runs after (a
+        ``result(timeout=...)`` that gives up does not stop it; this does). Cancelling the
+        future before it started skips ``fn``.
 
         Returns:
-            A future of ``fn``'s result; its exception is ``fn``'s, or IrdmaError when the
-            client closed before ``fn`` finished.
+            A future of ``fn``'s result; its exception is ``fn``'s, TimeoutError past
+            ``timeout``, or IrdmaError when the client closed before ``fn`` finished.
 
         Raises:
-            ValueError: a bad priority or slice size; IrdmaError: the client is closed.
+            ValueError: a bad priority, slice size or timeout; IrdmaError: the client is closed.
         """
         comm.check_priority(priority)
         comm.check_slice(slice_bytes)
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout {timeout!r}: use a number of seconds > 0, or None")
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         async def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return  # cancelled by the caller before it started
             try:
-                with comm.priority(priority, slice_bytes):
+                with trio.fail_after(timeout if timeout is not None else math.inf), \
+                        comm.priority(priority, slice_bytes):
                     result = await fn(self.client)
-            except trio.Cancelled:
-                fut.set_exception(IrdmaError("this irdma client closed before the call finished",
-                                             "keep the client open until its futures are done"))
-                raise
+            except trio.TooSlowError:
+                fut.set_exception(TimeoutError(f"an irdma transfer took longer than {timeout:g} s: cancelled"))
             except BaseException as exc:  # the caller's to see
+                cancelled = isinstance(exc, trio.Cancelled) or (
+                    isinstance(exc, BaseExceptionGroup) and exc.split(trio.Cancelled)[1] is None)
+                if cancelled:  # the client is closing
+                    fut.set_exception(IrdmaError("this irdma client closed before the call finished",
+                                                 "keep the client open until its futures are done"))
+                    raise
                 fut.set_exception(exc)
             else:
                 fut.set_result(result)

@@ -60,6 +60,38 @@ def test_benchmark_suite_quick_run_writes_the_report(tmp_path: object) -> None:
     assert data["rows"]["rows-pull"]["mb_s"] > 0 and data["rows"]["mount-pread-x16"]["mb_s"] > 0
 
 
+@pytest.mark.tf
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="the test bed of bench-comm needs root (network namespaces)")
+def test_bench_comm_quick_run_measures_every_technique(tmp_path: object) -> None:
+    """``make bench-comm ARGS=--quick``: the four techniques and the cost model, end to end on the
+    namespace test bed, with real Keras training (small models, few steps)."""
+    out = os.path.join(str(tmp_path), "docs")
+    res = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "comm.py"), "--quick", "--out", out],
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    with open(os.path.join(out, "communication.md")) as f:
+        md = f.read()
+    for section in ("## Targets", "## P3 priority slicing", "## The cost model", "## Layer dropping and compression",
+                    "## Hierarchical aggregation"):
+        assert section in md, section
+    with open(os.path.join(out, "communication.json")) as f:
+        data = json.load(f)
+    names = {r["name"] for r in data["p3"][0]["runs"]}
+    assert names == {"none", "fifo", "p3", "p3-1MiB"}
+    assert all(r["step_s"] > 0 and 0 <= r["acc"] <= 1 for r in data["p3"][0]["runs"])
+    dense = {c["model"]: {r["name"]: r for r in c["runs"]} for c in data["compress"]}
+    for model, runs in dense.items():  # compression sends fewer bytes than the dense pushes
+        assert runs["topk:0.01"]["wire_tx"] < runs["dense"]["wire_tx"] / 5, model
+        assert runs["sign"]["wire_tx"] < runs["dense"]["wire_tx"] / 5, model
+    drop = {d["model"]: {r["name"]: r for r in d["runs"]} for d in data["drop"]}
+    assert drop["digits"]["drop"]["skipped"] > 0
+    flat, hier = (next(h for h in data["hier"] if h["name"] == n) for n in ("flat", "hier"))
+    assert hier["link_tx"] < 0.75 * flat["link_tx"]  # one push per host of two workers
+    assert data["model"] and all(m["predicted"] > 0 for m in data["model"])
+    assert os.path.getsize(os.path.join(out, "communication.png")) > 10_000
+
+
 @pytest.mark.fuse
 def test_fio_through_the_mount_verifies_what_it_wrote(mnt: str) -> None:
     """fio's own check through the mount: 2 jobs write 8 MiB each in 1 MiB blocks with a crc32c

@@ -122,6 +122,32 @@ def test_window_admits_by_priority_and_a_cancelled_waiter_takes_nothing() -> Non
     assert trio.run(main) == [0, 3, 3, 7, 9]
 
 
+def test_window_ages_a_waiter_past_max_wait_ahead_of_more_urgent_ones() -> None:
+    clock = trio.testing.MockClock()
+
+    async def main() -> list[int]:
+        w = comm.PriorityWindow(1, max_wait=1.0)
+        got: list[int] = []
+        w.acquire_nowait()
+
+        async def want(level: int) -> None:
+            with comm.priority(level):
+                await w.acquire()
+            got.append(level)
+            w.release()
+
+        async with trio.open_nursery() as n:
+            n.start_soon(want, 9)
+            await trio.testing.wait_all_tasks_blocked()
+            clock.jump(2.0)  # the level-9 request has waited past max_wait
+            n.start_soon(want, 0)
+            await trio.testing.wait_all_tasks_blocked()
+            w.release()
+        return got
+
+    assert trio.run(main, clock=clock) == [9, 0]
+
+
 def test_priority_and_slice_refuse_bad_values() -> None:
     for bad in (-1, comm.MAX_PRIORITY + 1, 1.5, True):
         with pytest.raises(ValueError, match="priority"):
@@ -287,3 +313,69 @@ def test_mount_pushes_and_pulls_a_file_by_its_directory_priority_and_slices(one_
         finally:
             os.close(fd)
         np.testing.assert_array_equal(got, base + 1.5)
+
+
+_GROUP_WORKER = r"""
+import json, os, sys
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import numpy as np, keras
+from sklearn.datasets import load_digits
+import irdma
+from irdma.hier import HostGroup
+from irdma.keras import CommTrainer
+url, job, rank, k, run_dir, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
+x, y = load_digits(return_X_y=True)
+x = (x / 16).astype("float32")
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
+                          keras.layers.Dense(10, activation="softmax")])
+with HostGroup(job.strip("/"), rank, 2, 4 * 64 * 64 + 256, timeout=60, run_dir=run_dir) as g, \
+        irdma.connect(url, transport="tcp") as c:
+    t = CommTrainer(model, c, job, worker=rank, workers=2, update="sgd learning_rate=0.1", overlap="none",
+                    group=g, sync_every=k, timeout=60)
+    t.build()
+    t.fit(x[rank:1500:2], y[rank:1500:2], epochs=2, batch_size=32, seed=0)
+    acc = float((np.argmax(model.predict(x[1500:], verbose=0), 1) == y[1500:]).mean())
+    np.savez(out, *[np.asarray(v.numpy()) for v in model.trainable_weights])
+    print(json.dumps({"pushes": t.stats.pushes, "acc": acc, "steps": t.stats.steps}))
+"""
+
+
+@pytest.mark.tf
+@pytest.mark.slow
+@pytest.mark.parametrize("sync_every", [1, 4], ids=["hier-every-step", "daso-every-4"])
+def test_host_group_trainer_pushes_once_per_host_and_workers_agree(one_shard: Cluster, tmp_path: object,
+                                                                   sync_every: int) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    job = f"/group-{sync_every}"
+    run_dir = os.path.join(str(tmp_path), "run")
+    os.makedirs(run_dir, mode=0o700)
+    outs = [os.path.join(str(tmp_path), f"w{r}.npz") for r in (0, 1)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH")]))}
+    procs = [subprocess.Popen([sys.executable, "-c", _GROUP_WORKER, one_shard.meta_url, job, str(r), str(sync_every),
+                               run_dir, outs[r]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in (0, 1)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    steps = results[0]["steps"]
+    assert steps == 2 * (750 // 32)
+    # the leader pushes for the host, every step or every K steps; the other worker never
+    assert results[0]["pushes"] == 2 * (steps if sync_every == 1 else steps // sync_every)
+    assert results[1]["pushes"] == 0
+    w0, w1 = (np.load(o) for o in outs)
+    for name in w0.files:  # the host's workers hold the same bytes
+        np.testing.assert_array_equal(w0[name], w1[name])
+    assert min(r["acc"] for r in results) > 0.7, results
+    with irdma.connect(one_shard.meta_url, transport="tcp") as c:
+        if steps % sync_every == 0:  # the last step synchronised: the shards hold the workers' model
+            np.testing.assert_array_equal(c.pull(f"{job}/layer-000"),
+                                          np.concatenate([w0["arr_0"].ravel(), w0["arr_1"].ravel()]))
+        op = c.client.store.getxattr(c.stat(f"{job}/layer-000").ino, b"user.irdma.update")
+        assert op == b"add" if sync_every > 1 else op.startswith(b"sgd learning_rate=0.1")
