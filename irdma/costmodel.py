@@ -201,6 +201,8 @@ class Config:
         overlap: ``none`` | ``fifo`` | ``p3`` (see the module docstring).
         backward_fraction: ``beta``, the share of ``C`` spent in back-prop.
         elem_bytes: bytes per element (what ``topk`` and ``sign`` count).
+        encode_s_per_byte: seconds of the worker's CPU to encode one dense byte of gradient
+            (``topk``, ``sign``): each push is that much later (serial with the sending).
 
     Raises:
         ConfigError: a field out of range (its ``field`` attribute names it).
@@ -228,6 +230,7 @@ class Config:
     overlap: str = "none"
     backward_fraction: float = 2 / 3
     elem_bytes: int = 4
+    encode_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sizes", tuple(self.sizes))
@@ -248,6 +251,7 @@ class Config:
         need(self.mem_bytes_per_s > 0, "mem_bytes_per_s", "must be above zero")
         need(self.latency_s >= 0, "latency_s", "must be zero or more")
         need(self.overhead_s >= 0, "overhead_s", "must be zero or more")
+        need(self.encode_s_per_byte >= 0, "encode_s_per_byte", "must be zero or more")
         need(self.slice_bytes >= 0, "slice_bytes", "must be zero (whole tensors) or more")
         need(0 < self.backward_fraction < 1, "backward_fraction", "must be between 0 and 1")
         need(self.overlap in OVERLAPS, "overlap", f"use one of {', '.join(OVERLAPS)}")
@@ -442,7 +446,8 @@ def _simulate(c: Config, push: Sequence[int], traffic: _Traffic | None, local: b
         counts = c.slices()
         per_byte = traffic.factor / c.rate_bytes_per_s
         per_req = c.overhead_s / (c.shards * c.window)
-        durations = [[per_byte * push[i] / counts[i] + per_req for i in range(n)],
+        enc = c.encode_s_per_byte if parse_mode(c.mode)[0] in ("topk", "sign") else 0.0
+        durations = [[per_byte * push[i] / counts[i] + per_req + enc * c.sizes[i] / counts[i] for i in range(n)],
                      [per_byte * c.sizes[i] / counts[i] + per_req for i in range(n)]]
         lat = c.latency_s
         pushes = [(ready[i], _PUSH, i) for i in reversed(range(n))]  # ties: back-prop order
@@ -478,6 +483,8 @@ def predict(config: Config) -> Prediction:
     local = 2 * (g + 1) * M / c.mem_bytes_per_s if kind == "hier" and g > 1 else 0.0
     transfer = traffic.factor * (P + M) / c.rate_bytes_per_s
     latency = 4 * c.latency_s + 2 * sum(c.slices()) * c.overhead_s / (c.shards * c.window)
+    if kind in ("topk", "sign"):
+        transfer += c.encode_s_per_byte * M  # encoding on the worker, before its bytes go
     if c.overlap == "none":
         t_local, t_sync = compute + local, compute + local + transfer + latency
     else:

@@ -85,7 +85,7 @@ def test_bench_comm_quick_run_measures_every_technique(tmp_path: object) -> None
         assert runs["topk:0.01"]["wire_tx"] < runs["dense"]["wire_tx"] / 5, model
         assert runs["sign"]["wire_tx"] < runs["dense"]["wire_tx"] / 5, model
     drop = {d["model"]: {r["name"]: r for r in d["runs"]} for d in data["drop"]}
-    assert drop["digits"]["drop"]["skipped"] > 0
+    assert max(r["skipped"] for r in drop["digits"].values()) > 0
     flat, hier = (next(h for h in data["hier"] if h["name"] == n) for n in ("flat", "hier"))
     assert hier["link_tx"] < 0.75 * flat["link_tx"]  # one push per host of two workers
     assert data["model"] and all(m["predicted"] > 0 for m in data["model"])

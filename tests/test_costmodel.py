@@ -270,3 +270,19 @@ def test_cli_bad_layout(tmp_path: Path) -> None:
     bad.write_text("{not json")
     r = _tune("--layout", str(bad))
     assert r.exit_code == 2 and "--layout" in r.stderr
+
+
+def test_encoding_time_delays_compressed_pushes_only() -> None:
+    # 100 MB, 1 GB/s link, C = 1 s, no overlap: topk:0.01 pushes 2 MB (8 bytes per kept element)
+    # and pulls 100 MB; encoding at 1 ns per dense byte adds 0.1 s; a dense push has none to add
+    base = cm.Config(sizes=(100_000_000,), link_bytes_per_s=1e9, compute_s=1.0, mode="topk:0.01")
+    slow = dataclasses.replace(base, encode_s_per_byte=1e-9)
+    assert cm.predict(slow).time_s == pytest.approx(cm.predict(base).time_s + 0.1)
+    assert cm.predict(base).time_s == pytest.approx(1.0 + 0.002 + 0.1)
+    flat = dataclasses.replace(slow, mode="flat")
+    assert cm.predict(flat).time_s == pytest.approx(1.0 + 0.2)
+    fifo = dataclasses.replace(slow, overlap="fifo")
+    assert cm.predict(fifo).time_s > cm.predict(dataclasses.replace(base, overlap="fifo")).time_s
+    with pytest.raises(cm.ConfigError) as err:
+        dataclasses.replace(base, encode_s_per_byte=-1.0)
+    assert err.value.field == "encode_s_per_byte"
