@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import platform
 import signal
@@ -58,6 +59,7 @@ PY = sys.executable
 MiB = 1 << 20
 DEFAULT_SLICE = 40_000  # P3's slice, float32
 BIG_SLICE = 262_144  # 1 MiB: fewer requests where each costs CPU (the cost model's overhead term)
+WINDOW = int(os.environ.get("IRDMA_BENCH_WINDOW", "4"))  # requests in flight per shard
 DROPS = (0.0005, 0.002, 0.008)  # layer dropping's thresholds (relative L1 of the update per step)
 TECH_NAMES = ("topk:0.01", "sign")
 say, loadavg = H.say, H.loadavg
@@ -164,7 +166,7 @@ def role_worker(spec_json: str) -> None:
 
         g = spec["group"]
         group = HostGroup(g["name"], g["rank"], g["size"], g["nbytes"], timeout=300)
-    with irdma.connect(spec["url"], transport="tcp", window=spec.get("window", 4), timeout=60) as client:
+    with irdma.connect(spec["url"], transport="tcp", window=spec.get("window", WINDOW), timeout=60) as client:
         if spec.get("probe"):
             out.append(probe(client, spec["worker"]))
         for run in spec["runs"]:
@@ -191,6 +193,12 @@ def role_worker(spec_json: str) -> None:
             times = t.stats.step_s[run.get("warmup", 2):]
             pred = model.predict(xte, verbose=0, batch_size=256)
             acc = float((np.argmax(pred, 1) == yte).mean())
+            async def drop_job(c: Any, job: str = f"/{run['job']}") -> None:  # room for the next run
+                for name in await c.listdir(job):
+                    await c.unlink(f"{job}/{name}")
+
+            if n == 1:  # alone on the job: nobody else is still using its files
+                client.submit(drop_job).result(120)
             out.append({"name": run["name"], "step_s": statistics.median(times) if times else None,
                         "steps_s": t.stats.step_s, "compute_s": statistics.median(compute[1:]) if len(compute) > 1 else None,
                         "layer_compute_s": [statistics.median(x) for x in zip(*t.layer_compute_s[1:], strict=True)]
@@ -246,14 +254,25 @@ def probe(client: Any, worker: int) -> dict[str, Any]:
     client.unlink(path)
     from irdma import compress
 
-    grad = np.random.default_rng(0).standard_normal(1 << 20).astype("<f4")  # 4 MiB of gradient
+    # a compressed push costs the worker its encoding and the shard its decoding, per P3 slice:
+    # the time of a 32 MiB push in 160 KB slices, less its bytes' time on the link, per dense byte
+    grad = np.random.default_rng(0).standard_normal(n // 4).astype("<f4")
+    gpath = f"/probe-grad-{worker}"
+    client.write(gpath, np.zeros(n // 4, dtype="<f4"), op="assign")
+    client.set_update_op(gpath, "add")
     encode = {}
     for spec in ("topk:0.01", "sign"):
         c = compress.parse_compress(spec)
-        t0 = time.perf_counter()
-        for _ in range(3):
-            compress.encode(grad, c)
-        encode[spec] = (time.perf_counter() - t0) / 3 / grad.nbytes
+        best = math.inf
+        for _ in range(2):
+            res = np.zeros(n // 4, dtype=np.float32)
+            t0 = time.perf_counter()
+            client.submit(lambda cl, c=c, res=res: cl.push(gpath, grad, compress=c, residual=res),
+                          slice_bytes=4 * DEFAULT_SLICE).result(120)
+            best = min(best, time.perf_counter() - t0)
+        wire = compress.wire_bytes(n // 4, c) / rates["push"]
+        encode[spec] = max(0.0, best - wire) / n
+    client.unlink(gpath)
     return {"name": "probe", "push_bytes_per_s": rates["push"], "pull_bytes_per_s": rates["pull"],
             "request_s": per, "encode_s_per_byte": encode}
 
@@ -368,7 +387,7 @@ def main() -> int:
             with TestBed(4, rate=rate) as bed:
                 cb = CommBench(args, bed, work)
                 link = cb.b.baseline()
-                with cb.b.namespace("sqlite", 2, capacity=1024 * MiB) as url:
+                with cb.b.namespace("sqlite", 2, capacity=2048 * MiB) as url:
                     w = bed.hosts[2]
                     if "p3" in args.only:
                         say(f"1. P3 at {rate}: none, fifo, p3 on the {R['large_layers']}-layer model"

@@ -428,6 +428,10 @@ class CommTrainer:
             job_ino = c.stat(self.job).ino
             meta.setxattr(job_ino, comm.XATTR_SLICE, str(self.slice_bytes // 4).encode())
             meta.setxattr(job_ino, comm.XATTR_DROP, repr(self.drop).encode())
+            # what `irdma tune --layout JOB/layout.json` reads: a tensor per layer file, in forward order
+            layout = [{"name": self.layers[i].name, "file": f"layer-{i:03d}", "shape": [sum(self._sizes[i])],
+                       "offset": 0, "dtype": "<f4"} for i in range(len(self.layers))]
+            c.write(f"{self.job}/{LAYOUT}", json.dumps(layout, indent=1).encode(), op="assign")
             for i in range(len(self.layers)):
                 c.write(self.path(i), self._flat(i), op="assign")
                 # K > 1: the hosts push their models' changes, averaged: the shards add them

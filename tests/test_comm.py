@@ -243,6 +243,14 @@ def test_trainer_modes_learn_digits_and_p3_changes_only_the_order(one_shard: Clu
                                           np.concatenate([w.ravel() for w in weights[mode][:2]]))
             assert c.client.store.getxattr(c.stat(f"/digits-{mode}/layer-002").ino, comm.XATTR_PRIORITY) == b"2"
             assert t.stats.steps == 3 * (1500 // 32) and t.stats.skipped == 0
+            # the layout `irdma tune --layout` reads: one tensor per layer file
+            import json
+
+            from irdma.costmodel import sizes_from_layout
+
+            layout = json.loads(bytes(c.read(f"/digits-{mode}/layout.json")))
+            assert sizes_from_layout(layout) == tuple(4 * sum(w.size for w in ws) for ws in
+                                                      (weights[mode][0:2], weights[mode][2:4], weights[mode][4:6]))
     assert accs["p3"] > 0.8, accs
     for mode in ("fifo", "p3"):  # one worker: scheduling changes when bytes move, never which
         for a, b in zip(weights["none"], weights[mode], strict=True):
