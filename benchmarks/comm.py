@@ -60,7 +60,10 @@ MiB = 1 << 20
 DEFAULT_SLICE = 40_000  # P3's slice, float32
 BIG_SLICE = 262_144  # 1 MiB: fewer requests where each costs CPU (the cost model's overhead term)
 WINDOW = int(os.environ.get("IRDMA_BENCH_WINDOW", "4"))  # requests in flight per shard
-DROPS = (0.0005, 0.002, 0.008)  # layer dropping's thresholds (relative L1 of the update per step)
+# layer dropping's thresholds (relative L1 of a step's update): the models' updates differ in
+# size by orders (the deep CNN's relative steps are small), so each has its own
+DROPS = (0.002, 0.003, 0.004, 0.006)  # digits
+DROP_LARGE = 0.0005
 TECH_NAMES = ("topk:0.01", "sign")
 say, loadavg = H.say, H.loadavg
 
@@ -168,7 +171,7 @@ def role_worker(spec_json: str) -> None:
         group = HostGroup(g["name"], g["rank"], g["size"], g["nbytes"], timeout=300)
     with irdma.connect(spec["url"], transport="tcp", window=spec.get("window", WINDOW), timeout=60) as client:
         if spec.get("probe"):
-            out.append(probe(client, spec["worker"]))
+            out.append(probe(client, spec["worker"], spec["quick"]))
         for run in spec["runs"]:
             model = make_model(run["model"], spec["quick"], seed=1)
             batch = run["batch"]
@@ -178,6 +181,7 @@ def role_worker(spec_json: str) -> None:
                             group=group if run.get("hier") else None, timeout=300)
             t.build()
             link0 = own_link()
+            cpu0, self0 = cpu_times(), os.times()
             rng = np.random.default_rng(k)
             compute = []
             for _ in range(run.get("compute_steps", 0)):  # computation alone: no transfers
@@ -190,6 +194,11 @@ def role_worker(spec_json: str) -> None:
             epochs = max(1, -(-steps * batch // len(xtr)))
             t.fit(xtr, ytr, epochs=epochs, batch_size=batch, steps=steps, seed=k)
             link1 = own_link()
+            cpu1, self1 = cpu_times(), os.times()
+            spent = {k: cpu1[k] - cpu0[k] for k in cpu0}
+            total = sum(spent.values()) or 1.0
+            cpu = {k: v / total for k, v in spent.items()}  # shares of the machine's CPU time (all cores)
+            cpu["worker_s_per_step"] = ((self1.user + self1.system) - (self0.user + self0.system)) / max(t.stats.steps, 1)
             times = t.stats.step_s[run.get("warmup", 2):]
             pred = model.predict(xte, verbose=0, batch_size=256)
             acc = float((np.argmax(pred, 1) == yte).mean())
@@ -208,19 +217,19 @@ def role_worker(spec_json: str) -> None:
                         "skipped": t.stats.skipped, "acc": acc, "steps": t.stats.steps,
                         # what this host's link carried during the run (the kernel's counters):
                         # tx is the pushes (and the pulls' small requests), rx the pulled weights
-                        "wire_tx": link1["tx"] - link0["tx"], "wire_rx": link1["rx"] - link0["rx"]})
+                        "wire_tx": link1["tx"] - link0["tx"], "wire_rx": link1["rx"] - link0["rx"], "cpu": cpu})
     if group is not None:
         group.close()
     print(json.dumps(out), flush=True)
 
 
-def probe(client: Any, worker: int) -> dict[str, Any]:
+def probe(client: Any, worker: int, quick: bool) -> dict[str, Any]:
     """The cost model's inputs that a plain TCP stream does not give: the rate at which this
     client pushes and pulls (assign, 1 MiB pieces: the software cap with the link) and the wall
     time of one small request with the window full (its per-request overhead)."""
     import numpy as np
 
-    path, n = f"/probe-{worker}", 32 * MiB
+    path, n = f"/probe-{worker}", (8 if quick else 32) * MiB
     data = np.ones(n // 4, dtype="<f4")
     client.write(path, data, op="assign")
     rates: dict[str, float] = {}
@@ -275,6 +284,15 @@ def probe(client: Any, worker: int) -> dict[str, Any]:
     client.unlink(gpath)
     return {"name": "probe", "push_bytes_per_s": rates["push"], "pull_bytes_per_s": rates["pull"],
             "request_s": per, "encode_s_per_byte": encode}
+
+
+def cpu_times() -> dict[str, float]:
+    """The machine's CPU time by kind (``/proc/stat``, all cores, seconds): what a run left idle."""
+    with open("/proc/stat") as f:
+        cols = [int(x) for x in f.readline().split()[1:8]]
+    hz = os.sysconf("SC_CLK_TCK")
+    user, nice, system, idle, iowait, irq, softirq = (c / hz for c in cols)
+    return {"user": user + nice, "system": system + irq, "softirq": softirq, "idle": idle + iowait}
 
 
 def own_link() -> dict[str, int]:
@@ -352,6 +370,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(REPO, "docs"), help="where communication.md/json/png go")
     ap.add_argument("--run-timeout", type=float, default=1200.0)
     ap.add_argument("--only", default="p3,techniques,hier", help="which parts to run (comma-separated)")
+    ap.add_argument("--update", action="store_true", help="put the parts run into --out's existing report")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench-comm needs root (network namespaces): run it as root", file=sys.stderr)
@@ -385,7 +404,9 @@ def main() -> int:
         for rate in rates:
             say(f"test bed at {rate}: hosts 0-1 shards, 2-3 workers (load {loadavg()})")
             with TestBed(4, rate=rate) as bed:
-                cb = CommBench(args, bed, work)
+                bed_work = os.path.join(work, rate)  # each bed's own files (port files are numbered per bed)
+                os.makedirs(bed_work)
+                cb = CommBench(args, bed, bed_work)
                 link = cb.b.baseline()
                 with cb.b.namespace("sqlite", 2, capacity=2048 * MiB) as url:
                     w = bed.hosts[2]
@@ -408,14 +429,16 @@ def main() -> int:
                         say("2-3. dropping and compression on digits (accuracy) and on the large model (bytes, time)")
                         compression = [("topk:0.01", {"overlap": "p3", "compress": "topk:0.01"}),
                                        ("sign", {"overlap": "p3", "compress": "sign"})]
-                        drops = [(f"drop {d:g}", {"overlap": "p3", "drop": d}) for d in DROPS]
+                        drops = [(f"drop {d:g}", {"overlap": "p3", "drop": d}) for d in (DROPS[-1:] if q else DROPS)]
                         res = cb.train([(w, {"worker": 0, "workers": 1, "quick": q,
                                              "runs": cb.runs("digits", [("dense", {"overlap": "p3"}), *drops, *compression],
                                                              digits_steps, 32, "sgd learning_rate=0.1")})], url)[0]
                         R["drop"].append({"model": "digits", "runs": [r for r in res if r["name"] not in TECH_NAMES]})
                         R["compress"].append({"model": "digits", "runs": [r for r in res if not r["name"].startswith("drop")]})
                         res = cb.train([(w, {"worker": 0, "workers": 1, "quick": q,
-                                             "runs": cb.runs("large", [("dense", {"overlap": "p3"}), drops[1], *compression],
+                                             "runs": cb.runs("large", [("dense", {"overlap": "p3"}),
+                                                                       (f"drop {DROP_LARGE:g}", {"overlap": "p3", "drop": DROP_LARGE}),
+                                                                       *compression],
                                                              steps_tech, batch_large, sgd)})], url)[0]
                         R["drop"].append({"model": "large", "runs": [r for r in res if r["name"] not in TECH_NAMES]})
                         R["compress"].append({"model": "large", "runs": [r for r in res if not r["name"].startswith("drop")]})
@@ -427,7 +450,8 @@ def main() -> int:
                         say("4-5. hierarchy: 2 hosts x 2 workers, flat against one push per host; then all combined")
                         nbytes = max(param_bytes("digits", q))  # the largest tensor a group sums
                         for name, extra in (("flat", {"overlap": "none"}), ("hier", {"overlap": "none", "hier": True}),
-                                            ("hier-K4", {"overlap": "none", "hier": True, "sync_every": 4}),
+                                            *([] if q else [("hier-K4", {"overlap": "none", "hier": True,
+                                                                         "sync_every": 4})]),
                                             ("combined", {"overlap": "p3", "hier": True, "drop": DROPS[0],
                                                           "compress": "topk:0.01"})):
                             procs = []
@@ -450,6 +474,15 @@ def main() -> int:
                             say(f"  {name}: {entry['step_s']:.3f} s/iter, worker links sent {fmt_bytes(entry['link_tx'])},"
                                 f" acc {entry['acc']:.3f}")
         R["load_end"] = loadavg()
+        if args.update:  # measure some sections again into the report of an earlier full run
+            with open(os.path.join(args.out, "communication.json")) as f:
+                old = json.load(f)
+            for key, part in (("p3", "p3"), ("drop", "techniques"), ("compress", "techniques"), ("hier", "hier"),
+                              ("combined", "hier")):
+                if part in args.only:
+                    old[key] = R[key]
+            old.setdefault("updated", []).append(f"{R['date']}: {args.only}")
+            R = old
         R["model"] = model_rows(R, q)
         R["targets"] = targets(R)
         os.makedirs(args.out, exist_ok=True)
@@ -513,6 +546,11 @@ def model_rows(R: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
     return out
 
 
+def _idle(r: dict[str, Any]) -> str:
+    c = r.get("cpu")
+    return f"{100 * c['idle']:.0f}%" if c else "-"
+
+
 def _run(entry: dict[str, Any], name: str) -> dict[str, Any]:
     return next(r for r in entry["runs"] if r["name"] == name)
 
@@ -555,17 +593,20 @@ def report(R: dict[str, Any]) -> str:
          "| target | ratio | baseline | wanted | met |", "|---|---|---|---|---|"]
     for t in R["targets"]:
         L.append(f"| {t['target']} | {t['ratio']:.2f} | {t['baseline']} | {t['wanted']} | {'yes' if t['met'] else 'no'} |")
-    L += ["", f"## P3 priority slicing ({R['large_layers']}-layer MLP, {fmt_bytes(R['large_bytes'])} of weights)", "",
+    L += ["", f"## P3 priority slicing (VGG-shaped CNN: {R['large_layers']} layers with weights, 12 convolutions then"
+          f" 8 dense; {fmt_bytes(R['large_bytes'])} of weights; batch 128, one core computing)", "",
           "| link | measured link MB/s (push, pull) | computation alone s | none s/iter | fifo s/iter |"
-          " p3 160 KB s/iter | p3 1 MiB s/iter | best p3 vs fifo | best p3 vs none | accuracy (none, fifo, p3, p3 1 MiB) |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+          " p3 160 KB s/iter | p3 1 MiB s/iter | best p3 vs fifo | best p3 vs none | accuracy (none, fifo, p3, p3 1 MiB) |"
+          " machine CPU idle during fifo, p3 1 MiB |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in R["p3"]:
         n, f, p, pb = (_run(e, k) for k in ("none", "fifo", "p3", "p3-1MiB"))
         best = min(p["step_s"], pb["step_s"])
         L.append(f"| {e['rate']} | {e['link']['push']:.0f}, {e['link']['pull']:.0f} | {n['compute_s']:.3f} |"
                  f" {n['step_s']:.3f} | {f['step_s']:.3f} | {p['step_s']:.3f} | {pb['step_s']:.3f} |"
                  f" {f['step_s'] / best:.2f}x | {n['step_s'] / best:.2f}x |"
-                 f" {n['acc']:.3f}, {f['acc']:.3f}, {p['acc']:.3f}, {pb['acc']:.3f} |")
+                 f" {n['acc']:.3f}, {f['acc']:.3f}, {p['acc']:.3f}, {pb['acc']:.3f} |"
+                 f" {_idle(f)}, {_idle(pb)} |")
     L += ["", "## The cost model against the measurements (`irdma tune`, `irdma/costmodel.py`)", "",
           "| configuration | predicted s/iter | measured s/iter | error | bound (model) |", "|---|---|---|---|---|"]
     for c in R.get("model", []):

@@ -75,7 +75,7 @@ import pyfuse3
 import trio
 
 from irdma import comm, coord
-from irdma._errors import InvalidArgument, IrdmaError, NoAttribute, NotFound, Stale
+from irdma._errors import InvalidArgument, IrdmaError, NotFound, Stale
 from irdma.client import ChunkMap, Client, NewChunk, layout_of
 from irdma.compress import XATTR_COMPRESS, Compression, parse_compress
 from irdma.meta import ROOT_INO, Inode
@@ -619,6 +619,10 @@ class IrdmaFS(pyfuse3.Operations):
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
         with fuse_errors("removexattr"):
             await self.meta.removexattr(inode, name)
+            if name == XATTR_COMPRESS:  # this inode's open handles push dense from now on
+                for h in self._handles.values():
+                    if h.ino == inode:
+                        h.compress = None
 
     # ------------------------------------------------------------ files
     async def _compression_of(self, inode: Inode) -> Compression | None:
@@ -630,18 +634,13 @@ class IrdmaFS(pyfuse3.Operations):
         """
         if not parse_update(inode.update_op or "assign").op.is_float32:
             return None
-        for ino in (inode.ino, None):
-            try:
-                if ino is None:
-                    ino = await self.meta.parent_of(inode.ino)
-                value = await self.meta.getxattr(ino, XATTR_COMPRESS)
-            except (NoAttribute, NotFound):
-                continue
-            try:
-                return parse_compress(value) or None
-            except ValueError as exc:
-                raise InvalidArgument(f"inode {ino}: {exc}") from None
-        return None
+        found = await self.meta.inherited_xattrs(inode.ino, (XATTR_COMPRESS,))  # one hop: file, then directory
+        if XATTR_COMPRESS not in found:
+            return None
+        try:
+            return parse_compress(found[XATTR_COMPRESS]) or None
+        except ValueError as exc:
+            raise InvalidArgument(f"inode {inode.ino}: {exc}") from None
 
     async def _scheduling_of(self, inode: Inode) -> comm.Scheduling | None:
         """P3's scheduling of a parameter file's pulls and pushes (update op add or an

@@ -143,7 +143,7 @@ class Client:
         nursery: where connection tasks live.
         keys: the cluster key to prove to shards (:mod:`irdma.auth`), read again when its file
             changes; None to connect without one (shards with a key refuse it).
-        window: requests in flight per shard; waiting ones are admitted by priority
+        window: requests in flight per shard, for pulls and for the rest each; waiting ones are admitted by priority
             (:func:`irdma.comm.priority`: P3, lower levels first), FIFO among equal levels.
         timeout: seconds each request to a shard may take, queueing and connecting included.
     """
@@ -175,7 +175,11 @@ class Client:
         self._name = client_name or f"irdma-client pid {os.getpid()}"
         self._window = window
         self._conns: dict[int, ShardConnection] = {}
-        self._limits: dict[int, comm.PriorityWindow] = {}  # requests in flight per shard, by priority (P3)
+        # requests in flight per shard, admitted by priority (P3): one window for pulls and one for
+        # everything else, since they load the link in opposite directions (a slice's pull never
+        # queues behind the pushes it follows)
+        self._limits: dict[int, comm.PriorityWindow] = {}
+        self._pull_limits: dict[int, comm.PriorityWindow] = {}
         self._connect_locks: dict[int, trio.Lock] = {}
         self._shard_map: dict[int, ShardRecord] = {}
         self._view = 0  # the shard map's epoch this client acts on (sent with every update)
@@ -278,6 +282,7 @@ class Client:
                 self._conns[shard_id] = conn
                 # aging at a quarter of the deadline: a request never starves behind urgent ones
                 self._limits[shard_id] = comm.PriorityWindow(self._window, max_wait=self.timeout / 4)
+                self._pull_limits[shard_id] = comm.PriorityWindow(self._window, max_wait=self.timeout / 4)
                 await self._note_health(shard_id, "up")
         return conn
 
@@ -316,7 +321,8 @@ class Client:
         with trio.CancelScope(shield=True):  # closing only releases local resources
             await conn.aclose()
 
-    async def _on_shard(self, shard_id: int, fn: Callable[[ShardConnection], Awaitable[_T]], probe: bool = False) -> _T:
+    async def _on_shard(self, shard_id: int, fn: Callable[[ShardConnection], Awaitable[_T]], probe: bool = False,
+                        pull: bool = False) -> _T:
         """Run ``fn(connection)`` against a shard within the client's deadline.
 
         A shard that missed a deadline fails data calls at once for the next ``timeout``
@@ -345,7 +351,7 @@ class Client:
                         self._down_until[shard_id] = trio.current_time() + self.timeout
                         raise
                 assert conn is not None
-                limit = self._limits[shard_id]
+                limit = (self._pull_limits if pull else self._limits)[shard_id]
                 try:
                     limit.acquire_nowait()
                 except trio.WouldBlock:
@@ -595,7 +601,7 @@ class Client:
                 raise self._lost(layout, p.chunk_index, shard_id, "no longer has it (freed outside the namespace)")
 
         try:
-            await self._on_shard(shard_id, fn)
+            await self._on_shard(shard_id, fn, pull=True)
         except (Dirty, Fenced, ReplicaError):
             raise
         except ShardUnavailable as exc:
@@ -884,7 +890,7 @@ class Client:
             return await conn.gather(layout.file_id, ext, clean and not conn.one_sided_reads)
 
         try:
-            versions, got = await self._on_shard(shard_id, fn)
+            versions, got = await self._on_shard(shard_id, fn, pull=True)
             buf = np.frombuffer(got, dtype=np.uint8)
         except Dirty:
             return [], "dirty"

@@ -37,7 +37,7 @@ def _race(url: str, low_level: int, high_level: int) -> list[str]:
         c.write("/big", np.arange(6 * MB, dtype="<f4"), op="assign")  # 24 MB
         c.write("/small", np.ones(40_000, dtype="<f4"), op="assign")
         inode = c.stat("/big")
-        window = c.client._limits[inode.stripe[0]]
+        window = c.client._pull_limits[inode.stripe[0]]  # pulls have their own window
 
         def done(name: str) -> object:
             def cb(_: object) -> None:
