@@ -589,7 +589,8 @@ def report(R: dict[str, Any]) -> str:
          f" ({R['machine']['nproc']} cores, kernel {R['machine']['kernel']}); load average {R['load_start']} at the"
          f" start, {R.get('load_end', '?')} at the end. Hosts are network namespaces with `tc`-shaped links;"
          " workers train real Keras models on scikit-learn's digits. Every ratio is against a baseline"
-         " measured in the same run.", "", "## Targets", "",
+         " measured in the same run." + ("".join(f" Measured again into this report: {u} (`--only ... --update`)."
+                                                for u in R.get("updated", []))), "", "## Targets", "",
          "| target | ratio | baseline | wanted | met |", "|---|---|---|---|---|"]
     for t in R["targets"]:
         L.append(f"| {t['target']} | {t['ratio']:.2f} | {t['baseline']} | {t['wanted']} | {'yes' if t['met'] else 'no'} |")

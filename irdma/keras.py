@@ -361,16 +361,6 @@ class CommTrainer:
             if overlap != "none" or drop or compress:
                 raise ValueError("sync_every > 1 synchronises whole models every K steps: use overlap='none',"
                                  " and no drop or compress")
-        self.sync_every = int(sync_every)
-        if self.sync_every < 1:
-            raise ValueError(f"sync_every {sync_every!r}: use 1 (every step) or more local steps per synchronisation")
-        if self.sync_every > 1:
-            if self.op.op != UpdateOp.SGD or self.op.args[1] or self.op.flags:
-                raise ValueError("sync_every > 1 takes local steps of plain SGD on the workers (DASO): use"
-                                 f" update='sgd learning_rate=...' with no momentum, not {update!r}")
-            if overlap != "none" or drop or compress:
-                raise ValueError("sync_every > 1 synchronises whole models every K steps: use overlap='none',"
-                                 " and no drop or compress")
         self.slice_bytes = 4 * parse_slice(str(slice_elems))
         self.drop = parse_drop(str(drop))
         self.compress = compress

@@ -284,7 +284,10 @@ def test_trainer_refuses_bad_flags() -> None:
 
     model = _digits_model()
     for kwargs, match in (({"overlap": "lifo"}, "overlap"), ({"update": "add"}, "optimizer"),
-                          ({"drop": 2.0}, "drop"), ({"slice_elems": -1}, "slice"), ({"worker": 3}, "worker")):
+                          ({"drop": 2.0}, "drop"), ({"slice_elems": -1}, "slice"), ({"worker": 3}, "worker"),
+                          ({"sync_every": 0}, "sync_every"), ({"sync_every": 2}, "overlap='none'"),
+                          ({"sync_every": 2, "overlap": "none", "update": "sgd learning_rate=0.1 momentum=0.9"},
+                           "plain SGD"), ({"compress": "topk:2"}, "topk")):
         with pytest.raises(ValueError, match=match):
             CommTrainer(model, None, "/j", **kwargs)  # type: ignore[arg-type]
 
