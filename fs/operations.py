@@ -625,43 +625,34 @@ class IrdmaFS(pyfuse3.Operations):
                         h.compress = None
 
     # ------------------------------------------------------------ files
-    async def _compression_of(self, inode: Inode) -> Compression | None:
-        """The compression of writes to ``inode``: its ``user.irdma.compress``, else its
-        directory's; None for a file whose update op is assign or with none set.
+    async def _communication_of(self, inode: Inode) -> tuple[Compression | None, comm.Scheduling | None]:
+        """How this mount sends a parameter file's bytes (update op add or an optimizer; None,
+        None for any other file), from the file's xattrs, else its directory's, read in one
+        metadata hop:
+
+        * compression of its writes: ``user.irdma.compress`` (None: dense);
+        * P3's scheduling of its pulls and pushes: ``user.irdma.priority`` and
+          ``user.irdma.slice`` (a priority alone slices at P3's 40,000 float32; None when
+          neither is set).
 
         Raises:
             InvalidArgument: a stored value that does not parse (remove the xattr or set a valid one).
         """
         if not parse_update(inode.update_op or "assign").op.is_float32:
-            return None
-        found = await self.meta.inherited_xattrs(inode.ino, (XATTR_COMPRESS,))  # one hop: file, then directory
-        if XATTR_COMPRESS not in found:
-            return None
+            return None, None
+        found = await self.meta.inherited_xattrs(inode.ino, (XATTR_COMPRESS, comm.XATTR_PRIORITY, comm.XATTR_SLICE))
+        coded, sched = None, None
         try:
-            return parse_compress(found[XATTR_COMPRESS]) or None
+            if XATTR_COMPRESS in found:
+                coded = parse_compress(found[XATTR_COMPRESS]) or None
+            if comm.XATTR_PRIORITY in found or comm.XATTR_SLICE in found:
+                level = comm.parse_priority(found[comm.XATTR_PRIORITY]) if comm.XATTR_PRIORITY in found else 0
+                elems = (comm.parse_slice(found[comm.XATTR_SLICE]) if comm.XATTR_SLICE in found
+                         else comm.DEFAULT_SLICE_ELEMS)
+                sched = comm.Scheduling(level, 4 * elems)
         except ValueError as exc:
             raise InvalidArgument(f"inode {inode.ino}: {exc}") from None
-
-    async def _scheduling_of(self, inode: Inode) -> comm.Scheduling | None:
-        """P3's scheduling of a parameter file's pulls and pushes (update op add or an
-        optimizer): ``user.irdma.priority`` and ``user.irdma.slice`` of the file, else of its
-        directory; a priority alone slices at P3's 40,000 float32. None when neither is set.
-
-        Raises:
-            InvalidArgument: a stored value that does not parse.
-        """
-        if not parse_update(inode.update_op or "assign").op.is_float32:
-            return None
-        found = await self.meta.inherited_xattrs(inode.ino, (comm.XATTR_PRIORITY, comm.XATTR_SLICE))
-        if not found:
-            return None
-        try:
-            level = comm.parse_priority(found[comm.XATTR_PRIORITY]) if comm.XATTR_PRIORITY in found else 0
-            elems = (comm.parse_slice(found[comm.XATTR_SLICE]) if comm.XATTR_SLICE in found
-                     else comm.DEFAULT_SLICE_ELEMS)
-        except ValueError as exc:
-            raise InvalidArgument(f"inode {inode.ino}: {exc}") from None
-        return comm.Scheduling(level, 4 * elems)
+        return coded, sched
 
     def _open_handle(self, inode: Inode, io_mode: bytes, chunks: ChunkMap, *, append: bool = False,
                      compress: Compression | None = None, sched: comm.Scheduling | None = None) -> pyfuse3.FileInfo:
@@ -726,8 +717,8 @@ class IrdmaFS(pyfuse3.Operations):
                 await self._truncate(node, 0)
                 node = await self._getattr(inode)
                 chunks = {}
-            fi = self._open_handle(node, io_mode, chunks, append=bool(flags & os.O_APPEND),
-                                   compress=await self._compression_of(node), sched=await self._scheduling_of(node))
+            coded, sched = await self._communication_of(node)
+            fi = self._open_handle(node, io_mode, chunks, append=bool(flags & os.O_APPEND), compress=coded, sched=sched)
             self._handles[fi.fh].kill_setid = kill_setid
             return fi
         except BaseException:
@@ -744,8 +735,8 @@ class IrdmaFS(pyfuse3.Operations):
             inode = await self.meta.create(parent_inode, name, stat.S_IFREG | (mode & ~ctx.umask & 0o7777), ctx.uid,
                                            ctx.gid)
             inode, io_mode, chunks = await self.meta.open_inode(self.sid, inode.ino)
-            fi = self._open_handle(inode, io_mode, chunks, append=bool(flags & os.O_APPEND),
-                                   compress=await self._compression_of(inode), sched=await self._scheduling_of(inode))
+            coded, sched = await self._communication_of(inode)
+            fi = self._open_handle(inode, io_mode, chunks, append=bool(flags & os.O_APPEND), compress=coded, sched=sched)
             self._handles[fi.fh].kill_setid = self._kills_setid(inode, flags, ctx)
             return fi, self._entry(inode)
 

@@ -276,9 +276,10 @@ OVERLAPS = ("none", "fifo", "p3")
 class CommStats:
     """What a :class:`CommTrainer` moved and skipped, since it was built.
 
-    Bytes are payload bytes of pushes and pulls as sent (compressed pushes at their encoded
-    size); ``skipped`` counts layer pushes held back by layer dropping; ``steps`` the training
-    steps and ``step_s`` their wall-clock seconds.
+    Bytes are payload bytes of pushes and pulls as the trainer counts them (a compressed push
+    at :func:`irdma.compress.wire_bytes` per slice: an estimate, since the client also cuts at
+    chunk boundaries; the link's own counters are the measure); ``skipped`` counts layer pushes
+    held back by layer dropping; ``steps`` the training steps and ``step_s`` their wall-clock seconds.
     """
 
     pushed_bytes: int = 0
