@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--direct-io", action="store_true")
     ap.add_argument("--timeout", type=float, default=10.0, help="seconds per shard request / metadata lock wait")
     ap.add_argument("--allow-other", action="store_true", help="let every user use the mount (FUSE allow_other)")
+    ap.add_argument("--sync-timeout", type=float, default=60.0, help="seconds a .irdma barrier or lock wait may take")
     ap.add_argument("--metrics", default=None, metavar="HOST:PORT",
                     help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: a free one)")
     args = ap.parse_args(argv)
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trio.run(functools.partial(serve_mount, args.meta_url, args.mountpoint, transport=args.transport, debug=args.debug,
                                    direct_io=args.direct_io, timeout=args.timeout, allow_other=args.allow_other,
-                                   metrics=args.metrics))
+                                   metrics=args.metrics, sync_timeout=args.sync_timeout))
     except IrdmaError as exc:
         logging.getLogger("irdma.fs").error("%s", exc)
         return 1

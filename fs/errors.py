@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pyfuse3
 
 from irdma import _errors as E
-from irdma.coord import SyncTimeout
+from irdma.coord import SyncDenied, SyncInterrupted, SyncTimeout
 
 log = logging.getLogger("irdma.fs")
 
@@ -43,6 +43,8 @@ ERRNO: dict[type[E.IrdmaError], int] = {
     E.Stale: errno.ESTALE,
     E.AuthFailed: errno.EACCES,
     SyncTimeout: errno.ETIMEDOUT,
+    SyncDenied: errno.EACCES,
+    SyncInterrupted: errno.EINTR,
 }
 #: The errno of an unexpected exception (a bug): the request fails, the mount lives on.
 FALLBACK_ERRNO = errno.EIO

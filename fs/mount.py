@@ -26,6 +26,7 @@ import trio
 from irdma._errors import IrdmaError
 from irdma._proc import last_log_line, pid_alive, spawn_detached
 from irdma.client import DEFAULT_TIMEOUT, Client
+from irdma.coord import DEFAULT_SYNC_TIMEOUT
 from irdma.meta import redact
 from irdma.metrics import Exporter, forget_mount, parse_metrics_address, record_mount
 from irdma.metrics import serve as serve_metrics
@@ -38,6 +39,7 @@ log = logging.getLogger("irdma.fs")
 async def serve_mount(
     meta_url: str, mountpoint: str, *, transport: str = "auto", debug: bool = False, direct_io: bool = False,
     timeout: float = DEFAULT_TIMEOUT, allow_other: bool = False, metrics: str | None = None,
+    sync_timeout: float = DEFAULT_SYNC_TIMEOUT,
 ) -> None:
     """Mount the namespace at ``mountpoint`` and serve it until unmounted.
 
@@ -48,6 +50,9 @@ async def serve_mount(
 
     ``timeout``: seconds each request to a shard, and each wait for the metadata database's
     write lock, may take before the request fails (EIO, EBUSY).
+
+    ``sync_timeout``: seconds a barrier or lock wait of ``.irdma/`` may take before it fails
+    (ETIMEDOUT; :mod:`irdma.fs.control`).
 
     The kernel checks permissions against the files' modes and owners (FUSE's
     ``default_permissions``). Only the user who mounted may use the mount unless
@@ -64,7 +69,7 @@ async def serve_mount(
         exporter = await trio.to_thread.run_sync(serve_metrics, metrics)
     try:
         await _serve_mount(meta_url, mountpoint, transport=transport, debug=debug, direct_io=direct_io,
-                           timeout=timeout, allow_other=allow_other, exporter=exporter)
+                           timeout=timeout, allow_other=allow_other, exporter=exporter, sync_timeout=sync_timeout)
     finally:
         if exporter is not None:
             forget_mount(mountpoint)
@@ -73,11 +78,12 @@ async def serve_mount(
 
 async def _serve_mount(
     meta_url: str, mountpoint: str, *, transport: str, debug: bool, direct_io: bool, timeout: float,
-    allow_other: bool, exporter: Exporter | None,
+    allow_other: bool, exporter: Exporter | None, sync_timeout: float = DEFAULT_SYNC_TIMEOUT,
 ) -> None:
     async with Client.open(meta_url, transport=transport, client_name=f"irdma-mount {mountpoint}",
                            timeout=timeout) as client:
         fs = IrdmaFS(client, direct_io=direct_io)
+        fs.control.sync_timeout = sync_timeout
         await fs.start_session(f"mount {mountpoint}")
         options = set(pyfuse3.default_options)
         options.add("default_permissions")  # the kernel checks modes, owners and the sticky bit
@@ -302,6 +308,7 @@ def check_mountpoint(mountpoint: str) -> str:
 def spawn_mount(
     meta_url: str, mountpoint: str, *, transport: str, log_file: str, timeout: float = 30.0, direct_io: bool = False,
     request_timeout: float = DEFAULT_TIMEOUT, allow_other: bool = False, metrics: str | None = None,
+    sync_timeout: float | None = None,
 ) -> int:
     """Start a mount process in the background and wait until the mount is up (options as
     :func:`serve_mount`'s; ``metrics``: ``HOST:PORT`` of its Prometheus exporter, or None).
@@ -318,6 +325,7 @@ def spawn_mount(
     args = ["-m", "irdma.fs", meta_url, mountpoint, "--transport", transport, "--timeout", str(request_timeout)]
     args += ["--direct-io"] if direct_io else []
     args += ["--allow-other"] if allow_other else []
+    args += ["--sync-timeout", repr(float(sync_timeout))] if sync_timeout is not None else []
     if metrics:
         parse_metrics_address(metrics)  # a malformed address fails here, before anything starts
         args += ["--metrics", metrics]

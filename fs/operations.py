@@ -78,7 +78,7 @@ from irdma import comm, coord
 from irdma._errors import InvalidArgument, IrdmaError, NotFound, Stale
 from irdma.client import ChunkMap, Client, NewChunk, layout_of
 from irdma.compress import XATTR_COMPRESS, Compression, parse_compress
-from irdma.meta import ROOT_INO, Inode
+from irdma.meta import Inode
 from irdma.meta.base import XATTR_UPDATE, setid_bits
 from irdma.metrics import fuse_metrics
 from irdma.optimizers import parse_update
@@ -86,7 +86,6 @@ from irdma.placement import Layout
 from irdma.protocol import Update, UpdateOp
 
 from .control import CLOCK_PREFIX, CONTROL, STATE_PREFIX, Control
-from .control import ROOT as CONTROL_ROOT
 from .errors import fuse_errors
 
 log = logging.getLogger("irdma.fs")
@@ -387,14 +386,14 @@ class IrdmaFS(pyfuse3.Operations):
     # ------------------------------------------------------------ namespace
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
         with fuse_errors("lookup"):
-            if parent_inode == ROOT_INO and name == CONTROL:
-                return self._control_entry(CONTROL_ROOT)
+            if name == CONTROL and not Control.owns(parent_inode):  # DIR/.irdma: DIR's sync objects
+                return await self._control_entry(self.control.scope_dir(parent_inode), ctx)
             if Control.owns(parent_inode):
-                return self._control_entry(self.control.lookup(parent_inode, name))
+                return await self._control_entry(self.control.lookup(parent_inode, name), ctx)
             if name.startswith(CLOCK_PREFIX):  # JOB/.irdma-clock@K (irdma.coord)
                 if not (await self._getattr(parent_inode)).is_dir:
                     raise NotFound("not a directory")
-                return self._control_entry(self.control.clock_file(parent_inode, name))
+                return await self._control_entry(self.control.clock_file(parent_inode, name), ctx)
             if name.startswith(STATE_PREFIX):  # DIR/.irdma-state@NAME: NAME's optimizer state
                 target = await self.meta.lookup(parent_inode, name[len(STATE_PREFIX):])
                 if target.is_dir:
@@ -407,7 +406,7 @@ class IrdmaFS(pyfuse3.Operations):
             if Control.owns(inode):
                 if self.control.target_of(inode) is not None:
                     return await self._state_entry(inode)
-                return self._control_entry(inode)
+                return await self._control_entry(inode, ctx)
             return self._entry(await self._getattr(inode))
 
     async def _state_of(self, target_ino: int) -> tuple[Layout, int, int, Inode]:
@@ -445,17 +444,18 @@ class IrdmaFS(pyfuse3.Operations):
         e.entry_timeout = e.attr_timeout = 0
         return e
 
-    def _control_entry(self, ino: int) -> pyfuse3.EntryAttributes:
+    async def _control_entry(self, ino: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
         e = pyfuse3.EntryAttributes()
-        for k, v in self.control.attr(ino, os.getuid(), os.getgid()).items():
+        for k, v in (await self.control.attr(ino, ctx)).items():
             setattr(e, k, v)
         e.entry_timeout = e.attr_timeout = 0
         return e
 
     async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any) -> pyfuse3.EntryAttributes:
         with fuse_errors("setattr"):
-            if Control.owns(inode):  # `echo 4 > .irdma/barrier/x` truncates first: nothing to do
-                return self._control_entry(inode)
+            if Control.owns(inode):  # chmod, chown of a sync object; `echo 4 > counter` truncates: ignored
+                await self.control.setattr(inode, attr, fields, ctx)
+                return await self._control_entry(inode, ctx)
             kw: dict[str, int] = {}
             if fields.update_size:
                 await self._truncate(await self._getattr(inode), attr.st_size)
@@ -551,7 +551,7 @@ class IrdmaFS(pyfuse3.Operations):
             if fh in self._control_dirs:
                 listing = self._control_dirs[fh]
                 for i in range(start_id, len(listing)):
-                    if not pyfuse3.readdir_reply(token, listing[i][0], self._control_entry(listing[i][1]), i + 1):
+                    if not pyfuse3.readdir_reply(token, listing[i][0], await self._control_entry(listing[i][1]), i + 1):
                         break
                 return
             entries = self._dirs.get(fh, [])
@@ -696,7 +696,7 @@ class IrdmaFS(pyfuse3.Operations):
             if Control.owns(inode):
                 fh = self._next_fh
                 self._next_fh += 1
-                self.control.open(inode, fh, ctx.pid)
+                await self.control.open(inode, fh, flags, ctx)
                 return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
             try:
                 async with self._ino_lock(inode):
@@ -998,7 +998,7 @@ class IrdmaFS(pyfuse3.Operations):
         await self.flush(fh)
 
     async def release(self, fh: int) -> None:
-        self.control.release(fh)
+        await self.control.release(fh)
         self._state_handles.pop(fh, None)
         h = self._handles.pop(fh, None)
         if h is None:

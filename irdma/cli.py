@@ -437,10 +437,13 @@ def destroy(cluster_dir: str, yes: bool) -> None:
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Seconds each request to a shard and each metadata lock wait may take (EIO or EBUSY after)"
               " [default: 10].")
+@click.option("--sync-timeout", type=click.FloatRange(min=0, min_open=True, max=86400), default=None,
+              help="Seconds a barrier or lock wait of MOUNTPOINT/.irdma may take (ETIMEDOUT after) [default: 60].")
 @METRICS_OPTION
 @friendly
 def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_file: str | None,
-          direct_io: bool, allow_other: bool, timeout: float | None, metrics_addr: str | None = None) -> None:
+          direct_io: bool, allow_other: bool, timeout: float | None, metrics_addr: str | None = None,
+          sync_timeout: float | None = None) -> None:
     """Mount the namespace at META_URL on MOUNTPOINT with FUSE (sqlite:///PATH/meta.db, or
     postgresql://USER@HOST:PORT/DB with the password in ~/.pgpass or $PGPASSFILE, never in the URL:
     it would show in `ps`)."""
@@ -452,11 +455,13 @@ def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_
     shown = meta.url
     meta.close()
     extra: dict[str, Any] = {} if timeout is None else {"request_timeout": timeout}
+    extra.update({} if sync_timeout is None else {"sync_timeout": sync_timeout})
     if foreground:
         logging.getLogger("irdma").setLevel(logging.INFO)
         trio.run(functools.partial(serve_mount, meta_url, check_mountpoint(mountpoint), transport=transport,
                                    direct_io=direct_io, allow_other=allow_other, metrics=metrics_addr,
-                                   **({} if timeout is None else {"timeout": timeout})))
+                                   **({} if timeout is None else {"timeout": timeout}),
+                                   **({} if sync_timeout is None else {"sync_timeout": sync_timeout})))
         return
     name = f"mount-{os.path.basename(os.path.abspath(mountpoint))}.log"
     if log_file is None and meta_scheme(meta_url) == "sqlite":
@@ -1253,7 +1258,8 @@ _add_key_file_options(cli)
 #: fstab options (mount.fuse3 passes them as ``-o a,b=c``) that `irdma mount` takes; the
 #: kernel's and mount(8)'s own (rw, nosuid, _netdev, noauto, x-systemd.*, ...) are left out.
 _FSTAB_OPTIONS = {"key_file": "--key-file", "transport": "--transport", "timeout": "--timeout",
-                  "log_file": "--log-file", "allow_other": "--allow-other", "direct_io": "--direct-io"}
+                  "log_file": "--log-file", "allow_other": "--allow-other", "direct_io": "--direct-io",
+                  "sync_timeout": "--sync-timeout"}
 
 
 def fstab_args(argv: list[str]) -> list[str] | None:

@@ -28,11 +28,16 @@ Synchronization functions (SoftMemoryBox II, Ahn et al., IEEE Access 2020)
 arrivals form the next). ``lock(name, lease)``: exclusive, held until released or until the
 lease runs out (a holder that dies frees it after at most the lease); a holder renews by
 acquiring again. ``fetch_add(name, delta)``: atomic add on a 64-bit counter, returning the
-value before. Every wait has a deadline and raises :class:`SyncTimeout` at it.
+value before. Every wait has a deadline and raises :class:`SyncTimeout` at it, and may be
+cancelled (trio): a barrier arrival that gives up either way is withdrawn (under a shielded
+cancel scope with its own deadline, :data:`WITHDRAW_S`), so the next generation never counts a
+caller that left. Through a mount the objects have owners and permission bits and a lock's
+lease is capped by ``user.irdma.max_lease`` (:mod:`irdma.fs.control`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -44,16 +49,36 @@ from ._errors import InvalidArgument, IrdmaError
 XATTR_CONSISTENCY = b"user.irdma.consistency"
 XATTR_WORKERS = b"user.irdma.workers"
 XATTR_SYNC_TIMEOUT = b"user.irdma.sync_timeout"
+#: On a directory (the mount's root for its ``.irdma/``): the longest lease (seconds) a lock of
+#: that directory's ``.irdma/lock/`` may be taken for through a mount; longer ones are cut to it.
+XATTR_MAX_LEASE = b"user.irdma.max_lease"
+#: Default of :data:`XATTR_MAX_LEASE` (seconds).
+DEFAULT_MAX_LEASE = 600.0
 #: Read (not stored) on a job directory: every worker's clock, ``"K:C K:C ..."``.
 XATTR_CLOCKS = b"user.irdma.clocks"
 #: Default deadline of a wait (seconds).
 DEFAULT_SYNC_TIMEOUT = 60.0
 #: Polling of the shared state: from the first interval, doubling up to the last (seconds).
 POLL_FIRST, POLL_MAX = 0.002, 0.05
+#: Deadline (seconds) of the shielded withdrawal of a barrier arrival that gave up; each
+#: metadata call is bounded by the engine's own timeout besides.
+WITHDRAW_S = 10.0
+
+log = logging.getLogger("irdma.coord")
 
 
 class SyncTimeout(IrdmaError):
     """A barrier, lock or clock wait reached its deadline (ETIMEDOUT through the mount)."""
+
+
+class SyncInterrupted(IrdmaError):
+    """A wait ended because its caller was interrupted: a signal to the process waiting
+    through the mount (EINTR; a barrier arrival is withdrawn first)."""
+
+
+class SyncDenied(IrdmaError):
+    """The caller's uid may not use a sync object: its permission bits, or its directory's,
+    do not let it (EACCES through the mount)."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +140,14 @@ def behind(clocks: dict[int, int], workers: int, clock: int, staleness: int) -> 
     return [w for w in range(workers) if clocks.get(w, 0) < clock - staleness]
 
 
-async def _poll(check: Any, deadline: float, what: str) -> Any:
+#: What to do about a SyncTimeout: of a clock wait, of a barrier or lock wait.
+_CLOCK_HINT = ("check that every worker is alive (`irdma status`); raise user.irdma.sync_timeout"
+               " or lower user.irdma.workers to go on without a dead one")
+_SYNC_HINT = ("check that every party is alive; through a mount, `irdma mount --sync-timeout` sets the deadline"
+              " (natively: the timeout argument)")
+
+
+async def _poll(check: Any, deadline: float, what: str, hint: str = _CLOCK_HINT) -> Any:
     """Await ``check()`` until it returns something true, polling with backoff; SyncTimeout at
     ``deadline`` (trio time)."""
     interval = POLL_FIRST
@@ -124,9 +156,7 @@ async def _poll(check: Any, deadline: float, what: str) -> Any:
         if out:
             return out
         if trio.current_time() >= deadline:
-            raise SyncTimeout(f"{what}: gave up at the deadline",
-                              "check that every worker is alive (`irdma status`); raise user.irdma.sync_timeout"
-                              " or lower user.irdma.workers to go on without a dead one")
+            raise SyncTimeout(f"{what}: gave up at the deadline", hint)
         await trio.sleep(min(interval, max(0.0, deadline - trio.current_time())))
         interval = min(interval * 2, POLL_MAX)
 
@@ -166,6 +196,7 @@ async def barrier(meta: Any, name: str, n: int, timeout: float) -> None:
 
     Raises:
         InvalidArgument (another count is waiting), SyncTimeout (this arrival is withdrawn).
+        A cancellation (trio) withdraws the arrival too before it propagates.
     """
     gen, released = await meta.barrier_arrive(name, n)
     if released:
@@ -175,12 +206,27 @@ async def barrier(meta: Any, name: str, n: int, timeout: float) -> None:
         return bool(await meta.barrier_generation(name) > gen)
 
     try:
-        await _poll(passed, trio.current_time() + timeout, f"barrier {name} of {n}")
-    except SyncTimeout:
-        with trio.CancelScope(shield=True):
-            if not await meta.barrier_leave(name, gen) and await meta.barrier_generation(name) > gen:
-                return  # released just as we gave up
+        await _poll(passed, trio.current_time() + timeout, f"barrier {name} of {n}", _SYNC_HINT)
+    except BaseException as exc:  # the deadline, a cancellation (an interrupted caller), a bug
+        if await _withdraw(meta, name, gen) and isinstance(exc, SyncTimeout):
+            return  # released just as we gave up
         raise
+
+
+async def _withdraw(meta: Any, name: str, gen: int) -> bool:
+    """Take back an arrival at generation ``gen`` of barrier ``name`` that gave up, shielded
+    from the cancellation that may be ending its wait, within :data:`WITHDRAW_S`; True if the
+    barrier released that generation meanwhile (nothing to take back)."""
+    with trio.CancelScope(shield=True, deadline=trio.current_time() + WITHDRAW_S) as scope:
+        try:
+            if await meta.barrier_leave(name, gen):
+                return False
+            return bool(await meta.barrier_generation(name) > gen)
+        except IrdmaError as exc:  # the caller's own error (or cancellation) is the one to report
+            log.warning("barrier %s: the arrival of generation %d that gave up may still count (%s)", name, gen, exc)
+    if scope.cancelled_caught:
+        log.warning("barrier %s: withdrawing an arrival of generation %d took over %g s", name, gen, WITHDRAW_S)
+    return False
 
 
 async def lock(meta: Any, name: str, holder: str, lease: float, timeout: float) -> int:
@@ -198,7 +244,7 @@ async def lock(meta: Any, name: str, holder: str, lease: float, timeout: float) 
         return bool(ok)
 
     try:
-        await _poll(take, trio.current_time() + timeout, f"lock {name}")
+        await _poll(take, trio.current_time() + timeout, f"lock {name}", _SYNC_HINT)
     except SyncTimeout as exc:
         raise SyncTimeout(f"{exc.args[0]}: held by {state.get('who')}", exc.hint) from None
     return int(state["expires"])

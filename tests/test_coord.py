@@ -6,13 +6,22 @@ from __future__ import annotations
 
 import errno
 import os
+import platform
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
+import trio
+from helpers import Cluster, irdma_cli, mounted, wait_until
+
+from irdma import coord
 
 pytestmark = pytest.mark.fuse
 
@@ -149,3 +158,293 @@ def test_barrier_lock_and_counter_across_two_mounts_with_a_holder_killed(mnt: st
     with open(os.path.join(mnt, ".irdma", "counter", "c1")) as f:
         assert f.read() == "80\n"
     assert sorted(os.listdir(os.path.join(mnt, ".irdma"))) == ["barrier", "counter", "lock"]
+
+
+# ---------------------------------------------------------------- sync objects: owners, leases, interrupts
+# A mount every user may use (allow_other), on a mountpoint other users can reach, with a short
+# sync deadline; commands run as root, as nobody and as a third uid (daemon, 1) in real processes.
+NOBODY, OTHER = 65534, 1
+SYNC_TIMEOUT = 3.0
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="runs processes as other users: needs root")
+
+
+@pytest.fixture(scope="module")
+def shared(cluster: Cluster) -> Iterator[str]:
+    top = tempfile.mkdtemp(prefix="irdma-shared-")
+    os.chmod(top, 0o755)  # pytest's own temporary directories are 0700: nobody could not reach the mount
+    try:
+        with mounted(cluster.meta_url, os.path.join(top, "m"), allow_other=True, sync_timeout=SYNC_TIMEOUT) as m:
+            yield m
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def sh(uid: int, cmd: str, umask: int = 0o022, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` with sh as ``uid`` (its own group, no others) with ``umask``."""
+    return subprocess.run(["sh", "-c", cmd], user=uid, group=uid, extra_groups=[], umask=umask, cwd="/",
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def spawn(uid: int, cmd: str, umask: int = 0o022) -> subprocess.Popen[str]:
+    return subprocess.Popen(["sh", "-c", f"exec {cmd}"], user=uid, group=uid, extra_groups=[], umask=umask, cwd="/",
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def owner(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_uid, stat.S_IMODE(st.st_mode)
+
+
+def barrier_state(path: str) -> tuple[int, int, int]:
+    """``(generation, arrivals waiting, count)`` of the barrier of ``.irdma/barrier/NAME``."""
+    with open(path) as f:
+        gen, arrived, n = map(int, f.read().split())
+    return gen, arrived, n
+
+
+def lock_holder(path: str) -> str | None:
+    with open(path) as f:
+        text = f.read().split()
+    return None if text == ["free"] else text[0]
+
+
+_READ_SYSCALL = {"x86_64": 0, "aarch64": 63}.get(platform.machine())
+
+
+def in_read(pid: int) -> bool:
+    """``pid`` is blocked in read(2) (where a wait through the mount sits)."""
+    try:
+        with open(f"/proc/{pid}/syscall") as f:
+            return f.read().split()[0] == str(_READ_SYSCALL)
+    except (OSError, IndexError):
+        return False
+
+
+@needs_root
+def test_sync_objects_are_created_with_the_callers_uid_and_umask_and_checked_like_files(shared: str) -> None:
+    c = os.path.join(shared, ".irdma", "counter")
+    assert sh(0, f"echo 5 > {c}/rootc").returncode == 0
+    assert owner(f"{c}/rootc") == (0, 0o644)
+    denied = sh(NOBODY, f"echo 1 > {c}/rootc")  # root's counter: nobody may read it, not move it
+    assert denied.returncode != 0 and "Permission denied" in denied.stderr
+    assert sh(NOBODY, f"cat {c}/rootc").stdout == "5\n"
+
+    # nobody's own, made under umask 077: the name shows it before it exists, as it will be made
+    assert sh(NOBODY, f"stat -c '%u %a' {c}/nobc", umask=0o077).stdout == "65534 600\n"
+    assert sh(NOBODY, f"echo 1 > {c}/nobc", umask=0o077).returncode == 0
+    assert owner(f"{c}/nobc") == (NOBODY, 0o600)
+    assert "Permission denied" in sh(OTHER, f"cat {c}/nobc").stderr
+    assert sh(0, f"echo 1 > {c}/nobc").returncode == 0  # root may do everything, as on files
+    assert sh(OTHER, f"chmod 666 {c}/nobc").returncode != 0  # only its owner (or root) changes its mode
+    assert sh(NOBODY, f"chmod 666 {c}/nobc").returncode == 0
+    assert sh(OTHER, f"echo 1 > {c}/nobc && cat {c}/nobc").stdout == "3\n"
+    assert owner(f"{c}/nobc") == (NOBODY, 0o666)
+
+
+@needs_root
+def test_nobody_cannot_take_or_release_roots_lock(shared: str) -> None:
+    lk = os.path.join(shared, ".irdma", "lock")
+    assert sh(0, f"cat {lk}/rootjob@60").returncode == 0  # root holds it (a read-only handle: beyond the cat)
+    assert (lock_holder(f"{lk}/rootjob") or "").startswith("0@")
+    t0 = time.monotonic()
+    took = sh(NOBODY, f"cat {lk}/rootjob@60")
+    assert took.returncode != 0 and "Permission denied" in took.stderr
+    assert time.monotonic() - t0 < 2  # refused at once, not after a wait
+    assert "Permission denied" in sh(NOBODY, f"echo 0 > {lk}/rootjob").stderr
+    assert (lock_holder(f"{lk}/rootjob") or "").startswith("0@")
+    assert sh(0, f"echo 0 > {lk}/rootjob").returncode == 0  # another process of root's releases it
+    assert lock_holder(f"{lk}/rootjob") is None
+
+
+@needs_root
+def test_a_jobs_objects_live_in_its_directory_and_follow_its_permissions(shared: str) -> None:
+    job = os.path.join(shared, "job700")
+    os.mkdir(job, 0o700)
+    assert sh(0, f"cat {job}/.irdma/barrier/b@1").stdout == "1\n"
+    assert sh(0, f"echo 7 > {job}/.irdma/counter/c && cat {job}/.irdma/counter/c").stdout == "7\n"
+    assert sh(0, f"cat {shared}/.irdma/counter/c").stdout == "0\n"  # the root's c is another counter
+    for cmd in (f"cat {job}/.irdma/barrier/b@1", f"cat {job}/.irdma/counter/c", f"cat {job}/.irdma/lock/l@5"):
+        res = sh(NOBODY, cmd)
+        assert res.returncode != 0 and "Permission denied" in res.stderr, cmd
+    assert os.stat(os.path.join(job, ".irdma")).st_mode & 0o7777 == 0o700
+
+    pub = os.path.join(shared, "pub755")  # nobody may use root's objects here as their modes say, make none
+    os.mkdir(pub, 0o755)
+    assert sh(0, f"echo 2 > {pub}/.irdma/counter/seen").returncode == 0
+    assert sh(NOBODY, f"cat {pub}/.irdma/counter/seen").stdout == "2\n"
+    assert "Permission denied" in sh(NOBODY, f"echo 1 > {pub}/.irdma/counter/new").stderr
+    assert "Permission denied" in sh(NOBODY, f"cat {pub}/.irdma/barrier/new@1").stderr
+
+    mine = os.path.join(shared, "nobodys")  # nobody's job directory: nobody's objects, root may use them
+    os.mkdir(mine, 0o700)
+    os.chown(mine, NOBODY, NOBODY)
+    assert sh(NOBODY, f"echo 3 > {mine}/.irdma/counter/n", umask=0o077).returncode == 0
+    assert owner(os.path.join(mine, ".irdma", "counter", "n")) == (NOBODY, 0o600)
+    assert sh(0, f"cat {mine}/.irdma/counter/n").stdout == "3\n"
+
+
+@needs_root
+def test_a_lock_is_released_by_echo_0_from_any_process_of_the_holders_uid(shared: str) -> None:
+    lk = os.path.join(shared, ".irdma", "lock")
+    assert sh(NOBODY, f"cat {lk}/nl@30", umask=0).returncode == 0  # 0666: uid 1 may write to it
+    assert (lock_holder(f"{lk}/nl") or "").startswith(f"{NOBODY}@")
+    res = sh(OTHER, f"/bin/echo 0 > {lk}/nl")  # another uid: not its lock (dash's echo says only "I/O error")
+    assert res.returncode != 0 and "Operation not permitted" in res.stderr
+    assert lock_holder(f"{lk}/nl") is not None
+    assert sh(NOBODY, f"echo 0 > {lk}/nl").returncode == 0  # a later shell of the same uid
+    assert lock_holder(f"{lk}/nl") is None
+    assert sh(NOBODY, f"echo 0 > {lk}/nl").returncode == 0  # a free lock: nothing to do
+    t0 = time.monotonic()
+    assert sh(OTHER, f"cat {lk}/nl@30").returncode == 0  # free at once for the next one
+    assert time.monotonic() - t0 < 2
+    assert sh(OTHER, f"echo 0 > {lk}/nl").returncode == 0
+
+
+HANDLE_HOLDER = """
+import sys
+f = open(sys.argv[1], "r+")  # read-write: the handle holds the lock
+print(f.read().strip(), flush=True)
+sys.stdin.readline()
+f.close()
+print("closed", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("end", ["close", "SIGKILL"])
+def test_a_lock_taken_through_a_read_write_handle_is_released_with_the_handle(shared: str, end: str) -> None:
+    lk = os.path.join(shared, ".irdma", "lock")
+    p = subprocess.Popen([sys.executable, "-c", HANDLE_HOLDER, f"{lk}/rw-{end}@600"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdin is not None and p.stdout is not None
+    assert int(p.stdout.readline()) > time.time_ns()
+    assert (lock_holder(f"{lk}/rw-{end}") or "").endswith(f"/{p.pid}")
+    if end == "close":
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline() == "closed\n"
+    else:
+        p.kill()
+    wait_until(lambda: lock_holder(f"{lk}/rw-{end}") is None, 5, "the lock released with its handle")
+    p.kill()
+    p.communicate(timeout=10)
+
+
+def test_a_lease_is_capped_by_max_lease(shared: str) -> None:
+    job = os.path.join(shared, "leases")
+    os.mkdir(job)
+    for bad in (b"0", b"never", b"86401"):
+        with pytest.raises(OSError) as exc:
+            os.setxattr(job, "user.irdma.max_lease", bad)
+        assert exc.value.errno == errno.EINVAL
+    os.setxattr(job, "user.irdma.max_lease", b"1")
+    t0 = time.time_ns()
+    with open(os.path.join(job, ".irdma", "lock", "l@3600")) as f:
+        expires = int(f.read())
+    assert t0 < expires <= time.time_ns() + 1_100_000_000  # 1 s, not an hour
+    t1 = time.monotonic()  # another process gets it once that second is up
+    subprocess.run(["cat", os.path.join(job, ".irdma", "lock", "l@5")], check=True, capture_output=True, timeout=30)
+    assert time.monotonic() - t1 < SYNC_TIMEOUT
+
+    t0 = time.time_ns()  # the root's .irdma: the default cap, 600 s
+    with open(os.path.join(shared, ".irdma", "lock", "day@86400")) as f:
+        expires = int(f.read())
+    assert t0 + 590 * 10**9 < expires <= time.time_ns() + 600 * 10**9
+    with open(os.path.join(shared, ".irdma", "lock", "day"), "w") as f:
+        f.write("0")
+
+
+def _waiter(shared: str, kind: str) -> tuple[list[str], Callable[[int], bool]]:
+    """A command that waits on a ``kind`` sync object that will not come, and when it waits."""
+    if kind == "barrier":
+        path = os.path.join(shared, ".irdma", "barrier", "never@2")
+        return ["cat", path], lambda pid: barrier_state(path[: -len("@2")])[1] == 1 and in_read(pid)
+    if kind == "lock":
+        with open(os.path.join(shared, ".irdma", "lock", "taken@600")) as f:  # held by this process
+            f.read()
+        return ["cat", os.path.join(shared, ".irdma", "lock", "taken@30")], in_read
+    job = os.path.join(shared, "bsp-job")
+    if not os.path.isdir(job):
+        _job(shared, "bsp-job", "bsp", 2)
+    before = os.getxattr(job, "user.irdma.clocks")
+    # worker 1 never ticks; worker 0's tick is in, so the mount has the read (a lock wait shows
+    # nothing: there the kill may land before the mount reads the request, which ends it anyway)
+    return ["cat", os.path.join(job, ".irdma-clock@0")], lambda pid: (
+        os.getxattr(job, "user.irdma.clocks") != before and in_read(pid))
+
+
+@pytest.mark.parametrize("kind", ["barrier", "lock", "clock"])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+def test_a_signalled_waiter_is_gone_within_1_s(shared: str, kind: str, sig: signal.Signals) -> None:
+    cmd, waiting = _waiter(shared, kind)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: waiting(p.pid), 5, f"cat waiting on the {kind}")
+        t0 = time.monotonic()
+        p.send_signal(sig)
+        p.wait(timeout=1)  # reaped within 1 s (it sat in D state until the sync deadline before)
+        assert time.monotonic() - t0 < 1
+        assert p.returncode == -sig
+    finally:
+        p.kill()
+        p.communicate(timeout=10)
+    if kind == "barrier":  # its arrival is withdrawn: the next pair starts from nothing
+        assert barrier_state(os.path.join(shared, ".irdma", "barrier", "never"))[1] == 0
+    if kind == "lock":
+        with open(os.path.join(shared, ".irdma", "lock", "taken"), "w") as f:
+            f.write("0")
+
+
+PY_WAITER = """
+import sys
+try:
+    open(sys.argv[1]).read()
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_ctrl_c_interrupts_a_python_waiter(shared: str) -> None:
+    path = os.path.join(shared, ".irdma", "barrier", "ctrlc@2")
+    p = subprocess.Popen([sys.executable, "-c", PY_WAITER, path], stdout=subprocess.PIPE, text=True)
+    wait_until(lambda: barrier_state(path[: -len("@2")])[1] == 1 and in_read(p.pid), 10, "the waiter at the barrier")
+    p.send_signal(signal.SIGINT)  # Python handles it: the read fails with EINTR, then KeyboardInterrupt
+    assert p.communicate(timeout=1)[0] == "interrupted\n"
+    assert barrier_state(path[: -len("@2")])[1] == 0
+
+
+def test_a_wait_ends_at_the_mounts_sync_timeout_and_withdraws(shared: str) -> None:
+    t0 = time.monotonic()
+    res = subprocess.run(["cat", os.path.join(shared, ".irdma", "barrier", "late@2")], capture_output=True,
+                         text=True, timeout=30)
+    assert res.returncode != 0 and "timed out" in res.stderr
+    assert SYNC_TIMEOUT - 0.5 < time.monotonic() - t0 < SYNC_TIMEOUT + 5
+    assert barrier_state(os.path.join(shared, ".irdma", "barrier", "late")) == (0, 0, 2)
+    assert "--sync-timeout" in irdma_cli("mount", "--help").stdout
+
+
+def test_a_cancelled_barrier_wait_withdraws_its_arrival(cluster: Cluster) -> None:
+    from irdma.meta import open_meta
+    from irdma.meta.aio import AsyncMeta
+
+    meta = AsyncMeta(open_meta(cluster.meta_url))
+
+    async def main() -> None:
+        with trio.move_on_after(30):
+            async with trio.open_nursery() as nursery:
+                scope = trio.CancelScope()
+
+                async def wait() -> None:
+                    with scope:
+                        await coord.barrier(meta, "cancelled", 2, 60)
+
+                nursery.start_soon(wait)
+                while (await meta.barrier_state("cancelled"))[1] != 1:
+                    await trio.sleep(0.01)
+                scope.cancel()
+        assert await meta.barrier_state("cancelled") == (0, 0, 2)
+
+    try:
+        trio.run(main)
+    finally:
+        meta.store.close()

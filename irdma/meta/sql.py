@@ -95,6 +95,7 @@ _JOB_XATTRS = {
     coord.XATTR_CONSISTENCY: lambda v: coord.parse_consistency(v).name,
     coord.XATTR_WORKERS: lambda v: str(coord.parse_workers(v)),
     coord.XATTR_SYNC_TIMEOUT: lambda v: repr(coord.parse_timeout(v)),
+    coord.XATTR_MAX_LEASE: lambda v: repr(coord.parse_timeout(v)),  # a lock's longest lease (fs/control.py)
     **{name: _invalid_as_einval(parse) for name, parse in comm.XATTRS.items()},  # P3 slicing, layer dropping
     compress.XATTR_COMPRESS: compress.xattr_value,
 }

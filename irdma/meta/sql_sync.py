@@ -11,7 +11,15 @@ from :mod:`irdma.coord` with a deadline. Times are the metadata host's clients' 
 Tables (both engines)::
 
     sync(kind, name, value, gen, n, holder, expires_ns)   kind: 'barrier' | 'lock' | 'counter'
+    sync_owners(kind, name, uid, gid, mode)               a sync object's owner and permission bits
     clocks(job, worker, clock)                            job: the job directory's inode
+
+A sync object's *key* is its name (1 to :data:`MAX_SYNC_NAME` bytes, no '/') for the objects of
+a mount's root ``.irdma/`` and of native clients, or ``DIR/NAME`` (``DIR`` a directory's inode
+number) for the objects of directory DIR's ``.irdma/`` (:mod:`irdma.fs.control`): a name never
+holds '/', so no root name can reach a directory's object. A lock's holder is the caller's text;
+the mount writes it ``UID@HOST/SESSION/PID`` (:meth:`SqlSync.lock_release_uid` reads the uid).
+``sync_owners`` has a row once a mount used the object (native clients do not check owners).
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ SYNC_SCHEMA = """
 CREATE TABLE IF NOT EXISTS sync(
     kind TEXT NOT NULL, name TEXT NOT NULL, value BIGINT NOT NULL DEFAULT 0, gen BIGINT NOT NULL DEFAULT 0,
     n BIGINT NOT NULL DEFAULT 0, holder TEXT, expires_ns BIGINT NOT NULL DEFAULT 0, PRIMARY KEY(kind, name));
+CREATE TABLE IF NOT EXISTS sync_owners(
+    kind TEXT NOT NULL, name TEXT NOT NULL, uid BIGINT NOT NULL, gid BIGINT NOT NULL, mode BIGINT NOT NULL,
+    PRIMARY KEY(kind, name));
 CREATE TABLE IF NOT EXISTS clocks(
     job BIGINT NOT NULL, worker BIGINT NOT NULL, clock BIGINT NOT NULL, PRIMARY KEY(job, worker));
 """
@@ -37,6 +48,27 @@ def check_sync_name(name: str) -> None:
     """Raises InvalidArgument for an empty, too long or path-like name."""
     if not name or len(name.encode()) > MAX_SYNC_NAME or "/" in name or "\0" in name:
         raise InvalidArgument(f"bad name {name!r}: 1 to {MAX_SYNC_NAME} bytes, no '/'")
+
+
+def sync_key(scope: int | None, name: str) -> str:
+    """The key of object ``name`` of directory inode ``scope``'s ``.irdma/`` (None: the root's
+    and native clients', the name itself). Raises InvalidArgument for a bad name."""
+    check_sync_name(name)
+    return name if scope is None else f"{int(scope)}/{name}"
+
+
+def check_sync_key(key: str) -> None:
+    """Raises InvalidArgument unless ``key`` is a name or ``DIR/NAME`` (see the module docstring)."""
+    scope, slash, name = key.partition("/")
+    if slash and not (scope.isdigit() and scope.isascii()):
+        raise InvalidArgument(f"bad name {key!r}: 1 to {MAX_SYNC_NAME} bytes, no '/'")
+    check_sync_name(name if slash else key)
+
+
+def holder_uid(holder: str | None) -> int | None:
+    """The uid of a holder written ``UID@...`` (a mount's), else None (a native client's)."""
+    uid, at, _ = (holder or "").partition("@")
+    return int(uid) if at and uid.isdigit() and uid.isascii() else None
 
 
 class SqlSync:
@@ -51,7 +83,7 @@ class SqlSync:
     # ---------------------------------------------------------------- counters
     def counter_add(self, name: str, delta: int) -> int:
         """Add ``delta`` to counter ``name`` (created at 0); the value *before* (fetch-and-add)."""
-        check_sync_name(name)
+        check_sync_key(name)
         with self._tx() as c:
             row = c.execute("SELECT value FROM sync WHERE kind='counter' AND name=?", (name,)).fetchone()
             old = int(row[0]) if row else 0
@@ -69,7 +101,7 @@ class SqlSync:
         Raises:
             InvalidArgument: ``n`` < 1, or the barrier is already waiting for a different count.
         """
-        check_sync_name(name)
+        check_sync_key(name)
         if not 1 <= n <= 1 << 20:
             raise InvalidArgument(f"a barrier needs 1 to {1 << 20} parties, not {n}")
         with self._tx() as c:
@@ -90,9 +122,15 @@ class SqlSync:
         row = self._db.execute("SELECT gen FROM sync WHERE kind='barrier' AND name=?", (name,)).fetchone()
         return int(row[0]) if row else 0
 
+    def barrier_state(self, name: str) -> tuple[int, int, int]:
+        """``(generation, arrivals waiting, parties they wait for)`` of barrier ``name``
+        (``(0, 0, 0)`` for one never used)."""
+        row = self._db.execute("SELECT gen, value, n FROM sync WHERE kind='barrier' AND name=?", (name,)).fetchone()
+        return (int(row[0]), int(row[1]), int(row[2])) if row else (0, 0, 0)
+
     def barrier_leave(self, name: str, gen: int) -> bool:
-        """Withdraw an arrival that gave up (its deadline passed) if the barrier has not released
-        that generation since; True when withdrawn."""
+        """Withdraw an arrival that gave up (its deadline passed, or its caller was interrupted)
+        if the barrier has not released that generation since; True when withdrawn."""
         with self._tx() as c:
             row = c.execute("SELECT value, gen FROM sync WHERE kind='barrier' AND name=?", (name,)).fetchone()
             if row is None or int(row[1]) != gen or int(row[0]) == 0:
@@ -108,7 +146,7 @@ class SqlSync:
         Returns:
             ``(acquired, holder now, expiry in ns)``.
         """
-        check_sync_name(name)
+        check_sync_key(name)
         if not 0 < lease_s <= 86400:
             raise InvalidArgument(f"a lease is more than 0 and at most 86400 s, not {lease_s:g}")
         with self._tx() as c:
@@ -131,12 +169,53 @@ class SqlSync:
             c.execute("UPDATE sync SET holder=NULL, expires_ns=0 WHERE kind='lock' AND name=?", (name,))
             return True
 
+    def lock_release_uid(self, name: str, uid: int) -> tuple[bool, str | None]:
+        """Release lock ``name`` if a holder of uid ``uid`` (written ``UID@...``) holds it, or
+        any holder if ``uid`` is 0 (root).
+
+        Returns:
+            ``(released, holder)``: the holder it had (None: it was free or its lease ran out).
+        """
+        with self._tx() as c:
+            row = c.execute("SELECT holder, expires_ns FROM sync WHERE kind='lock' AND name=?", (name,)).fetchone()
+            if row is None or row[0] is None or int(row[1]) <= now():
+                return False, None
+            holder = str(row[0])
+            if uid != 0 and holder_uid(holder) != uid:
+                return False, holder
+            c.execute("UPDATE sync SET holder=NULL, expires_ns=0 WHERE kind='lock' AND name=?", (name,))
+            return True, holder
+
     def lock_state(self, name: str) -> tuple[str | None, int]:
         """``(holder, expiry in ns)`` of lock ``name``; ``(None, 0)`` when free."""
         row = self._db.execute("SELECT holder, expires_ns FROM sync WHERE kind='lock' AND name=?", (name,)).fetchone()
         if row is None or row[0] is None or int(row[1]) <= now():
             return None, 0
         return str(row[0]), int(row[1])
+
+    # ---------------------------------------------------------------- owners
+    def sync_owner(self, kind: str, name: str) -> tuple[int, int, int] | None:
+        """``(uid, gid, permission bits)`` of object ``name`` of ``kind``, or None if no mount
+        has used it yet."""
+        row = self._db.execute("SELECT uid, gid, mode FROM sync_owners WHERE kind=? AND name=?", (kind, name)).fetchone()
+        return (int(row[0]), int(row[1]), int(row[2])) if row else None
+
+    def sync_claim(self, kind: str, name: str, uid: int, gid: int, mode: int) -> tuple[int, int, int]:
+        """The owner of object ``name`` of ``kind``: recorded as ``(uid, gid, mode)`` unless it
+        already has one (the first user owns it, as the creator of a file does)."""
+        check_sync_key(name)
+        with self._tx() as c:
+            c.execute("INSERT INTO sync_owners VALUES (?,?,?,?,?) ON CONFLICT (kind, name) DO NOTHING",
+                      (kind, name, uid, gid, mode & 0o7777))
+            row = c.execute("SELECT uid, gid, mode FROM sync_owners WHERE kind=? AND name=?", (kind, name)).fetchone()
+            return int(row[0]), int(row[1]), int(row[2])
+
+    def sync_chown(self, kind: str, name: str, uid: int, gid: int, mode: int) -> None:
+        """Set the owner and permission bits of a claimed object (chown, chmod: the kernel has
+        checked that the caller may)."""
+        with self._tx() as c:
+            c.execute("UPDATE sync_owners SET uid=?, gid=?, mode=? WHERE kind=? AND name=?",
+                      (uid, gid, mode & 0o7777, kind, name))
 
     # ---------------------------------------------------------------- worker clocks
     def clock_tick(self, job: int, worker: int) -> int:
