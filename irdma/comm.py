@@ -199,10 +199,13 @@ class PriorityWindow:
         raise trio.WouldBlock
 
     async def acquire(self) -> None:
-        """Wait for a permit; admitted by priority."""
+        """Wait for a permit; admitted by priority. Cancelled, it takes none."""
         if self._free and not self._waiters:
+            # as trio.Semaphore: the cancellation point before the permit is taken, then a
+            # schedule point that cannot be cancelled (a permit taken is never dropped)
+            await trio.lowlevel.checkpoint_if_cancelled()
             self._free -= 1
-            await trio.lowlevel.checkpoint()
+            await trio.lowlevel.cancel_shielded_checkpoint()
             return
         self._seq += 1
         event = trio.Event()

@@ -148,6 +148,31 @@ def test_window_ages_a_waiter_past_max_wait_ahead_of_more_urgent_ones() -> None:
     assert trio.run(main, clock=clock) == [9, 0]
 
 
+def test_window_fast_path_cancelled_at_its_checkpoint_takes_no_permit() -> None:
+    """A permit is free and nobody waits (the fast path): an acquire cancelled at its
+    checkpoint, by a cancel already pending or a deadline already past, leaves every permit
+    free; one that returns holds exactly one."""
+
+    async def main() -> None:
+        w = comm.PriorityWindow(2)
+        for _ in range(5):
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await w.acquire()
+            assert scope.cancelled_caught and w.in_flight == 0
+            with trio.move_on_after(0) as late:
+                await w.acquire()
+            assert late.cancelled_caught and w.in_flight == 0
+        await w.acquire()
+        await w.acquire()
+        assert w.in_flight == 2
+        w.release()
+        w.release()
+        assert w.in_flight == 0
+
+    trio.run(main)
+
+
 def test_priority_and_slice_refuse_bad_values() -> None:
     for bad in (-1, comm.MAX_PRIORITY + 1, 1.5, True):
         with pytest.raises(ValueError, match="priority"):
