@@ -112,21 +112,24 @@ def read_key_file(path: str) -> KeyRing:
     """Load a key file.
 
     Raises:
-        InvalidArgument: it cannot be read, is not a key file, or others can read it (mode must
-            give no permission to "other").
+        InvalidArgument: it cannot be read, is not a key file, or its mode gives any permission
+            to its group or to other users (it must be 0600 or stricter).
     """
     try:
-        st = os.stat(path)
         with open(path) as f:
+            st = os.fstat(f.fileno())  # the file read, not whatever the path names a moment later
             data = json.load(f)
     except FileNotFoundError:
         raise InvalidArgument(f"no key file at {path}",
                               "pass the cluster's key file with --key-file or IRDMA_KEY_FILE") from None
     except (OSError, ValueError) as exc:
         raise InvalidArgument(f"cannot read the key file {path}: {exc}", "pass the cluster's key file") from None
-    if st.st_mode & (stat.S_IROTH | stat.S_IWOTH):
-        raise InvalidArgument(f"the key file {path} is readable or writable by every user",
-                              f"chmod 600 {path} (and rotate the key: `irdma key rotate`)")
+    loose = stat.S_IMODE(st.st_mode) & 0o077
+    if loose:
+        who = " and ".join(w for w, bits in (("its group", 0o070), ("every user", 0o007)) if loose & bits)
+        raise InvalidArgument(f"the key file {path} (mode {stat.S_IMODE(st.st_mode):04o}) is open to {who}:"
+                              " a key file must be private to its owner",
+                              f"chmod 600 {path} (and rotate the key if others could read it: `irdma key rotate`)")
     try:
         cid = bytes.fromhex(data["cluster_id"])
         keys = tuple(bytes.fromhex(k) for k in data["keys"])

@@ -75,11 +75,11 @@ import dataclasses
 import enum
 import struct
 from dataclasses import dataclass, field
-from typing import Union
+from typing import TypeVar, Union
 
 import numpy as np
 
-from ._errors import LocalProtocolError, RemoteProtocolError
+from ._errors import LocalProtocolError, RemoteProtocolError, ShardUnavailable
 
 PROTOCOL_VERSION = 8
 #: Oldest protocol version this code speaks (3 added chain replication, 4 authentication, 5 GMAC
@@ -1111,6 +1111,35 @@ def decode_reply(frame: Frame) -> Reply:
         _exact(body, _LIST_R.size + count * _LIST_E.size, "LIST reply")
         return ListReply([ChunkEntry(*_LIST_E.unpack_from(body, _LIST_R.size + i * _LIST_E.size)) for i in range(count)])
     raise UnknownOpcode(f"unknown opcode {op} in a reply")
+
+
+class UnexpectedReply(RemoteProtocolError, ShardUnavailable):
+    """The peer answered a request with a reply of another kind (a READ answered as a STAT,
+    say): the peer is at fault (a :class:`RemoteProtocolError`), and a transport that meets
+    one declares the connection broken, so its callers treat it as a lost shard
+    (:class:`ShardUnavailable`: reconnect, fail over)."""
+
+
+_R = TypeVar("_R")
+
+
+def expect_reply(reply: Reply, kind: type[_R], request: str, peer: str) -> _R:
+    """``reply`` when it is a ``kind``: the check of what a peer sent back, so never an
+    ``assert`` (``python -O`` strips those).
+
+    Args:
+        reply: the decoded reply (an error reply was turned into an exception before).
+        kind: the reply class ``request`` is answered with.
+        request: the request's name, for the message (``"WRITE"``).
+        peer: who answered, for the message (``"shard at HOST:PORT"``).
+
+    Raises:
+        UnexpectedReply: ``reply`` is of another kind.
+    """
+    if not isinstance(reply, kind):
+        raise UnexpectedReply(f"{peer} answered a {request} request with a {type(reply).__name__},"
+                              f" not a {kind.__name__}: connection closed")
+    return reply
 
 
 #: Sizes of the fixed parts, for transports that receive payloads in place.

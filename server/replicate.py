@@ -142,16 +142,21 @@ class Link:
                     raise fw.error
                 assert fw.conn is not None
                 reply = await fw.conn.finish(fw.pend)
+                return P.expect_reply(reply, P.VersionReply, P._REQUEST_OPCODE[type(fw.msg)].name,
+                                      f"replica {self.successor_id} at {self.address}").version
             except (ReplicaFailed, Fenced, NoSpace, BadRequest):
                 raise  # a full replica is not a failed one: the client hears ENOSPC
             except (ReplicaStale, DataLost) as exc:
                 raise ReplicaStale(exc.args[0], self.successor_id) from None
+            except P.UnexpectedReply as exc:  # it mixes up replies: not trusted with the next forward
+                if fw.conn is not None:
+                    await fw.conn.aclose()  # later forwards reconnect
+                raise ReplicaFailed(f"replica {self.successor_id} at {self.address} failed: {exc.args[0]}",
+                                    self.successor_id) from None
             except IrdmaError as exc:
                 why = exc.args[0] if exc.args else repr(exc)
                 raise ReplicaFailed(f"replica {self.successor_id} at {self.address} failed: {why}",
                                     self.successor_id) from None
-            assert isinstance(reply, P.VersionReply)
-            return reply.version
         fw.abandoned = True
         if fw.conn is not None:
             await fw.conn.aclose()  # a stopped successor: later forwards reconnect

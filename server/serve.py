@@ -2,7 +2,10 @@
 
 Each connection is served by one task that reads a frame, applies it to the :class:`Shard`
 synchronously (so update ops are atomic per chunk), and sends the reply; connections run
-concurrently. A malformed or refused request gets an error reply and changes nothing; a
+concurrently. Disk I/O a request needs first (SYNC; a new chunk's zeroing and chunk-index
+record on a shard with a data directory) runs in a worker thread, awaited by that task
+(:class:`ThreadWork`): the event loop never waits for the disk, and a connection's requests
+are still applied in order. A malformed or refused request gets an error reply and changes nothing; a
 connection whose framing is lost is closed; the server keeps serving everyone else. A bug met
 by one request (an unexpected exception) is logged with its traceback and answered INTERNAL;
 one met by a connection closes that connection only (trio's echo-server idiom). Accepting
@@ -19,7 +22,7 @@ import os
 import secrets
 import signal
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,7 +47,7 @@ from irdma.metrics import serve as serve_metrics
 from irdma.transport.tcp import Macs, Receiver, send_parts, tune_socket
 
 from .replicate import Replicator
-from .shard import Shard, split_extents
+from .shard import ChunksPending, Shard, split_extents
 
 if TYPE_CHECKING:
     from .verbs import VerbsShard
@@ -85,6 +88,32 @@ class _PeerWarnings:
         log.warning(msg + extra, *args)
 
 
+class ThreadWork:
+    """What :meth:`ShardServer.handle` gives for a request that needs disk I/O before it is
+    applied (SYNC; a new chunk on a shard with a data directory): an awaitable that does the
+    I/O in a worker thread, so the event loop serves the other connections meanwhile, then
+    applies the request. A front end (TCP, verbs) awaits it in the connection's own task
+    before it reads that connection's next request, so one connection's requests are applied
+    in the order they came; it gives what :meth:`ShardServer.handle` gives (a reply, an
+    awaitable of one, or another ThreadWork).
+    """
+
+    def __init__(self, work: Coroutine[Any, Any, Any], unstarted: Callable[[], None] | None = None) -> None:
+        self._work = work
+        self._unstarted = unstarted
+
+    def __await__(self) -> Generator[Any, None, P.Reply | Awaitable[P.Reply] | ThreadWork]:
+        self._unstarted = None
+        return self._work.__await__()  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Drop it without awaiting: nothing is applied, and what it reserved is given back."""
+        self._work.close()
+        if self._unstarted is not None:
+            self._unstarted()
+            self._unstarted = None
+
+
 class _Handshake:
     """Where one connection is in the exchange of :mod:`irdma.auth`."""
 
@@ -93,6 +122,7 @@ class _Handshake:
         self.client_nonce = b""
         self.shard_nonce = b""
         self.macs: Macs | None = None
+        self.why = ""  # what this shard's log says of a refusal, beyond what the peer is told
 
 
 class ShardServer:
@@ -123,10 +153,14 @@ class ShardServer:
         self.replicator.metrics = self.metrics
         #: ``HOST:PORT`` of this shard's metrics exporter, if it has one (told in STAT replies).
         self.metrics_address = ""
+        #: Chunks being made (see :meth:`_make_then_apply`), each with the event set when done.
+        self._making: dict[tuple[int, int], trio.Event] = {}
+        # a new chunk's disk I/O goes to a worker thread (ThreadWork), not the event loop
+        shard.defer_creation = shard.store is not None
 
     # ------------------------------------------------------------ pure request handling
     def handle(self, frame: P.Frame, staging: memoryview | None = None,
-               transport: str = "tcp") -> P.Reply | Awaitable[P.Reply]:
+               transport: str = "tcp") -> P.Reply | Awaitable[P.Reply] | ThreadWork:
         """Apply one request frame and return the reply. Never raises for bad input.
 
         ``staging`` is the connection's staging buffer (verbs transport), if it has one. An
@@ -134,6 +168,10 @@ class ShardServer:
         the reply is then an awaitable, and the request's buffers must stay untouched until it
         is done (the forward reads them). ``transport`` (``tcp`` or ``verbs``) labels the
         request's metrics (:mod:`irdma.metrics`).
+
+        A request that needs disk I/O before it can be applied (SYNC, or a new chunk on a
+        shard with a data directory) gets a :class:`ThreadWork`: the front end awaits it
+        before it reads the connection's next request, and gets what this method gives.
         """
         metrics = self.metrics
         t0 = metrics.begin()
@@ -145,14 +183,90 @@ class ShardServer:
         except RemoteProtocolError as exc:
             metrics.end(t0, _opcode_name(frame.opcode), transport, "bad_request")
             return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
+        if isinstance(msg, P.Sync) and self.shard.store is not None:
+            return ThreadWork(self._sync(msg, t0, transport))
+        return self._handle(msg, staging, t0, transport)
+
+    def _handle(self, msg: P.Request, staging: memoryview | None, t0: float,
+                transport: str) -> P.Reply | Awaitable[P.Reply] | ThreadWork:
         try:
             reply = self._apply(msg, staging)
+        except ChunksPending as pending:
+            return self._make_then_apply(pending, msg, staging, t0, transport)
         except Exception as exc:
             reply = self._error(exc, msg)
         if inspect.isawaitable(reply):
             return self._finish(reply, msg, t0, transport)
         self._observe(t0, msg, reply, transport)
         return reply
+
+    async def _sync(self, msg: P.Sync, t0: float, transport: str) -> P.Reply:
+        """SYNC (``msync`` of the region and the version table, a checkpoint of the chunk
+        index): it may take a while, so off the event loop; the other connections go on."""
+        reply: P.Reply
+        try:
+            await trio.to_thread.run_sync(self.shard.sync)
+            reply = P.VersionReply(0)
+        except Exception as exc:  # OSError, sqlite3.Error: this request fails, the shard goes on
+            log.error("sync failed: %s", exc)
+            reply = P.ErrorReply(P.Status.INTERNAL, f"shard {self.shard.shard_id}: sync failed: {exc}")
+        except BaseException:
+            self.metrics.end(t0, "sync", transport, "cancelled")
+            raise
+        self._observe(t0, msg, reply, transport)
+        return reply
+
+    def _make_then_apply(self, pending: ChunksPending, msg: P.Request, staging: memoryview | None, t0: float,
+                         transport: str) -> ThreadWork:
+        """Make the chunks ``msg`` reserved (zeroed and recorded by the data directory, in a
+        worker thread), wait for those another request is making, then apply ``msg`` again.
+
+        A chunk is reserved by one request only; a request that needs it meanwhile waits for
+        it (``self._making``) and then applies as usual, so two requests that create the same
+        chunk make it once, and a retried request id is still applied once (the replicator's
+        record is checked when each is applied). Requests of one connection stay in order:
+        the front end awaits this before the connection's next request.
+        """
+        done = trio.Event()
+        for key, _ in pending.new:
+            self._making[key] = done  # at once: a request that finds the chunk reserved waits on it
+
+        def release(made: bool) -> None:
+            (self.shard.install if made else self.shard.abandon)(pending.new)
+            for key, _ in pending.new:
+                if self._making.get(key) is done:
+                    del self._making[key]
+            done.set()
+
+        async def work() -> P.Reply | Awaitable[P.Reply] | ThreadWork:
+            try:
+                if pending.new:
+                    store = self.shard.store
+                    assert store is not None  # only a shard with a data directory defers creation
+                    made = False
+                    try:
+                        await trio.to_thread.run_sync(store.add_chunks,
+                                                      [(f, i, c.offset, c.size) for (f, i), c in pending.new])
+                        made = True
+                    finally:
+                        release(made)
+                for key in pending.waiting:
+                    other = self._making.get(key)
+                    if other is not None:
+                        await other.wait()
+                    else:
+                        await trio.lowlevel.checkpoint()
+            except Exception as exc:  # OSError, sqlite3.Error: this request fails, the shard goes on
+                log.error("shard %d could not make a new chunk: %s", self.shard.shard_id, exc)
+                reply = P.ErrorReply(P.Status.INTERNAL, f"shard {self.shard.shard_id}: cannot make a new chunk: {exc}")
+                self._observe(t0, msg, reply, transport)
+                return reply
+            except BaseException:
+                self.metrics.end(t0, _op_of(msg), transport, "cancelled")
+                raise
+            return self._handle(msg, staging, t0, transport)
+
+        return ThreadWork(work(), lambda: release(False))
 
     async def _finish(self, version: Awaitable[int], msg: P.Request, t0: float, transport: str) -> P.Reply:
         reply: P.Reply
@@ -348,8 +462,11 @@ class ShardServer:
             return P.ErrorReply(P.Status.AUTH_FAILED, "this shard serves only holders of its cluster key")
         cluster_id = msg.auth[: auth.CLUSTER_ID_SIZE]
         if cluster_id != ring.cluster_id:
-            return P.ErrorReply(P.Status.AUTH_FAILED, f"this shard belongs to cluster {ring.cluster_hex},"
-                                f" not {cluster_id.hex()}")
+            # the peer has not proved the key: it learns nothing of this cluster (its id stays
+            # in this shard's log)
+            hs.why = f"it names cluster {cluster_id.hex()}, this shard belongs to {ring.cluster_hex}"
+            return P.ErrorReply(P.Status.AUTH_FAILED, "this shard belongs to another cluster: pass this cluster's"
+                                " key file")
         hs.ring, hs.client_nonce = ring, msg.auth[auth.CLUSTER_ID_SIZE :]
         hs.shard_nonce = secrets.token_bytes(auth.NONCE_SIZE)
         return P.AuthChallenge(hs.shard_nonce)
@@ -385,7 +502,8 @@ class ShardServer:
             msg = P.decode_request(frame)
         except RemoteProtocolError as exc:
             return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
-        assert isinstance(msg, P.VerbsConnect)
+        if not isinstance(msg, P.VerbsConnect):  # its opcode says it is one: checked all the same
+            return P.ErrorReply(P.Status.BAD_REQUEST, f"expected VERBS_CONNECT, got {type(msg).__name__}")
         if self.verbs is None:
             return P.ErrorReply(P.Status.BAD_REQUEST, "this shard serves TCP only (start it with --transport verbs)")
         box: list[P.Reply] = []
@@ -451,7 +569,7 @@ class ShardServer:
                 reply = self.hello(frame, hs)
                 opened = isinstance(reply, P.HelloReply)
                 if isinstance(reply, P.ErrorReply):
-                    self.warnings.warn(peer, "refused connection from %s: %s", peer, reply.message)
+                    self.warnings.warn(peer, "refused connection from %s: %s", peer, hs.why or reply.message)
                     async with send_lock:
                         await self._send_quietly(sock, P.encode_reply(frame.opcode, frame.request_id, reply), None)
                     break
@@ -463,21 +581,10 @@ class ShardServer:
                 continue
             elif frame.opcode == P.Opcode.VERBS_CONNECT:
                 reply = await self._verbs_connect(frame, verbs_nursery)
-            elif frame.opcode == P.Opcode.SYNC and not frame.body_len:
-                # msync may take a while: off the event loop, the other connections go on
-                t0 = self.metrics.begin()
-                try:
-                    await trio.to_thread.run_sync(self.shard.sync)
-                    reply = P.VersionReply(0)
-                except OSError as exc:
-                    log.error("sync failed: %s", exc)
-                    reply = P.ErrorReply(P.Status.INTERNAL, f"shard {self.shard.shard_id}: sync failed: {exc}")
-                except BaseException:
-                    self.metrics.end(t0, "sync", "tcp", "cancelled")
-                    raise
-                self._observe(t0, P.Sync(), reply, "tcp")
             else:
                 handled = self.handle(frame)
+                while isinstance(handled, ThreadWork):  # disk I/O first; the next request waits for it
+                    handled = await handled
                 if not inspect.isawaitable(handled):
                     reply = handled
                 else:
@@ -645,4 +752,4 @@ class _Started:
         self._task_status.started(self._bound)
 
 
-__all__ = ["ShardServer", "run_server", "IrdmaError"]
+__all__ = ["ShardServer", "ThreadWork", "run_server", "IrdmaError"]

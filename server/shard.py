@@ -146,6 +146,34 @@ class Chunk:
         return self.offset // PAGE
 
 
+ChunkKey = tuple[int, int]  # (file id, chunk index)
+
+
+class ChunksPending(Exception):
+    """A request needs chunks that are not made yet (deferred creation only: see
+    :attr:`Shard.defer_creation`). Raised before the request changed anything; apply it again
+    once they are made.
+
+    Attributes:
+        new: the chunks this attempt reserved (their extents are taken, their version slots
+            zero): the caller makes them (:meth:`ShardStore.add_chunks` in a worker thread),
+            then :meth:`Shard.install` (or :meth:`Shard.abandon` if that failed).
+        waiting: chunks another request reserved and is making: wait until it is done.
+    """
+
+    def __init__(self, new: list[tuple[ChunkKey, Chunk]] | None = None, waiting: list[ChunkKey] | None = None) -> None:
+        super().__init__("chunks to make first")
+        self.new = new or []
+        self.waiting = waiting or []
+
+    def add(self, other: ChunksPending) -> None:
+        self.new += other.new
+        self.waiting += other.waiting
+
+    def __bool__(self) -> bool:
+        return bool(self.new or self.waiting)
+
+
 class Shard:
     """The chunks of one shard and the update ops on them.
 
@@ -180,6 +208,13 @@ class Shard:
                 self.versions[:] = 0
         self._alloc = _Allocator(region.capacity)
         self._chunks: dict[tuple[int, int], Chunk] = {}
+        #: Creation with a data directory does I/O (zeroing the extent, recording it in the
+        #: chunk index): when True, a request that needs a new chunk reserves it and raises
+        #: ChunksPending instead, so a server does that I/O in a worker thread and applies the
+        #: request again (:class:`irdma.server.serve.ShardServer` turns it on). False: made at
+        #: once, in the caller's thread.
+        self.defer_creation = False
+        self._making: dict[ChunkKey, Chunk] = {}  # reserved, being made
         self._by_file: dict[int, set[int]] = {}
         self.used = 0
         self.incarnation = (int.from_bytes(os.urandom(8), "big") >> 1) or 1  # 63 bits: fits SQL integers
@@ -217,6 +252,9 @@ class Shard:
             raise DataLost(f"chunk ({file_id}, {chunk_index}) is not on shard {self.shard_id}")
         if chunk_size <= 0 or chunk_size % PAGE or chunk_size > MAX_CHUNK_SIZE:
             raise BadRequest(f"chunk size {chunk_size} must be a multiple of {PAGE} up to {MAX_CHUNK_SIZE}")
+        deferred = self.defer_creation and self.store is not None
+        if deferred and (file_id, chunk_index) in self._making:
+            raise ChunksPending(waiting=[(file_id, chunk_index)])  # made by another request now
         offset = self._alloc.alloc(chunk_size)
         if offset is None:
             raise NoSpace(
@@ -224,6 +262,11 @@ class Shard:
                 f" no free extent of {chunk_size} bytes"
             )
         chunk = Chunk(offset, chunk_size)
+        if deferred:
+            self._making[(file_id, chunk_index)] = chunk
+            self.versions[chunk.slot] = 0
+            self.used += chunk_size
+            raise ChunksPending(new=[((file_id, chunk_index), chunk)])
         if self.store is not None:
             self.store.add_chunk(file_id, chunk_index, offset, chunk_size)
         self.versions[chunk.slot] = 0
@@ -231,6 +274,23 @@ class Shard:
         self._by_file.setdefault(file_id, set()).add(chunk_index)
         self.used += chunk_size
         return chunk
+
+    def install(self, made: list[tuple[ChunkKey, Chunk]]) -> None:
+        """Take reserved chunks into service once made (zeroed and recorded in the data
+        directory): from now on requests find them (version 0, all zeros)."""
+        for key, chunk in made:
+            if self._making.get(key) is chunk:
+                del self._making[key]
+                self._chunks[key] = chunk
+                self._by_file.setdefault(key[0], set()).add(key[1])
+
+    def abandon(self, reserved: list[tuple[ChunkKey, Chunk]]) -> None:
+        """Give back reserved chunks that could not be made: their extents are free again."""
+        for key, chunk in reserved:
+            if self._making.get(key) is chunk:
+                del self._making[key]
+                self._alloc.free(chunk.offset, chunk.size)
+                self.used -= chunk.size
 
     def read(self, file_id: int, chunk_index: int, offset: int, length: int) -> tuple[int, memoryview | None]:
         """Bytes ``[offset, offset+length)`` of a chunk.
@@ -298,14 +358,26 @@ class Shard:
             raise BadRequest(f"{kind.name.lower()} needs its arguments")
         if kind.is_optimizer:
             assert isinstance(op, Update)
-            had_state = (file_id, optim.state_index(chunk_index)) in self._chunks
-            state = self._state_for(file_id, chunk_index, chunk_size, op, existing)
+            skey = (file_id, optim.state_index(chunk_index))
+            had_state = skey in self._chunks
+            pending = ChunksPending()  # the state and the chunk are reserved together
+            state: Chunk | None = None
+            try:
+                state = self._state_for(file_id, chunk_index, chunk_size, op, existing)
+            except ChunksPending as more:
+                pending.add(more)
             try:
                 chunk = self._get_or_create(file_id, chunk_index, chunk_size, existing)
-            except NoSpace:
-                if not had_state:  # a refused write leaves nothing behind
-                    self._drop(file_id, optim.state_index(chunk_index))
+            except ChunksPending as more:
+                pending.add(more)
+            except Exception:
+                self.abandon(pending.new)
+                if not had_state and skey in self._chunks:  # a refused write leaves nothing behind
+                    self._drop(*skey)
                 raise
+            if pending:
+                raise pending
+            assert state is not None
             start = chunk.offset + offset
             optim.apply(op, self.region.view[start : start + n], data,
                         self.region.view[state.offset : state.offset + state.size], chunk_size, offset)
@@ -384,6 +456,7 @@ class Shard:
         if kind != UpdateOp.ASSIGN and any(optim.is_state(i) for i, _, _, _ in parts):
             raise BadRequest("optimizer state chunks take only assign")
         made: list[tuple[int, int]] = []  # what this call created: dropped again if it fails
+        pending = ChunksPending()  # deferred creation: every new chunk reserved, then made at once
         chunks: list[Chunk] = []
         states: list[Chunk] = []
         try:
@@ -392,19 +465,28 @@ class Shard:
                     assert isinstance(op, Update)
                     skey = (file_id, optim.state_index(index))
                     had = skey in self._chunks
-                    states.append(self._state_for(file_id, index, chunk_size, op, existing))
-                    if not had:
+                    try:
+                        states.append(self._state_for(file_id, index, chunk_size, op, existing))
+                    except ChunksPending as more:
+                        pending.add(more)
+                    if not had and skey in self._chunks:
                         made.append(skey)
                 key = (file_id, index)
                 had = key in self._chunks
-                chunks.append(self._get_or_create(file_id, index, chunk_size, existing))
-                if not had:
+                try:
+                    chunks.append(self._get_or_create(file_id, index, chunk_size, existing))
+                except ChunksPending as more:
+                    pending.add(more)
+                if not had and key in self._chunks:
                     made.append(key)
         except BaseException:
+            self.abandon(pending.new)
             for key in reversed(made):
                 if key in self._chunks:
                     self._drop(*key)
             raise
+        if pending:
+            raise pending
         src = np.frombuffer(data, dtype=np.uint8)
         if kind.is_optimizer:
             assert isinstance(op, Update)

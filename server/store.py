@@ -36,7 +36,7 @@ import mmap
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from irdma._errors import IrdmaError
 
@@ -191,9 +191,28 @@ class ShardStore:
         yield from self._db.execute("SELECT file, idx, offset, size FROM chunks")
 
     def add_chunk(self, file_id: int, chunk_index: int, offset: int, size: int) -> None:
-        self._zero(offset, size)  # a new chunk starts as zeros, whatever a crash left
+        self.add_chunks([(file_id, chunk_index, offset, size)])
+
+    def add_chunks(self, chunks: Sequence[tuple[int, int, int, int]]) -> None:
+        """Make new chunks ``(file id, chunk index, region offset, size)``: zero their extents,
+        then record them in the chunk index, all in one transaction. Disk I/O: a shard server
+        calls it in a worker thread (the extents are reserved, nothing else touches them).
+
+        Raises:
+            OSError: an extent could not be zeroed. sqlite3.Error: the index could not be
+                written. Nothing was recorded in either case.
+        """
+        for _, _, offset, size in chunks:
+            self._zero(offset, size)  # a new chunk starts as zeros, whatever a crash left
         with self._db_lock:
-            self._db.execute("INSERT OR REPLACE INTO chunks VALUES (?,?,?,?)", (file_id, chunk_index, offset, size))
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany("INSERT OR REPLACE INTO chunks VALUES (?,?,?,?)", chunks)
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
 
     def drop_chunk(self, file_id: int, chunk_index: int, offset: int, size: int) -> None:
         with self._db_lock:

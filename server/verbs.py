@@ -35,6 +35,7 @@ from irdma.transport.verbs import (
     view_of,
 )
 
+from .serve import ThreadWork
 from .shard import PAGE, Region, Shard
 from .store import ShardStore, address_of
 
@@ -170,6 +171,8 @@ class VerbsShard:
                 log.warning("verbs client sent a bad frame: %s", exc)
                 reply = P.ErrorReply(P.Status.BAD_FRAME, str(exc))
                 frame = P.Frame(0, 0, 0, 0)
+            while isinstance(reply, ThreadWork):  # SYNC, a new chunk: disk I/O in a worker thread, as over TCP
+                reply = await reply
             if inspect.isawaitable(reply):
                 later.start_soon(reply_later, frame.opcode, frame.request_id, reply)
                 continue

@@ -142,7 +142,7 @@ def test_wrong_key_other_cluster_and_no_key_are_refused_with_a_clear_error(tmp_p
         wrong = auth.KeyRing(ring.cluster_id, (secrets.token_bytes(32),))
         with pytest.raises(AuthFailed, match="wrong cluster key"):
             trio.run(connect, wrong)
-        with pytest.raises(AuthFailed, match="belongs to cluster"):
+        with pytest.raises(AuthFailed, match="another cluster"):
             trio.run(connect, auth.new_ring())
         with pytest.raises(AuthFailed, match="key file"):
             trio.run(connect, None)
@@ -425,3 +425,86 @@ def test_frame_tags_are_gcm_tags_whichever_way_they_are_made(size: int) -> None:
     flipped = bytes([parts[0][0] ^ 1]) + bytes(parts[0][1:])
     with pytest.raises(AuthFailed):  # a flipped bit fails the check
         auth.FrameMac(key).check([flipped, parts[1]], tag)
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o660, 0o604, 0o620, 0o602, 0o644, 0o610, 0o601], ids=lambda m: f"{m:04o}")
+def test_a_key_file_open_to_its_group_or_to_others_is_refused_with_the_chmod_to_run(
+        tmp_path: object, mode: int) -> None:
+    path = os.path.join(str(tmp_path), "cluster.key")
+    auth.create_key_file(path)
+    os.chmod(path, mode)
+    with pytest.raises(irdma.InvalidArgument) as refused:
+        auth.read_key_file(path)
+    assert f"{mode:04o}" in str(refused.value) and f"chmod 600 {path}" in refused.value.hint
+    assert ("its group" in str(refused.value)) == bool(mode & 0o070)
+    with pytest.raises(irdma.InvalidArgument, match="chmod 600"):
+        auth.KeySource(path)  # what `irdma server --key-file` and every command read it with
+    os.chmod(path, 0o600)
+    assert auth.read_key_file(path).cluster_id
+    for private in (0o400, 0o700):  # nothing for the group or others: fine
+        os.chmod(path, private)
+        assert auth.read_key_file(path).cluster_id
+
+
+async def _raw_exchange(address: tuple[str, int], *frames: bytes) -> bytes:
+    """What a peer with only a socket gets back for ``frames`` (sent one after the other as
+    each is answered) until the shard closes the connection."""
+    sock = trio.socket.socket()
+    with sock:
+        await sock.connect(address)
+        got = b""
+        for f in frames:
+            await sock.send(f)
+            with trio.move_on_after(2):
+                got += await sock.recv(65536)
+        with trio.fail_after(10):
+            while chunk := await sock.recv(65536):
+                got += chunk
+    return got
+
+
+def test_a_refusal_tells_a_peer_without_the_key_nothing_of_the_cluster(tmp_path: object) -> None:
+    """A peer that has not proved the key, refused for naming another cluster, a wrong proof,
+    no offer or another opcode first, never hears the cluster id (raw or hex) or the key."""
+    from irdma.server.serve import ShardServer
+    from irdma.server.shard import Region, Shard
+
+    key_file = os.path.join(str(tmp_path), "cluster.key")
+    ring = auth.create_key_file(key_file)
+    secrets_of_cluster = [ring.cluster_id, ring.cluster_hex.encode(), ring.cluster_hex.upper().encode(),
+                          ring.current, ring.current.hex().encode()]
+
+    def hello(offer: bytes) -> bytes:
+        return b"".join(P.encode_request(P.Hello(client_name="raw", auth=offer), 0))
+
+    other_id = secrets.token_bytes(auth.CLUSTER_ID_SIZE)
+    attempts = {
+        "another cluster's id": [hello(other_id + secrets.token_bytes(auth.NONCE_SIZE))],
+        "no offer": [hello(b"")],
+        "a short offer": [hello(other_id)],
+        "a wrong proof": [hello(ring.cluster_id + secrets.token_bytes(auth.NONCE_SIZE)),
+                          b"".join(P.encode_request(P.Auth(secrets.token_bytes(32)), 0))],
+        "a STAT first": [b"".join(P.encode_request(P.Stat(), 1))],
+    }
+
+    async def main() -> dict[str, bytes]:
+        server = ShardServer(Shard(1, Region(1 << 20)), keys=auth.KeySource(key_file))
+        out = {}
+        async with trio.open_nursery() as n:
+            host, port = await n.start(server.serve_tcp, "127.0.0.1", 0)
+            for what, frames in attempts.items():
+                out[what] = await _raw_exchange((host, port), *frames)
+            n.cancel_scope.cancel()
+        return out
+
+    answers = trio.run(main)
+    for what, got in answers.items():
+        assert b"" != got, f"{what}: no refusal at all"
+        for secret in secrets_of_cluster:
+            assert secret not in got, f"{what}: the refusal {got!r} tells the cluster's secrets"
+    # the refusals still say what is wrong
+    frame = P.FrameDecoder(max_body=1 << 20)
+    frame.feed(answers["another cluster's id"])
+    reply = P.decode_reply(frame.next_frame())  # type: ignore[arg-type]
+    assert isinstance(reply, P.ErrorReply) and reply.status == P.Status.AUTH_FAILED
+    assert "another cluster" in reply.message and other_id.hex() not in reply.message

@@ -20,7 +20,7 @@ import logging
 import secrets
 import socket as _stdsocket
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import trio
@@ -49,6 +49,8 @@ SOCKET_BUFFER = 4 << 20
 _JOIN_LIMIT = 64 << 10
 #: Seconds a TCP connect plus HELLO may take before the shard counts as unreachable.
 CONNECT_TIMEOUT = 10.0
+
+_R = TypeVar("_R")
 
 
 def tune_socket(sock: Any) -> None:
@@ -300,6 +302,21 @@ class TcpConnection(ShardConnection):
     async def _call(self, msg: P.Request, into: memoryview | None = None) -> P.Reply:
         return await self.finish(await self.start(msg, into))
 
+    async def _call_for(self, msg: P.Request, kind: type[_R], into: memoryview | None = None) -> _R:
+        """:meth:`_call`, and the reply must be a ``kind``.
+
+        Raises:
+            UnexpectedReply: the shard answered with another kind of reply; the connection is
+                broken (every pending call fails): a shard that mixes up replies is not trusted
+                with the next one.
+        """
+        reply = await self._call(msg, into)
+        try:
+            return P.expect_reply(reply, kind, P._REQUEST_OPCODE[type(msg)].name, f"shard at {self.address}")
+        except P.UnexpectedReply as exc:
+            self._break(str(exc))
+            raise
+
     async def start(self, msg: P.Request, into: memoryview | None = None) -> _Pending:
         """Send a request; :meth:`finish` waits for its reply. Requests started one after the
         other from one task reach the shard in that order (a shard forwarding a chain's updates
@@ -343,8 +360,7 @@ class TcpConnection(ShardConnection):
         return pend.reply
 
     async def read(self, file_id: int, chunk_index: int, offset: int, into: memoryview, clean: bool = False) -> int:
-        reply = await self._call(P.Read(file_id, chunk_index, offset, len(into), clean), into)
-        assert isinstance(reply, P.ReadReply)
+        reply = await self._call_for(P.Read(file_id, chunk_index, offset, len(into), clean), P.ReadReply, into)
         if reply.hole:
             into[:] = bytes(len(into))
         elif reply.data is not into:
@@ -364,16 +380,15 @@ class TcpConnection(ShardConnection):
         existing: bool = False,
         chain: P.Chain | None = None,
     ) -> int:
-        reply = await self._call(P.Write(file_id, chunk_index, chunk_size, offset, op, data, existing, chain))
-        assert isinstance(reply, P.VersionReply)
+        reply = await self._call_for(P.Write(file_id, chunk_index, chunk_size, offset, op, data, existing, chain),
+                                     P.VersionReply)
         return reply.version
 
     async def gather(self, file_id: int, extents: np.ndarray, clean: bool = False) -> tuple[np.ndarray, memoryview]:
         # the reply's body lands whole in one buffer (count, versions, bytes), not zeroed first
         n = int(extents["length"].sum(dtype=np.int64))
         body = memoryview(np.empty(P.GATHER_REPLY_FIXED + 8 * len(extents) + n, dtype=np.uint8))  # type: ignore[arg-type]
-        reply = await self._call(P.Gather(file_id, extents, clean), body)
-        assert isinstance(reply, P.GatherReply)
+        reply = await self._call_for(P.Gather(file_id, extents, clean), P.GatherReply, body)
         if len(reply.versions) != len(extents) or len(reply.data) != n:
             raise ShardUnavailable(f"shard at {self.address} answered a gather of {len(extents)} extents,"
                                    f" {n} bytes, with {len(reply.versions)} and {len(reply.data)}")
@@ -381,41 +396,34 @@ class TcpConnection(ShardConnection):
 
     async def scatter(self, file_id: int, chunk_size: int, extents: np.ndarray, op: UpdateOp | Update,
                       data: memoryview | bytes, existing: bool = False, chain: P.Chain | None = None) -> int:
-        reply = await self._call(P.Scatter(file_id, chunk_size, extents, op, data, existing, chain))
-        assert isinstance(reply, P.VersionReply)
+        reply = await self._call_for(P.Scatter(file_id, chunk_size, extents, op, data, existing, chain), P.VersionReply)
         return reply.version
 
     async def resync(self, file_id: int, chunk_index: int, chunk_size: int, chain: P.Chain) -> int:
-        reply = await self._call(P.Resync(file_id, chunk_index, chunk_size, chain))
-        assert isinstance(reply, P.VersionReply)
+        reply = await self._call_for(P.Resync(file_id, chunk_index, chunk_size, chain), P.VersionReply)
         return reply.version
 
     async def checksum(self, file_id: int, chunk_index: int, view: int = 0) -> tuple[int, int]:
-        reply = await self._call(P.Checksum(file_id, chunk_index, view))
-        assert isinstance(reply, P.ChecksumReply)
+        reply = await self._call_for(P.Checksum(file_id, chunk_index, view), P.ChecksumReply)
         return reply.version, reply.crc
 
     async def stat(self) -> StatReply:
-        reply = await self._call(P.Stat())
-        assert isinstance(reply, StatReply)
+        reply = await self._call_for(P.Stat(), StatReply)
         return reply
 
     async def free(self, file_id: int, first_chunk: int) -> int:
-        reply = await self._call(P.Free(file_id, first_chunk))
-        assert isinstance(reply, P.FreeReply)
+        reply = await self._call_for(P.Free(file_id, first_chunk), P.FreeReply)
         return reply.freed
 
     async def punch(self, file_id: int, chunk_index: int, offset: int) -> int:
-        reply = await self._call(P.Punch(file_id, chunk_index, offset))
-        assert isinstance(reply, P.VersionReply)
+        reply = await self._call_for(P.Punch(file_id, chunk_index, offset), P.VersionReply)
         return reply.version
 
     async def sync(self) -> None:
-        await self._call(P.Sync())
+        await self._call_for(P.Sync(), P.VersionReply)
 
     async def list_chunks(self, after_file: int = 0, after_chunk: int = 0) -> list[ChunkEntry]:
-        reply = await self._call(P.List(after_file, after_chunk))
-        assert isinstance(reply, P.ListReply)
+        reply = await self._call_for(P.List(after_file, after_chunk), P.ListReply)
         return reply.entries
 
     async def aclose(self) -> None:

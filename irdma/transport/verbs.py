@@ -61,7 +61,7 @@ import random
 import resource
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import trio
@@ -108,6 +108,7 @@ _RECV_BIT = 1 << 62
 GATHER_WRS = SEND_DEPTH // 2
 #: Extents of one staged SCATTER: its control frame (16 bytes each) must fit a SEND slot.
 SCATTER_EXTENTS = 384
+_R = TypeVar("_R")
 
 
 def _fix(exc: BaseException) -> str:
@@ -779,11 +780,25 @@ class VerbsConnection(ShardConnection):
         raise_for_error(call.reply, self.address)
         return call.reply
 
+    def _expect(self, reply: P.Reply, kind: type[_R], msg: P.Request | type[P.Request]) -> _R:
+        """``reply`` when it is the ``kind`` that answers ``msg`` (a request or its class).
+
+        Raises:
+            UnexpectedReply: the shard answered with another kind of reply; the connection is
+                broken (as for any bad reply: see :meth:`_on_recv`).
+        """
+        try:
+            name = P._REQUEST_OPCODE[msg if isinstance(msg, type) else type(msg)].name
+            return P.expect_reply(reply, kind, name, f"shard at {self.address}")
+        except P.UnexpectedReply as exc:
+            self._break(str(exc))
+            raise
+
     async def _locate(self, file_id: int, chunk_index: int, create_size: int) -> P.LocateReply | None:
         loc = self._locs.get((file_id, chunk_index))
         if loc is None:
-            reply = await self._rpc(P.Locate(file_id, chunk_index, create_size))
-            assert isinstance(reply, P.LocateReply)
+            msg = P.Locate(file_id, chunk_index, create_size)
+            reply = self._expect(await self._rpc(msg), P.LocateReply, msg)
             if not reply.exists:
                 return None
             loc = self._locs[(file_id, chunk_index)] = reply
@@ -885,8 +900,7 @@ class VerbsConnection(ShardConnection):
             reply = await self._push(view, r.staging_addr + soff, r.staging_rkey,
                                      P.RemoteWrite(file_id, chunk_index, chunk_size, offset, op, False, n, soff,
                                                    existing=existing, chain=chain), staging=soff)
-        assert isinstance(reply, P.VersionReply)
-        return reply.version
+        return self._expect(reply, P.VersionReply, P.RemoteWrite).version
 
     async def gather(self, file_id: int, extents: np.ndarray, clean: bool = False) -> tuple[np.ndarray, memoryview]:
         """One-sided: each extent is an RDMA READ from the chunk's place in the region (located
@@ -1008,8 +1022,7 @@ class VerbsConnection(ShardConnection):
             msg = P.Scatter(file_id, chunk_size, extents[sel], op, b"", existing, sub, True, soff)
             reply = await self._push(memoryview(payload), r.staging_addr + soff,  # type: ignore[arg-type]
                                      r.staging_rkey, msg, staging=soff)
-            assert isinstance(reply, P.VersionReply)
-            version = max(version, reply.version)
+            version = max(version, self._expect(reply, P.VersionReply, msg).version)
         return version
 
     async def _push(self, view: memoryview, raddr: int, rkey: int, commit: P.RemoteWrite | P.Scatter,
@@ -1032,41 +1045,37 @@ class VerbsConnection(ShardConnection):
             hold.drop()  # back to the pool once the WRITE is done too
 
     async def stat(self) -> StatReply:
-        reply = await self._rpc(P.Stat())
-        assert isinstance(reply, StatReply)
-        return reply
+        msg = P.Stat()
+        return self._expect(await self._rpc(msg), StatReply, msg)
 
     async def free(self, file_id: int, first_chunk: int) -> int:
         for key in [k for k in self._locs if k[0] == file_id and k[1] >= first_chunk]:
             del self._locs[key]
-        reply = await self._rpc(P.Free(file_id, first_chunk))
-        assert isinstance(reply, P.FreeReply)
-        return reply.freed
+        msg = P.Free(file_id, first_chunk)
+        return self._expect(await self._rpc(msg), P.FreeReply, msg).freed
 
     async def punch(self, file_id: int, chunk_index: int, offset: int) -> int:
         if offset == 0:
             self._locs.pop((file_id, chunk_index), None)
-        reply = await self._rpc(P.Punch(file_id, chunk_index, offset))
-        assert isinstance(reply, P.VersionReply)
-        return reply.version
+        msg = P.Punch(file_id, chunk_index, offset)
+        return self._expect(await self._rpc(msg), P.VersionReply, msg).version
 
     async def sync(self) -> None:
-        await self._rpc(P.Sync())
+        msg = P.Sync()
+        self._expect(await self._rpc(msg), P.VersionReply, msg)
 
     async def resync(self, file_id: int, chunk_index: int, chunk_size: int, chain: P.Chain) -> int:
-        reply = await self._rpc(P.Resync(file_id, chunk_index, chunk_size, chain))
-        assert isinstance(reply, P.VersionReply)
-        return reply.version
+        msg = P.Resync(file_id, chunk_index, chunk_size, chain)
+        return self._expect(await self._rpc(msg), P.VersionReply, msg).version
 
     async def checksum(self, file_id: int, chunk_index: int, view: int = 0) -> tuple[int, int]:
-        reply = await self._rpc(P.Checksum(file_id, chunk_index, view))
-        assert isinstance(reply, P.ChecksumReply)
+        msg = P.Checksum(file_id, chunk_index, view)
+        reply = self._expect(await self._rpc(msg), P.ChecksumReply, msg)
         return reply.version, reply.crc
 
     async def list_chunks(self, after_file: int = 0, after_chunk: int = 0) -> list[ChunkEntry]:
-        reply = await self._rpc(P.List(after_file, after_chunk))
-        assert isinstance(reply, P.ListReply)
-        return reply.entries
+        msg = P.List(after_file, after_chunk)
+        return self._expect(await self._rpc(msg), P.ListReply, msg).entries
 
     async def aclose(self) -> None:
         """Close the connection: pending calls fail with ShardUnavailable at once; returns once
