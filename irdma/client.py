@@ -61,7 +61,7 @@ from .compress import max_elements as compress_max_elements
 from .extents import move, positions
 from .meta import Inode, MetaStore, ShardRecord, open_meta
 from .meta.aio import AsyncMeta
-from .meta.base import XATTR_SHAPE, XATTR_UPDATE, parse_shape
+from .meta.base import OUT_OF_SYNC, XATTR_SHAPE, XATTR_UPDATE, parse_shape
 from .metrics import MeteredConnection
 from .optimizers import HEADER, MAGIC, SLOT_NAMES, SLOTS, parse_update, state_index, state_size
 from .placement import MOVE_ALL, Layout, Move, Piece, substitute
@@ -95,6 +95,15 @@ NewChunk = tuple[int, int, int]
 
 log = logging.getLogger("irdma.client")
 _T = TypeVar("_T")
+
+
+class _ChunksWaiting(ShardUnavailable):
+    """A resync that cannot finish yet: chunks wait for in-sync replicas on other shards
+    (``waiting``: shard id -> inode numbers of files)."""
+
+    def __init__(self, waiting: dict[int, set[int]], message: str, hint: str) -> None:
+        super().__init__(message, hint)
+        self.waiting = waiting
 
 
 def layout_of(inode: Inode) -> Layout:
@@ -188,6 +197,12 @@ class Client:
         self._request_base = int.from_bytes(os.urandom(8), "big")
         self._mtime_at: dict[int, float] = {}  # when push_rows last refreshed a file's mtime (monotonic s)
         self._request_seq = 0
+        # replicas this client took out of their chunks' in-sync sets in this view:
+        # (file id, chunk index, shard id); forgotten when the view changes
+        self._withdrawn: set[tuple[int, int, int]] = set()
+        self._withdrawn_view = -1
+        self._resync_said: dict[int, str] = {}  # the last reason each shard's resync gave, logged once
+        self._resyncing: set[int] = set()  # shards a resync in progress waits for (no cycles)
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -492,6 +507,32 @@ class Client:
         self._down_until[shard_id] = trio.current_time() + self.timeout
         await self._note_health(shard_id, "down")
 
+    async def _withdraw(self, layout: Layout, indices: Sequence[int], chain: Sequence[int]) -> None:
+        """Before an update of chunks ``indices`` is sent down ``chain``: take the chunks'
+        replicas that the chain skips (their shards are down) out of the chunks' in-sync sets
+        in the chunk map (:meth:`MetaStore.withdraw_replicas`), durably, so that recovery never
+        counts a copy that missed an acknowledged update as current. Once per replica and view;
+        nothing to do when the chain has every replica.
+
+        Raises:
+            IrdmaError: the metadata engine failed (the update must not be sent).
+        """
+        if layout.replicas == 1:
+            return
+        if self._withdrawn_view != self._view:
+            self._withdrawn.clear()
+            self._withdrawn_view = self._view
+        todo: list[tuple[int, int]] = []
+        for index in indices:
+            reps, _ = self.placed(layout, index)
+            if len(chain) >= len(reps):
+                continue
+            todo += [(index, s) for s in reps
+                     if s not in chain and (layout.file_id, index, s) not in self._withdrawn]
+        if todo:
+            await self.meta.withdraw_replicas(layout.file_id, todo)
+            self._withdrawn.update((layout.file_id, index, s) for index, s in todo)
+
     # ------------------------------------------------------------ data plane by layout
     @staticmethod
     def _lost(layout: Layout, index: int, shard_id: int, why: str) -> DataLost:
@@ -556,7 +597,7 @@ class Client:
                 return
         tried: set[int] = set()
         lost: DataLost | None = None
-        refreshed = False
+        refreshed = fresh = False
         for _ in range(2 * len(reps) + 1):
             cands = [s for s in reps if self._current(s) and s not in tried]  # in chain order
             if not cands:
@@ -566,8 +607,18 @@ class Client:
                     refreshed = True
                     await self.refresh_view()
                     continue
+                if rec is not None and any(i != OUT_OF_SYNC for i in rec.values()):
+                    raise await self._unreadable(layout, p.chunk_index, rec)
                 self.chain_of(layout, p.chunk_index)  # raises the error that says why
                 break
+            if rec is not None:  # never a replica out of the chunk's in-sync set (it missed updates)
+                cands = [s for s in cands if rec.get(s) != OUT_OF_SYNC]
+                if not cands:
+                    if not fresh:  # the map may predate a resync that brought one back: read it again
+                        fresh = True
+                        rec = (await self.meta.chunk_map(layout.file_id)).get(p.chunk_index)
+                        continue
+                    raise await self._unreadable(layout, p.chunk_index, rec)
             known = [s for s in cands if rec is None or s in rec] or cands  # replicas written to
             tail = known[-1]
             pick = known[(layout.file_id + p.chunk_index) % len(known)]  # spread over the replicas
@@ -586,6 +637,34 @@ class Client:
                             layout.file_id, exc)
         raise lost or ShardUnavailable(f"no replica of chunk {p.chunk_index} of file {layout.file_id} answered",
                                        "`irdma status` shows the shards; restart them with `irdma up`")
+
+    async def _head_in_sync(self, layout: Layout, index: int, head: int) -> dict[int, int]:
+        """A chunk's record read again when the caller's copy says ``head`` missed updates: the
+        fresh record if the head is back in the chunk's in-sync set (a resync since), else
+        the error a read of the chunk gives (an update applied to a copy that missed updates
+        would be acknowledged and then never readable).
+
+        Raises:
+            DataLost, ShardUnavailable: see :meth:`_unreadable`.
+        """
+        rec = (await self.meta.chunk_map(layout.file_id)).get(index, {})
+        if rec.get(head) == OUT_OF_SYNC:
+            raise await self._unreadable(layout, index, rec)
+        return rec
+
+    async def _unreadable(self, layout: Layout, index: int, rec: dict[int, int]) -> IrdmaError:
+        """Why no replica of a chunk can serve a read: its in-sync replicas (from the chunk map
+        ``rec``) are down or catching up (ShardUnavailable naming them), or they lost their
+        memory (DataLost)."""
+        incs = {sid: r.incarnation for sid, r in self._shard_map.items()}
+        insync = sorted(s for s, i in rec.items() if i != OUT_OF_SYNC and (not incs.get(s) or i == incs[s]))
+        where = f"chunk {index} of file {layout.file_id}"
+        if not insync:
+            return self._lost(layout, index, min(rec), "and every replica holding all its acknowledged updates lost it")
+        who = ", ".join(map(str, insync))
+        return ShardUnavailable(f"{where}: its up-to-date copies are on shards {who}, which are down or catching up"
+                                " (the other replicas missed updates)",
+                                f"restart shards {who} (`irdma up`); `irdma status` shows them")
 
     async def _read_replica(self, layout: Layout, p: Piece, shard_id: int, view: memoryview,
                             rec: dict[int, int] | None, clean: bool) -> None:
@@ -723,8 +802,11 @@ class Client:
                 await self.refresh_view()
                 continue
             head = chain[0]
+            if rec is not None and rec.get(head) == OUT_OF_SYNC:
+                rec = await self._head_in_sync(layout, p.chunk_index, head)
             existing = rec is not None and (head in rec or single)
             inc = rec.get(head) if rec is not None else None
+            await self._withdraw(layout, (p.chunk_index,), chain)
 
             async def fn(conn: ShardConnection, chain: tuple[int, ...] = chain, head: int = head,
                          existing: bool = existing, inc: int | None = inc) -> None:
@@ -1014,10 +1096,17 @@ class Client:
                 continue
             head = chain[0]
             rec = chunks.get(c0) if chunks else None
+            for c in sorted(set(chunk.tolist())):
+                rc = chunks.get(c) if chunks else None
+                if rc is not None and rc.get(head) == OUT_OF_SYNC:
+                    fresh = await self._head_in_sync(layout, c, head)
+                    if c == c0:
+                        rec = fresh
             existing = rec is not None and (head in rec or single)
             inc = rec.get(head) if rec is not None else None
             ext = P_extents(chunk, offset, length)
             payload = _pack(src, at, length)
+            await self._withdraw(layout, sorted(set(chunk.tolist())), chain)
 
             async def fn(conn: ShardConnection, chain: tuple[int, ...] = chain, head: int = head,
                          existing: bool = existing, inc: int | None = inc, payload: np.ndarray = payload,
@@ -1128,9 +1217,11 @@ class Client:
         replica). With replicas, a shard that fails is marked down instead: it is resynced when
         it comes back, and what it kept past the end is freed by ``irdma gc``."""
         first_free = layout.chunk_count(new_size)
+        skipped: set[int] = set()  # replicas that kept bytes the others dropped
 
         async def one(shard_id: int, fn: str, *args: object) -> None:
             if layout.replicas > 1 and self._health.get(shard_id) == "down":
+                skipped.add(shard_id)
                 return  # its resync drops what the others no longer have
             try:
                 await self._conn_call(shard_id, fn, *args)
@@ -1138,6 +1229,7 @@ class Client:
                 if layout.replicas == 1:
                     raise
                 log.warning("shard %d failed to %s file %d: %s; marked down", shard_id, fn, layout.file_id, exc)
+                skipped.add(shard_id)
                 await self._mark_down(shard_id)
 
         async with open_nursery() as nursery:
@@ -1151,13 +1243,53 @@ class Client:
                     nursery.start_soon(one, shard_id, "punch", layout.file_id, index, new_size % layout.chunk_size)
         if layout.replicas > 1 and not any(self._current(s) for s in self.shards_of(layout)):
             raise ShardUnavailable(f"no shard of file {layout.file_id} is up", "restart the shards (`irdma up`)")
+        if skipped and new_size % layout.chunk_size:  # the cut chunk's copy there kept its old tail
+            index = new_size // layout.chunk_size
+            await self.meta.withdraw_replicas(layout.file_id,
+                                              [(index, s) for s in self.placed(layout, index)[0] if s in skipped])
 
-    async def resync_shard(self, shard_id: int, progress: Callable[[int, int], None] = lambda done, total: None) -> int:
+    async def resync_shard(self, shard_id: int, progress: Callable[[int, int], None] = lambda done, total: None,
+                           force: bool = False) -> int:
+        """See :meth:`_resync_once`; chunks that wait for in-sync replicas which are reachable
+        but catching up themselves are retried once those shards were resynced first."""
+        try:
+            return await self._resync_once(shard_id, progress, force)
+        except _ChunksWaiting as exc:
+            helped = False
+            for sid in sorted(exc.waiting):
+                rec = self._shard_map.get(sid)
+                if sid in self._resyncing or rec is None or rec.health != "syncing":
+                    continue
+                self._resyncing.add(sid)
+                try:
+                    await self.resync_shard(sid)
+                    helped = True
+                except IrdmaError:
+                    pass
+                finally:
+                    self._resyncing.discard(sid)
+            if not helped:
+                raise
+            return await self._resync_once(shard_id, progress, force)
+
+    async def _resync_once(self, shard_id: int, progress: Callable[[int, int], None], force: bool) -> int:
         """Bring a shard that is catching up (``syncing``) level with its chains, then mark it
-        up: for every written chunk of a replicated file with a replica there, and every chunk
-        of such a file the shard holds (it may have missed a truncate), compare its version and
-        CRC-32 with the chain's head and have the head send its copy (RESYNC, ordered after the
-        head's updates) where they differ, or drop the shard's copy where the head has none.
+        up. For every written chunk of a replicated file with a replica there, and every chunk
+        of such a file the shard holds (it may have missed a truncate):
+
+        - a chunk with a replica up: compare version and CRC-32 with the chain's head and have
+          the head send its copy (RESYNC, ordered after the head's updates) where they differ,
+          or drop the shard's copy where the chunk is no longer written; the shard rejoins the
+          chunk's in-sync set (:meth:`MetaStore.note_replica`, in this view only);
+        - a chunk none of whose replicas is up (they all failed, in some order): the chunk map's
+          in-sync set decides, never the versions (3FS's LASTSRV; Kafka's ISR). A shard in it
+          holds every acknowledged update and needs nothing; one out of it waits for an in-sync
+          replica to be back (a reachable in-sync shard that is itself catching up is resynced
+          first). A chunk whose in-sync replicas all lost their memory is lost (``irdma fsck``
+          names it) and does not hold the shard back.
+        - ``force`` (``irdma shard resync --force-from``): a chunk still waiting takes this
+          shard's own copy as the truth: the acknowledged updates it missed are lost.
+
         Updates go on meanwhile: the shard is the tail of its chains and takes them (a chunk it
         is behind on is copied whole then).
 
@@ -1165,7 +1297,9 @@ class Client:
             Bytes copied.
 
         Raises:
-            ShardUnavailable: the shard or a head failed; run it again.
+            ShardUnavailable: the shard or a head failed, the shard map changed meanwhile, or
+                chunks wait for an in-sync replica that is down (the message names the shards
+                and files); run it again (mounts do at each heartbeat).
         """
         await self.refresh_view()
         view = self._view
@@ -1183,34 +1317,84 @@ class Client:
         # every shard up in this view fences older views from now on (file 0 never exists): an
         # update built on a view without this shard in its chains can land nowhere after this
         await self._fence(view, skip=shard_id)
+        incs = {sid: r.incarnation for sid, r in self._shard_map.items()}
+        incs[shard_id] = inc
+        maps: dict[int, dict[int, dict[int, int]]] = {}  # chunk maps read after the fence
+        waiting: dict[int, set[int]] = collections.defaultdict(set)  # in-sync shard -> files
+        adopted = 0
         for n, (inode, idx) in enumerate(todo, 1):
             layout = layout_of(inode)
-            chain = self.chain_of(layout, idx)
-            if shard_id not in chain:
-                raise ShardUnavailable(f"shard {shard_id} is not in the chain of chunk {idx} of file {inode.ino}")
-            head = chain[0]
-            # both name the view: from here on the head fences updates of older views (ones
-            # that skipped this shard), so none lands after the comparison
-            mine = cast(tuple[int, int], await self._conn_call(shard_id, "checksum", inode.ino, idx, view))
-            theirs = cast(tuple[int, int], await self._conn_call(head, "checksum", inode.ino, idx, view))
-            if theirs[0] and mine != theirs:
-                rest = chain[chain.index(head) + 1 :]
-                try:
-                    await self._conn_call(head, "resync", inode.ino, idx, layout.chunk_size,
-                                          self._chain(0, rest))
-                except DataLost:
-                    pass  # freed at the head meanwhile (truncated or removed): nothing to copy
-                else:
-                    copied += layout.chunk_size
-            elif mine[0] and not theirs[0]:  # freed (truncated) while this shard was down
-                await self._conn_call(shard_id, "punch", inode.ino, idx, 0)
-            if theirs[0]:
-                await self.meta.note_replica(inode.ino, idx, shard_id, inc)
+            if inode.ino not in maps:
+                maps[inode.ino] = await self.meta.chunk_map(inode.ino)
+            row = maps[inode.ino].get(idx, {})
+            try:
+                chain: tuple[int, ...] = self.chain_of(layout, idx)
+            except ShardUnavailable:
+                chain = ()  # no replica up
+            insync = [s for s, i in row.items() if i != OUT_OF_SYNC and i == incs.get(s)]
+            if force and row and shard_id not in insync and not any(self._in_view(s) for s in insync):
+                # --force-from: no up-to-date copy is in service (lost, or down): this shard's
+                # copy becomes the truth, and the rest of its chain gets it
+                mine = cast(tuple[int, int], await self._conn_call(shard_id, "checksum", inode.ino, idx, view))
+                if mine[0] and await self.meta.note_replica(inode.ino, idx, shard_id, inc, view):
+                    adopted += 1
+                    others = tuple(s for s in chain if s != shard_id)
+                    if others:
+                        await self._conn_call(shard_id, "resync", inode.ino, idx, layout.chunk_size,
+                                              self._chain(0, others))
+                        for sid in others:
+                            await self.meta.note_replica(inode.ino, idx, sid, await self._incarnation(sid), view)
+                        copied += layout.chunk_size
+            elif chain and (not row or chain[0] in insync or shard_id not in chain):
+                if shard_id not in chain:
+                    raise ShardUnavailable(f"shard {shard_id} is not in the chain of chunk {idx} of file {inode.ino}")
+                head = chain[0]
+                # both name the view: from here on the head fences updates of older views (ones
+                # that skipped this shard), so none lands after the comparison
+                mine = cast(tuple[int, int], await self._conn_call(shard_id, "checksum", inode.ino, idx, view))
+                theirs = cast(tuple[int, int], await self._conn_call(head, "checksum", inode.ino, idx, view))
+                if theirs[0] and mine != theirs:
+                    rest = chain[chain.index(head) + 1 :]
+                    try:
+                        await self._conn_call(head, "resync", inode.ino, idx, layout.chunk_size,
+                                              self._chain(0, rest))
+                    except DataLost:
+                        pass  # freed at the head meanwhile (truncated or removed): nothing to copy
+                    else:
+                        copied += layout.chunk_size
+                elif mine[0] and not theirs[0] and not row:  # freed (truncated) while this shard was down
+                    await self._conn_call(shard_id, "punch", inode.ino, idx, 0)
+                if theirs[0]:
+                    await self.meta.note_replica(inode.ino, idx, shard_id, inc, view)
+            elif insync and shard_id not in insync:
+                for s in insync:  # the up-to-date copies are on shards down or catching up
+                    waiting[s].add(inode.ino)
+            # else: it holds every acknowledged update, or every holder lost it (fsck names it;
+            # the head, if one is up, holds no up-to-date copy to give)
             progress(n, len(todo))
+        if adopted:
+            log.warning("shard %d: %d chunks whose in-sync replicas are gone took this shard's copy (--force-from):"
+                        " the updates it missed are lost", shard_id, adopted)
+        if waiting:
+            raise await self._waiting_error(shard_id, waiting)
         if not await self.meta.mark_synced(shard_id, view):
             raise ShardUnavailable(f"the shard map changed while shard {shard_id} was resynced", "run it again")
         await self.refresh_view()
         return copied
+
+    async def _waiting_error(self, shard_id: int, waiting: dict[int, set[int]]) -> _ChunksWaiting:
+        """The error of a resync whose chunks wait for their in-sync replicas (``waiting``: in-sync
+        shard -> files), naming the shards, a few files and the fix."""
+        files = sorted(set().union(*waiting.values()))
+        names = [await self.meta.path_of(ino) or f"inode {ino}" for ino in files[:3]]
+        more = f" and {len(files) - 3} more" if len(files) > 3 else ""
+        who = ", ".join(map(str, sorted(waiting)))
+        return _ChunksWaiting(
+            dict(waiting),
+            f"shard {shard_id} stays catching up: shards {who} hold the only up-to-date copies of chunks of"
+            f" {', '.join(names)}{more}, and are down or catching up",
+            f"restart shards {who} (`irdma up`); if their data is gone for good, `irdma shard resync"
+            f" --force-from {shard_id}` takes shard {shard_id}'s copies and loses the updates they missed")
 
     async def _fence(self, view: int, skip: int | None = None) -> None:
         """Make every shard up in this view refuse updates of older views from now on (a
@@ -1388,7 +1572,7 @@ class Client:
         if theirs[0]:
             if target not in incs:
                 incs[target] = await self._incarnation(target)
-            await self.meta.note_replica(inode.ino, idx, target, incs[target])
+            await self.meta.note_replica(inode.ino, idx, target, incs[target], view)
         return copied
 
     async def remove_shard(self, shard_id: int, force: bool = False) -> list[tuple[int, int]]:
@@ -1445,20 +1629,31 @@ class Client:
                     with contextlib.suppress(DataLost):
                         await self._conn_call(chain[0], "resync", inode.ino, idx, layout.chunk_size,
                                               self._chain(0, chain[1:]))
-                        await self.meta.note_replica(inode.ino, idx, shard_id, inc)
+                        await self.meta.note_replica(inode.ino, idx, shard_id, inc, self._view)
 
     async def resync_all(self, log_progress: Callable[[str], None] = log.info) -> None:
-        """Resync every reachable shard that is catching up (what a mount's heartbeat does)."""
+        """Resync every reachable shard that is catching up (what a mount's heartbeat does),
+        in passes while a pass brings one up (a shard whose chunks wait for another one catching
+        up follows it); each reason a shard stays behind is logged once."""
         await self.refresh_view()
-        for sid, rec in sorted(self._shard_map.items()):
-            if rec.health != "syncing":
-                continue
-            try:
-                t0 = time.monotonic()
-                copied = await self.resync_shard(sid)
-                log_progress(f"shard {sid} is up to date again: {copied} bytes copied in {time.monotonic() - t0:.1f} s")
-            except IrdmaError as exc:
-                log.warning("resync of shard %d did not finish (retried at the next heartbeat): %s", sid, exc)
+        for _ in range(len(self._shard_map) + 1):
+            progressed = False
+            for sid, rec in sorted(self._shard_map.items()):
+                if rec.health != "syncing":
+                    continue
+                try:
+                    t0 = time.monotonic()
+                    copied = await self.resync_shard(sid)
+                    log_progress(f"shard {sid} is up to date again: {copied} bytes copied in {time.monotonic() - t0:.1f} s")
+                    self._resync_said.pop(sid, None)
+                    progressed = True
+                except IrdmaError as exc:
+                    if self._resync_said.get(sid) != str(exc):
+                        self._resync_said[sid] = str(exc)
+                        log.warning("resync of shard %d did not finish (retried at the next heartbeat): %s", sid, exc)
+            if not progressed:
+                return
+            await self.refresh_view()
 
     async def shard_stats(self) -> list[tuple[ShardRecord, StatReply | None, str]]:
         """Every registered shard with its STAT reply, or None and the reason it failed.
@@ -1862,6 +2057,7 @@ class Client:
             last: IrdmaError | None = None
             for _ in range(MAX_ATTEMPTS):
                 chain = self.chain_of(layout, index)
+                await self._withdraw(layout, (index,), chain)
 
                 async def fn(conn: ShardConnection, chain: tuple[int, ...] = chain) -> None:
                     await conn.write(layout.file_id, state_index(index), per, within, UpdateOp.ASSIGN, part, False,

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from irdma.placement import Move
 
 ROOT_INO = 1
+#: The incarnation a chunk-map row holds for a replica out of its chunk's in-sync set (it
+#: missed acknowledged updates); never a shard's incarnation.
+OUT_OF_SYNC = 0
 #: The xattr that sets what a write to a file does: ``assign`` or ``add``.
 XATTR_UPDATE = b"user.irdma.update"
 #: The xattr that gives a file's chunk size in bytes (settable while the file is empty).
@@ -388,9 +391,28 @@ class MetaStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def note_replica(self, ino: int, idx: int, shard_id: int, incarnation: int) -> None:
+    def note_replica(self, ino: int, idx: int, shard_id: int, incarnation: int, epoch: int | None = None) -> bool:
         """Record that shard ``shard_id`` (in ``incarnation``) holds an up-to-date copy of a
-        written chunk (after a resync brought it level)."""
+        written chunk (after a resync or a move brought it level): it joins the chunk's in-sync
+        set again. With ``epoch``, only if the shard map's epoch is still ``epoch`` (the view the
+        copy was made in: a replica that went down since may have missed updates again).
+
+        Returns:
+            Whether it was recorded (False: the chunk is no longer written, or the epoch moved).
+        """
+
+    @abc.abstractmethod
+    def withdraw_replicas(self, ino: int, replicas: Sequence[tuple[int, int]]) -> None:
+        """Take replicas out of their chunks' in-sync sets before an update that skips them is
+        sent (their shard is down): ``(chunk index, shard id)`` pairs. The chunk map then holds
+        them with incarnation :data:`OUT_OF_SYNC`, recorded even for a chunk not recorded yet,
+        so that no later record of the chunk (:meth:`extend`) counts them in again; only
+        :meth:`note_replica` does, after a resync copied the chunk to them.
+
+        What this gives (Kafka's ISR; 3FS's chain states): a replica whose row is current
+        holds every acknowledged update of its chunk, so after any sequence of failures
+        recovery reads the in-sync set instead of guessing which copy is newest.
+        """
 
     @abc.abstractmethod
     def replicated_chunks(self, shard_ids: Sequence[int], min_replicas: int = 2) -> list[tuple[Inode, list[int]]]:
@@ -459,11 +481,16 @@ class MetaStore(abc.ABC):
     @abc.abstractmethod
     def chunk_map(self, ino: int) -> dict[int, dict[int, int]]:
         """Recorded chunks of a file: chunk index -> {shard id: incarnation when written there},
-        one entry per replica written."""
+        one entry per replica written; :data:`OUT_OF_SYNC` (0) for a replica that missed
+        acknowledged updates (see :meth:`withdraw_replicas`). A replica is in the chunk's
+        in-sync set when its incarnation is its shard's current one."""
 
     @abc.abstractmethod
     def damaged(self) -> list[DamagedFile]:
-        """Files with a recorded chunk none of whose replicas is on the memory it was written to."""
+        """Files with a recorded chunk none of whose in-sync replicas is on the memory it was
+        written to (lost for good unless an operator adopts a stale copy: ``irdma shard resync
+        --force-from``). Chunks recorded only as out-of-sync replicas (a write that was never
+        acknowledged recorded nothing else) are not counted."""
 
     # sessions and open files (JuiceFS's sessions and sustained inodes)
     @abc.abstractmethod

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from irdma._errors import DataLost, Exists, InvalidArgument, NotFound, Stale
 from irdma.placement import MOVE_ALL, Move
 
-from .base import ROOT_INO, UNLINK_GRACE_S, DamagedFile, Inode, Session, ShardRecord
+from .base import OUT_OF_SYNC, ROOT_INO, UNLINK_GRACE_S, DamagedFile, Inode, Session, ShardRecord
 from .sql_rows import (
     BUMP_EPOCH,
     COLS,
@@ -125,11 +125,24 @@ class SqlCluster:
         with self._tx() as c:
             c.execute("INSERT INTO config VALUES ('replicas', ?) ON CONFLICT (key) DO UPDATE SET value=excluded.value", (str(replicas),))
 
-    def note_replica(self, ino: int, idx: int, shard_id: int, incarnation: int) -> None:
+    def note_replica(self, ino: int, idx: int, shard_id: int, incarnation: int, epoch: int | None = None) -> bool:
         with self._tx() as c:
-            if c.execute("SELECT 1 FROM chunks WHERE ino=? AND idx=?", (ino, idx)).fetchone():  # still written
-                c.execute("INSERT INTO chunks VALUES (?,?,?,?)"
-                          " ON CONFLICT (ino, idx, shard) DO UPDATE SET incarnation=excluded.incarnation", (ino, idx, shard_id, incarnation))
+            if epoch is not None and self._epoch(c) != epoch:
+                return False
+            if not c.execute("SELECT 1 FROM chunks WHERE ino=? AND idx=?", (ino, idx)).fetchone():  # still written
+                return False
+            c.execute("INSERT INTO chunks VALUES (?,?,?,?)"
+                      " ON CONFLICT (ino, idx, shard) DO UPDATE SET incarnation=excluded.incarnation", (ino, idx, shard_id, incarnation))
+            return True
+
+    def withdraw_replicas(self, ino: int, replicas: Sequence[tuple[int, int]]) -> None:
+        if not replicas:
+            return
+        with self._tx() as c:
+            c.executemany(f"INSERT INTO chunks VALUES (?,?,?,{OUT_OF_SYNC})"
+                          f" ON CONFLICT (ino, idx, shard) DO UPDATE SET incarnation={OUT_OF_SYNC}",
+                          [(ino, idx, sid) for idx, sid in replicas])
+
 
     def replicated_chunks(self, shard_ids: Sequence[int], min_replicas: int = 2) -> list[tuple[Inode, list[int]]]:
         if not shard_ids:
@@ -278,8 +291,10 @@ class SqlCluster:
     def damaged(self) -> list[DamagedFile]:
         # lost: no replica of the chunk is on the memory it was written to
         rows = self._db.execute(
-            "SELECT c.ino, c.idx, MIN(c.shard) FROM chunks c JOIN shards s ON s.id = c.shard"
-            " GROUP BY c.ino, c.idx HAVING SUM(CASE WHEN c.incarnation = s.incarnation THEN 1 ELSE 0 END) = 0 ORDER BY c.ino, c.idx"
+            f"SELECT c.ino, c.idx, MIN(CASE WHEN c.incarnation <> {OUT_OF_SYNC} THEN c.shard END) FROM chunks c"
+            " JOIN shards s ON s.id = c.shard GROUP BY c.ino, c.idx"
+            " HAVING SUM(CASE WHEN c.incarnation = s.incarnation THEN 1 ELSE 0 END) = 0"
+            f" AND SUM(CASE WHEN c.incarnation <> {OUT_OF_SYNC} THEN 1 ELSE 0 END) > 0 ORDER BY c.ino, c.idx"
         ).fetchall()
         out: dict[int, DamagedFile] = {}
         for ino, idx, shard in rows:
