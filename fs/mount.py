@@ -275,12 +275,18 @@ def _still_mounted(mountpoint: str) -> bool:
     return find_mount(mountpoint) is not None
 
 
-def check_mountpoint(mountpoint: str) -> str:
+def check_mountpoint(mountpoint: str, *, nonempty: bool = False) -> str:
     """Check that a mount can be made on ``mountpoint``; returns its absolute, resolved path.
 
+    A directory that holds entries is refused unless ``nonempty``: the mount would hide them
+    (they come back when it is unmounted), which looks like data loss to whoever lists it
+    (libfuse 2 refused the same way unless given its ``nonempty`` option; fusermount3 no
+    longer checks).
+
     Raises:
-        IrdmaError: it does not exist, is not a directory, or is already a mountpoint (a dead
-            irdma mount included: the message says how to clean it).
+        IrdmaError: it does not exist, is not a directory, is not empty (without
+            ``nonempty``), or is already a mountpoint (a dead irdma mount included: the
+            message says how to clean it).
     """
     mountpoint = os.path.realpath(mountpoint)  # the kernel mounts on the target of a symlink
     state, entry = mount_state(mountpoint)
@@ -302,6 +308,16 @@ def check_mountpoint(mountpoint: str) -> str:
                          "pick another directory") from None
     if not stat.S_ISDIR(st.st_mode):
         raise IrdmaError(f"mountpoint {mountpoint} is not a directory", "pick a directory (mkdir one)")
+    if not nonempty:
+        try:
+            names = os.listdir(mountpoint)
+        except OSError:
+            names = []  # unreadable here: FUSE decides
+        if names:
+            shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
+            raise IrdmaError(f"mountpoint {mountpoint} is not empty ({len(names)} entries: {shown}): a mount would"
+                             " hide them until it is unmounted",
+                             "mount on an empty directory, or pass --nonempty to hide them anyway")
     return mountpoint
 
 
@@ -309,9 +325,11 @@ def spawn_mount(
     meta_url: str, mountpoint: str, *, transport: str, log_file: str, timeout: float = 30.0, direct_io: bool = False,
     request_timeout: float = DEFAULT_TIMEOUT, allow_other: bool = False, metrics: str | None = None,
     sync_timeout: float | None = None,
+    nonempty: bool = False,
 ) -> int:
     """Start a mount process in the background and wait until the mount is up (options as
-    :func:`serve_mount`'s; ``metrics``: ``HOST:PORT`` of its Prometheus exporter, or None).
+    :func:`serve_mount`'s; ``metrics``: ``HOST:PORT`` of its Prometheus exporter, or None;
+    ``nonempty``: mount over a directory that holds entries, see :func:`check_mountpoint`).
 
     Returns:
         The mount process's pid.
@@ -321,7 +339,7 @@ def spawn_mount(
             process died or the mount did not answer within ``timeout`` seconds; the message
             carries the last line of its log.
     """
-    mountpoint = check_mountpoint(mountpoint)
+    mountpoint = check_mountpoint(mountpoint, nonempty=nonempty)
     args = ["-m", "irdma.fs", meta_url, mountpoint, "--transport", transport, "--timeout", str(request_timeout)]
     args += ["--direct-io"] if direct_io else []
     args += ["--allow-other"] if allow_other else []

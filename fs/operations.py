@@ -40,7 +40,10 @@ One file's lifetime across mounts: this mount is a *session* in the metadata (he
 every ``HEARTBEAT_S``); each file open here is recorded there, so a file unlinked or renamed
 over by any mount keeps its chunks until the last handle on any live mount closes (JuiceFS's
 "sustained" inodes), and an open through a cached name of a removed inode answers ESTALE so
-the kernel looks the path up again. Metadata calls run in worker threads.
+the kernel looks the path up again. A mount whose session was reaped (it missed its heartbeats)
+registers again and records its open files anew; a file removed meanwhile (its chunks may be
+freed) answers ESTALE to every read, write and fsync through the handles still open on it,
+never stale or zeroed bytes. Metadata calls run in worker threads.
 
 Compressed pushes with error feedback. A file whose update op is ``add`` or an optimizer and
 whose xattr ``user.irdma.compress`` (else its directory's, read at open) is ``topk:FRACTION`` or
@@ -78,7 +81,7 @@ from irdma import comm, coord
 from irdma._errors import InvalidArgument, IrdmaError, NotFound, Stale
 from irdma.client import ChunkMap, Client, NewChunk, layout_of
 from irdma.compress import XATTR_COMPRESS, Compression, parse_compress
-from irdma.meta import Inode
+from irdma.meta import ROOT_INO, Inode
 from irdma.meta.base import XATTR_UPDATE, setid_bits
 from irdma.metrics import fuse_metrics
 from irdma.optimizers import parse_update
@@ -143,7 +146,12 @@ class _FileState:
     error: IrdmaError | None = None
     new_chunks: list[NewChunk] = field(default_factory=list)  # created since the last drain
     acked_ends: list[int] = field(default_factory=list)  # ends of pushes acknowledged since then
-    fail_start: int | None = None  # lowest offset of a push that failed since then
+    failed_starts: list[int] = field(default_factory=list)  # offsets of pushes that failed since then
+    writes: int = 0  # writes admitted so far (a drain knows whether one came in while it persisted)
+    persist: trio.Lock = field(default_factory=trio.Lock)  # one drain records the size and chunks at a time
+    #: set when this mount could not record the file as open after its session was reaped
+    #: (the inode was removed meanwhile): every read, write, flush and fsync fails with it
+    lost: IrdmaError | None = None
     slots: trio.Semaphore = field(default_factory=lambda: trio.Semaphore(MAX_INFLIGHT_WRITES))
     admit: trio.Lock = field(default_factory=trio.Lock)  # orders writes against gap clearing
     # read-ahead windows: (start offset, size) -> bytes, oldest first; fetches in flight
@@ -206,13 +214,16 @@ class IrdmaFS(pyfuse3.Operations):
         self._mtime_at: dict[int, float] = {}  # time.monotonic() of each file's last mtime update
         self._handles: dict[int, _Handle] = {}
         self._next_fh = 1
-        self._dirs: dict[int, list[tuple[bytes, Inode]]] = {}  # readdir snapshots per open directory
+        #: readdir snapshots per open directory: (name, inode), or (b"..", parent's inode number)
+        self._dirs: dict[int, list[tuple[bytes, Inode | int]]] = {}
         self._control_dirs: dict[int, list[tuple[bytes, int]]] = {}
         #: open ``.irdma-state@NAME`` handles: (layout, state chunk bytes, image bytes, inode, chunk map)
         self._state_handles: dict[int, tuple[Layout, int, int, Inode, ChunkMap]] = {}
         # an open and the last release of one inode never interleave (FUSE sends RELEASE
         # asynchronously: a reopen may arrive while the last close is freeing the file)
         self._ino_locks: dict[int, trio.Lock] = {}
+        #: inodes open here not yet recorded as open in the session (after it was registered again)
+        self._unrecorded: set[int] = set()
         #: error feedback of compressed writes: per inode, float32, element i is bytes [4i, 4i+4)
         self._residuals: dict[int, np.ndarray] = {}
         #: ``.irdma/``: barriers, locks and counters as files (:mod:`irdma.fs.control`)
@@ -252,19 +263,50 @@ class IrdmaFS(pyfuse3.Operations):
                 await self.meta.heartbeat(self.sid)
             except NotFound:
                 log.error("session %d was reaped (missed heartbeats): registering again", self.sid)
-                self.sid = await self.meta.open_session(f"{self.client._name} (again)")
-                for ino in list(self._files):
-                    try:
-                        await self.meta.open_inode(self.sid, ino)
-                    except IrdmaError:
-                        pass
+                try:
+                    self.sid = await self.meta.open_session(f"{self.client._name} (again)")
+                    self.control.session = self.sid
+                    self._unrecorded.update(self._files)
+                except IrdmaError as exc:
+                    log.warning("registering the session again failed (retried in %g s): %s", HEARTBEAT_S, exc)
             except IrdmaError as exc:
                 log.warning("heartbeat failed: %s", exc)
+            await self._record_open_files()
             try:
                 await self.client.shard_stats()  # marks shards up/down in the shard map
                 await self.client.resync_all()  # shards back after being down catch up
             except IrdmaError as exc:
                 log.warning("shard health check failed: %s", exc)
+
+    async def _record_open_files(self) -> None:
+        """Record, in the session registered again, every file open here. A file removed while
+        the session was gone (reaped: its open records dropped, so its chunks may be freed
+        already) is marked lost: its handles' reads, writes, flushes and fsyncs fail with
+        ESTALE from then on, never serve freed chunks. Any other failure is retried at the
+        next heartbeat."""
+        for ino in list(self._unrecorded):
+            st = self._files.get(ino)
+            if st is None:
+                self._unrecorded.discard(ino)
+                continue
+            try:
+                async with self._ino_lock(ino):  # no open or last close of it meanwhile
+                    if self._files.get(ino) is not st:  # closed meanwhile (a new open recorded itself)
+                        self._unrecorded.discard(ino)
+                        continue
+                    try:
+                        await self.meta.open_inode(self.sid, ino)
+                    except (Stale, NotFound) as exc:
+                        log.error("file %d, open here, was removed while this mount's session was reaped (%s):"
+                                  " its open handles fail with ESTALE; close and reopen it by name", ino, exc)
+                        st.lost = Stale(f"inode {ino} was removed while the mount's session was reaped: reopen it")
+                    except IrdmaError as exc:
+                        log.warning("cannot record file %d as open in session %d (retried in %g s): %s", ino,
+                                    self.sid, HEARTBEAT_S, exc)
+                        continue
+                    self._unrecorded.discard(ino)
+            finally:
+                self._ino_unlock_done(ino)
 
     async def end_session(self) -> None:
         if self.sid:
@@ -304,28 +346,52 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def _drain(self, st: _FileState, ino: int) -> None:
         """Wait for every transfer of the file; persist the size of what the shards
-        acknowledged and the chunks created; raise the first error."""
+        acknowledged and the chunks created; raise the first error.
+
+        The records of acknowledged pushes (their ends, the chunks they created) are forgotten
+        only once the metadata engine has them: an ``extend`` that fails or is cancelled leaves
+        them, and the file dirty, for the next flush, fsync or close to record (a chunk missing
+        from the chunk map would read as zeros). Drains of one file take turns, so a truncate
+        never runs between another drain's snapshot and its ``extend``.
+
+        Raises:
+            IrdmaError: the first error a push met since the last drain, the metadata engine's
+                error (the records are kept for the next drain); Stale: the file was written
+                here and then removed while the session was reaped (``lost``).
+        """
         await self._wait_pending(st)
-        if st.dirty and st.acked_ends:
-            await self.client.flush()  # durable on the shards before close/fsync return
-        if st.dirty:
-            acked = st.acked_ends
-            if st.fail_start is not None:  # never count bytes past a failed push
-                acked = [e for e in acked if e <= st.fail_start]
-            new_size = max([st.persisted_size, *acked])
-            chunks = tuple(st.new_chunks)
-            st.dirty = False
-            st.acked_ends, st.new_chunks, st.fail_start = [], [], None
-            st.size = max(new_size, st.persisted_size)
-            # A push that does not grow a file opened only with direct I/O (a gradient to an
-            # add file) refreshes mtime at most once a second, as lazytime does: one metadata
-            # transaction per close of every parameter file would cost more than the push.
-            now = time.monotonic()
-            if (chunks or new_size > st.persisted_size or st.cached_handles
-                    or now - self._mtime_at.get(ino, 0.0) >= MTIME_LAZY_S):
-                await self.meta.extend(ino, new_size, time.time_ns(), chunks)
-                st.persisted_size = max(st.persisted_size, new_size)
-                self._mtime_at[ino] = now
+        if st.lost is not None:  # removed while the session was reaped: nothing can be recorded
+            if st.dirty:
+                raise st.lost
+            return
+        async with st.persist:
+            if st.dirty and st.acked_ends:
+                await self.client.flush()  # durable on the shards before close/fsync return
+            if st.dirty:
+                writes = st.writes
+                n_acked, n_new, n_failed = len(st.acked_ends), len(st.new_chunks), len(st.failed_starts)
+                acked = st.acked_ends[:n_acked]
+                if n_failed:  # never count bytes past a failed push
+                    fail = min(st.failed_starts[:n_failed])
+                    acked = [e for e in acked if e <= fail]
+                new_size = max([st.persisted_size, *acked])
+                chunks = tuple(st.new_chunks[:n_new])
+                # bytes past a failed push are not the file's (writes admitted meanwhile still are)
+                st.size = max(new_size, st.persisted_size, *(p.end for p in st.pending))
+                # A push that does not grow a file opened only with direct I/O (a gradient to an
+                # add file) refreshes mtime at most once a second, as lazytime does: one metadata
+                # transaction per close of every parameter file would cost more than the push.
+                now = time.monotonic()
+                if (chunks or new_size > st.persisted_size or st.cached_handles
+                        or now - self._mtime_at.get(ino, 0.0) >= MTIME_LAZY_S):
+                    await self.meta.extend(ino, new_size, time.time_ns(), chunks)
+                    st.persisted_size = max(st.persisted_size, new_size)
+                    self._mtime_at[ino] = now
+                # recorded: forget what this drain saw (pushes that ended meanwhile appended after it)
+                del st.acked_ends[:n_acked]
+                del st.new_chunks[:n_new]
+                del st.failed_starts[:n_failed]
+                st.dirty = st.writes != writes or bool(st.pending or st.acked_ends or st.new_chunks or st.failed_starts)
         if st.error is not None:
             err, st.error = st.error, None
             raise err
@@ -532,32 +598,51 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def opendir(self, inode: int, ctx: Any) -> int:
         """Take a snapshot of the directory: readdir continuations are served from it (linear
-        in the directory's size, and stable while other mounts change it)."""
+        in the directory's size, and stable while other mounts change it). It starts with
+        ``.`` (the directory) and ``..`` (its parent; the root's is the root), as POSIX
+        readdir(3) and getdents(2) callers expect (``ls -a``, pjdfstest)."""
         with fuse_errors("opendir"):
             if Control.owns(inode):
                 fh = self._next_fh
                 self._next_fh += 1
-                self._control_dirs[fh] = self.control.entries(inode)
+                entries = self.control.entries(inode)
+                self._control_dirs[fh] = [(b".", inode), (b"..", self.control.parent_of(inode)), *entries]
                 return fh
-            if not (await self._getattr(inode)).is_dir:
+            node = await self._getattr(inode)
+            if not node.is_dir:
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
+            up = ROOT_INO if inode == ROOT_INO else await self.meta.parent_of(inode)
+            entries = await self.meta.readdir(inode)
             fh = self._next_fh
             self._next_fh += 1
-            self._dirs[fh] = await self.meta.readdir(inode)
+            self._dirs[fh] = [(b".", node), (b"..", up), *entries]
             return fh
+
+    @staticmethod
+    def _dot_entry(ino: int) -> pyfuse3.EntryAttributes:
+        """The entry of a ``..`` in a readdir reply: the kernel takes only the inode number and
+        the type from a ``.`` or ``..`` entry (it never caches their attributes or counts a
+        lookup of them), so no metadata round trip fetches the parent's attributes."""
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = ino
+        e.st_mode = stat.S_IFDIR | 0o755
+        return e
 
     async def readdir(self, fh: int, start_id: int, token: Any) -> None:
         with fuse_errors("readdir"):
             if fh in self._control_dirs:
                 listing = self._control_dirs[fh]
                 for i in range(start_id, len(listing)):
-                    if not pyfuse3.readdir_reply(token, listing[i][0], await self._control_entry(listing[i][1]), i + 1):
+                    name, ino = listing[i]
+                    e = (await self._control_entry(ino)) if Control.owns(ino) else self._dot_entry(ino)
+                    if not pyfuse3.readdir_reply(token, name, e, i + 1):
                         break
                 return
             entries = self._dirs.get(fh, [])
             for i in range(start_id, len(entries)):
                 name, inode = entries[i]
-                if not pyfuse3.readdir_reply(token, name, self._entry(inode), i + 1):
+                e = self._entry(inode) if isinstance(inode, Inode) else self._dot_entry(inode)
+                if not pyfuse3.readdir_reply(token, name, e, i + 1):
                     break
 
     async def releasedir(self, fh: int) -> None:
@@ -747,6 +832,8 @@ class IrdmaFS(pyfuse3.Operations):
         if h is None:
             return await self._read_control(fh, off, size)
         st = self._files[h.ino]
+        if st.lost is not None:
+            raise st.lost
         if st.pending:
             for p in list(st.pending):
                 if p.start < off + size and off < p.end:
@@ -907,11 +994,13 @@ class IrdmaFS(pyfuse3.Operations):
                 return await self.control.write(fh, buf)
             h = self._handles[fh]
             st = self._files[h.ino]
+            if st.lost is not None:
+                raise st.lost
             if st.error is not None:  # reported here and kept for the next fsync/close
                 raise st.error
-            if h.kill_setid:
-                h.kill_setid = False
+            if h.kill_setid:  # forgotten only once cleared: a write that failed to clear them retries
                 await self.meta.clear_setid(h.ino)
+                h.kill_setid = False
             if h.append:  # at the end as the metadata knows it now (see the module docstring)
                 st.size = max(st.size, (await self._getattr(h.ino)).size)
                 off = st.size
@@ -940,6 +1029,7 @@ class IrdmaFS(pyfuse3.Operations):
                 st.pending.append(entry)
                 st.size = max(st.size, end)
                 st.dirty = True
+                st.writes += 1
                 assert self.nursery is not None
                 with _scheduled(h):  # the push task inherits the file's P3 priority and slices
                     self.nursery.start_soon(self._push, st, entry, off, data, h.op, coded, feedback)
@@ -974,7 +1064,7 @@ class IrdmaFS(pyfuse3.Operations):
                 log.exception("push of %d bytes at %d to file %d failed unexpectedly", entry.end - off, off,
                               st.layout.file_id)
                 exc = IrdmaError(f"internal error: {exc!r}")
-            st.fail_start = off if st.fail_start is None else min(st.fail_start, off)
+            st.failed_starts.append(off)
             if st.error is None:
                 st.error = exc  # type: ignore[assignment]
         finally:

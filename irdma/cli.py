@@ -434,6 +434,7 @@ def destroy(cluster_dir: str, yes: bool) -> None:
 @click.option("--log-file", type=click.Path(dir_okay=False), help="Log of the background mount process.")
 @click.option("--direct-io", is_flag=True, help="Direct I/O for every file (else per file: xattr user.irdma.io).")
 @click.option("--allow-other", is_flag=True, help="Let every user use the mount; the kernel checks file modes.")
+@click.option("--nonempty", is_flag=True, help="Mount over a directory that holds files (hidden until unmounted).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Seconds each request to a shard and each metadata lock wait may take (EIO or EBUSY after)"
               " [default: 10].")
@@ -443,7 +444,7 @@ def destroy(cluster_dir: str, yes: bool) -> None:
 @friendly
 def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_file: str | None,
           direct_io: bool, allow_other: bool, timeout: float | None, metrics_addr: str | None = None,
-          sync_timeout: float | None = None) -> None:
+          nonempty: bool = False, sync_timeout: float | None = None) -> None:
     """Mount the namespace at META_URL on MOUNTPOINT with FUSE (sqlite:///PATH/meta.db, or
     postgresql://USER@HOST:PORT/DB with the password in ~/.pgpass or $PGPASSFILE, never in the URL:
     it would show in `ps`)."""
@@ -458,7 +459,8 @@ def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_
     extra.update({} if sync_timeout is None else {"sync_timeout": sync_timeout})
     if foreground:
         logging.getLogger("irdma").setLevel(logging.INFO)
-        trio.run(functools.partial(serve_mount, meta_url, check_mountpoint(mountpoint), transport=transport,
+        trio.run(functools.partial(serve_mount, meta_url, check_mountpoint(mountpoint, nonempty=nonempty),
+                                   transport=transport,
                                    direct_io=direct_io, allow_other=allow_other, metrics=metrics_addr,
                                    **({} if timeout is None else {"timeout": timeout}),
                                    **({} if sync_timeout is None else {"sync_timeout": sync_timeout})))
@@ -471,7 +473,7 @@ def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_
         log_file = os.path.join(_cluster.default_dir(), name)
     with console.status(f"mounting {shown} on {mountpoint}"):
         pid = spawn_mount(meta_url, mountpoint, transport=transport, log_file=log_file, direct_io=direct_io,
-                          allow_other=allow_other, metrics=metrics_addr, **extra)
+                          allow_other=allow_other, metrics=metrics_addr, nonempty=nonempty, **extra)
     console.print(f"mounted on {os.path.abspath(mountpoint)} (pid {pid}, log {log_file}); `irdma umount {mountpoint}` to stop.",
                   highlight=False, soft_wrap=True)
 
@@ -1259,7 +1261,8 @@ _add_key_file_options(cli)
 #: kernel's and mount(8)'s own (rw, nosuid, _netdev, noauto, x-systemd.*, ...) are left out.
 _FSTAB_OPTIONS = {"key_file": "--key-file", "transport": "--transport", "timeout": "--timeout",
                   "log_file": "--log-file", "allow_other": "--allow-other", "direct_io": "--direct-io",
-                  "sync_timeout": "--sync-timeout"}
+                  "sync_timeout": "--sync-timeout",
+                  "nonempty": "--nonempty"}
 
 
 def fstab_args(argv: list[str]) -> list[str] | None:

@@ -47,6 +47,10 @@ The mount (``irdma_fuse_*``, see :class:`FuseMetrics`): ``irdma_fuse_requests_to
 (FUSE request type: ``read``, ``write``, ``lookup``, ``getattr``, ``fsync`` ...),
 ``irdma_fuse_request_seconds{op}``, ``irdma_fuse_bytes_total{op}`` (bytes returned by ``read``,
 accepted by ``write``), ``irdma_fuse_errors_total{op,errno}`` (``errno`` as its symbolic name).
+An answer that only says "no such attribute" (``ENODATA`` from ``getxattr`` or ``listxattr``:
+the kernel asks ``getxattr security.capability`` before every write to a file) is not an
+error: it counts in ``irdma_fuse_requests_total`` only (:data:`NOT_ERRORS`), so an alert on
+the error rate stays quiet on healthy traffic.
 
 Recording never fails a request: every hook catches and logs its own errors (once).
 """
@@ -311,6 +315,12 @@ class ClientMetrics:
             _warn_once("client end", exc)
 
 
+#: FUSE answers with an errno that are not failures: the file simply has no such extended
+#: attribute (``ENODATA``, Linux's ENOATTR). The kernel asks ``getxattr security.capability``
+#: before every write, so counting these would make every write look like a failed request.
+NOT_ERRORS: frozenset[tuple[str, int]] = frozenset({("getxattr", _errno.ENODATA), ("listxattr", _errno.ENODATA)})
+
+
 class FuseMetrics:
     """FUSE request metrics of a mount (one per process: :func:`fuse_metrics`)."""
 
@@ -327,7 +337,8 @@ class FuseMetrics:
 
     def end(self, t0: float, op: str, errno: int = 0, nbytes: int = 0) -> None:
         """Note a FUSE request of type ``op`` that started at ``t0`` and failed with ``errno``
-        (0: it succeeded), moving ``nbytes``."""
+        (0: it succeeded), moving ``nbytes``. An ``(op, errno)`` of :data:`NOT_ERRORS` is an
+        answer, not a failure: counted as a request, not in ``irdma_fuse_errors_total``."""
         try:
             dt = time.perf_counter() - t0
             c = self._children
@@ -341,7 +352,7 @@ class FuseMetrics:
                 if b is None:
                     b = c[("b", op)] = self.bytes.labels(op)
                 b.inc(nbytes)
-            if errno:
+            if errno and (op, errno) not in NOT_ERRORS:
                 self.errors.labels(op, _errno.errorcode.get(errno, str(errno))).inc()
         except Exception as exc:  # noqa: BLE001
             _warn_once("fuse", exc)
@@ -623,7 +634,8 @@ def forget_mount(mountpoint: str) -> None:
 
 
 __all__ = [
-    "REGISTRY", "LATENCY_BUCKETS", "SHARD_METRICS_ENV", "ShardMetrics", "ClientMetrics", "FuseMetrics", "Exporter",
+    "REGISTRY", "LATENCY_BUCKETS", "SHARD_METRICS_ENV", "ShardMetrics", "ClientMetrics", "FuseMetrics", "NOT_ERRORS",
+    "Exporter",
     "MeteredConnection",
     "error_kind", "shard_metrics", "client_metrics", "fuse_metrics", "serve", "shard_address", "run_dir",
     "mount_state_file", "record_mount", "forget_mount", "parse_metrics_address", "format_host",

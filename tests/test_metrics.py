@@ -6,12 +6,14 @@ Real shard processes (each serving its metrics on a port of its own), a real FUS
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -344,6 +346,49 @@ def test_quantile_interpolates_within_a_bucket() -> None:
     assert stats.quantile(0.75, b) == pytest.approx(0.055)
     assert stats.quantile(0.5, {float("inf"): 0.0}) is None
     assert stats.quantile(0.99, {0.5: 1.0, float("inf"): 10.0}) == 0.5
+
+
+def test_missing_xattr_answers_are_requests_not_errors() -> None:
+    from prometheus_client import CollectorRegistry
+
+    reg = CollectorRegistry()
+    m = metrics.FuseMetrics(reg)
+    t0 = time.perf_counter()
+    m.end(t0, "getxattr", errno.ENODATA)
+    m.end(t0, "listxattr", errno.ENODATA)
+    m.end(t0, "getxattr", errno.EIO)
+    m.end(t0, "read", errno.ENODATA)  # from any other request it is an error
+    assert reg.get_sample_value("irdma_fuse_requests_total", {"op": "getxattr"}) == 2
+    assert reg.get_sample_value("irdma_fuse_errors_total", {"op": "getxattr", "errno": "ENODATA"}) is None
+    assert reg.get_sample_value("irdma_fuse_errors_total", {"op": "listxattr", "errno": "ENODATA"}) is None
+    assert reg.get_sample_value("irdma_fuse_errors_total", {"op": "getxattr", "errno": "EIO"}) == 1
+    assert reg.get_sample_value("irdma_fuse_errors_total", {"op": "read", "errno": "ENODATA"}) == 1
+
+
+def test_writes_and_absent_xattrs_count_no_fuse_errors(mcluster: MetricsCluster, mmnt: str) -> None:
+    """The kernel asks ``getxattr security.capability`` before writes; a missing attribute is an
+    answer: requests go up, ``irdma_fuse_errors_total`` does not (error-rate alerts stay quiet)."""
+    target = stats.mount_target(mmnt)
+    m0 = scrape(target.address)
+    path = os.path.join(mmnt, "no-xattrs")
+    with open(path, "wb") as f:
+        for _ in range(3):
+            f.write(b"x" * 4096)
+            f.flush()
+    with pytest.raises(OSError) as exc:
+        os.getxattr(path, "user.not-there")
+    assert exc.value.errno == errno.ENODATA
+    with pytest.raises(OSError):
+        os.stat(os.path.join(mmnt, "no-such-file"))  # a real failure still counts
+    m1 = scrape(target.address)
+
+    def md(name: str, **match: str) -> float:
+        return total(m1, name, **match) - total(m0, name, **match)
+
+    assert md("irdma_fuse_requests_total", op="getxattr") >= 1
+    assert md("irdma_fuse_errors_total", op="getxattr") == 0
+    assert md("irdma_fuse_errors_total", errno="ENODATA") == 0
+    assert md("irdma_fuse_errors_total", op="lookup", errno="ENOENT") >= 1
 
 
 def test_metrics_code_never_fails_a_request() -> None:
