@@ -14,6 +14,7 @@ of some chunks and tail of others, and the copies of a file are spread as evenly
 copies.
 
 The stripe is fixed when the file is created, so adding shards later never moves a chunk.
+A new file is striped over every shard in service, so new files spread evenly over them.
 
 Draining a shard (``irdma shard drain``) moves its chunks without touching any file's stripe,
 and so does ``irdma rebalance``, for a share of them: the shard map records each *move* (the
@@ -24,6 +25,11 @@ hash of ``file_id + i``), which takes every update and is read from only once th
 then the shard leaves the chain and the target stays as its tail. Every client of one
 shard-map view computes the same chains, unwritten chunks included, with no per-chunk records:
 the substitution is a pure function of the view, as the formula above is.
+
+A move applies to the files that existed when it was recorded (it records the highest inode
+number then, ``last_ino``): a rebalance evens out the chunks there were, and files created
+after it keep the plain stripe formula, spread evenly over the shards in service, instead of
+inheriting shares computed for a cluster that has changed since.
 """
 
 from __future__ import annotations
@@ -130,6 +136,8 @@ class Move:
             joins them as tail); True once it is done (the target has replaced it).
         share: which of the shard's chunks move, in 1/MOVE_ALL parts (MOVE_ALL: all); a chunk
             moves when a hash of ``(file_id + index, seq)`` falls below it.
+        last_ino: the highest inode number when the move was recorded: it applies to files up
+            to it only. None (moves recorded before irdma kept it): to every file.
     """
 
     seq: int
@@ -137,19 +145,28 @@ class Move:
     targets: tuple[int, ...]
     done: bool
     share: int = MOVE_ALL
+    last_ino: int | None = None
+
+    def covers(self, file_id: int | None) -> bool:
+        """Whether the move applies to file ``file_id`` (None: unknown, taken as covered)."""
+        return file_id is None or self.last_ino is None or file_id <= self.last_ino
 
     def takes(self, salt: int) -> bool:
         """Whether the move takes the chunk ``salt = file_id + index`` (if its chain holds the shard)."""
         return self.share >= MOVE_ALL or _mix(salt * 1000003 + self.seq) % MOVE_ALL < self.share
 
 
-def substitute(chain: tuple[int, ...], moves: Sequence[Move], salt: int) -> tuple[tuple[int, ...], int | None]:
+def substitute(chain: tuple[int, ...], moves: Sequence[Move], salt: int, *,
+               file_id: int | None = None) -> tuple[tuple[int, ...], int | None]:
     """Apply the moves of the shard map to a chunk's chain (see the module's docstring).
 
     Args:
         chain: the chunk's replicas by the stripe formula, head first.
         moves: the shard map's moves, in ``seq`` order (at most one not ``done``).
         salt: ``file_id + chunk_index``: spreads a shard's chunks over the targets.
+        file_id: the chunk's file: moves recorded before it was created (``last_ino`` below
+            it) pass it by. None applies every move (as before moves recorded ``last_ino``):
+            every caller must pass it, or clients disagree on where a new file's chunks are.
 
     Returns:
         ``(chain, joining)``: the replicas head first, and the one still catching up (a
@@ -160,7 +177,7 @@ def substitute(chain: tuple[int, ...], moves: Sequence[Move], salt: int) -> tupl
     """
     joining = None
     for m in moves:
-        if m.shard_id not in chain or not m.takes(salt):
+        if m.shard_id not in chain or not m.covers(file_id) or not m.takes(salt):
             continue
         cands = [t for t in m.targets if t not in chain]
         rest = tuple(s for s in chain if s != m.shard_id)

@@ -103,3 +103,26 @@ def test_a_partial_move_never_drops_a_replica_it_has_nowhere_to_take() -> None:
     move = [Move(1, 1, (2,), done=True, share=MOVE_ALL // 2)]
     for salt in range(200):
         assert substitute((1, 2), move, salt) == ((1, 2), None)
+
+
+def test_a_move_applies_only_to_files_that_existed_when_it_was_recorded() -> None:
+    """A rebalance's partial move recorded when inode 10 was the newest: chunks of files up to
+    10 move by its share; files created later keep the stripe formula, spread evenly over the
+    shards in service, whatever moves came before them (issue 20, point 6)."""
+    move = Move(1, 1, (5,), done=True, share=MOVE_ALL // 2, last_ino=10)
+    old = Layout(file_id=7, chunk_size=4096, stripe=(1, 2, 3, 4), replicas=1)
+    moved = [i for i in range(400) if substitute(old.replicas_of(i), [move], old.file_id + i, file_id=7)[0] == (5,)]
+    assert 30 < len(moved) < 70  # about half of its 100 chunks on shard 1
+    counts: collections.Counter[int] = collections.Counter()
+    for fid in range(11, 16):  # five new files of 10 chunks, 2 replicas, over five shards
+        layout = Layout(file_id=fid, chunk_size=4096, stripe=(1, 2, 3, 4, 5), replicas=2)
+        for i in range(10):
+            chain, joining = substitute(layout.replicas_of(i), [move], fid + i, file_id=fid)
+            assert (chain, joining) == (layout.replicas_of(i), None)
+            counts.update(chain)
+    assert counts == {s: 20 for s in (1, 2, 3, 4, 5)}
+    # without the file (an older caller) or for a move recorded before moves kept last_ino, it applies
+    assert any(substitute((1,), [move], salt)[0] == (5,) for salt in range(11, 40))
+    legacy = Move(1, 1, (5,), done=True, share=MOVE_ALL)
+    assert substitute((1,), [legacy], 99, file_id=99) == ((5,), None)
+    assert Move(2, 1, (5,), done=False, last_ino=10).covers(10) and not move.covers(11)

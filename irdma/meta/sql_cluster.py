@@ -107,8 +107,12 @@ class SqlCluster:
 
     @staticmethod
     def _moves(c: Cursor) -> list[Move]:
-        return [Move(int(q), int(sh), tuple(int(t) for t in str(ts).split(",") if t), bool(d), int(share))
-                for q, sh, ts, share, d in c.execute("SELECT seq, shard, targets, share, done FROM moves ORDER BY seq")]
+        # last_ino: the highest inode number when the move was recorded (NULL: recorded before
+        # moves kept it, applies to every file; see irdma.placement)
+        return [Move(int(q), int(sh), tuple(int(t) for t in str(ts).split(",") if t), bool(d), int(share),
+                     None if last is None else int(last))
+                for q, sh, ts, share, d, last in c.execute(
+                    "SELECT seq, shard, targets, share, done, last_ino FROM moves ORDER BY seq")]
 
     # ---------------------------------------------------------------- replication
     @staticmethod
@@ -180,7 +184,8 @@ class SqlCluster:
             if not targets:
                 raise InvalidArgument(f"shard {shard_id} is the only shard in service: its chunks have nowhere to go",
                                       "add a shard first (`irdma shard add`)")
-            c.execute("INSERT INTO moves(shard, targets, share) VALUES (?,?,?)",
+            c.execute("INSERT INTO moves(shard, targets, share, last_ino)"
+                      " VALUES (?,?,?,(SELECT COALESCE(MAX(ino), 0) FROM inodes))",
                       (shard_id, ",".join(map(str, targets)), MOVE_ALL))
             c.execute("UPDATE shards SET state='draining' WHERE id=?", (shard_id,))
             self._bump_epoch(c)
@@ -194,7 +199,9 @@ class SqlCluster:
                     raise InvalidArgument(f"shard {sid} is not in service")
             if not targets or shard_id in targets or not 0 < share <= MOVE_ALL:
                 raise InvalidArgument(f"bad move of {share}/{MOVE_ALL} of shard {shard_id} to {list(targets)}")
-            c.execute("INSERT INTO moves(shard, targets, share) VALUES (?,?,?)",
+            # it moves the files there are now: later ones keep the plain stripe (spread evenly)
+            c.execute("INSERT INTO moves(shard, targets, share, last_ino)"
+                      " VALUES (?,?,?,(SELECT COALESCE(MAX(ino), 0) FROM inodes))",
                       (shard_id, ",".join(map(str, targets)), share))
             self._bump_epoch(c)
             return self._epoch(c)
@@ -259,7 +266,8 @@ class SqlCluster:
                 c.execute("DELETE FROM moves WHERE shard=? AND done=0", (shard_id,))
                 targets = [int(r[0]) for r in c.execute(
                     "SELECT id FROM shards WHERE state='up' AND id<>? ORDER BY id", (shard_id,))]
-                c.execute("INSERT INTO moves(shard, targets, share, done) VALUES (?,?,?,1)",
+                c.execute("INSERT INTO moves(shard, targets, share, done, last_ino)"
+                          " VALUES (?,?,?,1,(SELECT COALESCE(MAX(ino), 0) FROM inodes))",
                           (shard_id, ",".join(map(str, targets)), MOVE_ALL))
             # replicas held elsewhere stay readable there; a chunk it alone held stays recorded on
             # it with an incarnation no memory has (-1), so it reads as lost, never as zeros

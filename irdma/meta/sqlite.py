@@ -70,6 +70,9 @@ _SHARD_COLUMNS = {
 #: node, the target of a symbolic link.
 _INODE_COLUMNS = {"rdev": "INTEGER NOT NULL DEFAULT 0", "target": "BLOB",
                   "replicas": "INTEGER NOT NULL DEFAULT 1"}
+#: Columns added to the moves table since the first schema: the highest inode number when the
+#: move was recorded (it applies to files up to it; NULL, a move recorded before: to every file).
+_MOVE_COLUMNS = {"last_ino": "INTEGER"}
 
 
 class SqliteMeta(SqlMeta):
@@ -167,7 +170,7 @@ class SqliteMeta(SqlMeta):
             if pk and "shard" not in pk:
                 c.execute("INSERT INTO chunks SELECT ino, idx, shard, incarnation FROM chunks_v1")
                 c.execute("DROP TABLE chunks_v1")
-            for table, columns in (("shards", _SHARD_COLUMNS), ("inodes", _INODE_COLUMNS)):
+            for table, columns in (("shards", _SHARD_COLUMNS), ("inodes", _INODE_COLUMNS), ("moves", _MOVE_COLUMNS)):
                 have = {r[1] for r in c.execute(f"PRAGMA table_info({table})")}
                 for col, decl in columns.items():
                     if col not in have:
