@@ -392,10 +392,16 @@ def up(cluster_dir: str, shards: int, capacity: int, host: str, transport: str, 
             console.log(msg)
             status.update(msg)
 
-        url = _cluster.up(cluster_dir, shards, capacity, host=host, transport=transport, fresh=fresh,
-                          durability=durability, replicas=replicas, progress=progress)
+        missing: _cluster.ShardsNotStarted | None = None
+        try:
+            url = _cluster.up(cluster_dir, shards, capacity, host=host, transport=transport, fresh=fresh,
+                              durability=durability, replicas=replicas, progress=progress)
+        except _cluster.ShardsNotStarted as exc:  # the rest runs: resync it, then say what is missing
+            missing, url = exc, exc.url
     trio.run(_resync, url, None)
     out.print(url, highlight=False)
+    if missing is not None:
+        fail(str(missing), 1)
     console.print(
         f"cluster up. Next: [bold]irdma mount {url} MOUNTPOINT[/], [bold]irdma status --meta {url}[/],"
         f" and [bold]irdma down --dir {cluster_dir}[/] to stop it.", highlight=False,
@@ -522,18 +528,36 @@ def shard() -> None:
 
 
 async def _stats(meta_url: str) -> tuple[list[Any], tuple[int, int], int]:
-    stats, usage, epoch, _, _, _ = await _status(meta_url)
-    return stats, usage, epoch
-
-
-async def _status(meta_url: str) -> tuple[list[Any], tuple[int, int], int, list[Any], int, list[Any]]:
     from .client import Client
 
     async with Client.open(meta_url, transport="tcp") as client:
         stats = await client.shard_stats()  # notes each shard's incarnation first
+        return stats, await client.meta.usage(), await client.meta.epoch()
+
+
+@dataclasses.dataclass
+class _StatusView:
+    """What `irdma status` reads: the shards, the namespace's use, and every file that cannot be read."""
+
+    stats: list[Any]
+    usage: tuple[int, int]
+    epoch: int
+    damaged: list[Any]
+    waiting: list[Any]
+    under_replicated: int
+    moving: list[Any]
+
+
+async def _status(meta_url: str) -> _StatusView:
+    from .client import Client
+    from .fsck import readability
+
+    async with Client.open(meta_url, transport="tcp") as client:
+        stats = await client.shard_stats()  # notes each shard's incarnation first
         _, _, moves = await client.meta.shard_view()
-        return (stats, await client.meta.usage(), await client.meta.epoch(), await client.meta.damaged(),
-                await client.meta.under_replicated(), [m for m in moves if not m.done])
+        damaged, waiting, _ = await readability(client, stats)
+        return _StatusView(stats, await client.meta.usage(), await client.meta.epoch(), damaged, waiting,
+                           await client.meta.under_replicated(), [m for m in moves if not m.done])
 
 
 async def _resync(meta_url: str, only: list[int] | None) -> int:
@@ -567,15 +591,78 @@ async def _resync(meta_url: str, only: list[int] | None) -> int:
     return failed
 
 
+async def _adoptable(meta_url: str, shard_id: int) -> list[Any]:
+    """The files with chunks waiting for a shard of which ``shard_id`` holds an older copy."""
+    from .client import Client
+    from .fsck import readability
+
+    async with Client.open(meta_url, transport="tcp") as client:
+        stats = await client.shard_stats()
+        if not any(rec.shard_id == shard_id for rec, _, _ in stats):
+            from ._errors import NotFound
+
+            raise NotFound(f"shard {shard_id} is not in the shard map", "`irdma shard list` shows the shards")
+        _, waiting, _ = await readability(client, stats)
+        return [u for u in waiting if shard_id in u.stale]
+
+
+async def _force_resync(meta_url: str, shard_id: int) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from .client import Client
+
+    async with Client.open(meta_url, transport="tcp") as client:
+        with Progress(TextColumn(f"resync shard {shard_id} (forced)"), BarColumn(), MofNCompleteColumn(),
+                      TimeRemainingColumn(), console=console, transient=True) as bar:
+            task = bar.add_task("chunks", total=None)
+            return await client.resync_shard(
+                shard_id, lambda done, total: bar.update(task, completed=done, total=total), force=True)
+
+
 @shard.command("resync")
 @click.argument("shard_ids", nargs=-1, type=int)
 @META_OPTION
+@click.option("--force-from", "force_from", type=int, default=None, metavar="SHARD",
+              help="For chunks whose in-sync replicas are lost for good: adopt SHARD's older copies as the"
+              " in-sync ones (the updates only the lost replicas had are lost).")
+@click.option("--yes", is_flag=True, help="With --force-from: do not ask.")
 @friendly
-def shard_resync(shard_ids: tuple[int, ...], meta_url: str) -> None:
+def shard_resync(shard_ids: tuple[int, ...], meta_url: str, force_from: int | None, yes: bool) -> None:
     """Bring shards that are back after being down (state syncing) level with their chains:
     copy the chunks whose version or checksum differs from the chain head's, then mark them up.
     Mounts do this on their own every few seconds; this does it now, with progress.
-    Default: every syncing shard."""
+    Default: every syncing shard.
+
+    With --force-from SHARD, for a chunk whose in-sync replicas are all on shards that do not
+    answer (`irdma status` lists these files and the shards they wait for) and whose data is
+    gone for good: SHARD's copy becomes the in-sync one, and the others are resynced from it.
+    What only the lost replicas held (the updates SHARD missed) is lost. Restarting the
+    shards they wait for loses nothing: do that whenever they can come back."""
+    if force_from is not None:
+        if shard_ids:
+            raise click.UsageError("give either SHARD_IDS or --force-from SHARD, not both")
+        files = trio.run(_adoptable, meta_url, force_from)
+        waits = sorted({s for u in files for s in u.waits_for})
+        console.print(
+            f"[yellow]warning:[/] --force-from {force_from} makes shard {force_from}'s copies the in-sync replicas"
+            + (f" of {_count(sum(len(u.chunks) for u in files), 'chunk')} of {_count(len(files), 'file')} that wait"
+               f" for shards {', '.join(map(str, waits))}" if files
+               else " of the chunks whose in-sync replicas do not answer")
+            + ": the updates only those replicas had are lost for good, and if they come back they are resynced"
+            f" from shard {force_from}. Restarting them instead loses nothing.", highlight=False, soft_wrap=True)
+        for u in files[:20]:
+            console.print(f"  {u.path or '(no name)'} (inode {u.ino}): chunks {', '.join(map(str, u.chunks[:8]))}"
+                          + (" ..." if len(u.chunks) > 8 else ""), highlight=False, soft_wrap=True)
+        try:
+            if not yes and not click.confirm(f"adopt shard {force_from}'s copies?", err=True):
+                raise click.Abort
+        except click.Abort:
+            raise IrdmaError("nothing changed", f"pass --yes to adopt shard {force_from}'s copies without asking")\
+                from None
+        copied = trio.run(_force_resync, meta_url, force_from)
+        console.print(f"shard {force_from} is up to date and its copies are in sync: {format_size(copied)} copied",
+                      highlight=False)
+        return
     if trio.run(_resync, meta_url, list(shard_ids) or None):
         fail("some shards were not resynced", 1)
 
@@ -710,7 +797,7 @@ def shard_add(address: str, meta_url: str, force: bool, timeout: float) -> None:
 
     from ._errors import Exists, ShardUnavailable
     from .cluster import check_shard
-    from .meta import open_meta
+    from .meta import meta_path, meta_scheme, open_meta
     from .transport import parse_address
 
     try:
@@ -734,6 +821,9 @@ def shard_add(address: str, meta_url: str, force: bool, timeout: float) -> None:
                     " to register it anyway",
                 ) from None
         rec = meta.add_shard(address)
+    if meta_scheme(meta_url) == "sqlite":
+        # a shard started by hand joins a local cluster: `irdma up` names its command if it stops
+        _cluster.note_hand_started(os.path.dirname(meta_path(meta_url)), rec.shard_id, address)
     if force:
         console.print(f"registered shard {rec.shard_id} at {address} without checking it; start it with"
                       f" `irdma server --listen {address} --shard-id {rec.shard_id}` if it is not running.",
@@ -753,32 +843,63 @@ class Health:
     advice: str = ""
 
 
-def cluster_health(stats: list[Any], damaged: list[Any] | None = None, under_replicated: int = 0,
-                   moving: list[Any] | None = None) -> Health:
-    """The cluster's health from :meth:`Client.shard_stats` (``(record, stats or None, why)`` each),
-    the damaged files (:meth:`MetaStore.damaged`) and the count of under-replicated chunks.
+#: Shard states whose shards serve no chain any more: history, never failures.
+RETIRED = ("drained", "removed")
 
-    The exit codes of ``irdma status``: 0 healthy (every shard answers and is up to date, every
-    chunk has all its replicas), 1 degraded (a shard is down or catching up, chunks are
-    under-replicated, or the shard map is empty), 2 data lost (a file's chunks are gone).
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def cluster_health(stats: list[Any], damaged: list[Any] | None = None, under_replicated: int = 0,
+                   moving: list[Any] | None = None, waiting: list[Any] | None = None) -> Health:
+    """The cluster's health from :meth:`Client.shard_stats` (``(record, stats or None, why)`` each),
+    the files with chunks lost (``damaged``, :class:`~irdma.meta.DamagedFile`) or waiting for a
+    shard that does not answer (``waiting``, :class:`irdma.fsck.Unreadable`), the count of
+    under-replicated chunks and the moves in progress.
+
+    The exit codes of ``irdma status``: 0 healthy (every shard in service answers and is up to
+    date, every chunk has all its replicas), 1 degraded (a shard is down or catching up, chunks
+    are under-replicated, chunks are moving, or no shard is in service), 2 a file cannot be read
+    (its chunks are lost, or wait for a shard that does not answer). Drained and removed shards
+    are history: they count for nothing.
     """
-    if damaged:
-        n = sum(len(d.lost_chunks) for d in damaged)
-        return Health("data lost", "bold red", 2,
-                      f"{n} chunks of {len(damaged)} files are lost (a shard restarted on empty memory):"
-                      " reads of them fail with EIO; rewrite those files or restore them from a checkpoint,"
-                      " `irdma fsck` lists them.")
-    if not stats:
-        return Health("degraded", "red", 1, "the shard map is empty: `irdma shard add HOST:PORT` registers a shard.")
-    draining = [str(rec.shard_id) for rec, _, _ in stats if rec.state == "draining"]
-    stats = [x for x in stats if x[0].state not in ("drained", "removed")]
-    if any(st is None for _, st, _ in stats):
+    if damaged or waiting:
+        advice = []
+        if damaged:
+            n = sum(len(d.lost_chunks) for d in damaged)
+            advice.append(f"{_count(n, 'chunk')} of {_count(len(damaged), 'file')} {'is' if n == 1 else 'are'} lost"
+                          " (no in-sync replica is left: a shard restarted on empty memory or was removed, or the"
+                          " chunk was freed behind the namespace's back): reads of them fail with EIO; rewrite those"
+                          " files or restore them from a checkpoint, `irdma fsck` lists them.")
+        if waiting:
+            waits = sorted({s for u in waiting for s in u.waits_for})
+            stale = sorted({s for u in waiting for s in u.stale})
+            one = len(waits) == 1
+            named = f"shard{'' if one else 's'} {', '.join(map(str, waits))}"
+            advice.append(
+                f"{_count(len(waiting), 'file')} cannot be read until {named} answer{'s' if one else ''} again"
+                f" ({'it holds' if one else 'they hold'} the only in-sync copies): restart {'it' if one else 'them'}"
+                " (`irdma up --dir D` restarts the shards of a local cluster; else run `irdma server` again on its"
+                f" data directory). If {'it is' if one else 'one is'} lost for good, `irdma shard resync --force-from"
+                f" {stale[0] if stale else 'SHARD'}` adopts the older copies "
+                + (f"shard{'s' if len(stale) > 1 else ''} {', '.join(map(str, stale))}"
+                   f" hold{'' if len(stale) > 1 else 's'}" if stale else "a shard that answers holds")
+                + f", losing the updates only {named} had.")
+        return Health("data lost" if damaged else "unreadable", "bold red", 2, " ".join(advice))
+    live = [x for x in stats if x[0].state not in RETIRED]
+    if not live:
+        return Health("degraded", "red", 1,
+                      "the shard map is empty: `irdma shard add HOST:PORT` registers a shard." if not stats else
+                      "no shard is in service (all were drained or removed): `irdma shard add HOST:PORT` registers one.")
+    draining = [str(rec.shard_id) for rec, _, _ in live if rec.state == "draining"]
+    if any(st is None for _, st, _ in live):
         return Health("degraded", "red", 1,
                       "some shards are down: `irdma shard list` names them; restart them or the cluster"
                       " (`irdma up --dir D` restarts the dead shards of a local cluster).")
     # a shard the map records down that answers again is catching up too: it is up to date
     # only once a resync marked it up (a client that reaches it first records it syncing)
-    syncing = [str(rec.shard_id) for rec, _, _ in stats if rec.health in ("syncing", "down")]
+    syncing = [str(rec.shard_id) for rec, _, _ in live if rec.health in ("syncing", "down")]
     if draining:
         return Health("degraded", "yellow", 1, f"shard {', '.join(draining)} is draining: finish it with"
                       f" `irdma shard drain {draining[0]}`.")
@@ -799,33 +920,42 @@ def cluster_health(stats: list[Any], damaged: list[Any] | None = None, under_rep
 def status(meta_url: str) -> None:
     """The cluster at a glance: shards up, capacity, used, files.
 
-    Exits 0 when the cluster is healthy, 1 when it is degraded (a shard is down), 2 when data
-    is lost (the files and chunks affected are listed).
+    Exits 0 when the cluster is healthy, 1 when it is degraded (a shard is down or catching
+    up), 2 when a file cannot be read: its chunks are lost, or their in-sync replicas are all
+    on shards that do not answer (the files, and the shards they wait for, are listed).
+    Drained and removed shards are history: they are not counted.
     """
-    stats, (inodes, file_bytes), epoch, damaged, under, moving = trio.run(_status, meta_url)
-    up_ = [st for _, st, _ in stats if st is not None]
+    v = trio.run(_status, meta_url)
+    live = [(rec, st, why) for rec, st, why in v.stats if rec.state not in RETIRED]
+    retired = [rec for rec, _, _ in v.stats if rec.state in RETIRED]
+    up_ = [st for _, st, _ in live if st is not None]
     cap = sum(st.capacity for st in up_)
     used = sum(st.used for st in up_)
     chunks = sum(st.chunks for st in up_)
-    health = cluster_health(stats, damaged, under, moving)
+    health = cluster_health(v.stats, v.damaged, v.under_replicated, v.moving, v.waiting)
     table = Table(title="irdma status", show_header=False)
     table.add_column("what")
     table.add_column("value")
     table.add_row("metadata", meta_url)
     table.add_row("health", f"[{health.style}]{health.word}[/]")
-    table.add_row("shards up", f"{len(up_)} of {len(stats)} (shard map epoch {epoch})")
+    table.add_row("shards up", f"{len(up_)} of {len(live)} (shard map epoch {v.epoch}"
+                  + (f"; {len(retired)} drained or removed, not counted" if retired else "") + ")")
     table.add_row("capacity", format_size(cap))
     table.add_row("used", f"{format_size(used)} ({100 * used / cap:.1f}%)" if cap else "-")
     table.add_row("chunks", str(chunks))
-    syncing = [str(rec.shard_id) for rec, st, _ in stats if st is not None and rec.health in ("syncing", "down")]
-    table.add_row("under-replicated chunks", str(under) + (f" (shards {', '.join(syncing)} syncing)" if syncing else ""))
-    table.add_row("inodes", str(inodes))
-    table.add_row("bytes in files", format_size(file_bytes))
-    if damaged:
-        table.add_row("damaged files", str(len(damaged)))
+    syncing = [str(rec.shard_id) for rec, st, _ in live if st is not None and rec.health in ("syncing", "down")]
+    table.add_row("under-replicated chunks",
+                  str(v.under_replicated) + (f" (shards {', '.join(syncing)} syncing)" if syncing else ""))
+    table.add_row("inodes", str(v.usage[0]))
+    table.add_row("bytes in files", format_size(v.usage[1]))
+    if v.damaged or v.waiting:
+        table.add_row("unreadable files", f"{len(v.damaged) + len(v.waiting)} ({len(v.damaged)} lost,"
+                      f" {len(v.waiting)} waiting for a shard)")
     out.print(table)
-    if damaged:
-        _print_damaged(damaged)
+    if v.damaged:
+        _print_damaged(v.damaged)
+    if v.waiting:
+        _print_waiting(v.waiting)
     if health.advice:
         console.print(health.advice, highlight=False, soft_wrap=True)
     sys.exit(health.exit_code)
@@ -838,21 +968,38 @@ def _print_damaged(damaged: list[Any], limit: int = 50) -> None:
     for d in damaged[:limit]:
         idx = ", ".join(map(str, d.lost_chunks[:8])) + (" ..." if len(d.lost_chunks) > 8 else "")
         table.add_row(str(d.ino), d.path or "(no name)", idx, ", ".join(map(str, d.shards)))
-    out.print(table)
+    out.print(table, soft_wrap=True)
     if len(damaged) > limit:
         out.print(f"... and {len(damaged) - limit} more")
+
+
+def _print_waiting(waiting: list[Any], limit: int = 50) -> None:
+    table = Table(title="files that cannot be read until a shard answers")
+    for col in ("inode", "path", "chunks", "waits for shards", "older copies on"):
+        table.add_column(col)
+    for u in waiting[:limit]:
+        idx = ", ".join(map(str, u.chunks[:8])) + (" ..." if len(u.chunks) > 8 else "")
+        table.add_row(str(u.ino), u.path or "(no name)", idx, ", ".join(map(str, u.waits_for)),
+                      ", ".join(map(str, u.stale)) or "-")
+    out.print(table, soft_wrap=True)
+    if len(waiting) > limit:
+        out.print(f"... and {len(waiting) - limit} more")
 
 
 @cli.command()
 @META_OPTION
 @friendly
 def fsck(meta_url: str) -> None:
-    """Check the namespace against the shards: damaged files, missing and leaked chunks.
+    """Check the namespace against the shards: every written chunk's in-sync replicas (present,
+    with a version, on shards that answer), missing and leaked chunks.
 
-    Lists files whose chunks were lost (a shard restarted on empty memory, or a chunk was freed
-    behind the namespace's back), chunks no file owns, dead sessions and orphans. Changes
-    nothing (`irdma gc` collects). Exits 0 when clean, 1 when there is garbage or a shard could
-    not be checked, 2 when data is lost.
+    Lists files that cannot be read: chunks lost (no in-sync replica left, or freed behind the
+    namespace's back) and chunks whose in-sync replicas are all on shards that do not answer
+    (with the shards they wait for); in-sync replicas missing on their shard; chunks no file
+    owns, dead sessions and orphans. Changes nothing (`irdma gc` collects exactly what it
+    reports). Drained and removed shards are history: not checked. Exits 0 when clean, 1 when
+    there is garbage, a replica is missing or a shard in service could not be checked, 2 when
+    a file cannot be read.
     """
     from .client import Client
     from .fsck import scan
@@ -863,26 +1010,35 @@ def fsck(meta_url: str) -> None:
                 return await scan(client, progress=lambda msg: st.update(msg))
 
     rep = trio.run(run)
-    missing = [(ino, lst) for ino, lst in rep.missing.items()]
+    missing = sorted(rep.missing.items())
     if rep.damaged:
         _print_damaged(rep.damaged)
+    if rep.waiting:
+        _print_waiting(rep.waiting)
     if missing:
-        table = Table(title="files with chunks missing on their shard")
+        table = Table(title="in-sync replicas missing on their shard (the other replicas serve them)")
         for col in ("inode", "chunks (shard)"):
             table.add_column(col)
         for ino, lst in missing[:50]:
             table.add_row(str(ino), ", ".join(f"{i} ({s})" for i, s in lst[:8]) + (" ..." if len(lst) > 8 else ""))
-        out.print(table)
-    out.print(f"damaged files: {len(rep.damaged) + len(missing)}; leaked chunks: {len(rep.leaked)}"
-              f" ({format_size(rep.leaked_bytes)}); dead sessions: {len(rep.sessions)}; orphans: {len(rep.orphans)};"
-              f" shards not checked: {len(rep.unreachable)}", highlight=False)
+        out.print(table, soft_wrap=True)
+    out.print(f"unreadable files: {len(rep.damaged) + len(rep.waiting)} ({len(rep.damaged)} lost,"
+              f" {len(rep.waiting)} waiting for a shard); replicas missing: {sum(len(x) for _, x in missing)};"
+              f" leaked chunks: {len(rep.leaked)} ({format_size(rep.leaked_bytes)}); dead sessions:"
+              f" {len(rep.sessions)}; orphans: {len(rep.orphans)}; shards not checked: {len(rep.unreachable)}",
+              highlight=False, soft_wrap=True)
     for sid, why in rep.unreachable:
-        console.print(f"shard {sid} not checked: {why}", highlight=False)
-    if rep.data_lost:
-        console.print("data is lost: rewrite the files listed or restore them from a checkpoint.", highlight=False)
+        console.print(f"shard {sid} not checked: {why}", highlight=False, soft_wrap=True)
+    if rep.unreadable:
+        health = cluster_health([], rep.damaged, waiting=rep.waiting)
+        console.print(health.advice, highlight=False, soft_wrap=True)
         sys.exit(2)
-    if rep.leaked or rep.sessions or rep.orphans or rep.unreachable:
-        console.print("`irdma gc` frees the leaked chunks, dead sessions and orphans.", highlight=False)
+    if rep.garbage or rep.unreachable or missing:
+        if rep.garbage:
+            console.print("`irdma gc` frees the leaked chunks, dead sessions and orphans.", highlight=False)
+        if rep.unreachable:
+            console.print("restart the shards not checked (`irdma shard list` names them), then check again.",
+                          highlight=False)
         sys.exit(1)
     out.print("clean")
 
@@ -892,7 +1048,9 @@ def fsck(meta_url: str) -> None:
 @click.option("--dry-run", is_flag=True, help="Report what would be freed; change nothing.")
 @friendly
 def gc(meta_url: str, dry_run: bool) -> None:
-    """Free what no file needs: chunks of dead sessions' writes, orphans, leaked chunks."""
+    """Free what no file needs: dead sessions, orphans (files with no name that no live
+    session holds open), and leaked chunks (no file's, or past the end of a file no live
+    session holds open: a crashed writer's). --dry-run reports exactly what a run frees."""
     from .client import Client
     from .fsck import collect_garbage
 
@@ -903,10 +1061,11 @@ def gc(meta_url: str, dry_run: bool) -> None:
 
     rep = trio.run(run)
     verb = "would free" if dry_run else "freed"
-    out.print(f"{verb}: {len(rep.sessions)} dead sessions, {len(rep.orphans)} orphaned files,"
-              f" {len(rep.leaked)} leaked chunks ({format_size(rep.leaked_bytes)})", highlight=False)
+    out.print(f"{verb}: {len(rep.sessions)} dead sessions, {len(rep.orphans)} orphaned files"
+              f" ({format_size(rep.orphan_bytes)}), {len(rep.leaked)} leaked chunks ({format_size(rep.leaked_bytes)})",
+              highlight=False)
     for sid, why in rep.unreachable:
-        console.print(f"shard {sid} not collected: {why}", highlight=False)
+        console.print(f"shard {sid} not collected: {why}", highlight=False, soft_wrap=True)
     if rep.unreachable:
         sys.exit(1)
 

@@ -7,6 +7,14 @@ chunks in memory-mapped files, see :mod:`irdma.server.store`) and ``logs/``. ``d
 the shards and keeps everything; ``up`` on the same directory starts them again on their data
 (every file comes back bit-exact), and on a running cluster restarts just the shards that
 died; ``destroy`` removes the data.
+
+``up`` never destroys or replaces data: it restarts only shards it started (their data
+directory is ``shards/ID/``), leaves alone every shard that answers the handshake (a shard
+started by hand and added with ``irdma shard add`` included), and for a shard it did not start
+that does not answer it names the exact command that starts it again (``hand_started.json``
+keeps the command line of each such shard seen running). Processes are signalled only after
+an identity check: the pid and the process start time recorded when it was started (a pid
+reused by another process is never signalled).
 """
 
 from __future__ import annotations
@@ -14,13 +22,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
-import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+import psutil
 import trio
 
 from ._concurrency import open_nursery
@@ -31,14 +40,63 @@ from .meta import open_meta
 from .transport import make_transport
 
 STATE_FILE = "cluster.json"
+#: Command lines of shards started by hand (not by ``irdma up``) seen running, by shard id.
+HAND_FILE = "hand_started.json"
+#: Seconds ``up`` waits for the handshake of a shard it did not start.
+HANDSHAKE_TIMEOUT = 3.0
 
 
 @dataclass
 class ShardProc:
+    """A shard process ``irdma up`` started: ``create_time`` is its start time (``psutil``'s,
+    seconds since the epoch), which with the pid identifies it (None: recorded by an older irdma)."""
+
     shard_id: int
     address: str
     pid: int
     log: str
+    create_time: float | None = None
+
+
+class ShardsNotStarted(IrdmaError):
+    """``up`` started every shard it could, but some shard it did not start does not answer.
+
+    Attributes:
+        url: the metadata URL of the cluster (which runs, without those shards).
+        shard_ids: the shards that do not answer.
+    """
+
+    def __init__(self, url: str, shard_ids: list[int], message: str, hint: str) -> None:
+        super().__init__(message, hint)
+        self.url = url
+        self.shard_ids = shard_ids
+
+
+def process_of(p: ShardProc) -> psutil.Process | None:
+    """The process of shard ``p`` if it still runs and is the one ``up`` started: same pid and
+    start time (or, recorded by an older irdma without one, an ``irdma server`` with its
+    shard id). None when it exited, is a zombie, or the pid now belongs to another process."""
+    try:
+        proc = psutil.Process(p.pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(p.pid, os.WNOHANG)  # our child (a start that failed): reaped
+            return None
+        if p.create_time is not None:
+            if abs(proc.create_time() - p.create_time) > 0.05:
+                return None
+        else:
+            cmd = proc.cmdline()
+            if "server" not in cmd or "--shard-id" not in cmd or str(p.shard_id) not in cmd:
+                return None
+        return proc
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+def shard_running(p: ShardProc) -> bool:
+    """Whether the shard process ``p`` that ``up`` started still runs (see :func:`process_of`)."""
+    return process_of(p) is not None
 
 
 def default_dir() -> str:
@@ -176,8 +234,9 @@ def up(
 
     Raises:
         InvalidArgument: see :func:`check_up_args`.
-        IrdmaError: every shard of the cluster in ``cluster_dir`` already runs; its namespace
-            has shards without data (made by an older irdma: pass ``fresh``); or a shard did
+        ShardsNotStarted: shards ``up`` did not start (started by hand) do not answer; every
+            other shard runs (the message names the command that starts each of them).
+        IrdmaError: every shard of the cluster in ``cluster_dir`` already runs, or a shard did
             not start (the message names its log).
     """
     check_up_args(cluster_dir, shards, capacity, host)
@@ -186,7 +245,7 @@ def up(
                               "each replica of a chunk lives on a distinct shard")
     meta_path = os.path.join(cluster_dir, "meta.db")
     if os.path.exists(meta_path) and fresh:
-        running = [s for s in read_state(cluster_dir) if pid_alive(s.pid)]
+        running = [s for s in read_state(cluster_dir) if shard_running(s)]
         if running:
             raise IrdmaError(f"a cluster runs in {cluster_dir}", f"irdma down --dir {cluster_dir} first")
         _remove_namespace(cluster_dir)
@@ -251,7 +310,11 @@ def _spawn(cluster_dir: str, shard_id: int, address: str, transport: str, durabi
     if capacity is not None:
         args += ["--capacity", str(capacity)]
     pid = spawn_detached(args, log)
-    return ShardProc(shard_id, address, pid, log)
+    try:
+        started: float | None = psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:  # it exited at once: _wait_all says why
+        started = None
+    return ShardProc(shard_id, address, pid, log, started)
 
 
 def _wait_all(procs: list[ShardProc], timeout: float, progress: Callable[[str], None], key_file: str) -> None:
@@ -268,25 +331,31 @@ def _wait_all(procs: list[ShardProc], timeout: float, progress: Callable[[str], 
 
 def _restart(cluster_dir: str, transport: str, durability: str, progress: Callable[[str], None],
              timeout: float) -> str:
-    """Start every shard of the shard map that is not running, on its data directory."""
+    """Start again every shard of the shard map that ``up`` started and that is not running, on
+    its data directory; leave alone every shard that answers; name the command for the others."""
+    meta_url = meta_url_of(cluster_dir)
     meta = open_meta(os.path.join(cluster_dir, "meta.db"))
     try:
         records = [r for r in meta.shards() if r.state != "removed"]  # (removed: out of the cluster)
     finally:
         meta.close()
-    running = {s.shard_id: s for s in read_state(cluster_dir) if pid_alive(s.pid)}
-    dead = [r for r in records if r.shard_id not in running]
-    if not dead:
-        raise IrdmaError(f"a cluster already runs in {cluster_dir} (all {len(records)} shards)",
-                         f"irdma status --meta {meta_url_of(cluster_dir)}; `irdma down --dir {cluster_dir}` stops it")
-    missing = [r.shard_id for r in dead if not os.path.exists(os.path.join(shard_dir(cluster_dir, r.shard_id), "shard.json"))]
-    if missing:
-        raise IrdmaError(
-            f"{cluster_dir} holds a namespace whose shards {missing} kept no data (their memory is gone)",
-            "pass --fresh to start over there, or pick another --dir",
-        )
-    os.makedirs(os.path.join(cluster_dir, "logs"), exist_ok=True)
+    running = {s.shard_id: s for s in read_state(cluster_dir) if shard_running(s)}
     key_file = _ensure_key(cluster_dir, progress)
+    others = [r for r in records if r.shard_id not in running]
+    answering = trio.run(_answering, [r.address for r in others], read_key_file(key_file))
+    ours = {r.shard_id for r in records if os.path.exists(os.path.join(shard_dir(cluster_dir, r.shard_id), "shard.json"))}
+    hand = _read_hand(cluster_dir)
+    for r in others:
+        if r.address in answering:  # started by hand (or by another `up`): not ours to touch
+            progress(f"shard {r.shard_id} at {r.address} runs (not started by this `irdma up`): left alone")
+            if r.shard_id not in ours:
+                _note_hand(cluster_dir, hand, r.shard_id, r.address)
+    dead = [r for r in others if r.address not in answering and r.shard_id in ours]
+    lost = [r for r in others if r.address not in answering and r.shard_id not in ours]
+    if not dead and not lost:
+        raise IrdmaError(f"a cluster already runs in {cluster_dir} (all {len(records)} shards)",
+                         f"irdma status --meta {meta_url}; `irdma down --dir {cluster_dir}` stops it")
+    os.makedirs(os.path.join(cluster_dir, "logs"), exist_ok=True)
     procs: list[ShardProc] = []
     try:
         for r in dead:
@@ -298,11 +367,114 @@ def _restart(cluster_dir: str, transport: str, durability: str, progress: Callab
     except BaseException:
         _stop(procs, 10.0)
         raise
-    return meta_url_of(cluster_dir)
+    if lost:
+        commands = "; ".join(f"shard {r.shard_id}: `{start_command(cluster_dir, r.shard_id, r.address, hand)}`"
+                             for r in lost)
+        raise ShardsNotStarted(
+            meta_url, [r.shard_id for r in lost],
+            f"shards {[r.shard_id for r in lost]} do not answer and were not started by `irdma up` (their data is"
+            f" not in {os.path.join(cluster_dir, 'shards')}): the cluster runs without them",
+            f"start each again on its own data directory: {commands}")
+    return meta_url
+
+
+async def _answering(addresses: Sequence[str], key: KeyRing | None,
+                     timeout: float = HANDSHAKE_TIMEOUT) -> set[str]:
+    """The addresses at which an irdma shard answers the handshake (all tried at once)."""
+    ok: set[str] = set()
+
+    async def one(address: str) -> None:
+        with contextlib.suppress(ShardUnavailable):
+            await check_shard(address, timeout, key=key)
+            ok.add(address)
+
+    async with open_nursery() as nursery:
+        for address in addresses:
+            nursery.start_soon(one, address)
+    return ok
+
+
+def _read_hand(cluster_dir: str) -> dict[str, dict[str, object]]:
+    try:
+        with open(os.path.join(cluster_dir, HAND_FILE)) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _listener(address: str) -> psutil.Process | None:
+    """The process of this host listening on ``address``'s port, if any (and visible to us)."""
+    from .transport import parse_address
+
+    try:
+        _, port = parse_address(address)
+        for c in psutil.net_connections(kind="inet"):
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+                return psutil.Process(c.pid)
+    except (ValueError, psutil.Error, OSError):
+        pass
+    return None
+
+
+def _note_hand(cluster_dir: str, hand: dict[str, dict[str, object]], shard_id: int, address: str) -> None:
+    """Record the command line of the shard started by hand at ``address`` (if it runs on this
+    host), so that ``up`` can name it once the shard is gone."""
+    proc = _listener(address)
+    if proc is None:
+        return
+    try:
+        argv, cwd = proc.cmdline(), proc.cwd()
+    except psutil.Error:
+        return
+    if "server" not in argv:
+        return
+    hand[str(shard_id)] = {"address": address, "argv": argv, "cwd": cwd}
+    tmp = os.path.join(cluster_dir, HAND_FILE + ".tmp")
+    with contextlib.suppress(OSError):
+        with open(tmp, "w") as f:
+            json.dump(hand, f, indent=1)
+        os.replace(tmp, os.path.join(cluster_dir, HAND_FILE))
+
+
+def note_hand_started(cluster_dir: str, shard_id: int, address: str) -> None:
+    """Record the command line of a shard started by hand (``irdma shard add`` on a local
+    cluster's namespace calls this) for :func:`up` to name if it is ever found down."""
+    if os.path.exists(os.path.join(cluster_dir, "meta.db")) and os.path.isdir(os.path.join(cluster_dir, "shards")):
+        _note_hand(cluster_dir, _read_hand(cluster_dir), shard_id, address)
+
+
+def start_command(cluster_dir: str, shard_id: int, address: str,
+                  hand: dict[str, dict[str, object]] | None = None) -> str:
+    """The command that starts shard ``shard_id`` (started by hand) again: its own command
+    line when it was seen running (the port it was given, such as 0 with ``--port-file``,
+    replaced by the address it registered), else the ``irdma server`` line with the data
+    directory left to fill in."""
+    rec = (hand if hand is not None else _read_hand(cluster_dir)).get(str(shard_id))
+    argv = rec.get("argv") if rec else None
+    if isinstance(argv, list) and all(isinstance(a, str) for a in argv) and rec is not None:
+        args = list(argv)
+        if len(args) > 2 and args[1:3] == ["-m", "irdma.cli"]:
+            args = ["irdma", *args[3:]]
+        elif args and os.path.basename(args[0]).startswith("python") and len(args) > 1 \
+                and os.path.basename(args[1]) == "irdma":
+            args = ["irdma", *args[2:]]
+        elif args and os.path.basename(args[0]) == "irdma":
+            args = ["irdma", *args[1:]]
+        for i, a in enumerate(args[:-1]):
+            if a == "--listen" and args[i + 1].endswith(":0"):
+                args[i + 1] = address
+        line = shlex.join(args)
+        cwd = rec.get("cwd")
+        relative = any(args[i] in ("--data-dir", "--key-file", "--port-file") and not os.path.isabs(args[i + 1])
+                       for i in range(len(args) - 1))
+        return f"cd {shlex.quote(str(cwd))} && {line}" if relative and isinstance(cwd, str) else line
+    return (f"irdma server --listen {address} --meta {meta_url_of(cluster_dir)} --key-file"
+            f" {key_file_of(cluster_dir)} --data-dir ITS_DATA_DIR")
 
 
 def _remove_namespace(cluster_dir: str) -> None:
-    for name in ("meta.db", "meta.db-wal", "meta.db-shm", STATE_FILE, KEY_FILE_NAME):
+    for name in ("meta.db", "meta.db-wal", "meta.db-shm", STATE_FILE, KEY_FILE_NAME, HAND_FILE):
         path = os.path.join(cluster_dir, name)
         if os.path.exists(path):
             os.unlink(path)
@@ -316,15 +488,17 @@ def _write_state(cluster_dir: str, procs: list[ShardProc]) -> None:
 
 
 def _stop(procs: list[ShardProc], timeout: float) -> None:
-    for p in procs:
-        if pid_alive(p.pid):
-            os.kill(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        while pid_alive(p.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if pid_alive(p.pid):
-            os.kill(p.pid, signal.SIGKILL)
+    """SIGTERM the processes of ``procs`` that are still the ones ``up`` started (never a pid
+    another process took since), SIGKILL those still running after ``timeout`` seconds."""
+    live = [proc for proc in map(process_of, procs) if proc is not None]
+    for proc in live:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()  # psutil checks the identity (pid and start time) first
+    _, left = psutil.wait_procs(live, timeout=timeout)
+    for proc in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(left, timeout=5.0)
 
 
 def down(cluster_dir: str, *, keep: bool = True, progress: Callable[[str], None] = lambda msg: None) -> int:
@@ -341,12 +515,31 @@ def down(cluster_dir: str, *, keep: bool = True, progress: Callable[[str], None]
     procs = read_state(cluster_dir)
     if not procs and not os.path.exists(os.path.join(cluster_dir, STATE_FILE)):
         raise IrdmaError(f"no cluster in {cluster_dir}", "pass the --dir given to `irdma up`")
-    alive = [p for p in procs if pid_alive(p.pid)]
+    alive = [p for p in procs if shard_running(p)]
+    _note_hand_started_running(cluster_dir, {p.shard_id for p in procs})
     _stop(alive, 10.0)
     for p in alive:
         progress(f"stopped shard {p.shard_id} (pid {p.pid})")
     os.unlink(os.path.join(cluster_dir, STATE_FILE))
     return len(alive)
+
+
+def _note_hand_started_running(cluster_dir: str, ours: set[int]) -> None:
+    """Record the command lines of the shards of the namespace that ``up`` did not start and
+    that run on this host (``down`` leaves them running; ``up`` names them if they stop)."""
+    path = os.path.join(cluster_dir, "meta.db")
+    if not os.path.exists(path):
+        return
+    try:
+        with contextlib.closing(open_meta(path)) as meta:
+            records = [r for r in meta.shards() if r.state != "removed"]
+    except IrdmaError:
+        return
+    hand = _read_hand(cluster_dir)
+    for r in records:
+        if r.shard_id not in ours and not os.path.exists(os.path.join(shard_dir(cluster_dir, r.shard_id),
+                                                                      "shard.json")):
+            _note_hand(cluster_dir, hand, r.shard_id, r.address)
 
 
 def destroy(cluster_dir: str, *, progress: Callable[[str], None] = lambda msg: None) -> None:
@@ -358,7 +551,7 @@ def destroy(cluster_dir: str, *, progress: Callable[[str], None] = lambda msg: N
     has = any(os.path.exists(os.path.join(cluster_dir, n)) for n in ("meta.db", STATE_FILE, "shards"))
     if not has:
         raise IrdmaError(f"no cluster in {cluster_dir}", "pass the --dir given to `irdma up`")
-    alive = [p for p in read_state(cluster_dir) if pid_alive(p.pid)]
+    alive = [p for p in read_state(cluster_dir) if shard_running(p)]
     _stop(alive, 10.0)
     for p in alive:
         progress(f"stopped shard {p.shard_id} (pid {p.pid})")

@@ -1,40 +1,90 @@
-"""Checking and collecting a namespace: ``irdma fsck`` and ``irdma gc`` (as ``juicefs fsck``
-and ``juicefs gc`` do for JuiceFS).
+"""Checking and collecting a namespace: ``irdma fsck``, ``irdma status`` and ``irdma gc`` (as
+``juicefs fsck`` and ``juicefs gc`` do for JuiceFS).
 
-* **damaged files**: chunks the chunk map records as written whose shard has since changed
-  incarnation (it restarted on fresh memory), or that the shard no longer lists (freed
-  behind the namespace's back). Their bytes are gone: reads of them fail with EIO.
+What a chunk's replicas are (the chunk map, ``chunks(ino, idx, shard, incarnation)``): a replica
+is *in sync* when its row holds its shard's current incarnation, which is never 0; a row of 0
+is a replica out of the chunk's in-sync set (it missed acknowledged updates: Kafka's ISR, the
+last one standing is 3FS's LASTSRV). A chunk whose rows are all 0 was never acknowledged and
+counts as not written. A written chunk is *readable* when one of its in-sync replicas is on a
+shard that answers and holds it (version > 0). So each written chunk is one of:
+
+* **readable**; an in-sync replica on a shard that answers but lacks the chunk is **missing**
+  there (the others serve it; a resync brings it back);
+* **waiting**: its in-sync replicas are all on shards that do not answer. Reads fail with EIO
+  until one of them is back (restart it); if its memory is gone for good, ``irdma shard resync
+  --force-from SHARD`` adopts the copy of a shard that answers (losing what only the lost
+  replicas had);
+* **lost** (damaged): no in-sync replica is left (their shards restarted on fresh memory, or
+  were removed by force), or every one answers without the chunk (freed behind the
+  namespace's back). Reads fail with EIO for good: rewrite the file or restore a checkpoint.
+
+What can be collected (one plan, :func:`scan`, for ``fsck``, ``gc --dry-run`` and ``gc``,
+which then frees exactly what it lists unless the namespace changed meanwhile):
+
 * **dead sessions**: mounts that stopped heartbeating (or whose process on this host is gone);
-  their open-file records no longer keep unlinked files alive.
-* **orphans**: files with no name left that no live session holds open; their chunks and inode
-  are freed.
-* **leaked chunks**: chunks on a shard that belong to no file, or lie past the end of a file no
-  live session has open (a crashed writer's); they are freed.
+  their open-file records no longer keep files alive.
+* **orphans**: files with no name left, past their unlink grace, that no live session (dead
+  ones discounted) holds open; their chunks and inode are freed.
+* **leaked chunks**: chunks on a shard in service that belong to no file, or lie past the end
+  of a file no live session holds open (a crashed writer's); they are freed.
 
-The shard list is read before the metadata snapshot, so a chunk written while the scan runs
-belongs to a file the snapshot already knows.
+Shards drained or removed are history: they are neither checked nor counted as failures.
+
+The shard lists are read before the metadata, so a chunk written while the scan runs belongs
+to a file the metadata already knows (never counted leaked); a replica found absent is asked
+again (CHECKSUM) after the metadata was read, so a chunk written meanwhile is not reported lost.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
-from ._errors import IrdmaError, ShardUnavailable
-from .client import Client
-from .meta.base import DamagedFile, Session
+import trio
+
+from ._errors import IrdmaError, NotFound, ShardUnavailable
+from .client import Client, layout_of
+from .meta.base import UNLINK_GRACE_S, DamagedFile, Session, ShardRecord
+
+#: The incarnation of a chunk-map row out of its chunk's in-sync set
+#: (:data:`irdma.meta.base.OUT_OF_SYNC`).
+OUT_OF_SYNC = 0
+#: Shard states whose shards serve no chain: history, not failures.
+RETIRED = ("drained", "removed")
+
+#: ``(shard record, STAT reply or None, why it failed)`` per shard: :meth:`Client.shard_stats`.
+Stats = list[tuple[ShardRecord, Any, str]]
+#: chunks a shard holds: ``(file id, chunk index) -> (version, chunk size in bytes)``.
+Listing = dict[tuple[int, int], tuple[int, int]]
+
+
+@dataclass
+class Unreadable:
+    """A file some of whose written chunks cannot be read now: each one's in-sync replicas
+    are all on shards that do not answer."""
+
+    ino: int
+    path: str  # "" when the inode has no name left
+    chunks: list[int]  # chunk indices
+    waits_for: list[int]  # shards holding their in-sync replicas (restart them)
+    stale: list[int] = field(default_factory=list)  # shards that answer with an older copy of one
 
 
 @dataclass
 class Report:
     """What a scan found (and, for :func:`collect_garbage`, what it freed)."""
 
-    damaged: list[DamagedFile] = field(default_factory=list)
-    missing: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # ino -> [(chunk, shard)] not on shard
+    damaged: list[DamagedFile] = field(default_factory=list)  # chunks lost for good
+    waiting: list[Unreadable] = field(default_factory=list)  # chunks waiting for a shard
+    missing: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # ino -> [(chunk, shard)]: an in-sync replica lacks it
     sessions: list[Session] = field(default_factory=list)  # dead sessions
     orphans: list[int] = field(default_factory=list)  # inode numbers
+    orphan_bytes: int = 0  # their sizes
     leaked: list[tuple[int, int, int, int]] = field(default_factory=list)  # (shard, file, chunk, bytes)
-    unreachable: list[tuple[int, str]] = field(default_factory=list)  # (shard, why) not scanned
+    unreachable: list[tuple[int, str]] = field(default_factory=list)  # (shard, why) in service, not scanned
+    retired: list[int] = field(default_factory=list)  # shards drained or removed (not scanned)
 
     @property
     def leaked_bytes(self) -> int:
@@ -42,58 +92,224 @@ class Report:
 
     @property
     def data_lost(self) -> bool:
-        return bool(self.damaged or self.missing)
+        """Some chunk is lost for good."""
+        return bool(self.damaged)
+
+    @property
+    def unreadable(self) -> bool:
+        """Some file cannot be read now (lost, or waiting for a shard)."""
+        return bool(self.damaged or self.waiting)
+
+    @property
+    def garbage(self) -> bool:
+        return bool(self.leaked or self.sessions or self.orphans)
 
 
-async def scan(client: Client, *, chunks: bool = True, progress: Callable[[str], None] = lambda msg: None) -> Report:
-    """Find damaged files, dead sessions, orphans and (with ``chunks``) leaked and missing chunks.
+# ---------------------------------------------------------------- metadata read in bulk
+def _select(store: Any, sql: str) -> list[tuple[Any, ...]]:
+    """Rows of one read-only statement through an SQL engine's own call path (its connection,
+    retries and error mapping). ``store``: a :class:`~irdma.meta.sql.SqlMeta`."""
+
+    def run(self: Any) -> list[tuple[Any, ...]]:
+        return [tuple(r) for r in self._db.execute(sql).fetchall()]
+
+    return store._call(run, (), {})  # type: ignore[no-any-return]
+
+
+async def chunk_rows(client: Client) -> dict[int, dict[int, dict[int, int]]]:
+    """The whole chunk map: ino -> chunk index -> {shard: incarnation} (one statement on SQL
+    engines; else one :meth:`MetaStore.chunk_map` per file)."""
+    out: dict[int, dict[int, dict[int, int]]] = {}
+    if hasattr(client.store, "_call"):
+        rows = await trio.to_thread.run_sync(_select, client.store,
+                                             "SELECT ino, idx, shard, incarnation FROM chunks ORDER BY ino, idx")
+        for ino, idx, shard, inc in rows:
+            out.setdefault(int(ino), {}).setdefault(int(idx), {})[int(shard)] = int(inc)
+        return out
+    for ino in await client.meta.file_sizes():
+        m = await client.meta.chunk_map(ino)
+        if m:
+            out[ino] = m
+    return out
+
+
+async def _held_open(client: Client, dead: set[int]) -> set[int] | None:
+    """Inodes a session other than ``dead`` ones holds open; None where the engine cannot say
+    (then :meth:`MetaStore.file_sizes`'s own flag is used)."""
+    if not hasattr(client.store, "_call"):
+        return None
+    live = {s.sid for s in await client.meta.sessions()} - dead
+    rows = await trio.to_thread.run_sync(_select, client.store, "SELECT sid, ino FROM open_files")
+    return {int(ino) for sid, ino in rows if int(sid) in live}
+
+
+# ---------------------------------------------------------------- readability
+async def readability(
+    client: Client, stats: Stats, listed: dict[int, Listing] | None = None,
+) -> tuple[list[DamagedFile], list[Unreadable], dict[int, list[tuple[int, int]]]]:
+    """Classify every written chunk (see the module's docstring).
+
+    Args:
+        stats: every shard with its STAT reply or None (:meth:`Client.shard_stats`, which
+            records each shard's incarnation first).
+        listed: what each shard that was listed holds (``fsck``): presence and version are
+            checked per replica, and a replica the listing lacks is asked again. None
+            (``status``): a shard that answers counts as holding its replicas.
+
+    Returns:
+        ``(damaged, waiting, missing)``: files with chunks lost for good, files with chunks
+        waiting for a shard, and ``ino -> [(chunk, shard)]``: in-sync replicas that a shard
+        that answers lacks while another replica serves the chunk.
+
+    Raises:
+        IrdmaError: the metadata engine failed.
+    """
+    recs = {r.shard_id: r for r, _, _ in stats}
+    answering = {r.shard_id for r, st, _ in stats if st is not None and r.state != "removed"}
+    if listed is not None:
+        answering &= set(listed)  # a shard whose listing failed did not answer
+    chunks = await chunk_rows(client)
+
+    def insync(ino: int, idx: int) -> list[int]:
+        reps = chunks[ino][idx]
+        return sorted(s for s, n in reps.items() if n != OUT_OF_SYNC and s in recs
+                      and recs[s].state != "removed" and recs[s].incarnation and n == recs[s].incarnation)
+
+    absent = {(ino, idx, s) for ino, idxs in chunks.items() for idx in idxs for s in insync(ino, idx)
+              if s in answering and listed is not None and listed[s].get((ino, idx), (0, 0))[0] <= 0}
+    if absent:  # written after its shard was listed, or freed after the metadata was read?
+        absent = await _still_absent(client, absent)
+    lost: dict[int, dict[int, list[int]]] = {}  # ino -> chunk -> the shards of its written rows
+    waiting: dict[int, dict[int, list[int]]] = {}  # ino -> chunk -> its in-sync shards, down
+    missing: dict[int, list[tuple[int, int]]] = {}
+    for ino, idxs in chunks.items():
+        for idx, reps in sorted(idxs.items()):
+            written = sorted(s for s, n in reps.items() if n != OUT_OF_SYNC)
+            if not written:
+                continue  # never acknowledged: not a written chunk
+            good = insync(ino, idx)
+            up = [s for s in good if s in answering]
+            have = [s for s in up if (ino, idx, s) not in absent]
+            if have:
+                if lacking := [(idx, s) for s in up if s not in have]:
+                    missing.setdefault(ino, []).extend(lacking)
+            elif down := [s for s in good if s not in answering]:
+                waiting.setdefault(ino, {})[idx] = down
+            else:
+                lost.setdefault(ino, {})[idx] = written
+    damaged = [DamagedFile(ino, await client.meta.path_of(ino), sorted(m),
+                           sorted({s for shards in m.values() for s in shards}))
+               for ino, m in sorted(lost.items())]
+    unreadable = []
+    for ino, m in sorted(waiting.items()):
+        stale = await _stale_copies(client, ino, m, chunks[ino], answering, listed)
+        unreadable.append(Unreadable(ino, await client.meta.path_of(ino), sorted(m),
+                                     sorted({s for shards in m.values() for s in shards}), stale))
+    return damaged, unreadable, missing
+
+
+async def _still_absent(client: Client, absent: set[tuple[int, int, int]]) -> set[tuple[int, int, int]]:
+    """Of ``(ino, chunk, shard)`` replicas a listing lacked, those still absent (CHECKSUM says
+    version 0) and still recorded in sync (the chunk map read again)."""
+    out = set()
+    for ino, idx, s in sorted(absent):
+        try:
+            version, _ = await client._conn_call(s, "checksum", ino, idx, 0)  # type: ignore[misc]
+        except ShardUnavailable:
+            version = 0  # it answered the listing: count it as it was then
+        if version > 0:
+            continue
+        if (await client.meta.chunk_map(ino)).get(idx, {}).get(s, OUT_OF_SYNC) == OUT_OF_SYNC:
+            continue  # freed (truncated, removed) or taken out of sync since
+        out.add((ino, idx, s))
+    return out
+
+
+async def _stale_copies(client: Client, ino: int, waiting: dict[int, list[int]], rows: dict[int, dict[int, int]],
+                        answering: set[int], listed: dict[int, Listing] | None) -> list[int]:
+    """Shards that answer and hold (as far as the listing says) an out-of-sync copy of a chunk
+    of ``waiting``: what ``irdma shard resync --force-from`` could adopt."""
+    try:
+        layout = layout_of(await client.meta.getattr(ino))
+    except (NotFound, IrdmaError):
+        layout = None
+    out: set[int] = set()
+    for idx, down in waiting.items():
+        members = set(rows.get(idx, {}))
+        if layout is not None:
+            chain, joining = client.placed(layout, idx)
+            members.update(chain)
+        for s in members - set(down):
+            if s in answering and (listed is None or listed[s].get((ino, idx), (0, 0))[0] > 0):
+                out.add(s)
+    return sorted(out)
+
+
+# ---------------------------------------------------------------- the scan
+async def scan(client: Client, *, chunks: bool = True, reads: bool = True,
+               progress: Callable[[str], None] = lambda msg: None) -> Report:
+    """Find what is unreadable (with ``reads``) and what can be collected (dead sessions,
+    orphans and, with ``chunks``, leaked chunks); :func:`collect_garbage` frees what it finds.
     Changes nothing.
 
     Raises:
         IrdmaError: the metadata engine failed.
     """
     rep = Report()
-    listed: dict[int, set[tuple[int, int]]] = {}
-    stats = await client.shard_stats()  # also notes each shard's incarnation in the shard map
+    meta = client.meta
+    listed: dict[int, Listing] = {}
+    stats: Stats = []
+    if chunks or reads:
+        stats = await client.shard_stats()  # also notes each shard's incarnation in the shard map
+        rep.retired = [rec.shard_id for rec, _, _ in stats if rec.state in RETIRED]
     if chunks:
         for rec, st, why in stats:
+            if rec.state in RETIRED:
+                continue  # history: it serves no chain
             if st is None:
                 rep.unreachable.append((rec.shard_id, why))
                 continue
-            have: set[tuple[int, int]] = set()
+            have: Listing = {}
             try:
                 async for page in client.list_chunks(rec.shard_id):
                     for e in page:
-                        have.add((e.file_id, e.chunk_index))
+                        have[(e.file_id, e.chunk_index)] = (e.version, e.chunk_size)
                     progress(f"shard {rec.shard_id}: {len(have)} chunks listed")
             except ShardUnavailable as exc:
                 rep.unreachable.append((rec.shard_id, str(exc)))
                 continue
             listed[rec.shard_id] = have
-    meta = client.meta
-    rep.damaged = await meta.damaged()
+    # the metadata after the listings (see the module's docstring)
     rep.sessions = await meta.dead_sessions()
+    held = await _held_open(client, {s.sid for s in rep.sessions})
+    files = await meta.file_sizes() if chunks or held is None else {}
+    grace_ns = int(UNLINK_GRACE_S * 1e9)
     for inode in await meta.orphans():
-        if await meta.reclaimable(inode.ino) is not None:
-            rep.orphans.append(inode.ino)
-    if chunks and listed:
-        files = await meta.file_sizes()
-        damaged_idx = {(d.ino, i) for d in rep.damaged for i in d.lost_chunks}
+        if held is not None:
+            if inode.nlink > 0 or time.time_ns() - inode.ctime_ns <= grace_ns or inode.ino in held:
+                continue
+        elif await meta.reclaimable(inode.ino) is None:
+            continue
+        rep.orphans.append(inode.ino)
+        rep.orphan_bytes += inode.size
+    if reads:
+        progress("checking that every written chunk can be read")
+        rep.damaged, rep.waiting, rep.missing = await readability(client, stats, listed if chunks else None)
+    if chunks:
+        orphans = set(rep.orphans)  # their chunks go with them
         for shard_id, have in listed.items():
-            for file_id, idx in sorted(have):
+            for (file_id, idx), (_, nbytes) in sorted(have.items()):
+                if file_id in orphans:
+                    continue
                 f = files.get(file_id)
                 if f is None:
-                    rep.leaked.append((shard_id, file_id, idx, 0))
+                    rep.leaked.append((shard_id, file_id, idx, nbytes))
                     continue
                 size, chunk_size, is_open = f
+                if held is not None:
+                    is_open = file_id in held
                 if idx >= -(-size // chunk_size) and not is_open:
-                    rep.leaked.append((shard_id, file_id, idx, chunk_size))
-        for file_id in files:
-            for idx, replicas in (await meta.chunk_map(file_id)).items():
-                for shard_id in replicas:
-                    if (shard_id in listed and (file_id, idx) not in listed[shard_id]
-                            and (file_id, idx) not in damaged_idx):
-                        rep.missing.setdefault(file_id, []).append((idx, shard_id))
+                    rep.leaked.append((shard_id, file_id, idx, nbytes))
     return rep
 
 
@@ -101,45 +317,65 @@ async def collect_garbage(
     client: Client, *, dry_run: bool = False, leaked_chunks: bool = True,
     progress: Callable[[str], None] = lambda msg: None,
 ) -> Report:
-    """Reap dead sessions, free orphans and (with ``leaked_chunks``) leaked chunks.
+    """Reap dead sessions, free orphans and (with ``leaked_chunks``) leaked chunks: what
+    :func:`scan` finds, so ``dry_run`` reports exactly what a run then frees. Each leaked
+    chunk is checked again just before it is freed (its file may have grown or been opened
+    since); one that no longer is garbage is kept and left out of the report.
 
     Returns:
-        What was found; with ``dry_run`` nothing is changed.
+        What was found; with ``dry_run`` nothing is changed, else what was freed.
 
     Raises:
         IrdmaError: the metadata engine failed.
     """
+    rep = await scan(client, chunks=leaked_chunks, reads=False, progress=progress)
+    if dry_run:
+        return rep
     meta = client.meta
-    rep = Report()
-    rep.sessions = await meta.dead_sessions()
-    if not dry_run:
-        for s in rep.sessions:
-            await meta.reap_session(s.sid)
-            progress(f"reaped session {s.sid} ({s.name}, pid {s.pid} on {s.host})")
-    for inode in await meta.orphans():
-        if await meta.reclaimable(inode.ino) is None:
-            continue
-        rep.orphans.append(inode.ino)
-        if not dry_run:
-            try:
-                await client.destroy_if_unused(inode.ino)
-                progress(f"freed orphan inode {inode.ino} ({inode.size} bytes)")
-            except ShardUnavailable as exc:
-                progress(f"orphan inode {inode.ino} kept: {exc}")
-    if leaked_chunks:
-        found = await scan(client, progress=progress)
-        rep.leaked, rep.unreachable = found.leaked, found.unreachable
-        if not dry_run:
-            # free from the first leaked index on, per (shard, file): FREE drops every chunk >= it
-            first: dict[tuple[int, int], int] = {}
-            for shard_id, file_id, idx, _ in rep.leaked:
-                key = (shard_id, file_id)
-                first[key] = min(first.get(key, idx), idx)
-            for (shard_id, file_id), idx in first.items():
-                try:
-                    await client._conn_call(shard_id, "free", file_id, idx)
-                except IrdmaError as exc:
-                    progress(f"cannot free leaked chunks of file {file_id} on shard {shard_id}: {exc}")
-            if first:
-                progress(f"freed {len(rep.leaked)} leaked chunks")
+    for s in rep.sessions:
+        await meta.reap_session(s.sid)
+        progress(f"reaped session {s.sid} ({s.name}, pid {s.pid} on {s.host})")
+    freed = []
+    for ino in rep.orphans:
+        try:
+            if await client.destroy_if_unused(ino):
+                freed.append(ino)
+                progress(f"freed orphan inode {ino}")
+        except ShardUnavailable as exc:
+            progress(f"orphan inode {ino} kept: {exc}")
+    if len(freed) != len(rep.orphans):
+        rep.orphans = freed
+    if rep.leaked:
+        rep.leaked = await _free_leaked(client, rep.leaked, progress)
     return rep
+
+
+async def _free_leaked(client: Client, leaked: Iterable[tuple[int, int, int, int]],
+                       progress: Callable[[str], None]) -> list[tuple[int, int, int, int]]:
+    """Free leaked chunks from the first index on per (shard, file) (FREE drops every chunk at
+    or after it), each file checked again first; returns those freed."""
+    by_key: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+    for x in leaked:
+        by_key.setdefault((x[0], x[1]), []).append(x)
+    held = await _held_open(client, set())
+    freed: list[tuple[int, int, int, int]] = []
+    for (shard_id, file_id), items in sorted(by_key.items()):
+        first = min(x[2] for x in items)
+        try:
+            inode = await client.meta.getattr(file_id)
+        except NotFound:
+            inode = None
+        if inode is not None:
+            size, cs = inode.size, inode.chunk_size or 1
+            if first < -(-size // cs) or (held is not None and file_id in held):
+                progress(f"chunks of file {file_id} on shard {shard_id} kept: the file grew or was opened since")
+                continue
+        try:
+            await client._conn_call(shard_id, "free", file_id, first)
+        except IrdmaError as exc:
+            progress(f"cannot free leaked chunks of file {file_id} on shard {shard_id}: {exc}")
+            continue
+        freed += items
+    if freed:
+        progress(f"freed {len(freed)} leaked chunks")
+    return freed

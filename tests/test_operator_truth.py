@@ -1,0 +1,319 @@
+"""Operator tools tell the truth (issue 20, points 2-5): `fsck` and `status` name every file
+that cannot be read and the shard it waits for; removed shards are history; `gc --dry-run`
+reports exactly what `gc` frees; `up` never offers to destroy data, leaves running shards it
+did not start alone, names the command for one it cannot start, and signals only its own
+processes.
+
+Real shard processes, the real CLI in subprocesses, a real mount SIGKILLed mid-write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import trio
+from helpers import irdma_cli, running_cluster, wait_until
+
+import irdma
+from irdma import cluster as _cluster
+from irdma._proc import pid_alive
+from irdma.auth import read_key_file
+from irdma.cluster import key_file_of
+from irdma.meta import open_meta
+from irdma.transport.tcp import TcpTransport
+
+MB = 1 << 20
+
+
+def _kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not pid_alive(pid), 10, f"process {pid} to die")
+
+
+def _rows(meta_url: str, path: str) -> tuple[int, dict[int, dict[int, int]]]:
+    with contextlib.closing(open_meta(meta_url)) as meta:
+        ino = meta.resolve(path).ino
+        return ino, meta.chunk_map(ino)
+
+
+def _out(res: subprocess.CompletedProcess[str]) -> str:
+    text = res.stdout + res.stderr
+    assert "Traceback" not in text, text
+    return text
+
+
+def test_fsck_and_status_name_a_file_whose_only_in_sync_replica_is_on_a_down_shard(tmp_path: object) -> None:
+    """3 shards, 2 replicas. Shard 2 is out of the in-sync set of every chunk of /after (it
+    missed its updates: the chunk map holds it at incarnation 0) and shard 3 is SIGKILLed: the
+    chunk of /after on shards 2 and 3 can be read from no one. `fsck` and `status` exit 2 naming
+    /after, the shard it waits for (3) and the shard with an older copy (2); /before, readable
+    from shard 2, is not named. `irdma shard resync --force-from 2` warns and asks, then adopts
+    shard 2's copy; once shard 3 is back (`irdma up`), nothing is unreadable. A
+    replica freed behind the namespace's back while another serves the chunk is reported
+    missing (exit 1), not lost."""
+    tmp = str(tmp_path)
+    with running_cluster(os.path.join(tmp, "c"), shards=3, replicas=2, capacity=64 * MB) as c:
+        data = os.urandom(3 * MB)
+        with irdma.connect(c.meta_url, transport="tcp") as cl:
+            cl.write("/before", data, chunk_size=MB)
+            cl.write("/after", data[::-1], chunk_size=MB)
+        ino, rows = _rows(c.meta_url, "/after")
+        assert sorted(map(sorted, rows.values())) == [[1, 2], [1, 3], [2, 3]], rows
+        stuck = next(i for i, r in rows.items() if set(r) == {2, 3})
+        with contextlib.closing(open_meta(c.meta_url)) as meta:  # what the client records when
+            meta._call(lambda self: self._db.execute(  # shard 2 misses updates of /after
+                "UPDATE chunks SET incarnation=0 WHERE ino=? AND shard=2", (ino,)), (), {})
+        assert irdma_cli("fsck", "--meta", c.meta_url).returncode == 0  # all up: still readable
+        shard3 = next(s for s in c.shards if s.shard_id == 3)
+        _kill(shard3.pid)
+
+        res = irdma_cli("fsck", "--meta", c.meta_url, check=False)
+        text = _out(res)
+        assert res.returncode == 2, text
+        assert "/after" in text and "/before" not in text, text
+        assert "unreadable files: 1 (0 lost, 1 waiting for a shard)" in text, text
+        row = next(line for line in text.splitlines() if "/after" in line)
+        assert re.search(rf"\b{stuck}\b.*\b3\b.*\b2\b", row), row  # chunk, waits for 3, older copy on 2
+        assert "restart" in text and "--force-from 2" in text, text
+
+        res = irdma_cli("status", "--meta", c.meta_url, check=False)
+        text = _out(res)
+        assert res.returncode == 2, text
+        assert "unreadable" in text and "/after" in text and "/before" not in text, text
+        assert "shard 3" in text and "--force-from 2" in text and "catching up" not in text, text
+        # the operator's way out warns, names what it would adopt, and asks (no answer: nothing changes)
+        res = irdma_cli("shard", "resync", "--force-from", "2", "--meta", c.meta_url, check=False)
+        text = _out(res)
+        assert res.returncode == 1 and "nothing changed" in text and "--yes" in text, text
+        assert "warning" in text and "/after" in text and "lost for good" in text, text
+        res = irdma_cli("shard", "resync", "1", "--force-from", "2", "--meta", c.meta_url, check=False)
+        assert res.returncode == 2 and "not both" in res.stderr, _out(res)
+        # taken: shard 2's copy serves /after while shard 3 is still down
+        res = irdma_cli("shard", "resync", "--force-from", "2", "--yes", "--meta", c.meta_url, check=False)
+        assert res.returncode == 0 and "shard 2 is up to date" in res.stderr, _out(res)
+        res = irdma_cli("fsck", "--meta", c.meta_url, check=False)
+        assert "unreadable files: 0" in _out(res) and res.returncode == 1, _out(res)  # shard 3 not checked
+        assert irdma_cli("status", "--meta", c.meta_url, check=False).returncode == 1
+        with irdma.connect(c.meta_url, transport="tcp") as cl:
+            assert bytes(cl.read("/after")) == data[::-1]
+
+        res = irdma_cli("up", "--dir", c.dir, check=False)  # restarts shard 3 on its data
+        assert res.returncode == 0, _out(res)
+        c.shards = _cluster.read_state(c.dir)
+        res = irdma_cli("fsck", "--meta", c.meta_url, check=False)
+        assert "unreadable files: 0" in _out(res) and res.returncode in (0, 1), _out(res)
+        assert irdma_cli("status", "--meta", c.meta_url, check=False).returncode in (0, 1)
+
+        # one replica of a /before chunk freed on its shard: the other serves it
+        ino_b, rows_b = _rows(c.meta_url, "/before")
+        last = max(rows_b)
+        victim = min(rows_b[last])
+        address = next(s.address for s in c.shards if s.shard_id == victim)
+
+        async def free() -> None:
+            async with trio.open_nursery() as n:
+                conn = await TcpTransport().connect(address, n, client_name="foreign",
+                                                    key=read_key_file(key_file_of(c.dir)))
+                await conn.free(ino_b, last)
+                await conn.aclose()
+
+        trio.run(free)
+        res = irdma_cli("fsck", "--meta", c.meta_url, check=False)
+        text = _out(res)
+        assert res.returncode == 1 and "replicas missing: 1" in text and "unreadable files: 0" in text, text
+        with irdma.connect(c.meta_url, transport="tcp") as cl:
+            assert bytes(cl.read("/before")) == data
+
+
+def test_removed_shards_are_history_not_failures(tmp_path: object) -> None:
+    """After `irdma shard drain` and `irdma shard remove` (its process stopped), `fsck`, `gc
+    --dry-run` and `status` of the healthy cluster exit 0, and `status` counts the shards in
+    service only."""
+    tmp = str(tmp_path)
+    with running_cluster(os.path.join(tmp, "c"), shards=3, replicas=2, capacity=64 * MB) as c:
+        data = os.urandom(5 * MB)
+        with irdma.connect(c.meta_url, transport="tcp") as cl:
+            cl.write("/f", data, chunk_size=MB)
+        irdma_cli("shard", "drain", "2", "--meta", c.meta_url)
+        irdma_cli("shard", "remove", "2", "--meta", c.meta_url)
+        victim = next(s for s in c.shards if s.shard_id == 2)
+        _kill(victim.pid)
+        res = irdma_cli("fsck", "--meta", c.meta_url, check=False)
+        assert res.returncode == 0 and "clean" in res.stdout and "shards not checked: 0" in res.stdout, _out(res)
+        assert "shard 2 not checked" not in _out(res)
+        res = irdma_cli("gc", "--dry-run", "--meta", c.meta_url, check=False)
+        assert res.returncode == 0 and "not collected" not in _out(res), _out(res)
+        res = irdma_cli("status", "--meta", c.meta_url, check=False)
+        assert res.returncode == 0 and "healthy" in res.stdout, _out(res)
+        assert re.search(r"2 of 2 \(shard map epoch \d+; 1 drained or removed", res.stdout), res.stdout
+        with irdma.connect(c.meta_url, transport="tcp") as cl:
+            assert bytes(cl.read("/f")) == data
+
+
+@pytest.mark.fuse
+def test_gc_dry_run_reports_exactly_what_gc_frees_after_a_mount_is_killed_mid_write(tmp_path: object) -> None:
+    """A mount SIGKILLed while a writer pushes 48 MiB it never closed: its chunks lie past the
+    file's recorded size (0), held open by a dead session. `fsck` and `gc --dry-run` report the
+    same leaked chunks and bytes that `gc` then frees, and a second dry run finds nothing."""
+    from irdma.fs.mount import spawn_mount
+
+    tmp = str(tmp_path)
+    with running_cluster(os.path.join(tmp, "c"), shards=2, replicas=1, capacity=128 * MB) as c:
+        def used() -> int:
+            with irdma.connect(c.meta_url, transport="tcp") as cl:
+                return sum(st.used for _, st, _ in cl.shard_stats() if st is not None)
+
+        base = used()
+        mnt = os.path.join(tmp, "victim")
+        os.makedirs(mnt)
+        pid = spawn_mount(c.meta_url, mnt, transport="tcp", log_file=mnt + ".log")
+        writer = subprocess.Popen([sys.executable, "-c", (
+            "import os, sys, time\n"
+            "f = open(sys.argv[1], 'wb')\n"
+            "for i in range(48): f.write(os.urandom(1 << 20))\n"
+            "time.sleep(120)\n"), os.path.join(mnt, "dd")])
+        try:
+            wait_until(lambda: used() >= base + 16 * MB, 60, "the writer's chunks to reach the shards")
+            _kill(pid)
+        finally:
+            writer.kill()
+            writer.wait(10)
+        irdma_cli("umount", mnt)
+
+        def leaked(text: str) -> tuple[int, str]:
+            m = re.search(r"(\d+) leaked chunks \(([^)]*)\)", text) or re.search(r"leaked chunks: (\d+) \(([^)]*)\)", text)
+            assert m, text
+            return int(m.group(1)), m.group(2)
+
+        dry = irdma_cli("gc", "--dry-run", "--meta", c.meta_url)
+        assert "would free: 1 dead sessions" in dry.stdout, dry.stdout
+        found = leaked(dry.stdout)
+        assert found[0] >= 4, dry.stdout  # 16 MiB or more on the shards, in 4 MiB chunks
+        fsck = irdma_cli("fsck", "--meta", c.meta_url, check=False)
+        assert fsck.returncode == 1 and leaked(fsck.stdout) == found, _out(fsck)
+        assert "dead sessions: 1" in fsck.stdout, fsck.stdout
+        run = irdma_cli("gc", "--meta", c.meta_url)
+        assert "freed: 1 dead sessions" in run.stdout and leaked(run.stdout) == found, (dry.stdout, run.stdout)
+        again = irdma_cli("gc", "--dry-run", "--meta", c.meta_url)
+        assert "would free: 0 dead sessions, 0 orphaned files (0 B), 0 leaked chunks" in again.stdout, again.stdout
+        assert used() == base
+        assert irdma_cli("fsck", "--meta", c.meta_url).returncode == 0
+
+
+def _start_hand_shard(tmp: str, key_file: str, port_file: str) -> subprocess.Popen[bytes]:
+    if os.path.exists(port_file):
+        os.unlink(port_file)
+    log = open(os.path.join(tmp, "hand.log"), "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "irdma.cli", "server", "--listen", "127.0.0.1:0", "--capacity",
+                             "64MiB", "--port-file", port_file, "--transport", "tcp", "--key-file", key_file,
+                             "--data-dir", os.path.join(tmp, "hand")], stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    wait_until(lambda: os.path.exists(port_file) or proc.poll() is not None, 30, "the hand-started shard to listen")
+    assert proc.poll() is None, "the hand-started shard exited"
+    return proc
+
+
+def test_up_leaves_a_hand_added_shard_alone_and_names_the_command_for_it(tmp_path: object) -> None:
+    """The README's own steps: `irdma up`, a shard started by hand and `irdma shard add`ed,
+    files on it, `irdma down` (the hand-started shard keeps running), `irdma up`: it restarts
+    its own shards, leaves shard 3 alone, and every file reads back. Once shard 3 is stopped
+    too, `up` starts its own, never mentions --fresh, exits 1 naming the exact command that
+    starts shard 3 again, and that command brings it back with its data."""
+    tmp = str(tmp_path)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        with running_cluster(os.path.join(tmp, "c"), shards=2, replicas=1, capacity=64 * MB) as c:
+            port_file = os.path.join(tmp, "hand.port")
+            procs.append(_start_hand_shard(tmp, key_file_of(c.dir), port_file))
+            with open(port_file) as f:
+                address = f.read().strip()
+            irdma_cli("shard", "add", address, "--meta", c.meta_url)
+            files = {f"/f{k}": os.urandom(300_000) for k in range(6)}  # small files start on every shard
+            with irdma.connect(c.meta_url, transport="tcp") as cl:
+                for path, data in files.items():
+                    cl.write(path, data)
+                firsts = {irdma.Layout(st.ino, st.chunk_size or 0, st.stripe).shard_of(0)
+                          for st in map(cl.stat, files)}
+            assert 3 in firsts, firsts  # shard 3 holds files
+            irdma_cli("down", "--dir", c.dir)
+            assert procs[0].poll() is None  # not ours to stop
+
+            res = irdma_cli("up", "--dir", c.dir, check=False)
+            text = _out(res)
+            assert res.returncode == 0, text
+            assert "restarted shard 1" in text and "restarted shard 2" in text, text
+            assert "shard 3" in text and "left alone" in text and "--fresh" not in text, text
+            c.shards = _cluster.read_state(c.dir)
+            with irdma.connect(c.meta_url, transport="tcp") as cl:
+                for path, data in files.items():
+                    assert bytes(cl.read(path)) == data, path
+
+            irdma_cli("down", "--dir", c.dir)
+            procs[0].terminate()
+            procs[0].wait(10)
+            res = irdma_cli("up", "--dir", c.dir, check=False)
+            text = _out(res)
+            assert res.returncode == 1 and "--fresh" not in text, text
+            assert "restarted shard 1" in text and "restarted shard 2" in text, text
+            c.shards = _cluster.read_state(c.dir)
+            command = re.search(r"shard 3: `([^`]+)`", text)
+            assert command, text
+            line = command.group(1)
+            assert f"--listen {address}" in line and os.path.join(tmp, "hand") in line, line
+            assert line.startswith("irdma server ")
+            argv = [sys.executable, "-m", "irdma.cli", *line.split()[1:]]
+            procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            key = read_key_file(key_file_of(c.dir))
+
+            def answers() -> bool:
+                try:
+                    trio.run(functools.partial(_cluster.check_shard, address, 1.0, key=key))
+                    return True
+                except irdma.ShardUnavailable:
+                    return False
+
+            wait_until(answers, 60, "shard 3 to answer again", interval=0.1)
+            assert "3 of 3" in irdma_cli("status", "--meta", c.meta_url, check=False).stdout
+            with irdma.connect(c.meta_url, transport="tcp") as cl:
+                for path, data in files.items():
+                    assert bytes(cl.read(path)) == data, path
+            res = irdma_cli("up", "--dir", c.dir, check=False)
+            assert res.returncode == 1 and "already runs" in res.stderr, _out(res)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(10)
+
+
+def test_down_never_signals_a_pid_another_process_took(tmp_path: object) -> None:
+    """cluster.json names a pid that now belongs to another process (its start time differs):
+    `irdma down` leaves that process alone."""
+    d = os.path.join(str(tmp_path), "c")
+    os.makedirs(d)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with open(os.path.join(d, _cluster.STATE_FILE), "w") as f:
+            json.dump({"meta_url": "", "shards": [{"shard_id": 1, "address": "127.0.0.1:1", "pid": other.pid,
+                                                   "log": "x", "create_time": time.time() - 3600}]}, f)
+        res = irdma_cli("down", "--dir", d)
+        assert "0 shard processes" in res.stderr, _out(res)
+        assert other.poll() is None
+        # nor one recorded by an older irdma (no start time) that is not an irdma shard
+        with open(os.path.join(d, _cluster.STATE_FILE), "w") as f:
+            json.dump({"meta_url": "", "shards": [{"shard_id": 1, "address": "127.0.0.1:1", "pid": other.pid,
+                                                   "log": "x"}]}, f)
+        irdma_cli("down", "--dir", d)
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait(10)
