@@ -78,7 +78,7 @@ import pyfuse3
 import trio
 
 from irdma import comm, coord
-from irdma._errors import InvalidArgument, IrdmaError, NotFound, Stale
+from irdma._errors import InvalidArgument, IrdmaError, NoAttribute, NotFound, Stale
 from irdma.client import ChunkMap, Client, NewChunk, layout_of
 from irdma.compress import XATTR_COMPRESS, Compression, parse_compress
 from irdma.meta import ROOT_INO, Inode
@@ -673,6 +673,8 @@ class IrdmaFS(pyfuse3.Operations):
     # ------------------------------------------------------------ xattrs
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
         with fuse_errors("getxattr"):
+            if self.control.owns(inode):  # sync objects and clock files keep no xattrs
+                raise NoAttribute(f"{name.decode(errors='replace')} is not set on a control file")
             if name == coord.XATTR_CLOCKS:
                 clocks = await self.meta.clocks(inode)
                 return " ".join(f"{w}:{c}" for w, c in sorted(clocks.items())).encode()
@@ -699,6 +701,8 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
         with fuse_errors("listxattr"):
+            if self.control.owns(inode):
+                return []
             return await self.meta.listxattr(inode)  # type: ignore[no-any-return]
 
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:

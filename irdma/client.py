@@ -431,7 +431,7 @@ class Client:
         """A chunk's replicas in this client's view, head first, and the one joining them
         (the target of a move in progress: the tail, never read) or None
         (:func:`irdma.placement.substitute`)."""
-        return substitute(layout.replicas_of(index), self._moves, layout.file_id + index)
+        return substitute(layout.replicas_of(index), self._moves, layout.file_id + index, file_id=layout.file_id)
 
     def shards_of(self, layout: Layout) -> set[int]:
         """Every shard that may hold a chunk of the file: its stripe and where moves took them."""

@@ -377,3 +377,18 @@ def test_sigterm_to_the_demo_leaves_no_process_and_no_mount(tmp_path: object) ->
     assert "SIGTERM: stopping what the demo started" in out
     work = re.search(r"starting a local cluster of \d+ shards in (\S+)/cluster", out)
     assert work is not None and not os.path.exists(work.group(1)), out[-2000:]
+
+
+def test_xattrs_of_control_files_are_enodata_not_enoent(mnt: str) -> None:
+    """A control directory or sync object exists: asking it for an xattr it lacks is ENODATA
+    (what `getfattr`, `cp -a` and the kernel's security.capability probe expect), never ENOENT."""
+    for path in (os.path.join(mnt, ".irdma"), os.path.join(mnt, ".irdma", "barrier"),
+                 os.path.join(mnt, ".irdma", "counter", "xattr-probe")):
+        os.stat(path)  # it exists
+        with pytest.raises(OSError) as info:
+            os.getxattr(path, "user.irdma.update")
+        assert info.value.errno == errno.ENODATA, path
+        with pytest.raises(OSError) as info:
+            os.getxattr(path, "security.capability")
+        assert info.value.errno == errno.ENODATA, path
+        assert os.listxattr(path) == []

@@ -203,7 +203,7 @@ def _chains(meta_url: str, path: str, chunks: int) -> tuple[int, list[tuple[int,
         inode = meta.resolve(path)
         _, records, moves = meta.shard_view()
         layout = layout_of(inode)
-        chains = [substitute(layout.replicas_of(i), moves, inode.ino + i)[0] for i in range(chunks)]
+        chains = [substitute(layout.replicas_of(i), moves, inode.ino + i, file_id=inode.ino)[0] for i in range(chunks)]
         return inode.ino, chains, {r.shard_id: r.address for r in records}
     finally:
         meta.close()

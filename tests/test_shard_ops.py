@@ -208,23 +208,6 @@ def test_a_drain_that_cannot_finish_is_cancelled_and_changes_nothing(tmp_path: o
             assert bytes(client.read("/f")) == data[::-1]
 
 
-def _client_places_by_file_age() -> bool:
-    """Whether the client passes the file to :func:`irdma.placement.substitute` (so moves skip
-    files created after them); the lead's client change lands this."""
-    import types
-
-    from irdma.client import Client
-    from irdma.placement import MOVE_ALL, Layout, Move
-
-    fake = types.SimpleNamespace(_moves=[Move(1, 1, (2,), True, MOVE_ALL, last_ino=0)])
-    try:
-        return Client.placed(fake, Layout(5, 4096, (1,), 1), 0)[0] == (1,)  # type: ignore[arg-type]
-    except AttributeError:
-        return False
-
-
-@pytest.mark.xfail(not _client_places_by_file_age(), strict=True,
-                   reason="irdma/client.py Client.placed must pass file_id=layout.file_id to substitute")
 def test_rebalance_of_a_lightly_filled_cluster_leaves_new_files_even(tmp_path: object) -> None:
     """4 shards, 2 replicas, one 1-chunk file; shard 5 added, `irdma rebalance` moves shares of
     the two shards holding it. Five 10-chunk files created afterwards spread evenly over the five

@@ -147,7 +147,6 @@ class SqlCluster:
                           f" ON CONFLICT (ino, idx, shard) DO UPDATE SET incarnation={OUT_OF_SYNC}",
                           [(ino, idx, sid) for idx, sid in replicas])
 
-
     def replicated_chunks(self, shard_ids: Sequence[int], min_replicas: int = 2) -> list[tuple[Inode, list[int]]]:
         if not shard_ids:
             return []
