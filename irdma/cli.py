@@ -873,19 +873,29 @@ def cluster_health(stats: list[Any], damaged: list[Any] | None = None, under_rep
                           " chunk was freed behind the namespace's back): reads of them fail with EIO; rewrite those"
                           " files or restore them from a checkpoint, `irdma fsck` lists them.")
         if waiting:
-            waits = sorted({s for u in waiting for s in u.waits_for})
+            catching = sorted({s for u in waiting for s in u.catching_up})
+            waits = sorted({s for u in waiting for s in u.waits_for} - set(catching))
             stale = sorted({s for u in waiting for s in u.stale})
             one = len(waits) == 1
             named = f"shard{'' if one else 's'} {', '.join(map(str, waits))}"
-            advice.append(
-                f"{_count(len(waiting), 'file')} cannot be read until {named} answer{'s' if one else ''} again"
-                f" ({'it holds' if one else 'they hold'} the only in-sync copies): restart {'it' if one else 'them'}"
-                " (`irdma up --dir D` restarts the shards of a local cluster; else run `irdma server` again on its"
-                f" data directory). If {'it is' if one else 'one is'} lost for good, `irdma shard resync --force-from"
-                f" {stale[0] if stale else 'SHARD'}` adopts the older copies "
-                + (f"shard{'s' if len(stale) > 1 else ''} {', '.join(map(str, stale))}"
-                   f" hold{'' if len(stale) > 1 else 's'}" if stale else "a shard that answers holds")
-                + f", losing the updates only {named} had.")
+            behind = f"shard{'' if len(catching) == 1 else 's'} {', '.join(map(str, catching))}"
+            text = f"{_count(len(waiting), 'file')} cannot be read until " + " or ".join(
+                ([f"{named} answer{'s' if one else ''} again"] if waits else [])
+                + ([f"{behind} {'is' if len(catching) == 1 else 'are'} resynced"] if catching else []))
+            text += " (they hold the only in-sync copies)"
+            if waits:
+                text += (f": restart {named} (`irdma up --dir D` restarts the shards of a local"
+                         " cluster; else run `irdma server` again on its data directory)")
+            if catching:
+                text += (f"{'; ' if waits else ': '}`irdma shard resync {' '.join(map(str, catching))}` brings"
+                         f" {behind} up now (mounts do within seconds) or says what {'it waits' if len(catching) == 1 else 'they wait'} for")
+            if waits:
+                text += (f". If {named if one else 'one of them'} is lost for good, `irdma shard resync --force-from"
+                         f" {stale[0] if stale else 'SHARD'}` adopts the older copies "
+                         + (f"shard{'s' if len(stale) > 1 else ''} {', '.join(map(str, stale))}"
+                            f" hold{'' if len(stale) > 1 else 's'}" if stale else "a shard that answers holds")
+                         + f", losing the updates only {named} had")
+            advice.append(text + ".")
         return Health("data lost" if damaged else "unreadable", "bold red", 2, " ".join(advice))
     live = [x for x in stats if x[0].state not in RETIRED]
     if not live:

@@ -10,10 +10,11 @@ shard that answers and holds it (version > 0). So each written chunk is one of:
 
 * **readable**; an in-sync replica on a shard that answers but lacks the chunk is **missing**
   there (the others serve it; a resync brings it back);
-* **waiting**: its in-sync replicas are all on shards that do not answer. Reads fail with EIO
-  until one of them is back (restart it); if its memory is gone for good, ``irdma shard resync
-  --force-from SHARD`` adopts the copy of a shard that answers (losing what only the lost
-  replicas had);
+* **waiting**: its in-sync replicas are all on shards that do not answer, or that answer but
+  are still catching up (clients read a shard once its resync marked it up). Reads fail with
+  EIO until one of them is back (restart it; ``irdma shard resync`` for one catching up); if
+  its memory is gone for good, ``irdma shard resync --force-from SHARD`` adopts the copy of a
+  shard that answers (losing what only the lost replicas had);
 * **lost** (damaged): no in-sync replica is left (their shards restarted on fresh memory, or
   were removed by force), or every one answers without the chunk (freed behind the
   namespace's back). Reads fail with EIO for good: rewrite the file or restore a checkpoint.
@@ -63,13 +64,15 @@ Listing = dict[tuple[int, int], tuple[int, int]]
 @dataclass
 class Unreadable:
     """A file some of whose written chunks cannot be read now: each one's in-sync replicas
-    are all on shards that do not answer."""
+    are all on shards that do not answer, or that answer but are still catching up (clients
+    read a shard only once its resync marked it up)."""
 
     ino: int
     path: str  # "" when the inode has no name left
     chunks: list[int]  # chunk indices
-    waits_for: list[int]  # shards holding their in-sync replicas (restart them)
+    waits_for: list[int]  # shards holding their in-sync replicas
     stale: list[int] = field(default_factory=list)  # shards that answer with an older copy of one
+    catching_up: list[int] = field(default_factory=list)  # of waits_for: answer, not resynced yet
 
 
 @dataclass
@@ -168,6 +171,8 @@ async def readability(
     answering = {r.shard_id for r, st, _ in stats if st is not None and r.state != "removed"}
     if listed is not None:
         answering &= set(listed)  # a shard whose listing failed did not answer
+    # clients read a shard that answers once a resync marked it up (not down, not syncing)
+    serving = {s for s in answering if recs[s].health not in ("down", "syncing")}
     chunks = await chunk_rows(client)
 
     def insync(ino: int, idx: int) -> list[int]:
@@ -179,8 +184,12 @@ async def readability(
               if s in answering and listed is not None and listed[s].get((ino, idx), (0, 0))[0] <= 0}
     if absent:  # written after its shard was listed, or freed after the metadata was read?
         absent = await _still_absent(client, absent)
+    single = await _single_copies(client, {
+        (ino, idx) for ino, idxs in chunks.items() for idx in idxs
+        if not any(s in serving for s in insync(ino, idx)) and any(s in answering for s in insync(ino, idx))})
     lost: dict[int, dict[int, list[int]]] = {}  # ino -> chunk -> the shards of its written rows
-    waiting: dict[int, dict[int, list[int]]] = {}  # ino -> chunk -> its in-sync shards, down
+    waiting: dict[int, dict[int, list[int]]] = {}  # ino -> chunk -> its in-sync shards, down or catching up
+    catching: dict[int, set[int]] = {}  # ino -> those of them that answer
     missing: dict[int, list[tuple[int, int]]] = {}
     for ino, idxs in chunks.items():
         for idx, reps in sorted(idxs.items()):
@@ -190,11 +199,12 @@ async def readability(
             good = insync(ino, idx)
             up = [s for s in good if s in answering]
             have = [s for s in up if (ino, idx, s) not in absent]
-            if have:
+            if [s for s in have if s in serving] or (have and (ino, idx) in single):
                 if lacking := [(idx, s) for s in up if s not in have]:
                     missing.setdefault(ino, []).extend(lacking)
-            elif down := [s for s in good if s not in answering]:
-                waiting.setdefault(ino, {})[idx] = down
+            elif waits := sorted([s for s in good if s not in answering] + have):
+                waiting.setdefault(ino, {})[idx] = waits
+                catching.setdefault(ino, set()).update(have)
             else:
                 lost.setdefault(ino, {})[idx] = written
     damaged = [DamagedFile(ino, await client.meta.path_of(ino), sorted(m),
@@ -204,8 +214,28 @@ async def readability(
     for ino, m in sorted(waiting.items()):
         stale = await _stale_copies(client, ino, m, chunks[ino], answering, listed)
         unreadable.append(Unreadable(ino, await client.meta.path_of(ino), sorted(m),
-                                     sorted({s for shards in m.values() for s in shards}), stale))
+                                     sorted({s for shards in m.values() for s in shards}), stale,
+                                     sorted(catching.get(ino, ()))))
     return damaged, unreadable, missing
+
+
+async def _single_copies(client: Client, which: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    """Of ``which``, the chunks placed on one shard only (a file of one replica): clients read
+    that copy whatever the shard's health, so one catching up still serves it."""
+    out: set[tuple[int, int]] = set()
+    by_ino: dict[int, list[int]] = {}
+    for ino, idx in which:
+        by_ino.setdefault(ino, []).append(idx)
+    for ino, idxs in sorted(by_ino.items()):
+        try:
+            layout = layout_of(await client.meta.getattr(ino))
+        except IrdmaError:
+            continue
+        for idx in idxs:
+            chain, joining = client.placed(layout, idx)
+            if len([s for s in chain if s != joining]) == 1:
+                out.add((ino, idx))
+    return out
 
 
 async def _still_absent(client: Client, absent: set[tuple[int, int, int]]) -> set[tuple[int, int, int]]:

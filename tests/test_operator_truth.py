@@ -105,6 +105,14 @@ def test_fsck_and_status_name_a_file_whose_only_in_sync_replica_is_on_a_down_sha
         assert irdma_cli("status", "--meta", c.meta_url, check=False).returncode == 1
         with irdma.connect(c.meta_url, transport="tcp") as cl:
             assert bytes(cl.read("/after")) == data[::-1]
+        # an in-sync replica on a shard that answers but is catching up serves no read until resynced
+        with contextlib.closing(open_meta(c.meta_url)) as meta:
+            meta.set_shard_health(2, "syncing")
+        res = irdma_cli("status", "--meta", c.meta_url, check=False)
+        text = _out(res)
+        assert res.returncode == 2 and "/after" in text and "`irdma shard resync 2`" in text, text
+        irdma_cli("shard", "resync", "2", "--meta", c.meta_url)
+        assert irdma_cli("status", "--meta", c.meta_url, check=False).returncode == 1  # shard 3 is down
 
         res = irdma_cli("up", "--dir", c.dir, check=False)  # restarts shard 3 on its data
         assert res.returncode == 0, _out(res)
@@ -155,6 +163,24 @@ def test_removed_shards_are_history_not_failures(tmp_path: object) -> None:
         res = irdma_cli("status", "--meta", c.meta_url, check=False)
         assert res.returncode == 0 and "healthy" in res.stdout, _out(res)
         assert re.search(r"2 of 2 \(shard map epoch \d+; 1 drained or removed", res.stdout), res.stdout
+        with irdma.connect(c.meta_url, transport="tcp") as cl:
+            assert bytes(cl.read("/f")) == data
+
+
+def test_a_file_of_one_replica_on_a_shard_catching_up_is_readable(tmp_path: object) -> None:
+    """Clients read the one copy of a one-replica file whatever its shard's health: `status`
+    and `fsck` do not call it unreadable while the shard is catching up."""
+    tmp = str(tmp_path)
+    with running_cluster(os.path.join(tmp, "c"), shards=2, replicas=1, capacity=64 * MB) as c:
+        data = os.urandom(2 * MB)
+        with irdma.connect(c.meta_url, transport="tcp") as cl:
+            cl.write("/f", data, chunk_size=MB)
+        with contextlib.closing(open_meta(c.meta_url)) as meta:
+            meta.set_shard_health(1, "syncing")
+        res = irdma_cli("status", "--meta", c.meta_url, check=False)
+        assert res.returncode == 1 and "catching up" in res.stderr, _out(res)
+        res = irdma_cli("fsck", "--meta", c.meta_url, check=False)
+        assert res.returncode == 0 and "unreadable files: 0" in res.stdout, _out(res)
         with irdma.connect(c.meta_url, transport="tcp") as cl:
             assert bytes(cl.read("/f")) == data
 
