@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import collections
+import stat
+from collections.abc import Iterator
 
+import pg
 import pytest
 
+from irdma.meta import open_meta
+from irdma.meta.base import ROOT_INO
 from irdma.placement import MOVE_ALL, Layout, Move, check_chunk_size, substitute
 
 
@@ -126,3 +131,41 @@ def test_a_move_applies_only_to_files_that_existed_when_it_was_recorded() -> Non
     legacy = Move(1, 1, (5,), done=True, share=MOVE_ALL)
     assert substitute((1,), [legacy], 99, file_id=99) == ((5,), None)
     assert Move(2, 1, (5,), done=False, last_ino=10).covers(10) and not move.covers(11)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def engine_url(request: pytest.FixtureRequest, tmp_path: object) -> Iterator[str]:
+    """An empty metadata database of each engine (PostgreSQL: a real server of its own)."""
+    if request.param == "sqlite":
+        yield f"sqlite://{tmp_path}/meta.db"
+        return
+    why = pg.available()
+    if why:
+        pytest.skip(why)
+    with pg.postgres_server() as server:
+        yield server.new_database()
+
+
+def test_every_move_records_the_newest_inode_on_every_engine(engine_url: str) -> None:
+    """A rebalance's move, a drain and a forced removal each record the highest inode number
+    there is (so they apply to those files only); the shard view reads it back."""
+    meta = open_meta(engine_url, create=True)
+    try:
+        for k in range(4):
+            meta.add_shard(f"127.0.0.1:{7000 + k}")
+        made = [meta.create(ROOT_INO, f"f{k}".encode(), stat.S_IFREG | 0o644, 0, 0).ino for k in range(3)]
+        meta.begin_move(1, (4,), MOVE_ALL // 2)
+        (move,) = meta.shard_view()[2]
+        assert move.last_ino == max(made) and not move.done and move.covers(max(made))
+        assert not move.covers(max(made) + 1)
+        meta.cancel_move(move.seq)
+        later = meta.create(ROOT_INO, b"g", stat.S_IFREG | 0o644, 0, 0).ino
+        meta.drain_shard(2)
+        (drain,) = meta.shard_view()[2]
+        assert (drain.shard_id, drain.last_ino) == (2, later)
+        meta.cancel_move(drain.seq)
+        meta.remove_shard(3, force=True)
+        (removal,) = meta.shard_view()[2]
+        assert (removal.shard_id, removal.last_ino, removal.done) == (3, later, True)
+    finally:
+        meta.close()
