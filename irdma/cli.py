@@ -980,7 +980,7 @@ def _print_damaged(damaged: list[Any], limit: int = 50) -> None:
         table.add_row(str(d.ino), d.path or "(no name)", idx, ", ".join(map(str, d.shards)))
     out.print(table, soft_wrap=True)
     if len(damaged) > limit:
-        out.print(f"... and {len(damaged) - limit} more")
+        out.print(f"... and {len(damaged) - limit} more (`irdma fsck` lists every one)")
 
 
 def _print_waiting(waiting: list[Any], limit: int = 50) -> None:
@@ -993,7 +993,7 @@ def _print_waiting(waiting: list[Any], limit: int = 50) -> None:
                       ", ".join(map(str, u.stale)) or "-")
     out.print(table, soft_wrap=True)
     if len(waiting) > limit:
-        out.print(f"... and {len(waiting) - limit} more")
+        out.print(f"... and {len(waiting) - limit} more (`irdma fsck` lists every one)")
 
 
 @cli.command()
@@ -1022,9 +1022,9 @@ def fsck(meta_url: str) -> None:
     rep = trio.run(run)
     missing = sorted(rep.missing.items())
     if rep.damaged:
-        _print_damaged(rep.damaged)
+        _print_damaged(rep.damaged, limit=len(rep.damaged))  # every one
     if rep.waiting:
-        _print_waiting(rep.waiting)
+        _print_waiting(rep.waiting, limit=len(rep.waiting))
     if missing:
         table = Table(title="in-sync replicas missing on their shard (the other replicas serve them)")
         for col in ("inode", "chunks (shard)"):
