@@ -1336,6 +1336,8 @@ class Client:
                 # --force-from: no up-to-date copy is in service (lost, or down): this shard's
                 # copy becomes the truth, and the rest of its chain gets it
                 mine = cast(tuple[int, int], await self._conn_call(shard_id, "checksum", inode.ino, idx, view))
+                if mine[0] and insync:  # the copies it replaces are out (if one comes back, it resyncs)
+                    await self.meta.withdraw_replicas(inode.ino, [(idx, s) for s in insync])
                 if mine[0] and await self.meta.note_replica(inode.ino, idx, shard_id, inc, view):
                     adopted += 1
                     others = tuple(s for s in chain if s != shard_id)

@@ -169,3 +169,39 @@ def test_every_move_records_the_newest_inode_on_every_engine(engine_url: str) ->
         assert (removal.shard_id, removal.last_ino, removal.done) == (3, later, True)
     finally:
         meta.close()
+
+
+def test_a_namespace_made_before_moves_kept_last_ino_gains_it_on_open(engine_url: str) -> None:
+    """An existing database of an older version (no ``moves.last_ino``) opened by this one
+    (without ``create``: every mount and client) gets the column, and its old moves apply to
+    every file (NULL) while new ones record the newest inode."""
+    meta = open_meta(engine_url, create=True)
+    try:
+        for k in range(2):
+            meta.add_shard(f"127.0.0.1:{7100 + k}")
+        meta.remove_shard(2, force=True)  # a move recorded by the older version below
+    finally:
+        meta.close()
+    if engine_url.startswith("sqlite"):
+        import sqlite3
+
+        db = sqlite3.connect(engine_url[len("sqlite://"):])
+        db.execute("ALTER TABLE moves DROP COLUMN last_ino")
+        db.commit()
+        db.close()
+    else:
+        import psycopg
+
+        with psycopg.connect(engine_url, autocommit=True) as conn:
+            conn.execute("ALTER TABLE moves DROP COLUMN last_ino")
+    meta = open_meta(engine_url)
+    try:
+        (old,) = meta.shard_view()[2]
+        assert old.last_ino is None and old.covers(10**9)
+        meta.add_shard("127.0.0.1:7102")
+        ino = meta.create(ROOT_INO, b"f", stat.S_IFREG | 0o644, 0, 0).ino
+        meta.begin_move(1, (3,), MOVE_ALL // 2)
+        new = meta.shard_view()[2][-1]
+        assert new.last_ino == ino and not new.covers(ino + 1)
+    finally:
+        meta.close()

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import stat
 import threading
@@ -238,8 +239,8 @@ class PostgresMeta(SqlMeta):
                 if not create:
                     raise InvalidArgument(f"the PostgreSQL database {self.url} is not an irdma metadata database:"
                                           " it has no irdma tables", FORMAT_HINT)
-            elif not create:
-                return
+            elif not create and self._schema_current(conn):
+                return  # else: made by an older version: the statements below add what it lacks
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
                 for stmt in SCHEMA.split(";"):
@@ -256,6 +257,21 @@ class PostgresMeta(SqlMeta):
             raise IrdmaError(f"cannot set up the PostgreSQL metadata database {self.url}: {self._scrub(exc)}",
                              "check that the user may create tables in it (or that it is an irdma database)"
                              ) from None
+
+    @staticmethod
+    def _schema_current(conn: psycopg.Connection[Any]) -> bool:
+        """Whether every table and added column of :data:`SCHEMA` exists (read-only: an open of
+        an up-to-date database takes no DDL lock)."""
+        tables = re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA)
+        columns = re.findall(r"ALTER TABLE (\w+) ADD COLUMN IF NOT EXISTS (\w+)", SCHEMA)
+        for table in tables:
+            if conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is None:  # type: ignore[index]
+                return False
+        for table, column in columns:
+            if conn.execute("SELECT 1 FROM information_schema.columns WHERE table_schema = current_schema()"
+                            " AND table_name=%s AND column_name=%s", (table, column)).fetchone() is None:
+                return False
+        return True
 
     # ---------------------------------------------------------------- the driver's part
     @property
