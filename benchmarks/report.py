@@ -18,14 +18,36 @@ def _fmt_size(n: int) -> str:
     return f"{n / 1024:g} KiB"
 
 
-def targets(R: dict[str, Any]) -> list[tuple[str, float, str, float, bool, str]]:
-    """(what, ratio, baseline, target, met, figures) for every target of the issue."""
-    out = []
+# what each replication and authentication ratio is wanted at (the tables below, and the guard)
+REPLICATION_WANTED = (("pull", 0.95), ("push-assign", 0.5), ("push-add", 0.5))
+AUTHENTICATION_WANTED = 0.9
+
+
+def _at(commit: dict[str, Any] | None) -> str:
+    """The words ' at commit 9eb39bf' (and whether the tree had uncommitted changes), or none."""
+    if not commit:
+        return ""
+    return f" at commit {commit['hash'][:7]}" + (" with uncommitted changes" if commit.get("dirty") else "")
+
+
+def _section(what: str) -> str:
+    """The ``--only`` section a target's figures come from ("main": only a full run measures it)."""
+    for prefix, section in (("model round", "rounds"), ("fio ", "fio"), ("sparse rows", "rows")):
+        if what.startswith(prefix):
+            return section
+    return "main"
+
+
+def targets(R: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every target of the issue: what, ratio, baseline, target, met, figures, lower_is_better
+    (a "<=" target: smaller is better) and section (what ``--only`` measures it again)."""
+    out: list[dict[str, Any]] = []
     tcp, nat, mnt = R["tcp"], R["native"], R["mount"]
 
     def add(what: str, ratio: float, base: str, target: float, figures: str, lower_is_better: bool = False) -> None:
         met = ratio <= target if lower_is_better else ratio >= target
-        out.append((what, ratio, base, target, met, figures))
+        out.append({"what": what, "ratio": ratio, "baseline": base, "target": target, "met": met, "figures": figures,
+                    "lower_is_better": lower_is_better, "section": _section(what)})
 
     add("native pull", nat["pull"] / tcp["pull"], "loopback TCP, 4 streams", 0.8,
         f"{nat['pull']:.0f} vs {tcp['pull']:.0f} MB/s")
@@ -163,18 +185,25 @@ def write_report(R: dict[str, Any], out: str) -> None:
     images = plots(R, out)
     m = R["machine"]
     L = ["# irdma benchmarks", "",
-         f"One run of `make bench` (`.venv/bin/python benchmarks/run.py`) on {m['date']}: {m['cpus']} cores,",
+         f"One run of `make bench` (`.venv/bin/python benchmarks/run.py`) on {m['date']}{_at(m.get('commit'))}:"
+         f" {m['cpus']} cores,",
          f"Python {m['python']}, kernel {m['kernel']}{' (quick mode: not figures)' if m['quick'] else ''}. "
          f"The run took {R['elapsed_s']:.0f} s."
-         + "".join(f" The {what} were measured again on {R[key + '_date']} (`benchmarks/run.py --only {key}`)."
+         + "".join(f" The {what} were measured again on {R[key + '_date']}{_at(R.get(key + '_commit'))}"
+                   f" (`benchmarks/run.py --only {key}`)."
                    for key, what in (("rounds", "model rounds"), ("fio", "fio runs"), ("rows", "sparse rows"))
                    if R.get(key + "_date")),
          "Every figure is set against a baseline measured in the same run (the machine is noisy).",
          "Bandwidth in MB/s (10^6 bytes per second); everything on 127.0.0.1.", "",
          "## Targets", "", "| target | ratio | baseline | wanted | met | figures |", "|---|---|---|---|---|---|"]
-    for what, ratio, base, target, met, figs in targets(R):
-        want = f"<= {target:g}" if "RSS" in what or "checkpoint" in what else f">= {target:g}"
-        L.append(f"| {what} | {ratio:.2f} | {base} | {want} | {'yes' if met else '**no**'} | {figs} |")
+    for t in targets(R):
+        wanted = f"{'<=' if t['lower_is_better'] else '>='} {t['target']:g}"
+        L.append(f"| {t['what']} | {t['ratio']:.2f} | {t['baseline']} | {wanted} | {'yes' if t['met'] else '**no**'}"
+                 f" | {t['figures']} |")
+    if R.get("regression_check"):
+        from guard import markdown  # benchmarks/ is on the path (run.py puts it there)
+
+        L += ["", *markdown(R["regression_check"])]
     runs = R.get("tcp_runs", [])
     L += ["", "## Bandwidth, 1 GiB, 4 MiB requests, 4 in flight", "",
           "The loopback TCP ceiling is the mean of two measurements, before and after irdma's"
@@ -231,7 +260,7 @@ def write_report(R: dict[str, Any], out: str) -> None:
     if rep:
         L += ["## Replication (4 shards, native client, MB/s)", "",
               "| test | 1 replica | 2 replicas | ratio | wanted |", "|---|---|---|---|---|"]
-        for test, want in (("pull", 0.95), ("push-assign", 0.5), ("push-add", 0.5)):
+        for test, want in REPLICATION_WANTED:
             a, b = rep["r1"][test], rep["r2"][test]
             L.append(f"| {test} | {a:.0f} | {b:.0f} | {b / a:.2f} | >= {want} |")
         L += ["", f"Push (assign) then flush, 2 replicas: durable (`--durability fsync`)"
@@ -251,7 +280,7 @@ def write_report(R: dict[str, Any], out: str) -> None:
               "| test | --no-auth | authenticated | ratio | wanted |", "|---|---|---|---|---|"]
         for test in ("pull", "push-assign", "push-add"):
             a, b = au["off"][test], au["on"][test]
-            L.append(f"| {test} | {a:.0f} | {b:.0f} | {b / a:.2f} | >= 0.9 |")
+            L.append(f"| {test} | {a:.0f} | {b:.0f} | {b / a:.2f} | >= {AUTHENTICATION_WANTED} |")
         L.append("")
     fio = R.get("fio")
     if fio:

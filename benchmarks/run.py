@@ -6,6 +6,9 @@ Writes ``docs/benchmarks.md`` (tables, every figure also as a ratio to its basel
 same run), ``docs/benchmarks.json`` and PNG plots under ``docs/``. Bandwidth is in MB/s
 (10^6 bytes/s). Every load is bounded in bytes and rounds, on 127.0.0.1 only.
 
+It ends with the regression check (benchmarks/guard.py): every target ratio beside the last
+committed docs/benchmarks.json, FELL where one got worse by more than 15%; the exit status stays 0.
+
     make bench                 # or: .venv/bin/python benchmarks/run.py [--quick]
 """
 
@@ -492,13 +495,19 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the suite, not figures")
     ap.add_argument("--out", default=os.path.join(REPO, "docs"))
     ap.add_argument("--only", choices=["replication", "authentication", "rounds", "fio", "rows"],
-                    help="run one section and print its figures as JSON")
+                    help="run one section, print its figures as JSON and compare only its ratios")
     args = ap.parse_args()
-    if args.only == "replication":
-        print(json.dumps(replication(64 * MiB if args.quick else 256 * MiB), indent=1))
-        return 0
-    if args.only == "authentication":
-        print(json.dumps(authentication(64 * MiB if args.quick else 512 * MiB), indent=1))
+    sys.path.insert(0, HERE)
+    import guard
+
+    # the run to compare with, read before anything is overwritten: docs/benchmarks.json as committed
+    previous, against = guard.load_previous(REPO, args.out)
+    commit = guard.git_commit(REPO)
+    if args.only in ("replication", "authentication"):  # figures printed, no report written
+        size = 64 * MiB if args.quick else (256 if args.only == "replication" else 512) * MiB
+        part = replication(size) if args.only == "replication" else authentication(size)
+        print(json.dumps(part, indent=1))
+        regression_check({args.only: part}, previous, against, [args.only], args.quick)
         return 0
     if args.only in ("rounds", "fio", "rows"):  # measure one section again into the last report
         if args.only == "rounds":
@@ -516,10 +525,14 @@ def main() -> int:
             R = json.load(f)
         R[args.only] = part
         R[f"{args.only}_date"] = time.strftime("%Y-%m-%d %H:%M")
+        R[f"{args.only}_commit"] = commit
         from report import write_report
 
+        chk = regression_check(R, previous, against, [args.only], args.quick)
         write_report(R, args.out)
         say(f"wrote {args.out}/benchmarks.md ({args.only} measured again, the rest kept)")
+        if chk:
+            guard.show(chk)
         return 0
     big = 64 * MiB if args.quick else GiB
     sweep = 16 * MiB if args.quick else 256 * MiB
@@ -527,7 +540,7 @@ def main() -> int:
     t_start = time.monotonic()
     R = RESULTS
     R["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release(),
-                    "quick": args.quick, "date": time.strftime("%Y-%m-%d %H:%M")}
+                    "quick": args.quick, "date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit}
 
     say(f"ceilings: loopback TCP with 4 streams, tmpfs with 4 MiB blocks ({big >> 20} MiB)")
     tcp_before = tcp_ceiling(big, 4)
@@ -620,12 +633,34 @@ def main() -> int:
     say("fio: sequential 1 MiB and random 4 KiB, read and write, on tmpfs, a pyfuse3 passthrough and the mount")
     R["fio"] = fio.run_all(args.quick, say)
     R["elapsed_s"] = time.monotonic() - t_start
-    sys.path.insert(0, HERE)
     from report import write_report
 
+    chk = regression_check(R, previous, against, None, args.quick)
     write_report(R, args.out)
     say(f"done in {R['elapsed_s']:.0f} s: {os.path.join(args.out, 'benchmarks.md')}")
+    if chk:
+        guard.show(chk)  # last: each ratio beside the last committed run, and what fell
     return 0
+
+
+def regression_check(R: dict[str, Any], previous: dict[str, Any] | None, against: str | None,
+                     only: list[str] | None, quick: bool) -> dict[str, Any] | None:
+    """Record this run's ratios (R["ratios"]) and their comparison with ``previous``
+    (R["regression_check"], the report's "Regression check" section); printed without a report
+    when R is one section's figures. A failure of the guard never loses the run's figures."""
+    import guard
+
+    try:
+        R["ratios"] = guard.compute_ratios(R)
+        chk = guard.check(previous, against, R, only, quick)
+    except Exception as e:  # noqa: BLE001 - benchmarks never fail on their bookkeeping
+        say(f"regression check failed ({type(e).__name__}: {e}); the figures are kept")
+        return None
+    if "machine" in R:  # a whole report: the check is part of it
+        R["regression_check"] = chk
+    else:
+        guard.show(chk)
+    return chk
 
 
 if __name__ == "__main__":
