@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-hosts test test-fast test-verbs vm-image bench bench-hosts bench-comm train-table lint clean
+.PHONY: install demo demo-hosts test test-fast chaos test-verbs vm-image bench bench-hosts bench-comm train-table lint clean
 
 install: $(STAMP)
 
@@ -55,6 +55,13 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not tf and not slow" tests
+
+# The nemesis of issue 20 at length (tests/nemesis.py): NEMESIS_SCHEDULES seeded schedules
+# (default 200) of NEMESIS_SECONDS seconds of faults each (default 10) against a 3-shard,
+# 2-replica cluster; every failure prints its seed (rerun one: NEMESIS_SEED=N make chaos).
+chaos: install
+	NEMESIS_SCHEDULES=$${NEMESIS_SCHEDULES:-200} NEMESIS_SECONDS=$${NEMESIS_SECONDS:-10} \
+	  $(PY) -m pytest -q -rf tests/test_nemesis.py -k test_nemesis_schedule
 
 # Real RDMA verbs: build (or reuse) the Soft-RoCE VM image and run the verbs suite inside it.
 vm-image:
