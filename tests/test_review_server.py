@@ -406,3 +406,45 @@ def test_a_forward_answered_with_the_wrong_kind_of_reply_fails_the_replica() -> 
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+class _TrickleSocket:
+    """A socket whose every ``recv_into`` lands its bytes, then lets the other tasks run (what
+    trio's own does after a system call that succeeded: ``cancel_shielded_checkpoint``)."""
+
+    def __init__(self, data: bytes, step: int) -> None:
+        self.data, self.step, self.at = data, step, 0
+
+    async def recv_into(self, buf: memoryview, n: int) -> int:
+        k = min(n, self.step, len(self.data) - self.at)
+        buf[:k] = self.data[self.at : self.at + k]
+        self.at += k
+        await trio.sleep(0)
+        return k
+
+
+@pytest.mark.parametrize("step", [100, 5000, 20000])
+def test_no_reply_byte_lands_in_a_buffer_after_its_call_returned(step: int) -> None:
+    """The reader copies a reply's tail (under Receiver.DIRECT bytes) out of its own buffer after
+    an await: a caller cancelled during that await has returned and reuses its buffer, so the
+    copy must not happen (it did: tests/test_conformance.py's cancelled pull saw it under load)."""
+    from irdma.transport.tcp import Receiver
+
+    n = 24 << 10
+    rx = Receiver(_TrickleSocket(b"\x5a" * n, step))
+    dest = bytearray(n)
+    gone = [False]
+
+    async def main() -> None:
+        async def caller_returns() -> None:
+            await trio.sleep(0)  # the reader's first recv is in flight
+            gone[0] = True
+            dest[:] = b"\xa5" * n  # reused by its owner
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(caller_returns)
+            with pytest.raises(ShardUnavailable, match="returned"):
+                await rx.exactly(memoryview(dest), lambda: gone[0])
+
+    trio.run(main)
+    assert dest == b"\xa5" * n

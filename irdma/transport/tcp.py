@@ -19,6 +19,7 @@ import itertools
 import logging
 import secrets
 import socket as _stdsocket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -97,24 +98,38 @@ class Receiver:
         self._buf = memoryview(b"")  # allocated at the first buffered read
         self._lo = self._hi = 0
 
+    @staticmethod
+    def _check(abandoned: Callable[[], bool] | None) -> None:
+        if abandoned is not None and abandoned():
+            raise ShardUnavailable("the call whose buffer this reply was filling returned (cancelled)")
+
     @property
     def buffered(self) -> int:
         """Bytes received and not yet read."""
         return self._hi - self._lo
 
-    async def exactly(self, view: memoryview) -> bool:
+    async def exactly(self, view: memoryview, abandoned: Callable[[], bool] | None = None) -> bool:
         """Fill ``view``. Returns False on a clean EOF before its first byte.
+
+        ``abandoned``: for a caller's buffer, whether its call has returned (cancelled): asked
+        before every copy into ``view``, since each ``await`` here lets the caller run; once
+        true, not one more byte lands there. (A ``recv_into`` straight into ``view`` follows a
+        check with no checkpoint between; an abandoned call has closed the socket, so the
+        system call after a wait fails.)
 
         Raises:
             RemoteProtocolError: EOF in the middle of ``view``.
+            ShardUnavailable: ``abandoned`` became true.
         """
         n = len(view)
         got = min(self._hi - self._lo, n)
         if got:
+            self._check(abandoned)
             view[:got] = self._buf[self._lo : self._lo + got]
             self._lo += got
         while got < n:
             need = n - got
+            self._check(abandoned)
             if need >= self.DIRECT:
                 k = await self.sock.recv_into(view[got:], need)
             else:  # the buffer is empty here: take what has arrived, keep the rest
@@ -122,6 +137,7 @@ class Receiver:
                     self._buf = memoryview(bytearray(self.BUFFER))
                 k = await self.sock.recv_into(self._buf, self.BUFFER)
                 self._lo, self._hi = min(k, need), k
+                self._check(abandoned)  # the caller may have returned during that await
                 view[got : got + self._lo] = self._buf[: self._lo]
                 k = self._lo
             if k == 0:
@@ -184,6 +200,10 @@ class _Pending:
     reply: P.Reply | None = None
     error: IrdmaError | None = None
     rid: int = 0
+    abandoned: bool = False  # its caller returned (cancelled) while the reply was arriving
+
+    def is_abandoned(self) -> bool:
+        return self.abandoned
 
 
 class TcpConnection(ShardConnection):
@@ -237,7 +257,7 @@ class TcpConnection(ShardConnection):
                 if whole:
                     assert pend is not None and pend.into is not None
                     pend.receiving = True
-                    await rx.exactly(pend.into)
+                    await rx.exactly(pend.into, pend.is_abandoned)
                     if macs is not None:
                         await rx.exactly(memoryview(tag))
                         macs.recv.check([hdr, pend.into], tag)
@@ -250,7 +270,7 @@ class TcpConnection(ShardConnection):
                     # connection (see _call), which stops us before the next byte lands
                     pend.receiving = True
                     await rx.exactly(memoryview(fixed))
-                    await rx.exactly(pend.into)
+                    await rx.exactly(pend.into, pend.is_abandoned)
                     if macs is not None:  # checked before the caller sees the bytes
                         await rx.exactly(memoryview(tag))
                         macs.recv.check([hdr, fixed, pend.into], tag)
@@ -351,6 +371,7 @@ class TcpConnection(ShardConnection):
         except BaseException:
             self._pending.pop(pend.rid, None)
             if pend.receiving:
+                pend.abandoned = True  # the reader copies nothing more into its buffer
                 self._break("a read was cancelled while its reply was arriving")
             raise
         if pend.error is not None:
