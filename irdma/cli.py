@@ -570,8 +570,10 @@ async def _resync(meta_url: str, only: list[int] | None) -> int:
     failed = 0
     async with Client.open(meta_url, transport="tcp") as client:
         stats = await client.shard_stats()
-        todo = [rec.shard_id for rec, st, _ in stats if st is not None and rec.health == "syncing"
-                and (only is None or rec.shard_id in only)]
+        # a shard named explicitly is compared even when up: a replica it holds that is out of
+        # its chunk's in-sync set (under-replicated in `irdma status`) is copied back in
+        todo = [rec.shard_id for rec, st, _ in stats if st is not None and rec.state not in ("drained", "removed")
+                and (rec.health == "syncing" if only is None else rec.shard_id in only)]
         for sid in todo:
             with Progress(TextColumn(f"resync shard {sid}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                           console=console, transient=True) as bar:
@@ -631,7 +633,8 @@ def shard_resync(shard_ids: tuple[int, ...], meta_url: str, force_from: int | No
     """Bring shards that are back after being down (state syncing) level with their chains:
     copy the chunks whose version or checksum differs from the chain head's, then mark them up.
     Mounts do this on their own every few seconds; this does it now, with progress.
-    Default: every syncing shard.
+    Default: every syncing shard; a shard named is compared with its chains even when up (what
+    `irdma status` reports as under-replicated chunks is copied back).
 
     With --force-from SHARD, for a chunk whose in-sync replicas are all on shards that do not
     answer (`irdma status` lists these files and the shards they wait for) and whose data is
@@ -889,7 +892,7 @@ def cluster_health(stats: list[Any], damaged: list[Any] | None = None, under_rep
             if catching:
                 text += (f"{'; ' if waits else ': '}`irdma shard resync {' '.join(map(str, catching))}` brings"
                          f" {behind} up now (mounts do within seconds) or says what {'it waits' if len(catching) == 1 else 'they wait'} for")
-            if waits:
+            if waits and stale:  # only where an older copy exists (never with one replica)
                 text += (f". If {named if one else 'one of them'} is lost for good, `irdma shard resync --force-from"
                          f" {stale[0] if stale else 'SHARD'}` adopts the older copies "
                          + (f"shard{'s' if len(stale) > 1 else ''} {', '.join(map(str, stale))}"

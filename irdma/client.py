@@ -515,6 +515,8 @@ class Client:
         nothing to do when the chain has every replica.
 
         Raises:
+            Fenced: the shard map moved on since this view (read it again, then build the chain
+                again: the shard may be back); nothing recorded.
             IrdmaError: the metadata engine failed (the update must not be sent).
         """
         if layout.replicas == 1:
@@ -530,7 +532,9 @@ class Client:
             todo += [(index, s) for s in reps
                      if s not in chain and (layout.file_id, index, s) not in self._withdrawn]
         if todo:
-            await self.meta.withdraw_replicas(layout.file_id, todo)
+            if not await self.meta.withdraw_replicas(layout.file_id, todo, self._view):
+                raise Fenced(f"the shard map moved on from view {self._view} before an update that skips shards"
+                             f" {sorted({s for _, s in todo})}", "read the shard map again")
             self._withdrawn.update((layout.file_id, index, s) for index, s in todo)
 
     # ------------------------------------------------------------ data plane by layout
@@ -806,7 +810,6 @@ class Client:
                 rec = await self._head_in_sync(layout, p.chunk_index, head)
             existing = rec is not None and (head in rec or single)
             inc = rec.get(head) if rec is not None else None
-            await self._withdraw(layout, (p.chunk_index,), chain)
 
             async def fn(conn: ShardConnection, chain: tuple[int, ...] = chain, head: int = head,
                          existing: bool = existing, inc: int | None = inc) -> None:
@@ -818,6 +821,7 @@ class Client:
                                  existing, self._chain(rid, chain[1:]))
 
             try:
+                await self._withdraw(layout, (p.chunk_index,), chain)
                 await self._on_shard(head, fn)
             except IrdmaError as exc:
                 await self._before_resend(exc, head, single, "write")
@@ -1106,7 +1110,6 @@ class Client:
             inc = rec.get(head) if rec is not None else None
             ext = P_extents(chunk, offset, length)
             payload = _pack(src, at, length)
-            await self._withdraw(layout, sorted(set(chunk.tolist())), chain)
 
             async def fn(conn: ShardConnection, chain: tuple[int, ...] = chain, head: int = head,
                          existing: bool = existing, inc: int | None = inc, payload: np.ndarray = payload,
@@ -1120,6 +1123,7 @@ class Client:
                                    self._chain(rid, chain[1:]))
 
             try:
+                await self._withdraw(layout, sorted(set(chunk.tolist())), chain)
                 await self._on_shard(head, fn)
             except IrdmaError as exc:
                 await self._before_resend(exc, head, single, "scatter")
@@ -1245,8 +1249,16 @@ class Client:
             raise ShardUnavailable(f"no shard of file {layout.file_id} is up", "restart the shards (`irdma up`)")
         if skipped and new_size % layout.chunk_size:  # the cut chunk's copy there kept its old tail
             index = new_size // layout.chunk_size
-            await self.meta.withdraw_replicas(layout.file_id,
-                                              [(index, s) for s in self.placed(layout, index)[0] if s in skipped])
+            for _ in range(MAX_ATTEMPTS):
+                # only while it is still out of the view: once back, its resync compares the chunk
+                out = [(index, s) for s in self.placed(layout, index)[0] if s in skipped and not self._in_view(s)
+                       and self._health.get(s) != "syncing"]
+                if not out or await self.meta.withdraw_replicas(layout.file_id, out, self._view):
+                    break
+                await self.refresh_view()
+            else:
+                raise ShardUnavailable(f"the shard map kept changing while file {layout.file_id} was truncated",
+                                       "truncate it again")
 
     async def resync_shard(self, shard_id: int, progress: Callable[[int, int], None] = lambda done, total: None,
                            force: bool = False) -> int:
@@ -1347,7 +1359,8 @@ class Client:
                         for sid in others:
                             await self.meta.note_replica(inode.ino, idx, sid, await self._incarnation(sid), view)
                         copied += layout.chunk_size
-            elif chain and (not row or chain[0] in insync or shard_id not in chain):
+            elif chain and chain[0] != shard_id and (not row or chain[0] in insync or shard_id not in chain):
+                # (a shard heading the chain has nothing to compare with: only the in-sync set says)
                 if shard_id not in chain:
                     raise ShardUnavailable(f"shard {shard_id} is not in the chain of chunk {idx} of file {inode.ino}")
                 head = chain[0]
@@ -2059,13 +2072,13 @@ class Client:
             last: IrdmaError | None = None
             for _ in range(MAX_ATTEMPTS):
                 chain = self.chain_of(layout, index)
-                await self._withdraw(layout, (index,), chain)
 
                 async def fn(conn: ShardConnection, chain: tuple[int, ...] = chain) -> None:
                     await conn.write(layout.file_id, state_index(index), per, within, UpdateOp.ASSIGN, part, False,
                                      self._chain(rid, chain[1:]))
 
                 try:
+                    await self._withdraw(layout, (index,), chain)
                     await self._on_shard(chain[0], fn)
                     if len(chain) == 1:
                         self._unsynced_single.add(chain[0])

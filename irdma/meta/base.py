@@ -402,9 +402,12 @@ class MetaStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def withdraw_replicas(self, ino: int, replicas: Sequence[tuple[int, int]]) -> None:
+    def withdraw_replicas(self, ino: int, replicas: Sequence[tuple[int, int]], epoch: int | None = None) -> bool:
         """Take replicas out of their chunks' in-sync sets before an update that skips them is
-        sent (their shard is down): ``(chunk index, shard id)`` pairs. The chunk map then holds
+        sent (their shard is down): ``(chunk index, shard id)`` pairs. With ``epoch``, only if
+        the shard map's epoch is still ``epoch`` (the view the update is built on: in a newer
+        one the shard may have been resynced, and a withdrawal after that would keep a current
+        copy out for good); returns whether it was recorded. The chunk map then holds
         them with incarnation :data:`OUT_OF_SYNC`, recorded even for a chunk not recorded yet,
         so that no later record of the chunk (:meth:`extend`) counts them in again; only
         :meth:`note_replica` does, after a resync copied the chunk to them.

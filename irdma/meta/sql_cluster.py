@@ -139,13 +139,16 @@ class SqlCluster:
                       " ON CONFLICT (ino, idx, shard) DO UPDATE SET incarnation=excluded.incarnation", (ino, idx, shard_id, incarnation))
             return True
 
-    def withdraw_replicas(self, ino: int, replicas: Sequence[tuple[int, int]]) -> None:
+    def withdraw_replicas(self, ino: int, replicas: Sequence[tuple[int, int]], epoch: int | None = None) -> bool:
         if not replicas:
-            return
+            return True
         with self._tx() as c:
+            if epoch is not None and self._epoch(c) != epoch:
+                return False
             c.executemany(f"INSERT INTO chunks VALUES (?,?,?,{OUT_OF_SYNC})"
                           f" ON CONFLICT (ino, idx, shard) DO UPDATE SET incarnation={OUT_OF_SYNC}",
                           [(ino, idx, sid) for idx, sid in replicas])
+            return True
 
     def replicated_chunks(self, shard_ids: Sequence[int], min_replicas: int = 2) -> list[tuple[Inode, list[int]]]:
         if not shard_ids:
