@@ -180,6 +180,8 @@ class _Handle:
     seq_hits: int = 0  # sequential reads in a row (the read-ahead window doubles with each)
     compress: Compression | None = None  # user.irdma.compress of the file (or its directory) at open
     sched: comm.Scheduling | None = None  # user.irdma.priority/.slice of the file (or its directory) at open
+    writable: bool = True  # opened for writing: told of every push of the file that fails while open
+    error: IrdmaError | None = None  # a push that failed since this handle's last flush/fsync (errseq)
 
 
 def _scheduled(h: _Handle) -> contextlib.AbstractContextManager[object]:
@@ -344,7 +346,7 @@ class IrdmaFS(pyfuse3.Operations):
         while st.pending:
             await st.pending[0].done.wait()
 
-    async def _drain(self, st: _FileState, ino: int) -> None:
+    async def _drain(self, st: _FileState, ino: int, h: _Handle | None = None) -> None:
         """Wait for every transfer of the file; persist the size of what the shards
         acknowledged and the chunks created; raise the first error.
 
@@ -354,10 +356,14 @@ class IrdmaFS(pyfuse3.Operations):
         from the chunk map would read as zeros). Drains of one file take turns, so a truncate
         never runs between another drain's snapshot and its ``extend``.
 
+        ``h``: the handle a flush, fsync or close drains for: it hears of every push that failed
+        while it was open for writing, once, whatever other drains reported (errseq); without
+        one (a truncate), the first error a push met since the last drain.
+
         Raises:
-            IrdmaError: the first error a push met since the last drain, the metadata engine's
-                error (the records are kept for the next drain); Stale: the file was written
-                here and then removed while the session was reaped (``lost``).
+            IrdmaError: a push's error (see ``h``), the metadata engine's error (the records
+                are kept for the next drain); Stale: the file was written here and then removed
+                while the session was reaped (``lost``).
         """
         await self._wait_pending(st)
         if st.lost is not None:  # removed while the session was reaped: nothing can be recorded
@@ -392,6 +398,12 @@ class IrdmaFS(pyfuse3.Operations):
                 del st.new_chunks[:n_new]
                 del st.failed_starts[:n_failed]
                 st.dirty = st.writes != writes or bool(st.pending or st.acked_ends or st.new_chunks or st.failed_starts)
+        if h is not None:
+            err, h.error = h.error, None
+            if err is not None:
+                st.error = None  # writes go on: this handle was told
+                raise err
+            return
         if st.error is not None:
             err, st.error = st.error, None
             raise err
@@ -744,7 +756,8 @@ class IrdmaFS(pyfuse3.Operations):
         return coded, sched
 
     def _open_handle(self, inode: Inode, io_mode: bytes, chunks: ChunkMap, *, append: bool = False,
-                     compress: Compression | None = None, sched: comm.Scheduling | None = None) -> pyfuse3.FileInfo:
+                     compress: Compression | None = None, sched: comm.Scheduling | None = None,
+                     writable: bool = True) -> pyfuse3.FileInfo:
         st = self._files.get(inode.ino)
         if st is None:
             self.client.forget_file(inode.ino)  # close-to-open: no stale chunk places
@@ -762,7 +775,8 @@ class IrdmaFS(pyfuse3.Operations):
         direct = op.op != UpdateOp.ASSIGN or io_mode == b"direct" or self.direct_io or append
         fh = self._next_fh
         self._next_fh += 1
-        self._handles[fh] = _Handle(inode.ino, op, direct, append=append, compress=compress, sched=sched)
+        self._handles[fh] = _Handle(inode.ino, op, direct, append=append, compress=compress, sched=sched,
+                                    writable=writable)
         st.cached_handles += 0 if direct else 1
         keep = not direct and self._cached.get(inode.ino) == (inode.mtime_ns, inode.size)
         log.debug("open inode %d: keep_cache %s (as last closed %s, now %s)", inode.ino, keep,
@@ -807,7 +821,8 @@ class IrdmaFS(pyfuse3.Operations):
                 node = await self._getattr(inode)
                 chunks = {}
             coded, sched = await self._communication_of(node)
-            fi = self._open_handle(node, io_mode, chunks, append=bool(flags & os.O_APPEND), compress=coded, sched=sched)
+            fi = self._open_handle(node, io_mode, chunks, append=bool(flags & os.O_APPEND), compress=coded, sched=sched,
+                                   writable=flags & os.O_ACCMODE != os.O_RDONLY)
             self._handles[fi.fh].kill_setid = kill_setid
             return fi
         except BaseException:
@@ -825,7 +840,8 @@ class IrdmaFS(pyfuse3.Operations):
                                            ctx.gid)
             inode, io_mode, chunks = await self.meta.open_inode(self.sid, inode.ino)
             coded, sched = await self._communication_of(inode)
-            fi = self._open_handle(inode, io_mode, chunks, append=bool(flags & os.O_APPEND), compress=coded, sched=sched)
+            fi = self._open_handle(inode, io_mode, chunks, append=bool(flags & os.O_APPEND), compress=coded, sched=sched,
+                                   writable=flags & os.O_ACCMODE != os.O_RDONLY)
             self._handles[fi.fh].kill_setid = self._kills_setid(inode, flags, ctx)
             return fi, self._entry(inode)
 
@@ -1071,6 +1087,12 @@ class IrdmaFS(pyfuse3.Operations):
             st.failed_starts.append(off)
             if st.error is None:
                 st.error = exc  # type: ignore[assignment]
+            # every handle open for writing hears of it at its next flush, fsync or close, however
+            # many other handles drain the file first (Linux's errseq_t): with the page cache, the
+            # kernel's writeback may push a writer's bytes through another handle
+            for h in self._handles.values():
+                if h.ino == st.layout.file_id and h.writable and h.error is None:
+                    h.error = exc  # type: ignore[assignment]
         finally:
             if feedback is not None:  # what the compression dropped waits for the next write
                 self._residual(st.layout.file_id, entry.end // 4)[off // 4 : entry.end // 4] = feedback
@@ -1086,7 +1108,7 @@ class IrdmaFS(pyfuse3.Operations):
             if fh in self.control._handles:
                 return
             h = self._handles[fh]
-            await self._drain(self._files[h.ino], h.ino)
+            await self._drain(self._files[h.ino], h.ino, h)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         await self.flush(fh)
@@ -1100,7 +1122,7 @@ class IrdmaFS(pyfuse3.Operations):
         st = self._files[h.ino]
         try:
             with fuse_errors("release"):
-                await self._drain(st, h.ino)
+                await self._drain(st, h.ino, h)
         except pyfuse3.FUSEError:
             pass  # already logged; close(2) got it from flush
         finally:

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from helpers import REPO, Cluster, irdma_cli, mounted, wait_until
+from helpers import REPO, Cluster, irdma_cli, mounted, running_cluster, wait_until
 from irdma.fs.mount import find_mount, spawn_mount
 
 import irdma
@@ -392,3 +392,35 @@ def test_xattrs_of_control_files_are_enodata_not_enoent(mnt: str) -> None:
             os.getxattr(path, "security.capability")
         assert info.value.errno == errno.ENODATA, path
         assert os.listxattr(path) == []
+
+
+def test_a_failed_push_is_reported_to_the_writer_even_after_another_handle_drained(tmp_path: object) -> None:
+    """A push fails (its only shard is dead); a reader then opens and closes the file, which
+    drains it. The writer's fsync and close must still fail with EIO (Linux's errseq_t: every fd
+    open for writing hears of a writeback error once), never return 0 for bytes that are not
+    stored. The nemesis test found acknowledged files reading as 0 bytes this way."""
+    import signal
+
+    from irdma._proc import pid_alive
+
+    with running_cluster(str(tmp_path) + "/c", shards=1, capacity=16 << 20, replicas=1) as c:
+        with mounted(c.meta_url, str(tmp_path) + "/m", request_timeout=3.0,
+                     allow_log=("failed", "did not answer", "cannot connect", "marked down")) as m:
+            path = os.path.join(m, "f")
+            with open(path, "wb") as f:  # exists, with a first byte on the shard
+                f.write(b"x")
+            (shard,) = c.shards
+            os.kill(shard.pid, signal.SIGKILL)
+            wait_until(lambda: not pid_alive(shard.pid), 10, "the shard to die")
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.pwrite(fd, os.urandom(1 << 16), 0)  # into the page cache: pushed later, and fails
+                with open(path, "rb") as reader:  # its close drains the file (and the failed push)
+                    with contextlib.suppress(OSError):
+                        reader.read()
+                with pytest.raises(OSError) as info:
+                    os.fsync(fd)
+                assert info.value.errno == errno.EIO
+            finally:
+                os.close(fd)
+            c.shards = []  # the dead one has no clean log to check
