@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-hosts test test-fast chaos test-verbs vm-image bench bench-hosts bench-comm train-table lint clean
+.PHONY: install demo demo-hosts test test-long test-fast chaos test-verbs vm-image bench bench-hosts bench-comm train-table lint clean
 
 install: $(STAMP)
 
@@ -51,7 +51,11 @@ demo-hosts: install
 	$(PY) examples/demo_hosts.py
 
 test: install
-	$(PY) -m pytest -v --durations=10 tests
+	$(PY) -m pytest -v --durations=10 -m "not long" tests
+
+# What `make test` leaves out for CI's time: more fsx seeds, the benchmark tools' smoke runs.
+test-long: install
+	$(PY) -m pytest -v --durations=10 -m long tests
 
 test-fast: install
 	$(PY) -m pytest -q -m "not tf and not slow" tests

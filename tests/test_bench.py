@@ -42,6 +42,7 @@ def test_irdma_bench_refuses_bad_input(cluster: Cluster) -> None:
 
 @pytest.mark.tf
 @pytest.mark.slow
+@pytest.mark.long  # about 150 s: `make test-long` (CI keeps to `make test`)
 def test_benchmark_suite_quick_run_writes_the_report(tmp_path: object) -> None:
     out = os.path.join(str(tmp_path), "docs")
     res = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "run.py"), "--quick", "--out", out],
@@ -62,6 +63,7 @@ def test_benchmark_suite_quick_run_writes_the_report(tmp_path: object) -> None:
 
 @pytest.mark.tf
 @pytest.mark.slow
+@pytest.mark.long  # about 190 s: `make test-long`
 @pytest.mark.skipif(os.geteuid() != 0, reason="the test bed of bench-comm needs root (network namespaces)")
 def test_bench_comm_quick_run_measures_every_technique(tmp_path: object) -> None:
     """``make bench-comm ARGS=--quick``: the four techniques and the cost model, end to end on the
