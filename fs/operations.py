@@ -372,7 +372,11 @@ class IrdmaFS(pyfuse3.Operations):
             return
         async with st.persist:
             if st.dirty and st.acked_ends:
-                await self.client.flush()  # durable on the shards before close/fsync return
+                try:
+                    await self.client.flush()  # durable on the shards before close/fsync return
+                except IrdmaError as exc:  # every writer hears of it, not just this drain's caller
+                    self._tell_writers(ino, exc, but=h)
+                    raise
             if st.dirty:
                 writes = st.writes
                 n_acked, n_new, n_failed = len(st.acked_ends), len(st.new_chunks), len(st.failed_starts)
@@ -1087,18 +1091,21 @@ class IrdmaFS(pyfuse3.Operations):
             st.failed_starts.append(off)
             if st.error is None:
                 st.error = exc  # type: ignore[assignment]
-            # every handle open for writing hears of it at its next flush, fsync or close, however
-            # many other handles drain the file first (Linux's errseq_t): with the page cache, the
-            # kernel's writeback may push a writer's bytes through another handle
-            for h in self._handles.values():
-                if h.ino == st.layout.file_id and h.writable and h.error is None:
-                    h.error = exc  # type: ignore[assignment]
+            self._tell_writers(st.layout.file_id, exc)  # type: ignore[arg-type]
         finally:
             if feedback is not None:  # what the compression dropped waits for the next write
                 self._residual(st.layout.file_id, entry.end // 4)[off // 4 : entry.end // 4] = feedback
             st.pending.remove(entry)
             entry.done.set()
             st.slots.release()
+
+    def _tell_writers(self, ino: int, exc: IrdmaError, but: _Handle | None = None) -> None:
+        """Every handle of ``ino`` open for writing hears of ``exc`` at its next flush, fsync or
+        close, however many other handles drain the file first (Linux's errseq_t): with the page
+        cache, the kernel's writeback may push a writer's bytes through another handle."""
+        for h in self._handles.values():
+            if h.ino == ino and h.writable and h.error is None and h is not but:
+                h.error = exc
 
     async def flush(self, fh: int) -> None:
         with fuse_errors("flush"):

@@ -489,8 +489,12 @@ class Client:
         self._request_seq += 1
         return ((self._request_base + (self._request_seq << 8)) & 0xFFFFFFFFFFFFFFFF) or 1 << 8
 
-    def _chain(self, request_id: int, successors: Sequence[int]) -> Chain:
-        return Chain(request_id, self._view, 0, max(1, int(self.timeout * 500)),
+    def _chain(self, request_id: int, successors: Sequence[int], view: int | None = None) -> Chain:
+        """The chain message of an update: ``view`` is the epoch its chain was built in (default
+        this client's now); an update must carry the view of its chain, never a newer one, or a
+        shard fenced at the newer view would take an update that skipped a replica resynced
+        meanwhile."""
+        return Chain(request_id, self._view if view is None else view, 0, max(1, int(self.timeout * 500)),
                      tuple((s, self._shard_map[s].address) for s in successors))
 
     async def _incarnation(self, shard_id: int) -> int:
@@ -507,7 +511,7 @@ class Client:
         self._down_until[shard_id] = trio.current_time() + self.timeout
         await self._note_health(shard_id, "down")
 
-    async def _withdraw(self, layout: Layout, indices: Sequence[int], chain: Sequence[int]) -> None:
+    async def _withdraw(self, layout: Layout, indices: Sequence[int], chain: Sequence[int], view: int) -> None:
         """Before an update of chunks ``indices`` is sent down ``chain``: take the chunks'
         replicas that the chain skips (their shards are down) out of the chunks' in-sync sets
         in the chunk map (:meth:`MetaStore.withdraw_replicas`), durably, so that recovery never
@@ -521,9 +525,9 @@ class Client:
         """
         if layout.replicas == 1:
             return
-        if self._withdrawn_view != self._view:
+        if self._withdrawn_view != view:
             self._withdrawn.clear()
-            self._withdrawn_view = self._view
+            self._withdrawn_view = view
         todo: list[tuple[int, int]] = []
         for index in indices:
             reps, _ = self.placed(layout, index)
@@ -532,8 +536,8 @@ class Client:
             todo += [(index, s) for s in reps
                      if s not in chain and (layout.file_id, index, s) not in self._withdrawn]
         if todo:
-            if not await self.meta.withdraw_replicas(layout.file_id, todo, self._view):
-                raise Fenced(f"the shard map moved on from view {self._view} before an update that skips shards"
+            if not await self.meta.withdraw_replicas(layout.file_id, todo, view):
+                raise Fenced(f"the shard map moved on from view {view} before an update that skips shards"
                              f" {sorted({s for _, s in todo})}", "read the shard map again")
             self._withdrawn.update((layout.file_id, index, s) for index, s in todo)
 
@@ -585,6 +589,8 @@ class Client:
 
     async def _read_piece(self, layout: Layout, p: Piece, view: memoryview, chunks: ChunkMap | None) -> None:
         rec = chunks.get(p.chunk_index) if chunks else None
+        if rec is not None and all(i == OUT_OF_SYNC for i in rec.values()):
+            rec = None  # only withdrawals of a write never acknowledged: not a written chunk
         if layout.replicas == 1 and not self._moves:  # its one copy, where the stripe put it
             await self._read_replica(layout, p, p.shard_id, view, rec, False)
             return
@@ -796,6 +802,7 @@ class Client:
         refreshed = False
         for _ in range(MAX_ATTEMPTS if not single else 2):
             try:
+                view = self._view  # the chain's view: the update carries it, however long it waits
                 chain = self.chain_of(layout, p.chunk_index)
             except ShardUnavailable as exc:
                 # this client's view may be older than the shard map (a replica that caught
@@ -812,16 +819,16 @@ class Client:
             inc = rec.get(head) if rec is not None else None
 
             async def fn(conn: ShardConnection, chain: tuple[int, ...] = chain, head: int = head,
-                         existing: bool = existing, inc: int | None = inc) -> None:
+                         existing: bool = existing, inc: int | None = inc, view: int = view) -> None:
                 if inc and inc != conn.info.incarnation:
                     if single:
                         raise self._lost(layout, p.chunk_index, head, "restarted with empty memory since")
                     raise ReplicaFailed(f"shard {head} restarted with empty memory", head)
                 await conn.write(layout.file_id, p.chunk_index, layout.chunk_size, p.chunk_offset, op, part,
-                                 existing, self._chain(rid, chain[1:]))
+                                 existing, self._chain(rid, chain[1:], view))
 
             try:
-                await self._withdraw(layout, (p.chunk_index,), chain)
+                await self._withdraw(layout, (p.chunk_index,), chain, view)
                 await self._on_shard(head, fn)
             except IrdmaError as exc:
                 await self._before_resend(exc, head, single, "write")
@@ -1091,6 +1098,7 @@ class Client:
                 return
             c0 = int(chunk[0])
             try:
+                view = self._view  # the chain's view (see _write_chain)
                 chain = self.chain_of(layout, c0)
             except ShardUnavailable as exc:
                 if refreshed:
@@ -1113,17 +1121,17 @@ class Client:
 
             async def fn(conn: ShardConnection, chain: tuple[int, ...] = chain, head: int = head,
                          existing: bool = existing, inc: int | None = inc, payload: np.ndarray = payload,
-                         c0: int = c0, ext: np.ndarray = ext) -> None:
+                         c0: int = c0, ext: np.ndarray = ext, view: int = view) -> None:
                 if inc and inc != conn.info.incarnation:
                     if single:
                         raise self._lost(layout, c0, head, "restarted with empty memory since")
                     raise ReplicaFailed(f"shard {head} restarted with empty memory", head)
                 await conn.scatter(layout.file_id, layout.chunk_size, ext, op, memoryview(payload),  # type: ignore[arg-type]
                                    existing,
-                                   self._chain(rid, chain[1:]))
+                                   self._chain(rid, chain[1:], view))
 
             try:
-                await self._withdraw(layout, sorted(set(chunk.tolist())), chain)
+                await self._withdraw(layout, sorted(set(chunk.tolist())), chain, view)
                 await self._on_shard(head, fn)
             except IrdmaError as exc:
                 await self._before_resend(exc, head, single, "scatter")
@@ -1368,7 +1376,9 @@ class Client:
                 # that skipped this shard), so none lands after the comparison
                 mine = cast(tuple[int, int], await self._conn_call(shard_id, "checksum", inode.ino, idx, view))
                 theirs = cast(tuple[int, int], await self._conn_call(head, "checksum", inode.ino, idx, view))
-                if theirs[0] and mine != theirs:
+                # equal data, yet out of sync: it missed an optimizer-state write (the state
+                # chunk rides along with a RESYNC)
+                if theirs[0] and (mine != theirs or row.get(shard_id) == OUT_OF_SYNC):
                     rest = chain[chain.index(head) + 1 :]
                     try:
                         await self._conn_call(head, "resync", inode.ino, idx, layout.chunk_size,
@@ -2071,14 +2081,15 @@ class Client:
             rid = self._request_id()
             last: IrdmaError | None = None
             for _ in range(MAX_ATTEMPTS):
+                epoch = self._view
                 chain = self.chain_of(layout, index)
 
-                async def fn(conn: ShardConnection, chain: tuple[int, ...] = chain) -> None:
+                async def fn(conn: ShardConnection, chain: tuple[int, ...] = chain, epoch: int = epoch) -> None:
                     await conn.write(layout.file_id, state_index(index), per, within, UpdateOp.ASSIGN, part, False,
-                                     self._chain(rid, chain[1:]))
+                                     self._chain(rid, chain[1:], epoch))
 
                 try:
-                    await self._withdraw(layout, (index,), chain)
+                    await self._withdraw(layout, (index,), chain, epoch)
                     await self._on_shard(chain[0], fn)
                     if len(chain) == 1:
                         self._unsynced_single.add(chain[0])
