@@ -16,7 +16,7 @@ W=${IRDMA_VM_DIR:-/var/cache/irdma-vm}
 MIRROR=${MIRROR:-$(sed -n "s/^URIs: *//p" /etc/apt/sources.list.d/*.sources 2>/dev/null | head -n1)}
 MIRROR=${MIRROR:-http://deb.debian.org/debian}
 # Everything the guest needs comes from Debian: verbs, FUSE and the project's Python deps.
-PACKAGES=python3-pyverbs,ibverbs-providers,ibverbs-utils,rdma-core,iproute2,kmod,linux-image-amd64,fuse3,python3-trio,python3-pyfuse3,python3-numpy,python3-click,python3-rich,python3-cryptography,python3-cffi-backend,python3-pytest,python3-prometheus-client
+PACKAGES=python3-pyverbs,ibverbs-providers,ibverbs-utils,rdma-core,iproute2,kmod,linux-image-amd64,fuse3,python3-trio,python3-pyfuse3,python3-numpy,python3-click,python3-rich,python3-cryptography,python3-cffi-backend,python3-pytest,python3-prometheus-client,python3-psutil
 STAMP="$(echo "$PACKAGES v1" | sha256sum | cut -c1-16)"
 
 host_deps() {
