@@ -65,7 +65,7 @@ test-fast: install
 # 2-replica cluster; every failure prints its seed (rerun one: NEMESIS_SEED=N make chaos).
 chaos: install
 	NEMESIS_SCHEDULES=$${NEMESIS_SCHEDULES:-200} NEMESIS_SECONDS=$${NEMESIS_SECONDS:-10} \
-	  $(PY) -m pytest -q -rf -m long tests/test_nemesis.py -k test_nemesis_schedule
+	  $(PY) -m pytest -q -rf tests/test_nemesis.py -k test_nemesis_schedule
 
 # Real RDMA verbs: build (or reuse) the Soft-RoCE VM image and run the verbs suite inside it.
 vm-image:

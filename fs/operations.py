@@ -346,7 +346,7 @@ class IrdmaFS(pyfuse3.Operations):
         while st.pending:
             await st.pending[0].done.wait()
 
-    async def _drain(self, st: _FileState, ino: int, h: _Handle | None = None) -> None:
+    async def _drain(self, st: _FileState, ino: int, h: _Handle | None = None, advance: bool = True) -> None:
         """Wait for every transfer of the file; persist the size of what the shards
         acknowledged and the chunks created; raise the first error.
 
@@ -357,8 +357,13 @@ class IrdmaFS(pyfuse3.Operations):
         never runs between another drain's snapshot and its ``extend``.
 
         ``h``: the handle a flush, fsync or close drains for: it hears of every push that failed
-        while it was open for writing, once, whatever other drains reported (errseq); without
-        one (a truncate), the first error a push met since the last drain.
+        while it was open for writing, whatever other drains reported (errseq); without one (a
+        truncate), the first error a push met since the last drain. ``advance``: the error is
+        forgotten once reported (fsync, as ``file_check_and_advance_wb_err``); without it
+        (FUSE_FLUSH, sent at every ``close`` of any descriptor of the open file, also one a
+        forked child inherited and closed at exec) it is reported and kept for the next fsync,
+        as ``filemap_check_wb_err``: a child's close must not take the error from the
+        writer's fsync.
 
         Raises:
             IrdmaError: a push's error (see ``h``), the metadata engine's error (the records
@@ -403,8 +408,10 @@ class IrdmaFS(pyfuse3.Operations):
                 del st.failed_starts[:n_failed]
                 st.dirty = st.writes != writes or bool(st.pending or st.acked_ends or st.new_chunks or st.failed_starts)
         if h is not None:
-            err, h.error = h.error, None
+            err = h.error
             if err is not None:
+                if advance:
+                    h.error = None
                 st.error = None  # writes go on: this handle was told
                 raise err
             return
@@ -1108,17 +1115,22 @@ class IrdmaFS(pyfuse3.Operations):
                 h.error = exc
 
     async def flush(self, fh: int) -> None:
-        with fuse_errors("flush"):
+        await self._sync(fh, "flush", advance=False)
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        await self._sync(fh, "fsync", advance=True)
+
+    async def _sync(self, fh: int, what: str, advance: bool) -> None:
+        """FUSE_FLUSH (``close`` of any descriptor of the open file: reports a failed push and
+        keeps it) or FUSE_FSYNC (reports it and forgets it): see :meth:`_drain`."""
+        with fuse_errors(what):
             if self.control.handle_target(fh) is not None:  # a restored state: durable on close
                 await self.client.flush()
                 return
             if fh in self.control._handles:
                 return
             h = self._handles[fh]
-            await self._drain(self._files[h.ino], h.ino, h)
-
-    async def fsync(self, fh: int, datasync: bool) -> None:
-        await self.flush(fh)
+            await self._drain(self._files[h.ino], h.ino, h, advance=advance)
 
     async def release(self, fh: int) -> None:
         await self.control.release(fh)

@@ -746,7 +746,8 @@ def run_schedule(seed: int, seconds: float, workdir: str) -> Result:
     """Run schedule ``seed`` against a new local cluster in ``workdir`` and check its history.
 
     Everything started is stopped on return, also on an error. With violations, the report is
-    also written to ``workdir/report.txt``."""
+    also written to ``workdir/report.txt``, and every op of the history (start and end in
+    seconds from the start, what its writer was told) to ``workdir/history.txt``."""
     t0 = time.monotonic()
     res = Result(seed, seconds, [], workdir=workdir)
     lc = LocalCluster(os.path.join(workdir, "c"))
@@ -809,4 +810,7 @@ def run_schedule(seed: int, seconds: float, workdir: str) -> Result:
     if res.violations:
         with open(os.path.join(workdir, "report.txt"), "w") as f:
             f.write(res.report(limit=None) + "\n")
+        with open(os.path.join(workdir, "history.txt"), "w") as f:  # every op, as its writer was told
+            for w in res.writers:
+                f.writelines(f"{o.t0 - t0:8.3f} {o.t1 - t0:8.3f} {o}\n" for o in w.hist.ops)
     return res

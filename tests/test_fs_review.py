@@ -424,3 +424,47 @@ def test_a_failed_push_is_reported_to_the_writer_even_after_another_handle_drain
             finally:
                 os.close(fd)
             c.shards = []  # the dead one has no clean log to check
+
+
+CLOSE_IN_CHILD = """
+import errno, os, sys
+try:
+    os.close(int(sys.argv[1]))
+except OSError as exc:
+    print(errno.errorcode[exc.errno])
+else:
+    print("0")
+"""
+
+
+def test_a_forked_childs_close_does_not_take_the_writers_fsync_error(tmp_path: object) -> None:
+    """A push fails; a child process that inherited the writer's descriptor closes it (what
+    every fork+exec of a threaded program does: the nemesis test's shard restarts did). That
+    close is a FUSE_FLUSH of the writer's own open file: it reports EIO, and the writer's
+    fsync must still report it (Linux: a close checks the error, only fsync advances it,
+    ``filemap_check_wb_err`` vs ``file_check_and_advance_wb_err``). Before, the child's close
+    took it and the writer's fsync returned 0 for bytes never stored."""
+    from irdma._proc import pid_alive
+
+    with running_cluster(str(tmp_path) + "/c", shards=1, capacity=16 << 20, replicas=1) as c:
+        with mounted(c.meta_url, str(tmp_path) + "/m", request_timeout=3.0,
+                     allow_log=("failed", "did not answer", "cannot connect", "marked down")) as m:
+            path = os.path.join(m, "f")
+            with open(path, "wb") as f:
+                f.write(b"x")
+            (shard,) = c.shards
+            os.kill(shard.pid, signal.SIGKILL)
+            wait_until(lambda: not pid_alive(shard.pid), 10, "the shard to die")
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.pwrite(fd, os.urandom(1 << 16), 0)  # pushed after the return, and fails
+                child = subprocess.run([sys.executable, "-c", CLOSE_IN_CHILD, str(fd)], pass_fds=(fd,),
+                                       capture_output=True, text=True, timeout=60, check=True)
+                assert child.stdout.strip() == "EIO", child  # every close hears of it
+                with pytest.raises(OSError) as info:
+                    os.fsync(fd)
+                assert info.value.errno == errno.EIO  # the writer too
+                os.fsync(fd)  # and once: fsync advanced past it
+            finally:
+                os.close(fd)
+            c.shards = []  # the dead one has no clean log to check

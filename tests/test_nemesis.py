@@ -57,10 +57,6 @@ def workdir(request: pytest.FixtureRequest) -> Iterator[str]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-# Out of `make test` (CI) until the open bug it finds is fixed: in about 1 schedule of 10 (seed 1
-# fails about half the time) the mount acknowledges a new file whose only push failed (fsync and
-# close returned 0, the file reads back empty). `make test-long` and `make chaos` run them.
-@pytest.mark.long
 @pytest.mark.parametrize("seed", SEEDS)
 def test_nemesis_schedule(seed: int, workdir: str, request: pytest.FixtureRequest) -> None:
     _require_fuse()
