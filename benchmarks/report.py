@@ -276,11 +276,15 @@ def write_report(R: dict[str, Any], out: str) -> None:
     if au:
         L += ["## Authentication (4 shards, native client, one replica, MB/s)", "",
               "Every frame tagged (GMAC, AES-256-GCM) under a per-connection key (SECURITY.md) against shards run",
-              "with `--no-auth`, in the same run:", "",
-              "| test | --no-auth | authenticated | ratio | wanted |", "|---|---|---|---|---|"]
+              "with `--no-auth`, in the same run; `--security auth` tags headers and control fields, not tensor"
+              " payloads (SECURITY.md):", "",
+              "| test | --no-auth | authenticated (integrity) | ratio | wanted | --security auth | ratio |",
+              "|---|---|---|---|---|---|---|"]
         for test in ("pull", "push-assign", "push-add"):
             a, b = au["off"][test], au["on"][test]
-            L.append(f"| {test} | {a:.0f} | {b:.0f} | {b / a:.2f} | >= {AUTHENTICATION_WANTED} |")
+            c = au.get("auth", {}).get(test)
+            tail = f" {c:.0f} | {c / a:.2f} |" if c else " - | - |"
+            L.append(f"| {test} | {a:.0f} | {b:.0f} | {b / a:.2f} | >= {AUTHENTICATION_WANTED} |{tail}")
         L.append("")
     fio = R.get("fio")
     if fio:

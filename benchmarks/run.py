@@ -63,13 +63,15 @@ def rss(pid: int) -> int:
 
 @contextlib.contextmanager
 def cluster(shards: int, capacity: int, replicas: int = 1, durability: str = "fsync",
-            dirs: list[str] | None = None) -> Iterator[tuple[str, list[C.ShardProc]]]:
-    """A local cluster; one replica unless asked (the replication section compares)."""
+            dirs: list[str] | None = None, security: str | None = None) -> Iterator[tuple[str, list[C.ShardProc]]]:
+    """A local cluster; one replica unless asked (the replication section compares); the
+    security level of its key file (None: the default, integrity)."""
     d = tempfile.mkdtemp(prefix="irdma-bench-")
     if dirs is not None:
         dirs.append(d)
     try:
-        url = C.up(d, shards, capacity, transport="tcp", fresh=True, replicas=replicas, durability=durability)
+        url = C.up(d, shards, capacity, transport="tcp", fresh=True, replicas=replicas, durability=durability,
+                   security=security)
         yield url, C.read_state(d)
     finally:
         with contextlib.suppress(Exception):
@@ -190,10 +192,13 @@ def open_cluster(shards: int, capacity: int) -> Iterator[str]:
 
 def authentication(size: int) -> dict[str, Any]:
     """Pull and push (native client, 4 shards, one replica) with every frame authenticated
-    (GMAC tags) against shards run with --no-auth, each on a data directory, in one run."""
+    (GMAC tags; ``on``: security level integrity, ``auth``: level auth, payloads untagged)
+    against shards run with --no-auth, each on a data directory, in one run."""
     out: dict[str, Any] = {}
     with cluster(4, size // 4 + 256 * MiB) as (meta, _):
         out["on"] = native(meta, size, 4 * MiB)
+    with cluster(4, size // 4 + 256 * MiB, security="auth") as (meta, _):
+        out["auth"] = native(meta, size, 4 * MiB)
     with open_cluster(4, size // 4 + 256 * MiB) as meta:
         out["off"] = native(meta, size, 4 * MiB)
     return out

@@ -57,12 +57,24 @@ KEY_FILE_NAME = "cluster.key"
 KEY_FILE_ENV = "IRDMA_KEY_FILE"
 
 
+#: The security levels of a cluster, named as NFS's Kerberos flavours (RFC 2203, RFC 7530
+#: section 3.2.1) name theirs: ``integrity`` (krb5i: every byte of every frame carries the
+#: frame's tag; the default) and ``auth`` (krb5, mutual authentication and a tag over every
+#: header and control field, but the tensor *payload* of WRITE, SCATTER, READ and GATHER frames
+#: is left out of the tag: for fabrics whose links are trusted, as RDMA's one-sided path is;
+#: a man in the middle may then change payload bytes, never who speaks or what is asked).
+SECURITY_LEVELS = ("integrity", "auth")
+DEFAULT_SECURITY = "integrity"
+
+
 @dataclasses.dataclass(frozen=True)
 class KeyRing:
-    """A cluster's id and keys (newest first; at most two during a rotation)."""
+    """A cluster's id and keys (newest first; at most two during a rotation), and its security
+    level (one of :data:`SECURITY_LEVELS`)."""
 
     cluster_id: bytes
     keys: tuple[bytes, ...]
+    security: str = DEFAULT_SECURITY
 
     @property
     def current(self) -> bytes:
@@ -84,7 +96,8 @@ def write_key_file(path: str, ring: KeyRing) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump({"cluster_id": ring.cluster_id.hex(), "keys": [k.hex() for k in ring.keys]}, f)
+            json.dump({"cluster_id": ring.cluster_id.hex(), "keys": [k.hex() for k in ring.keys],
+                       "security": ring.security}, f)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
@@ -133,11 +146,15 @@ def read_key_file(path: str) -> KeyRing:
     try:
         cid = bytes.fromhex(data["cluster_id"])
         keys = tuple(bytes.fromhex(k) for k in data["keys"])
-    except (KeyError, TypeError, ValueError):
+        security = data.get("security", DEFAULT_SECURITY)
+    except (KeyError, TypeError, ValueError, AttributeError):
         raise InvalidArgument(f"{path} is not an irdma key file", "pass the cluster's key file") from None
     if len(cid) != CLUSTER_ID_SIZE or not keys or any(len(k) != KEY_SIZE for k in keys):
         raise InvalidArgument(f"{path} is not an irdma key file (bad sizes)", "pass the cluster's key file")
-    return KeyRing(cid, keys)
+    if security not in SECURITY_LEVELS:
+        raise InvalidArgument(f"{path}: unknown security level {security!r}",
+                              f"set one of {', '.join(SECURITY_LEVELS)} with `irdma key security LEVEL`")
+    return KeyRing(cid, keys, security)
 
 
 def rotate_key_file(path: str, drop_old: bool = False) -> KeyRing:
@@ -145,8 +162,25 @@ def rotate_key_file(path: str, drop_old: bool = False) -> KeyRing:
     ``drop_old``, keep only the current key: end a rotation)."""
     ring = read_key_file(path)
     keys = ring.keys[:1] if drop_old else (secrets.token_bytes(KEY_SIZE), ring.keys[0])
-    out = KeyRing(ring.cluster_id, keys)
+    out = KeyRing(ring.cluster_id, keys, ring.security)
     write_key_file(path, out)
+    return out
+
+
+def set_security(path: str, level: str) -> KeyRing:
+    """Set the security level of a key file (shards and clients that read it use the level for
+    every connection they open from then on; open connections keep theirs).
+
+    Raises:
+        InvalidArgument: ``level`` is not one of :data:`SECURITY_LEVELS`; the key file cannot
+            be read (see :func:`read_key_file`).
+    """
+    if level not in SECURITY_LEVELS:
+        raise InvalidArgument(f"unknown security level {level!r}", f"use one of {', '.join(SECURITY_LEVELS)}")
+    ring = read_key_file(path)
+    out = dataclasses.replace(ring, security=level)
+    if out != ring:
+        write_key_file(path, out)
     return out
 
 
@@ -180,8 +214,13 @@ class KeySource:
             return self._ring
 
 
-def transcript(cluster_id: bytes, client_nonce: bytes, shard_nonce: bytes) -> bytes:
-    return b"irdma auth 1" + cluster_id + client_nonce + shard_nonce
+def transcript(cluster_id: bytes, client_nonce: bytes, shard_nonce: bytes,
+               security: str = DEFAULT_SECURITY) -> bytes:
+    """The handshake's transcript ``T``. The security level is part of it (``auth`` appends its
+    name), so both proofs fail unless both sides use the same level: a man in the middle
+    cannot talk a connection down to ``auth``."""
+    level = b"" if security == DEFAULT_SECURITY else b" security=" + security.encode()
+    return b"irdma auth 1" + cluster_id + client_nonce + shard_nonce + level
 
 
 def _mac(key: bytes, label: bytes, t: bytes) -> bytes:
@@ -246,6 +285,71 @@ class FrameMac:
         if not hmac.compare_digest(self.tag(parts), bytes(tag)):
             raise AuthFailed(f"frame {self.seq - 1} failed its authentication tag (modified, replayed or"
                              " out of order): connection closed")
+
+
+#: Bytes of the payload length that precedes the tag under ``--security auth``.
+PAYLOAD_LEN_SIZE = 4
+
+
+def _prefix(parts: Sequence[bytes | bytearray | memoryview], n: int) -> list[bytes | bytearray | memoryview]:
+    """The first ``n`` bytes of ``parts`` (views, no copy)."""
+    out: list[bytes | bytearray | memoryview] = []
+    for p in parts:
+        if n <= 0:
+            break
+        if len(p) <= n:
+            out.append(p)
+        else:
+            out.append(memoryview(p)[:n])
+        n -= len(p)
+    return out
+
+
+class Macs:
+    """The frame tags of one authenticated connection: ``send`` for the frames this side
+    sends, ``recv`` for those it receives, and the connection's security level.
+
+    The *trailer* follows every frame (not counted in its header's ``body_len``): under
+    ``integrity`` the 16-byte tag of the whole frame; under ``auth`` a u32 (big-endian) payload
+    length ``p`` and then the tag of the frame less its last ``p`` bytes, followed by those 4
+    bytes. ``p`` is what the sender's :func:`irdma.protocol.encode_request` /
+    ``encode_reply`` marked as tensor payload (``parts.payload``); the receiver needs no
+    knowledge of the frame to check it, and a ``p`` reaching into the header is refused.
+    """
+
+    def __init__(self, send_key: bytes, recv_key: bytes, security: str = DEFAULT_SECURITY) -> None:
+        self.send = FrameMac(send_key)
+        self.recv = FrameMac(recv_key)
+        self.security = security
+        self.payload_free = security == "auth"
+        #: Bytes that follow every frame.
+        self.trailer = TAG_SIZE + (PAYLOAD_LEN_SIZE if self.payload_free else 0)
+
+    def seal(self, parts: Sequence[bytes | bytearray | memoryview]) -> bytes:
+        """The trailer of the next frame sent (call in the order frames go on the wire)."""
+        if not self.payload_free:
+            return self.send.tag(parts)
+        payload = getattr(parts, "payload", 0)
+        plen = payload.to_bytes(PAYLOAD_LEN_SIZE, "big")
+        covered = _prefix(parts, sum(len(p) for p in parts) - payload)
+        return plen + self.send.tag([*covered, plen])
+
+    def open(self, parts: Sequence[bytes | bytearray | memoryview], trailer: bytes | bytearray | memoryview) -> None:
+        """Check the trailer of the next frame received (``parts``: header and body, in order).
+
+        Raises:
+            AuthFailed: the tag does not verify, or the payload length covers the header.
+        """
+        if not self.payload_free:
+            self.recv.check(parts, trailer)
+            return
+        plen = bytes(trailer[:PAYLOAD_LEN_SIZE])
+        payload = int.from_bytes(plen, "big")
+        total = sum(len(p) for p in parts)
+        if payload > total - len(parts[0]):
+            self.recv.seq += 1  # this frame's nonce is spent either way
+            raise AuthFailed(f"frame {self.recv.seq - 1} claims {payload} payload bytes of {total}: connection closed")
+        self.recv.check([*_prefix(parts, total - payload), plen], trailer[PAYLOAD_LEN_SIZE:])
 
 
 def default_key_file(meta_url: str | None) -> str | None:

@@ -375,9 +375,13 @@ def _listen_error(exc: BaseException, listen: str) -> IrdmaError | None:
               help="Copies of each chunk, on distinct shards (new clusters: 2 with 2 or more shards, else 1).")
 @click.option("--metrics", "metrics_addr", default=None, metavar="HOST:PORT",
               help="Shard N serves Prometheus metrics on HOST:PORT+N (HOST:0: a free port each); see `irdma stats --meta`.")
+@click.option("--security", type=click.Choice(["integrity", "auth"]), default=None,
+              help="What frame tags cover (kept in the key file; a new cluster: integrity): integrity, every"
+                   " byte; auth, every header and control field but not tensor payloads (trusted fabrics;"
+                   " faster). See SECURITY.md.")
 @friendly
 def up(cluster_dir: str, shards: int, capacity: int, host: str, transport: str, fresh: bool, durability: str,
-       replicas: int | None, metrics_addr: str | None = None) -> None:
+       replicas: int | None, metrics_addr: str | None = None, security: str | None = None) -> None:
     """Start a local cluster: SQLite metadata in --dir and N shard processes keeping their
     chunks in --dir/shards/ID. On a stopped cluster's --dir, start it again on its data; on a
     running one, restart just the shards that died and resync them (they missed updates)."""
@@ -395,7 +399,7 @@ def up(cluster_dir: str, shards: int, capacity: int, host: str, transport: str, 
         missing: _cluster.ShardsNotStarted | None = None
         try:
             url = _cluster.up(cluster_dir, shards, capacity, host=host, transport=transport, fresh=fresh,
-                              durability=durability, replicas=replicas, progress=progress)
+                              durability=durability, replicas=replicas, progress=progress, security=security)
         except _cluster.ShardsNotStarted as exc:  # the rest runs: resync it, then say what is missing
             missing, url = exc, exc.url
     trio.run(_resync, url, None)
@@ -1405,6 +1409,30 @@ def key_rotate(cluster_dir: str | None, finish: bool) -> None:
     else:
         console.print(f"{path}: new key in use; the previous one is still accepted until"
                       f" `irdma key rotate --finish` (cluster {ring.cluster_hex})", highlight=False)
+
+
+@key.command("security")
+@click.argument("level", type=click.Choice(["integrity", "auth"]), required=False)
+@click.option("--dir", "cluster_dir", default=None, type=click.Path(file_okay=False),
+              help="The local cluster whose key file to change (its cluster.key). [default: $IRDMA_KEY_FILE]")
+@friendly
+def key_security(level: str | None, cluster_dir: str | None) -> None:
+    """Show or set the cluster's security level (kept in the key file, so every shard and
+    client that reads it agrees; a shard and a client at different levels refuse each other).
+
+    integrity (the default): every byte of every frame is authenticated (GMAC). auth: the
+    headers and control fields are, tensor payloads are not (faster; for trusted fabrics).
+    Connections opened after the change use the new level; open ones keep theirs (remount and
+    restart clients to move them). See SECURITY.md.
+    """
+    from .auth import KEY_FILE_ENV, read_key_file, set_security
+
+    path = os.environ.get(KEY_FILE_ENV) if cluster_dir is None else _cluster.key_file_of(cluster_dir)
+    if not path:
+        raise InvalidArgument("which key file? pass --dir D of the cluster, or --key-file / IRDMA_KEY_FILE")
+    ring = set_security(path, level) if level is not None else read_key_file(path)
+    console.print(f"{path}: security level {ring.security}" + (" (new connections use it)" if level else ""),
+                  highlight=False)
 
 
 def _set_key_file(ctx: click.Context, param: click.Parameter, value: str | None) -> None:

@@ -35,7 +35,7 @@ import trio
 from ._concurrency import open_nursery
 from ._errors import InvalidArgument, IrdmaError, ShardUnavailable
 from ._proc import last_log_line, pid_alive, spawn_detached
-from .auth import KEY_FILE_ENV, KEY_FILE_NAME, KeyRing, create_key_file, read_key_file
+from .auth import KEY_FILE_ENV, KEY_FILE_NAME, KeyRing, create_key_file, read_key_file, set_security
 from .meta import open_meta
 from .transport import make_transport
 
@@ -222,9 +222,13 @@ def up(
     replicas: int | None = None,
     progress: Callable[[str], None] = lambda msg: None,
     timeout: float = 60.0,
+    security: str | None = None,
 ) -> str:
     """Start a local cluster, or start again the shards of one in ``cluster_dir`` that are not
     running (on their data); returns its metadata URL.
+
+    ``security``: the level written in the cluster's key file (:data:`irdma.auth.SECURITY_LEVELS`;
+    None keeps the file's, ``integrity`` for a new one).
 
     ``replicas``: copies of each chunk of files created from now on (the namespace setting);
     a new cluster defaults to 2 when it has at least 2 shards, a restarted one keeps its own.
@@ -254,7 +258,7 @@ def up(
         if replicas is not None:
             with contextlib.closing(open_meta(meta_path)) as m:
                 m.set_replicas(replicas)
-        return _restart(cluster_dir, transport, durability, progress, timeout)
+        return _restart(cluster_dir, transport, durability, progress, timeout, security)
     try:
         fresh_dir = not os.path.exists(cluster_dir)
         os.makedirs(os.path.join(cluster_dir, "logs"), exist_ok=True)
@@ -263,7 +267,7 @@ def up(
     except OSError as exc:
         raise IrdmaError(f"cannot make the cluster directory {cluster_dir}: {exc.strerror}",
                          "pass --dir a directory you can write, such as ~/.irdma") from None
-    key_file = _ensure_key(cluster_dir, progress)
+    key_file = _ensure_key(cluster_dir, progress, security)
     meta = open_meta(meta_path, create=True)
     procs: list[ShardProc] = []
     try:
@@ -291,13 +295,17 @@ def key_file_of(cluster_dir: str) -> str:
     return os.path.abspath(os.environ.get(KEY_FILE_ENV) or os.path.join(cluster_dir, KEY_FILE_NAME))
 
 
-def _ensure_key(cluster_dir: str, progress: Callable[[str], None]) -> str:
+def _ensure_key(cluster_dir: str, progress: Callable[[str], None], security: str | None = None) -> str:
+    """The cluster's key file, made when missing; ``security``: set its level (None: keep it)."""
     path = key_file_of(cluster_dir)
     if os.path.exists(path):
-        read_key_file(path)  # refuse a bad or world-readable one now
+        ring = read_key_file(path)  # refuse a bad or world-readable one now
     else:
         ring = create_key_file(path)
         progress(f"made the cluster key {path} (mode 0600, cluster {ring.cluster_hex})")
+    if security is not None and security != ring.security:
+        set_security(path, security)
+        progress(f"security level {security!r} set in {path} (connections opened from now on use it)")
     return path
 
 
@@ -330,7 +338,7 @@ def _wait_all(procs: list[ShardProc], timeout: float, progress: Callable[[str], 
 
 
 def _restart(cluster_dir: str, transport: str, durability: str, progress: Callable[[str], None],
-             timeout: float) -> str:
+             timeout: float, security: str | None = None) -> str:
     """Start again every shard of the shard map that ``up`` started and that is not running, on
     its data directory; leave alone every shard that answers; name the command for the others."""
     meta_url = meta_url_of(cluster_dir)
@@ -340,7 +348,7 @@ def _restart(cluster_dir: str, transport: str, durability: str, progress: Callab
     finally:
         meta.close()
     running = {s.shard_id: s for s in read_state(cluster_dir) if shard_running(s)}
-    key_file = _ensure_key(cluster_dir, progress)
+    key_file = _ensure_key(cluster_dir, progress, security)
     others = [r for r in records if r.shard_id not in running]
     answering = trio.run(_answering, [r.address for r in others], read_key_file(key_file))
     ours = {r.shard_id for r in records if os.path.exists(os.path.join(shard_dir(cluster_dir, r.shard_id), "shard.json"))}

@@ -720,13 +720,29 @@ class Frame:
 
 
 # ---------------------------------------------------------------- encoding
+class Parts(list):  # type: ignore[type-arg]
+    """The buffers of one frame in the order they go on the wire (header first).
+
+    ``payload``: how many of the frame's last bytes are tensor payload (the data of a WRITE or
+    SCATTER, of a READ or GATHER reply): the bytes a connection under ``--security auth``
+    leaves out of the frame's tag (:class:`irdma.auth.Macs`). 0 for every other frame."""
+
+    payload = 0
+
+
+def _parts(items: list[bytes | memoryview], payload: int = 0) -> Parts:
+    out = Parts(items)
+    out.payload = payload
+    return out
+
+
 def _header(opcode: int, request_id: int, body_len: int, status: int = 0, flags: int = 0) -> bytes:
     if not 0 <= request_id < 1 << 32:
         raise LocalProtocolError(f"request id {request_id} does not fit in u32")
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, opcode, request_id, status, flags, body_len)
 
 
-def encode_request(msg: Request, request_id: int) -> list[bytes | memoryview]:
+def encode_request(msg: Request, request_id: int) -> Parts:
     """Encode a request as a list of buffers to send in order (the payload is not copied).
 
     Raises:
@@ -799,10 +815,11 @@ def encode_request(msg: Request, request_id: int) -> list[bytes | memoryview]:
     body_len = sum(len(p) for p in parts)
     if body_len >= 1 << 32:
         raise LocalProtocolError(f"body of {body_len} bytes does not fit in u32")
-    return [_header(opcode, request_id, body_len, 0, flags), *parts]
+    payload = len(msg.data) if isinstance(msg, Write) or (isinstance(msg, Scatter) and not msg.staged) else 0
+    return _parts([_header(opcode, request_id, body_len, 0, flags), *parts], payload)
 
 
-def encode_reply(opcode: int, request_id: int, msg: Reply) -> list[bytes | memoryview]:
+def encode_reply(opcode: int, request_id: int, msg: Reply) -> Parts:
     """Encode a reply to request ``opcode``; see :func:`encode_request`."""
     flags = FLAG_REPLY
     status = Status.OK
@@ -848,7 +865,8 @@ def encode_reply(opcode: int, request_id: int, msg: Reply) -> list[bytes | memor
     else:
         raise LocalProtocolError(f"not a reply: {msg!r}")
     body_len = sum(len(p) for p in parts)
-    return [_header(opcode, request_id, body_len, int(status), flags), *parts]
+    payload = len(msg.data) if isinstance(msg, GatherReply) or (isinstance(msg, ReadReply) and not msg.hole) else 0
+    return _parts([_header(opcode, request_id, body_len, int(status), flags), *parts], payload)
 
 
 # ---------------------------------------------------------------- decoding

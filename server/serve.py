@@ -434,12 +434,20 @@ class ShardServer:
         if hs.ring is not None:  # the challenge went out: only AUTH may follow
             if not isinstance(msg, P.Auth):
                 return P.ErrorReply(P.Status.AUTH_FAILED, "expected AUTH after the challenge")
-            t = auth.transcript(hs.ring.cluster_id, hs.client_nonce, hs.shard_nonce)
+            t = auth.transcript(hs.ring.cluster_id, hs.client_nonce, hs.shard_nonce, hs.ring.security)
             key = auth.match_client(hs.ring, t, msg.proof)
             if key is None:
+                for other in auth.SECURITY_LEVELS:  # the right key at another level: say so
+                    if other != hs.ring.security and auth.match_client(
+                            hs.ring, auth.transcript(hs.ring.cluster_id, hs.client_nonce, hs.shard_nonce, other),
+                            msg.proof):
+                        hs.why = f"it uses security level {other!r}, this shard {hs.ring.security!r}"
+                        return P.ErrorReply(P.Status.AUTH_FAILED, f"security level mismatch: this shard uses"
+                                            f" {hs.ring.security!r}, the client {other!r}: give both the same key"
+                                            " file (`irdma key security` sets the level in it)")
                 return P.ErrorReply(P.Status.AUTH_FAILED, "wrong cluster key: pass this cluster's key file")
             c2s, s2c = auth.session_keys(key, t)
-            hs.macs = Macs(s2c, c2s)
+            hs.macs = Macs(s2c, c2s, hs.ring.security)
             return P.HelloReply(P.PROTOCOL_VERSION, self.shard.shard_id, self.shard.capacity, self.max_payload,
                                 self.shard.incarnation, proof=auth.shard_proof(key, t))
         if not isinstance(msg, P.Hello):
@@ -516,7 +524,7 @@ class ShardServer:
         rx = Receiver(sock)
         send_lock = trio.Lock()  # replies of forwarded updates are sent by their own tasks
         hdr = bytearray(P.HEADER_SIZE)
-        tag = bytearray(auth.TAG_SIZE)
+        tag = bytearray(0)  # the trailer after each frame, once the handshake set the tags
         staging = bytearray(0)  # grows to the largest body seen, at most max_payload + slack
         opened = False
         hs = _Handshake()
@@ -560,7 +568,7 @@ class ShardServer:
                 break
             if macs is not None:
                 try:
-                    macs.recv.check([hdr, body], tag)
+                    macs.open([hdr, body], tag)
                 except auth.AuthFailed as exc:
                     self.warnings.warn(peer, "closing connection from %s: %s", peer, exc)
                     break  # nothing applied
@@ -576,6 +584,7 @@ class ShardServer:
                 async with send_lock:
                     sent = await self._send_quietly(sock, P.encode_reply(frame.opcode, frame.request_id, reply), None)
                 macs = hs.macs
+                tag = bytearray(macs.trailer if macs is not None else 0)
                 if not sent:
                     break
                 continue
@@ -610,7 +619,7 @@ class ShardServer:
         """Send one frame (with its tag on an authenticated connection); call under the send
         lock, so tags are made in the order frames go on the wire."""
         if macs is not None:
-            parts.append(macs.send.tag(parts))
+            parts.append(macs.seal(parts))
         try:
             await send_parts(sock, parts)
             return True

@@ -119,21 +119,27 @@ class RawShard:
         self.sock.sendall(b"".join(P.encode_request(P.Hello(client_name=name, auth=offer), 0)))
         r = self.reply()
         if isinstance(r, P.AuthChallenge) and ring is not None:
-            t = auth.transcript(ring.cluster_id, nonce, r.nonce)  # type: ignore[attr-defined]
+            t = auth.transcript(ring.cluster_id, nonce, r.nonce, ring.security)  # type: ignore[attr-defined]
             self.sock.sendall(b"".join(P.encode_request(P.Auth(auth.client_proof(ring.current, t), ), 0)))  # type: ignore[attr-defined]
             r = self.reply()
             assert isinstance(r, P.HelloReply) and r.proof == auth.shard_proof(ring.current, t), r  # type: ignore[attr-defined]
             c2s, s2c = auth.session_keys(ring.current, t)  # type: ignore[attr-defined]
-            self.macs = Macs(c2s, s2c)
+            self.macs = Macs(c2s, s2c, ring.security)  # type: ignore[attr-defined]
         self.hello = r
 
-    def send(self, frame: bytes) -> None:
-        """Send one whole frame (header and body) and its tag."""
-        tag = self.macs.send.tag([frame]) if self.macs is not None else b""
-        self.sock.sendall(frame + tag)
+    def send(self, frame: bytes, payload: int = 0) -> None:
+        """Send one whole frame (header and body) and its trailer (``payload``: its last bytes
+        that the trailer leaves out under ``--security auth``)."""
+        if self.macs is None:
+            self.sock.sendall(frame)
+            return
+        parts = self.P.Parts([frame])
+        parts.payload = payload
+        self.sock.sendall(frame + self.macs.seal(parts))
 
     def request(self, msg: object, rid: int) -> None:
-        self.send(b"".join(self.P.encode_request(msg, rid)))  # type: ignore[arg-type]
+        parts = self.P.encode_request(msg, rid)  # type: ignore[arg-type]
+        self.send(b"".join(parts), parts.payload)
 
     def _exactly(self, n: int) -> bytes:
         buf = b""
@@ -149,7 +155,7 @@ class RawShard:
         frame = P.parse_header(hdr, 1 << 30, any_version=True)
         body = self._exactly(frame.body_len) if frame.body_len else b""
         if self.macs is not None:
-            self.macs.recv.check([hdr, body], self._exactly(self.auth.TAG_SIZE))
+            self.macs.open([hdr, body], self._exactly(self.macs.trailer))
         frame.body = memoryview(body)
         return P.decode_reply(frame)
 

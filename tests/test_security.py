@@ -508,3 +508,65 @@ def test_a_refusal_tells_a_peer_without_the_key_nothing_of_the_cluster(tmp_path:
     reply = P.decode_reply(frame.next_frame())  # type: ignore[arg-type]
     assert isinstance(reply, P.ErrorReply) and reply.status == P.Status.AUTH_FAILED
     assert "another cluster" in reply.message and other_id.hex() not in reply.message
+
+
+def test_security_auth_leaves_payloads_out_of_the_tag_and_nothing_else(tmp_path: object) -> None:
+    """`irdma key security auth` on a running cluster: connections opened from then on tag
+    every header and control field but not tensor payloads (SECURITY.md's threat model). A
+    payload bit flipped on the wire is applied (that is what the level gives up); a flipped
+    bit of a control field (the offset) closes the connection with nothing applied; a peer
+    at the other level is refused with a message naming both levels; the native client pulls
+    and pushes as before."""
+    tmp = str(tmp_path)
+    with running_cluster(os.path.join(tmp, "c"), shards=1) as c:
+        path = key_file_of(c.dir)
+        old = auth.read_key_file(path)
+        assert old.security == "integrity"
+        r = irdma_cli("key", "security", "auth", "--dir", c.dir)
+        assert r.returncode == 0, r.stderr
+        ring = auth.read_key_file(path)
+        assert ring.security == "auth" and ring.keys == old.keys  # the same key, another level
+        assert "auth" in irdma_cli("key", "security", "--dir", c.dir).stderr
+        address = c.shards[0].address
+        n = 1024
+        one = np.ones(n, dtype="<f4").tobytes()
+        parts = P.encode_request(P.Write(4343, 0, 4096, 0, P.UpdateOp.ADD, one), 7)
+        assert parts.payload == 4 * n
+        add = b"".join(parts)
+
+        s = RawShard(address, ring)
+        assert s.macs is not None and s.macs.trailer == auth.TAG_SIZE + auth.PAYLOAD_LEN_SIZE
+        flipped = bytearray(add)
+        flipped[-4:] = np.float32(3.0).tobytes()  # the last element of the payload: 1.0 -> 3.0
+        trailer = s.macs.seal(parts)  # the trailer of the frame as it was sent
+        s.sock.sendall(bytes(flipped) + trailer)
+        assert isinstance(s.reply(), P.VersionReply)  # applied: payloads are not covered
+        # a control field altered (the write's offset, 0 -> 8): closed, nothing applied
+        moved = bytearray(add)
+        moved[P.HEADER_SIZE + 20: P.HEADER_SIZE + 24] = (8).to_bytes(4, "big")
+        s.sock.sendall(bytes(moved) + s.macs.seal(parts))
+        assert _closed(s.sock)
+        s.close()
+        # a payload length that reaches into the header: refused
+        s = RawShard(address, ring)
+        parts.payload = len(add)
+        s.sock.sendall(add + s.macs.seal(parts))  # type: ignore[union-attr]
+        assert _closed(s.sock)
+        s.close()
+        # the other level (a stale copy of the key file): refused, both levels named
+        with pytest.raises(AuthFailed, match="security level mismatch.*'auth'.*'integrity'"):
+            trio.run(_connect_and_close, address, old)
+        # the native client at the new level: what the raw frames left, then a round trip
+        with irdma.connect(c.meta_url, transport="tcp") as cl:
+            cl.create("/w", chunk_size=4096)
+            x = np.arange(4 << 20, dtype="<f4")
+            cl.write("/w", x)
+            np.testing.assert_array_equal(np.frombuffer(bytes(cl.read("/w")), dtype="<f4"), x)
+        s = RawShard(address, ring)
+        s.request(P.Read(4343, 0, 0, 4 * n), 9)
+        got = s.reply()
+        assert isinstance(got, P.ReadReply)
+        want = np.ones(n, dtype="<f4")
+        want[-1] = 3.0
+        np.testing.assert_array_equal(np.frombuffer(bytes(got.data), dtype="<f4"), want)
+        s.close()

@@ -229,8 +229,8 @@ class TcpConnection(ShardConnection):
         hdr = bytearray(P.HEADER_SIZE)
         hview = memoryview(hdr)
         fixed = bytearray(P.READ_REPLY_FIXED)
-        tag = bytearray(auth.TAG_SIZE)
         macs = self._macs
+        tag = bytearray(macs.trailer if macs is not None else 0)
         pend: _Pending | None = None
         rx = Receiver(self._sock)
         try:
@@ -260,7 +260,7 @@ class TcpConnection(ShardConnection):
                     await rx.exactly(pend.into, pend.is_abandoned)
                     if macs is not None:
                         await rx.exactly(memoryview(tag))
-                        macs.recv.check([hdr, pend.into], tag)
+                        macs.open([hdr, pend.into], tag)
                     pend.receiving = False
                     frame.body = pend.into
                     pend.reply = P.decode_reply(frame)
@@ -273,7 +273,7 @@ class TcpConnection(ShardConnection):
                     await rx.exactly(pend.into, pend.is_abandoned)
                     if macs is not None:  # checked before the caller sees the bytes
                         await rx.exactly(memoryview(tag))
-                        macs.recv.check([hdr, fixed, pend.into], tag)
+                        macs.open([hdr, fixed, pend.into], tag)
                     pend.receiving = False
                     pend.reply = P.ReadReply(int.from_bytes(fixed, "big"), pend.into)
                 else:
@@ -282,7 +282,7 @@ class TcpConnection(ShardConnection):
                         await rx.exactly(memoryview(body))
                     if macs is not None:
                         await rx.exactly(memoryview(tag))
-                        macs.recv.check([hdr, body], tag)
+                        macs.open([hdr, body], tag)
                     frame.body = memoryview(body)
                     if pend is None:
                         continue  # its caller was cancelled
@@ -351,7 +351,7 @@ class TcpConnection(ShardConnection):
                 raise ShardUnavailable(str(self._broken))
             self._pending[rid] = pend
             if self._macs is not None:
-                parts.append(self._macs.send.tag(parts))
+                parts.append(self._macs.seal(parts))
             try:
                 await send_parts(self._sock, parts)
             except (OSError, trio.ClosedResourceError) as exc:
@@ -453,13 +453,7 @@ class TcpConnection(ShardConnection):
         self._sock.close()
 
 
-class Macs:
-    """The frame tags of one authenticated connection: ``send`` for the frames this side
-    sends, ``recv`` for those it receives (see :mod:`irdma.auth`)."""
-
-    def __init__(self, send_key: bytes, recv_key: bytes) -> None:
-        self.send = auth.FrameMac(send_key)
-        self.recv = auth.FrameMac(recv_key)
+Macs = auth.Macs  # the frame tags of one connection (re-exported: the shard's front end uses them)
 
 
 async def read_frame(sock: Any, address: str, max_body: int, macs: Macs | None, what: str) -> P.Frame:
@@ -476,9 +470,9 @@ async def read_frame(sock: Any, address: str, max_body: int, macs: Macs | None, 
     body = bytearray(frame.body_len)
     await recv_exactly(sock, memoryview(body))
     if macs is not None:
-        tag = bytearray(auth.TAG_SIZE)
+        tag = bytearray(macs.trailer)
         await recv_exactly(sock, memoryview(tag))
-        macs.recv.check([hdr, body], tag)
+        macs.open([hdr, body], tag)
     frame.body = memoryview(body)
     return frame
 
@@ -514,7 +508,7 @@ async def handshake(sock: Any, address: str, client_name: str,
         if key is None:
             raise auth.AuthFailed(f"shard at {address} accepts only holders of its cluster key",
                                   f"pass the cluster's key file with --key-file or {auth.KEY_FILE_ENV}")
-        t = auth.transcript(key.cluster_id, nonce, reply.nonce)
+        t = auth.transcript(key.cluster_id, nonce, reply.nonce, key.security)
         await send_parts(sock, P.encode_request(P.Auth(auth.client_proof(key.current, t)), 0))
         reply = await _read_frame(sock, address, "authentication")
         if isinstance(reply, P.HelloReply):
@@ -522,7 +516,7 @@ async def handshake(sock: Any, address: str, client_name: str,
                 raise auth.AuthFailed(f"shard at {address} did not prove it holds the cluster key",
                                       "is this address a shard of this cluster? `irdma shard list`")
             c2s, s2c = auth.session_keys(key.current, t)
-            macs = Macs(c2s, s2c)
+            macs = Macs(c2s, s2c, key.security)
     elif isinstance(reply, P.HelloReply) and key is not None:
         raise auth.AuthFailed(f"shard at {address} runs without authentication (--no-auth): it cannot prove it"
                               " belongs to this cluster", "start it with the cluster's --key-file")

@@ -665,7 +665,7 @@ class VerbsConnection(ShardConnection):
         qpn, psn, gid = self._ep.local_info()
         parts = P.encode_request(P.VerbsConnect(qpn, psn, gid), 1)
         if self._macs is not None:
-            parts.append(self._macs.send.tag(parts))
+            parts.append(self._macs.seal(parts))
         await send_parts(self._sock, parts)
         frame = await read_frame(self._sock, self.address, 1 << 16, self._macs, "VERBS_CONNECT")
         reply = P.decode_reply(frame)
