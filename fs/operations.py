@@ -6,6 +6,8 @@ Reads are pulls, writes are pushes. Writes are asynchronous transfers (write-beh
 acknowledged by its shard, persist the file size, and report the first error a transfer met
 (as NFS does). So an ``fsync`` that returned means the bytes are on the shards. Overlapping
 writes are pushed in the order they were made, and a read waits for the writes it overlaps.
+This module translates POSIX requests; the caching of a file's bytes (write-behind, read-ahead,
+the residuals of compressed pushes) lives in :mod:`irdma.fs.cache`.
 
 A file whose update op is ``add`` (xattr ``user.irdma.update``) is opened with direct I/O,
 so the page cache never holds a delta in place of the sum; so is a file whose xattr
@@ -48,13 +50,14 @@ never stale or zeroed bytes. Metadata calls run in worker threads.
 Compressed pushes with error feedback. A file whose update op is ``add`` or an optimizer and
 whose xattr ``user.irdma.compress`` (else its directory's, read at open) is ``topk:FRACTION`` or
 ``sign`` gets handles whose writes are sent compressed (:mod:`irdma.compress`) and decoded on the
-shards. This mount keeps one residual per inode (float32, one element per 4 bytes of the file,
-made on the first compressed write and grown to cover what is written): a write of gradient
-``g`` at ``off`` pushes ``g + residual[off/4 : ...]`` and keeps what the compression dropped in
-its place, so error feedback works through plain ``pwrite``. The residual of a write that failed
-is left as it was (the write's error is reported as for any push). It lives as long as the
-kernel knows the inode (dropped at ``forget``, or once the file has no name left): across opens
-and closes, not across mounts. Writes of ``assign`` are never compressed.
+shards. This mount keeps one residual per inode (:class:`irdma.fs.cache.Residuals`: float32,
+one element per 4 bytes of the file, made on the first compressed write and grown to cover what
+is written): a write of gradient ``g`` at ``off`` pushes ``g + residual[off/4 : ...]`` and keeps
+what the compression dropped in its place, so error feedback works through plain ``pwrite``. The
+residual of a write that failed is left as it was (the write's error is reported as for any
+push). It lives as long as the kernel knows the inode (dropped at ``forget``, or once the file
+has no name left): across opens and closes, not across mounts. Writes of ``assign`` are never
+compressed.
 
 Inode and file-handle bookkeeping follows pyfuse3's ``examples/passthroughfs.py``.
 """
@@ -70,7 +73,7 @@ import os
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -79,7 +82,7 @@ import trio
 
 from irdma import comm, coord
 from irdma._errors import InvalidArgument, IrdmaError, NoAttribute, NotFound, Stale
-from irdma.client import ChunkMap, Client, NewChunk, layout_of
+from irdma.client import ChunkMap, Client, layout_of
 from irdma.compress import XATTR_COMPRESS, Compression, parse_compress
 from irdma.meta import ROOT_INO, Inode
 from irdma.meta.base import XATTR_UPDATE, setid_bits
@@ -88,6 +91,7 @@ from irdma.optimizers import parse_update
 from irdma.placement import Layout
 from irdma.protocol import Update, UpdateOp
 
+from .cache import ReadAhead, Residuals, WriteBehind
 from .control import CLOCK_PREFIX, CONTROL, STATE_PREFIX, Control
 from .errors import fuse_errors
 
@@ -95,78 +99,34 @@ log = logging.getLogger("irdma.fs")
 
 #: Seconds the kernel may cache entries and attributes.
 ATTR_TIMEOUT = 1.0
-#: Write requests in flight per file before a write waits.
-MAX_INFLIGHT_WRITES = 64
 #: Seconds between mtime updates of a file written only through direct I/O without growing.
 MTIME_LAZY_S = 1.0
-#: Read-ahead that follows the reader (as the kernel's on-demand read-ahead, mm/readahead.c):
-#: per open handle, a read that starts where the handle's last one ended is *sequential*. A
-#: sequential read is served from aligned windows (a power of two of bytes, aligned to its size)
-#: that start at READAHEAD_MIN and double with every sequential hit up to READAHEAD_WINDOW, and
-#: the next window is fetched while the kernel consumes this one. Any other read (random,
-#: strided) is one exact pull of the bytes asked for, unless a window already holds them.
-#: Windows are dropped by every write, truncate and open.
-READAHEAD_MIN = 128 << 10
-READAHEAD_WINDOW = 4 << 20
-#: Bytes of windows kept per open file (the oldest dropped first).
-READAHEAD_BYTES = 6 * READAHEAD_WINDOW
 #: Seconds between a mount's session heartbeats (and shard health checks).
 HEARTBEAT_S = 5.0
 
 
 @dataclass
-class _Pending:
-    start: int
-    end: int
-    done: trio.Event = field(default_factory=trio.Event)
-
-
-@dataclass
-class _Fetch:
-    """One read-ahead window being pulled; waiters take its result from here, so a window
-    evicted meanwhile is never looked up again (the old KeyError)."""
-
-    done: trio.Event = field(default_factory=trio.Event)
-    data: memoryview | None = None
-    error: IrdmaError | None = None
-
-
-@dataclass
 class _FileState:
-    """What this mount knows of an open file beyond the metadata engine."""
+    """What this mount knows of an open file beyond the metadata engine. Its bytes in flight
+    and read ahead: ``write_behind`` and ``read_ahead`` (:mod:`irdma.fs.cache`), which share
+    ``layout`` and ``chunks`` with it."""
 
     layout: Layout
-    chunks: ChunkMap = field(default_factory=dict)  # recorded (or created here) chunks
+    chunks: ChunkMap  # recorded (or created here) chunks
+    write_behind: WriteBehind
+    read_ahead: ReadAhead
     open_count: int = 0
     size: int = 0  # as reads and getattr see it here: persisted plus pushes in flight
     dirty: bool = False  # size/mtime/chunk map not yet persisted
     persisted_size: int = 0  # the size the metadata engine has
     cached_handles: int = 0  # open handles that use the page cache (they need exact mtimes)
-    pending: list[_Pending] = field(default_factory=list)
-    error: IrdmaError | None = None
-    new_chunks: list[NewChunk] = field(default_factory=list)  # created since the last drain
-    acked_ends: list[int] = field(default_factory=list)  # ends of pushes acknowledged since then
-    failed_starts: list[int] = field(default_factory=list)  # offsets of pushes that failed since then
-    writes: int = 0  # writes admitted so far (a drain knows whether one came in while it persisted)
-    persist: trio.Lock = field(default_factory=trio.Lock)  # one drain records the size and chunks at a time
     #: set when this mount could not record the file as open after its session was reaped
     #: (the inode was removed meanwhile): every read, write, flush and fsync fails with it
     lost: IrdmaError | None = None
-    slots: trio.Semaphore = field(default_factory=lambda: trio.Semaphore(MAX_INFLIGHT_WRITES))
-    admit: trio.Lock = field(default_factory=trio.Lock)  # orders writes against gap clearing
-    # read-ahead windows: (start offset, size) -> bytes, oldest first; fetches in flight
-    windows: dict[tuple[int, int], memoryview] = field(default_factory=dict)
-    fetching: dict[tuple[int, int], _Fetch] = field(default_factory=dict)
-    generation: int = 0  # bumped by every write and truncate: older windows are dropped
 
     def invalidate(self) -> None:
-        self.generation += 1
-        self.windows.clear()
-        # and fetches in flight: one started before a write may have read the shards before
-        # the write landed, so a read issued after the write must never join it (it would
-        # return the old bytes, zeros where the write filled a hole); its readers from before
-        # keep waiting on it, and it is not kept as a window (its generation is old)
-        self.fetching.clear()
+        """Drop the read-ahead windows: every write, truncate and open (close-to-open)."""
+        self.read_ahead.invalidate()
 
 
 @dataclass
@@ -227,7 +187,7 @@ class IrdmaFS(pyfuse3.Operations):
         #: inodes open here not yet recorded as open in the session (after it was registered again)
         self._unrecorded: set[int] = set()
         #: error feedback of compressed writes: per inode, float32, element i is bytes [4i, 4i+4)
-        self._residuals: dict[int, np.ndarray] = {}
+        self._residuals = Residuals()
         #: ``.irdma/``: barriers, locks and counters as files (:mod:`irdma.fs.control`)
         self.control = Control(self.meta, 0, tick=client.clock_at)
 
@@ -342,10 +302,6 @@ class IrdmaFS(pyfuse3.Operations):
         except NotFound:
             raise Stale(f"inode {ino} was removed") from None
 
-    async def _wait_pending(self, st: _FileState) -> None:
-        while st.pending:
-            await st.pending[0].done.wait()
-
     async def _drain(self, st: _FileState, ino: int, h: _Handle | None = None, advance: bool = True) -> None:
         """Wait for every transfer of the file; persist the size of what the shards
         acknowledged and the chunks created; raise the first error.
@@ -370,29 +326,24 @@ class IrdmaFS(pyfuse3.Operations):
                 are kept for the next drain); Stale: the file was written here and then removed
                 while the session was reaped (``lost``).
         """
-        await self._wait_pending(st)
+        wb = st.write_behind
+        await wb.wait_all()
         if st.lost is not None:  # removed while the session was reaped: nothing can be recorded
             if st.dirty:
                 raise st.lost
             return
-        async with st.persist:
-            if st.dirty and st.acked_ends:
+        async with wb.persist:
+            if st.dirty and wb.acked_ends:
                 try:
                     await self.client.flush()  # durable on the shards before close/fsync return
                 except IrdmaError as exc:  # every writer hears of it, not just this drain's caller
                     self._tell_writers(ino, exc, but=h)
                     raise
             if st.dirty:
-                writes = st.writes
-                n_acked, n_new, n_failed = len(st.acked_ends), len(st.new_chunks), len(st.failed_starts)
-                acked = st.acked_ends[:n_acked]
-                if n_failed:  # never count bytes past a failed push
-                    fail = min(st.failed_starts[:n_failed])
-                    acked = [e for e in acked if e <= fail]
-                new_size = max([st.persisted_size, *acked])
-                chunks = tuple(st.new_chunks[:n_new])
+                seen = wb.seen(st.persisted_size)
+                new_size, chunks = seen.size, seen.chunks
                 # bytes past a failed push are not the file's (writes admitted meanwhile still are)
-                st.size = max(new_size, st.persisted_size, *(p.end for p in st.pending))
+                st.size = max(new_size, st.persisted_size, *(p.end for p in wb.pending))
                 # A push that does not grow a file opened only with direct I/O (a gradient to an
                 # add file) refreshes mtime at most once a second, as lazytime does: one metadata
                 # transaction per close of every parameter file would cost more than the push.
@@ -403,21 +354,18 @@ class IrdmaFS(pyfuse3.Operations):
                     st.persisted_size = max(st.persisted_size, new_size)
                     self._mtime_at[ino] = now
                 # recorded: forget what this drain saw (pushes that ended meanwhile appended after it)
-                del st.acked_ends[:n_acked]
-                del st.new_chunks[:n_new]
-                del st.failed_starts[:n_failed]
-                st.dirty = st.writes != writes or bool(st.pending or st.acked_ends or st.new_chunks or st.failed_starts)
+                st.dirty = wb.forget(seen)
         if h is not None:
             err = h.error
             if err is not None:
                 if advance:
                     h.error = None
-                st.error = None  # writes go on: this handle was told
+                wb.error = None  # writes go on: this handle was told
                 raise err
             return
-        if st.error is not None:
-            err, st.error = st.error, None
-            raise err
+        first = wb.take_error()
+        if first is not None:
+            raise first
 
     async def _truncate(self, inode: Inode, size: int) -> None:
         """Set a file's size. Shrinking forgets the chunks past the end in the metadata first,
@@ -425,7 +373,7 @@ class IrdmaFS(pyfuse3.Operations):
         end, so the new bytes read as zeros."""
         st = self._files.get(inode.ino)
         if st is not None:
-            async with st.admit:
+            async with st.write_behind.admit:
                 await self._drain(st, inode.ino)
                 await self._truncate_locked(await self._getattr(inode.ino), size, st)
         else:
@@ -448,14 +396,14 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def _destroy(self, inode: Inode) -> None:
         """Free the chunks of a file with no name and no open handle left, then its inode."""
-        self._residuals.pop(inode.ino, None)
+        self._residuals.drop(inode.ino)
         if not inode.is_dir and inode.stripe:
             await self.client.truncate_data(layout_of(inode), 0)
         await self.meta.delete_inode(inode.ino)
 
     async def _maybe_destroy(self, replaced: Inode | None) -> None:
         if replaced is not None and replaced.nlink <= 0:
-            self._residuals.pop(replaced.ino, None)  # no name left: nobody pushes to it again
+            self._residuals.drop(replaced.ino)  # no name left: nobody pushes to it again
         if replaced is not None and replaced.nlink <= 0 and replaced.ino not in self._files:
             # freed after its grace period unless a live session holds it open then (its last
             # close frees it)
@@ -772,13 +720,12 @@ class IrdmaFS(pyfuse3.Operations):
         st = self._files.get(inode.ino)
         if st is None:
             self.client.forget_file(inode.ino)  # close-to-open: no stale chunk places
-            st = self._files[inode.ino] = _FileState(layout_of(inode), {i: dict(r) for i, r in chunks.items()},
-                                                     size=inode.size, persisted_size=inode.size)
+            st = self._files[inode.ino] = self._file_state(inode, {i: dict(r) for i, r in chunks.items()})
         else:
             for idx, rec in chunks.items():
                 for shard, incarnation in rec.items():
                     st.chunks.setdefault(idx, {}).setdefault(shard, incarnation)
-            if not st.pending and not st.dirty:
+            if not st.write_behind.pending and not st.dirty:
                 st.size = st.persisted_size = inode.size
         st.invalidate()  # close-to-open: a new open pulls fresh bytes
         st.open_count += 1
@@ -793,6 +740,14 @@ class IrdmaFS(pyfuse3.Operations):
         log.debug("open inode %d: keep_cache %s (as last closed %s, now %s)", inode.ino, keep,
                   self._cached.get(inode.ino), (inode.mtime_ns, inode.size))
         return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=keep)
+
+    def _file_state(self, inode: Inode, chunks: ChunkMap) -> _FileState:
+        """The state of a file at its first open here: its size as the metadata has it, its
+        chunk map ``chunks`` (shared with its write-behind and read-ahead)."""
+        layout = layout_of(inode)
+        wb = WriteBehind(self.client, layout, chunks, self._residuals, self._tell_writers)
+        return _FileState(layout, chunks, wb, ReadAhead(self.client, layout, chunks, wb), size=inode.size,
+                          persisted_size=inode.size)
 
     def _ino_lock(self, ino: int) -> trio.Lock:
         lock = self._ino_locks.get(ino)
@@ -857,7 +812,7 @@ class IrdmaFS(pyfuse3.Operations):
             return fi, self._entry(inode)
 
     async def read(self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:  # type: ignore[override]
-        # A file's handle first: a small random read is this, _read_exact and one client call.
+        # A file's handle first: a small random read is this, read_exact and one client call.
         # (Its errors are mapped by _guard, which wraps every handler in fuse_errors.)
         h = self._handles.get(fh)
         if h is None:
@@ -865,10 +820,8 @@ class IrdmaFS(pyfuse3.Operations):
         st = self._files[h.ino]
         if st.lost is not None:
             raise st.lost
-        if st.pending:
-            for p in list(st.pending):
-                if p.start < off + size and off < p.end:
-                    await p.done.wait()
+        if st.write_behind.pending:
+            await st.write_behind.wait_overlapping(off, off + size)
         file_size = st.size  # as of open, plus this mount's writes (close-to-open)
         n = max(0, min(size, file_size - off))
         if n == 0:
@@ -880,8 +833,9 @@ class IrdmaFS(pyfuse3.Operations):
         h.next_read = off + n
         with _scheduled(h):
             if h.seq_hits:
-                return await self._read_windows(st, off, n, file_size, h.seq_hits)
-            return await self._read_exact(st, off, n)
+                assert self.nursery is not None
+                return await st.read_ahead.read_windows(self.nursery, off, n, file_size, h.seq_hits)
+            return await st.read_ahead.read_exact(off, n)
 
     async def _read_control(self, fh: int, off: int, size: int) -> bytes | bytearray:
         """A read of a file the mount serves itself: a state image, or one of ``.irdma/``."""
@@ -894,120 +848,6 @@ class IrdmaFS(pyfuse3.Operations):
                     await self.client.read_state_into(layout, per, off, memoryview(buf), chunks)
                 return buf
             return (await self.control.read(fh))[off : off + size]
-
-    def _held(self, st: _FileState, pos: int) -> tuple[tuple[int, int], memoryview | _Fetch] | None:
-        """The window (cached or in flight) that holds byte ``pos``, if any."""
-        size = READAHEAD_MIN
-        while size <= READAHEAD_WINDOW:
-            key = (pos - pos % size, size)
-            buf = st.windows.get(key)
-            if buf is not None:
-                return key, buf
-            fetch = st.fetching.get(key)
-            if fetch is not None:
-                return key, fetch
-            size <<= 1
-        return None
-
-    async def _read_exact(self, st: _FileState, off: int, n: int) -> bytearray | memoryview:
-        """A read that is not sequential: from a window that holds all of it, else one pull of
-        exactly these bytes (a 4 KiB read is one small request to one shard)."""
-        held = self._held(st, off) if st.windows else None
-        if held is not None:
-            (start, _), buf = held
-            if isinstance(buf, memoryview) and off + n <= start + len(buf):
-                return buf[off - start : off - start + n]
-        out = bytearray(n)
-        await self.client.read_into(st.layout, off, memoryview(out), st.chunks)
-        return out
-
-    async def _read_windows(self, st: _FileState, off: int, n: int, file_size: int,
-                            hits: int) -> bytes | bytearray | memoryview:
-        """Serve a sequential read from read-ahead windows of ``READAHEAD_MIN << hits`` bytes
-        (at most READAHEAD_WINDOW, at least the read), fetching the missing ones and the next."""
-        want = min(READAHEAD_WINDOW, READAHEAD_MIN << min(hits - 1, 16))
-        while want < n and want < READAHEAD_WINDOW:
-            want <<= 1
-        parts: list[memoryview] = []
-        pos, end, nxt = off, off + n, off
-        while pos < end:
-            held = self._held(st, pos)
-            if held is None:
-                key = self._window_at(pos, want)
-                held = key, self._start_fetch(st, key, file_size)
-            (start, _), got = held
-            try:
-                buf = got if isinstance(got, memoryview) else await self._wait_fetch(got)
-                if start + len(buf) <= pos:  # cut short by the file size it saw
-                    raise IrdmaError("short window")
-            except IrdmaError:
-                # the window may span a lost chunk or a down shard that this read does not
-                # touch: read exactly the range asked for (and fail only if it fails)
-                out = bytearray(n)
-                await self.client.read_into(st.layout, off, memoryview(out), st.chunks)
-                return out
-            hi = min(end, start + len(buf))
-            parts.append(buf[pos - start : hi - start])
-            pos, nxt = hi, start + len(buf)
-        if nxt < file_size and self._held(st, nxt) is None:  # the next window, while the kernel takes this one
-            self._start_fetch(st, self._window_at(nxt, want), file_size)
-        # a read inside one window is answered from the window itself (pyfuse3 copies it into
-        # the reply at once; a window is never written after its fetch): no copy of ours
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    @staticmethod
-    def _window_at(pos: int, want: int) -> tuple[int, int]:
-        """The window to fetch for byte ``pos``: the largest power of two up to ``want`` bytes
-        that ``pos`` is aligned to (windows never overlap in a scan), at least READAHEAD_MIN."""
-        size = want
-        while pos % size and size > READAHEAD_MIN:
-            size >>= 1
-        return pos - pos % size, size
-
-    @staticmethod
-    async def _wait_fetch(fetch: _Fetch) -> memoryview:
-        await fetch.done.wait()
-        if fetch.error is not None:
-            raise fetch.error
-        assert fetch.data is not None
-        return fetch.data
-
-    def _start_fetch(self, st: _FileState, key: tuple[int, int], file_size: int) -> _Fetch:
-        fetch = st.fetching.get(key)
-        if fetch is not None:
-            return fetch
-        assert self.nursery is not None
-        fetch = st.fetching[key] = _Fetch()
-        self.nursery.start_soon(self._fetch, st, key, max(0, min(key[1], file_size - key[0])), fetch)
-        return fetch
-
-    async def _fetch(self, st: _FileState, key: tuple[int, int], length: int, fetch: _Fetch) -> None:
-        start = key[0]
-        gen = st.generation
-        for p in list(st.pending):  # this mount's pushes into the window land before it is pulled
-            if p.start < start + length and start < p.end:
-                await p.done.wait()
-        # not zeroed first: read_into fills every byte (zeros for holes) or raises, and a
-        # failed fetch's buffer is never served
-        buf = memoryview(np.empty(length, dtype=np.uint8))  # type: ignore[arg-type]
-        try:
-            await self.client.read_into(st.layout, start, buf, st.chunks)
-            fetch.data = buf
-            if gen == st.generation:
-                st.windows[key] = buf
-                held = sum(len(b) for b in st.windows.values())
-                while held > READAHEAD_BYTES:
-                    held -= len(st.windows.pop(next(iter(st.windows))))
-        except IrdmaError as exc:
-            log.warning("read of %d bytes at %d of file %d failed: %s", length, start, st.layout.file_id, exc)
-            fetch.error = exc
-        except Exception as exc:  # a bug: this read fails, the mount lives on
-            log.exception("read of %d bytes at %d of file %d failed unexpectedly", length, start, st.layout.file_id)
-            fetch.error = IrdmaError(f"internal error: {exc!r}")
-        finally:
-            if st.fetching.get(key) is fetch:
-                del st.fetching[key]
-            fetch.done.set()
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         with fuse_errors("write"):
@@ -1027,8 +867,9 @@ class IrdmaFS(pyfuse3.Operations):
             st = self._files[h.ino]
             if st.lost is not None:
                 raise st.lost
-            if st.error is not None:  # reported here and kept for the next fsync/close
-                raise st.error
+            wb = st.write_behind
+            if wb.error is not None:  # reported here and kept for the next fsync/close
+                raise wb.error
             if h.kill_setid:  # forgotten only once cleared: a write that failed to clear them retries
                 await self.meta.clear_setid(h.ino)
                 h.kill_setid = False
@@ -1039,72 +880,25 @@ class IrdmaFS(pyfuse3.Operations):
             if h.op.op.is_float32 and (off % 4 or len(buf) % 4):
                 raise InvalidArgument(f"a write to an {h.op.op.name.lower()} file must be float32 aligned:"
                                       f" offset {off}, {len(buf)} bytes")
-            async with st.admit:
+            async with wb.admit:
                 if off > st.size:
                     # a gap: it must read as zeros, whatever a failed writer left there
-                    await self._wait_pending(st)
+                    await wb.wait_all()
                     await self.client.truncate_data(st.layout, st.size)
-                for p in list(st.pending):  # keep overlapping writes in order
-                    if p.start < end and off < p.end:
-                        await p.done.wait()
+                await wb.wait_overlapping(off, end)  # keep overlapping writes in order
                 coded = h.compress if h.op.op.is_float32 and buf else None
                 data: bytes | np.ndarray = buf
                 feedback = None
                 if coded is not None:  # after the overlapping writes: their residuals are in
-                    res = self._residual(h.ino, end // 4)
-                    data = np.frombuffer(buf, dtype="<f4") + res[off // 4 : end // 4]
-                    feedback = res[off // 4 : end // 4].copy()
-                await st.slots.acquire()
+                    data, feedback = self._residuals.add_to(h.ino, off, buf)
+                entry = await wb.admit_push(off, end)
                 st.invalidate()
-                entry = _Pending(off, end)
-                st.pending.append(entry)
                 st.size = max(st.size, end)
                 st.dirty = True
-                st.writes += 1
                 assert self.nursery is not None
                 with _scheduled(h):  # the push task inherits the file's P3 priority and slices
-                    self.nursery.start_soon(self._push, st, entry, off, data, h.op, coded, feedback)
+                    self.nursery.start_soon(wb.push, entry, off, data, h.op, coded, feedback)
             return len(buf)
-
-    def _residual(self, ino: int, elements: int) -> np.ndarray:
-        """The residual of ``ino``, grown (zeros) to at least ``elements``."""
-        res = self._residuals.get(ino)
-        if res is None or len(res) < elements:
-            grown = np.zeros(max(elements, 0 if res is None else len(res) + len(res) // 2), dtype=np.float32)
-            if res is not None:
-                grown[: len(res)] = res
-            res = self._residuals[ino] = grown
-        return res
-
-    async def _push(self, st: _FileState, entry: _Pending, off: int, buf: bytes | np.ndarray, op: Update,
-                    coded: Compression | None = None, feedback: np.ndarray | None = None) -> None:
-        """Push one write; ``coded``: compressed, what its compression dropped put in ``feedback``
-        (the inode's residual over the write's range as it was: a piece that failed keeps it),
-        which becomes the residual there before the write counts as done."""
-        try:
-            created = await self.client.write_from(st.layout, off, buf, op, st.chunks, compress=coded,
-                                                   feedback=feedback)
-            for idx, shard, incarnation in created:
-                st.chunks.setdefault(idx, {}).setdefault(shard, incarnation)
-            st.new_chunks.extend(created)
-            st.acked_ends.append(entry.end)
-        except Exception as exc:
-            if isinstance(exc, IrdmaError):
-                log.warning("push of %d bytes at %d to file %d failed: %s", entry.end - off, off, st.layout.file_id, exc)
-            else:  # a bug: this push fails, the mount lives on
-                log.exception("push of %d bytes at %d to file %d failed unexpectedly", entry.end - off, off,
-                              st.layout.file_id)
-                exc = IrdmaError(f"internal error: {exc!r}")
-            st.failed_starts.append(off)
-            if st.error is None:
-                st.error = exc  # type: ignore[assignment]
-            self._tell_writers(st.layout.file_id, exc)  # type: ignore[arg-type]
-        finally:
-            if feedback is not None:  # what the compression dropped waits for the next write
-                self._residual(st.layout.file_id, entry.end // 4)[off // 4 : entry.end // 4] = feedback
-            st.pending.remove(entry)
-            entry.done.set()
-            st.slots.release()
 
     def _tell_writers(self, ino: int, exc: IrdmaError, but: _Handle | None = None) -> None:
         """Every handle of ``ino`` open for writing hears of ``exc`` at its next flush, fsync or
@@ -1173,7 +967,7 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def forget(self, inode_list: Any) -> None:
         for ino, _ in inode_list:  # the kernel evicted the inode: its residual goes with it
-            self._residuals.pop(ino, None)
+            self._residuals.drop(ino)
 
 
 def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
