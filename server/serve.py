@@ -61,6 +61,8 @@ HELLO_MAX_BODY = 4 << 10
 HANDSHAKE_TIMEOUT_S = 5.0
 #: Seconds the rest of a frame may take once its header arrived (a half-sent frame is dropped).
 FRAME_TIMEOUT_S = 30.0
+#: Staging buffers a connection keeps for reuse once their forwards are acknowledged.
+SPARE_STAGING = 2
 #: Most connections served at once, in all and from one peer address.
 MAX_CONNECTIONS = 4096
 MAX_CONNECTIONS_PER_PEER = 1024
@@ -526,6 +528,9 @@ class ShardServer:
         hdr = bytearray(P.HEADER_SIZE)
         tag = bytearray(0)  # the trailer after each frame, once the handshake set the tags
         staging = bytearray(0)  # grows to the largest body seen, at most max_payload + slack
+        # staging buffers lent to forwards of chained updates, back once the chain acknowledged
+        # them (a fresh 4 MiB buffer per forward costs its page faults every time)
+        spare: list[bytearray] = []
         opened = False
         hs = _Handshake()
         macs: Macs | None = None
@@ -598,9 +603,9 @@ class ShardServer:
                     reply = handled
                 else:
                     # answered once the chain has it; meanwhile its forward reads the body buffer
-                    staging = bytearray(0)
+                    lent, staging = staging, spare.pop() if spare else bytearray(0)
                     verbs_nursery.start_soon(self._reply_later, sock, send_lock, frame.opcode, frame.request_id,
-                                             handled, macs)
+                                             handled, macs, lent, spare)
                     continue
             async with send_lock:
                 sent = await self._send_quietly(sock, P.encode_reply(frame.opcode, frame.request_id, reply), macs)
@@ -608,8 +613,15 @@ class ShardServer:
                 break
 
     async def _reply_later(self, sock: Any, send_lock: trio.Lock, opcode: int, request_id: int,
-                           reply: Awaitable[P.Reply], macs: Macs | None) -> None:
+                           reply: Awaitable[P.Reply], macs: Macs | None, lent: bytearray | None = None,
+                           spare: list[bytearray] | None = None) -> None:
+        """Send the reply of a forwarded update once the chain has it. ``lent``: the staging
+        buffer its forward read, given back to ``spare`` only when the successor acknowledged
+        the update (its frame was sent whole); after an error the forward may still be queued
+        on the link, so the buffer is left to it."""
         out = await reply
+        if lent is not None and spare is not None and isinstance(out, P.VersionReply) and len(spare) < SPARE_STAGING:
+            spare.append(lent)
         async with send_lock:
             if not await self._send_quietly(sock, P.encode_reply(opcode, request_id, out), macs):
                 sock.close()
