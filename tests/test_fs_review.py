@@ -394,13 +394,10 @@ def test_xattrs_of_control_files_are_enodata_not_enoent(mnt: str) -> None:
         assert os.listxattr(path) == []
 
 
-def test_a_failed_push_is_reported_to_the_writer_even_after_another_handle_drained(tmp_path: object) -> None:
-    """A push fails (its only shard is dead); a reader then opens and closes the file, which
-    drains it. The writer's fsync and close must still fail with EIO (Linux's errseq_t: every fd
-    open for writing hears of a writeback error once), never return 0 for bytes that are not
-    stored. The nemesis test found acknowledged files reading as 0 bytes this way."""
-    import signal
-
+@contextlib.contextmanager
+def _a_failed_push(tmp_path: object) -> Iterator[tuple[str, int]]:
+    """A mount whose only shard is dead, and ``(path, fd)``: a file open for writing whose
+    write of 64 KiB went into the page cache and whose push fails (EIO)."""
     from irdma._proc import pid_alive
 
     with running_cluster(str(tmp_path) + "/c", shards=1, capacity=16 << 20, replicas=1) as c:
@@ -414,16 +411,25 @@ def test_a_failed_push_is_reported_to_the_writer_even_after_another_handle_drain
             wait_until(lambda: not pid_alive(shard.pid), 10, "the shard to die")
             fd = os.open(path, os.O_WRONLY)
             try:
-                os.pwrite(fd, os.urandom(1 << 16), 0)  # into the page cache: pushed later, and fails
-                with open(path, "rb") as reader:  # its close drains the file (and the failed push)
-                    with contextlib.suppress(OSError):
-                        reader.read()
-                with pytest.raises(OSError) as info:
-                    os.fsync(fd)
-                assert info.value.errno == errno.EIO
+                os.pwrite(fd, os.urandom(1 << 16), 0)  # pushed after the return, and fails
+                yield path, fd
             finally:
                 os.close(fd)
             c.shards = []  # the dead one has no clean log to check
+
+
+def test_a_failed_push_is_reported_to_the_writer_even_after_another_handle_drained(tmp_path: object) -> None:
+    """A push fails (its only shard is dead); a reader then opens and closes the file, which
+    drains it. The writer's fsync and close must still fail with EIO (Linux's errseq_t: every fd
+    open for writing hears of a writeback error once), never return 0 for bytes that are not
+    stored. The nemesis test found acknowledged files reading as 0 bytes this way."""
+    with _a_failed_push(tmp_path) as (path, fd):
+        with open(path, "rb") as reader:  # its close drains the file (and the failed push)
+            with contextlib.suppress(OSError):
+                reader.read()
+        with pytest.raises(OSError) as info:
+            os.fsync(fd)
+        assert info.value.errno == errno.EIO
 
 
 CLOSE_IN_CHILD = """
@@ -444,27 +450,11 @@ def test_a_forked_childs_close_does_not_take_the_writers_fsync_error(tmp_path: o
     fsync must still report it (Linux: a close checks the error, only fsync advances it,
     ``filemap_check_wb_err`` vs ``file_check_and_advance_wb_err``). Before, the child's close
     took it and the writer's fsync returned 0 for bytes never stored."""
-    from irdma._proc import pid_alive
-
-    with running_cluster(str(tmp_path) + "/c", shards=1, capacity=16 << 20, replicas=1) as c:
-        with mounted(c.meta_url, str(tmp_path) + "/m", request_timeout=3.0,
-                     allow_log=("failed", "did not answer", "cannot connect", "marked down")) as m:
-            path = os.path.join(m, "f")
-            with open(path, "wb") as f:
-                f.write(b"x")
-            (shard,) = c.shards
-            os.kill(shard.pid, signal.SIGKILL)
-            wait_until(lambda: not pid_alive(shard.pid), 10, "the shard to die")
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                os.pwrite(fd, os.urandom(1 << 16), 0)  # pushed after the return, and fails
-                child = subprocess.run([sys.executable, "-c", CLOSE_IN_CHILD, str(fd)], pass_fds=(fd,),
-                                       capture_output=True, text=True, timeout=60, check=True)
-                assert child.stdout.strip() == "EIO", child  # every close hears of it
-                with pytest.raises(OSError) as info:
-                    os.fsync(fd)
-                assert info.value.errno == errno.EIO  # the writer too
-                os.fsync(fd)  # and once: fsync advanced past it
-            finally:
-                os.close(fd)
-            c.shards = []  # the dead one has no clean log to check
+    with _a_failed_push(tmp_path) as (_, fd):
+        child = subprocess.run([sys.executable, "-c", CLOSE_IN_CHILD, str(fd)], pass_fds=(fd,),
+                               capture_output=True, text=True, timeout=60, check=True)
+        assert child.stdout.strip() == "EIO", child  # every close hears of it
+        with pytest.raises(OSError) as info:
+            os.fsync(fd)
+        assert info.value.errno == errno.EIO  # the writer too
+        os.fsync(fd)  # and once: fsync advanced past it
