@@ -79,12 +79,21 @@ class MetricsCluster:
                         [sys.executable, "-c", SHARD, rec.address, str(rec.shard_id), self.key, "127.0.0.1:0",
                          port_file], stdout=out, stderr=subprocess.STDOUT))
                 wait_until(lambda pf=port_file: os.path.exists(pf), 30, f"shard {i} to listen")
+            with irdma.connect(self.meta_url, transport="tcp") as c:
+                for rec, st, _ in c.shard_stats():
+                    assert st is not None and st.metrics, f"shard {rec.shard_id} told no metrics address"
+                    self.metrics[rec.shard_id] = st.metrics
+        except BaseException:  # no fixture to stop them: stop what started (no process outlives the test)
+            self.kill()
+            raise
         finally:
             meta.close()
-        with irdma.connect(self.meta_url, transport="tcp") as c:
-            for rec, st, _ in c.shard_stats():
-                assert st is not None and st.metrics, f"shard {rec.shard_id} told no metrics address"
-                self.metrics[rec.shard_id] = st.metrics
+
+    def kill(self) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait(timeout=30)
 
     def stop(self) -> None:
         for p in self.procs:
