@@ -90,6 +90,12 @@ def targets(R: dict[str, Any]) -> list[dict[str, Any]]:
                 unit = "MB/s" if field == "mb_s" else "IOPS"
                 add(what, mn[key][field] / pt[key][field], "minimal pyfuse3 passthrough of tmpfs", want,
                     f"{mn[key][field]:.0f} vs {pt[key][field]:.0f} {unit}")
+    rt = R.get("round_trip")
+    if rt:
+        add("4 KiB native read p50, over a Python socket ping-pong", rt["irdma_p50_us"] / rt["socket_p50_us"],
+            "Python socket ping-pong p50 (4 KiB answer)", 3.0,
+            f"{rt['irdma_p50_us']:.0f} vs {rt['socket_p50_us']:.0f} us (p99 {rt['irdma_p99_us']:.0f} vs"
+            f" {rt['socket_p99_us']:.0f} us)", lower_is_better=True)
     rw = R.get("rows")
     if rw:
         add("sparse rows pull, 10,000 of 256 float32, native", rw["pull_ratio"], "contiguous pull of the same bytes",

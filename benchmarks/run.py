@@ -249,6 +249,57 @@ for t in ts: t.join()
 """
 
 
+PING_SERVER = r"""
+import socket, sys
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+conn, _ = listener.accept()
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+reply = bytes(int(sys.argv[1]))
+while conn.recv(64):
+    conn.sendall(reply)
+"""
+
+
+def round_trip(meta: str, ops: int = 2000) -> dict[str, float]:
+    """p50/p99 in microseconds of a 4 KiB native read (``irdma bench``'s latency test, one
+    request at a time) and of a plain Python socket ping-pong in the same run: a 40-byte
+    request to another process, answered with 4 KiB and a 24-byte header and tag, as irdma's
+    READ is; blocking sockets, TCP_NODELAY, loopback."""
+    cfg = B.BenchConfig(size=64 * MiB, chunk_size=4 * MiB, block=4 * MiB, concurrency=4, tests=("latency",),
+                        latency_ops=ops, path="/.irdma-bench-rtt")
+
+    async def run() -> list[B.BenchResult]:
+        async with Client.open(meta, transport="tcp") as c:
+            return await B.bench_native(c, cfg, lambda *a: None)
+
+    lat = [r for r in trio.run(run) if r.name == "latency-4k-read"][0]
+    server = subprocess.Popen([PY, "-c", PING_SERVER, str(4096 + 24)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            want, buf, samples = 4096 + 24, bytearray(4096 + 24), []
+            req = bytes(40)
+            for _ in range(ops):
+                t0 = time.perf_counter()
+                s.sendall(req)
+                got = 0
+                while got < want:
+                    k = s.recv_into(memoryview(buf)[got:])
+                    if not k:
+                        raise RuntimeError("the ping-pong server hung up")
+                    got += k
+                samples.append(time.perf_counter() - t0)
+    finally:
+        server.kill()
+        server.wait(30)
+    us = sorted(x * 1e6 for x in samples)
+    return {"irdma_p50_us": float(lat.p50_us or 0.0), "irdma_p99_us": float(lat.p99_us or 0.0),
+            "socket_p50_us": us[len(us) // 2], "socket_p99_us": us[int(0.99 * (len(us) - 1))]}
+
+
 def tcp_ceiling(total: int, streams: int) -> dict[str, float]:
     """Plain loopback TCP sockets: ``streams`` connections to another process, 4 MiB buffers."""
     per = total // streams
@@ -609,6 +660,9 @@ def main() -> int:
     R["replication"] = replication(sweep, big)
     say("authentication: every frame tagged (GMAC) against --no-auth shards")
     R["authentication"] = authentication(sweep)
+    say("round trip: 4 KiB native read against a Python socket ping-pong")
+    with cluster(1, 256 * MiB) as (meta, _):
+        R["round_trip"] = round_trip(meta, 500 if args.quick else 2000)
 
     say("memory: shard RSS against data held")
     R["shard_rss"] = {}

@@ -52,6 +52,7 @@ def test_benchmark_suite_quick_run_writes_the_report(tmp_path: object) -> None:
         md = f.read()
     assert "## Targets" in md and "ParameterServerStrategy" in md and "Redis" in md and "## fio" in md
     assert "## Sparse rows" in md and "sparse rows pull" in md
+    assert "4 KiB native read p50, over a Python socket ping-pong" in md
     for png in ("bench-scaling.png", "bench-peers.png", "bench-fio.png"):
         assert os.path.getsize(os.path.join(out, png)) > 10_000
     with open(os.path.join(out, "benchmarks.json")) as f:
@@ -59,6 +60,7 @@ def test_benchmark_suite_quick_run_writes_the_report(tmp_path: object) -> None:
     assert data["rounds"]["irdma-native"] > 0 and data["tcp"]["pull"] > 0
     assert data["rounds"]["irdma-mount-unified"] > 0 and data["fio"]["irdma mount"]["rand read 4 KiB x1"]["iops"] > 0
     assert data["rows"]["rows-pull"]["mb_s"] > 0 and data["rows"]["mount-pread-x16"]["mb_s"] > 0
+    assert data["round_trip"]["irdma_p50_us"] > 0 and data["round_trip"]["socket_p50_us"] > 0
 
 
 @pytest.mark.tf
