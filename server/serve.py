@@ -1,8 +1,10 @@
 """The shard server process: answers the irdma protocol over TCP with trio.
 
-Each connection is served by one task that reads a frame, applies it to the :class:`Shard`
-synchronously (so update ops are atomic per chunk), and sends the reply; connections run
-concurrently. Disk I/O a request needs first (SYNC; a new chunk's zeroing and chunk-index
+Each connection is served by two tasks, pipelined: a reader that reads a frame and applies it
+to the :class:`Shard` synchronously (so update ops are atomic per chunk, and a connection's
+requests are applied in the order they came), and a sender that sends the replies in that
+order, at most PIPELINE_DEPTH behind, so the next request is read and applied while a reply is
+still on the wire; connections run concurrently. Disk I/O a request needs first (SYNC; a new chunk's zeroing and chunk-index
 record on a shard with a data directory) runs in a worker thread, awaited by that task
 (:class:`ThreadWork`): the event loop never waits for the disk, and a connection's requests
 are still applied in order. A malformed or refused request gets an error reply and changes nothing; a
@@ -63,11 +65,18 @@ HANDSHAKE_TIMEOUT_S = 5.0
 FRAME_TIMEOUT_S = 30.0
 #: Staging buffers a connection keeps for reuse once their forwards are acknowledged.
 SPARE_STAGING = 2
+#: Replies of one connection applied and waiting for its sender (each may hold a READ's copy):
+#: past this the connection's next request is not read (TCP's flow control holds the client).
+PIPELINE_DEPTH = 4
 #: Most connections served at once, in all and from one peer address.
 MAX_CONNECTIONS = 4096
 MAX_CONNECTIONS_PER_PEER = 1024
 #: Seconds between two warnings about one peer address (the others are counted).
 WARN_INTERVAL_S = 10.0
+
+
+#: What the reader of a connection hands its sender: opcode, request id, reply, frame tags.
+_Outgoing = tuple[int, int, P.Reply, "Macs | None"]
 
 
 class _PeerWarnings:
@@ -523,8 +532,32 @@ class ShardServer:
         return box[0]
 
     async def _serve_frames(self, sock: Any, peer: str, verbs_nursery: trio.Nursery) -> None:
+        """Serve one connection, pipelined: this task reads and applies requests in the order
+        they came, while a sender task sends their replies (at most PIPELINE_DEPTH waiting), so
+        the next request is read and applied while the previous reply is still on the wire."""
+        send_lock = trio.Lock()  # the sender and the replies of forwarded updates take turns
+        replies, queued = trio.open_memory_channel[_Outgoing](PIPELINE_DEPTH)
+        async with trio.open_nursery() as pipe:
+            pipe.start_soon(self._send_replies, sock, send_lock, queued)
+            async with replies:
+                await self._read_frames(sock, peer, verbs_nursery, replies, send_lock)
+
+    async def _send_replies(self, sock: Any, send_lock: trio.Lock, queued: trio.MemoryReceiveChannel[_Outgoing]) -> None:
+        """The sender of one connection: the replies the reader queued, in order. Once a send
+        fails the socket is closed (the reader's next receive fails) and what is left is dropped."""
+        alive = True
+        async with queued:
+            async for opcode, request_id, reply, macs in queued:
+                if not alive:
+                    continue
+                async with send_lock:
+                    alive = await self._send_quietly(sock, P.encode_reply(opcode, request_id, reply), macs)
+                if not alive:
+                    sock.close()
+
+    async def _read_frames(self, sock: Any, peer: str, verbs_nursery: trio.Nursery,
+                           replies: trio.MemorySendChannel[_Outgoing], send_lock: trio.Lock) -> None:
         rx = Receiver(sock)
-        send_lock = trio.Lock()  # replies of forwarded updates are sent by their own tasks
         hdr = bytearray(P.HEADER_SIZE)
         tag = bytearray(0)  # the trailer after each frame, once the handshake set the tags
         staging = bytearray(0)  # grows to the largest body seen, at most max_payload + slack
@@ -548,10 +581,9 @@ class ShardServer:
                 except RemoteProtocolError as exc:
                     self.warnings.warn(peer, "closing connection from %s: %s", peer, exc)
                     status = P.Status.TOO_LARGE if isinstance(exc, P.FrameTooLarge) else P.Status.BAD_FRAME
-                    async with send_lock:
-                        await self._send_quietly(sock, P.encode_reply(0, 0, P.ErrorReply(status, str(exc))), macs)
+                    await replies.send((0, 0, P.ErrorReply(status, str(exc)), macs))
                     break
-                except OSError:
+                except (OSError, trio.ClosedResourceError):
                     break
             if idle.cancelled_caught:
                 self.warnings.warn(peer, "closing connection from %s: no handshake within %g s", peer,
@@ -566,7 +598,7 @@ class ShardServer:
                     await rx.exactly(body)
                     if macs is not None:
                         await rx.exactly(memoryview(tag))
-                except (RemoteProtocolError, OSError):
+                except (RemoteProtocolError, OSError, trio.ClosedResourceError):
                     break  # truncated frame: nothing applied
             if partial.cancelled_caught:
                 self.warnings.warn(peer, "closing connection from %s: a frame did not arrive whole in time", peer)
@@ -581,17 +613,12 @@ class ShardServer:
             if not opened:
                 reply = self.hello(frame, hs)
                 opened = isinstance(reply, P.HelloReply)
+                await replies.send((frame.opcode, frame.request_id, reply, None))  # handshake replies: untagged
                 if isinstance(reply, P.ErrorReply):
                     self.warnings.warn(peer, "refused connection from %s: %s", peer, hs.why or reply.message)
-                    async with send_lock:
-                        await self._send_quietly(sock, P.encode_reply(frame.opcode, frame.request_id, reply), None)
                     break
-                async with send_lock:
-                    sent = await self._send_quietly(sock, P.encode_reply(frame.opcode, frame.request_id, reply), None)
                 macs = hs.macs
                 tag = bytearray(macs.trailer if macs is not None else 0)
-                if not sent:
-                    break
                 continue
             elif frame.opcode == P.Opcode.VERBS_CONNECT:
                 reply = await self._verbs_connect(frame, verbs_nursery)
@@ -607,10 +634,9 @@ class ShardServer:
                     verbs_nursery.start_soon(self._reply_later, sock, send_lock, frame.opcode, frame.request_id,
                                              handled, macs, lent, spare)
                     continue
-            async with send_lock:
-                sent = await self._send_quietly(sock, P.encode_reply(frame.opcode, frame.request_id, reply), macs)
-            if not sent:
-                break
+            # the reply holds nothing of the body buffer (a READ's bytes are a copy), so the
+            # next frame may be read into it while this reply waits for the sender
+            await replies.send((frame.opcode, frame.request_id, reply, macs))
 
     async def _reply_later(self, sock: Any, send_lock: trio.Lock, opcode: int, request_id: int,
                            reply: Awaitable[P.Reply], macs: Macs | None, lent: bytearray | None = None,

@@ -100,7 +100,6 @@ class RawShard:
     tests that put their own bytes on the wire."""
 
     def __init__(self, address: str, ring: object | None, name: str = "raw") -> None:
-        import secrets
         import socket
 
         from irdma import auth
@@ -112,6 +111,18 @@ class RawShard:
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=10)
         self.macs: Macs | None = None
+        try:
+            self._handshake(ring, name)
+        except BaseException:
+            self.sock.close()  # a refused or broken handshake leaves no socket behind
+            raise
+
+    def _handshake(self, ring: object | None, name: str) -> None:
+        import secrets
+
+        P, auth = self.P, self.auth
+        from irdma.transport.tcp import Macs
+
         offer = b""
         if ring is not None:
             nonce = secrets.token_bytes(auth.NONCE_SIZE)

@@ -452,3 +452,48 @@ def test_no_reply_byte_lands_in_a_buffer_after_its_call_returned(step: int) -> N
 
     trio.run(main)
     assert dest == b"\xa5" * n
+
+
+def test_a_connection_reads_and_applies_its_next_request_while_a_reply_is_still_being_sent(
+        tmp_path: object) -> None:
+    """Issue 21 (pipelined connections): a client that has not yet read the 16 MiB of its four
+    READ replies (more than the socket buffers hold) still has the WRITE it sent after them
+    applied: the shard's reader goes on while its sender waits for the wire. The replies then
+    arrive whole, in the order of the requests."""
+    import socket
+
+    from helpers import RawShard, running_cluster, wait_until
+
+    from irdma import auth
+    from irdma.cluster import key_file_of
+
+    with running_cluster(os.path.join(str(tmp_path), "c"), shards=1, capacity=64 << 20) as c:
+        ring = auth.read_key_file(key_file_of(c.dir))
+        address = c.shards[0].address
+        chunk = 4 << 20
+        base = np.arange(chunk // 4, dtype="<f4").tobytes()
+        other = RawShard(address, ring, "other")
+        other.request(P.Write(4343, 0, chunk, 0, UpdateOp.ASSIGN, base), 1)
+        assert isinstance(other.reply(), P.VersionReply)
+
+        slow = RawShard(address, ring, "slow reader")
+        slow.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        for rid in range(1, 5):  # 16 MiB of replies that this client does not read yet
+            slow.request(P.Read(4343, 0, 0, chunk), rid)
+        flag = np.full(1024, 7.0, dtype="<f4").tobytes()
+        slow.request(P.Write(4344, 0, 4096, 0, UpdateOp.ASSIGN, flag), 5)
+
+        def applied() -> bool:
+            other.request(P.Read(4344, 0, 0, 4096), 2)
+            r = other.reply()
+            return isinstance(r, P.ReadReply) and not r.hole and bytes(r.data) == flag
+
+        wait_until(applied, WAIT_S, "the WRITE sent behind four unread 4 MiB READ replies to be applied")
+        got = []
+        for _ in range(5):
+            got.append(slow.reply())
+        assert [type(r) for r in got] == [P.ReadReply] * 4 + [P.VersionReply]
+        for r in got[:4]:
+            assert bytes(r.data) == base  # type: ignore[attr-defined]
+        slow.close()
+        other.close()
