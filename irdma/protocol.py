@@ -79,7 +79,19 @@ from typing import TypeVar, Union
 
 import numpy as np
 
-from ._errors import LocalProtocolError, RemoteProtocolError, ShardUnavailable
+from ._errors import (
+    BadRequest,
+    DataLost,
+    Dirty,
+    Fenced,
+    IrdmaError,
+    LocalProtocolError,
+    NoSpace,
+    RemoteProtocolError,
+    ReplicaFailed,
+    ReplicaStale,
+    ShardUnavailable,
+)
 
 PROTOCOL_VERSION = 8
 #: Oldest protocol version this code speaks (3 added chain replication, 4 authentication, 5 GMAC
@@ -152,6 +164,22 @@ class Status(enum.IntEnum):
 
 #: Statuses whose error body starts with the u32 id of the shard concerned.
 SHARD_STATUSES = (Status.STALE, Status.FORWARD_FAILED)
+
+#: The one table of error statuses and the exceptions they stand for, read by both sides: a
+#: shard answers an exception with the status of the first class here it is an instance of
+#: (:func:`error_reply`), a client raises that class for the status (:func:`raise_for_error`).
+#: (3FS's StatusCode, one table per direction being the bug this replaces.)
+STATUS_ERRORS: tuple[tuple[Status, type[IrdmaError]], ...] = (
+    (Status.NO_SPACE, NoSpace),
+    (Status.BAD_REQUEST, BadRequest),
+    (Status.CHUNK_LOST, DataLost),
+    (Status.STALE, ReplicaStale),
+    (Status.FORWARD_FAILED, ReplicaFailed),
+    (Status.FENCED, Fenced),
+    (Status.DIRTY, Dirty),
+)
+#: Statuses of a frame the shard refused before applying it: the client raises BadRequest.
+REFUSED_STATUSES = (Status.BAD_REQUEST, Status.TOO_LARGE, Status.UNKNOWN_OPCODE)
 
 
 class UpdateOp(enum.IntEnum):
@@ -672,6 +700,41 @@ class ErrorReply:
     status: Status
     message: str = ""
     shard_id: int = 0  # STALE, FORWARD_FAILED: the replica concerned
+
+
+def error_reply(exc: Exception, shard_id: int) -> ErrorReply | None:
+    """The error reply a shard (``shard_id``) sends for a request that raised ``exc``
+    (:data:`STATUS_ERRORS`; ShardUnavailable met while serving is INTERNAL); None for any other
+    exception: a bug, which the caller logs and answers INTERNAL."""
+    for status, cls in STATUS_ERRORS:
+        if isinstance(exc, cls):
+            return ErrorReply(status, str(exc), getattr(exc, "shard_id", 0) if status in SHARD_STATUSES else 0)
+    if isinstance(exc, ShardUnavailable):
+        return ErrorReply(Status.INTERNAL, f"shard {shard_id}: {exc}")
+    return None
+
+
+def raise_for_error(reply: Reply, address: str) -> None:
+    """Raise the exception an error reply from the shard at ``address`` stands for
+    (:data:`STATUS_ERRORS`); any other status is ShardUnavailable. Other replies pass.
+
+    Raises:
+        BadRequest: the shard refused the request (:data:`REFUSED_STATUSES`).
+        NoSpace, DataLost, ReplicaStale, ReplicaFailed, Fenced, Dirty: as the table says.
+        ShardUnavailable: INTERNAL, AUTH_FAILED and any status this side does not know.
+    """
+    if not isinstance(reply, ErrorReply):
+        return
+    where = f"shard at {address}"
+    if reply.status in REFUSED_STATUSES:
+        raise BadRequest(f"{where} refused the request: {reply.message}")
+    for status, cls in STATUS_ERRORS:
+        if reply.status == status:
+            if status in SHARD_STATUSES:
+                raise cls(f"{where}: {reply.message}", reply.shard_id)  # type: ignore[call-arg, arg-type]
+            raise cls(f"{where}: {reply.message}")
+    name = reply.status.name if isinstance(reply.status, Status) else str(reply.status)
+    raise ShardUnavailable(f"{where} answered {name}: {reply.message}")
 
 
 Request = Union[Hello, Read, Write, Stat, Free, Punch, VerbsConnect, Locate, RemoteWrite, List, Sync, Resync, Checksum,

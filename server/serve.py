@@ -34,15 +34,8 @@ from irdma import auth
 from irdma import protocol as P
 from irdma._errors import (
     BadRequest,
-    DataLost,
-    Dirty,
-    Fenced,
     IrdmaError,
-    NoSpace,
     RemoteProtocolError,
-    ReplicaFailed,
-    ReplicaStale,
-    ShardUnavailable,
 )
 from irdma.metrics import Exporter, shard_metrics
 from irdma.metrics import serve as serve_metrics
@@ -75,8 +68,31 @@ MAX_CONNECTIONS_PER_PEER = 1024
 WARN_INTERVAL_S = 10.0
 
 
-#: What the reader of a connection hands its sender: opcode, request id, reply, frame tags.
-_Outgoing = tuple[int, int, P.Reply, "Macs | None"]
+#: What the reader of a connection hands its sender: opcode, request id, reply, frame tags; or
+#: (-1, request id, the unsent rest of a frame already begun on the wire, None).
+_Outgoing = tuple[int, int, "P.Reply | bytes", "Macs | None"]
+
+
+class _Wire:
+    """The sending side of one pipelined connection.
+
+    ``lock`` is held by whoever writes a frame (a Semaphore, not a Lock: the reader may take it
+    and hand it to the sender along with the rest of a frame the socket did not take at once).
+    ``busy`` is true from the moment the reader queues something for the sender until the
+    sender has sent everything queued: the reader sends a reply itself only when the sender is
+    not busy and the wire is free, so the sender never waits for a wire held for the frame
+    behind it in its queue.
+    """
+
+    def __init__(self, sock: Any, replies: trio.MemorySendChannel[_Outgoing]) -> None:
+        self.sock = sock
+        self.replies = replies
+        self.lock = trio.Semaphore(1)
+        self.busy = False
+
+    async def queue(self, item: _Outgoing) -> None:
+        self.busy = True
+        await self.replies.send(item)
 
 
 class _PeerWarnings:
@@ -171,7 +187,7 @@ class ShardServer:
 
     # ------------------------------------------------------------ pure request handling
     def handle(self, frame: P.Frame, staging: memoryview | None = None,
-               transport: str = "tcp") -> P.Reply | Awaitable[P.Reply] | ThreadWork:
+               transport: str = "tcp", zero_copy: bool = False) -> P.Reply | Awaitable[P.Reply] | ThreadWork:
         """Apply one request frame and return the reply. Never raises for bad input.
 
         ``staging`` is the connection's staging buffer (verbs transport), if it has one. An
@@ -179,6 +195,10 @@ class ShardServer:
         the reply is then an awaitable, and the request's buffers must stay untouched until it
         is done (the forward reads them). ``transport`` (``tcp`` or ``verbs``) labels the
         request's metrics (:mod:`irdma.metrics`).
+
+        ``zero_copy``: a READ's reply data is a view of the shard's memory, valid only until
+        this task next yields (an update applied after may change it): the caller sends it at
+        once or copies it (:meth:`_reply`). Otherwise it is a copy.
 
         A request that needs disk I/O before it can be applied (SYNC, or a new chunk on a
         shard with a data directory) gets a :class:`ThreadWork`: the front end awaits it
@@ -196,12 +216,12 @@ class ShardServer:
             return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
         if isinstance(msg, P.Sync) and self.shard.store is not None:
             return ThreadWork(self._sync(msg, t0, transport))
-        return self._handle(msg, staging, t0, transport)
+        return self._handle(msg, staging, t0, transport, zero_copy)
 
     def _handle(self, msg: P.Request, staging: memoryview | None, t0: float,
-                transport: str) -> P.Reply | Awaitable[P.Reply] | ThreadWork:
+                transport: str, zero_copy: bool = False) -> P.Reply | Awaitable[P.Reply] | ThreadWork:
         try:
-            reply = self._apply(msg, staging)
+            reply = self._apply(msg, staging, zero_copy)
         except ChunksPending as pending:
             return self._make_then_apply(pending, msg, staging, t0, transport)
         except Exception as exc:
@@ -312,28 +332,16 @@ class ShardServer:
             log.debug("recording a request's metrics failed", exc_info=True)
 
     def _error(self, exc: Exception, msg: P.Request) -> P.ErrorReply:
-        """The error reply of a request that raised ``exc`` (the one status table of the shard)."""
-        if isinstance(exc, NoSpace):
-            return P.ErrorReply(P.Status.NO_SPACE, str(exc))
-        if isinstance(exc, BadRequest):
-            return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
-        if isinstance(exc, DataLost):
-            return P.ErrorReply(P.Status.CHUNK_LOST, str(exc))
-        if isinstance(exc, ReplicaStale):
-            return P.ErrorReply(P.Status.STALE, str(exc), exc.shard_id)
-        if isinstance(exc, ReplicaFailed):
-            return P.ErrorReply(P.Status.FORWARD_FAILED, str(exc), exc.shard_id)
-        if isinstance(exc, Fenced):
-            return P.ErrorReply(P.Status.FENCED, str(exc))
-        if isinstance(exc, Dirty):
-            return P.ErrorReply(P.Status.DIRTY, str(exc))
-        if isinstance(exc, ShardUnavailable):
-            return P.ErrorReply(P.Status.INTERNAL, f"shard {self.shard.shard_id}: {exc}")
+        """The error reply of a request that raised ``exc`` (:data:`irdma.protocol.STATUS_ERRORS`)."""
+        reply = P.error_reply(exc, self.shard.shard_id)
+        if reply is not None:
+            return reply
         # a bug: this request fails, the shard goes on
         log.error("request %s failed with an unexpected error", type(msg).__name__, exc_info=exc)
         return P.ErrorReply(P.Status.INTERNAL, f"shard {self.shard.shard_id}: internal error: {exc!r}")
 
-    def _apply(self, msg: P.Request, staging: memoryview | None = None) -> P.Reply | Awaitable[int]:
+    def _apply(self, msg: P.Request, staging: memoryview | None = None,
+               zero_copy: bool = False) -> P.Reply | Awaitable[int]:
         shard = self.shard
         if isinstance(msg, P.Read):
             if msg.length > self.max_payload:
@@ -342,6 +350,8 @@ class ShardServer:
             version, view = shard.read(msg.file_id, msg.chunk_index, msg.offset, msg.length)
             if view is None:
                 return P.ReadReply(version, hole=True)
+            if zero_copy:  # sent before this task yields, or copied then (see handle)
+                return P.ReadReply(version, view)
             # a copy: the reply may take a while to send, and an update applied meanwhile must
             # not tear it (a chunk's updates are atomic to readers; the frame tag covers it)
             return P.ReadReply(version, bytes(view))
@@ -533,30 +543,38 @@ class ShardServer:
 
     async def _serve_frames(self, sock: Any, peer: str, verbs_nursery: trio.Nursery) -> None:
         """Serve one connection, pipelined: this task reads and applies requests in the order
-        they came, while a sender task sends their replies (at most PIPELINE_DEPTH waiting), so
-        the next request is read and applied while the previous reply is still on the wire."""
-        send_lock = trio.Lock()  # the sender and the replies of forwarded updates take turns
+        they came, while a sender task sends the replies that could not go at once (at most
+        PIPELINE_DEPTH waiting), so the next request is read and applied while a reply is
+        still on the wire (see :class:`_Wire`)."""
         replies, queued = trio.open_memory_channel[_Outgoing](PIPELINE_DEPTH)
+        wire = _Wire(sock, replies)
         async with trio.open_nursery() as pipe:
-            pipe.start_soon(self._send_replies, sock, send_lock, queued)
+            pipe.start_soon(self._send_replies, wire, queued)
             async with replies:
-                await self._read_frames(sock, peer, verbs_nursery, replies, send_lock)
+                await self._read_frames(sock, peer, verbs_nursery, wire)
 
-    async def _send_replies(self, sock: Any, send_lock: trio.Lock, queued: trio.MemoryReceiveChannel[_Outgoing]) -> None:
+    async def _send_replies(self, wire: _Wire, queued: trio.MemoryReceiveChannel[_Outgoing]) -> None:
         """The sender of one connection: the replies the reader queued, in order. Once a send
         fails the socket is closed (the reader's next receive fails) and what is left is dropped."""
         alive = True
         async with queued:
             async for opcode, request_id, reply, macs in queued:
+                if not isinstance(reply, bytes):  # else the rest of a frame begun on the wire, held for us
+                    await wire.lock.acquire()
+                try:
+                    if alive:
+                        if isinstance(reply, bytes):
+                            alive = await self._send_quietly(wire.sock, [reply], None)
+                        else:
+                            alive = await self._send_quietly(wire.sock, P.encode_reply(opcode, request_id, reply), macs)
+                finally:
+                    wire.lock.release()
+                    if not queued.statistics().current_buffer_used:
+                        wire.busy = False
                 if not alive:
-                    continue
-                async with send_lock:
-                    alive = await self._send_quietly(sock, P.encode_reply(opcode, request_id, reply), macs)
-                if not alive:
-                    sock.close()
+                    wire.sock.close()
 
-    async def _read_frames(self, sock: Any, peer: str, verbs_nursery: trio.Nursery,
-                           replies: trio.MemorySendChannel[_Outgoing], send_lock: trio.Lock) -> None:
+    async def _read_frames(self, sock: Any, peer: str, verbs_nursery: trio.Nursery, wire: _Wire) -> None:
         rx = Receiver(sock)
         hdr = bytearray(P.HEADER_SIZE)
         tag = bytearray(0)  # the trailer after each frame, once the handshake set the tags
@@ -581,7 +599,7 @@ class ShardServer:
                 except RemoteProtocolError as exc:
                     self.warnings.warn(peer, "closing connection from %s: %s", peer, exc)
                     status = P.Status.TOO_LARGE if isinstance(exc, P.FrameTooLarge) else P.Status.BAD_FRAME
-                    await replies.send((0, 0, P.ErrorReply(status, str(exc)), macs))
+                    await wire.queue((0, 0, P.ErrorReply(status, str(exc)), macs))
                     break
                 except (OSError, trio.ClosedResourceError):
                     break
@@ -613,7 +631,7 @@ class ShardServer:
             if not opened:
                 reply = self.hello(frame, hs)
                 opened = isinstance(reply, P.HelloReply)
-                await replies.send((frame.opcode, frame.request_id, reply, None))  # handshake replies: untagged
+                await wire.queue((frame.opcode, frame.request_id, reply, None))  # handshake replies: untagged
                 if isinstance(reply, P.ErrorReply):
                     self.warnings.warn(peer, "refused connection from %s: %s", peer, hs.why or reply.message)
                     break
@@ -623,7 +641,7 @@ class ShardServer:
             elif frame.opcode == P.Opcode.VERBS_CONNECT:
                 reply = await self._verbs_connect(frame, verbs_nursery)
             else:
-                handled = self.handle(frame)
+                handled = self.handle(frame, zero_copy=True)
                 while isinstance(handled, ThreadWork):  # disk I/O first; the next request waits for it
                     handled = await handled
                 if not inspect.isawaitable(handled):
@@ -631,14 +649,47 @@ class ShardServer:
                 else:
                     # answered once the chain has it; meanwhile its forward reads the body buffer
                     lent, staging = staging, spare.pop() if spare else bytearray(0)
-                    verbs_nursery.start_soon(self._reply_later, sock, send_lock, frame.opcode, frame.request_id,
+                    verbs_nursery.start_soon(self._reply_later, sock, wire.lock, frame.opcode, frame.request_id,
                                              handled, macs, lent, spare)
                     continue
-            # the reply holds nothing of the body buffer (a READ's bytes are a copy), so the
-            # next frame may be read into it while this reply waits for the sender
-            await replies.send((frame.opcode, frame.request_id, reply, macs))
+            # the reply holds nothing of the body buffer, so the next frame may be read into it
+            await self._reply(wire, frame.opcode, frame.request_id, reply, macs)
 
-    async def _reply_later(self, sock: Any, send_lock: trio.Lock, opcode: int, request_id: int,
+    async def _reply(self, wire: _Wire, opcode: int, request_id: int, reply: P.Reply, macs: Macs | None) -> None:
+        """Send a reply now if the connection's sender is idle and the wire free, else queue it
+        for the sender.
+
+        Sent now, it is tagged and written with ``writev`` before this task yields: a READ's
+        bytes go from the shard's memory to the socket with no copy, and no update can be
+        applied between the read and the send. What the socket did not take at once is copied
+        and handed to the sender, the wire still held for it, and this task goes on reading.
+        Queued, a READ's bytes are copied first. Replies may so leave in another order than
+        their requests (the client matches them by request id); tags are made with the wire
+        held, in the order frames go on it.
+        """
+        if not wire.busy and wire.lock.value:
+            wire.lock.acquire_nowait()
+            try:
+                parts = P.encode_reply(opcode, request_id, reply)
+                if macs is not None:
+                    parts.append(macs.seal(parts))
+                rest = _send_now(wire.sock, parts)
+            except (OSError, trio.ClosedResourceError):
+                wire.lock.release()
+                wire.sock.close()  # the reader's next receive fails: the connection ends
+                return
+            if not rest:
+                wire.lock.release()
+                return  # (the reader's next receive is its checkpoint)
+            # the sender is parked (not busy): it takes this at once and frees the wire after
+            wire.busy = True
+            wire.replies.send_nowait((-1, request_id, rest, None))
+            return
+        if isinstance(reply, P.ReadReply) and isinstance(reply.data, memoryview):
+            reply = P.ReadReply(reply.version, bytes(reply.data), reply.hole)
+        await wire.queue((opcode, request_id, reply, macs))
+
+    async def _reply_later(self, sock: Any, send_lock: trio.Semaphore, opcode: int, request_id: int,
                            reply: Awaitable[P.Reply], macs: Macs | None, lent: bytearray | None = None,
                            spare: list[bytearray] | None = None) -> None:
         """Send the reply of a forwarded update once the chain has it. ``lent``: the staging
@@ -760,6 +811,37 @@ async def _serve_until_signal(server: ShardServer, shard: Shard, host: str, port
                 log.info("shard %d stopping on signal %d", shard.shard_id, signum)
                 nursery.cancel_scope.cancel()
                 break
+
+
+def _send_now(sock: Any, parts: list[bytes | memoryview]) -> bytes:
+    """Write ``parts`` to the non-blocking ``sock`` with ``writev`` (writev(2)) until it would
+    block; returns a copy of what it did not take (empty when all went).
+
+    Raises:
+        OSError: the connection failed (EPIPE, ECONNRESET, a closed socket's EBADF).
+    """
+    bufs = [memoryview(p).cast("B") for p in parts]
+    total = sum(len(b) for b in bufs)
+    sent = 0
+    fd = sock.fileno()
+    while sent < total:
+        try:
+            sent += os.writev(fd, _skip(bufs, sent))
+        except BlockingIOError:
+            break
+    return b"".join(_skip(bufs, sent)) if sent < total else b""
+
+
+def _skip(bufs: list[memoryview], n: int) -> list[memoryview]:
+    """``bufs`` less their first ``n`` bytes (views, no copy)."""
+    out: list[memoryview] = []
+    for b in bufs:
+        if n >= len(b):
+            n -= len(b)
+            continue
+        out.append(b[n:] if n else b)
+        n = 0
+    return out
 
 
 def _opcode_name(opcode: int) -> str:

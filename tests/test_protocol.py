@@ -268,3 +268,36 @@ def test_encoding_assign_or_a_scatter_is_a_local_error() -> None:
 
 def test_protocol_8_is_the_only_version_spoken() -> None:
     assert (P.MIN_PROTOCOL_VERSION, P.PROTOCOL_VERSION) == (8, 8)
+
+
+@pytest.mark.parametrize("status,cls", P.STATUS_ERRORS, ids=[s.name for s, _ in P.STATUS_ERRORS])
+def test_every_error_a_shard_sends_is_raised_as_the_same_class_by_the_client(status: P.Status, cls: type) -> None:
+    """The one status table (issue 21): an exception met by a shard, encoded as its error
+    reply and decoded by a client, is raised there as the same class (with the replica it
+    names); the wire status is the table's."""
+    import irdma._errors as E
+
+    exc = cls("what went wrong", 7) if issubclass(cls, E.ReplicaError) else cls("what went wrong")
+    reply = P.error_reply(exc, shard_id=3)
+    assert reply is not None and reply.status == status
+    frame = P.parse_header(b"".join(P.encode_reply(P.Opcode.WRITE, 9, reply))[: P.HEADER_SIZE], 1 << 20)
+    frame.body = memoryview(b"".join(P.encode_reply(P.Opcode.WRITE, 9, reply))[P.HEADER_SIZE :])
+    with pytest.raises(cls) as raised:
+        P.raise_for_error(P.decode_reply(frame), "127.0.0.1:1")
+    assert type(raised.value) is cls and "what went wrong" in str(raised.value)
+    if issubclass(cls, E.ReplicaError):
+        assert raised.value.shard_id == 7
+
+
+def test_a_status_the_table_lacks_is_shard_unavailable_and_a_bug_is_no_table_entry() -> None:
+    import irdma._errors as E
+
+    for status in (P.Status.INTERNAL, P.Status.AUTH_FAILED):
+        with pytest.raises(E.ShardUnavailable, match=status.name):
+            P.raise_for_error(P.ErrorReply(status, "x"), "127.0.0.1:1")
+    for status in P.REFUSED_STATUSES:
+        with pytest.raises(E.BadRequest, match="refused the request"):
+            P.raise_for_error(P.ErrorReply(status, "x"), "127.0.0.1:1")
+    assert P.error_reply(ZeroDivisionError("bug"), 3) is None  # the caller logs it, answers INTERNAL
+    internal = P.error_reply(E.ShardUnavailable("link down"), 3)
+    assert internal is not None and internal.status == P.Status.INTERNAL and "shard 3" in internal.message

@@ -29,15 +29,8 @@ import trio
 from irdma import auth
 from irdma import protocol as P
 from irdma._errors import (
-    BadRequest,
-    DataLost,
-    Dirty,
-    Fenced,
     IrdmaError,
-    NoSpace,
     RemoteProtocolError,
-    ReplicaFailed,
-    ReplicaStale,
     ShardUnavailable,
 )
 from irdma.protocol import ChunkEntry, StatReply, Update, UpdateOp
@@ -170,25 +163,8 @@ async def send_parts(sock: Any, parts: list[bytes | memoryview]) -> None:
             view = view[sent:]
 
 
-def raise_for_error(reply: P.Reply, address: str) -> None:
-    """Turn an error reply into the matching exception."""
-    if isinstance(reply, P.ErrorReply):
-        where = f"shard at {address}"
-        if reply.status == P.Status.NO_SPACE:
-            raise NoSpace(f"{where}: {reply.message}")
-        if reply.status == P.Status.CHUNK_LOST:
-            raise DataLost(f"{where}: {reply.message}")
-        if reply.status in (P.Status.BAD_REQUEST, P.Status.TOO_LARGE, P.Status.UNKNOWN_OPCODE):
-            raise BadRequest(f"{where} refused the request: {reply.message}")
-        if reply.status == P.Status.FORWARD_FAILED:
-            raise ReplicaFailed(f"{where}: {reply.message}", reply.shard_id)
-        if reply.status == P.Status.STALE:
-            raise ReplicaStale(f"{where}: {reply.message}", reply.shard_id)
-        if reply.status == P.Status.FENCED:
-            raise Fenced(f"{where}: {reply.message}")
-        if reply.status == P.Status.DIRTY:
-            raise Dirty(f"{where}: {reply.message}")
-        raise ShardUnavailable(f"{where} answered {reply.status.name}: {reply.message}")
+#: Turn an error reply into its exception: the one table of :mod:`irdma.protocol`.
+raise_for_error = P.raise_for_error
 
 
 @dataclass
