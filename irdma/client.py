@@ -34,7 +34,7 @@ import socket
 import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import numpy as np
 import trio
@@ -68,6 +68,7 @@ from .placement import Layout, Move, Piece, substitute
 from .protocol import DEFAULT_MAX_PAYLOAD, Chain, ChunkEntry, StatReply, Update, UpdateOp, as_update
 from .protocol import extents as P_extents
 from .transport import ShardConnection, Transport, make_transport
+from .transport.tcp import TcpConnection
 
 #: Requests in flight per shard connection.
 DEFAULT_WINDOW = 16
@@ -127,6 +128,18 @@ def _compression(value: Compression | str | bytes | None) -> Compression | None:
     if value is None or isinstance(value, Compression):
         return value or None
     return parse_compress(value) or None
+
+
+class _Deadline:
+    """One request on the watchdog's fast path (:meth:`Client._on_shard`): when it must be
+    answered (trio time), on which connection, and whether the watchdog found it late."""
+
+    __slots__ = ("at", "conn", "expired")
+
+    def __init__(self, at: float, conn: ShardConnection) -> None:
+        self.at = at
+        self.conn = conn
+        self.expired = False
 
 
 class Client:
@@ -190,6 +203,9 @@ class Client:
         # (file id, chunk index, shard id); forgotten when the view changes
         self._withdrawn: set[tuple[int, int, int]] = set()
         self._withdrawn_view = -1
+        # requests on the fast path of _on_shard: no cancel scope each, one watchdog for all
+        self._deadlines: set[_Deadline] = set()
+        self._watchdog = False
         from .moves import ShardMoves  # here, not at the top: irdma.moves imports this module
 
         self._admin = ShardMoves(self)  # resync, drain, rebalance, removal
@@ -340,13 +356,73 @@ class Client:
         if not probe and self._down_until and trio.current_time() < self._down_until.get(shard_id, 0.0):
             raise ShardUnavailable(f"{self._where(shard_id)} missed its last deadline of {self.timeout:g} s;"
                                    " not retried yet", _SHARD_HINT)
+        # The fast path, that of nearly every request (a 4 KiB read through the mount is little
+        # else): an open TCP connection and room in the window. No cancel scope per request:
+        # the watchdog (_watch_deadlines) closes a connection on which a request outlived its
+        # deadline, which fails that request (and the others on it) at once. No strings built
+        # unless it fails, no wait for the window (the send in ``fn`` is the checkpoint).
+        conn = self._conns.get(shard_id)
+        if conn is not None and type(conn) is MeteredConnection and type(conn.conn) is TcpConnection \
+                and not conn.broken:
+            limit = (self._pull_limits if pull else self._limits)[shard_id]
+            try:
+                limit.acquire_nowait()
+            except trio.WouldBlock:
+                pass
+            else:
+                if not self._watchdog:
+                    self._watchdog = True
+                    self._nursery.start_soon(self._watch_deadlines, name="irdma-client deadlines")
+                d = _Deadline(trio.current_time() + self.timeout, conn)
+                self._deadlines.add(d)
+                try:
+                    result = await fn(conn)
+                except (Dirty, Fenced, ReplicaError):
+                    raise  # answers about the chain, not failures of this connection
+                except ShardUnavailable:
+                    if d.expired:
+                        return await self._missed_deadline(shard_id, conn)
+                    await self._drop(shard_id, conn)
+                    # as a reused connection's first failure below: once more on a fresh one,
+                    # within what is left of this request's deadline
+                    return await self._on_shard_scoped(shard_id, fn, pull, d.at, retry=True)
+                finally:
+                    self._deadlines.discard(d)
+                    limit.release()
+                if self._down_until:
+                    self._down_until.pop(shard_id, None)
+                return result
+        return await self._on_shard_scoped(shard_id, fn, pull, trio.current_time() + self.timeout)
+
+    async def _watch_deadlines(self) -> None:
+        """The watchdog of the fast path of :meth:`_on_shard`: every eighth of the deadline (at
+        most a second), the connections with a request past its deadline are closed, which
+        fails their requests at once (ShardUnavailable; the request found late then takes the
+        missed-deadline path). Runs in the client's nursery while it is open."""
+        tick = max(0.01, min(1.0, self.timeout / 8))
+        while True:
+            await trio.sleep(tick)
+            if not self._deadlines:
+                continue
+            now = trio.current_time()
+            late: dict[int, ShardConnection] = {}
+            for d in self._deadlines:
+                if d.at <= now and not d.expired:
+                    d.expired = True
+                    late[id(d.conn)] = d.conn
+            for conn in late.values():
+                with trio.CancelScope(shield=True):  # closing only releases local resources
+                    await conn.aclose()
+
+    async def _on_shard_scoped(self, shard_id: int, fn: Callable[[ShardConnection], Awaitable[_T]], pull: bool,
+                               deadline: float, retry: bool = False) -> _T:
+        """:meth:`_on_shard` under a cancel scope with ``deadline`` (trio time): when a connection
+        must be opened, or the window waited for. ``retry``: the fast path's connection just
+        failed; this is the once-more on a fresh one."""
         conn: ShardConnection | None = None
         sent = False
-        # The path of every request (a 4 KiB read through the mount is little else): no strings
-        # built unless it fails, and no wait for the window when it has room (the send in ``fn``
-        # is the checkpoint), so a request costs one pass of the scheduler fewer.
-        with trio.move_on_after(self.timeout):
-            for attempt in (1, 2):
+        with trio.move_on_at(deadline):
+            for attempt in ((2,) if retry else (1, 2)):
                 conn = self._conns.get(shard_id)
                 reused = conn is not None and not conn.broken
                 if not reused:
@@ -381,9 +457,18 @@ class Client:
                 if self._down_until:
                     self._down_until.pop(shard_id, None)
                 return result
+        return await self._missed_deadline(shard_id, conn if sent else None)
+
+    async def _missed_deadline(self, shard_id: int, conn: ShardConnection | None) -> NoReturn:
+        """A request to ``shard_id`` missed its deadline: the shard is held out of data calls for
+        a deadline, ``conn`` (the request's, if it was sent) closed, the shard marked down.
+
+        Raises:
+            ShardUnavailable: always, naming the shard and the deadline.
+        """
         where, hint = self._where(shard_id), _SHARD_HINT
         self._down_until[shard_id] = trio.current_time() + self.timeout
-        if sent and conn is not None:
+        if conn is not None:
             await self._drop(shard_id, conn)
         if self._in_view(shard_id):  # once per failure: every request in flight lands here
             log.warning("%s did not answer within %g s: marked down (%s)", where, self.timeout, hint)
