@@ -35,7 +35,7 @@ from irdma.transport.verbs import (
     view_of,
 )
 
-from .serve import ThreadWork
+from .dispatch import ThreadWork
 from .shard import PAGE, Region, Shard
 from .store import ShardStore, address_of
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 from irdma.server.replicate import Link
 from irdma.server.serve import ShardServer
@@ -425,7 +426,7 @@ class _TrickleSocket:
         self.at += k
         if self.at == len(self.data):
             self.during_last()
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
         return k
 
 

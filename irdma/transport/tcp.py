@@ -14,12 +14,8 @@ effect on the stream (a late reply is read into a scratch buffer and dropped).
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import logging
-import secrets
-import socket as _stdsocket
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -30,8 +26,17 @@ from irdma import auth
 from irdma import protocol as P
 from irdma._errors import (
     IrdmaError,
-    RemoteProtocolError,
     ShardUnavailable,
+)
+from irdma.framing import (  # noqa: F401 - re-exported: the names this module had before irdma.framing
+    SOCKET_BUFFER,
+    Macs,
+    Receiver,
+    handshake,
+    read_frame,
+    recv_exactly,
+    send_parts,
+    tune_socket,
 )
 from irdma.protocol import ChunkEntry, StatReply, Update, UpdateOp
 
@@ -39,128 +44,10 @@ from .base import ShardConnection, ShardInfo, Transport, parse_address
 
 log = logging.getLogger("irdma.transport.tcp")
 
-SOCKET_BUFFER = 4 << 20
-_JOIN_LIMIT = 64 << 10
 #: Seconds a TCP connect plus HELLO may take before the shard counts as unreachable.
 CONNECT_TIMEOUT = 10.0
 
 _R = TypeVar("_R")
-
-
-def tune_socket(sock: Any) -> None:
-    """TCP_NODELAY and large socket buffers: requests are small, payloads large."""
-    sock.setsockopt(_stdsocket.IPPROTO_TCP, _stdsocket.TCP_NODELAY, 1)
-    for opt in (_stdsocket.SO_SNDBUF, _stdsocket.SO_RCVBUF):
-        try:
-            sock.setsockopt(_stdsocket.SOL_SOCKET, opt, SOCKET_BUFFER)
-        except OSError:  # pragma: no cover - capped by the kernel, not fatal
-            pass
-
-
-async def recv_exactly(sock: Any, view: memoryview) -> bool:
-    """Fill ``view`` from ``sock``. Returns False on a clean EOF before the first byte.
-
-    Raises:
-        RemoteProtocolError: EOF in the middle of ``view``.
-    """
-    got, n = 0, len(view)
-    while got < n:
-        k = await sock.recv_into(view[got:], n - got)
-        if k == 0:
-            if got == 0:
-                return False
-            raise RemoteProtocolError(f"connection closed after {got} of {n} bytes")
-        got += k
-    return True
-
-
-class Receiver:
-    """Exact-size reads from a trio socket through a buffer: one ``recv`` takes whatever has
-    arrived (up to BUFFER bytes), so the header, fixed part, payload and tag of a small frame
-    cost one system call and one pass of the scheduler, not four; what is left of a large
-    payload goes straight into its own buffer. Use one per connection, and only it, once the
-    connection is open.
-    """
-
-    BUFFER = 64 << 10
-    #: Bytes still wanted from which a read skips the buffer.
-    DIRECT = 16 << 10
-
-    def __init__(self, sock: Any) -> None:
-        self.sock = sock
-        self._buf = memoryview(b"")  # allocated at the first buffered read
-        self._lo = self._hi = 0
-
-    @staticmethod
-    def _check(abandoned: Callable[[], bool] | None) -> None:
-        if abandoned is not None and abandoned():
-            raise ShardUnavailable("the call whose buffer this reply was filling returned (cancelled)")
-
-    @property
-    def buffered(self) -> int:
-        """Bytes received and not yet read."""
-        return self._hi - self._lo
-
-    async def exactly(self, view: memoryview, abandoned: Callable[[], bool] | None = None) -> bool:
-        """Fill ``view``. Returns False on a clean EOF before its first byte.
-
-        ``abandoned``: for a caller's buffer, whether its call has returned (cancelled): asked
-        before every copy into ``view``, since each ``await`` here lets the caller run; once
-        true, not one more byte lands there. (A ``recv_into`` straight into ``view`` follows a
-        check with no checkpoint between; an abandoned call has closed the socket, so the
-        system call after a wait fails.)
-
-        Raises:
-            RemoteProtocolError: EOF in the middle of ``view``.
-            ShardUnavailable: ``abandoned`` became true.
-        """
-        n = len(view)
-        got = min(self._hi - self._lo, n)
-        if got:
-            self._check(abandoned)
-            view[:got] = self._buf[self._lo : self._lo + got]
-            self._lo += got
-        while got < n:
-            need = n - got
-            self._check(abandoned)
-            if need >= self.DIRECT:
-                k = await self.sock.recv_into(view[got:], need)
-            else:  # the buffer is empty here: take what has arrived, keep the rest
-                if not self._buf:
-                    self._buf = memoryview(bytearray(self.BUFFER))
-                k = await self.sock.recv_into(self._buf, self.BUFFER)
-                self._lo, self._hi = min(k, need), k
-                self._check(abandoned)  # the caller may have returned during that await
-                view[got : got + self._lo] = self._buf[: self._lo]
-                k = self._lo
-            if k == 0:
-                if got == 0:
-                    return False
-                raise RemoteProtocolError(f"connection closed after {got} of {n} bytes")
-            got += k
-        return True
-
-
-async def send_parts(sock: Any, parts: list[bytes | memoryview]) -> None:
-    """Send buffers in order; runs of small buffers are joined into one send, payloads go as
-    views (never copied)."""
-    bufs: list[bytes | memoryview] = []
-    small: list[bytes | memoryview] = []
-    for p in parts:
-        if len(p) <= _JOIN_LIMIT:
-            small.append(p)
-            continue
-        if small:
-            bufs.append(b"".join(small) if len(small) > 1 else small[0])
-            small = []
-        bufs.append(p)
-    if small:
-        bufs.append(b"".join(small) if len(small) > 1 else small[0])
-    for buf in bufs:
-        view = memoryview(buf).cast("B")
-        while len(view):
-            sent = await sock.send(view)
-            view = view[sent:]
 
 
 #: Turn an error reply into its exception: the one table of :mod:`irdma.protocol`.
@@ -427,83 +314,6 @@ class TcpConnection(ShardConnection):
         if self._broken is None:
             self._fail_all(ShardUnavailable(f"connection to shard at {self.address} was closed"))
         self._sock.close()
-
-
-Macs = auth.Macs  # the frame tags of one connection (re-exported: the shard's front end uses them)
-
-
-async def read_frame(sock: Any, address: str, max_body: int, macs: Macs | None, what: str) -> P.Frame:
-    """Read exactly one frame (and its tag, checked, on an authenticated connection).
-
-    Raises:
-        ShardUnavailable: the peer hung up. RemoteProtocolError: a bad header.
-        AuthFailed: the tag did not verify.
-    """
-    hdr = bytearray(P.HEADER_SIZE)
-    if not await recv_exactly(sock, memoryview(hdr)):
-        raise ShardUnavailable(f"{address} closed the connection during the {what}")
-    frame = P.parse_header(hdr, max_body)
-    body = bytearray(frame.body_len)
-    await recv_exactly(sock, memoryview(body))
-    if macs is not None:
-        tag = bytearray(macs.trailer)
-        await recv_exactly(sock, memoryview(tag))
-        macs.open([hdr, body], tag)
-    frame.body = memoryview(body)
-    return frame
-
-
-async def _read_frame(sock: Any, address: str, what: str) -> P.Reply:
-    dec = P.FrameDecoder(max_body=1 << 20)
-    while (frame := dec.next_frame()) is None:
-        data = await sock.recv(65536)
-        if not data:
-            raise ShardUnavailable(f"{address} closed the connection during the {what}")
-        dec.feed(data)
-    return P.decode_reply(frame)
-
-
-async def handshake(sock: Any, address: str, client_name: str,
-                    key: auth.KeyRing | None) -> tuple[P.HelloReply, Macs | None]:
-    """Open a fresh socket: HELLO, and with a cluster key the mutual challenge-response of
-    :mod:`irdma.auth`. Returns the shard's HELLO reply and, when authenticated, the frame tags.
-
-    Raises:
-        AuthFailed: the shard refused our proof, did not prove the key itself, belongs to
-            another cluster, or needs a key we do not have.
-        ShardUnavailable: the peer is not a shard, speaks another version, or hung up.
-    """
-    offer = b""
-    if key is not None:
-        nonce = secrets.token_bytes(auth.NONCE_SIZE)
-        offer = key.cluster_id + nonce
-    await send_parts(sock, P.encode_request(P.Hello(client_name=client_name, auth=offer), 0))
-    reply = await _read_frame(sock, address, "handshake")
-    macs = None
-    if isinstance(reply, P.AuthChallenge):
-        if key is None:
-            raise auth.AuthFailed(f"shard at {address} accepts only holders of its cluster key",
-                                  f"pass the cluster's key file with --key-file or {auth.KEY_FILE_ENV}")
-        t = auth.transcript(key.cluster_id, nonce, reply.nonce, key.security)
-        await send_parts(sock, P.encode_request(P.Auth(auth.client_proof(key.current, t)), 0))
-        reply = await _read_frame(sock, address, "authentication")
-        if isinstance(reply, P.HelloReply):
-            if not hmac.compare_digest(reply.proof, auth.shard_proof(key.current, t)):
-                raise auth.AuthFailed(f"shard at {address} did not prove it holds the cluster key",
-                                      "is this address a shard of this cluster? `irdma shard list`")
-            c2s, s2c = auth.session_keys(key.current, t)
-            macs = Macs(c2s, s2c, key.security)
-    elif isinstance(reply, P.HelloReply) and key is not None:
-        raise auth.AuthFailed(f"shard at {address} runs without authentication (--no-auth): it cannot prove it"
-                              " belongs to this cluster", "start it with the cluster's --key-file")
-    if isinstance(reply, P.ErrorReply):
-        if reply.status == P.Status.AUTH_FAILED:
-            raise auth.AuthFailed(f"shard at {address} refused us: {reply.message}",
-                                  f"pass this cluster's key file with --key-file or {auth.KEY_FILE_ENV}")
-        raise ShardUnavailable(f"shard at {address} refused the handshake: {reply.status.name}: {reply.message}")
-    if not isinstance(reply, P.HelloReply):
-        raise ShardUnavailable(f"{address} answered the handshake with {type(reply).__name__}")
-    return reply, macs
 
 
 class TcpTransport(Transport):

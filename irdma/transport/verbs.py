@@ -70,10 +70,10 @@ from irdma import protocol as P
 from irdma._errors import BadRequest, DataLost, IrdmaError, ShardUnavailable, TransportUnavailable
 from irdma.auth import AuthFailed, KeyRing
 from irdma.extents import move, positions
-from irdma.protocol import ChunkEntry, StatReply, UpdateOp
+from irdma.framing import Macs, handshake, read_frame, recv_exactly, send_parts, tune_socket
+from irdma.protocol import ChunkEntry, StatReply, UpdateOp, raise_for_error
 
 from .base import ShardConnection, ShardInfo, Transport, parse_address
-from .tcp import Macs, handshake, raise_for_error, read_frame, recv_exactly, send_parts, tune_socket
 
 try:  # Debian installs pyverbs for the system python3; let any python3.11 find it
     import pyverbs  # noqa: F401

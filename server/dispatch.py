@@ -1,0 +1,387 @@
+"""The shard's dispatcher: a request frame in, its reply out, with no sockets (issue 21).
+
+:meth:`Dispatcher.handle` decodes a frame, applies it to the :class:`~irdma.server.shard.Shard`
+synchronously (so update ops are atomic per chunk) and gives the reply: at once, as an
+awaitable when the update goes down a replication chain (answered once the chain has it), or as
+a :class:`ThreadWork` when the request needs disk I/O first (SYNC; a new chunk's zeroing and
+chunk-index record on a shard with a data directory), which runs in a worker thread so the
+event loop never waits for the disk. A malformed or refused request gets an error reply and
+changes nothing; an exception the request meets becomes its error reply through the one status
+table (:data:`irdma.protocol.STATUS_ERRORS`), a bug is logged with its traceback and answered
+INTERNAL. Every request is counted in the shard's metrics (:mod:`irdma.metrics`).
+
+The front ends only move frames: :mod:`irdma.server.tcp` (pipelined TCP connections) and
+:mod:`irdma.server.verbs` (queue pairs); both take a connection's handshake from
+:meth:`Dispatcher.handshake` (:class:`irdma.framing.ServerHandshake`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Coroutine, Generator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import trio
+
+from irdma import auth
+from irdma import protocol as P
+from irdma._errors import BadRequest, RemoteProtocolError
+from irdma.framing import ServerHandshake
+from irdma.metrics import shard_metrics
+
+from .replicate import Replicator
+from .shard import ChunksPending, Shard, split_extents
+
+if TYPE_CHECKING:
+    from .verbs import VerbsShard
+
+log = logging.getLogger("irdma.server")
+
+
+class ThreadWork:
+    """What :meth:`Dispatcher.handle` gives for a request that needs disk I/O before it is
+    applied (SYNC; a new chunk on a shard with a data directory): an awaitable that does the
+    I/O in a worker thread, so the event loop serves the other connections meanwhile, then
+    applies the request. A front end (TCP, verbs) awaits it in the connection's own task
+    before it reads that connection's next request, so one connection's requests are applied
+    in the order they came; it gives what :meth:`Dispatcher.handle` gives (a reply, an
+    awaitable of one, or another ThreadWork).
+    """
+
+    def __init__(self, work: Coroutine[Any, Any, Any], unstarted: Callable[[], None] | None = None) -> None:
+        self._work = work
+        self._unstarted = unstarted
+
+    def __await__(self) -> Generator[Any, None, P.Reply | Awaitable[P.Reply] | ThreadWork]:
+        self._unstarted = None
+        return self._work.__await__()  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Drop it without awaiting: nothing is applied, and what it reserved is given back."""
+        self._work.close()
+        if self._unstarted is not None:
+            self._unstarted()
+            self._unstarted = None
+
+
+class Dispatcher:
+    """Applies requests to one :class:`Shard` and gives their replies.
+
+    Args:
+        shard: the shard's memory and chunks.
+        max_payload: largest READ/WRITE payload accepted, bytes.
+        keys: the cluster's key file; every connection must prove the key (:mod:`irdma.auth`).
+            None: no authentication (``irdma server --no-auth``, for a trusted test bed only).
+    """
+
+    def __init__(self, shard: Shard, max_payload: int = P.DEFAULT_MAX_PAYLOAD,
+                 keys: auth.KeySource | None = None) -> None:
+        self.shard = shard
+        self.max_payload = max_payload
+        self.keys = keys
+        self.verbs: VerbsShard | None = None  # set when the shard's region is registered for RDMA
+        self.replicator = Replicator(shard, None, keys)  # its nursery is set when serving
+        self.metrics = shard_metrics()
+        self.metrics.watch(self)
+        self.replicator.metrics = self.metrics
+        #: ``HOST:PORT`` of this shard's metrics exporter, if it has one (told in STAT replies).
+        self.metrics_address = ""
+        #: Chunks being made (see :meth:`_make_then_apply`), each with the event set when done.
+        self._making: dict[tuple[int, int], trio.Event] = {}
+        # a new chunk's disk I/O goes to a worker thread (ThreadWork), not the event loop
+        shard.defer_creation = shard.store is not None
+
+    def handshake(self) -> ServerHandshake:
+        """The handshake state of a new connection (:mod:`irdma.auth`)."""
+        return ServerHandshake(self.keys, self._identity)
+
+    def _identity(self, proof: bytes) -> P.HelloReply:
+        shard = self.shard
+        return P.HelloReply(P.PROTOCOL_VERSION, shard.shard_id, shard.capacity, self.max_payload, shard.incarnation,
+                            proof=proof)
+
+    def handle(self, frame: P.Frame, staging: memoryview | None = None,
+               transport: str = "tcp", zero_copy: bool = False) -> P.Reply | Awaitable[P.Reply] | ThreadWork:
+        """Apply one request frame and return the reply. Never raises for bad input.
+
+        ``staging`` is the connection's staging buffer (verbs transport), if it has one. An
+        update this shard forwards along a replication chain is applied now and answered later:
+        the reply is then an awaitable, and the request's buffers must stay untouched until it
+        is done (the forward reads them). ``transport`` (``tcp`` or ``verbs``) labels the
+        request's metrics (:mod:`irdma.metrics`).
+
+        ``zero_copy``: a READ's reply data is a view of the shard's memory, valid only until
+        this task next yields (an update applied after may change it): the caller sends it at
+        once or copies it (:meth:`_reply`). Otherwise it is a copy.
+
+        A request that needs disk I/O before it can be applied (SYNC, or a new chunk on a
+        shard with a data directory) gets a :class:`ThreadWork`: the front end awaits it
+        before it reads the connection's next request, and gets what this method gives.
+        """
+        metrics = self.metrics
+        t0 = metrics.begin()
+        try:
+            msg = P.decode_request(frame)
+        except P.UnknownOpcode as exc:
+            metrics.end(t0, "unknown", transport, "unknown_opcode")
+            return P.ErrorReply(P.Status.UNKNOWN_OPCODE, str(exc))
+        except RemoteProtocolError as exc:
+            metrics.end(t0, _opcode_name(frame.opcode), transport, "bad_request")
+            return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
+        if isinstance(msg, P.Sync) and self.shard.store is not None:
+            return ThreadWork(self._sync(msg, t0, transport))
+        return self._handle(msg, staging, t0, transport, zero_copy)
+
+    def _handle(self, msg: P.Request, staging: memoryview | None, t0: float,
+                transport: str, zero_copy: bool = False) -> P.Reply | Awaitable[P.Reply] | ThreadWork:
+        try:
+            reply = self._apply(msg, staging, zero_copy)
+        except ChunksPending as pending:
+            return self._make_then_apply(pending, msg, staging, t0, transport)
+        except Exception as exc:
+            reply = self._error(exc, msg)
+        if inspect.isawaitable(reply):
+            return self._finish(reply, msg, t0, transport)
+        self._observe(t0, msg, reply, transport)
+        return reply
+
+    async def _sync(self, msg: P.Sync, t0: float, transport: str) -> P.Reply:
+        """SYNC (``msync`` of the region and the version table, a checkpoint of the chunk
+        index): it may take a while, so off the event loop; the other connections go on."""
+        reply: P.Reply
+        try:
+            await trio.to_thread.run_sync(self.shard.sync)
+            reply = P.VersionReply(0)
+        except Exception as exc:  # OSError, sqlite3.Error: this request fails, the shard goes on
+            log.error("sync failed: %s", exc)
+            reply = P.ErrorReply(P.Status.INTERNAL, f"shard {self.shard.shard_id}: sync failed: {exc}")
+        except BaseException:
+            self.metrics.end(t0, "sync", transport, "cancelled")
+            raise
+        self._observe(t0, msg, reply, transport)
+        return reply
+
+    def _make_then_apply(self, pending: ChunksPending, msg: P.Request, staging: memoryview | None, t0: float,
+                         transport: str) -> ThreadWork:
+        """Make the chunks ``msg`` reserved (zeroed and recorded by the data directory, in a
+        worker thread), wait for those another request is making, then apply ``msg`` again.
+
+        A chunk is reserved by one request only; a request that needs it meanwhile waits for
+        it (``self._making``) and then applies as usual, so two requests that create the same
+        chunk make it once, and a retried request id is still applied once (the replicator's
+        record is checked when each is applied). Requests of one connection stay in order:
+        the front end awaits this before the connection's next request.
+        """
+        done = trio.Event()
+        for key, _ in pending.new:
+            self._making[key] = done  # at once: a request that finds the chunk reserved waits on it
+
+        def release(made: bool) -> None:
+            (self.shard.install if made else self.shard.abandon)(pending.new)
+            for key, _ in pending.new:
+                if self._making.get(key) is done:
+                    del self._making[key]
+            done.set()
+
+        async def work() -> P.Reply | Awaitable[P.Reply] | ThreadWork:
+            try:
+                if pending.new:
+                    store = self.shard.store
+                    assert store is not None  # only a shard with a data directory defers creation
+                    made = False
+                    try:
+                        await trio.to_thread.run_sync(store.add_chunks,
+                                                      [(f, i, c.offset, c.size) for (f, i), c in pending.new])
+                        made = True
+                    finally:
+                        release(made)
+                for key in pending.waiting:
+                    other = self._making.get(key)
+                    if other is not None:
+                        await other.wait()
+                    else:
+                        await trio.lowlevel.checkpoint()
+            except Exception as exc:  # OSError, sqlite3.Error: this request fails, the shard goes on
+                log.error("shard %d could not make a new chunk: %s", self.shard.shard_id, exc)
+                reply = P.ErrorReply(P.Status.INTERNAL, f"shard {self.shard.shard_id}: cannot make a new chunk: {exc}")
+                self._observe(t0, msg, reply, transport)
+                return reply
+            except BaseException:
+                self.metrics.end(t0, _op_of(msg), transport, "cancelled")
+                raise
+            return self._handle(msg, staging, t0, transport)
+
+        return ThreadWork(work(), lambda: release(False))
+
+    async def _finish(self, version: Awaitable[int], msg: P.Request, t0: float, transport: str) -> P.Reply:
+        reply: P.Reply
+        try:
+            reply = P.VersionReply(await version)
+        except Exception as exc:
+            reply = self._error(exc, msg)
+        except BaseException:  # cancelled: the connection went away
+            self.metrics.end(t0, _op_of(msg), transport, "cancelled")
+            raise
+        self._observe(t0, msg, reply, transport)
+        return reply
+
+    def _observe(self, t0: float, msg: P.Request, reply: P.Reply, transport: str) -> None:
+        """Record one answered request in the shard's metrics (never raises)."""
+        try:
+            status = "ok" if not isinstance(reply, P.ErrorReply) else _status_name(reply.status)
+            bytes_in = bytes_out = 0
+            if status == "ok":
+                if isinstance(msg, P.Write):
+                    bytes_in = len(msg.data)
+                elif isinstance(msg, P.Scatter):
+                    bytes_in = msg.length
+                elif isinstance(reply, P.GatherReply):
+                    bytes_out = len(reply.data)
+                elif isinstance(msg, P.RemoteWrite):
+                    bytes_in = msg.length
+                elif isinstance(reply, P.ReadReply) and not reply.hole:
+                    bytes_out = len(reply.data)
+            self.metrics.end(t0, _op_of(msg), transport, status, bytes_in, bytes_out)
+        except Exception:  # noqa: BLE001 - metrics never fail a request
+            log.debug("recording a request's metrics failed", exc_info=True)
+
+    def _error(self, exc: Exception, msg: P.Request) -> P.ErrorReply:
+        """The error reply of a request that raised ``exc`` (:data:`irdma.protocol.STATUS_ERRORS`)."""
+        reply = P.error_reply(exc, self.shard.shard_id)
+        if reply is not None:
+            return reply
+        # a bug: this request fails, the shard goes on
+        log.error("request %s failed with an unexpected error", type(msg).__name__, exc_info=exc)
+        return P.ErrorReply(P.Status.INTERNAL, f"shard {self.shard.shard_id}: internal error: {exc!r}")
+
+    def _apply(self, msg: P.Request, staging: memoryview | None = None,
+               zero_copy: bool = False) -> P.Reply | Awaitable[int]:
+        shard = self.shard
+        if isinstance(msg, P.Read):
+            if msg.length > self.max_payload:
+                raise BadRequest(f"read of {msg.length} bytes exceeds the payload limit {self.max_payload}")
+            self.replicator.check_read(msg)
+            version, view = shard.read(msg.file_id, msg.chunk_index, msg.offset, msg.length)
+            if view is None:
+                return P.ReadReply(version, hole=True)
+            if zero_copy:  # sent before this task yields, or copied then (see handle)
+                return P.ReadReply(version, view)
+            # a copy: the reply may take a while to send, and an update applied meanwhile must
+            # not tear it (a chunk's updates are atomic to readers; the frame tag covers it)
+            return P.ReadReply(version, bytes(view))
+        if isinstance(msg, P.Write):
+            if msg.chain is not None:
+                out = self.replicator.write(msg, msg.data)
+                return P.VersionReply(out) if isinstance(out, int) else out
+            if msg.replace:
+                raise BadRequest("a whole-chunk copy (FLAG_REPLACE) comes only with a chain")
+            version = shard.write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, msg.data,
+                                  msg.existing)
+            return P.VersionReply(version)
+        if isinstance(msg, P.Gather):
+            chunks = msg.extents["chunk"].astype(np.int64)
+            lengths = msg.extents["length"].astype(np.int64)
+            total = int(lengths.sum())
+            if total + 8 * len(lengths) > self.max_payload:
+                raise BadRequest(f"a gather of {total} bytes in {len(lengths)} extents exceeds the payload limit"
+                                 f" {self.max_payload} (8 bytes of version per extent count)")
+            if msg.clean:
+                self.replicator.check_gather(msg.file_id, chunks)
+            into = memoryview(np.empty(total, dtype=np.uint8))  # type: ignore[arg-type]  # a copy (see READ), filled whole
+            versions = shard.gather(msg.file_id, chunks, msg.extents["offset"].astype(np.int64), lengths, into)
+            return P.GatherReply(versions, into)
+        if isinstance(msg, P.Scatter):
+            data: memoryview | bytes = msg.data
+            if msg.staged:
+                if staging is None:
+                    raise BadRequest("this connection has no staging buffer (a staged SCATTER needs the verbs transport)")
+                n = msg.length
+                if msg.staging_offset + n > len(staging):
+                    raise BadRequest(f"staged range leaves the {len(staging)}-byte staging buffer")
+                data = bytes(staging[msg.staging_offset : msg.staging_offset + n])
+            if msg.chain is not None:
+                out = self.replicator.scatter(msg, data)
+                return P.VersionReply(out) if isinstance(out, int) else out
+            parts = split_extents(msg.extents, msg.chunk_size, msg.op, len(data))
+            return P.VersionReply(max(shard.scatter(msg.file_id, msg.chunk_size, parts, msg.op, data,
+                                                         msg.existing)))
+        if isinstance(msg, P.Resync):
+            out = self.replicator.resync(msg)
+            return P.VersionReply(out) if isinstance(out, int) else out
+        if isinstance(msg, P.Checksum):
+            self.replicator.note_view(msg.view)
+            return P.ChecksumReply(*shard.checksum(msg.file_id, msg.chunk_index))
+        if isinstance(msg, P.List):
+            limit = max(0, min(msg.max_entries, P.MAX_LIST_ENTRIES))
+            return P.ListReply([P.ChunkEntry(*e) for e in shard.list_chunks(msg.after_file, msg.after_chunk, limit)])
+        if isinstance(msg, P.Sync):
+            shard.sync()
+            return P.VersionReply(0)
+        if isinstance(msg, P.Stat):
+            return P.StatReply(shard.shard_id, shard.capacity, shard.used, shard.chunk_count, self.metrics_address)
+        if isinstance(msg, P.Free):
+            return P.FreeReply(shard.free(msg.file_id, msg.first_chunk))
+        if isinstance(msg, P.Punch):
+            return P.VersionReply(shard.punch(msg.file_id, msg.chunk_index, msg.offset))
+        if isinstance(msg, P.Locate):
+            chunk = shard.locate(msg.file_id, msg.chunk_index, msg.create_size)
+            if chunk is None:
+                return P.LocateReply(False)
+            return P.LocateReply(True, chunk.offset, chunk.size, chunk.slot)
+        if isinstance(msg, P.RemoteWrite):
+            if msg.in_place:
+                if msg.op != P.UpdateOp.ASSIGN:
+                    raise BadRequest("only assign may be written in place; stage other update ops")
+                done = self.replicator.seen(msg.chain.request_id) if msg.chain is not None else None
+                version = done if done is not None else shard.commit_in_place(
+                    msg.file_id, msg.chunk_index, msg.region_offset, msg.offset, msg.length)
+                if msg.chain is None or not msg.chain.successors:
+                    return P.VersionReply(version)
+                # the bytes are in the chunk already: forward a copy of them (the region changes)
+                snap = shard.read(msg.file_id, msg.chunk_index, msg.offset, msg.length)[1]
+                assert snap is not None
+                fwd = P.Write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, bytes(snap),
+                              chain=msg.chain)
+                out = self.replicator.write(fwd, fwd.data, applied=version)
+                return P.VersionReply(out) if isinstance(out, int) else out
+            if staging is None:
+                raise BadRequest("this connection has no staging buffer (REMOTE_WRITE needs the verbs transport)")
+            if msg.staging_offset + msg.length > len(staging):
+                raise BadRequest(f"staged range leaves the {len(staging)}-byte staging buffer")
+            data = staging[msg.staging_offset : msg.staging_offset + msg.length]
+            if msg.chain is not None:
+                fwd = P.Write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, bytes(data),
+                              msg.existing, msg.chain)
+                out = self.replicator.write(fwd, fwd.data)
+                return P.VersionReply(out) if isinstance(out, int) else out
+            return P.VersionReply(shard.write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, data,
+                                              msg.existing))
+        raise BadRequest(f"{type(msg).__name__} is not valid here")
+
+
+def _opcode_name(opcode: int) -> str:
+    try:
+        return P.Opcode(opcode).name.lower()
+    except ValueError:
+        return "unknown"
+
+
+_OP_NAMES = {P.Read: "read", P.Write: "write", P.RemoteWrite: "remote_write", P.Resync: "resync",
+             P.Checksum: "checksum", P.List: "list", P.Sync: "sync", P.Stat: "stat", P.Free: "free",
+             P.Punch: "punch", P.Locate: "locate", P.Gather: "gather", P.Scatter: "scatter"}
+
+
+def _op_of(msg: P.Request) -> str:
+    """The ``op`` label of a request: ``forward`` for an update another shard forwarded."""
+    if isinstance(msg, (P.Write, P.Scatter)) and msg.chain is not None and (msg.chain.expect or getattr(msg, "replace", False)):
+        return "forward"
+    return _OP_NAMES.get(type(msg), type(msg).__name__.lower())
+
+
+def _status_name(status: int) -> str:
+    try:
+        return P.Status(status).name.lower()
+    except ValueError:
+        return "unknown_status"
