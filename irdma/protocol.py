@@ -74,8 +74,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar, Union
+from typing import Any, TypeVar, Union
 
 import numpy as np
 
@@ -744,24 +745,285 @@ Reply = Union[
     ChecksumReply, AuthChallenge, GatherReply,
 ]
 
-_REQUEST_OPCODE: dict[type, Opcode] = {
-    Hello: Opcode.HELLO,
-    Read: Opcode.READ,
-    Write: Opcode.WRITE,
-    Stat: Opcode.STAT,
-    Free: Opcode.FREE,
-    Punch: Opcode.PUNCH,
-    VerbsConnect: Opcode.VERBS_CONNECT,
-    Locate: Opcode.LOCATE,
-    RemoteWrite: Opcode.REMOTE_WRITE,
-    List: Opcode.LIST,
-    Sync: Opcode.SYNC,
-    Resync: Opcode.RESYNC,
-    Checksum: Opcode.CHECKSUM,
-    Auth: Opcode.AUTH,
-    Gather: Opcode.GATHER,
-    Scatter: Opcode.SCATTER,
-}
+# ---------------------------------------------------------------- the message table
+_M = TypeVar("_M")
+# Each request kind is one row of MESSAGES: its opcode, its class, how it is encoded (the
+# parts after the header, and the header's flags), how its body is decoded, and how the body of
+# its OK reply is decoded. encode_request, decode_request and decode_reply only look rows up;
+# a new request is one row here (and its handling in irdma.server.dispatch).
+_Parts = list[bytes | memoryview]
+
+
+def _chain_of(body: memoryview, at: int, flags: int) -> tuple[Chain | None, int]:
+    return Chain.decode(body, at) if flags & FLAG_CHAIN else (None, at)
+
+
+def _enc_hello(msg: Hello) -> tuple[_Parts, int]:
+    name = msg.client_name.encode()
+    return [_HELLO.pack(msg.min_version, msg.max_version, len(name), len(msg.auth)) + name + msg.auth], 0
+
+
+def _dec_hello(body: memoryview, flags: int) -> Hello:
+    _need(body, _HELLO.size, "HELLO")
+    lo, hi, nlen, clen = _HELLO.unpack_from(body)
+    if len(body) != _HELLO.size + nlen + clen:
+        raise RemoteProtocolError("HELLO body length does not match its name and auth offer")
+    name = bytes(body[_HELLO.size : _HELLO.size + nlen]).decode("utf-8", "replace")
+    return Hello(lo, hi, name, bytes(body[_HELLO.size + nlen :]))
+
+
+def _rep_hello(body: memoryview, flags: int) -> HelloReply | AuthChallenge:
+    if flags & FLAG_CHALLENGE:
+        _exact(body, AUTH_PROOF_SIZE, "HELLO challenge")
+        return AuthChallenge(bytes(body))
+    _need(body, _HELLO_R.size, "HELLO reply")
+    version, sid, cap, maxp, incarnation, elen = _HELLO_R.unpack_from(body)
+    _need(body, _HELLO_R.size + elen, "HELLO reply")
+    proof = bytes(body[_HELLO_R.size + elen :])
+    if len(proof) not in (0, AUTH_PROOF_SIZE):
+        raise RemoteProtocolError(f"HELLO reply carries a {len(proof)}-byte proof")
+    return HelloReply(version, sid, cap, maxp, incarnation, bytes(body[_HELLO_R.size : _HELLO_R.size + elen]), proof)
+
+
+def _enc_auth(msg: Auth) -> tuple[_Parts, int]:
+    return [msg.proof], 0
+
+
+def _dec_auth(body: memoryview, flags: int) -> Auth:
+    _exact(body, AUTH_PROOF_SIZE, "AUTH")
+    return Auth(bytes(body))
+
+
+def _rep_auth(body: memoryview, flags: int) -> HelloReply | AuthChallenge:
+    return _rep_hello(body, flags & ~FLAG_CHALLENGE)
+
+
+def _enc_read(msg: Read) -> tuple[_Parts, int]:
+    return [_READ.pack(msg.file_id, msg.chunk_index, msg.offset, msg.length)], FLAG_CLEAN if msg.clean else 0
+
+
+def _dec_read(body: memoryview, flags: int) -> Read:
+    _exact(body, _READ.size, "READ")
+    fid, idx, off, n = _READ.unpack_from(body)
+    return Read(fid, idx, off, n, bool(flags & FLAG_CLEAN))
+
+
+def _rep_read(body: memoryview, flags: int) -> ReadReply:
+    _need(body, _VERSION.size, "READ reply")
+    (version,) = _VERSION.unpack_from(body)
+    return ReadReply(version, body[_VERSION.size :], bool(flags & FLAG_HOLE))
+
+
+def _enc_write(msg: Write) -> tuple[_Parts, int]:
+    flags = 0
+    opv, optim = _encode_update(msg.op)
+    fixed = _WRITE.pack(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, opv) + optim
+    if msg.chain is not None:
+        fixed += msg.chain.encode()
+        flags |= FLAG_CHAIN
+    flags |= (FLAG_EXISTING if msg.existing else 0) | (FLAG_REPLACE if msg.replace else 0)
+    return ([fixed, msg.data] if len(msg.data) else [fixed]), flags
+
+
+def _dec_write(body: memoryview, flags: int) -> Write:
+    _need(body, _WRITE.size, "WRITE")
+    fid, idx, csize, off, opv = _WRITE.unpack_from(body)
+    uop, at = _decode_update(opv, body, _WRITE.size)
+    chain, at = _chain_of(body, at, flags)
+    return Write(fid, idx, csize, off, uop, body[at:], bool(flags & FLAG_EXISTING), chain, bool(flags & FLAG_REPLACE))
+
+
+def _version_reply(what: str) -> Callable[[memoryview, int], VersionReply]:
+    def decode(body: memoryview, flags: int) -> VersionReply:
+        _exact(body, _VERSION.size, what)
+        return VersionReply(_VERSION.unpack_from(body)[0])
+
+    return decode
+
+
+def _enc_resync(msg: Resync) -> tuple[_Parts, int]:
+    return [_RESYNC.pack(msg.file_id, msg.chunk_index, msg.chunk_size) + msg.chain.encode()], 0
+
+
+def _dec_resync(body: memoryview, flags: int) -> Resync:
+    _need(body, _RESYNC.size, "RESYNC")
+    chain, at = Chain.decode(body, _RESYNC.size)
+    _exact(body, at, "RESYNC")
+    fid, idx, csize = _RESYNC.unpack_from(body)
+    return Resync(fid, idx, csize, chain)
+
+
+def _fixed(cls: type[_M], layout: struct.Struct, what: str) -> tuple[Callable[[Any], tuple[_Parts, int]],
+                                                                      Callable[[memoryview, int], _M]]:
+    """The codec of a request that is one fixed struct of its fields, in order."""
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+
+    def encode(msg: Any) -> tuple[_Parts, int]:
+        return ([layout.pack(*(getattr(msg, n) for n in names))] if names else []), 0
+
+    def decode(body: memoryview, flags: int) -> _M:
+        _exact(body, layout.size, what)
+        return cls(*layout.unpack_from(body))
+
+    return encode, decode
+
+
+def _rep_stat(body: memoryview, flags: int) -> StatReply:
+    _need(body, _STAT_R.size, "STAT reply")
+    if len(body) > _STAT_R.size + 255:
+        raise RemoteProtocolError(f"STAT reply of {len(body)} bytes is longer than {_STAT_R.size + 255}")
+    try:
+        metrics = bytes(body[_STAT_R.size :]).decode()
+    except UnicodeDecodeError:
+        raise RemoteProtocolError("STAT reply names its metrics address in bytes that are not UTF-8") from None
+    sid, cap, used, nchunks = _STAT_R.unpack_from(body)
+    return StatReply(sid, cap, used, nchunks, metrics)
+
+
+def _rep_free(body: memoryview, flags: int) -> FreeReply:
+    _exact(body, _VERSION.size, "FREE reply")
+    return FreeReply(_VERSION.unpack_from(body)[0])
+
+
+def _rep_vconn(body: memoryview, flags: int) -> VerbsConnectReply:
+    _exact(body, _VCONN_R.size, "VERBS_CONNECT reply")
+    return VerbsConnectReply(*_VCONN_R.unpack_from(body))
+
+
+def _rep_locate(body: memoryview, flags: int) -> LocateReply:
+    _exact(body, _LOCATE_R.size, "LOCATE reply")
+    exists, roff, csize, slot = _LOCATE_R.unpack_from(body)
+    return LocateReply(bool(exists), roff, csize, slot)
+
+
+def _rep_checksum(body: memoryview, flags: int) -> ChecksumReply:
+    _exact(body, _CHECKSUM_R.size, "CHECKSUM reply")
+    return ChecksumReply(*_CHECKSUM_R.unpack_from(body))
+
+
+def _enc_rwrite(msg: RemoteWrite) -> tuple[_Parts, int]:
+    opv, optim = _encode_update(msg.op)
+    parts: _Parts = [_RWRITE.pack(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, opv, int(msg.in_place),
+                                  msg.length, msg.staging_offset, msg.region_offset) + optim
+                     + (msg.chain.encode() if msg.chain is not None else b"")]
+    return parts, (FLAG_EXISTING if msg.existing else 0) | (FLAG_CHAIN if msg.chain is not None else 0)
+
+
+def _dec_rwrite(body: memoryview, flags: int) -> RemoteWrite:
+    _need(body, _RWRITE.size, "REMOTE_WRITE")
+    fid, idx, csize, off, opv, in_place, n, soff, roff = _RWRITE.unpack_from(body)
+    uop, at = _decode_update(opv, body, _RWRITE.size)
+    chain, at = _chain_of(body, at, flags)
+    _exact(body, at, "REMOTE_WRITE")
+    return RemoteWrite(fid, idx, csize, off, uop, bool(in_place), n, soff, roff, bool(flags & FLAG_EXISTING), chain)
+
+
+def _rep_list(body: memoryview, flags: int) -> ListReply:
+    _need(body, _LIST_R.size, "LIST reply")
+    (count,) = _LIST_R.unpack_from(body)
+    _exact(body, _LIST_R.size + count * _LIST_E.size, "LIST reply")
+    return ListReply([ChunkEntry(*_LIST_E.unpack_from(body, _LIST_R.size + i * _LIST_E.size)) for i in range(count)])
+
+
+def _enc_gather(msg: Gather) -> tuple[_Parts, int]:
+    ext = np.ascontiguousarray(msg.extents, dtype=EXTENT)
+    return [_GATHER.pack(msg.file_id, len(ext)), ext.tobytes()], FLAG_CLEAN if msg.clean else 0
+
+
+def _dec_gather(body: memoryview, flags: int) -> Gather:
+    _need(body, _GATHER.size, "GATHER")
+    fid, count = _GATHER.unpack_from(body)
+    ext, at = _decode_extents(body, _GATHER.size, count, "GATHER")
+    _exact(body, at, "GATHER")
+    return Gather(fid, ext, bool(flags & FLAG_CLEAN))
+
+
+def _rep_gather(body: memoryview, flags: int) -> GatherReply:
+    _need(body, _GATHER_R.size, "GATHER reply")
+    (count,) = _GATHER_R.unpack_from(body)
+    end = _GATHER_R.size + 8 * count
+    _need(body, end, "GATHER reply")
+    return GatherReply(np.frombuffer(body[_GATHER_R.size : end], dtype=_VERSIONS), body[end:])
+
+
+def _enc_scatter(msg: Scatter) -> tuple[_Parts, int]:
+    flags = 0
+    ext = np.ascontiguousarray(msg.extents, dtype=EXTENT)
+    opv, optim = _encode_update(msg.op, encodable=False)
+    fixed = _SCATTER.pack(msg.file_id, msg.chunk_size, len(ext), opv, msg.staging_offset) + optim
+    if msg.chain is not None:
+        fixed += msg.chain.encode()
+        flags |= FLAG_CHAIN
+    if not msg.staged and len(msg.data) != msg.length:
+        raise LocalProtocolError(f"SCATTER of {len(msg.data)} bytes into extents of {msg.length}")
+    parts: _Parts = [fixed, ext.tobytes()]
+    if not msg.staged and len(msg.data):
+        parts.append(msg.data)
+    return parts, flags | (FLAG_EXISTING if msg.existing else 0) | (FLAG_STAGED if msg.staged else 0)
+
+
+def _dec_scatter(body: memoryview, flags: int) -> Scatter:
+    _need(body, _SCATTER.size, "SCATTER")
+    fid, csize, count, opv, soff = _SCATTER.unpack_from(body)
+    uop, at = _decode_update(opv, body, _SCATTER.size, encodable=False)
+    chain, at = _chain_of(body, at, flags)
+    ext, at = _decode_extents(body, at, count, "SCATTER")
+    staged = bool(flags & FLAG_STAGED)
+    msg = Scatter(fid, csize, ext, uop, b"" if staged else body[at:], bool(flags & FLAG_EXISTING), chain, staged, soff)
+    if staged:
+        _exact(body, at, "SCATTER (staged)")
+    elif len(body) - at != msg.length:
+        raise RemoteProtocolError(f"SCATTER carries {len(body) - at} bytes for extents of {msg.length}")
+    return msg
+
+
+@dataclass(frozen=True)
+class Message:
+    """One request kind of the protocol: a row of :data:`MESSAGES`.
+
+    ``encode(msg) -> (parts, flags)``: the body's buffers after the header (payloads as views)
+    and the header's flags. ``decode(body, flags)``: the request from its body (views into
+    it). ``reply(body, flags)``: the OK reply from its body. Both decoders raise
+    RemoteProtocolError for a body that does not match (framing is intact: answer an error).
+    """
+
+    opcode: Opcode
+    request: type
+    encode: Callable[[Any], tuple[_Parts, int]]
+    decode: Callable[[memoryview, int], Any]
+    reply: Callable[[memoryview, int], Any]
+
+
+_STAT_CODEC = _fixed(Stat, struct.Struct("!"), "STAT")
+_SYNC_CODEC = _fixed(Sync, struct.Struct("!"), "SYNC")
+_FREE_CODEC = _fixed(Free, _FREE, "FREE")
+_PUNCH_CODEC = _fixed(Punch, _PUNCH, "PUNCH")
+_VCONN_CODEC = _fixed(VerbsConnect, _VCONN, "VERBS_CONNECT")
+_LOCATE_CODEC = _fixed(Locate, _LOCATE, "LOCATE")
+_LIST_CODEC = _fixed(List, _LIST, "LIST")
+_CHECKSUM_CODEC = _fixed(Checksum, _CHECKSUM, "CHECKSUM")
+
+#: Every request kind, by opcode: the one registry of the protocol.
+MESSAGES: dict[Opcode, Message] = {m.opcode: m for m in (
+    Message(Opcode.HELLO, Hello, _enc_hello, _dec_hello, _rep_hello),
+    Message(Opcode.AUTH, Auth, _enc_auth, _dec_auth, _rep_auth),
+    Message(Opcode.READ, Read, _enc_read, _dec_read, _rep_read),
+    Message(Opcode.WRITE, Write, _enc_write, _dec_write, _version_reply("WRITE reply")),
+    Message(Opcode.STAT, Stat, *_STAT_CODEC, _rep_stat),
+    Message(Opcode.FREE, Free, *_FREE_CODEC, _rep_free),
+    Message(Opcode.PUNCH, Punch, *_PUNCH_CODEC, _version_reply("PUNCH reply")),
+    Message(Opcode.VERBS_CONNECT, VerbsConnect, *_VCONN_CODEC, _rep_vconn),
+    Message(Opcode.LOCATE, Locate, *_LOCATE_CODEC, _rep_locate),
+    Message(Opcode.REMOTE_WRITE, RemoteWrite, _enc_rwrite, _dec_rwrite, _version_reply("REMOTE_WRITE reply")),
+    Message(Opcode.LIST, List, *_LIST_CODEC, _rep_list),
+    Message(Opcode.SYNC, Sync, *_SYNC_CODEC, _version_reply("SYNC reply")),
+    Message(Opcode.RESYNC, Resync, _enc_resync, _dec_resync, _version_reply("RESYNC reply")),
+    Message(Opcode.CHECKSUM, Checksum, *_CHECKSUM_CODEC, _rep_checksum),
+    Message(Opcode.GATHER, Gather, _enc_gather, _dec_gather, _rep_gather),
+    Message(Opcode.SCATTER, Scatter, _enc_scatter, _dec_scatter, _version_reply("SCATTER reply")),
+)}
+_BY_TYPE: dict[type, Message] = {m.request: m for m in MESSAGES.values()}
+_REQUEST_OPCODE: dict[type, Opcode] = {m.request: m.opcode for m in MESSAGES.values()}
 
 
 @dataclass
@@ -811,75 +1073,45 @@ def encode_request(msg: Request, request_id: int) -> Parts:
     Raises:
         LocalProtocolError: a field does not fit its wire type.
     """
+    row = _BY_TYPE.get(type(msg))
+    if row is None:
+        raise LocalProtocolError(f"not a request: {msg!r}")
     try:
-        opcode = _REQUEST_OPCODE[type(msg)]
-    except KeyError:
-        raise LocalProtocolError(f"not a request: {msg!r}") from None
-    flags = 0
-    try:
-        if isinstance(msg, Hello):
-            name = msg.client_name.encode()
-            fixed = _HELLO.pack(msg.min_version, msg.max_version, len(name), len(msg.auth))
-            parts: list[bytes | memoryview] = [fixed + name + msg.auth]
-        elif isinstance(msg, Read):
-            parts = [_READ.pack(msg.file_id, msg.chunk_index, msg.offset, msg.length)]
-            flags = FLAG_CLEAN if msg.clean else 0
-        elif isinstance(msg, Write):
-            opv, optim = _encode_update(msg.op)
-            fixed = _WRITE.pack(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, opv) + optim
-            if msg.chain is not None:
-                fixed += msg.chain.encode()
-                flags |= FLAG_CHAIN
-            parts = [fixed, msg.data] if len(msg.data) else [fixed]
-            flags |= (FLAG_EXISTING if msg.existing else 0) | (FLAG_REPLACE if msg.replace else 0)
-        elif isinstance(msg, Resync):
-            parts = [_RESYNC.pack(msg.file_id, msg.chunk_index, msg.chunk_size) + msg.chain.encode()]
-        elif isinstance(msg, Checksum):
-            parts = [_CHECKSUM.pack(msg.file_id, msg.chunk_index, msg.view)]
-        elif isinstance(msg, Auth):
-            parts = [msg.proof]
-        elif isinstance(msg, (Stat, Sync)):
-            parts = []
-        elif isinstance(msg, Free):
-            parts = [_FREE.pack(msg.file_id, msg.first_chunk)]
-        elif isinstance(msg, VerbsConnect):
-            parts = [_VCONN.pack(msg.qp_num, msg.psn, msg.gid)]
-        elif isinstance(msg, Locate):
-            parts = [_LOCATE.pack(msg.file_id, msg.chunk_index, msg.create_size)]
-        elif isinstance(msg, RemoteWrite):
-            opv, optim = _encode_update(msg.op)
-            parts = [_RWRITE.pack(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, opv,
-                                  int(msg.in_place), msg.length, msg.staging_offset, msg.region_offset) + optim
-                     + (msg.chain.encode() if msg.chain is not None else b"")]
-            flags = (FLAG_EXISTING if msg.existing else 0) | (FLAG_CHAIN if msg.chain is not None else 0)
-        elif isinstance(msg, List):
-            parts = [_LIST.pack(msg.after_file, msg.after_chunk, msg.max_entries)]
-        elif isinstance(msg, Gather):
-            ext = np.ascontiguousarray(msg.extents, dtype=EXTENT)
-            parts = [_GATHER.pack(msg.file_id, len(ext)), ext.tobytes()]
-            flags = FLAG_CLEAN if msg.clean else 0
-        elif isinstance(msg, Scatter):
-            ext = np.ascontiguousarray(msg.extents, dtype=EXTENT)
-            opv, optim = _encode_update(msg.op, encodable=False)
-            fixed = _SCATTER.pack(msg.file_id, msg.chunk_size, len(ext), opv, msg.staging_offset) + optim
-            if msg.chain is not None:
-                fixed += msg.chain.encode()
-                flags |= FLAG_CHAIN
-            if not msg.staged and len(msg.data) != msg.length:
-                raise LocalProtocolError(f"SCATTER of {len(msg.data)} bytes into extents of {msg.length}")
-            parts = [fixed, ext.tobytes()]
-            if not msg.staged and len(msg.data):
-                parts.append(msg.data)
-            flags |= (FLAG_EXISTING if msg.existing else 0) | (FLAG_STAGED if msg.staged else 0)
-        else:
-            parts = [_PUNCH.pack(msg.file_id, msg.chunk_index, msg.offset)]
+        parts, flags = row.encode(msg)
     except struct.error as exc:
         raise LocalProtocolError(f"cannot encode {msg!r}: {exc}") from None
     body_len = sum(len(p) for p in parts)
     if body_len >= 1 << 32:
         raise LocalProtocolError(f"body of {body_len} bytes does not fit in u32")
     payload = len(msg.data) if isinstance(msg, Write) or (isinstance(msg, Scatter) and not msg.staged) else 0
-    return _parts([_header(opcode, request_id, body_len, 0, flags), *parts], payload)
+    return _parts([_header(row.opcode, request_id, body_len, 0, flags), *parts], payload)
+
+
+def _enc_read_reply(m: ReadReply) -> tuple[_Parts, int]:
+    return ([_VERSION.pack(m.version)], FLAG_HOLE) if m.hole else ([_VERSION.pack(m.version), m.data], 0)
+
+
+#: How each kind of OK reply is encoded: its body's buffers and the header flags it adds.
+_REPLY_ENCODERS: dict[type, Callable[[Any], tuple[_Parts, int]]] = {
+    HelloReply: lambda m: ([_HELLO_R.pack(m.version, m.shard_id, m.capacity, m.max_payload, m.incarnation,
+                                          len(m.extra)) + m.extra + m.proof], 0),
+    AuthChallenge: lambda m: ([m.nonce], FLAG_CHALLENGE),
+    GatherReply: lambda m: ([_GATHER_R.pack(len(m.versions))
+                             + np.ascontiguousarray(m.versions, dtype=_VERSIONS).tobytes(), m.data], 0),
+    ReadReply: _enc_read_reply,
+    VersionReply: lambda m: ([_VERSION.pack(m.version)], 0),
+    StatReply: lambda m: ([_STAT_R.pack(m.shard_id, m.capacity, m.used, m.chunks)]
+                          + ([m.metrics.encode()[:255]] if m.metrics else []), 0),
+    FreeReply: lambda m: ([_VERSION.pack(m.freed)], 0),
+    VerbsConnectReply: lambda m: ([_VCONN_R.pack(m.qp_num, m.psn, m.gid, m.region_addr, m.region_len, m.region_rkey,
+                                                 m.versions_addr, m.versions_rkey, m.staging_addr, m.staging_len,
+                                                 m.staging_rkey, m.recv_slots, m.slot_size)], 0),
+    LocateReply: lambda m: ([_LOCATE_R.pack(int(m.exists), m.region_offset, m.chunk_size, m.version_slot)], 0),
+    ChecksumReply: lambda m: ([_CHECKSUM_R.pack(m.version, m.crc)], 0),
+    ListReply: lambda m: ([_LIST_R.pack(len(m.entries))
+                           + b"".join(_LIST_E.pack(x.file_id, x.chunk_index, x.chunk_size, x.version)
+                                      for x in m.entries)], 0),
+}
 
 
 def encode_reply(opcode: int, request_id: int, msg: Reply) -> Parts:
@@ -888,45 +1120,15 @@ def encode_reply(opcode: int, request_id: int, msg: Reply) -> Parts:
     status = Status.OK
     if isinstance(msg, ErrorReply):
         status = msg.status
-        parts: list[bytes | memoryview] = [msg.message.encode()[:4096]]
+        parts: _Parts = [msg.message.encode()[:4096]]
         if status in SHARD_STATUSES:
             parts.insert(0, _ERR_SHARD.pack(msg.shard_id))
-    elif isinstance(msg, HelloReply):
-        parts = [_HELLO_R.pack(msg.version, msg.shard_id, msg.capacity, msg.max_payload, msg.incarnation,
-                               len(msg.extra)) + msg.extra + msg.proof]
-    elif isinstance(msg, AuthChallenge):
-        flags |= FLAG_CHALLENGE
-        parts = [msg.nonce]
-    elif isinstance(msg, GatherReply):
-        parts = [_GATHER_R.pack(len(msg.versions)) + np.ascontiguousarray(msg.versions, dtype=_VERSIONS).tobytes(),
-                 msg.data]
-    elif isinstance(msg, ReadReply):
-        if msg.hole:
-            flags |= FLAG_HOLE
-            parts = [_VERSION.pack(msg.version)]
-        else:
-            parts = [_VERSION.pack(msg.version), msg.data]
-    elif isinstance(msg, VersionReply):
-        parts = [_VERSION.pack(msg.version)]
-    elif isinstance(msg, StatReply):
-        parts = [_STAT_R.pack(msg.shard_id, msg.capacity, msg.used, msg.chunks)]
-        if msg.metrics:
-            parts.append(msg.metrics.encode()[:255])
-    elif isinstance(msg, FreeReply):
-        parts = [_VERSION.pack(msg.freed)]
-    elif isinstance(msg, VerbsConnectReply):
-        parts = [_VCONN_R.pack(msg.qp_num, msg.psn, msg.gid, msg.region_addr, msg.region_len, msg.region_rkey,
-                               msg.versions_addr, msg.versions_rkey, msg.staging_addr, msg.staging_len,
-                               msg.staging_rkey, msg.recv_slots, msg.slot_size)]
-    elif isinstance(msg, LocateReply):
-        parts = [_LOCATE_R.pack(int(msg.exists), msg.region_offset, msg.chunk_size, msg.version_slot)]
-    elif isinstance(msg, ChecksumReply):
-        parts = [_CHECKSUM_R.pack(msg.version, msg.crc)]
-    elif isinstance(msg, ListReply):
-        parts = [_LIST_R.pack(len(msg.entries))
-                 + b"".join(_LIST_E.pack(x.file_id, x.chunk_index, x.chunk_size, x.version) for x in msg.entries)]
     else:
-        raise LocalProtocolError(f"not a reply: {msg!r}")
+        encode = _REPLY_ENCODERS.get(type(msg))
+        if encode is None:
+            raise LocalProtocolError(f"not a reply: {msg!r}")
+        parts, more = encode(msg)
+        flags |= more
     body_len = sum(len(p) for p in parts)
     payload = len(msg.data) if isinstance(msg, GatherReply) or (isinstance(msg, ReadReply) and not msg.hole) else 0
     return _parts([_header(opcode, request_id, body_len, int(status), flags), *parts], payload)
@@ -1017,88 +1219,10 @@ def decode_request(frame: Frame) -> Request:
     """
     if frame.is_reply:
         raise RemoteProtocolError("got a reply frame where a request was expected")
-    body = frame.body
-    op = frame.opcode
-    if op == Opcode.HELLO:
-        _need(body, _HELLO.size, "HELLO")
-        lo, hi, nlen, clen = _HELLO.unpack_from(body)
-        if len(body) != _HELLO.size + nlen + clen:
-            raise RemoteProtocolError("HELLO body length does not match its name and auth offer")
-        name = bytes(body[_HELLO.size : _HELLO.size + nlen]).decode("utf-8", "replace")
-        return Hello(lo, hi, name, bytes(body[_HELLO.size + nlen :]))
-    if op == Opcode.AUTH:
-        _exact(body, AUTH_PROOF_SIZE, "AUTH")
-        return Auth(bytes(body))
-    if op == Opcode.READ:
-        _exact(body, _READ.size, "READ")
-        fid, idx, off, n = _READ.unpack_from(body)
-        return Read(fid, idx, off, n, bool(frame.flags & FLAG_CLEAN))
-    if op == Opcode.WRITE:
-        _need(body, _WRITE.size, "WRITE")
-        fid, idx, csize, off, opv = _WRITE.unpack_from(body)
-        uop, at = _decode_update(opv, body, _WRITE.size)
-        chain, at = (Chain.decode(body, at) if frame.flags & FLAG_CHAIN else (None, at))
-        return Write(fid, idx, csize, off, uop, body[at:], bool(frame.flags & FLAG_EXISTING), chain,
-                     bool(frame.flags & FLAG_REPLACE))
-    if op == Opcode.RESYNC:
-        _need(body, _RESYNC.size, "RESYNC")
-        chain, at = Chain.decode(body, _RESYNC.size)
-        _exact(body, at, "RESYNC")
-        fid, idx, csize = _RESYNC.unpack_from(body)
-        return Resync(fid, idx, csize, chain)
-    if op == Opcode.CHECKSUM:
-        _exact(body, _CHECKSUM.size, "CHECKSUM")
-        return Checksum(*_CHECKSUM.unpack_from(body))
-    if op == Opcode.STAT:
-        _exact(body, 0, "STAT")
-        return Stat()
-    if op == Opcode.SYNC:
-        _exact(body, 0, "SYNC")
-        return Sync()
-    if op == Opcode.FREE:
-        _exact(body, _FREE.size, "FREE")
-        return Free(*_FREE.unpack_from(body))
-    if op == Opcode.PUNCH:
-        _exact(body, _PUNCH.size, "PUNCH")
-        return Punch(*_PUNCH.unpack_from(body))
-    if op == Opcode.VERBS_CONNECT:
-        _exact(body, _VCONN.size, "VERBS_CONNECT")
-        return VerbsConnect(*_VCONN.unpack_from(body))
-    if op == Opcode.LOCATE:
-        _exact(body, _LOCATE.size, "LOCATE")
-        return Locate(*_LOCATE.unpack_from(body))
-    if op == Opcode.REMOTE_WRITE:
-        _need(body, _RWRITE.size, "REMOTE_WRITE")
-        fid, idx, csize, off, opv, in_place, n, soff, roff = _RWRITE.unpack_from(body)
-        uop, at = _decode_update(opv, body, _RWRITE.size)
-        chain, at = (Chain.decode(body, at) if frame.flags & FLAG_CHAIN else (None, at))
-        _exact(body, at, "REMOTE_WRITE")
-        return RemoteWrite(fid, idx, csize, off, uop, bool(in_place), n, soff, roff, bool(frame.flags & FLAG_EXISTING),
-                           chain)
-    if op == Opcode.LIST:
-        _exact(body, _LIST.size, "LIST")
-        return List(*_LIST.unpack_from(body))
-    if op == Opcode.GATHER:
-        _need(body, _GATHER.size, "GATHER")
-        fid, count = _GATHER.unpack_from(body)
-        ext, at = _decode_extents(body, _GATHER.size, count, "GATHER")
-        _exact(body, at, "GATHER")
-        return Gather(fid, ext, bool(frame.flags & FLAG_CLEAN))
-    if op == Opcode.SCATTER:
-        _need(body, _SCATTER.size, "SCATTER")
-        fid, csize, count, opv, soff = _SCATTER.unpack_from(body)
-        uop, at = _decode_update(opv, body, _SCATTER.size, encodable=False)
-        chain, at = (Chain.decode(body, at) if frame.flags & FLAG_CHAIN else (None, at))
-        ext, at = _decode_extents(body, at, count, "SCATTER")
-        staged = bool(frame.flags & FLAG_STAGED)
-        msg = Scatter(fid, csize, ext, uop, b"" if staged else body[at:], bool(frame.flags & FLAG_EXISTING), chain,
-                      staged, soff)
-        if staged:
-            _exact(body, at, "SCATTER (staged)")
-        elif len(body) - at != msg.length:
-            raise RemoteProtocolError(f"SCATTER carries {len(body) - at} bytes for extents of {msg.length}")
-        return msg
-    raise UnknownOpcode(f"unknown opcode {op}")
+    row = MESSAGES.get(frame.opcode)  # type: ignore[call-overload]
+    if row is None:
+        raise UnknownOpcode(f"unknown opcode {frame.opcode}")
+    return row.decode(frame.body, frame.flags)  # type: ignore[no-any-return]
 
 
 class UnknownOpcode(RemoteProtocolError):
@@ -1130,68 +1254,10 @@ def decode_reply(frame: Frame) -> Reply:
             (sid,) = _ERR_SHARD.unpack_from(body)
             body = body[_ERR_SHARD.size :]
         return ErrorReply(status, bytes(body).decode("utf-8", "replace"), sid)
-    op = frame.opcode
-    if op == Opcode.HELLO and frame.flags & FLAG_CHALLENGE:
-        _exact(body, AUTH_PROOF_SIZE, "HELLO challenge")
-        return AuthChallenge(bytes(body))
-    if op in (Opcode.HELLO, Opcode.AUTH):
-        _need(body, _HELLO_R.size, "HELLO reply")
-        version, sid, cap, maxp, incarnation, elen = _HELLO_R.unpack_from(body)
-        _need(body, _HELLO_R.size + elen, "HELLO reply")
-        proof = bytes(body[_HELLO_R.size + elen :])
-        if len(proof) not in (0, AUTH_PROOF_SIZE):
-            raise RemoteProtocolError(f"HELLO reply carries a {len(proof)}-byte proof")
-        return HelloReply(version, sid, cap, maxp, incarnation, bytes(body[_HELLO_R.size : _HELLO_R.size + elen]),
-                          proof)
-    if op == Opcode.READ:
-        _need(body, _VERSION.size, "READ reply")
-        (version,) = _VERSION.unpack_from(body)
-        hole = bool(frame.flags & FLAG_HOLE)
-        return ReadReply(version, body[_VERSION.size :], hole)
-    if op in (Opcode.WRITE, Opcode.PUNCH, Opcode.SYNC, Opcode.RESYNC):
-        _exact(body, _VERSION.size, "WRITE reply")
-        return VersionReply(_VERSION.unpack_from(body)[0])
-    if op == Opcode.STAT:
-        _need(body, _STAT_R.size, "STAT reply")
-        if len(body) > _STAT_R.size + 255:
-            raise RemoteProtocolError(f"STAT reply of {len(body)} bytes is longer than {_STAT_R.size + 255}")
-        try:
-            metrics = bytes(body[_STAT_R.size :]).decode()
-        except UnicodeDecodeError:
-            raise RemoteProtocolError("STAT reply names its metrics address in bytes that are not UTF-8") from None
-        sid, cap, used, nchunks = _STAT_R.unpack_from(body)
-        return StatReply(sid, cap, used, nchunks, metrics)
-    if op == Opcode.FREE:
-        _exact(body, _VERSION.size, "FREE reply")
-        return FreeReply(_VERSION.unpack_from(body)[0])
-    if op == Opcode.VERBS_CONNECT:
-        _exact(body, _VCONN_R.size, "VERBS_CONNECT reply")
-        return VerbsConnectReply(*_VCONN_R.unpack_from(body))
-    if op == Opcode.LOCATE:
-        _exact(body, _LOCATE_R.size, "LOCATE reply")
-        exists, roff, csize, slot = _LOCATE_R.unpack_from(body)
-        return LocateReply(bool(exists), roff, csize, slot)
-    if op == Opcode.REMOTE_WRITE:
-        _exact(body, _VERSION.size, "REMOTE_WRITE reply")
-        return VersionReply(_VERSION.unpack_from(body)[0])
-    if op == Opcode.CHECKSUM:
-        _exact(body, _CHECKSUM_R.size, "CHECKSUM reply")
-        return ChecksumReply(*_CHECKSUM_R.unpack_from(body))
-    if op == Opcode.GATHER:
-        _need(body, _GATHER_R.size, "GATHER reply")
-        (count,) = _GATHER_R.unpack_from(body)
-        end = _GATHER_R.size + 8 * count
-        _need(body, end, "GATHER reply")
-        return GatherReply(np.frombuffer(body[_GATHER_R.size : end], dtype=_VERSIONS), body[end:])
-    if op == Opcode.SCATTER:
-        _exact(body, _VERSION.size, "SCATTER reply")
-        return VersionReply(_VERSION.unpack_from(body)[0])
-    if op == Opcode.LIST:
-        _need(body, _LIST_R.size, "LIST reply")
-        (count,) = _LIST_R.unpack_from(body)
-        _exact(body, _LIST_R.size + count * _LIST_E.size, "LIST reply")
-        return ListReply([ChunkEntry(*_LIST_E.unpack_from(body, _LIST_R.size + i * _LIST_E.size)) for i in range(count)])
-    raise UnknownOpcode(f"unknown opcode {op} in a reply")
+    row = MESSAGES.get(frame.opcode)  # type: ignore[call-overload]
+    if row is None:
+        raise UnknownOpcode(f"unknown opcode {frame.opcode} in a reply")
+    return row.reply(body, frame.flags)  # type: ignore[no-any-return]
 
 
 class UnexpectedReply(RemoteProtocolError, ShardUnavailable):

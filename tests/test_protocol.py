@@ -301,3 +301,15 @@ def test_a_status_the_table_lacks_is_shard_unavailable_and_a_bug_is_no_table_ent
     assert P.error_reply(ZeroDivisionError("bug"), 3) is None  # the caller logs it, answers INTERNAL
     internal = P.error_reply(E.ShardUnavailable("link down"), 3)
     assert internal is not None and internal.status == P.Status.INTERNAL and "shard 3" in internal.message
+
+
+def test_every_opcode_has_one_row_in_the_message_table() -> None:
+    """The table-driven protocol (issue 21): each request kind is one row of MESSAGES, found by
+    opcode when decoding and by class when encoding; no opcode lacks one, no class has two."""
+    import typing
+
+    assert set(P.MESSAGES) == set(P.Opcode)
+    assert len({m.request for m in P.MESSAGES.values()}) == len(P.MESSAGES)
+    assert {m.request for m in P.MESSAGES.values()} == set(typing.get_args(P.Request))
+    for opcode, row in P.MESSAGES.items():
+        assert row.opcode is opcode and P._REQUEST_OPCODE[row.request] is opcode
