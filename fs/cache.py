@@ -240,8 +240,9 @@ class WriteBehind:
         if n_failed:  # never count bytes past a failed push
             fail = min(self.failed_starts[:n_failed])
             acked = [e for e in acked if e <= fail]
+        # each new chunk once: concurrent pushes into one new chunk each report it
         return Seen(self.writes, n_acked, n_new, n_failed, max([persisted_size, *acked]),
-                    tuple(self.new_chunks[:n_new]))
+                    tuple(dict.fromkeys(self.new_chunks[:n_new])))
 
     def forget(self, seen: Seen) -> bool:
         """Forget the records ``seen`` (the metadata engine has them now). Returns whether the

@@ -458,3 +458,22 @@ def test_a_forked_childs_close_does_not_take_the_writers_fsync_error(tmp_path: o
             os.fsync(fd)
         assert info.value.errno == errno.EIO  # the writer too
         os.fsync(fd)  # and once: fsync advanced past it
+
+
+def test_a_drain_records_each_new_chunk_once() -> None:
+    """Issue 21 (each new chunk recorded once): the four 1 MiB pushes of a new 4 MiB chunk each
+    report the chunk as created on each replica; the drain that records them (one ``extend``
+    of the metadata engine) names each (chunk, shard, incarnation) once, in first-seen order,
+    and forgets every record it saw."""
+    from irdma.fs.cache import WriteBehind
+    from irdma.placement import Layout
+
+    wb = WriteBehind(None, Layout(5, 4 << 20, (1, 2), 2), {}, None, lambda ino, exc: None)  # type: ignore[arg-type]
+    for _ in range(4):  # four pushes into chunk 0, replicas on shards 1 and 2
+        wb.new_chunks += [(0, 1, 7), (0, 2, 9)]
+    wb.new_chunks.append((1, 1, 7))
+    wb.acked_ends += [1 << 20, 2 << 20, 3 << 20, 4 << 20, 5 << 20]
+    seen = wb.seen(0)
+    assert seen.chunks == ((0, 1, 7), (0, 2, 9), (1, 1, 7))
+    assert seen.size == 5 << 20
+    assert wb.forget(seen) is False and wb.new_chunks == []
