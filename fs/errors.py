@@ -54,7 +54,7 @@ def to_errno(exc: E.IrdmaError) -> int:
     """The errno of an irdma error: the entry of its nearest class in :data:`ERRNO`."""
     for cls in type(exc).__mro__:
         if cls in ERRNO:
-            return ERRNO[cls]  # type: ignore[index]
+            return ERRNO[cls]
     return errno.EIO
 
 

@@ -226,7 +226,7 @@ class IrdmaFS(pyfuse3.Operations):
             except NotFound:
                 log.error("session %d was reaped (missed heartbeats): registering again", self.sid)
                 try:
-                    self.sid = await self.meta.open_session(f"{self.client._name} (again)")
+                    self.sid = await self.meta.open_session(f"{self.client.pool.name} (again)")
                     self.control.session = self.sid
                     self._unrecorded.update(self._files)
                 except IrdmaError as exc:
@@ -553,7 +553,7 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def readlink(self, inode: int, ctx: Any) -> bytes:
         with fuse_errors("readlink"):
-            return await self.meta.readlink(inode)  # type: ignore[no-any-return]
+            return await self.meta.readlink(inode)
 
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Any) -> pyfuse3.EntryAttributes:
         """FIFOs, sockets and device nodes (metadata only: the kernel serves them, never this
@@ -583,10 +583,10 @@ class IrdmaFS(pyfuse3.Operations):
             if not node.is_dir:
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
             up = ROOT_INO if inode == ROOT_INO else await self.meta.parent_of(inode)
-            entries = await self.meta.readdir(inode)
+            listing = await self.meta.readdir(inode)
             fh = self._next_fh
             self._next_fh += 1
-            self._dirs[fh] = [(b".", node), (b"..", up), *entries]
+            self._dirs[fh] = [(b".", node), (b"..", up), *listing]
             return fh
 
     @staticmethod
@@ -649,7 +649,7 @@ class IrdmaFS(pyfuse3.Operations):
             if name == coord.XATTR_CLOCKS:
                 clocks = await self.meta.clocks(inode)
                 return " ".join(f"{w}:{c}" for w, c in sorted(clocks.items())).encode()
-            return await self.meta.getxattr(inode, name)  # type: ignore[no-any-return]
+            return await self.meta.getxattr(inode, name)
 
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
         with fuse_errors("setxattr"):
@@ -674,7 +674,7 @@ class IrdmaFS(pyfuse3.Operations):
         with fuse_errors("listxattr"):
             if self.control.owns(inode):
                 return []
-            return await self.meta.listxattr(inode)  # type: ignore[no-any-return]
+            return await self.meta.listxattr(inode)
 
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
         with fuse_errors("removexattr"):

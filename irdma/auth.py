@@ -44,7 +44,8 @@ from collections.abc import Sequence
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from irdma._errors import AuthFailed, InvalidArgument
+from irdma._errors import AuthFailed as AuthFailed  # re-exported: callers catch auth.AuthFailed
+from irdma._errors import InvalidArgument
 
 #: Bytes of a cluster id, a nonce, a key, a frame tag.
 CLUSTER_ID_SIZE = 16

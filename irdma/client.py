@@ -34,7 +34,7 @@ import socket
 import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import NoReturn, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import trio
@@ -62,13 +62,12 @@ from .extents import move, positions
 from .meta import Inode, MetaStore, ShardRecord, open_meta
 from .meta.aio import AsyncMeta
 from .meta.base import OUT_OF_SYNC, XATTR_SHAPE, XATTR_UPDATE, parse_shape
-from .metrics import MeteredConnection
 from .optimizers import HEADER, MAGIC, SLOT_NAMES, SLOTS, parse_update, state_index, state_size
 from .placement import Layout, Move, Piece, substitute
+from .pool import ShardPool
 from .protocol import DEFAULT_MAX_PAYLOAD, Chain, ChunkEntry, StatReply, Update, UpdateOp, as_update
 from .protocol import extents as P_extents
 from .transport import ShardConnection, Transport, make_transport
-from .transport.tcp import TcpConnection
 
 #: Requests in flight per shard connection.
 DEFAULT_WINDOW = 16
@@ -174,24 +173,13 @@ class Client:
         self.meta = AsyncMeta(meta)
         self.timeout = timeout
         self._health: dict[int, str] = {}
-        # shards that missed a deadline: data calls fail at once until then (trio time), so a
-        # stopped shard costs each caller one deadline, not one per request; probes still try
-        self._down_until: dict[int, float] = {}
         self._unsynced: set[int] = set()  # shards written since the last flush
         self._unsynced_single: set[int] = set()  # those of them written the only copy of a chunk
         self._flush_lock = trio.Lock()  # a flush returns only after the one in flight covered it
         self.transport = transport
-        self._nursery = nursery
-        self._keys = keys
-        self._name = client_name or f"irdma-client pid {os.getpid()}"
-        self._window = window
-        self._conns: dict[int, ShardConnection] = {}
-        # requests in flight per shard, admitted by priority (P3): one window for pulls and one for
-        # everything else, since they load the link in opposite directions (a slice's pull never
-        # queues behind the pushes it follows)
-        self._limits: dict[int, comm.PriorityWindow] = {}
-        self._pull_limits: dict[int, comm.PriorityWindow] = {}
-        self._connect_locks: dict[int, trio.Lock] = {}
+        #: the connections to the shards, their windows and deadlines (:mod:`irdma.pool`)
+        self.pool = ShardPool(self, transport, nursery, keys, client_name or f"irdma-client pid {os.getpid()}",
+                              window)
         self._shard_map: dict[int, ShardRecord] = {}
         self._view = 0  # the shard map's epoch this client acts on (sent with every update)
         self._moves: list[Move] = []  # the view's moves of chunks between shards, oldest first
@@ -203,9 +191,6 @@ class Client:
         # (file id, chunk index, shard id); forgotten when the view changes
         self._withdrawn: set[tuple[int, int, int]] = set()
         self._withdrawn_view = -1
-        # requests on the fast path of _on_shard: no cancel scope each, one watchdog for all
-        self._deadlines: set[_Deadline] = set()
-        self._watchdog = False
         from .moves import ShardMoves  # here, not at the top: irdma.moves imports this module
 
         self._admin = ShardMoves(self)  # resync, drain, rebalance, removal
@@ -252,73 +237,12 @@ class Client:
 
     async def aclose(self) -> None:
         """Close every shard connection. Safe to call twice."""
-        conns, self._conns = self._conns, {}
-        for conn in conns.values():
-            with trio.CancelScope(shield=True):
-                await conn.aclose()
+        await self.pool.aclose()
 
     # ------------------------------------------------------------ shard connections
     async def connection(self, shard_id: int) -> ShardConnection:
-        """The connection to shard ``shard_id``, opened on first use and again once broken.
-
-        A new connection's incarnation is checked against the shard map: a shard that restarted
-        on fresh memory is logged as having lost its chunks (reads of them raise DataLost).
-
-        Raises:
-            ShardUnavailable: the shard is not in the shard map or does not answer in time.
-        """
-        conn = self._conns.get(shard_id)
-        if conn is not None and not conn.broken:
-            return conn
-        lock = self._connect_locks.setdefault(shard_id, trio.Lock())
-        async with lock:
-            conn = self._conns.get(shard_id)
-            if conn is not None and conn.broken:
-                await self._drop(shard_id, conn)
-                conn = None
-            if conn is None:
-                if shard_id not in self._shard_map:
-                    self._shard_map = {r.shard_id: r for r in await self.meta.shards()}
-                rec = self._shard_map.get(shard_id)
-                if rec is None:
-                    raise ShardUnavailable(f"shard {shard_id} is not in the shard map of {self.meta.url}")
-                try:
-                    conn = await self.transport.connect(
-                        rec.address, self._nursery, client_name=self._name,
-                        key=self._keys.ring() if self._keys is not None else None,
-                        timeout=self.timeout,
-                    )
-                except ShardUnavailable as exc:
-                    if self._in_view(shard_id):
-                        log.warning("cannot connect to shard %d: %s; marked down", shard_id, exc.args[0])
-                    await self._note_health(shard_id, "down")
-                    raise
-                try:
-                    await self._check_incarnation(rec, conn)
-                except BaseException:
-                    await conn.aclose()
-                    raise
-                self._shard_map[shard_id] = dataclasses.replace(rec, incarnation=conn.info.incarnation)
-                conn = MeteredConnection(conn, self.transport.name)  # irdma_client_* (irdma.metrics)
-                self._conns[shard_id] = conn
-                # aging at a quarter of the deadline: a request never starves behind urgent ones
-                self._limits[shard_id] = comm.PriorityWindow(self._window, max_wait=self.timeout / 4)
-                self._pull_limits[shard_id] = comm.PriorityWindow(self._window, max_wait=self.timeout / 4)
-                await self._note_health(shard_id, "up")
-        return conn
-
-    async def _check_incarnation(self, rec: ShardRecord, conn: ShardConnection) -> None:
-        new = conn.info.incarnation
-        if not new:
-            return
-        old = await self.meta.note_incarnation(rec.shard_id, new)
-        if old and old != new:
-            await self.refresh_view()  # it is out of its chains until resynced
-            log.error(
-                "shard %d at %s lost its memory (incarnation %016x -> %016x): every chunk it held is gone;"
-                " reads of them fail with EIO, `irdma status` lists the damaged files",
-                rec.shard_id, rec.address, old, new,
-            )
+        """The connection to shard ``shard_id`` (:meth:`ShardPool.connection`)."""
+        return await self.pool.connection(shard_id)
 
     async def _note_health(self, shard_id: int, health: str) -> None:
         """Record a shard's health in the shard map when it changes (best effort)."""
@@ -337,143 +261,12 @@ class Client:
             self._health[shard_id] = recorded
 
     async def _drop(self, shard_id: int, conn: ShardConnection) -> None:
-        if self._conns.get(shard_id) is conn:
-            del self._conns[shard_id]
-        with trio.CancelScope(shield=True):  # closing only releases local resources
-            await conn.aclose()
+        await self.pool.drop(shard_id, conn)
 
     async def _on_shard(self, shard_id: int, fn: Callable[[ShardConnection], Awaitable[_T]], probe: bool = False,
                         pull: bool = False) -> _T:
-        """Run ``fn(connection)`` against a shard within the client's deadline.
-
-        A shard that missed a deadline fails data calls at once for the next ``timeout``
-        seconds (``probe`` calls, such as the heartbeat's STAT, still try it).
-
-        Raises:
-            ShardUnavailable: the shard failed or missed the deadline (its connection is then
-                closed: a late reply can never land in a buffer whose call has returned).
-        """
-        if not probe and self._down_until and trio.current_time() < self._down_until.get(shard_id, 0.0):
-            raise ShardUnavailable(f"{self._where(shard_id)} missed its last deadline of {self.timeout:g} s;"
-                                   " not retried yet", _SHARD_HINT)
-        # The fast path, that of nearly every request (a 4 KiB read through the mount is little
-        # else): an open TCP connection and room in the window. No cancel scope per request:
-        # the watchdog (_watch_deadlines) closes a connection on which a request outlived its
-        # deadline, which fails that request (and the others on it) at once. No strings built
-        # unless it fails, no wait for the window (the send in ``fn`` is the checkpoint).
-        conn = self._conns.get(shard_id)
-        if conn is not None and type(conn) is MeteredConnection and type(conn.conn) is TcpConnection \
-                and not conn.broken:
-            limit = (self._pull_limits if pull else self._limits)[shard_id]
-            try:
-                limit.acquire_nowait()
-            except trio.WouldBlock:
-                pass
-            else:
-                if not self._watchdog:
-                    self._watchdog = True
-                    self._nursery.start_soon(self._watch_deadlines, name="irdma-client deadlines")
-                d = _Deadline(trio.current_time() + self.timeout, conn)
-                self._deadlines.add(d)
-                try:
-                    result = await fn(conn)
-                except (Dirty, Fenced, ReplicaError):
-                    raise  # answers about the chain, not failures of this connection
-                except ShardUnavailable:
-                    if d.expired:
-                        return await self._missed_deadline(shard_id, conn)
-                    await self._drop(shard_id, conn)
-                    # as a reused connection's first failure below: once more on a fresh one,
-                    # within what is left of this request's deadline
-                    return await self._on_shard_scoped(shard_id, fn, pull, d.at, retry=True)
-                finally:
-                    self._deadlines.discard(d)
-                    limit.release()
-                if self._down_until:
-                    self._down_until.pop(shard_id, None)
-                return result
-        return await self._on_shard_scoped(shard_id, fn, pull, trio.current_time() + self.timeout)
-
-    async def _watch_deadlines(self) -> None:
-        """The watchdog of the fast path of :meth:`_on_shard`: every eighth of the deadline (at
-        most a second), the connections with a request past its deadline are closed, which
-        fails their requests at once (ShardUnavailable; the request found late then takes the
-        missed-deadline path). Runs in the client's nursery while it is open."""
-        tick = max(0.01, min(1.0, self.timeout / 8))
-        while True:
-            await trio.sleep(tick)
-            if not self._deadlines:
-                continue
-            now = trio.current_time()
-            late: dict[int, ShardConnection] = {}
-            for d in self._deadlines:
-                if d.at <= now and not d.expired:
-                    d.expired = True
-                    late[id(d.conn)] = d.conn
-            for conn in late.values():
-                with trio.CancelScope(shield=True):  # closing only releases local resources
-                    await conn.aclose()
-
-    async def _on_shard_scoped(self, shard_id: int, fn: Callable[[ShardConnection], Awaitable[_T]], pull: bool,
-                               deadline: float, retry: bool = False) -> _T:
-        """:meth:`_on_shard` under a cancel scope with ``deadline`` (trio time): when a connection
-        must be opened, or the window waited for. ``retry``: the fast path's connection just
-        failed; this is the once-more on a fresh one."""
-        conn: ShardConnection | None = None
-        sent = False
-        with trio.move_on_at(deadline):
-            for attempt in ((2,) if retry else (1, 2)):
-                conn = self._conns.get(shard_id)
-                reused = conn is not None and not conn.broken
-                if not reused:
-                    try:
-                        conn = await self.connection(shard_id)
-                    except ShardUnavailable:
-                        self._down_until[shard_id] = trio.current_time() + self.timeout
-                        raise
-                assert conn is not None
-                limit = (self._pull_limits if pull else self._limits)[shard_id]
-                try:
-                    limit.acquire_nowait()
-                except trio.WouldBlock:
-                    await limit.acquire()
-                try:
-                    sent = True
-                    try:
-                        result = await fn(conn)
-                    except (Dirty, Fenced, ReplicaError):
-                        raise  # answers about the chain, not failures of this connection
-                    except ShardUnavailable:
-                        await self._drop(shard_id, conn)
-                        if attempt == 2 or not reused:
-                            raise
-                        # a connection that failed on its first use since it last worked: the
-                        # shard may have restarted since (its old process reset it). Once more
-                        # on a fresh one, within the same deadline: calls are safe to repeat
-                        # (updates carry request ids that shards apply once)
-                        continue
-                finally:
-                    limit.release()
-                if self._down_until:
-                    self._down_until.pop(shard_id, None)
-                return result
-        return await self._missed_deadline(shard_id, conn if sent else None)
-
-    async def _missed_deadline(self, shard_id: int, conn: ShardConnection | None) -> NoReturn:
-        """A request to ``shard_id`` missed its deadline: the shard is held out of data calls for
-        a deadline, ``conn`` (the request's, if it was sent) closed, the shard marked down.
-
-        Raises:
-            ShardUnavailable: always, naming the shard and the deadline.
-        """
-        where, hint = self._where(shard_id), _SHARD_HINT
-        self._down_until[shard_id] = trio.current_time() + self.timeout
-        if conn is not None:
-            await self._drop(shard_id, conn)
-        if self._in_view(shard_id):  # once per failure: every request in flight lands here
-            log.warning("%s did not answer within %g s: marked down (%s)", where, self.timeout, hint)
-        await self._note_health(shard_id, "down")
-        raise ShardUnavailable(f"{where} did not answer within {self.timeout:g} s", hint)
+        """Run ``fn(connection)`` against a shard within the client's deadline (:meth:`ShardPool.run`)."""
+        return await self.pool.run(shard_id, fn, probe, pull)
 
     def _where(self, shard_id: int) -> str:
         rec = self._shard_map.get(shard_id)
@@ -487,8 +280,7 @@ class Client:
 
     def forget_file(self, file_id: int) -> None:
         """Drop what the connections cache of a file (called when a mount opens it: close-to-open)."""
-        for conn in self._conns.values():
-            conn.forget_file(file_id)
+        self.pool.forget_file(file_id)
 
     # ------------------------------------------------------------ replication chains
     async def refresh_view(self) -> None:
@@ -499,7 +291,7 @@ class Client:
             if r.health == "up" and self._health.get(r.shard_id) in ("down", "syncing"):
                 # back and resynced since this client saw it fail (a restart that `irdma up`
                 # or another mount resynced): its old deadline no longer holds it out
-                self._down_until.pop(r.shard_id, None)
+                self.pool.down_until.pop(r.shard_id, None)
             self._health[r.shard_id] = r.health
 
     def placed(self, layout: Layout, index: int) -> tuple[tuple[int, ...], int | None]:
@@ -535,7 +327,7 @@ class Client:
     def _current(self, shard_id: int) -> bool:
         """Whether a shard may serve a read: up to date in the view, and it has not failed this
         client in the last deadline."""
-        return self._in_view(shard_id) and trio.current_time() >= self._down_until.get(shard_id, 0.0)
+        return self._in_view(shard_id) and trio.current_time() >= self.pool.down_until.get(shard_id, 0.0)
 
     def chain_of(self, layout: Layout, index: int) -> tuple[int, ...]:
         """The replicas a chunk's updates go through now, head first: its replicas that are up,
@@ -575,7 +367,7 @@ class Client:
     async def _incarnation(self, shard_id: int) -> int:
         """The incarnation of a shard's memory (connecting to it if this client has not yet; 0
         when it cannot be reached)."""
-        conn = self._conns.get(shard_id)
+        conn = self.pool.conns.get(shard_id)
         if conn is None:
             with contextlib.suppress(ShardUnavailable), trio.move_on_after(self.timeout):
                 conn = await self.connection(shard_id)
@@ -583,7 +375,7 @@ class Client:
 
     async def _mark_down(self, shard_id: int) -> None:
         """A replica failed: out of the chains (the shard map's epoch moves on)."""
-        self._down_until[shard_id] = trio.current_time() + self.timeout
+        self.pool.down_until[shard_id] = trio.current_time() + self.timeout
         await self._note_health(shard_id, "down")
 
     async def _withdraw(self, layout: Layout, indices: Sequence[int], chain: Sequence[int], view: int) -> None:
@@ -1069,7 +861,7 @@ class Client:
             for c in names:
                 errors[c] = exc
             return names, "down"
-        conn = self._conns.get(shard_id)
+        conn = self.pool.conns.get(shard_id)
         inc = conn.info.incarnation if conn is not None else None
         lost: list[int] = []
         if chunks:
@@ -1249,7 +1041,7 @@ class Client:
                 raise exc
         elif isinstance(exc, ShardUnavailable):
             if single:
-                if trio.current_time() < self._down_until.get(head, 0.0):
+                if trio.current_time() < self.pool.down_until.get(head, 0.0):
                     raise exc  # missed its deadline: not tried again now
                 return
             if self._current(head):
@@ -1294,7 +1086,7 @@ class Client:
             log.warning("shard %d is down: its replicas were not synced; the others were", shard_id)
 
     def _max_piece(self, layout: Layout) -> int | None:
-        sizes = [c.info.max_payload for c in self._conns.values()]
+        sizes = [c.info.max_payload for c in self.pool.conns.values()]
         most = min(sizes) if sizes else DEFAULT_MAX_PAYLOAD
         cut = comm.current().slice_bytes  # P3's slices (irdma.comm.priority)
         return min(most, cut) if cut else most
@@ -1846,7 +1638,7 @@ class Client:
 
         async def xattr(name: bytes) -> bytes | None:
             try:
-                return await self.meta.getxattr(job, name)  # type: ignore[no-any-return]
+                return await self.meta.getxattr(job, name)
             except NoAttribute:
                 return None
 

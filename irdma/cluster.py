@@ -593,7 +593,7 @@ def register_self(meta_url: str, address: str, data_dir: str | None) -> int:
     """
     from irdma.server.store import stored_shard_id
 
-    sid = stored_shard_id(data_dir) if data_dir is not None else None
+    sid: int | None = stored_shard_id(data_dir) if data_dir is not None else None
     with contextlib.closing(open_meta(meta_url)) as meta:
         records = meta.shards()
         if sid is not None:

@@ -40,11 +40,14 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from ._errors import InvalidArgument, IrdmaError
+
+if TYPE_CHECKING:
+    from .meta.aio import AsyncMeta
 
 XATTR_CONSISTENCY = b"user.irdma.consistency"
 XATTR_WORKERS = b"user.irdma.workers"
@@ -161,7 +164,7 @@ async def _poll(check: Any, deadline: float, what: str, hint: str = _CLOCK_HINT)
         interval = min(interval * 2, POLL_MAX)
 
 
-async def tick(meta: Any, job: int, worker: int, workers: int, consistency: Consistency, timeout: float) -> int:
+async def tick(meta: AsyncMeta, job: int, worker: int, workers: int, consistency: Consistency, timeout: float) -> int:
     """Advance ``worker``'s clock in ``job`` and wait until it may pull its next round.
 
     Returns:
@@ -191,7 +194,7 @@ async def tick(meta: Any, job: int, worker: int, workers: int, consistency: Cons
     return clock
 
 
-async def barrier(meta: Any, name: str, n: int, timeout: float) -> None:
+async def barrier(meta: AsyncMeta, name: str, n: int, timeout: float) -> None:
     """Wait until ``n`` callers arrived at barrier ``name``.
 
     Raises:
@@ -213,7 +216,7 @@ async def barrier(meta: Any, name: str, n: int, timeout: float) -> None:
         raise
 
 
-async def _withdraw(meta: Any, name: str, gen: int) -> bool:
+async def _withdraw(meta: AsyncMeta, name: str, gen: int) -> bool:
     """Take back an arrival at generation ``gen`` of barrier ``name`` that gave up, shielded
     from the cancellation that may be ending its wait, within :data:`WITHDRAW_S`; True if the
     barrier released that generation meanwhile (nothing to take back)."""
@@ -229,7 +232,7 @@ async def _withdraw(meta: Any, name: str, gen: int) -> bool:
     return False
 
 
-async def lock(meta: Any, name: str, holder: str, lease: float, timeout: float) -> int:
+async def lock(meta: AsyncMeta, name: str, holder: str, lease: float, timeout: float) -> int:
     """Take lock ``name`` for ``holder`` with a lease of ``lease`` seconds, waiting up to
     ``timeout``; returns the lease's expiry (ns since the epoch).
 

@@ -67,7 +67,7 @@ def _mount_root(path: str) -> str:
     return path
 
 
-class ShardOptimizer(keras.optimizers.Optimizer):
+class ShardOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  # Keras ships no types
     """A Keras optimizer that pushes gradients to, and pulls weights from, an irdma job directory.
 
     Args:

@@ -446,8 +446,8 @@ class ShardMoves:
             # (a forced removal leaves the shard's bytes alone: they are the only copy of what was lost)
             with contextlib.suppress(IrdmaError), trio.move_on_after(self.client.timeout):
                 async with open_nursery() as nursery:
-                    keys = self.client._keys
-                    conn = await self.client.transport.connect(address, nursery, client_name=self.client._name,
+                    keys = self.client.pool.keys
+                    conn = await self.client.transport.connect(address, nursery, client_name=self.client.pool.name,
                                                                key=keys.ring() if keys is not None else None,
                                                                timeout=self.client.timeout)
                     try:

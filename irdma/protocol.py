@@ -365,7 +365,7 @@ def _decode_update(opv: int, body: memoryview, at: int, encodable: bool = True) 
         return (Update(uop, encoding=enc) if enc else uop), at
     _need(body, at + _OPTIM.size, "optimizer arguments")
     *args, flags = _OPTIM.unpack_from(body, at)
-    return Update(uop, tuple(args), flags, enc), at + _OPTIM.size  # type: ignore[arg-type]
+    return Update(uop, tuple(args), flags, enc), at + _OPTIM.size
 
 
 @dataclass
@@ -732,7 +732,7 @@ def raise_for_error(reply: Reply, address: str) -> None:
     for status, cls in STATUS_ERRORS:
         if reply.status == status:
             if status in SHARD_STATUSES:
-                raise cls(f"{where}: {reply.message}", reply.shard_id)  # type: ignore[call-arg, arg-type]
+                raise cls(f"{where}: {reply.message}", reply.shard_id)  # type: ignore[arg-type]
             raise cls(f"{where}: {reply.message}")
     name = reply.status.name if isinstance(reply.status, Status) else str(reply.status)
     raise ShardUnavailable(f"{where} answered {name}: {reply.message}")

@@ -56,7 +56,7 @@ class ThreadWork:
 
     def __await__(self) -> Generator[Any, None, P.Reply | Awaitable[P.Reply] | ThreadWork]:
         self._unstarted = None
-        return self._work.__await__()  # type: ignore[no-any-return]
+        return self._work.__await__()
 
     def close(self) -> None:
         """Drop it without awaiting: nothing is applied, and what it reserved is given back."""

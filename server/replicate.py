@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from irdma import auth
+from irdma import auth, optimizers
 from irdma import protocol as P
 from irdma._errors import (
     BadRequest,
@@ -56,7 +56,6 @@ from irdma.extents import move, positions
 from irdma.metrics import error_kind
 from irdma.transport.tcp import TcpConnection, TcpTransport
 
-from . import optim
 from .shard import Shard, split_extents
 
 log = logging.getLogger("irdma.server.replicate")
@@ -378,7 +377,7 @@ class Replicator:
         state = self.shard.state_snapshot(file_id, chunk_index)
         if state is not None:  # the chunk's optimizer state goes with it, right behind it
             sv, sdata = state
-            smsg = P.Write(file_id, optim.state_index(chunk_index), len(sdata), 0, P.UpdateOp.ASSIGN, sdata,
+            smsg = P.Write(file_id, optimizers.state_index(chunk_index), len(sdata), 0, P.UpdateOp.ASSIGN, sdata,
                            chain=P.Chain(0, chain.view, max(sv, 1), max(1, chain.timeout_ms // 2),
                                          chain.successors[1:]), replace=True)
             sfw = link.submit(smsg)

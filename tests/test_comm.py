@@ -37,7 +37,7 @@ def _race(url: str, low_level: int, high_level: int) -> list[str]:
         c.write("/big", np.arange(6 * MB, dtype="<f4"), op="assign")  # 24 MB
         c.write("/small", np.ones(40_000, dtype="<f4"), op="assign")
         inode = c.stat("/big")
-        window = c.client._pull_limits[inode.stripe[0]]  # pulls have their own window
+        window = c.client.pool.pull_limits[inode.stripe[0]]  # pulls have their own window
 
         def done(name: str) -> object:
             def cb(_: object) -> None:
@@ -72,7 +72,7 @@ def test_slices_cut_pushes_and_pulls_into_requests_of_the_slice_size(one_shard: 
     with irdma.connect(one_shard.meta_url, transport="tcp") as c:
         data = np.arange(1_000_000, dtype="<f4")  # 4 MB
         c.write("/sliced", data, op="assign")
-        conn = c.client._conns[c.stat("/sliced").stripe[0]]
+        conn = c.client.pool.conns[c.stat("/sliced").stripe[0]]
         inner_read = conn.read
 
         async def counting_read(file_id: int, chunk: int, offset: int, into: memoryview, *a: object) -> int:

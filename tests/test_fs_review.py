@@ -466,6 +466,7 @@ def test_a_drain_records_each_new_chunk_once() -> None:
     of the metadata engine) names each (chunk, shard, incarnation) once, in first-seen order,
     and forgets every record it saw."""
     from irdma.fs.cache import WriteBehind
+
     from irdma.placement import Layout
 
     wb = WriteBehind(None, Layout(5, 4 << 20, (1, 2), 2), {}, None, lambda ino, exc: None)  # type: ignore[arg-type]

@@ -237,7 +237,7 @@ def test_a_sync_client_whose_loop_died_says_why(cluster: Cluster) -> None:
         async def boom() -> None:
             raise RuntimeError("background task failed")
 
-        trio.from_thread.run_sync(lambda: c.client._nursery.start_soon(boom), trio_token=c._token)
+        trio.from_thread.run_sync(lambda: c.client.pool.nursery.start_soon(boom), trio_token=c._token)
         c._thread.join(10)
         assert not c._thread.is_alive()
         with pytest.raises(irdma.IrdmaError, match="background task failed") as info:

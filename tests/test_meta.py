@@ -502,3 +502,12 @@ def test_postgresql_format_an_empty_database_then_reopen(postgres_server: pg.PgS
         assert m.lookup(ROOT_INO, b"f").ino == f.ino
     finally:
         m.close()
+
+
+def test_the_typed_async_metadata_facade_is_up_to_date() -> None:
+    """irdma/meta/aio.pyi gives every ``await client.meta.NAME(...)`` the engine's signature
+    (issue 21: a typed async metadata facade, not ``Any``); it must match the engines."""
+    from irdma.meta import aio
+
+    with open(aio.__file__[: -len(".py")] + ".pyi") as f:
+        assert f.read() == aio.stub(), "regenerate it: python -m irdma.meta.aio > irdma/meta/aio.pyi"

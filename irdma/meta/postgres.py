@@ -130,10 +130,10 @@ class _Cursor:
         self._cur = cur
 
     def execute(self, sql: str, params: Any = ()) -> Result:
-        return self._cur.execute(_q(sql), params or None)  # type: ignore[arg-type, return-value]
+        return self._cur.execute(_q(sql), params or None)  # type: ignore[return-value]
 
     def executemany(self, sql: str, params: Any) -> None:
-        self._cur.executemany(_q(sql), params)  # type: ignore[arg-type]
+        self._cur.executemany(_q(sql), params)
 
 
 _QUERIES: dict[str, str] = {}

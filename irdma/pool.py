@@ -1,0 +1,301 @@
+"""The shard connections of one client: opened on first use, one window of requests in
+flight per shard and direction, a deadline on every request, shards that missed one held out.
+
+:class:`ShardPool` is the layer under :class:`irdma.client.Client` (which reads the shard map
+and builds the replication chains over it): ``run(shard_id, fn)`` runs ``fn(connection)``
+against one shard within the client's deadline. The fast path of nearly every request (an open
+TCP connection with room in its window) has no cancel scope of its own: a watchdog closes a
+connection on which a request outlived its deadline. A connection that fails on its first use
+since it last worked is opened again once (the shard may have restarted); calls are safe to
+repeat (updates carry request ids that shards apply once). A shard that missed a deadline fails
+data calls at once for the next deadline (probes still try it) and is marked down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, NoReturn, TypeVar
+
+import trio
+
+from . import auth, comm
+from ._errors import Dirty, Fenced, ReplicaError, ShardUnavailable
+from .meta import ShardRecord
+from .metrics import MeteredConnection
+from .transport import ShardConnection, Transport
+from .transport.tcp import TcpConnection
+
+if TYPE_CHECKING:
+    from .client import Client
+
+log = logging.getLogger("irdma.client")
+_T = TypeVar("_T")
+_SHARD_HINT = "is the shard process stopped or overloaded? `irdma shard list` shows its state"
+
+
+class _Deadline:
+    """One request on the watchdog's fast path (:meth:`ShardPool.run`): when it must be
+    answered (trio time), on which connection, and whether the watchdog found it late."""
+
+    __slots__ = ("at", "conn", "expired")
+
+    def __init__(self, at: float, conn: ShardConnection) -> None:
+        self.at = at
+        self.conn = conn
+        self.expired = False
+
+
+class ShardPool:
+    """The connections of ``owner`` (a :class:`~irdma.client.Client`, whose shard map, view
+    and health records they read and update) to its shards.
+
+    Args:
+        transport: how to reach shards. nursery: where connection tasks and the watchdog live.
+        keys: the cluster key to prove to shards (None: connect without one).
+        name: the client's name in HELLO. window: requests in flight per shard and direction.
+        The deadline of each request (queueing and connecting included) is ``owner.timeout``.
+    """
+
+    def __init__(self, owner: Client, transport: Transport, nursery: trio.Nursery, keys: auth.KeySource | None,
+                 name: str, window: int) -> None:
+        self.owner = owner
+        self.transport = transport
+        self.nursery = nursery
+        self.keys = keys
+        self.name = name
+        self.window = window
+        self.conns: dict[int, ShardConnection] = {}
+        # requests in flight per shard, admitted by priority (P3): one window for pulls and one for
+        # everything else, since they load the link in opposite directions (a slice's pull never
+        # queues behind the pushes it follows)
+        self.limits: dict[int, comm.PriorityWindow] = {}
+        self.pull_limits: dict[int, comm.PriorityWindow] = {}
+        self.connect_locks: dict[int, trio.Lock] = {}
+        # shards that missed a deadline: data calls fail at once until then (trio time), so a
+        # stopped shard costs each caller one deadline, not one per request; probes still try
+        self.down_until: dict[int, float] = {}
+        # requests on the fast path of run: no cancel scope each, one watchdog for all
+        self.deadlines: set[_Deadline] = set()
+        self._watchdog = False
+
+    @property
+    def timeout(self) -> float:
+        """Seconds each request may take: the owner's (it may change it)."""
+        return self.owner.timeout
+
+    async def aclose(self) -> None:
+        """Close every shard connection. Safe to call twice."""
+        conns, self.conns = self.conns, {}
+        for conn in conns.values():
+            with trio.CancelScope(shield=True):
+                await conn.aclose()
+
+    async def connection(self, shard_id: int) -> ShardConnection:
+        """The connection to shard ``shard_id``, opened on first use and again once broken.
+
+        A new connection's incarnation is checked against the shard map: a shard that restarted
+        on fresh memory is logged as having lost its chunks (reads of them raise DataLost).
+
+        Raises:
+            ShardUnavailable: the shard is not in the shard map or does not answer in time.
+        """
+        conn = self.conns.get(shard_id)
+        if conn is not None and not conn.broken:
+            return conn
+        lock = self.connect_locks.setdefault(shard_id, trio.Lock())
+        async with lock:
+            conn = self.conns.get(shard_id)
+            if conn is not None and conn.broken:
+                await self.drop(shard_id, conn)
+                conn = None
+            if conn is None:
+                if shard_id not in self.owner._shard_map:
+                    self.owner._shard_map = {r.shard_id: r for r in await self.owner.meta.shards()}
+                rec = self.owner._shard_map.get(shard_id)
+                if rec is None:
+                    raise ShardUnavailable(f"shard {shard_id} is not in the shard map of {self.owner.meta.url}")
+                try:
+                    conn = await self.transport.connect(
+                        rec.address, self.nursery, client_name=self.name,
+                        key=self.keys.ring() if self.keys is not None else None,
+                        timeout=self.timeout,
+                    )
+                except ShardUnavailable as exc:
+                    if self.owner._in_view(shard_id):
+                        log.warning("cannot connect to shard %d: %s; marked down", shard_id, exc.args[0])
+                    await self.owner._note_health(shard_id, "down")
+                    raise
+                try:
+                    await self._check_incarnation(rec, conn)
+                except BaseException:
+                    await conn.aclose()
+                    raise
+                self.owner._shard_map[shard_id] = dataclasses.replace(rec, incarnation=conn.info.incarnation)
+                conn = MeteredConnection(conn, self.transport.name)  # irdma_client_* (irdma.metrics)
+                self.conns[shard_id] = conn
+                # aging at a quarter of the deadline: a request never starves behind urgent ones
+                self.limits[shard_id] = comm.PriorityWindow(self.window, max_wait=self.timeout / 4)
+                self.pull_limits[shard_id] = comm.PriorityWindow(self.window, max_wait=self.timeout / 4)
+                await self.owner._note_health(shard_id, "up")
+        return conn
+
+    async def _check_incarnation(self, rec: ShardRecord, conn: ShardConnection) -> None:
+        new = conn.info.incarnation
+        if not new or rec.incarnation == new:
+            # the shard map has it already (a reconnect to the same memory): no metadata write,
+            # so a reconnect never waits on the metadata engine's lock
+            return
+        old = await self.owner.meta.note_incarnation(rec.shard_id, new)
+        if old and old != new:
+            await self.owner.refresh_view()  # it is out of its chains until resynced
+            log.error(
+                "shard %d at %s lost its memory (incarnation %016x -> %016x): every chunk it held is gone;"
+                " reads of them fail with EIO, `irdma status` lists the damaged files",
+                rec.shard_id, rec.address, old, new,
+            )
+
+    async def drop(self, shard_id: int, conn: ShardConnection) -> None:
+        if self.conns.get(shard_id) is conn:
+            del self.conns[shard_id]
+        with trio.CancelScope(shield=True):  # closing only releases local resources
+            await conn.aclose()
+
+    async def run(self, shard_id: int, fn: Callable[[ShardConnection], Awaitable[_T]], probe: bool = False,
+                  pull: bool = False) -> _T:
+        """Run ``fn(connection)`` against a shard within the client's deadline.
+
+        A shard that missed a deadline fails data calls at once for the next ``timeout``
+        seconds (``probe`` calls, such as the heartbeat's STAT, still try it).
+
+        Raises:
+            ShardUnavailable: the shard failed or missed the deadline (its connection is then
+                closed: a late reply can never land in a buffer whose call has returned).
+        """
+        if not probe and self.down_until and trio.current_time() < self.down_until.get(shard_id, 0.0):
+            raise ShardUnavailable(f"{self.owner._where(shard_id)} missed its last deadline of {self.timeout:g} s;"
+                                   " not retried yet", _SHARD_HINT)
+        # The fast path, that of nearly every request (a 4 KiB read through the mount is little
+        # else): an open TCP connection and room in the window. No cancel scope per request:
+        # the watchdog (_watch_deadlines) closes a connection on which a request outlived its
+        # deadline, which fails that request (and the others on it) at once. No strings built
+        # unless it fails, no wait for the window (the send in ``fn`` is the checkpoint).
+        conn = self.conns.get(shard_id)
+        if conn is not None and type(conn) is MeteredConnection and type(conn.conn) is TcpConnection \
+                and not conn.broken:
+            limit = (self.pull_limits if pull else self.limits)[shard_id]
+            try:
+                limit.acquire_nowait()
+            except trio.WouldBlock:
+                pass
+            else:
+                if not self._watchdog:
+                    self._watchdog = True
+                    self.nursery.start_soon(self._watch_deadlines, name="irdma-client deadlines")
+                d = _Deadline(trio.current_time() + self.timeout, conn)
+                self.deadlines.add(d)
+                try:
+                    result = await fn(conn)
+                except (Dirty, Fenced, ReplicaError):
+                    raise  # answers about the chain, not failures of this connection
+                except ShardUnavailable:
+                    if d.expired:
+                        return await self._missed_deadline(shard_id, conn)
+                    await self.drop(shard_id, conn)
+                    # as a reused connection's first failure below: once more on a fresh one,
+                    # within what is left of this request's deadline
+                    return await self._run_scoped(shard_id, fn, pull, d.at, retry=True)
+                finally:
+                    self.deadlines.discard(d)
+                    limit.release()
+                if self.down_until:
+                    self.down_until.pop(shard_id, None)
+                return result
+        return await self._run_scoped(shard_id, fn, pull, trio.current_time() + self.timeout)
+
+    async def _watch_deadlines(self) -> None:
+        """The watchdog of the fast path of :meth:`run`: every eighth of the deadline (at
+        most a second), the connections with a request past its deadline are closed, which
+        fails their requests at once (ShardUnavailable; the request found late then takes the
+        missed-deadline path). Runs in the client's nursery while it is open."""
+        tick = max(0.01, min(1.0, self.timeout / 8))
+        while True:
+            await trio.sleep(tick)
+            if not self.deadlines:
+                continue
+            now = trio.current_time()
+            late: dict[int, ShardConnection] = {}
+            for d in self.deadlines:
+                if d.at <= now and not d.expired:
+                    d.expired = True
+                    late[id(d.conn)] = d.conn
+            for conn in late.values():
+                with trio.CancelScope(shield=True):  # closing only releases local resources
+                    await conn.aclose()
+
+    async def _run_scoped(self, shard_id: int, fn: Callable[[ShardConnection], Awaitable[_T]], pull: bool,
+                               deadline: float, retry: bool = False) -> _T:
+        """:meth:`run` under a cancel scope with ``deadline`` (trio time): when a connection
+        must be opened, or the window waited for. ``retry``: the fast path's connection just
+        failed; this is the once-more on a fresh one."""
+        conn: ShardConnection | None = None
+        sent = False
+        with trio.move_on_at(deadline):
+            for attempt in ((2,) if retry else (1, 2)):
+                conn = self.conns.get(shard_id)
+                reused = conn is not None and not conn.broken
+                if not reused:
+                    try:
+                        conn = await self.connection(shard_id)
+                    except ShardUnavailable:
+                        self.down_until[shard_id] = trio.current_time() + self.timeout
+                        raise
+                assert conn is not None
+                limit = (self.pull_limits if pull else self.limits)[shard_id]
+                try:
+                    limit.acquire_nowait()
+                except trio.WouldBlock:
+                    await limit.acquire()
+                try:
+                    sent = True
+                    try:
+                        result = await fn(conn)
+                    except (Dirty, Fenced, ReplicaError):
+                        raise  # answers about the chain, not failures of this connection
+                    except ShardUnavailable:
+                        await self.drop(shard_id, conn)
+                        if attempt == 2 or not reused:
+                            raise
+                        # a connection that failed on its first use since it last worked: the
+                        # shard may have restarted since (its old process reset it). Once more
+                        # on a fresh one, within the same deadline: calls are safe to repeat
+                        # (updates carry request ids that shards apply once)
+                        continue
+                finally:
+                    limit.release()
+                if self.down_until:
+                    self.down_until.pop(shard_id, None)
+                return result
+        return await self._missed_deadline(shard_id, conn if sent else None)
+
+    async def _missed_deadline(self, shard_id: int, conn: ShardConnection | None) -> NoReturn:
+        """A request to ``shard_id`` missed its deadline: the shard is held out of data calls for
+        a deadline, ``conn`` (the request's, if it was sent) closed, the shard marked down.
+
+        Raises:
+            ShardUnavailable: always, naming the shard and the deadline.
+        """
+        where, hint = self.owner._where(shard_id), _SHARD_HINT
+        self.down_until[shard_id] = trio.current_time() + self.timeout
+        if conn is not None:
+            await self.drop(shard_id, conn)
+        if self.owner._in_view(shard_id):  # once per failure: every request in flight lands here
+            log.warning("%s did not answer within %g s: marked down (%s)", where, self.timeout, hint)
+        await self.owner._note_health(shard_id, "down")
+        raise ShardUnavailable(f"{where} did not answer within {self.timeout:g} s", hint)
+
+    def forget_file(self, file_id: int) -> None:
+        """Drop what the connections cache of a file (called when a mount opens it: close-to-open)."""
+        for conn in self.conns.values():
+            conn.forget_file(file_id)
