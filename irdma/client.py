@@ -74,7 +74,6 @@ DEFAULT_WINDOW = 16
 #: Seconds a request to a shard may take (queueing, connecting and the transfer together).
 DEFAULT_TIMEOUT = 10.0
 #: What to do about a shard that failed a request.
-_SHARD_HINT = "is the shard process stopped or overloaded? `irdma shard list` shows its state"
 
 #: Attempts of one update (a failed replica or a new view each cost one).
 MAX_ATTEMPTS = 6
@@ -127,18 +126,6 @@ def _compression(value: Compression | str | bytes | None) -> Compression | None:
     if value is None or isinstance(value, Compression):
         return value or None
     return parse_compress(value) or None
-
-
-class _Deadline:
-    """One request on the watchdog's fast path (:meth:`Client._on_shard`): when it must be
-    answered (trio time), on which connection, and whether the watchdog found it late."""
-
-    __slots__ = ("at", "conn", "expired")
-
-    def __init__(self, at: float, conn: ShardConnection) -> None:
-        self.at = at
-        self.conn = conn
-        self.expired = False
 
 
 class Client:

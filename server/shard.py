@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from irdma import compress
-from irdma import optimizers as layout  # the optimizer-state layout, shared with the client
+from irdma import (
+    compress,
+    optimizers,  # the optimizer-state layout, shared with the client
+)
 from irdma._errors import BadRequest, DataLost, NoSpace
 from irdma.extents import fill, move, positions
 from irdma.protocol import Encoding, Update, UpdateOp, op_kind
@@ -328,7 +330,7 @@ class Shard:
         nearest even), the same as numpy's ``+=``. For an optimizer (:class:`Update` of SGD,
         ADAM, ADAGRAD, RMSPROP) ``data`` is a float32 gradient and one step is applied with the
         chunk's state chunk (created on the first step; :mod:`irdma.server.optim`). A state
-        chunk (index ``layout.STATE_BASE + i``) takes only ``assign`` (restoring a checkpoint).
+        chunk (index ``optimizers.STATE_BASE + i``) takes only ``assign`` (restoring a checkpoint).
         An :class:`Update` with an ``encoding`` (protocol 8) carries a compressed gradient:
         ``data`` is decoded first (:func:`irdma.compress.decode`, into a new buffer: a payload
         in a staging buffer is never applied in place) and the op applied to the ``4 * n``
@@ -353,13 +355,13 @@ class Shard:
         if kind.is_float32 and (offset % 4 or n % 4):
             raise BadRequest(f"{kind.name.lower()} needs float32 alignment: offset {offset} and length {n}"
                              " must be multiples of 4")
-        if layout.is_state(chunk_index) and kind != UpdateOp.ASSIGN:
+        if optimizers.is_state(chunk_index) and kind != UpdateOp.ASSIGN:
             raise BadRequest(f"chunk index {chunk_index} names optimizer state: only assign writes it")
         if kind.is_optimizer and not isinstance(op, Update):
             raise BadRequest(f"{kind.name.lower()} needs its arguments")
         if kind.is_optimizer:
             assert isinstance(op, Update)
-            skey = (file_id, layout.state_index(chunk_index))
+            skey = (file_id, optimizers.state_index(chunk_index))
             had_state = skey in self._chunks
             pending = ChunksPending()  # the state and the chunk are reserved together
             state: Chunk | None = None
@@ -454,7 +456,7 @@ class Shard:
         kind = op_kind(op)
         if kind.is_optimizer and not isinstance(op, Update):
             raise BadRequest(f"{kind.name.lower()} needs its arguments")
-        if kind != UpdateOp.ASSIGN and any(layout.is_state(i) for i, _, _, _ in parts):
+        if kind != UpdateOp.ASSIGN and any(optimizers.is_state(i) for i, _, _, _ in parts):
             raise BadRequest("optimizer state chunks take only assign")
         made: list[tuple[int, int]] = []  # what this call created: dropped again if it fails
         pending = ChunksPending()  # deferred creation: every new chunk reserved, then made at once
@@ -464,7 +466,7 @@ class Shard:
             for index, _, _, _ in parts:
                 if kind.is_optimizer:
                     assert isinstance(op, Update)
-                    skey = (file_id, layout.state_index(index))
+                    skey = (file_id, optimizers.state_index(index))
                     had = skey in self._chunks
                     try:
                         states.append(self._state_for(file_id, index, chunk_size, op, existing))
@@ -511,22 +513,22 @@ class Shard:
         (allocated before the chunk itself; :meth:`write` drops it again if the chunk finds no room)."""
         if existing and (file_id, chunk_index) not in self._chunks:
             raise DataLost(f"chunk ({file_id}, {chunk_index}) is not on shard {self.shard_id}")
-        size = layout.state_size(update.op, chunk_size)
-        key = (file_id, layout.state_index(chunk_index))
+        size = optimizers.state_size(update.op, chunk_size)
+        key = (file_id, optimizers.state_index(chunk_index))
         state = self._chunks.get(key)
         if state is not None and state.size != size:  # made for another optimizer
             self._drop(*key)
             state = None
         fresh = state is None
-        state = self._get_or_create(file_id, layout.state_index(chunk_index), size)
+        state = self._get_or_create(file_id, optimizers.state_index(chunk_index), size)
         view = self.region.view[state.offset : state.offset + state.size]
-        if fresh or layout.header_op(view) != update.op:
+        if fresh or optimizers.header_op(view) != update.op:
             optim.init_state(update, view, chunk_size)
         return state
 
     def state_snapshot(self, file_id: int, chunk_index: int) -> tuple[int, bytes] | None:
         """``(version, copy)`` of chunk ``chunk_index``'s optimizer state, or None."""
-        return self.snapshot(file_id, layout.state_index(chunk_index))
+        return self.snapshot(file_id, optimizers.state_index(chunk_index))
 
     def version_of(self, file_id: int, chunk_index: int) -> int:
         """The chunk's version; 0 when the shard has no such chunk."""
@@ -574,7 +576,7 @@ class Shard:
         as ``(file_id, chunk_index, chunk_size in bytes, version)``. File ids are inode numbers
         (never 0), so ``(0, 0)`` starts from the first chunk; pass the last entry to go on."""
         keys = heapq.nsmallest(limit, (k for k in self._chunks if k > (after_file, after_chunk)
-                                       and not layout.is_state(k[1])))  # state follows its chunk
+                                       and not optimizers.is_state(k[1])))  # state follows its chunk
         return [(f, i, self._chunks[(f, i)].size, int(self.versions[self._chunks[(f, i)].slot])) for f, i in keys]
 
     def locate(self, file_id: int, chunk_index: int, create_size: int = 0) -> Chunk | None:
@@ -627,16 +629,16 @@ class Shard:
         Returns:
             How many chunks were freed.
         """
-        indices = [i for i in self._by_file.get(file_id, ()) if first_chunk <= i < layout.STATE_BASE]
+        indices = [i for i in self._by_file.get(file_id, ()) if first_chunk <= i < optimizers.STATE_BASE]
         for i in indices:
             self._drop(file_id, i)
-        for i in [i for i in self._by_file.get(file_id, ()) if i >= layout.state_index(first_chunk)]:
+        for i in [i for i in self._by_file.get(file_id, ()) if i >= optimizers.state_index(first_chunk)]:
             self._drop(file_id, i)  # their optimizer state (orphans of a crash too)
         return len(indices)
 
     def _drop(self, file_id: int, chunk_index: int) -> None:
-        if not layout.is_state(chunk_index) and (file_id, layout.state_index(chunk_index)) in self._chunks:
-            self._drop(file_id, layout.state_index(chunk_index))  # a chunk's state goes with it
+        if not optimizers.is_state(chunk_index) and (file_id, optimizers.state_index(chunk_index)) in self._chunks:
+            self._drop(file_id, optimizers.state_index(chunk_index))  # a chunk's state goes with it
         chunk = self._chunks.pop((file_id, chunk_index))
         idx = self._by_file[file_id]
         idx.discard(chunk_index)

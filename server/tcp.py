@@ -287,22 +287,23 @@ class ShardServer(Dispatcher):
         """
         if not wire.busy and wire.lock.value:
             wire.lock.acquire_nowait()
+            handed = False
             try:
                 parts = P.encode_reply(opcode, request_id, reply)
                 if macs is not None:
                     parts.append(macs.seal(parts))
                 rest = send_now(wire.sock, parts)
+                if rest:
+                    # the sender is parked (not busy): it takes this at once and frees the wire after
+                    wire.busy = True
+                    wire.replies.send_nowait((-1, request_id, rest, None))
+                    handed = True
             except (OSError, trio.ClosedResourceError):
-                wire.lock.release()
                 wire.sock.close()  # the reader's next receive fails: the connection ends
-                return
-            if not rest:
-                wire.lock.release()
-                return  # (the reader's next receive is its checkpoint)
-            # the sender is parked (not busy): it takes this at once and frees the wire after
-            wire.busy = True
-            wire.replies.send_nowait((-1, request_id, rest, None))
-            return
+            finally:
+                if not handed:  # (on any error too: the wire is never left held)
+                    wire.lock.release()
+            return  # (the reader's next receive is its checkpoint)
         if isinstance(reply, P.ReadReply) and isinstance(reply.data, memoryview):
             reply = P.ReadReply(reply.version, bytes(reply.data), reply.hole)
         await wire.queue((opcode, request_id, reply, macs))
