@@ -623,12 +623,7 @@ class Client:
     async def _write_piece(self, layout: Layout, p: Piece, part: memoryview, op: UpdateOp | Update, chunks: ChunkMap | None,
                            created: list[NewChunk], coded: Compression | None = None,
                            feedback: np.ndarray | None = None) -> None:
-        key = (layout.file_id, p.chunk_index)
-        self._writing[key] += 1
-        try:
-            if coded is None:
-                await self._write_chain(layout, p, part, op, chunks, created)
-                return
+        if coded is not None:
             dense = np.frombuffer(part, dtype="<f4")
             try:
                 # once: a resend carries the same bytes; a large piece off the event loop (numpy
@@ -639,36 +634,75 @@ class Client:
                     payload, decoded = compress_encode(dense, coded)
             except ValueError as exc:
                 raise InvalidArgument(f"cannot compress the gradient at byte {p.buf_offset}: {exc}") from None
-            await self._write_chain(layout, p, memoryview(payload), op, chunks, created)
-            if feedback is not None:
-                np.subtract(dense, decoded, out=feedback)
-        finally:
-            self._writing[key] -= 1
-            if not self._writing[key]:
-                del self._writing[key]
+            part = memoryview(payload)
 
-    async def _write_chain(self, layout: Layout, p: Piece, part: memoryview, op: UpdateOp | Update, chunks: ChunkMap | None,
-                           created: list[NewChunk]) -> None:
-        rec = chunks.get(p.chunk_index) if chunks else None
-        rid = self._request_id()
+        async def send(conn: ShardConnection, existing: bool, chain: Chain) -> None:
+            await conn.write(layout.file_id, p.chunk_index, layout.chunk_size, p.chunk_offset, op, part, existing, chain)
+
+        await self._chained_update(layout, (p.chunk_index,), send, chunks, created, self._request_id(), "write")
+        if coded is not None and feedback is not None:
+            np.subtract(dense, decoded, out=feedback)
+
+    async def _chained_update(self, layout: Layout, indices: Sequence[int],
+                              send: Callable[[ShardConnection, bool, Chain], Awaitable[None]],
+                              chunks: ChunkMap | None, created: list[NewChunk], rid: int, what: str,
+                              parted: Callable[[], Awaitable[bool]] | None = None) -> None:
+        """The one retry engine of every chained update (a write's piece, a SCATTER): ``send``
+        the update to the head of the chain of chunks ``indices`` (which share one chain) with
+        request id ``rid``, and again with the same id after a failure that allows it
+        (:meth:`_before_resend`), along the chain the view gives then; exactly once on every
+        replica (the shards keep each request id's result: chain replication, van Renesse and
+        Schneider, OSDI 2004).
+
+        ``send(conn, existing, chain)`` sends on the head's connection; ``existing`` says the
+        head's copy is recorded (FLAG_EXISTING: a lost chunk is never recreated from zeros).
+        ``parted``, called before each attempt, splits the update when the chunks' chains no
+        longer agree: it sends the parts itself (same id) and returns True.
+
+        Each chunk replica written that ``chunks`` did not record is appended to ``created``.
+
+        Raises:
+            What the last attempt raised (see :meth:`write_from`).
+        """
+        keys = [(layout.file_id, c) for c in indices]
+        for key in keys:
+            self._writing[key] += 1  # a read of the chunk meanwhile goes to its head (see _read_piece)
+        try:
+            await self._chain_attempts(layout, indices, send, chunks, created, rid, what, parted)
+        finally:
+            for key in keys:
+                self._writing[key] -= 1
+                if not self._writing[key]:
+                    del self._writing[key]
+
+    async def _chain_attempts(self, layout: Layout, indices: Sequence[int],
+                              send: Callable[[ShardConnection, bool, Chain], Awaitable[None]],
+                              chunks: ChunkMap | None, created: list[NewChunk], rid: int, what: str,
+                              parted: Callable[[], Awaitable[bool]] | None) -> None:
         single = layout.replicas == 1
+        c0 = indices[0]
         last: IrdmaError | None = None
         refreshed = False
         for _ in range(MAX_ATTEMPTS if not single else 2):
+            if parted is not None and await parted():
+                return
             try:
                 view = self._view  # the chain's view: the update carries it, however long it waits
-                chain = self.chain_of(layout, p.chunk_index)
+                chain = self.chain_of(layout, c0)
             except ShardUnavailable as exc:
                 # this client's view may be older than the shard map (a replica that caught
-                # up since its last heartbeat): read it again once before failing the write
+                # up since its last heartbeat): read it again once before failing the update
                 if refreshed:
                     raise
                 last, refreshed = exc, True
                 await self.refresh_view()
                 continue
             head = chain[0]
-            if rec is not None and rec.get(head) == OUT_OF_SYNC:
-                rec = await self._head_in_sync(layout, p.chunk_index, head)
+            recs = {c: chunks.get(c) if chunks else None for c in indices}
+            for c, rc in recs.items():
+                if rc is not None and rc.get(head) == OUT_OF_SYNC:
+                    recs[c] = await self._head_in_sync(layout, c, head)
+            rec = recs[c0]
             existing = rec is not None and (head in rec or single)
             inc = rec.get(head) if rec is not None else None
 
@@ -676,29 +710,29 @@ class Client:
                          existing: bool = existing, inc: int | None = inc, view: int = view) -> None:
                 if inc and inc != conn.info.incarnation:
                     if single:
-                        raise self._lost(layout, p.chunk_index, head, "restarted with empty memory since")
+                        raise self._lost(layout, c0, head, "restarted with empty memory since")
                     raise ReplicaFailed(f"shard {head} restarted with empty memory", head)
-                await conn.write(layout.file_id, p.chunk_index, layout.chunk_size, p.chunk_offset, op, part,
-                                 existing, self._chain(rid, chain[1:], view))
+                await send(conn, existing, self._chain(rid, chain[1:], view))
 
             try:
-                await self._withdraw(layout, (p.chunk_index,), chain, view)
+                await self._withdraw(layout, indices, chain, view)
                 await self._on_shard(head, fn)
             except IrdmaError as exc:
-                await self._before_resend(exc, head, single, "write")
+                await self._before_resend(exc, head, single, what)
                 last = exc
                 continue
             if single:
                 self._unsynced_single.add(head)
             for sid in chain:
                 self._unsynced.add(sid)
-                if rec is None or sid not in rec:
-                    created.append((p.chunk_index, sid, await self._incarnation(sid)))
+            for c, rc in recs.items():
+                for sid in chain:
+                    if rc is None or sid not in rc:
+                        created.append((c, sid, await self._incarnation(sid)))
             return
         assert last is not None
         raise last
 
-    # ------------------------------------------------------------ sparse rows
     @staticmethod
     def row_extents(layout: Layout, ids: np.ndarray, row_bytes: int) -> tuple[np.ndarray, ...]:
         """The extents of rows ``ids`` (distinct, int64) of ``row_bytes`` bytes each: a row
@@ -922,87 +956,26 @@ class Client:
     async def _scatter_chain(self, layout: Layout, chunk: np.ndarray, offset: np.ndarray, length: np.ndarray,
                              src: np.ndarray, at: np.ndarray, op: UpdateOp | Update, chunks: ChunkMap | None,
                              created: list[NewChunk], rid: int) -> None:
-        """One SCATTER along its chunks' chain, retried with the same request id as
-        :meth:`_write_chain` does (a group whose chunks' chains parted is split)."""
-        names = sorted(set(chunk.tolist()))
-        for c in names:
-            self._writing[(layout.file_id, c)] += 1
-        try:
-            await self._scatter_attempts(layout, chunk, offset, length, src, at, op, chunks, created, rid)
-        finally:
-            for c in names:
-                key = (layout.file_id, c)
-                self._writing[key] -= 1
-                if not self._writing[key]:
-                    del self._writing[key]
+        """One SCATTER along its chunks' chain (:meth:`_chained_update`); a group whose chunks'
+        chains parted since it was formed is split, one request per chain, same request id."""
+        ext = P_extents(chunk, offset, length)
+        payload = _pack(src, at, length)
 
-    async def _scatter_attempts(self, layout: Layout, chunk: np.ndarray, offset: np.ndarray, length: np.ndarray,
-                                src: np.ndarray, at: np.ndarray, op: UpdateOp | Update,
-                                chunks: ChunkMap | None, created: list[NewChunk], rid: int) -> None:
-        single = layout.replicas == 1
-        last: IrdmaError | None = None
-        refreshed = False
-        for _ in range(MAX_ATTEMPTS if not single else 2):
+        async def parted() -> bool:
             units = self._scatter_units(layout, chunk, chunks)
-            if len(units) > 1:  # the chunks' chains parted since: one request per chain, same id
-                async with open_nursery() as nursery:
-                    for u in units:
-                        nursery.start_soon(self._scatter_attempts, layout, chunk[u], offset[u], length[u], src,
-                                           at[u], op, chunks, created, rid)
-                return
-            c0 = int(chunk[0])
-            try:
-                view = self._view  # the chain's view (see _write_chain)
-                chain = self.chain_of(layout, c0)
-            except ShardUnavailable as exc:
-                if refreshed:
-                    raise
-                last, refreshed = exc, True
-                await self.refresh_view()
-                continue
-            head = chain[0]
-            rec = chunks.get(c0) if chunks else None
-            for c in sorted(set(chunk.tolist())):
-                rc = chunks.get(c) if chunks else None
-                if rc is not None and rc.get(head) == OUT_OF_SYNC:
-                    fresh = await self._head_in_sync(layout, c, head)
-                    if c == c0:
-                        rec = fresh
-            existing = rec is not None and (head in rec or single)
-            inc = rec.get(head) if rec is not None else None
-            ext = P_extents(chunk, offset, length)
-            payload = _pack(src, at, length)
+            if len(units) == 1:
+                return False
+            async with open_nursery() as nursery:
+                for u in units:
+                    nursery.start_soon(self._scatter_chain, layout, chunk[u], offset[u], length[u], src, at[u], op,
+                                       chunks, created, rid)
+            return True
 
-            async def fn(conn: ShardConnection, chain: tuple[int, ...] = chain, head: int = head,
-                         existing: bool = existing, inc: int | None = inc, payload: np.ndarray = payload,
-                         c0: int = c0, ext: np.ndarray = ext, view: int = view) -> None:
-                if inc and inc != conn.info.incarnation:
-                    if single:
-                        raise self._lost(layout, c0, head, "restarted with empty memory since")
-                    raise ReplicaFailed(f"shard {head} restarted with empty memory", head)
-                await conn.scatter(layout.file_id, layout.chunk_size, ext, op, memoryview(payload),  # type: ignore[arg-type]
-                                   existing,
-                                   self._chain(rid, chain[1:], view))
+        async def send(conn: ShardConnection, existing: bool, chain: Chain) -> None:
+            await conn.scatter(layout.file_id, layout.chunk_size, ext, op, memoryview(payload),  # type: ignore[arg-type]
+                               existing, chain)
 
-            try:
-                await self._withdraw(layout, sorted(set(chunk.tolist())), chain, view)
-                await self._on_shard(head, fn)
-            except IrdmaError as exc:
-                await self._before_resend(exc, head, single, "scatter")
-                last = exc
-                continue
-            if single:
-                self._unsynced_single.add(head)
-            for sid in chain:
-                self._unsynced.add(sid)
-            for c in sorted(set(chunk.tolist())):
-                rc = chunks.get(c) if chunks else None
-                for sid in chain:
-                    if rc is None or sid not in rc:
-                        created.append((c, sid, await self._incarnation(sid)))
-            return
-        assert last is not None
-        raise last
+        await self._chained_update(layout, sorted(set(chunk.tolist())), send, chunks, created, rid, "scatter", parted)
 
     async def _before_resend(self, exc: IrdmaError, head: int, single: bool, what: str) -> None:
         """What a chained update (a write's piece or a scatter) that failed with ``exc`` does
