@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """``make bench-comm``: less and smarter communication on shaped links (issue 12).
 
-Hosts are network namespaces of this machine on one bridge (:mod:`irdma.testbed`), every link
+Hosts are network namespaces of this machine on one bridge (:mod:`irdma.ops.testbed`), every link
 rate-shaped with ``tc tbf`` both ways: hosts 0-1 run a shard each, hosts 2-3 are worker hosts.
 Workers train real Keras models on real data (scikit-learn's digits, no download) with
-:class:`irdma.keras.CommTrainer`, one process per worker, so back-propagation is real and the
+:class:`irdma.train.keras.CommTrainer`, one process per worker, so back-propagation is real and the
 figures include it. Every figure is against a baseline measured in the same run:
 
 1. P3 priority slicing: time per iteration of ``overlap="p3"`` against ``"fifo"`` (the same
@@ -17,10 +17,10 @@ figures include it. Every figure is against a baseline measured in the same run:
 3. Compression with error feedback (top-k 1%, scaled sign): bytes pushed, time per iteration
    and accuracy against no compression.
 4. Hierarchical aggregation: 2 hosts x 2 workers, flat pushes (4 workers) against one push per
-   host (:class:`irdma.hier.HostGroup`): bytes on the worker hosts' links (the kernel's counters)
+   host (:class:`irdma.train.hier.HostGroup`): bytes on the worker hosts' links (the kernel's counters)
    and time per iteration.
 5. Everything combined (P3 + dropping + compression + hierarchy).
-6. The cost model (:mod:`irdma.costmodel`, ``irdma tune``): its prediction of each measured
+6. The cost model (:mod:`irdma.train.costmodel`, ``irdma tune``): its prediction of each measured
    configuration's time per iteration, from the link rate measured by a plain TCP stream and the
    computation time measured by the workers without communication. Target: within 25%.
 
@@ -148,7 +148,7 @@ def role_worker(spec_json: str) -> None:
     import tensorflow as tf
 
     import irdma
-    from irdma.keras import CommTrainer
+    from irdma.train.keras import CommTrainer
 
     # The computation gets one core; the other is left to the transfers, the shards and the
     # kernel's TCP (what a NIC's offload does on a real worker): on a 2-core machine they would
@@ -165,7 +165,7 @@ def role_worker(spec_json: str) -> None:
     out = []
     group = None
     if spec.get("group"):
-        from irdma.hier import HostGroup
+        from irdma.train.hier import HostGroup
 
         g = spec["group"]
         group = HostGroup(g["name"], g["rank"], g["size"], g["nbytes"], timeout=300)
@@ -248,7 +248,7 @@ def probe(client: Any, worker: int, quick: bool) -> dict[str, Any]:
     async def many(c: Any) -> float:
         import trio
 
-        from irdma.client import layout_of
+        from irdma.client.native import layout_of
 
         inode = await c.meta.resolve(path)
         layout, chunks = layout_of(inode), await c.meta.chunk_map(inode.ino)
@@ -261,7 +261,7 @@ def probe(client: Any, worker: int, quick: bool) -> dict[str, Any]:
 
     per = client.submit(many).result(120)
     client.unlink(path)
-    from irdma import compress
+    from irdma.wire import compress
 
     # a compressed push costs the worker its encoding and the shard its decoding, per P3 slice:
     # the time of a 32 MiB push in 160 KB slices, less its bytes' time on the link, per dense byte
@@ -375,7 +375,7 @@ def main() -> int:
     if os.geteuid() != 0:
         print("bench-comm needs root (network namespaces): run it as root", file=sys.stderr)
         return 2
-    from irdma.testbed import TestBed
+    from irdma.ops.testbed import TestBed
 
     q = args.quick
     # communication about as long as computation: the large model's weights (59 MB) take about
@@ -508,7 +508,7 @@ def model_rows(R: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
     Its inputs are measured apart from the runs it predicts: the link (a plain TCP stream), the
     client's own push and pull rate and the wall time of one request with the window full (the
     probe), and the computation alone (the workers, without transfers)."""
-    from irdma import costmodel as cm
+    from irdma.train import costmodel as cm
 
     out: list[dict[str, Any]] = []
     for e in R["p3"]:
@@ -608,7 +608,7 @@ def report(R: dict[str, Any]) -> str:
                  f" {f['step_s'] / best:.2f}x | {n['step_s'] / best:.2f}x |"
                  f" {n['acc']:.3f}, {f['acc']:.3f}, {p['acc']:.3f}, {pb['acc']:.3f} |"
                  f" {_idle(f)}, {_idle(pb)} |")
-    L += ["", "## The cost model against the measurements (`irdma tune`, `irdma/costmodel.py`)", "",
+    L += ["", "## The cost model against the measurements (`irdma tune`, `irdma/train/costmodel.py`)", "",
           "| configuration | predicted s/iter | measured s/iter | error | bound (model) |", "|---|---|---|---|---|"]
     for c in R.get("model", []):
         L.append(f"| {c['config']} | {c['predicted']:.3f} | {c['measured']:.3f} | {100 * c['error']:+.0f}% | {c['bound']} |")

@@ -105,7 +105,7 @@ def irdma_mount() -> Iterator[str]:
     """A local cluster (4 shards, 1 replica as the other bandwidth figures) and a mount."""
     from irdma.fs.mount import spawn_mount, unmount
 
-    from irdma import cluster as C
+    from irdma.ops import cluster as C
 
     d = tempfile.mkdtemp(prefix="irdma-fio-c-")
     mnt = os.path.join(d, "m")

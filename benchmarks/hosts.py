@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """``make bench-hosts``: irdma across hosts on the test bed (issue 10's benchmarks).
 
-The hosts are network namespaces of this machine on one bridge (:mod:`irdma.testbed`), every
+The hosts are network namespaces of this machine on one bridge (:mod:`irdma.ops.testbed`), every
 link rate-shaped with ``tc tbf`` in both directions:
 
 * host 0: PostgreSQL 15 (the metadata; SQLite where PostgreSQL is not usable), link ``--rate``;
@@ -58,7 +58,7 @@ sys.path.insert(0, REPO)
 
 MiB = 1 << 20
 PY = sys.executable
-IRDMA = [PY, "-m", "irdma.cli"]
+IRDMA = [PY, "-m", "irdma.ops.cli"]
 T0 = time.monotonic()
 
 
@@ -142,8 +142,8 @@ def role_bw(meta: str, rank: int, size: int, block: int, chunk: int, concurrency
     import numpy as np
     import trio
 
-    from irdma.client import Client, layout_of
-    from irdma.protocol import UpdateOp
+    from irdma.client.native import Client, layout_of
+    from irdma.wire.protocol import UpdateOp
 
     src = np.random.default_rng(rank).integers(0, 255, block, dtype=np.uint8).tobytes()
     out: dict[str, Any] = {"rank": rank, "bytes": size, "push": [], "pull": []}
@@ -498,13 +498,13 @@ class Bench:
 
 
 def rate_mb_s(rate: str) -> float:
-    from irdma.testbed import _rate_bits
+    from irdma.ops.testbed import _rate_bits
 
     return _rate_bits(rate) / 8 / 1e6
 
 
 def scale_rate(rate: str, factor: int) -> str:
-    from irdma.testbed import _rate_bits
+    from irdma.ops.testbed import _rate_bits
 
     bits = _rate_bits(rate) * factor
     for unit, mult in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
@@ -532,7 +532,7 @@ def pct(x: float) -> str:
 
 
 def main() -> int:
-    from irdma.testbed import PostgresServer, TestBed
+    from irdma.ops.testbed import PostgresServer, TestBed
     from irdma.units import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -700,7 +700,7 @@ def write_report(R: dict[str, Any], out: str) -> None:
       f"{R['seconds']:.0f} s, on {R['machine']['nproc']} cores, Linux {R['machine']['kernel']}, "
       f"Python {R['machine']['python']}; load average {R['load_start']} at the start, {R['load_end']} at the end "
       "(the machine is shared: every figure is a ratio to a baseline measured in the same run).\n")
-    w("The hosts are network namespaces of this machine on one bridge (`irdma/testbed.py`): host 0 "
+    w("The hosts are network namespaces of this machine on one bridge (`irdma/ops/testbed.py`): host 0 "
       "runs the metadata (PostgreSQL 15), hosts 1-3 are shard hosts, hosts 4-5 worker hosts. Every link "
       f"is shaped with `tc tbf` in both directions: shard hosts and host 0 at **{R['rate']}** "
       f"({rate_mb_s(R['rate']):.1f} MB/s), worker hosts at **{R['worker_rate']}** (so they are not the "

@@ -233,7 +233,7 @@ def write_report(R: dict[str, Any], out: str) -> None:
     r = R["rounds"]
     L += ["", "## Model rounds: ResNet-50's 25.6 M float32 in 320 tensors, 2 workers, 2 servers", "",
           "One round: each worker pushes a gradient for every tensor (update op `add`), then pulls every",
-          "tensor. *Unified buffer* (SoftMemoryBox II; what `irdma.keras.ShardOptimizer` moves): all 320",
+          "tensor. *Unified buffer* (SoftMemoryBox II; what `irdma.train.keras.ShardOptimizer` moves): all 320",
           "tensors at their offsets in one 102 MB file of 4 MiB chunks, kept open; a round is one `pwrite` of",
           "the gradients and one `preadv` of the weights (natively one `write_from` and one `read_into`).",
           "*A file per tensor*: 320 files, each opened, written and closed, then read. The unified",

@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from irdma import Client, UpdateOp  # noqa: E402
-from irdma.client import layout_of  # noqa: E402
+from irdma.client.native import layout_of  # noqa: E402
 
 MiB = 1 << 20
 ROW = 256  # float32 per row

@@ -40,7 +40,7 @@ from irdma.fs.mount import spawn_mount, unmount  # noqa: E402
 
 from irdma import bench as B  # noqa: E402
 from irdma import cluster as C  # noqa: E402
-from irdma.client import Client  # noqa: E402
+from irdma.client.native import Client  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -167,7 +167,7 @@ def open_cluster(shards: int, capacity: int) -> Iterator[str]:
             port_file = os.path.join(d, f"port-{i}")
             with open(os.path.join(d, f"shard-{i}.log"), "wb") as log:
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "irdma.cli", "server", "--listen", "127.0.0.1:0", "--capacity", str(capacity),
+                    [sys.executable, "-m", "irdma.ops.cli", "server", "--listen", "127.0.0.1:0", "--capacity", str(capacity),
                      "--shard-id", str(i + 1), "--port-file", port_file, "--transport", "tcp", "--no-auth",
                      "--data-dir", os.path.join(d, f"data-{i}")],  # as `irdma up` does: only auth differs
                     stdout=log, stderr=subprocess.STDOUT))
@@ -644,7 +644,7 @@ def main() -> int:
         R["by_workers"] = {}
         for w in (1, 2, 4):
             per = sweep // w
-            procs = [subprocess.Popen([PY, "-m", "irdma.cli", "bench", "--meta", meta, "--transport", "tcp", "--size",
+            procs = [subprocess.Popen([PY, "-m", "irdma.ops.cli", "bench", "--meta", meta, "--transport", "tcp", "--size",
                                        str(per), "--tests", "push-assign,pull", "--json", "--path", f"/.bench-worker-{i}"],
                                       stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
                      for i in range(w)]

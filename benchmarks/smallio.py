@@ -117,7 +117,7 @@ def bench_native(meta_url: str, name: str, threads: int, seconds: float) -> dict
     """The same reads with the native client (:meth:`irdma.Client.read_into`), ``threads`` tasks."""
     import trio
 
-    from irdma.client import Client, layout_of
+    from irdma.client.native import Client, layout_of
 
     async def main() -> dict[str, float]:
         async with Client.open(meta_url, transport="tcp") as client:
@@ -175,7 +175,7 @@ def mount(meta_url: str, where: str, tree: str | None = None) -> Iterator[tuple[
 
 @contextlib.contextmanager
 def cluster() -> Iterator[tuple[str, str]]:
-    from irdma import cluster as C
+    from irdma.ops import cluster as C
 
     d = tempfile.mkdtemp(prefix="irdma-smallio-")
     try:

@@ -94,7 +94,7 @@ def write_report(results: list[dict], out: str, took: float, epochs: int) -> Non
          "the weights only through one irdma mount (a local cluster of 2 shards, 2 replicas): each step",
          "pushes the gradients into the job's unified buffer, whose update op is the optimizer (applied",
          "on the shards), ticks the worker's clock (the consistency model) and pulls the weights",
-         "(`irdma.keras.ShardOptimizer`). The baseline trains the same model in one process with the",
+         "(`irdma.train.keras.ShardOptimizer`). The baseline trains the same model in one process with the",
          "same Keras optimizer, batch size (32) and epochs on the whole training set: both take the same",
          "number of gradient steps in all. Accuracy is on the test set after the last epoch; the curves",
          "(worker 0 for irdma) are in `docs/training.png`.", "",

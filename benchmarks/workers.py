@@ -48,8 +48,8 @@ def irdma_native(meta: str, shapes: list[tuple[int, ...]], rounds: int, start: s
     import trio
 
     import irdma
-    from irdma.client import layout_of
-    from irdma.protocol import UpdateOp
+    from irdma.client.native import layout_of
+    from irdma.wire.protocol import UpdateOp
 
     grads = [np.full(int(np.prod(s)), 1e-3, "<f4") for s in shapes]
     outs = [np.empty(int(np.prod(s)), "<f4") for s in shapes]
@@ -114,8 +114,8 @@ def irdma_native_unified(meta: str, shapes: list[tuple[int, ...]], rounds: int, 
     import trio
 
     import irdma
-    from irdma.client import layout_of
-    from irdma.protocol import UpdateOp
+    from irdma.client.native import layout_of
+    from irdma.wire.protocol import UpdateOp
 
     total = sum(int(np.prod(s)) for s in shapes)
     grads = np.full(total, 1e-3, "<f4")
@@ -135,7 +135,7 @@ def irdma_native_unified(meta: str, shapes: list[tuple[int, ...]], rounds: int, 
 
 
 def irdma_mount_unified(mountdir: str, shapes: list[tuple[int, ...]], rounds: int, start: str) -> float:
-    """The unified buffer through the mount, as :class:`irdma.keras.ShardOptimizer` moves it: the
+    """The unified buffer through the mount, as :class:`irdma.train.keras.ShardOptimizer` moves it: the
     file stays open across rounds; a round is one ``pwrite`` of all gradients and one
     ``preadv`` of all weights (the read waits for this mount's push: read your writes)."""
     total = sum(int(np.prod(s)) for s in shapes)

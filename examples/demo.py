@@ -75,7 +75,7 @@ class Steps:
 
     def irdma(self, *args: str) -> None:
         """An ``irdma`` command that must succeed (not interruptible)."""
-        rc = self.run([sys.executable, "-m", "irdma.cli", *args])
+        rc = self.run([sys.executable, "-m", "irdma.ops.cli", *args])
         if rc != 0:
             raise subprocess.CalledProcessError(rc, ["irdma", *args])
 
@@ -162,11 +162,11 @@ def main() -> int:
     finally:
         if mounted:
             step("unmounting")
-            if steps.run([sys.executable, "-m", "irdma.cli", "umount", mnt]) != 0:
+            if steps.run([sys.executable, "-m", "irdma.ops.cli", "umount", mnt]) != 0:
                 rc = rc or 1  # the reason and the fix were printed by irdma umount
         if started:
             step("stopping the cluster")
-            if steps.run([sys.executable, "-m", "irdma.cli", "down", "--dir", cluster_dir]) != 0:
+            if steps.run([sys.executable, "-m", "irdma.ops.cli", "down", "--dir", cluster_dir]) != 0:
                 rc = rc or 1
         if os.path.ismount(mnt):
             print(f"{mnt} is still mounted: `irdma umount {mnt}` cleans it", file=sys.stderr)

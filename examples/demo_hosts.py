@@ -2,7 +2,7 @@
 """`make demo-hosts`: irdma across six hosts, with PostgreSQL metadata.
 
 The hosts are network namespaces of this machine on one bridge, each link shaped to
-``--rate`` (see :mod:`irdma.testbed`); every process runs on its host with ``nsenter --net``:
+``--rate`` (see :mod:`irdma.ops.testbed`); every process runs on its host with ``nsenter --net``:
 
 * host 0: PostgreSQL 15 (the metadata), ``irdma format`` makes the namespace and the key;
 * hosts 1-3: one shard each, ``irdma server --listen ADDR --meta URL --data-dir DIR``;
@@ -37,7 +37,7 @@ def step(msg: str) -> None:
 
 
 def main() -> int:
-    from irdma.testbed import PostgresServer, TestBed
+    from irdma.ops.testbed import PostgresServer, TestBed
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300)
@@ -54,7 +54,7 @@ def main() -> int:
     t0 = time.monotonic()
     rc = 1
     bed = pg = None
-    irdma = [sys.executable, "-m", "irdma.cli"]
+    irdma = [sys.executable, "-m", "irdma.ops.cli"]
     try:
         step(f"building the test bed: 6 hosts on a bridge, links shaped to {args.rate}")
         bed = TestBed(6, rate=args.rate)

@@ -4,7 +4,7 @@
 
 starts N worker processes; each trains the same model with plain ``model.fit`` on its share of
 scikit-learn's digits (shipped inside the package: no download), with the optimizer applied on
-the shards (:class:`irdma.keras.ShardOptimizer`) under the consistency model asked. Then it
+the shards (:class:`irdma.train.keras.ShardOptimizer`) under the consistency model asked. Then it
 trains the same model in this process with the same Keras optimizer, batch size and epochs,
 and ends with one line::
 
@@ -62,7 +62,7 @@ def model(seed: int = 0):  # type: ignore[no-untyped-def]
 def run_worker(args: argparse.Namespace) -> None:
     import keras
 
-    from irdma.keras import ShardOptimizer
+    from irdma.train.keras import ShardOptimizer
 
     x, y, x_te, y_te = data(args.worker, args.workers)
     m = model()
@@ -92,7 +92,7 @@ def run_worker(args: argparse.Namespace) -> None:
 def run_single(args: argparse.Namespace) -> dict:
     import keras
 
-    from irdma.keras import keras_optimizer
+    from irdma.train.keras import keras_optimizer
 
     x, y, x_te, y_te = data(None, 1)
     m = model()

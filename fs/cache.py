@@ -23,7 +23,7 @@ records in the metadata engine, and the bytes the shards acknowledged, are that.
   exact pull of the bytes asked for, unless a window already holds them. At most
   ``READAHEAD_BYTES`` of windows are kept per file, the oldest dropped first.
 * Residuals (:class:`Residuals`), error feedback of compressed pushes (Applied Sciences 2020's
-  local residual cache; :mod:`irdma.compress`): one residual per inode, float32, element ``i``
+  local residual cache; :mod:`irdma.wire.compress`): one residual per inode, float32, element ``i``
   for bytes ``[4i, 4i+4)`` of the file, made on the first compressed write and grown (zeros) to
   cover what is written. A write of gradient ``g`` (little-endian float32) at byte ``off`` pushes
   ``g + residual[off/4 : ...]`` and keeps what the compression dropped in its place, so error
@@ -65,10 +65,10 @@ import numpy as np
 import trio
 
 from irdma._errors import IrdmaError
-from irdma.client import ChunkMap, Client, NewChunk
-from irdma.compress import Compression
+from irdma.client.native import ChunkMap, Client, NewChunk
 from irdma.placement import Layout
-from irdma.protocol import Update
+from irdma.wire.compress import Compression
+from irdma.wire.protocol import Update
 
 log = logging.getLogger("irdma.fs")
 

@@ -17,7 +17,7 @@ namespace (and by native clients: :meth:`irdma.Client.barrier` and the rest use 
 names); ``DIR/.irdma/`` holds directory DIR's own objects (a job's barriers, locks and counters),
 reached only through DIR, so the kernel's checks of DIR's path apply to them. Beside them, in any
 directory: ``DIR/.irdma-clock@K`` (worker K's clock in job directory DIR:
-:func:`irdma.coord.tick`) and ``DIR/.irdma-state@NAME`` (file NAME's optimizer state image,
+:func:`irdma.train.coord.tick`) and ``DIR/.irdma-state@NAME`` (file NAME's optimizer state image,
 :meth:`irdma.Client.state_of`; read to checkpoint, write to restore; its file's owner and mode).
 
 Sync objects are files with owners. An object is created by its first use through a mount, with
@@ -42,7 +42,7 @@ Waits. Barrier, lock and clock waits are *reads* because the kernel serializes w
 file (its inode lock): a blocked write would hold back every other writer of the name, a release
 included. A barrier or lock wait that reaches the mount's deadline (``irdma mount
 --sync-timeout``, default 60 s) fails with ETIMEDOUT; a clock wait's deadline is its job's
-``user.irdma.sync_timeout`` (:mod:`irdma.coord`). Every wait ends at once, with EINTR, when its
+``user.irdma.sync_timeout`` (:mod:`irdma.train.coord`). Every wait ends at once, with EINTR, when its
 caller is signalled (Ctrl-C, SIGKILL, any signal it handles), and a barrier arrival that gave up
 either way is withdrawn. pyfuse3 (3.5) neither passes FUSE_INTERRUPT on nor cancels the handler,
 and the kernel keeps a caller whose request the daemon holds in uninterruptible sleep, even after
@@ -53,7 +53,7 @@ the file, else its process; a caller in another PID namespace, pid 0, is not wat
 deadline ends its wait). Names of any file exist as soon as named (any name without '/'), reads
 end with a newline, so ``cat .irdma/barrier/epoch1@4`` and ``echo 1 > .irdma/counter/steps``
 work from a shell. The state lives in the metadata engine (:mod:`irdma.meta.sql_sync`), waits
-poll it (:mod:`irdma.coord`). Inode numbers from :data:`BASE` on are virtual: never in the
+poll it (:mod:`irdma.train.coord`). Inode numbers from :data:`BASE` on are virtual: never in the
 metadata.
 """
 
@@ -71,18 +71,18 @@ from typing import Any, TypeVar
 
 import trio
 
-from irdma import coord
 from irdma._concurrency import open_nursery
 from irdma._errors import InvalidArgument, IrdmaError, NoAttribute, NotFound, NotPermitted
 from irdma.meta import ROOT_INO
 from irdma.meta.sql_sync import check_sync_name, sync_key
+from irdma.train import coord
 
 log = logging.getLogger("irdma.fs")
 _T = TypeVar("_T")
 
 CONTROL = b".irdma"
 #: ``JOB/.irdma-clock@K``: a read advances worker K's clock in job directory JOB and returns once
-#: the job's consistency model lets it pull (:func:`irdma.coord.tick`); the text is the new clock
+#: the job's consistency model lets it pull (:func:`irdma.train.coord.tick`); the text is the new clock
 CLOCK_PREFIX = b".irdma-clock@"
 #: ``DIR/.irdma-state@NAME``: file NAME's optimizer state image (:meth:`irdma.Client.state_of`):
 #: read it to checkpoint the state, write it back to restore it (the file's mode and owner)

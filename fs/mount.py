@@ -24,12 +24,12 @@ import pyfuse3
 import trio
 
 from irdma._errors import IrdmaError
-from irdma._proc import last_log_line, pid_alive, spawn_detached
-from irdma.client import DEFAULT_TIMEOUT, Client
-from irdma.coord import DEFAULT_SYNC_TIMEOUT
+from irdma.client.native import DEFAULT_TIMEOUT, Client
 from irdma.meta import redact
-from irdma.metrics import Exporter, forget_mount, parse_metrics_address, record_mount
-from irdma.metrics import serve as serve_metrics
+from irdma.ops._proc import last_log_line, pid_alive, spawn_detached
+from irdma.ops.metrics import Exporter, forget_mount, parse_metrics_address, record_mount
+from irdma.ops.metrics import serve as serve_metrics
+from irdma.train.coord import DEFAULT_SYNC_TIMEOUT
 
 from .operations import IrdmaFS
 
@@ -43,9 +43,9 @@ async def serve_mount(
 ) -> None:
     """Mount the namespace at ``mountpoint`` and serve it until unmounted.
 
-    ``metrics``: ``HOST:PORT`` to serve Prometheus metrics on (:mod:`irdma.metrics`: FUSE
+    ``metrics``: ``HOST:PORT`` to serve Prometheus metrics on (:mod:`irdma.ops.metrics`: FUSE
     requests, the client's requests to shards; port 0 picks one). The bound address is recorded
-    in :func:`irdma.metrics.mount_state_file` while the mount runs, where ``irdma stats MNT``
+    in :func:`irdma.ops.metrics.mount_state_file` while the mount runs, where ``irdma stats MNT``
     finds it.
 
     ``timeout``: seconds each request to a shard, and each wait for the metadata database's

@@ -49,7 +49,7 @@ never stale or zeroed bytes. Metadata calls run in worker threads.
 
 Compressed pushes with error feedback. A file whose update op is ``add`` or an optimizer and
 whose xattr ``user.irdma.compress`` (else its directory's, read at open) is ``topk:FRACTION`` or
-``sign`` gets handles whose writes are sent compressed (:mod:`irdma.compress`) and decoded on the
+``sign`` gets handles whose writes are sent compressed (:mod:`irdma.wire.compress`) and decoded on the
 shards. This mount keeps one residual per inode (:class:`irdma.fs.cache.Residuals`: float32,
 one element per 4 bytes of the file, made on the first compressed write and grown to cover what
 is written): a write of gradient ``g`` at ``off`` pushes ``g + residual[off/4 : ...]`` and keeps
@@ -80,16 +80,16 @@ import numpy as np
 import pyfuse3
 import trio
 
-from irdma import comm, coord
 from irdma._errors import InvalidArgument, IrdmaError, NoAttribute, NotFound, Stale
-from irdma.client import ChunkMap, Client, layout_of
-from irdma.compress import XATTR_COMPRESS, Compression, parse_compress
+from irdma.client.native import ChunkMap, Client, layout_of
 from irdma.meta import ROOT_INO, Inode
 from irdma.meta.base import XATTR_UPDATE, setid_bits
-from irdma.metrics import fuse_metrics
-from irdma.optimizers import parse_update
+from irdma.ops.metrics import fuse_metrics
 from irdma.placement import Layout
-from irdma.protocol import Update, UpdateOp
+from irdma.train import comm, coord
+from irdma.train.optimizers import parse_update
+from irdma.wire.compress import XATTR_COMPRESS, Compression, parse_compress
+from irdma.wire.protocol import Update, UpdateOp
 
 from .cache import ReadAhead, Residuals, WriteBehind
 from .control import CLOCK_PREFIX, CONTROL, STATE_PREFIX, Control
@@ -207,7 +207,7 @@ class IrdmaFS(pyfuse3.Operations):
         """Register this mount as a session, then reap dead sessions and their orphans."""
         self.sid = await self.meta.open_session(name)
         self.control.session = self.sid
-        from irdma.fsck import collect_garbage
+        from irdma.ops.fsck import collect_garbage
 
         try:
             report = await collect_garbage(self.client, leaked_chunks=False)
@@ -427,7 +427,7 @@ class IrdmaFS(pyfuse3.Operations):
                 return await self._control_entry(self.control.scope_dir(parent_inode), ctx)
             if Control.owns(parent_inode):
                 return await self._control_entry(self.control.lookup(parent_inode, name), ctx)
-            if name.startswith(CLOCK_PREFIX):  # JOB/.irdma-clock@K (irdma.coord)
+            if name.startswith(CLOCK_PREFIX):  # JOB/.irdma-clock@K (irdma.train.coord)
                 if not (await self._getattr(parent_inode)).is_dir:
                     raise NotFound("not a directory")
                 return await self._control_entry(self.control.clock_file(parent_inode, name), ctx)
@@ -971,7 +971,7 @@ class IrdmaFS(pyfuse3.Operations):
 
 
 def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` inside :func:`fuse_errors`, timed and counted in :class:`irdma.metrics.FuseMetrics`
+    """``fn`` inside :func:`fuse_errors`, timed and counted in :class:`irdma.ops.metrics.FuseMetrics`
     (``irdma_fuse_*``: requests, latency, bytes of read and write, errors by errno)."""
     metrics = fuse_metrics()
     sized = name in ("read", "write")

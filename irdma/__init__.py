@@ -1,13 +1,23 @@
 """irdma: an RDMA parameter server exposed as a POSIX filesystem.
 
-Public names are re-exported here from private modules (as trio does); the heavy ones are
-loaded on first use.
+Public names are re-exported here from the modules that define them (as trio does); the heavy
+ones are loaded on first use. The packages, bottom up:
+
+* :mod:`irdma.wire`: the protocol's bytes, authentication, gradient encodings, framing.
+* :mod:`irdma.transport`: how a client reaches shards (TCP, RDMA verbs).
+* :mod:`irdma.meta`: the metadata engines (namespace, inodes, xattrs, chunk and shard maps).
+* :mod:`irdma.client`: the native client (shard pool, chains, pull and push, moves).
+* :mod:`irdma.train`: optimizers, consistency models, priorities, Keras.
+* :mod:`irdma.ops`: the ``irdma`` command, clusters, fsck, metrics, benchmarks.
+* ``irdma.fs`` (``fs/``): the FUSE mount; ``irdma.server`` (``server/``): the shards.
+
+Beside them, shared by all: :mod:`irdma._errors`, :mod:`irdma.placement` (chunks to shards)
+and :mod:`irdma.units`.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._errors import (
     BadRequest,
@@ -24,38 +34,29 @@ from ._errors import (
     Stale,
     TransportUnavailable,
 )
+from ._lazy import exports
 
 if TYPE_CHECKING:
-    from .client import Client
+    from .client.native import Client
+    from .client.sync import SyncClient, connect
     from .placement import DEFAULT_CHUNK_SIZE, Layout
-    from .protocol import UpdateOp
-    from .sync import SyncClient, connect
+    from .wire.protocol import UpdateOp
 
 __version__ = "0.1.0"
 
-#: Names loaded on first use (PEP 562), so that ``import irdma.protocol`` in a shard process,
+#: Names loaded on first use (PEP 562), so that ``import irdma.wire.protocol`` in a shard process,
 #: or ``import irdma`` for its errors, does not load the client, trio and the metadata engines.
 _LAZY = {
-    "Client": ".client",
-    "SyncClient": ".sync",
-    "connect": ".sync",
-    "UpdateOp": ".protocol",
+    "Client": ".client.native",
+    "SyncClient": ".client.sync",
+    "connect": ".client.sync",
+    "UpdateOp": ".wire.protocol",
     "Layout": ".placement",
     "DEFAULT_CHUNK_SIZE": ".placement",
 }
 
 
-def __getattr__(name: str) -> Any:
-    where = _LAZY.get(name)
-    if where is None:
-        raise AttributeError(f"module 'irdma' has no attribute {name!r}")
-    value = getattr(importlib.import_module(where, __name__), name)
-    globals()[name] = value  # once: later lookups do not come here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = exports(__name__, _LAZY)
 
 __all__ = [
     "Client",

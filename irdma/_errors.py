@@ -149,4 +149,4 @@ class Dirty(ShardUnavailable):
 
 class AuthFailed(IrdmaError):
     """A peer did not prove it holds the cluster key, refused ours, belongs to another cluster,
-    or a frame's authentication tag did not verify (see :mod:`irdma.auth`)."""
+    or a frame's authentication tag did not verify (see :mod:`irdma.wire.auth`)."""

@@ -11,9 +11,9 @@ The layers, bottom up (each imports only those below it):
 * :mod:`.replicate`: chain replication (apply, forward to the successor, answer when the rest
   of the chain did; CRAQ's clean reads; resync).
 * :mod:`.dispatch`: a request frame in, its reply out (:class:`~.dispatch.Dispatcher`); disk
-  I/O in worker threads; the one status table of :mod:`irdma.protocol` for errors; metrics.
+  I/O in worker threads; the one status table of :mod:`irdma.wire.protocol` for errors; metrics.
 * Front ends that only move frames: :mod:`.tcp` (pipelined connections) and :mod:`.verbs`
-  (queue pairs, one-sided reads and writes); both use :mod:`irdma.framing` for the frames and
+  (queue pairs, one-sided reads and writes); both use :mod:`irdma.wire.framing` for the frames and
   the handshake they share with the clients.
 * :mod:`.serve`: the ``irdma server`` process (signals, the port file, the metrics exporter).
 """

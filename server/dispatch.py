@@ -7,12 +7,12 @@ a :class:`ThreadWork` when the request needs disk I/O first (SYNC; a new chunk's
 chunk-index record on a shard with a data directory), which runs in a worker thread so the
 event loop never waits for the disk. A malformed or refused request gets an error reply and
 changes nothing; an exception the request meets becomes its error reply through the one status
-table (:data:`irdma.protocol.STATUS_ERRORS`), a bug is logged with its traceback and answered
-INTERNAL. Every request is counted in the shard's metrics (:mod:`irdma.metrics`).
+table (:data:`irdma.wire.protocol.STATUS_ERRORS`), a bug is logged with its traceback and answered
+INTERNAL. Every request is counted in the shard's metrics (:mod:`irdma.ops.metrics`).
 
 The front ends only move frames: :mod:`irdma.server.tcp` (pipelined TCP connections) and
 :mod:`irdma.server.verbs` (queue pairs); both take a connection's handshake from
-:meth:`Dispatcher.handshake` (:class:`irdma.framing.ServerHandshake`).
+:meth:`Dispatcher.handshake` (:class:`irdma.wire.framing.ServerHandshake`).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import trio
 
-from irdma import auth
-from irdma import protocol as P
 from irdma._errors import BadRequest, RemoteProtocolError
-from irdma.framing import ServerHandshake
-from irdma.metrics import shard_metrics
+from irdma.ops.metrics import shard_metrics
+from irdma.wire import auth
+from irdma.wire import protocol as P
+from irdma.wire.framing import ServerHandshake
 
 from .replicate import Replicator
 from .shard import ChunksPending, Shard, split_extents
@@ -72,7 +72,7 @@ class Dispatcher:
     Args:
         shard: the shard's memory and chunks.
         max_payload: largest READ/WRITE payload accepted, bytes.
-        keys: the cluster's key file; every connection must prove the key (:mod:`irdma.auth`).
+        keys: the cluster's key file; every connection must prove the key (:mod:`irdma.wire.auth`).
             None: no authentication (``irdma server --no-auth``, for a trusted test bed only).
     """
 
@@ -94,7 +94,7 @@ class Dispatcher:
         shard.defer_creation = shard.store is not None
 
     def handshake(self) -> ServerHandshake:
-        """The handshake state of a new connection (:mod:`irdma.auth`)."""
+        """The handshake state of a new connection (:mod:`irdma.wire.auth`)."""
         return ServerHandshake(self.keys, self._identity)
 
     def _identity(self, proof: bytes) -> P.HelloReply:
@@ -110,7 +110,7 @@ class Dispatcher:
         update this shard forwards along a replication chain is applied now and answered later:
         the reply is then an awaitable, and the request's buffers must stay untouched until it
         is done (the forward reads them). ``transport`` (``tcp`` or ``verbs``) labels the
-        request's metrics (:mod:`irdma.metrics`).
+        request's metrics (:mod:`irdma.ops.metrics`).
 
         ``zero_copy``: a READ's reply data is a view of the shard's memory, valid only until
         this task next yields (an update applied after may change it): the caller sends it at
@@ -248,7 +248,7 @@ class Dispatcher:
             log.debug("recording a request's metrics failed", exc_info=True)
 
     def _error(self, exc: Exception, msg: P.Request) -> P.ErrorReply:
-        """The error reply of a request that raised ``exc`` (:data:`irdma.protocol.STATUS_ERRORS`)."""
+        """The error reply of a request that raised ``exc`` (:data:`irdma.wire.protocol.STATUS_ERRORS`)."""
         reply = P.error_reply(exc, self.shard.shard_id)
         if reply is not None:
             return reply

@@ -9,7 +9,7 @@ for a replica brought level by a whole-chunk copy, copied with its chunk, so the
 replicated and persisted exactly as the weights are. Its layout (``chunk_size`` = the data
 chunk's size in bytes, ``n = chunk_size // 4`` elements)::
 
-    [0, 4096)                     header: magic b"IRST", u8 op (irdma.protocol.UpdateOp), zeros
+    [0, 4096)                     header: magic b"IRST", u8 op (irdma.wire.protocol.UpdateOp), zeros
     [4096 + k*chunk_size, ...)    slot k: n little-endian float32 (or u32 for ``step``)
 
     sgd      slot 0 momentum
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from irdma.optimizers import (  # noqa: F401  (the state layout, shared with the client)
+from irdma.train.optimizers import (  # noqa: F401  (the state layout, shared with the client)
     HEADER,
     MAGIC,
     SLOT_NAMES,
@@ -46,7 +46,7 @@ from irdma.optimizers import (  # noqa: F401  (the state layout, shared with the
     state_index,
     state_size,
 )
-from irdma.protocol import OPT_CENTERED, OPT_NESTEROV, Update, UpdateOp
+from irdma.wire.protocol import OPT_CENTERED, OPT_NESTEROV, Update, UpdateOp
 
 _F32 = np.float32
 

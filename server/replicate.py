@@ -5,7 +5,7 @@ The scheme is chain replication (van Renesse & Schneider, OSDI 2004) with CRAQ's
 (Terrace & Freedman, USENIX ATC 2009), as 3FS uses it for its chunks:
 
 * A client sends an update op to the chunk's *head* replica with the rest of the chain and a
-  request id (:class:`irdma.protocol.Chain`). Each replica applies it synchronously (so every
+  request id (:class:`irdma.wire.protocol.Chain`). Each replica applies it synchronously (so every
   replica applies the updates of a chunk in the order its head did), records the request id,
   puts a copy on the ordered stream to its successor, and answers only once the successor did.
 * Forwards to one successor travel on one :class:`Link`: one connection, one sender task, sent
@@ -39,8 +39,6 @@ from typing import Any
 import numpy as np
 import trio
 
-from irdma import auth, optimizers
-from irdma import protocol as P
 from irdma._errors import (
     BadRequest,
     DataLost,
@@ -52,9 +50,12 @@ from irdma._errors import (
     ReplicaStale,
     ShardUnavailable,
 )
-from irdma.extents import move, positions
-from irdma.metrics import error_kind
+from irdma.ops.metrics import error_kind
+from irdma.train import optimizers
 from irdma.transport.tcp import TcpConnection, TcpTransport
+from irdma.wire import auth
+from irdma.wire import protocol as P
+from irdma.wire.extents import move, positions
 
 from .shard import Shard, split_extents
 
@@ -182,7 +183,7 @@ class Replicator:
         self._applied: collections.OrderedDict[int | tuple[int, int], int] = collections.OrderedDict()
         self._dirty: collections.Counter[tuple[int, int]] = collections.Counter()
         self._links: dict[str, Link] = {}
-        #: Where forwards are timed (:class:`irdma.metrics.ShardMetrics`; the server sets it).
+        #: Where forwards are timed (:class:`irdma.ops.metrics.ShardMetrics`; the server sets it).
         self.metrics: Any = None
 
     # ------------------------------------------------------------ synchronous part

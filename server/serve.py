@@ -2,7 +2,7 @@
 
 The parts: :mod:`irdma.server.dispatch` applies requests to the shard (no sockets),
 :mod:`irdma.server.tcp` and :mod:`irdma.server.verbs` are the front ends that move frames,
-:mod:`irdma.framing` the frames and the handshake both sides of the wire share.
+:mod:`irdma.wire.framing` the frames and the handshake both sides of the wire share.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from irdma import auth
-from irdma import protocol as P
 from irdma._errors import IrdmaError
-from irdma.metrics import Exporter
-from irdma.metrics import serve as serve_metrics
+from irdma.ops.metrics import Exporter
+from irdma.ops.metrics import serve as serve_metrics
+from irdma.wire import auth
+from irdma.wire import protocol as P
 
 from .dispatch import Dispatcher, ThreadWork
 from .shard import Shard
@@ -58,7 +58,7 @@ async def run_server(
     ``sock``: a stdlib socket already bound and listening on ``host:port`` (see
     :meth:`ShardServer.serve_tcp`).
 
-    ``metrics``: ``HOST:PORT`` to serve Prometheus metrics on (:mod:`irdma.metrics`; port 0
+    ``metrics``: ``HOST:PORT`` to serve Prometheus metrics on (:mod:`irdma.ops.metrics`; port 0
     picks one); the bound address is told in STAT replies, where ``irdma stats --meta`` finds it.
 
     Raises:

@@ -22,13 +22,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from irdma import (
-    compress,
-    optimizers,  # the optimizer-state layout, shared with the client
-)
 from irdma._errors import BadRequest, DataLost, NoSpace
-from irdma.extents import fill, move, positions
-from irdma.protocol import Encoding, Update, UpdateOp, op_kind
+from irdma.train import optimizers  # the optimizer-state layout, shared with the client
+from irdma.wire import compress
+from irdma.wire.extents import fill, move, positions
+from irdma.wire.protocol import Encoding, Update, UpdateOp, op_kind
 
 from . import optim
 
@@ -332,7 +330,7 @@ class Shard:
         chunk's state chunk (created on the first step; :mod:`irdma.server.optim`). A state
         chunk (index ``optimizers.STATE_BASE + i``) takes only ``assign`` (restoring a checkpoint).
         An :class:`Update` with an ``encoding`` (protocol 8) carries a compressed gradient:
-        ``data`` is decoded first (:func:`irdma.compress.decode`, into a new buffer: a payload
+        ``data`` is decoded first (:func:`irdma.wire.compress.decode`, into a new buffer: a payload
         in a staging buffer is never applied in place) and the op applied to the ``4 * n``
         decoded bytes at ``offset``, by the same code as a dense write of them.
 
@@ -404,7 +402,7 @@ class Shard:
         ``chunk``, ``offset``, ``length``: int64 arrays, one extent each (chunk index, byte
         offset in the chunk, bytes); ``out`` has room for exactly their total. A missing chunk
         reads as zeros. A copy, so the caller may send it while updates go on; one fancy-indexed
-        copy per distinct extent length (:func:`irdma.extents.move`).
+        copy per distinct extent length (:func:`irdma.wire.extents.move`).
 
         Returns:
             The version of each extent's chunk (uint64; 0 for a hole).

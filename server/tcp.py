@@ -23,10 +23,10 @@ from typing import Any
 
 import trio
 
-from irdma import auth
-from irdma import protocol as P
 from irdma._errors import RemoteProtocolError
-from irdma.framing import Macs, Receiver, send_now, send_parts, tune_socket
+from irdma.wire import auth
+from irdma.wire import protocol as P
+from irdma.wire.framing import Macs, Receiver, send_now, send_parts, tune_socket
 
 from .dispatch import Dispatcher, ThreadWork
 from .shard import Shard

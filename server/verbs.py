@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from irdma import protocol as P
 from irdma._errors import IrdmaError, ShardUnavailable
 from irdma.transport.verbs import (
     LOCAL_ACCESS,
@@ -34,6 +33,7 @@ from irdma.transport.verbs import (
     VerbsDevice,
     view_of,
 )
+from irdma.wire import protocol as P
 
 from .dispatch import ThreadWork
 from .shard import PAGE, Region, Shard

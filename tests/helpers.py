@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 from irdma.fs.mount import spawn_mount, unmount
 
-from irdma import cluster
+from irdma.ops import cluster
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,7 +27,7 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str, interval: fl
 
 
 def irdma_cli(*args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    res = subprocess.run([sys.executable, "-m", "irdma.cli", *args], capture_output=True, text=True, env=env,
+    res = subprocess.run([sys.executable, "-m", "irdma.ops.cli", *args], capture_output=True, text=True, env=env,
                          timeout=120)
     if check and res.returncode != 0:
         raise AssertionError(f"irdma {' '.join(args)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
@@ -95,16 +95,16 @@ def mounted(meta_url: str, mountpoint: str, allow_log: tuple[str, ...] = (), **k
 
 
 class RawShard:
-    """A blocking socket to a shard that does the HELLO/AUTH exchange of :mod:`irdma.auth` by
+    """A blocking socket to a shard that does the HELLO/AUTH exchange of :mod:`irdma.wire.auth` by
     hand (with ``ring``, else none) and then sends and receives frames with their tags: for
     tests that put their own bytes on the wire."""
 
     def __init__(self, address: str, ring: object | None, name: str = "raw") -> None:
         import socket
 
-        from irdma import auth
-        from irdma import protocol as P
         from irdma.transport.tcp import Macs
+        from irdma.wire import auth
+        from irdma.wire import protocol as P
 
         self.P = P
         self.auth = auth

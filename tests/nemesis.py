@@ -50,10 +50,10 @@ import trio
 from irdma.fs.mount import spawn_mount, unmount
 
 import irdma
-from irdma import cluster
-from irdma._proc import pid_alive, spawn_detached
-from irdma.auth import read_key_file
 from irdma.meta import open_meta
+from irdma.ops import cluster
+from irdma.ops._proc import pid_alive, spawn_detached
+from irdma.wire.auth import read_key_file
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -431,7 +431,7 @@ def make_schedule(seed: int, seconds: float, shards: list[int]) -> list[Step]:
 
 # ------------------------------------------------------------------ the cluster and its faults
 def irdma_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "irdma.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "irdma.ops.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -513,7 +513,7 @@ class LocalCluster:
             self.note(f"restart {shard_id}: already running")
             return self.pids()[shard_id]
         log = os.path.join(self.dir, "logs", f"shard-{shard_id}.log")
-        pid = spawn_detached(["-m", "irdma.cli", "server", "--listen", self.addresses[shard_id],
+        pid = spawn_detached(["-m", "irdma.ops.cli", "server", "--listen", self.addresses[shard_id],
                               "--shard-id", str(shard_id), "--transport", "tcp",
                               "--data-dir", cluster.shard_dir(self.dir, shard_id),
                               "--key-file", cluster.key_file_of(self.dir)], log)

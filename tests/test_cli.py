@@ -19,9 +19,9 @@ import pytest
 from helpers import Cluster, assert_clean_log, irdma_cli, wait_until
 from irdma.fs.mount import find_mount, spawn_mount, unmount
 
-from irdma._proc import pid_alive
-from irdma.cli import cluster_health
 from irdma.meta import open_meta
+from irdma.ops._proc import pid_alive
+from irdma.ops.cli import cluster_health
 
 # (arguments, exit code, what the line must tell the user to do). Placeholders: {meta} the running
 # cluster's URL, {cdir} its directory, {busy} a running shard's address, {silent} a TCP port that
@@ -118,7 +118,7 @@ def _epoch(cluster: Cluster) -> int:
 
 
 def test_a_bug_is_one_line_without_v_and_a_traceback_with_it() -> None:
-    code = "import irdma.cli as c; c._cluster.down = lambda *a, **k: 1 / 0; c.main(sys.argv[1:])"
+    code = "import irdma.ops.cli as c; c._cluster.down = lambda *a, **k: 1 / 0; c.main(sys.argv[1:])"
     run = [sys.executable, "-c", f"import sys; {code}"]
     res = subprocess.run([*run, "down", "--dir", "x"], capture_output=True, text=True, timeout=60)
     line = _one_error_line(res)

@@ -16,8 +16,8 @@ import trio.testing
 from helpers import Cluster, running_cluster
 
 import irdma
-from irdma import comm
 from irdma._errors import InvalidArgument
+from irdma.train import comm
 
 MB = 1 << 20
 
@@ -250,7 +250,7 @@ def _digits_model(seed: int = 0) -> object:
 def test_trainer_modes_learn_digits_and_p3_changes_only_the_order(one_shard: Cluster) -> None:
     from sklearn.datasets import load_digits
 
-    from irdma.keras import CommTrainer
+    from irdma.train.keras import CommTrainer
 
     x, y = load_digits(return_X_y=True)
     x = (x / 16).astype("float32")
@@ -271,7 +271,7 @@ def test_trainer_modes_learn_digits_and_p3_changes_only_the_order(one_shard: Clu
             # the layout `irdma tune --layout` reads: one tensor per layer file
             import json
 
-            from irdma.costmodel import sizes_from_layout
+            from irdma.train.costmodel import sizes_from_layout
 
             layout = json.loads(bytes(c.read(f"/digits-{mode}/layout.json")))
             assert sizes_from_layout(layout) == tuple(4 * sum(w.size for w in ws) for ws in
@@ -287,7 +287,7 @@ def test_trainer_modes_learn_digits_and_p3_changes_only_the_order(one_shard: Clu
 def test_trainer_layer_dropping_skips_small_pushes_and_still_learns(one_shard: Cluster) -> None:
     from sklearn.datasets import load_digits
 
-    from irdma.keras import CommTrainer
+    from irdma.train.keras import CommTrainer
 
     x, y = load_digits(return_X_y=True)
     x = (x / 16).astype("float32")
@@ -305,7 +305,7 @@ def test_trainer_layer_dropping_skips_small_pushes_and_still_learns(one_shard: C
 
 @pytest.mark.tf
 def test_trainer_refuses_bad_flags() -> None:
-    from irdma.keras import CommTrainer
+    from irdma.train.keras import CommTrainer
 
     model = _digits_model()
     for kwargs, match in (({"overlap": "lifo"}, "overlap"), ({"update": "add"}, "optimizer"),
@@ -357,8 +357,8 @@ os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 import numpy as np, keras
 from sklearn.datasets import load_digits
 import irdma
-from irdma.hier import HostGroup
-from irdma.keras import CommTrainer
+from irdma.train.hier import HostGroup
+from irdma.train.keras import CommTrainer
 url, job, rank, k, run_dir, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
 x, y = load_digits(return_X_y=True)
 x = (x / 16).astype("float32")

@@ -1,4 +1,4 @@
-"""Gradient compression with error feedback (irdma.compress, protocol 8).
+"""Gradient compression with error feedback (irdma.wire.compress, protocol 8).
 
 The codecs alone (round trips, exact wire sizes and bytes, every malformed payload refused); then
 real shard processes: what a shard applies is the decoded gradient (add and sgd), a malformed
@@ -23,15 +23,15 @@ from helpers import Cluster, mounted, running_cluster
 from test_replication import LossyProxy, _chains, _chunk_on, _start_shard
 
 import irdma
-from irdma import compress as C
-from irdma import metrics
-from irdma import protocol as P
 from irdma._errors import BadRequest
-from irdma.auth import read_key_file
-from irdma.client import layout_of
-from irdma.cluster import key_file_of
+from irdma.client.native import layout_of
 from irdma.meta import open_meta
+from irdma.ops import metrics
+from irdma.ops.cluster import key_file_of
 from irdma.transport.tcp import TcpTransport
+from irdma.wire import compress as C
+from irdma.wire import protocol as P
+from irdma.wire.auth import read_key_file
 
 TOPK = C.parse_compress("topk:0.05")
 SIGN = C.parse_compress("sign")
@@ -237,7 +237,7 @@ def test_sgd_applies_the_decoded_gradient(replicated: Cluster) -> None:
 def test_large_pieces_are_compressed_off_the_event_loop_alike(replicated: Cluster) -> None:
     """Pieces of 2^18 elements (compressed in worker threads, side by side) land as the same
     decoded vectors as one at a time."""
-    from irdma.client import ENCODE_IN_THREAD
+    from irdma.client.native import ENCODE_IN_THREAD
 
     per = (1 << 20) // 4
     assert per >= ENCODE_IN_THREAD

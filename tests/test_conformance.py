@@ -26,13 +26,13 @@ from helpers import assert_clean_log, wait_until
 from irdma.server import optim
 from optim_ref import CONFIGS, Reference, relative_error, spec_text
 
-from irdma import compress
-from irdma import protocol as P
 from irdma._errors import BadRequest, NoSpace, ShardUnavailable
-from irdma.optimizers import parse_update
-from irdma.protocol import UpdateOp
+from irdma.train.optimizers import parse_update
 from irdma.transport import ShardConnection, Transport, make_transport
 from irdma.transport.tcp import recv_exactly, send_parts
+from irdma.wire import compress
+from irdma.wire import protocol as P
+from irdma.wire.protocol import UpdateOp
 
 CHUNK = 1 << 20
 BIG = 8 << 20  # a chunk size whose requests go past typical device message limits
@@ -44,7 +44,7 @@ class ShardProcess:
         self.log = os.path.join(directory, f"{name}.log")
         with open(self.log, "wb") as logf:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "irdma.cli", "server", "--listen", "127.0.0.1:0", "--capacity", str(capacity),
+                [sys.executable, "-m", "irdma.ops.cli", "server", "--listen", "127.0.0.1:0", "--capacity", str(capacity),
                  "--shard-id", "1", "--port-file", self.port_file, "--transport", transport, "--no-auth"],
                 stdout=logf, stderr=subprocess.STDOUT,
             )
@@ -302,7 +302,7 @@ def test_optimizer_steps_match_the_reference_over_two_chunks(conn: _Conn, name: 
 def _row_extents(fid: int, ids: np.ndarray, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     """The wire extents of rows ``ids`` (a row crossing a chunk boundary is two) and where each
     extent's bytes sit in the packed rows."""
-    from irdma.client import Client
+    from irdma.client.native import Client
     from irdma.placement import Layout
 
     chunk, offset, length, at = Client.row_extents(Layout(fid, CHUNK, (1,), 1), ids, row_bytes)

@@ -21,7 +21,7 @@ import pytest
 import trio
 from helpers import Cluster, irdma_cli, mounted, wait_until
 
-from irdma import coord
+from irdma.train import coord
 
 pytestmark = pytest.mark.fuse
 

@@ -1,4 +1,4 @@
-"""The cost model (irdma/costmodel.py) and `irdma tune`: answers worked out by hand, then the
+"""The cost model (irdma/train/costmodel.py) and `irdma tune`: answers worked out by hand, then the
 orderings that must hold, then the command line end to end (click's CliRunner, in process)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
-from irdma import costmodel as cm
-from irdma.cli import cli
-from irdma.costmodel import Config, ConfigError, best, predict, rank, ring_allreduce_time, wire_bytes
+from irdma.ops.cli import cli
+from irdma.train import costmodel as cm
+from irdma.train.costmodel import Config, ConfigError, best, predict, rank, ring_allreduce_time, wire_bytes
 from irdma.units import parse_duration, parse_rate
 
 GBIT = 125e6  # 1 Gbit/s in bytes/s

@@ -25,10 +25,10 @@ import trio
 from helpers import Cluster, irdma_cli, mounted, running_cluster, wait_until
 
 import irdma
-from irdma._proc import pid_alive, spawn_detached
-from irdma.auth import read_key_file
-from irdma.cluster import ShardProc, key_file_of
+from irdma.ops._proc import pid_alive, spawn_detached
+from irdma.ops.cluster import ShardProc, key_file_of
 from irdma.transport.tcp import TcpTransport
+from irdma.wire.auth import read_key_file
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 
@@ -38,18 +38,18 @@ TIMEOUT = 2.0  # the mounts' request deadline in these tests (default 10 s)
 
 def restart_shard(c: Cluster, s: ShardProc, capacity: int) -> ShardProc:
     """Start a shard process again on the same address and id (fresh, empty memory)."""
-    pid = spawn_detached(["-m", "irdma.cli", "server", "--listen", s.address, "--capacity", str(capacity),
+    pid = spawn_detached(["-m", "irdma.ops.cli", "server", "--listen", s.address, "--capacity", str(capacity),
                           "--shard-id", str(s.shard_id), "--transport", "tcp",
                           "--key-file", key_file_of(c.dir)], s.log)
     new = ShardProc(s.shard_id, s.address, pid, s.log)
     c.shards = [new if x.shard_id == s.shard_id else x for x in c.shards]
-    from irdma.cluster import _write_state
+    from irdma.ops.cluster import _write_state
 
     _write_state(c.dir, c.shards)
 
     def answers() -> bool:
         try:
-            trio.run(irdma.cluster.wait_for_shard, s.address, "tcp", time.monotonic() + 0.5, None,
+            trio.run(irdma.ops.cluster.wait_for_shard, s.address, "tcp", time.monotonic() + 0.5, None,
                      read_key_file(key_file_of(c.dir)))
             return True
         except irdma.ShardUnavailable:
@@ -393,7 +393,7 @@ def test_an_exception_in_a_shard_request_fails_that_request_only() -> None:
     from irdma.server.serve import ShardServer
     from irdma.server.shard import Region, Shard
 
-    from irdma.protocol import UpdateOp
+    from irdma.wire.protocol import UpdateOp
 
     async def main() -> None:
         shard = Shard(0, Region(8 * MB))

@@ -398,7 +398,7 @@ def test_xattrs_of_control_files_are_enodata_not_enoent(mnt: str) -> None:
 def _a_failed_push(tmp_path: object) -> Iterator[tuple[str, int]]:
     """A mount whose only shard is dead, and ``(path, fd)``: a file open for writing whose
     write of 64 KiB went into the page cache and whose push fails (EIO)."""
-    from irdma._proc import pid_alive
+    from irdma.ops._proc import pid_alive
 
     with running_cluster(str(tmp_path) + "/c", shards=1, capacity=16 << 20, replicas=1) as c:
         with mounted(c.meta_url, str(tmp_path) + "/m", request_timeout=3.0,

@@ -23,10 +23,10 @@ from irdma.server.serve import ShardServer
 from irdma.server.shard import Region, Shard
 
 import irdma
-from irdma import auth
-from irdma import protocol as P
 from irdma._errors import RemoteProtocolError
-from irdma.cluster import key_file_of
+from irdma.ops.cluster import key_file_of
+from irdma.wire import auth
+from irdma.wire import protocol as P
 
 MB = 1 << 20
 
@@ -167,7 +167,7 @@ def _hand_shard(tmp: str, *extra: str, prefix: list[str] | None = None) -> tuple
     if os.path.exists(port_file):
         os.unlink(port_file)
     log = open(os.path.join(tmp, "shard.log"), "ab")
-    proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "irdma.cli", "server", "--listen", "127.0.0.1:0",
+    proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "irdma.ops.cli", "server", "--listen", "127.0.0.1:0",
                              "--capacity", "16MiB", "--transport", "tcp", "--key-file", key_file, "--port-file",
                              port_file, *extra], stdout=log, stderr=subprocess.STDOUT)
     log.close()

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 import pytest
 from helpers import irdma_cli, wait_until
 
-from irdma.cli import fstab_args
-from irdma.cluster import _free_port as free_port
 from irdma.meta import open_meta
+from irdma.ops.cli import fstab_args
+from irdma.ops.cluster import _free_port as free_port
 
 
 def _free_port() -> int:
@@ -28,7 +28,7 @@ def _free_port() -> int:
 
 class Shard:
     def __init__(self, url: str, key: str, data_dir: str, port: int, log: str) -> None:
-        self.cmd = [sys.executable, "-m", "irdma.cli", "server", "--listen", f"127.0.0.1:{port}", "--meta", url,
+        self.cmd = [sys.executable, "-m", "irdma.ops.cli", "server", "--listen", f"127.0.0.1:{port}", "--meta", url,
                     "--data-dir", data_dir, "--capacity", "32MiB", "--transport", "tcp", "--key-file", key]
         self.address, self.log = f"127.0.0.1:{port}", log
         self.proc: subprocess.Popen[bytes] | None = None
@@ -124,7 +124,7 @@ def test_a_shard_registers_itself_and_keeps_its_id_across_restarts(namespace: tu
 def test_server_meta_refuses_what_it_cannot_register_and_changes_nothing(namespace: tuple[str, str, str]) -> None:
     url, key, tmp = namespace
     before = _registered(url)
-    base = [sys.executable, "-m", "irdma.cli", "server", "--meta", url, "--capacity", "32MiB", "--transport", "tcp",
+    base = [sys.executable, "-m", "irdma.ops.cli", "server", "--meta", url, "--capacity", "32MiB", "--transport", "tcp",
             "--key-file", key]
     for listen, hint in (("127.0.0.1:0", "--advertise"), ("0.0.0.0:7799", "--advertise")):
         res = subprocess.run([*base, "--listen", listen], capture_output=True, text=True, timeout=60)

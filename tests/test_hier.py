@@ -1,4 +1,4 @@
-"""Host-local aggregation (irdma.hier.HostGroup): real processes (multiprocessing, spawn) summing
+"""Host-local aggregation (irdma.train.hier.HostGroup): real processes (multiprocessing, spawn) summing
 float32 arrays through shared memory; failures (a killed rank, a stuck rank, disagreeing ranks)
 end in HostGroupError on every rank within the deadline; nothing is left in /dev/shm or the run
 directory. Processes wait on events and queues with deadlines, never on sleeps."""
@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 from helpers import wait_until
 
-from irdma import _hier_wire as wire
 from irdma._errors import IrdmaError
-from irdma.hier import HostGroup, HostGroupError, local_rank_and_size
+from irdma.train import _hier_wire as wire
+from irdma.train.hier import HostGroup, HostGroupError, local_rank_and_size
 
 SPAWN = mp.get_context("spawn")
 RESULT_WAIT_S = 20.0  # the most any test waits for its processes to report

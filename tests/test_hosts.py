@@ -1,5 +1,5 @@
 """irdma across hosts: PostgreSQL metadata on host 0, shards on hosts 1-3, a mount on each of
-hosts 4 and 5 (the test bed of :mod:`irdma.testbed`: network namespaces on a bridge, links
+hosts 4 and 5 (the test bed of :mod:`irdma.ops.testbed`: network namespaces on a bridge, links
 shaped to 1 Gbit/s). Every process runs on its host with ``nsenter --net``; the test reads and
 writes through both mounts, as two workers on two machines would.
 
@@ -27,10 +27,10 @@ import pytest
 from helpers import assert_clean_log, wait_until
 from test_replication import ADDER, _progress
 
-from irdma.testbed import PostgresServer, TestBed
+from irdma.ops.testbed import PostgresServer, TestBed
 
 MB = 1 << 20
-IRDMA = [sys.executable, "-m", "irdma.cli"]
+IRDMA = [sys.executable, "-m", "irdma.ops.cli"]
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the multi-host test bed needs root (network namespaces)")
 
 

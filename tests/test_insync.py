@@ -20,9 +20,9 @@ import trio
 from helpers import running_cluster, wait_until
 
 from irdma import DataLost, ShardUnavailable
-from irdma._proc import pid_alive
-from irdma.client import Client, layout_of
-from irdma.cluster import key_file_of, shard_dir
+from irdma.client.native import Client, layout_of
+from irdma.ops._proc import pid_alive
+from irdma.ops.cluster import key_file_of, shard_dir
 
 CHUNK = 64 << 10
 SIZE = 24 * CHUNK
@@ -49,7 +49,7 @@ class Shards:
         p = self.procs[sid]
         log = open(p.log, "ab")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "irdma.cli", "server", "--listen", p.address, "--shard-id", str(sid),
+            [sys.executable, "-m", "irdma.ops.cli", "server", "--listen", p.address, "--shard-id", str(sid),
              "--transport", "tcp", "--data-dir", shard_dir(self.c.dir, sid),  # type: ignore[attr-defined]
              "--key-file", key_file_of(self.c.dir),  # type: ignore[attr-defined]
              *(["--capacity", str(capacity)] if capacity else [])],

@@ -15,9 +15,9 @@ import pytest
 from helpers import Cluster, RawShard, irdma_cli, running_cluster, wait_until
 
 import irdma
-from irdma import protocol as P
-from irdma.auth import read_key_file
-from irdma.cluster import key_file_of
+from irdma.ops.cluster import key_file_of
+from irdma.wire import protocol as P
+from irdma.wire.auth import read_key_file
 
 
 def test_a_large_file_is_striped_over_every_shard(cluster: Cluster) -> None:
@@ -224,7 +224,7 @@ def test_a_dead_shard_is_reported_and_fails_only_its_chunks(tmp_path: object, re
 
 
 def _alive(pid: int) -> bool:
-    from irdma._proc import pid_alive
+    from irdma.ops._proc import pid_alive
 
     return pid_alive(pid)
 

@@ -25,15 +25,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 import irdma
-from irdma import metrics, stats
 from irdma._errors import InvalidArgument, IrdmaError
-from irdma.auth import create_key_file
 from irdma.meta import open_meta
+from irdma.ops import metrics, stats
+from irdma.wire.auth import create_key_file
 
 #: A shard process as ``irdma server --metrics`` runs it (run_server with its metrics address).
 SHARD = """
 import functools, logging, sys, trio
-from irdma.auth import KeySource
+from irdma.wire.auth import KeySource
 from irdma.server.serve import run_server
 from irdma.server.shard import Region, Shard
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -24,12 +24,12 @@ import trio
 from helpers import irdma_cli, running_cluster, wait_until
 
 import irdma
-from irdma import cluster as _cluster
-from irdma._proc import pid_alive
-from irdma.auth import read_key_file
-from irdma.cluster import key_file_of
 from irdma.meta import open_meta
+from irdma.ops import cluster as _cluster
+from irdma.ops._proc import pid_alive
+from irdma.ops.cluster import key_file_of
 from irdma.transport.tcp import TcpTransport
+from irdma.wire.auth import read_key_file
 
 MB = 1 << 20
 
@@ -239,7 +239,7 @@ def _start_hand_shard(tmp: str, key_file: str, port_file: str) -> subprocess.Pop
     if os.path.exists(port_file):
         os.unlink(port_file)
     log = open(os.path.join(tmp, "hand.log"), "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "irdma.cli", "server", "--listen", "127.0.0.1:0", "--capacity",
+    proc = subprocess.Popen([sys.executable, "-m", "irdma.ops.cli", "server", "--listen", "127.0.0.1:0", "--capacity",
                              "64MiB", "--port-file", port_file, "--transport", "tcp", "--key-file", key_file,
                              "--data-dir", os.path.join(tmp, "hand")], stdout=log, stderr=subprocess.STDOUT)
     log.close()
@@ -296,7 +296,7 @@ def test_up_leaves_a_hand_added_shard_alone_and_names_the_command_for_it(tmp_pat
             line = command.group(1)
             assert f"--listen {address}" in line and os.path.join(tmp, "hand") in line, line
             assert line.startswith("irdma server ")
-            argv = [sys.executable, "-m", "irdma.cli", *line.split()[1:]]
+            argv = [sys.executable, "-m", "irdma.ops.cli", *line.split()[1:]]
             procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             key = read_key_file(key_file_of(c.dir))
 

@@ -19,10 +19,10 @@ import pytest
 from helpers import irdma_cli, mounted, wait_until
 from optim_ref import CONFIGS, relative_error, spec_text
 
-from irdma import cluster
-from irdma._proc import pid_alive
-from irdma.optimizers import format_update, parse_update
-from irdma.protocol import OPT_NESTEROV, UpdateOp
+from irdma.ops import cluster
+from irdma.ops._proc import pid_alive
+from irdma.train.optimizers import format_update, parse_update
+from irdma.wire.protocol import OPT_NESTEROV, UpdateOp
 
 MB = 1 << 20
 

@@ -17,9 +17,9 @@ from helpers import irdma_cli, mounted, wait_until
 from irdma.server.shard import Region, Shard
 from irdma.server.store import ShardStore
 
-from irdma import cluster
-from irdma._proc import pid_alive
-from irdma.protocol import UpdateOp
+from irdma.ops import cluster
+from irdma.ops._proc import pid_alive
+from irdma.wire.protocol import UpdateOp
 
 MB = 1 << 20
 

@@ -32,7 +32,7 @@ import pytest
 from helpers import Cluster, mounted, wait_until
 
 import irdma
-from irdma._proc import pid_alive
+from irdma.ops._proc import pid_alive
 
 pytestmark = pytest.mark.fuse
 

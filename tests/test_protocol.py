@@ -6,8 +6,8 @@ import struct
 
 import pytest
 
-from irdma import protocol as P
 from irdma._errors import LocalProtocolError, RemoteProtocolError
+from irdma.wire import protocol as P
 
 REQUESTS = [
     P.Hello(1, 1, "worker-0", b"secret-token"),

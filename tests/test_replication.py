@@ -19,16 +19,16 @@ import trio
 from helpers import irdma_cli, mounted, running_cluster, wait_until
 
 import irdma
-from irdma import auth
-from irdma import cluster as _cluster
-from irdma import protocol as P
-from irdma._proc import pid_alive
-from irdma.auth import read_key_file
-from irdma.client import layout_of
-from irdma.cluster import key_file_of
+from irdma.client.native import layout_of
 from irdma.meta import open_meta
+from irdma.ops import cluster as _cluster
+from irdma.ops._proc import pid_alive
+from irdma.ops.cluster import key_file_of
 from irdma.placement import substitute
 from irdma.transport.tcp import TcpTransport
+from irdma.wire import auth
+from irdma.wire import protocol as P
+from irdma.wire.auth import read_key_file
 
 MB = 1 << 20
 
@@ -110,7 +110,7 @@ class LossyProxy:
 def _start_shard(tmp: str, shard_id: int) -> tuple[subprocess.Popen[bytes], str]:
     port_file = os.path.join(tmp, f"port-{shard_id}")
     with open(os.path.join(tmp, f"shard-{shard_id}.log"), "wb") as log:  # the child keeps its own copy
-        proc = subprocess.Popen([sys.executable, "-m", "irdma.cli", "server", "--listen", "127.0.0.1:0", "--capacity",
+        proc = subprocess.Popen([sys.executable, "-m", "irdma.ops.cli", "server", "--listen", "127.0.0.1:0", "--capacity",
                                  "64MiB", "--shard-id", str(shard_id), "--port-file", port_file, "--transport", "tcp",
                                  "--no-auth"],
                                 stdout=log, stderr=subprocess.STDOUT)

@@ -31,11 +31,11 @@ from irdma.server.serve import ShardServer
 from irdma.server.shard import Region, Shard
 from irdma.server.store import ShardStore
 
-from irdma import protocol as P
 from irdma._errors import IrdmaError, RemoteProtocolError, ReplicaFailed, ShardUnavailable
-from irdma.protocol import UpdateOp
 from irdma.transport.base import ShardConnection
 from irdma.transport.tcp import TcpTransport, read_frame, send_parts
+from irdma.wire import protocol as P
+from irdma.wire.protocol import UpdateOp
 
 MB = 1 << 20
 PAGE = 4096
@@ -465,8 +465,8 @@ def test_a_connection_reads_and_applies_its_next_request_while_a_reply_is_still_
 
     from helpers import RawShard, running_cluster, wait_until
 
-    from irdma import auth
-    from irdma.cluster import key_file_of
+    from irdma.ops.cluster import key_file_of
+    from irdma.wire import auth
 
     with running_cluster(os.path.join(str(tmp_path), "c"), shards=1, capacity=64 << 20) as c:
         ring = auth.read_key_file(key_file_of(c.dir))

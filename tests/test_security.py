@@ -22,12 +22,12 @@ import trio
 from helpers import RawShard, irdma_cli, running_cluster, wait_until
 
 import irdma
-from irdma import auth
-from irdma import protocol as P
 from irdma._concurrency import open_nursery
 from irdma._errors import AuthFailed
-from irdma.cluster import key_file_of
+from irdma.ops.cluster import key_file_of
 from irdma.transport.tcp import TcpTransport
+from irdma.wire import auth
+from irdma.wire import protocol as P
 
 MB = 1 << 20
 
@@ -365,7 +365,7 @@ def test_a_shard_refuses_to_start_without_a_key_or_on_another_clusters_data(tmp_
     auth.create_key_file(k2)
     data = os.path.join(tmp, "d")
     port_file = os.path.join(tmp, "port")
-    proc = subprocess.Popen([sys.executable, "-m", "irdma.cli", "server", "--listen", "127.0.0.1:0", "--capacity",
+    proc = subprocess.Popen([sys.executable, "-m", "irdma.ops.cli", "server", "--listen", "127.0.0.1:0", "--capacity",
                              "8MiB", "--transport", "tcp", "--key-file", k1, "--data-dir", data, "--port-file",
                              port_file])
     try:
@@ -390,7 +390,7 @@ def test_up_with_a_key_file_elsewhere_and_every_command_with_it(tmp_path: object
         assert os.path.exists(key_file) and not os.path.exists(os.path.join(d, "cluster.key"))
         assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
         key_hex = [k.hex() for k in auth.read_key_file(key_file).keys]
-        for pid in (s.pid for s in __import__("irdma.cluster", fromlist=["read_state"]).read_state(d)):
+        for pid in (s.pid for s in __import__("irdma.ops.cluster", fromlist=["read_state"]).read_state(d)):
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read().decode()
             assert key_file in cmdline and not any(k in cmdline for k in key_hex)

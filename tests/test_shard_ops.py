@@ -19,9 +19,9 @@ from helpers import irdma_cli, mounted, running_cluster, wait_until
 from test_replication import ADDER, _chains, _chunk_on, _progress
 
 import irdma
-from irdma import cluster as _cluster
-from irdma.auth import read_key_file
-from irdma.cluster import key_file_of
+from irdma.ops import cluster as _cluster
+from irdma.ops.cluster import key_file_of
+from irdma.wire.auth import read_key_file
 
 MB = 1 << 20
 
@@ -29,7 +29,7 @@ MB = 1 << 20
 def _start_shard(tmp: str, key_file: str) -> tuple[subprocess.Popen[bytes], str]:
     port_file = os.path.join(tmp, "port-new")
     with open(os.path.join(tmp, "shard-new.log"), "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "irdma.cli", "server", "--listen", "127.0.0.1:0", "--capacity",
+        proc = subprocess.Popen([sys.executable, "-m", "irdma.ops.cli", "server", "--listen", "127.0.0.1:0", "--capacity",
                                  "128MiB", "--port-file", port_file, "--transport", "tcp", "--key-file", key_file,
                                  "--data-dir", os.path.join(tmp, "shard-new")],
                                 stdout=log, stderr=subprocess.STDOUT)

@@ -42,7 +42,7 @@ def test_a_shard_optimizer_checkpoint_restores_weights_and_state(mnt: str, tmp_p
     import keras
     import numpy as np
 
-    from irdma.keras import ShardOptimizer
+    from irdma.train.keras import ShardOptimizer
 
     job = os.path.join(mnt, "jobs", f"ckpt-{uuid.uuid4().hex[:8]}")
     os.makedirs(os.path.dirname(job), exist_ok=True)

@@ -19,10 +19,10 @@ from helpers import irdma_cli
 from test_conformance import cancelled_after
 
 import irdma
-from irdma import cluster as _cluster
 from irdma._errors import BadRequest
-from irdma.protocol import UpdateOp
+from irdma.ops import cluster as _cluster
 from irdma.transport import make_transport
+from irdma.wire.protocol import UpdateOp
 
 pytestmark = pytest.mark.verbs
 
@@ -49,7 +49,7 @@ def vcluster(vcluster_dir: str) -> str:
 @pytest.fixture(scope="module")
 def vkey(vcluster_dir: str):  # type: ignore[no-untyped-def]
     """The cluster key (shards serve only its holders)."""
-    from irdma import auth
+    from irdma.wire import auth
 
     return auth.read_key_file(_cluster.key_file_of(vcluster_dir))
 
@@ -167,7 +167,7 @@ def test_memlock_too_low_is_a_clear_error(tmp_path: object) -> None:
         os.setgid(65534)
         os.setuid(65534)
 
-    res = subprocess.run([sys.executable, "-m", "irdma.cli", "server", "--listen", "127.0.0.1:0",
+    res = subprocess.run([sys.executable, "-m", "irdma.ops.cli", "server", "--listen", "127.0.0.1:0",
                           "--capacity", "64MiB", "--transport", "verbs", "--no-auth"],
                          capture_output=True, text=True, preexec_fn=drop, timeout=120, cwd="/")
     assert res.returncode == 1, res.stderr
@@ -296,10 +296,10 @@ def test_a_verbs_client_without_the_key_gets_no_rkey(vshard: str, vcluster_dir: 
     control connection: no key, or a wrong one, and there is no queue pair and no rkey."""
     import secrets
 
-    from irdma import auth
-    from irdma import protocol as P
     from irdma._errors import AuthFailed
     from irdma.transport.verbs import VerbsTransport
+    from irdma.wire import auth
+    from irdma.wire import protocol as P
 
     ring = auth.read_key_file(_cluster.key_file_of(vcluster_dir))
 

@@ -35,7 +35,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, TypeVar
 
-from irdma import comm, compress, coord
 from irdma._errors import (
     Busy,
     Exists,
@@ -49,8 +48,10 @@ from irdma._errors import (
     NotFound,
     NotPermitted,
 )
-from irdma.optimizers import format_update, parse_update
 from irdma.placement import DEFAULT_CHUNK_SIZE, check_chunk_size
+from irdma.train import comm, coord
+from irdma.train.optimizers import format_update, parse_update
+from irdma.wire import compress
 
 from .base import (
     IO_MODES,
@@ -556,7 +557,7 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
                 except ValueError as exc:
                     raise InvalidArgument(str(exc)) from None
                 c.execute("UPDATE inodes SET update_op=?, ctime_ns=? WHERE ino=?", (op, now(), ino))
-            elif name in _JOB_XATTRS:  # a training job's settings (irdma.coord), normalized
+            elif name in _JOB_XATTRS:  # a training job's settings (irdma.train.coord), normalized
                 text = _JOB_XATTRS[name](value)  # InvalidArgument: nothing stored
                 c.execute("INSERT INTO xattrs VALUES (?,?,?) ON CONFLICT (ino, name) DO UPDATE SET value=excluded.value",
                           (ino, name, text.encode()))

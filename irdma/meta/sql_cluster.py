@@ -341,7 +341,7 @@ class SqlCluster:
             "SELECT sid, name, host, pid, started_ns, heartbeat_ns FROM sessions ORDER BY sid")]
 
     def dead_sessions(self) -> list[Session]:
-        from irdma._proc import pid_alive
+        from irdma.ops._proc import pid_alive
 
         limit = live_since()
         return [s for s in self.sessions()

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import trio
 
-from irdma.auth import KeyRing
-from irdma.protocol import Chain, ChunkEntry, StatReply, Update, UpdateOp
+from irdma.wire.auth import KeyRing
+from irdma.wire.protocol import Chain, ChunkEntry, StatReply, Update, UpdateOp
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class ShardConnection(abc.ABC):
         ``existing``: the chunk must already exist (the metadata records it as written); a
         missing one raises DataLost and is not created. ``chain``: this shard is the head of the
         chunk's replication chain; the call returns once every successor applied the update
-        (see :class:`irdma.protocol.Chain`).
+        (see :class:`irdma.wire.protocol.Chain`).
 
         Returns:
             The chunk's version after the update.
@@ -103,7 +103,7 @@ class ShardConnection(abc.ABC):
         """
 
     async def gather(self, file_id: int, extents: np.ndarray, clean: bool = False) -> tuple[np.ndarray, memoryview]:
-        """Pull the bytes of ``extents`` (:data:`irdma.protocol.EXTENT` records, each inside one
+        """Pull the bytes of ``extents`` (:data:`irdma.wire.protocol.EXTENT` records, each inside one
         chunk): a sparse pull in one request (TCP) or in batches of RDMA READs (verbs). A
         missing chunk reads as zeros. ``clean``: as :meth:`read`.
 
@@ -191,7 +191,7 @@ class Transport(abc.ABC):
         timeout: float = 10.0,
     ) -> ShardConnection:
         """Open a connection to the shard at ``address`` and do the handshake, within ``timeout``
-        seconds: with ``key``, the mutual authentication of :mod:`irdma.auth`.
+        seconds: with ``key``, the mutual authentication of :mod:`irdma.wire.auth`.
 
         Background tasks of the connection (its reply reader) run in ``nursery``.
 

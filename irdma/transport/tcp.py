@@ -22,13 +22,13 @@ from typing import Any, TypeVar
 import numpy as np
 import trio
 
-from irdma import auth
-from irdma import protocol as P
 from irdma._errors import (
     IrdmaError,
     ShardUnavailable,
 )
-from irdma.framing import (  # noqa: F401 - re-exported: the names this module had before irdma.framing
+from irdma.wire import auth
+from irdma.wire import protocol as P
+from irdma.wire.framing import (  # noqa: F401 - re-exported: the names this module had before irdma.wire.framing
     SOCKET_BUFFER,
     Macs,
     Receiver,
@@ -38,7 +38,7 @@ from irdma.framing import (  # noqa: F401 - re-exported: the names this module h
     send_parts,
     tune_socket,
 )
-from irdma.protocol import ChunkEntry, StatReply, Update, UpdateOp
+from irdma.wire.protocol import ChunkEntry, StatReply, Update, UpdateOp
 
 from .base import ShardConnection, ShardInfo, Transport, parse_address
 
@@ -50,7 +50,7 @@ CONNECT_TIMEOUT = 10.0
 _R = TypeVar("_R")
 
 
-#: Turn an error reply into its exception: the one table of :mod:`irdma.protocol`.
+#: Turn an error reply into its exception: the one table of :mod:`irdma.wire.protocol`.
 raise_for_error = P.raise_for_error
 
 

@@ -66,12 +66,12 @@ from typing import Any, TypeVar
 import numpy as np
 import trio
 
-from irdma import protocol as P
 from irdma._errors import BadRequest, DataLost, IrdmaError, ShardUnavailable, TransportUnavailable
-from irdma.auth import AuthFailed, KeyRing
-from irdma.extents import move, positions
-from irdma.framing import Macs, handshake, read_frame, recv_exactly, send_parts, tune_socket
-from irdma.protocol import ChunkEntry, StatReply, UpdateOp, raise_for_error
+from irdma.wire import protocol as P
+from irdma.wire.auth import AuthFailed, KeyRing
+from irdma.wire.extents import move, positions
+from irdma.wire.framing import Macs, handshake, read_frame, recv_exactly, send_parts, tune_socket
+from irdma.wire.protocol import ChunkEntry, StatReply, UpdateOp, raise_for_error
 
 from .base import ShardConnection, ShardInfo, Transport, parse_address
 

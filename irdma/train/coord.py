@@ -44,10 +44,10 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ._errors import InvalidArgument, IrdmaError
+from .._errors import InvalidArgument, IrdmaError
 
 if TYPE_CHECKING:
-    from .meta.aio import AsyncMeta
+    from ..meta.aio import AsyncMeta
 
 XATTR_CONSISTENCY = b"user.irdma.consistency"
 XATTR_WORKERS = b"user.irdma.workers"

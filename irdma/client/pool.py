@@ -1,7 +1,7 @@
 """The shard connections of one client: opened on first use, one window of requests in
 flight per shard and direction, a deadline on every request, shards that missed one held out.
 
-:class:`ShardPool` is the layer under :class:`irdma.client.Client` (which reads the shard map
+:class:`ShardPool` is the layer under :class:`irdma.client.native.Client` (which reads the shard map
 and builds the replication chains over it): ``run(shard_id, fn)`` runs ``fn(connection)``
 against one shard within the client's deadline. The fast path of nearly every request (an open
 TCP connection with room in its window) has no cancel scope of its own: a watchdog closes a
@@ -20,15 +20,16 @@ from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import trio
 
-from . import auth, comm
-from ._errors import Dirty, Fenced, ReplicaError, ShardUnavailable
-from .meta import ShardRecord
-from .metrics import MeteredConnection
-from .transport import ShardConnection, Transport
-from .transport.tcp import TcpConnection
+from .._errors import Dirty, Fenced, ReplicaError, ShardUnavailable
+from ..meta import ShardRecord
+from ..ops.metrics import MeteredConnection
+from ..train import comm
+from ..transport import ShardConnection, Transport
+from ..transport.tcp import TcpConnection
+from ..wire import auth
 
 if TYPE_CHECKING:
-    from .client import Client
+    from .native import Client
 
 log = logging.getLogger("irdma.client")
 _T = TypeVar("_T")
@@ -48,7 +49,7 @@ class _Deadline:
 
 
 class ShardPool:
-    """The connections of ``owner`` (a :class:`~irdma.client.Client`, whose shard map, view
+    """The connections of ``owner`` (a :class:`~irdma.client.native.Client`, whose shard map, view
     and health records they read and update) to its shards.
 
     Args:
@@ -133,7 +134,7 @@ class ShardPool:
                     await conn.aclose()
                     raise
                 self.owner._shard_map[shard_id] = dataclasses.replace(rec, incarnation=conn.info.incarnation)
-                conn = MeteredConnection(conn, self.transport.name)  # irdma_client_* (irdma.metrics)
+                conn = MeteredConnection(conn, self.transport.name)  # irdma_client_* (irdma.ops.metrics)
                 self.conns[shard_id] = conn
                 # aging at a quarter of the deadline: a request never starves behind urgent ones
                 self.limits[shard_id] = comm.PriorityWindow(self.window, max_wait=self.timeout / 4)

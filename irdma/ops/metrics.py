@@ -70,8 +70,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from . import _errors as E
-from .transport.base import ShardConnection
+from .. import _errors as E
+from ..transport.base import ShardConnection
 
 log = logging.getLogger("irdma.metrics")
 
@@ -504,7 +504,7 @@ def parse_metrics_address(addr: str, what: str = "--metrics") -> tuple[str, int]
     Raises:
         InvalidArgument: not HOST:PORT with a port in 0..65535.
     """
-    from .transport import parse_address
+    from ..transport import parse_address
 
     try:
         return parse_address(addr.strip())

@@ -1,4 +1,4 @@
-"""The messages of :mod:`irdma.hier` host groups, as bytes: pure code, no I/O (as h11 does).
+"""The messages of :mod:`irdma.train.hier` host groups, as bytes: pure code, no I/O (as h11 does).
 
 Every message is one ``SOCK_SEQPACKET`` datagram: the 32-byte header :data:`HDR`, little endian
 (magic ``b"IRHG"``, version u8, kind u8, op u8, one pad byte, rank u32, ndim u32, step u64,

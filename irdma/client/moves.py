@@ -50,16 +50,16 @@ from typing import TYPE_CHECKING, cast
 
 import trio
 
-from ._concurrency import open_nursery
-from ._errors import DataLost, InvalidArgument, IrdmaError, ShardUnavailable
-from .client import layout_of
-from .meta import Inode, ShardRecord
-from .meta.base import OUT_OF_SYNC
-from .placement import MOVE_ALL
-from .protocol import ChunkEntry, StatReply
+from .._concurrency import open_nursery
+from .._errors import DataLost, InvalidArgument, IrdmaError, ShardUnavailable
+from ..meta import Inode, ShardRecord
+from ..meta.base import OUT_OF_SYNC
+from ..placement import MOVE_ALL
+from ..wire.protocol import ChunkEntry, StatReply
+from .native import layout_of
 
 if TYPE_CHECKING:
-    from .client import Client
+    from .native import Client
 
 #: Chunks a move (drain, rebalance) copies at once.
 MOVE_COPIES = 4

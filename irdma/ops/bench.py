@@ -21,10 +21,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import trio
 
-from ._errors import NotFound
-from .client import Client, layout_of
-from .placement import Layout
-from .protocol import UpdateOp
+from .._errors import NotFound
+from ..client.native import Client, layout_of
+from ..placement import Layout
+from ..wire.protocol import UpdateOp
 
 
 @dataclass

@@ -3,7 +3,7 @@
 A worker that pushes a gradient to a file whose update op is ``add`` or an optimizer may send it
 compressed (xattr ``user.irdma.compress`` of the file, else of its directory; or
 ``Client.push(..., compress=...)``). The shard decodes the payload and applies the op to the
-decoded gradient exactly as to a dense write of it (protocol 8, :class:`irdma.protocol.Encoding`).
+decoded gradient exactly as to a dense write of it (protocol 8, :class:`irdma.wire.protocol.Encoding`).
 What the compression drops is kept on the worker and added to the next gradient (*error
 feedback*), so nothing is lost, only delayed: for each push of gradient ``g`` with residual ``r``
 (float32, same shape, zeros at first)::
@@ -22,7 +22,7 @@ Wire layouts
 The input is a vector of ``n`` little-endian IEEE-754 float32 elements (1 <= n < 2^32): the
 bytes ``[offset, offset + 4n)`` of one chunk. Every integer and float of a payload is
 little-endian (like the parameters themselves, unlike the frame headers of
-:mod:`irdma.protocol`); there is no padding between the parts.
+:mod:`irdma.wire.protocol`); there is no padding between the parts.
 
 ``topk`` (:attr:`Encoding.TOPK`), ``8 + 8k`` bytes::
 
@@ -60,7 +60,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from ._errors import InvalidArgument
+from .._errors import InvalidArgument
 from .protocol import Encoding
 
 #: The xattr of a file (or of its directory, for the files in it) that selects compression.

@@ -23,7 +23,7 @@ shard that lost its chunks (a restart) from one that kept them. A shard with a c
 (protocol 4) first answers HELLO with a challenge (FLAG_CHALLENGE: its own nonce), the client
 proves the key with AUTH, and the shard's HELLO-style reply to AUTH carries its proof back; from
 then on every frame in both directions is followed by a 16-byte tag (not counted in
-``body_len``). See :mod:`irdma.auth` for the exchange and the tags; anything else is answered
+``body_len``). See :mod:`irdma.wire.auth` for the exchange and the tags; anything else is answered
 AUTH_FAILED and the connection closed. The header version of a HELLO frame is not checked (the body
 carries the range the client speaks, and the shard answers UNSUPPORTED_VERSION); every later frame
 must carry the negotiated version.
@@ -63,7 +63,7 @@ chunk's version by one) follow the parameter-server model of ps-lite (Li et al.,
 and the server-side accumulate of SoftMemoryBox II (Ahn et al., IEEE Access 2020).
 
 Compressed gradients (protocol 8): the op byte of WRITE and REMOTE_WRITE is ``op | encoding << 4``
-(:class:`Encoding`: 0 none, 1 top-k, 2 scaled sign; the layouts are in :mod:`irdma.compress`).
+(:class:`Encoding`: 0 none, 1 top-k, 2 scaled sign; the layouts are in :mod:`irdma.wire.compress`).
 The payload of an encoded write is the encoded gradient; the shard decodes it (refusing a
 malformed one, BAD_REQUEST, nothing changed) and applies the op to the ``4 * n`` decoded bytes
 at ``offset``, exactly as a dense write of them. ``assign`` and SCATTER are never encoded.
@@ -80,7 +80,7 @@ from typing import Any, TypeVar, Union
 
 import numpy as np
 
-from ._errors import (
+from .._errors import (
     BadRequest,
     DataLost,
     Dirty,
@@ -189,7 +189,7 @@ class UpdateOp(enum.IntEnum):
     ``ASSIGN`` overwrites. ``ADD`` adds element-wise as little-endian float32: offset and
     length must be multiples of 4. ``SGD``, ``ADAM``, ``ADAGRAD`` and ``RMSPROP`` (protocol 6)
     take the bytes as a float32 gradient and apply one optimizer step (:class:`Update` carries
-    their arguments; :mod:`irdma.optimizers` parses them, :mod:`irdma.server.optim` applies them).
+    their arguments; :mod:`irdma.train.optimizers` parses them, :mod:`irdma.server.optim` applies them).
     """
 
     ASSIGN = 0
@@ -228,7 +228,7 @@ class UpdateOp(enum.IntEnum):
 class Encoding(enum.IntEnum):
     """How the payload of a WRITE or REMOTE_WRITE is encoded (protocol 8): the high nibble of
     the op byte. ``TOPK`` and ``SIGN`` carry a compressed float32 gradient that the shard
-    decodes before applying the op (layouts: :mod:`irdma.compress`); never with ``assign``."""
+    decodes before applying the op (layouts: :mod:`irdma.wire.compress`); never with ``assign``."""
 
     NONE = 0
     TOPK = 1
@@ -247,7 +247,7 @@ class Update:
     Attributes:
         op: the op (its byte in the fixed part).
         args: for an optimizer op, its four float64 arguments in the order of
-            :data:`irdma.optimizers.ARGUMENTS` (unused ones 0.0); they follow the fixed part
+            :data:`irdma.train.optimizers.ARGUMENTS` (unused ones 0.0); they follow the fixed part
             as ``!4dI4x`` (40 bytes) with ``flags``, before any chain.
         flags: OPT_NESTEROV, OPT_CENTERED.
         encoding: how the payload is encoded (:class:`Encoding`, protocol 8; the op byte's
@@ -1050,7 +1050,7 @@ class Parts(list):  # type: ignore[type-arg]
 
     ``payload``: how many of the frame's last bytes are tensor payload (the data of a WRITE or
     SCATTER, of a READ or GATHER reply): the bytes a connection under ``--security auth``
-    leaves out of the frame's tag (:class:`irdma.auth.Macs`). 0 for every other frame."""
+    leaves out of the frame's tag (:class:`irdma.wire.auth.Macs`). 0 for every other frame."""
 
     payload = 0
 

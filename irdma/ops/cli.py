@@ -19,10 +19,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .._errors import InvalidArgument, IrdmaError, TransportUnavailable
+from ..transport import TRANSPORTS
+from ..units import format_size, parse_size
 from . import cluster as _cluster
-from ._errors import InvalidArgument, IrdmaError, TransportUnavailable
-from .transport import TRANSPORTS
-from .units import format_size, parse_size
 
 console = Console(stderr=True)
 out = Console()
@@ -208,12 +208,12 @@ def server(listen: str, capacity: int | None, shard_id: int, transport: str, por
     With --meta the shard registers itself (the same command on any host:
     `irdma server --listen ADDR --meta URL --data-dir DIR --key-file K`).
     """
-    from irdma.auth import KeySource
     from irdma.server.serve import run_server
     from irdma.server.shard import PAGE, Region, Shard
     from irdma.server.store import ShardStore
+    from irdma.wire.auth import KeySource
 
-    from .transport import parse_address
+    from ..transport import parse_address
 
     logging.getLogger("irdma").setLevel(min(logging.getLogger().level, logging.INFO))
     try:
@@ -261,7 +261,7 @@ def server(listen: str, capacity: int | None, shard_id: int, transport: str, por
         capacity = 2 << 30
     verbs = None
     if transport != "tcp":
-        from .transport import verbs_status
+        from ..transport import verbs_status
 
         ok, why = verbs_status()
         if transport == "auto":
@@ -304,14 +304,14 @@ def server(listen: str, capacity: int | None, shard_id: int, transport: str, por
 
 def _redact(url: str) -> str:
     """``url`` with any password in it shown as ``***``."""
-    from .meta import redact
+    from ..meta import redact
 
     return redact(url)
 
 
 def _bind(listen: str) -> socket.socket:
     """A stdlib socket bound to ``listen`` and listening; errors as the CLI's one line."""
-    from .transport import parse_address
+    from ..transport import parse_address
 
     host, port = parse_address(listen)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -330,8 +330,8 @@ def _bind(listen: str) -> socket.socket:
 
 def _register_self(meta_url: str, address: str, data_dir: str | None) -> int:
     """`irdma server --meta`: check the address clients will use, then register (see
-    :func:`irdma.cluster.register_self`); returns the shard id."""
-    from .transport import parse_address
+    :func:`irdma.ops.cluster.register_self`); returns the shard id."""
+    from ..transport import parse_address
 
     try:
         host, port = parse_address(address)
@@ -460,7 +460,7 @@ def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_
     it would show in `ps`)."""
     from irdma.fs.mount import check_mountpoint, serve_mount, spawn_mount
 
-    from .meta import meta_path, meta_scheme, open_meta
+    from ..meta import meta_path, meta_scheme, open_meta
 
     meta = open_meta(meta_url)  # fail here, clearly, if there is no namespace
     shown = meta.url
@@ -532,7 +532,7 @@ def shard() -> None:
 
 
 async def _stats(meta_url: str) -> tuple[list[Any], tuple[int, int], int]:
-    from .client import Client
+    from ..client.native import Client
 
     async with Client.open(meta_url, transport="tcp") as client:
         stats = await client.shard_stats()  # notes each shard's incarnation first
@@ -553,7 +553,7 @@ class _StatusView:
 
 
 async def _status(meta_url: str) -> _StatusView:
-    from .client import Client
+    from ..client.native import Client
     from .fsck import readability
 
     async with Client.open(meta_url, transport="tcp") as client:
@@ -569,7 +569,7 @@ async def _resync(meta_url: str, only: list[int] | None) -> int:
     returns how many failed."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .client import Client
+    from ..client.native import Client
 
     failed = 0
     async with Client.open(meta_url, transport="tcp") as client:
@@ -599,13 +599,13 @@ async def _resync(meta_url: str, only: list[int] | None) -> int:
 
 async def _adoptable(meta_url: str, shard_id: int) -> list[Any]:
     """The files with chunks waiting for a shard of which ``shard_id`` holds an older copy."""
-    from .client import Client
+    from ..client.native import Client
     from .fsck import readability
 
     async with Client.open(meta_url, transport="tcp") as client:
         stats = await client.shard_stats()
         if not any(rec.shard_id == shard_id for rec, _, _ in stats):
-            from ._errors import NotFound
+            from .._errors import NotFound
 
             raise NotFound(f"shard {shard_id} is not in the shard map", "`irdma shard list` shows the shards")
         _, waiting, _ = await readability(client, stats)
@@ -615,7 +615,7 @@ async def _adoptable(meta_url: str, shard_id: int) -> list[Any]:
 async def _force_resync(meta_url: str, shard_id: int) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .client import Client
+    from ..client.native import Client
 
     async with Client.open(meta_url, transport="tcp") as client:
         with Progress(TextColumn(f"resync shard {shard_id} (forced)"), BarColumn(), MofNCompleteColumn(),
@@ -677,7 +677,7 @@ def shard_resync(shard_ids: tuple[int, ...], meta_url: str, force_from: int | No
 async def _drain(meta_url: str, shard_id: int) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .client import Client
+    from ..client.native import Client
 
     async with Client.open(meta_url, transport="tcp") as client:
         with Progress(TextColumn(f"drain shard {shard_id}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -700,7 +700,7 @@ def shard_drain(shard_id: int, meta_url: str) -> None:
 
 
 async def _remove(meta_url: str, shard_id: int, force: bool) -> list[tuple[int, int]]:
-    from .client import Client
+    from ..client.native import Client
 
     async with Client.open(meta_url, transport="tcp") as client:
         return await client.remove_shard(shard_id, force)
@@ -727,7 +727,7 @@ def shard_remove(shard_id: int, meta_url: str, force: bool) -> None:
 async def _rebalance(meta_url: str, tolerance: float) -> tuple[list[tuple[int, int, int]], list[Any]]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .client import Client
+    from ..client.native import Client
 
     async with Client.open(meta_url, transport="tcp") as client:
         with Progress(TextColumn("rebalance"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -802,10 +802,10 @@ def shard_add(address: str, meta_url: str, force: bool, timeout: float) -> None:
     """
     import contextlib
 
-    from ._errors import Exists, ShardUnavailable
+    from .._errors import Exists, ShardUnavailable
+    from ..meta import meta_path, meta_scheme, open_meta
+    from ..transport import parse_address
     from .cluster import check_shard
-    from .meta import meta_path, meta_scheme, open_meta
-    from .transport import parse_address
 
     try:
         _, port = parse_address(address)
@@ -862,7 +862,7 @@ def cluster_health(stats: list[Any], damaged: list[Any] | None = None, under_rep
                    moving: list[Any] | None = None, waiting: list[Any] | None = None) -> Health:
     """The cluster's health from :meth:`Client.shard_stats` (``(record, stats or None, why)`` each),
     the files with chunks lost (``damaged``, :class:`~irdma.meta.DamagedFile`) or waiting for a
-    shard that does not answer (``waiting``, :class:`irdma.fsck.Unreadable`), the count of
+    shard that does not answer (``waiting``, :class:`irdma.ops.fsck.Unreadable`), the count of
     under-replicated chunks and the moves in progress.
 
     The exit codes of ``irdma status``: 0 healthy (every shard in service answers and is up to
@@ -1018,7 +1018,7 @@ def fsck(meta_url: str) -> None:
     there is garbage, a replica is missing or a shard in service could not be checked, 2 when
     a file cannot be read.
     """
-    from .client import Client
+    from ..client.native import Client
     from .fsck import scan
 
     async def run() -> Any:
@@ -1068,7 +1068,7 @@ def gc(meta_url: str, dry_run: bool) -> None:
     """Free what no file needs: dead sessions, orphans (files with no name that no live
     session holds open), and leaked chunks (no file's, or past the end of a file no live
     session holds open: a crashed writer's). --dry-run reports exactly what a run frees."""
-    from .client import Client
+    from ..client.native import Client
     from .fsck import collect_garbage
 
     async def run() -> Any:
@@ -1109,8 +1109,8 @@ def bench(meta_url: str | None, mountpoint: str | None, size: int, chunk_size: i
 
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
+    from ..client.native import Client
     from . import bench as B
-    from .client import Client
 
     if (meta_url is None) == (mountpoint is None):
         raise click.UsageError("give exactly one of --meta (native client) or --mount (through FUSE)")
@@ -1170,9 +1170,9 @@ def format_(url: str | None, meta_url: str, replicas: int | None) -> None:
     """
     import contextlib
 
-    from ._errors import Exists, NotFound
-    from .auth import KEY_FILE_ENV, KEY_FILE_NAME, create_key_file, read_key_file
-    from .meta import meta_path, meta_scheme, open_meta
+    from .._errors import Exists, NotFound
+    from ..meta import meta_path, meta_scheme, open_meta
+    from ..wire.auth import KEY_FILE_ENV, KEY_FILE_NAME, create_key_file, read_key_file
 
     meta_url = url or meta_url
     key_file = os.environ.get(KEY_FILE_ENV)
@@ -1204,7 +1204,7 @@ def format_(url: str | None, meta_url: str, replicas: int | None) -> None:
 
 # ---------------------------------------------------------------- the cost model
 def _rate(ctx: Any, param: Any, value: str) -> float:
-    from .units import parse_rate
+    from ..units import parse_rate
 
     try:
         return parse_rate(value)
@@ -1217,7 +1217,7 @@ def _cap(ctx: Any, param: Any, value: str) -> float | None:
 
 
 def _duration(ctx: Any, param: Any, value: str) -> float:
-    from .units import parse_duration
+    from ..units import parse_duration
 
     try:
         return parse_duration(value)
@@ -1226,7 +1226,7 @@ def _duration(ctx: Any, param: Any, value: str) -> float:
 
 
 def _slices(ctx: Any, param: Any, values: tuple[str, ...]) -> tuple[int, ...]:
-    from .costmodel import parse_tensor_size
+    from ..train.costmodel import parse_tensor_size
 
     try:
         return tuple(0 if v.strip() == "0" else parse_tensor_size(v) for v in values)
@@ -1235,7 +1235,7 @@ def _slices(ctx: Any, param: Any, values: tuple[str, ...]) -> tuple[int, ...]:
 
 
 def _modes(ctx: Any, param: Any, values: tuple[str, ...]) -> tuple[str, ...]:
-    from .costmodel import ConfigError, parse_mode
+    from ..train.costmodel import ConfigError, parse_mode
 
     try:
         for v in values:
@@ -1249,7 +1249,7 @@ def _tensor_sizes(layout: str | None, sizes: str | None) -> tuple[int, ...]:
     """The tensor bytes of ``--layout`` (a layout.json) or ``--sizes`` (comma-separated)."""
     import json
 
-    from .costmodel import parse_tensor_size, sizes_from_layout
+    from ..train.costmodel import parse_tensor_size, sizes_from_layout
 
     if (layout is None) == (sizes is None):
         raise click.UsageError("give exactly one of --layout (a Keras job's layout.json) or --sizes")
@@ -1270,7 +1270,7 @@ def _tensor_sizes(layout: str | None, sizes: str | None) -> tuple[int, ...]:
             raise ValueError("it is not a list of tensors")
         return sizes_from_layout(entries)
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
-        raise click.BadParameter(f"{layout}: {exc} (irdma.keras writes it: a list of {{name, shape, offset,"
+        raise click.BadParameter(f"{layout}: {exc} (irdma.train.keras writes it: a list of {{name, shape, offset,"
                                  " dtype}})", param_hint="--layout") from None
 
 
@@ -1283,7 +1283,7 @@ _TUNE_OPTIONS = {"sizes": "--sizes", "workers": "--workers", "hosts": "--hosts",
 
 @cli.command()
 @click.option("--layout", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="A Keras job's layout.json (list of {name, shape, offset, dtype}, see irdma.keras).")
+              help="A Keras job's layout.json (list of {name, shape, offset, dtype}, see irdma.train.keras).")
 @click.option("--sizes", default=None, metavar="LIST",
               help="Tensor sizes in forward order instead of --layout: 4MB,1MB,40000f (f: float32 count).")
 @click.option("--workers", type=click.IntRange(1), default=4, show_default=True, help="Data-parallel workers.")
@@ -1326,13 +1326,13 @@ def tune(layout: str | None, sizes: str | None, workers: int, hosts: int, shards
          as_json: bool) -> None:
     """Predict the time of a training iteration for every mode, overlap and slice size; pick the best.
 
-    The model (irdma/costmodel.py) prices pushes and pulls on the busiest NIC, latency and request
+    The model (irdma/train/costmodel.py) prices pushes and pulls on the busiest NIC, latency and request
     overheads, and how much of that back-prop and the forward pass hide (FIFO or P3 priority).
     """
     import json
 
-    from .costmodel import Config, ConfigError, explain, grid, rank, ring_allreduce_time
-    from .units import format_duration, format_rate
+    from ..train.costmodel import Config, ConfigError, explain, grid, rank, ring_allreduce_time
+    from ..units import format_duration, format_rate
 
     tensors = _tensor_sizes(layout, sizes)
     roofline = flops is not None
@@ -1376,7 +1376,7 @@ def tune(layout: str | None, sizes: str | None, workers: int, hosts: int, shards
 
 # ---------------------------------------------------------------- keys
 def _key_ring(meta_url: str | None) -> Any:
-    from .auth import KeySource, default_key_file
+    from ..wire.auth import KeySource, default_key_file
 
     return KeySource(default_key_file(meta_url)).ring()
 
@@ -1398,7 +1398,7 @@ def key_rotate(cluster_dir: str | None, finish: bool) -> None:
     shards still accept the previous one (and open connections keep their session keys) until
     `irdma key rotate --finish`. A key file on several hosts must be copied to each of them.
     """
-    from .auth import KEY_FILE_ENV, rotate_key_file
+    from ..wire.auth import KEY_FILE_ENV, rotate_key_file
 
     path = os.environ.get(KEY_FILE_ENV) if cluster_dir is None else _cluster.key_file_of(cluster_dir)
     if not path:
@@ -1425,7 +1425,7 @@ def key_security(level: str | None, cluster_dir: str | None) -> None:
     Connections opened after the change use the new level; open ones keep theirs (remount and
     restart clients to move them). See SECURITY.md.
     """
-    from .auth import KEY_FILE_ENV, read_key_file, set_security
+    from ..wire.auth import KEY_FILE_ENV, read_key_file, set_security
 
     path = os.environ.get(KEY_FILE_ENV) if cluster_dir is None else _cluster.key_file_of(cluster_dir)
     if not path:
@@ -1436,7 +1436,7 @@ def key_security(level: str | None, cluster_dir: str | None) -> None:
 
 
 def _set_key_file(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-    from .auth import KEY_FILE_ENV
+    from ..wire.auth import KEY_FILE_ENV
 
     if value:
         os.environ[KEY_FILE_ENV] = os.path.abspath(value)  # what every client and `irdma up` read

@@ -2,7 +2,7 @@
 
 A few lines change in a Keras script::
 
-    from irdma.keras import ShardOptimizer
+    from irdma.train.keras import ShardOptimizer
     opt = ShardOptimizer("/mnt/irdma/jobs/digits", worker=k, workers=4,
                          update="adam learning_rate=0.001", consistency="ssp:2")
     model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
@@ -18,11 +18,11 @@ mount*, so ``model.fit``, callbacks, ``model.save`` and checkpoints keep working
 * The model's trainable variables live in one file, ``JOB/params`` (SoftMemoryBox II's
   unified buffer: every tensor at a documented offset, ``JOB/layout.json`` lists name, shape
   and byte offset; little-endian float32, C order), whose ``user.irdma.update`` is the
-  optimizer (:mod:`irdma.optimizers`): the shards apply it (Keras's arithmetic, state on the
+  optimizer (:mod:`irdma.train.optimizers`): the shards apply it (Keras's arithmetic, state on the
   shards, replicated and persisted with the weights).
 * Each training step writes the step's gradients to ``params`` as one buffer (one ``pwrite``
   of the whole model: a push), advances the worker's clock (a read of ``JOB/.irdma-clock@K``,
-  which under BSP/SSP returns only once the slowest worker is close enough: :mod:`irdma.coord`),
+  which under BSP/SSP returns only once the slowest worker is close enough: :mod:`irdma.train.coord`),
   then reads the whole buffer back (one ``pread``: a pull) into the variables. The file stays
   open across steps, so a step is a handful of FUSE requests whatever the number of tensors.
 * Worker 0 writes the initial weights (while the op is still ``assign``) and then sets the
@@ -48,13 +48,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from .._concurrency import open_nursery
+from .._errors import IrdmaError
+from ..wire.protocol import Update, UpdateOp
 from . import comm
-from ._concurrency import open_nursery
-from ._errors import IrdmaError
 from .comm import DEFAULT_SLICE_ELEMS, parse_drop, parse_slice
 from .coord import XATTR_CONSISTENCY, XATTR_SYNC_TIMEOUT, XATTR_WORKERS, parse_consistency
 from .optimizers import parse_update
-from .protocol import Update, UpdateOp
 
 PARAMS = "params"
 LAYOUT = "layout.json"
@@ -277,7 +277,7 @@ class CommStats:
     """What a :class:`CommTrainer` moved and skipped, since it was built.
 
     Bytes are payload bytes of pushes and pulls as the trainer counts them (a compressed push
-    at :func:`irdma.compress.wire_bytes` per slice: an estimate, since the client also cuts at
+    at :func:`irdma.wire.compress.wire_bytes` per slice: an estimate, since the client also cuts at
     chunk boundaries; the link's own counters are the measure); ``skipped`` counts layer pushes
     held back by layer dropping; ``steps`` the training steps and ``step_s`` their wall-clock seconds.
     """
@@ -300,19 +300,19 @@ class CommTrainer:
 
     * ``overlap="p3"`` (P3, Jayarajan et al., SysML 2019): back-propagation pushes each layer's
       gradient as soon as it is computed and then pulls the layer's new weights, in slices of
-      ``slice_elems`` float32 scheduled by priority (:func:`irdma.comm.priority`): the first
+      ``slice_elems`` float32 scheduled by priority (:func:`irdma.train.comm.priority`): the first
       layers, which the next forward pass needs first, overtake the big later ones; the forward
       pass of the next step waits only for the layer it is about to run.
     * ``overlap="fifo"``: the same overlap in whole tensors and arrival order (no priority), the
       baseline P3 is measured against; ``overlap="none"``: back-propagation, then every push,
       then every pull, then the next forward pass.
-    * ``drop`` (layer dropping with a residual cache, :class:`irdma.comm.ResidualCache`): a
+    * ``drop`` (layer dropping with a residual cache, :class:`irdma.train.comm.ResidualCache`): a
       layer's push is skipped while ``learning_rate * ||accumulated gradient||_1 <
       drop * ||weights||_1``; what was skipped is added to its next push (nothing is lost).
-    * ``compress`` (``"topk:F"`` or ``"sign"``, :mod:`irdma.compress`): pushes are encoded per
+    * ``compress`` (``"topk:F"`` or ``"sign"``, :mod:`irdma.wire.compress`): pushes are encoded per
       slice, decoded on the shards, and the compression error is kept per layer and added to
       the next push (error feedback).
-    * ``group`` (a :class:`irdma.hier.HostGroup`, DASO-style hierarchy): the workers of a host
+    * ``group`` (a :class:`irdma.train.hier.HostGroup`, DASO-style hierarchy): the workers of a host
       sum their gradients in shared memory, the group's leader pushes the sum once for the host
       and pulls once, and hands the weights to the others. With ``sync_every=K`` > 1 (DASO's
       global synchronisation every K steps) the workers of a host take K local steps of plain
@@ -367,7 +367,7 @@ class CommTrainer:
         self.compress = compress
         self._codec = None
         if compress is not None:
-            from . import compress as _compress
+            from ..wire import compress as _compress
 
             self._codec = _compress.parse_compress(compress)
         self.model, self.client, self.job = model, client, job.rstrip("/") or "/"
@@ -431,7 +431,7 @@ class CommTrainer:
         c._run(c.client.barrier, f"{self.job.strip('/').replace('/', '-')}-start", self.workers, self.timeout)
 
         async def locate(cl: Any) -> tuple[list[Any], list[Any]]:
-            from .client import layout_of
+            from ..client.native import layout_of
 
             layouts, chunks = [], []
             for i in range(len(self.layers)):
@@ -458,7 +458,7 @@ class CommTrainer:
         if grad is not None:
             data = np.ascontiguousarray(grad, dtype="<f4")
             if self._codec is not None:
-                from . import compress as _compress
+                from ..wire import compress as _compress
 
                 feedback = self._feedback.setdefault(i, np.zeros(data.size, np.float32))
                 data = data + feedback  # error feedback: what earlier pushes left out goes now

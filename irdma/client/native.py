@@ -39,9 +39,8 @@ from typing import TypeVar
 import numpy as np
 import trio
 
-from . import auth, comm, coord
-from ._concurrency import open_nursery
-from ._errors import (
+from .._concurrency import open_nursery
+from .._errors import (
     BadRequest,
     DataLost,
     Dirty,
@@ -55,19 +54,21 @@ from ._errors import (
     ReplicaFailed,
     ShardUnavailable,
 )
-from .compress import Compression, parse_compress
-from .compress import encode as compress_encode
-from .compress import max_elements as compress_max_elements
-from .extents import move, positions
-from .meta import Inode, MetaStore, ShardRecord, open_meta
-from .meta.aio import AsyncMeta
-from .meta.base import OUT_OF_SYNC, XATTR_SHAPE, XATTR_UPDATE, parse_shape
-from .optimizers import HEADER, MAGIC, SLOT_NAMES, SLOTS, parse_update, state_index, state_size
-from .placement import Layout, Move, Piece, substitute
+from ..meta import Inode, MetaStore, ShardRecord, open_meta
+from ..meta.aio import AsyncMeta
+from ..meta.base import OUT_OF_SYNC, XATTR_SHAPE, XATTR_UPDATE, parse_shape
+from ..placement import Layout, Move, Piece, substitute
+from ..train import comm, coord
+from ..train.optimizers import HEADER, MAGIC, SLOT_NAMES, SLOTS, parse_update, state_index, state_size
+from ..transport import ShardConnection, Transport, make_transport
+from ..wire import auth
+from ..wire.compress import Compression, parse_compress
+from ..wire.compress import encode as compress_encode
+from ..wire.compress import max_elements as compress_max_elements
+from ..wire.extents import move, positions
+from ..wire.protocol import DEFAULT_MAX_PAYLOAD, Chain, ChunkEntry, StatReply, Update, UpdateOp, as_update
+from ..wire.protocol import extents as P_extents
 from .pool import ShardPool
-from .protocol import DEFAULT_MAX_PAYLOAD, Chain, ChunkEntry, StatReply, Update, UpdateOp, as_update
-from .protocol import extents as P_extents
-from .transport import ShardConnection, Transport, make_transport
 
 #: Requests in flight per shard connection.
 DEFAULT_WINDOW = 16
@@ -138,10 +139,10 @@ class Client:
             awaitable :class:`AsyncMeta`, ``client.store`` the engine itself).
         transport: how to reach shards.
         nursery: where connection tasks live.
-        keys: the cluster key to prove to shards (:mod:`irdma.auth`), read again when its file
+        keys: the cluster key to prove to shards (:mod:`irdma.wire.auth`), read again when its file
             changes; None to connect without one (shards with a key refuse it).
         window: requests in flight per shard, for pulls and for the rest each; waiting ones are admitted by priority
-            (:func:`irdma.comm.priority`: P3, lower levels first), FIFO among equal levels.
+            (:func:`irdma.train.comm.priority`: P3, lower levels first), FIFO among equal levels.
         timeout: seconds each request to a shard may take, queueing and connecting included.
     """
 
@@ -164,7 +165,7 @@ class Client:
         self._unsynced_single: set[int] = set()  # those of them written the only copy of a chunk
         self._flush_lock = trio.Lock()  # a flush returns only after the one in flight covered it
         self.transport = transport
-        #: the connections to the shards, their windows and deadlines (:mod:`irdma.pool`)
+        #: the connections to the shards, their windows and deadlines (:mod:`irdma.client.pool`)
         self.pool = ShardPool(self, transport, nursery, keys, client_name or f"irdma-client pid {os.getpid()}",
                               window)
         self._shard_map: dict[int, ShardRecord] = {}
@@ -178,7 +179,7 @@ class Client:
         # (file id, chunk index, shard id); forgotten when the view changes
         self._withdrawn: set[tuple[int, int, int]] = set()
         self._withdrawn_view = -1
-        from .moves import ShardMoves  # here, not at the top: irdma.moves imports this module
+        from .moves import ShardMoves  # here, not at the top: irdma.client.moves imports this module
 
         self._admin = ShardMoves(self)  # resync, drain, rebalance, removal
 
@@ -570,7 +571,7 @@ class Client:
         Compressed gradients (``compress`` of kind topk or sign, with ``add`` or an optimizer;
         ignored with ``assign``): ``data`` is little-endian float32 and each piece (a chunk's
         part, cut so that its payload fits the shard's largest) is encoded once
-        (:func:`irdma.compress.encode`) and the payload sent, the same payload on a resend; the
+        (:func:`irdma.wire.compress.encode`) and the payload sent, the same payload on a resend; the
         shards apply the op to the decoded gradient. ``feedback`` (float32, C-contiguous,
         ``len(data) // 4`` elements) receives, for each piece acknowledged, what its compression
         dropped: ``piece - decoded`` (error feedback: add it to the next gradient); the elements
@@ -1048,7 +1049,7 @@ class Client:
     def _max_piece(self, layout: Layout) -> int | None:
         sizes = [c.info.max_payload for c in self.pool.conns.values()]
         most = min(sizes) if sizes else DEFAULT_MAX_PAYLOAD
-        cut = comm.current().slice_bytes  # P3's slices (irdma.comm.priority)
+        cut = comm.current().slice_bytes  # P3's slices (irdma.train.comm.priority)
         return min(most, cut) if cut else most
 
     async def truncate_data(self, layout: Layout, new_size: int) -> None:
@@ -1095,48 +1096,48 @@ class Client:
                 raise ShardUnavailable(f"the shard map kept changing while file {layout.file_id} was truncated",
                                        "truncate it again")
 
-    # ------------------------------------------------------------ admin moves (irdma.moves)
+    # ------------------------------------------------------------ admin moves (irdma.client.moves)
     async def resync_shard(self, shard_id: int, progress: Callable[[int, int], None] = lambda done, total: None,
                            force: bool = False) -> int:
         """Bring a shard that is catching up level with its chains, then mark it up
-        (:meth:`irdma.moves.ShardMoves.resync_shard`). Returns bytes copied."""
+        (:meth:`irdma.client.moves.ShardMoves.resync_shard`). Returns bytes copied."""
         return await self._admin.resync_shard(shard_id, progress, force)
 
     async def drain_shard(self, shard_id: int, progress: Callable[[int, int], None] = lambda done, total: None) -> int:
         """Move every chunk off a shard while updates go on, then take it out of every chain
-        (:meth:`irdma.moves.ShardMoves.drain_shard`). Returns bytes copied."""
+        (:meth:`irdma.client.moves.ShardMoves.drain_shard`). Returns bytes copied."""
         return await self._admin.drain_shard(shard_id, progress)
 
     async def rebalance(self, progress: Callable[[int, int], None] = lambda done, total: None,
                         tolerance: float = 0.1) -> list[tuple[int, int, int]]:
-        """Even out the bytes the shards in service hold (:meth:`irdma.moves.ShardMoves.rebalance`).
+        """Even out the bytes the shards in service hold (:meth:`irdma.client.moves.ShardMoves.rebalance`).
         Returns ``(shard moved from, bytes copied, chunks moved)`` of each move made."""
         return await self._admin.rebalance(progress, tolerance)
 
     async def run_move(self, progress: Callable[[int, int], None] = lambda done, total: None) -> int:
         """Carry out the move of chunks in progress in the shard map
-        (:meth:`irdma.moves.ShardMoves.run_move`). Returns bytes copied."""
+        (:meth:`irdma.client.moves.ShardMoves.run_move`). Returns bytes copied."""
         return await self._admin.run_move(progress)
 
     async def remove_shard(self, shard_id: int, force: bool = False) -> list[tuple[int, int]]:
         """Take a drained shard (with ``force``, any shard) out of the cluster
-        (:meth:`irdma.moves.ShardMoves.remove_shard`). Returns ``(ino, chunk index)`` of the
+        (:meth:`irdma.client.moves.ShardMoves.remove_shard`). Returns ``(ino, chunk index)`` of the
         chunks lost with it."""
         return await self._admin.remove_shard(shard_id, force)
 
     async def resync_all(self, log_progress: Callable[[str], None] = log.info) -> None:
         """Resync every reachable shard that is catching up, as a mount's heartbeat does
-        (:meth:`irdma.moves.ShardMoves.resync_all`)."""
+        (:meth:`irdma.client.moves.ShardMoves.resync_all`)."""
         await self._admin.resync_all(log_progress)
 
     async def shard_stats(self) -> list[tuple[ShardRecord, StatReply | None, str]]:
         """Every registered shard with its STAT reply, or None and the reason it failed
-        (:meth:`irdma.moves.ShardMoves.shard_stats`)."""
+        (:meth:`irdma.client.moves.ShardMoves.shard_stats`)."""
         return await self._admin.shard_stats()
 
     def list_chunks(self, shard_id: int) -> AsyncIterator[list[ChunkEntry]]:
         """Every chunk a shard holds, page by page, for gc and fsck
-        (:meth:`irdma.moves.ShardMoves.list_chunks`)."""
+        (:meth:`irdma.client.moves.ShardMoves.list_chunks`)."""
         return self._admin.list_chunks(shard_id)
 
     # ------------------------------------------------------------ files by path
@@ -1175,10 +1176,10 @@ class Client:
         """Write a buffer (bytes, numpy array, memoryview) at ``offset``, creating the file.
 
         ``op`` defaults to the file's ``user.irdma.update`` (``assign`` unless set); a string is
-        parsed as that xattr is (:func:`irdma.optimizers.parse_update`). The size
+        parsed as that xattr is (:func:`irdma.train.optimizers.parse_update`). The size
         grows, and the chunks written join the file's chunk map, only once every shard has
         acknowledged its part: a failed write leaves the size of what is stored.
-        ``compress`` (a :class:`irdma.compress.Compression` or a ``user.irdma.compress``
+        ``compress`` (a :class:`irdma.wire.compress.Compression` or a ``user.irdma.compress``
         value) and ``feedback``: see :meth:`write_from` (ignored with ``assign``).
 
         Returns:
@@ -1217,7 +1218,7 @@ class Client:
                    residual: np.ndarray | None = None) -> None:
         """Add ``delta`` (cast to little-endian float32) element-wise into the file's bytes.
 
-        ``compress`` (a :class:`irdma.compress.Compression` or a ``user.irdma.compress`` value
+        ``compress`` (a :class:`irdma.wire.compress.Compression` or a ``user.irdma.compress`` value
         such as ``"topk:0.01"`` or ``"sign"``; None: dense) sends it compressed, decoded and
         added on the shards. ``residual`` (float32, C-contiguous, as many elements as
         ``delta``; zeros at first, then kept by the caller between pushes) is error feedback:
@@ -1397,7 +1398,7 @@ class Client:
 
     async def set_update_op(self, path: str, op: str) -> None:
         """Set what writes to ``path`` do: ``assign``, ``add`` or an optimizer with its
-        arguments, e.g. ``"adam learning_rate=0.001"`` (:mod:`irdma.optimizers`); on a
+        arguments, e.g. ``"adam learning_rate=0.001"`` (:mod:`irdma.train.optimizers`); on a
         directory, the default for files created in it.
 
         Raises:
@@ -1564,7 +1565,7 @@ class Client:
     async def optimizer_state(self, path: str) -> dict[str, np.ndarray]:
         """A file's optimizer state as arrays, one per slot, each of the file's ``size // 4``
         elements: little-endian float32, Adam's ``step`` u32 (names:
-        :data:`irdma.optimizers.SLOT_NAMES`, e.g. ``m``, ``v``, ``step`` for Adam, as Keras names
+        :data:`irdma.train.optimizers.SLOT_NAMES`, e.g. ``m``, ``v``, ``step`` for Adam, as Keras names
         its variables). Empty for ``assign`` and ``add``; zeros for a chunk never stepped or
         holding another optimizer's state. Raises ShardUnavailable, DataLost."""
         inode = await self.meta.resolve(path)
@@ -1584,7 +1585,7 @@ class Client:
     # ------------------------------------------------------------ training semantics
     async def clock_at(self, job: int, worker: int | bytes | str) -> int:
         """Advance worker ``worker``'s clock in the job directory with inode ``job`` and wait
-        as its consistency model says (:func:`irdma.coord.tick`; ASP when the directory has no
+        as its consistency model says (:func:`irdma.train.coord.tick`; ASP when the directory has no
         ``user.irdma.consistency``).
 
         Raises:
@@ -1616,7 +1617,7 @@ class Client:
 
     async def barrier(self, name: str, n: int, timeout: float = coord.DEFAULT_SYNC_TIMEOUT) -> None:
         """Return once ``n`` callers (any client or mount of the namespace) arrived at barrier
-        ``name`` (:func:`irdma.coord.barrier`). Raises SyncTimeout, InvalidArgument."""
+        ``name`` (:func:`irdma.train.coord.barrier`). Raises SyncTimeout, InvalidArgument."""
         await coord.barrier(self.meta, name, n, timeout)
 
     async def lock(self, name: str, lease: float, timeout: float = coord.DEFAULT_SYNC_TIMEOUT) -> int:
@@ -1658,7 +1659,7 @@ class Client:
 
     async def destroy_later(self, ino: int) -> None:
         """Wait out the unlink grace period, then free the file if nothing holds it open."""
-        from .meta.base import UNLINK_GRACE_S
+        from ..meta.base import UNLINK_GRACE_S
 
         await trio.sleep(UNLINK_GRACE_S + 0.1)
         try:

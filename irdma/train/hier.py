@@ -41,7 +41,7 @@ One group is ``size`` processes on one host, ranks ``0 .. size-1``; rank 0 is th
   its socket, which the leader sees as end of file. A dead process's socket is closed by the
   kernel, so its death is noticed at once; a stuck one after ``timeout``.
 
-The messages, as bytes, are in :mod:`irdma._hier_wire`.
+The messages, as bytes, are in :mod:`irdma.train._hier_wire`.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ from types import TracebackType
 import numpy as np
 import numpy.typing as npt
 
+from .._errors import IrdmaError
 from . import _hier_wire as wire
-from ._errors import IrdmaError
 
 __all__ = ["HostGroup", "HostGroupError", "local_rank_and_size"]
 

@@ -313,7 +313,7 @@ class Macs:
     The *trailer* follows every frame (not counted in its header's ``body_len``): under
     ``integrity`` the 16-byte tag of the whole frame; under ``auth`` a u32 (big-endian) payload
     length ``p`` and then the tag of the frame less its last ``p`` bytes, followed by those 4
-    bytes. ``p`` is what the sender's :func:`irdma.protocol.encode_request` /
+    bytes. ``p`` is what the sender's :func:`irdma.wire.protocol.encode_request` /
     ``encode_reply`` marked as tensor payload (``parts.payload``); the receiver needs no
     knowledge of the frame to check it, and a ``p`` reaching into the header is refused.
     """

@@ -32,12 +32,12 @@ from dataclasses import asdict, dataclass
 import psutil
 import trio
 
-from ._concurrency import open_nursery
-from ._errors import InvalidArgument, IrdmaError, ShardUnavailable
+from .._concurrency import open_nursery
+from .._errors import InvalidArgument, IrdmaError, ShardUnavailable
+from ..meta import open_meta
+from ..transport import make_transport
+from ..wire.auth import KEY_FILE_ENV, KEY_FILE_NAME, KeyRing, create_key_file, read_key_file, set_security
 from ._proc import last_log_line, pid_alive, spawn_detached
-from .auth import KEY_FILE_ENV, KEY_FILE_NAME, KeyRing, create_key_file, read_key_file, set_security
-from .meta import open_meta
-from .transport import make_transport
 
 STATE_FILE = "cluster.json"
 #: Command lines of shards started by hand (not by ``irdma up``) seen running, by shard id.
@@ -227,7 +227,7 @@ def up(
     """Start a local cluster, or start again the shards of one in ``cluster_dir`` that are not
     running (on their data); returns its metadata URL.
 
-    ``security``: the level written in the cluster's key file (:data:`irdma.auth.SECURITY_LEVELS`;
+    ``security``: the level written in the cluster's key file (:data:`irdma.wire.auth.SECURITY_LEVELS`;
     None keeps the file's, ``integrity`` for a new one).
 
     ``replicas``: copies of each chunk of files created from now on (the namespace setting);
@@ -312,7 +312,7 @@ def _ensure_key(cluster_dir: str, progress: Callable[[str], None], security: str
 def _spawn(cluster_dir: str, shard_id: int, address: str, transport: str, durability: str,
            capacity: int | None) -> ShardProc:
     log = os.path.abspath(os.path.join(cluster_dir, "logs", f"shard-{shard_id}.log"))
-    args = ["-m", "irdma.cli", "server", "--listen", address, "--shard-id", str(shard_id), "--transport", transport,
+    args = ["-m", "irdma.ops.cli", "server", "--listen", address, "--shard-id", str(shard_id), "--transport", transport,
             "--data-dir", shard_dir(cluster_dir, shard_id), "--durability", durability,
             "--key-file", key_file_of(cluster_dir)]  # the path only: the key is never on a command line
     if capacity is not None:
@@ -413,7 +413,7 @@ def _read_hand(cluster_dir: str) -> dict[str, dict[str, object]]:
 
 def _listener(address: str) -> psutil.Process | None:
     """The process of this host listening on ``address``'s port, if any (and visible to us)."""
-    from .transport import parse_address
+    from ..transport import parse_address
 
     try:
         _, port = parse_address(address)
@@ -462,7 +462,7 @@ def start_command(cluster_dir: str, shard_id: int, address: str,
     argv = rec.get("argv") if rec else None
     if isinstance(argv, list) and all(isinstance(a, str) for a in argv) and rec is not None:
         args = list(argv)
-        if len(args) > 2 and args[1:3] == ["-m", "irdma.cli"]:
+        if len(args) > 2 and args[1:3] == ["-m", "irdma.ops.cli"]:
             args = ["irdma", *args[3:]]
         elif args and os.path.basename(args[0]).startswith("python") and len(args) > 1 \
                 and os.path.basename(args[1]) == "irdma":

@@ -2,7 +2,7 @@
 
 Where the numbers come from: every shard started with ``irdma server --metrics HOST:PORT`` (or
 ``irdma up --metrics HOST:PORT``) and every mount started with ``irdma mount --metrics
-HOST:PORT`` serves Prometheus metrics at ``http://HOST:PORT/metrics`` (:mod:`irdma.metrics`).
+HOST:PORT`` serves Prometheus metrics at ``http://HOST:PORT/metrics`` (:mod:`irdma.ops.metrics`).
 :func:`run` scrapes them every ``interval`` seconds and shows per-second rates computed from the
 difference of two scrapes: requests/s by op, MB/s pulled and pushed, p50 and p99 latency (from
 the histogram buckets that filled in between, as Prometheus's ``histogram_quantile`` of a
@@ -11,11 +11,11 @@ the histogram buckets that filled in between, as Prometheus's ``histogram_quanti
 Discovery (how ``irdma stats`` finds the endpoints):
 
 * ``irdma stats MNT``: a mount serving metrics records its address in a small JSON file keyed by
-  the mountpoint's absolute path (:func:`irdma.metrics.mount_state_file`: under
+  the mountpoint's absolute path (:func:`irdma.ops.metrics.mount_state_file`: under
   ``$IRDMA_RUN_DIR``, else ``$XDG_RUNTIME_DIR/irdma``, else ``/tmp/irdma-UID``), written once the
   mount is up and removed when it ends. So it works for mounts of the same user on this host.
 * ``irdma stats --meta URL``: each shard tells its metrics address in its STAT reply (the
-  ``metrics`` field of :class:`irdma.protocol.StatReply`), which the client fetches from every
+  ``metrics`` field of :class:`irdma.wire.protocol.StatReply`), which the client fetches from every
   shard of the shard map (:meth:`irdma.Client.shard_stats`). Works across hosts, as long as the
   shards' ``--metrics`` address is reachable from where ``irdma stats`` runs (not 127.0.0.1 then).
 * ``--endpoint HOST:PORT`` (repeatable): any exporter, named by hand (another user's mount,
@@ -40,8 +40,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-from ._errors import InvalidArgument, IrdmaError
-from .meta import redact
+from .._errors import InvalidArgument, IrdmaError
+from ..meta import redact
 from .metrics import format_host, mount_state_file, parse_metrics_address
 
 #: The layers a process may expose, their metric prefixes, and which byte direction is a pull.
@@ -115,7 +115,7 @@ async def shard_targets(meta_url: str) -> tuple[list[Target], list[str]]:
     Raises:
         IrdmaError: the namespace cannot be opened (see :meth:`irdma.Client.open`).
     """
-    from .client import Client
+    from ..client.native import Client
 
     async with Client.open(meta_url, transport="tcp", client_name="irdma stats") as client:
         stats = await client.shard_stats()

@@ -45,9 +45,9 @@ from typing import Any
 
 import trio
 
-from ._errors import IrdmaError, NotFound, ShardUnavailable
-from .client import Client, layout_of
-from .meta.base import UNLINK_GRACE_S, DamagedFile, Session, ShardRecord
+from .._errors import IrdmaError, NotFound, ShardUnavailable
+from ..client.native import Client, layout_of
+from ..meta.base import UNLINK_GRACE_S, DamagedFile, Session, ShardRecord
 
 #: The incarnation of a chunk-map row out of its chunk's in-sync set
 #: (:data:`irdma.meta.base.OUT_OF_SYNC`).

@@ -5,11 +5,11 @@ the verbs transport's control connection) and the shard's front ends (:mod:`irdm
 * Socket set-up (:func:`tune_socket`), exact reads (:func:`recv_exactly`, :class:`Receiver`),
   sends of a frame's parts as views (:func:`send_parts`, and :func:`send_now`: one ``writev``
   before the caller yields), one whole frame read with its tag checked (:func:`read_frame`).
-* The handshake of :mod:`irdma.auth` (HELLO, the mutual challenge-response, the frame tags):
+* The handshake of :mod:`irdma.wire.auth` (HELLO, the mutual challenge-response, the frame tags):
   the client's side (:func:`handshake`) and the shard's (:class:`ServerHandshake`).
 
-The bytes themselves are :mod:`irdma.protocol`'s (pure, no I/O, in the manner of h11); the
-frame tags are :mod:`irdma.auth`'s.
+The bytes themselves are :mod:`irdma.wire.protocol`'s (pure, no I/O, in the manner of h11); the
+frame tags are :mod:`irdma.wire.auth`'s.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import socket as _stdsocket
 from collections.abc import Callable
 from typing import Any
 
-from irdma import auth
-from irdma import protocol as P
 from irdma._errors import IrdmaError, RemoteProtocolError, ShardUnavailable
+from irdma.wire import auth
+from irdma.wire import protocol as P
 
 log = logging.getLogger("irdma.framing")
 
@@ -216,7 +216,7 @@ async def _read_frame(sock: Any, address: str, what: str) -> P.Reply:
 async def handshake(sock: Any, address: str, client_name: str,
                     key: auth.KeyRing | None) -> tuple[P.HelloReply, Macs | None]:
     """Open a fresh socket: HELLO, and with a cluster key the mutual challenge-response of
-    :mod:`irdma.auth`. Returns the shard's HELLO reply and, when authenticated, the frame tags.
+    :mod:`irdma.wire.auth`. Returns the shard's HELLO reply and, when authenticated, the frame tags.
 
     Raises:
         AuthFailed: the shard refused our proof, did not prove the key itself, belongs to

@@ -24,7 +24,7 @@ clip or decay on the worker before the push. A learning-rate schedule is a rewri
 with a new ``learning_rate``: the state is kept (only a different optimizer *name* starts it
 afresh).
 
-On the wire an update travels as :class:`irdma.protocol.Update`: the op byte and, for the
+On the wire an update travels as :class:`irdma.wire.protocol.Update`: the op byte and, for the
 optimizers, four float64 arguments and a flags word, in the order of :data:`ARGUMENTS`.
 """
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 
-from .protocol import OPT_CENTERED, OPT_NESTEROV, Update, UpdateOp
+from ..wire.protocol import OPT_CENTERED, OPT_NESTEROV, Update, UpdateOp
 
 #: Each optimizer's arguments in wire order, with Keras 3's defaults (float) or flag bits (bool).
 ARGUMENTS: dict[UpdateOp, tuple[tuple[str, float], ...]] = {

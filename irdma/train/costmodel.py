@@ -56,7 +56,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .units import format_duration, format_size, parse_size
+from ..units import format_duration, format_size, parse_size
 
 MODES = ("flat", "hier", "topk", "sign")
 OVERLAPS = ("none", "fifo", "p3")
@@ -145,7 +145,7 @@ def parse_tensor_size(text: str, elem_bytes: int = 4) -> int:
 
 
 def sizes_from_layout(entries: Sequence[Mapping[str, Any]]) -> tuple[int, ...]:
-    """Tensor bytes, in forward order, of a Keras job's ``layout.json`` (irdma.keras.LAYOUT: a list of
+    """Tensor bytes, in forward order, of a Keras job's ``layout.json`` (irdma.train.keras.LAYOUT: a list of
     ``{name, shape, offset, dtype}`` in variable order; bytes = product of ``shape`` x dtype size).
 
     Raises:

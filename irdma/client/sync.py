@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 import trio
 
-from . import comm
-from ._errors import IrdmaError
-from .client import Client
-from .compress import Compression
-from .meta import Inode
-from .protocol import UpdateOp
+from .._errors import IrdmaError
+from ..meta import Inode
+from ..train import comm
+from ..wire.compress import Compression
+from ..wire.protocol import UpdateOp
+from .native import Client
 
 
 class SyncClient:
@@ -80,7 +80,7 @@ class SyncClient:
         transfers: P3's pushes during back-propagation, pulls ahead of the forward pass).
 
         Its requests go at ``priority`` (0 = most urgent) in slices of at most ``slice_bytes``
-        bytes (0: none): :func:`irdma.comm.priority`. A buffer handed to ``fn`` must not be
+        bytes (0: none): :func:`irdma.train.comm.priority`. A buffer handed to ``fn`` must not be
         touched until the future is done. ``timeout`` (seconds) cancels ``fn`` when it runs
         longer: the future then fails with TimeoutError and nothing of ``fn`` runs after (a
         ``result(timeout=...)`` that gives up does not stop it; this does). Cancelling the

@@ -35,7 +35,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ._errors import IrdmaError
+from .._errors import IrdmaError
 from .cluster import _free_port as free_port
 
 log = logging.getLogger("irdma.testbed")

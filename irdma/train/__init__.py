@@ -1,0 +1,25 @@
+"""Training on irdma: what a data-parallel job needs beyond pull and push.
+
+* :mod:`.optimizers`: the server-side optimizer update ops (SGD, momentum, Adam, ...) and
+  their state layout, equal to Keras's.
+* :mod:`.coord`: consistency models (BSP, SSP, ASP), per-worker clocks, barriers, locks.
+* :mod:`.comm`: P3 priorities and layer dropping (which slices go first, which are skipped).
+* :mod:`.hier` (with :mod:`._hier_wire`): hierarchical aggregation inside a host before the shards.
+* :mod:`.costmodel`: the model that picks shard counts and placements for a job.
+* :mod:`.keras`: Keras/TensorFlow integration (a model's variables pulled and pushed).
+
+Built on :mod:`irdma.client`; the shards import only :mod:`.optimizers`' layout. Names are
+re-exported lazily.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from irdma._lazy import exports
+
+if TYPE_CHECKING:
+    from .coord import Consistency
+
+__getattr__, __dir__ = exports(__name__, {"Consistency": ".coord"})
+__all__ = ["Consistency"]
