@@ -78,8 +78,8 @@ test-verbs: vm-image
 	test $$rc -eq 0 && grep -q "VERBS STAGE PASSED" .verbs-stage.log
 
 lint: install
-	$(VENV)/bin/ruff check irdma fs server examples tests
-	$(VENV)/bin/mypy irdma fs server
+	$(VENV)/bin/ruff check irdma fs server examples tests tools
+	$(PY) tools/typecheck.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -469,11 +469,11 @@ def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_
     extra.update({} if sync_timeout is None else {"sync_timeout": sync_timeout})
     if foreground:
         logging.getLogger("irdma").setLevel(logging.INFO)
+        timeouts: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        timeouts.update({} if sync_timeout is None else {"sync_timeout": sync_timeout})
         trio.run(functools.partial(serve_mount, meta_url, check_mountpoint(mountpoint, nonempty=nonempty),
-                                   transport=transport,
-                                   direct_io=direct_io, allow_other=allow_other, metrics=metrics_addr,
-                                   **({} if timeout is None else {"timeout": timeout}),
-                                   **({} if sync_timeout is None else {"sync_timeout": sync_timeout})))
+                                   transport=transport, direct_io=direct_io, allow_other=allow_other,
+                                   metrics=metrics_addr, **timeouts))
         return
     name = f"mount-{os.path.basename(os.path.abspath(mountpoint))}.log"
     if log_file is None and meta_scheme(meta_url) == "sqlite":
