@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -24,8 +25,10 @@ from ..transport import TRANSPORTS
 from ..units import format_size, parse_size
 from . import cluster as _cluster
 
-console = Console(stderr=True)
-out = Console()
+# soft_wrap: a message is one line, however long (paths and commands stay whole for copy and paste;
+# tables still fit the terminal)
+console = Console(stderr=True, soft_wrap=True)
+out = Console(soft_wrap=True)
 
 
 def _meta_default() -> str:
@@ -433,6 +436,58 @@ def destroy(cluster_dir: str, yes: bool) -> None:
         raise IrdmaError("nothing removed", "pass --yes to remove without asking")
     _cluster.destroy(cluster_dir, progress=console.log)
     console.print(f"cluster in {cluster_dir} removed.", highlight=False)
+
+
+# ---------------------------------------------------------------- training jobs
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("-n", "--np", "workers", type=int, required=True, help="Number of worker processes.")
+@click.option("--meta", "meta_url", envvar="IRDMA_META", default=None, show_default="$IRDMA_META",
+              help="Metadata URL of a running namespace; without it a local cluster is started for the job"
+                   " and removed after it.")
+@click.option("--job", default=None, help="Job name: its directory is /jobs/NAME (a run again resumes in it)."
+                                          " [default: a new name]")
+@click.option("--consistency", default=None, metavar="bsp|ssp:K|asp",
+              help="The job's consistency model (user.irdma.consistency). [default: the namespace's, asp]")
+@click.option("--shards", default=2, show_default=True, help="Shards of the local cluster (without --meta).")
+@click.option("--capacity", default="1GiB", show_default=True, callback=_size,
+              help="Memory region per shard of the local cluster (without --meta).")
+@click.option("--grace", default=10.0, show_default=True, type=click.FloatRange(0, 3600),
+              help="Seconds the other workers get to stop (SIGTERM) after one failed, before SIGKILL.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+@friendly
+def run(workers: int, meta_url: str | None, job: str | None, consistency: str | None, shards: int, capacity: int,
+        grace: float, command: tuple[str, ...]) -> None:
+    """Run N workers of COMMAND on one training job (as horovodrun and torchrun do).
+
+    \b
+    irdma run -n 4 -- python train.py --epochs 5
+    irdma run -n 2 --meta $URL --job digits --consistency ssp:2 -- python train.py
+
+    Each worker gets IRDMA_RANK, IRDMA_SIZE, IRDMA_META and IRDMA_JOB (the job's directory in
+    the namespace) in its environment; its output lines are prefixed with [RANK]. Ctrl-C and
+    SIGTERM reach every worker; when one fails the others are stopped and `irdma run` exits
+    with its status, naming its rank.
+    """
+    from . import launch
+
+    launch.check_args(workers, command, consistency)
+    name = job or launch.new_job_name()
+    with contextlib.ExitStack() as stack:
+        if meta_url is None:
+            with console.status(f"starting a local cluster of {shards} shards") as status:
+                def progress(msg: str) -> None:
+                    status.update(msg)
+
+                local = stack.enter_context(launch.local_cluster(shards, capacity, progress))
+            meta_url, key_file = local.meta_url, local.key_file
+        else:
+            key_file = os.environ.get("IRDMA_KEY_FILE")
+        the_job = launch.prepare_job(meta_url, name, workers, consistency, key_file)
+        console.print(f"job {the_job.path} on {_redact(meta_url)}: {workers} worker(s)", highlight=False)
+        status_code = launch.supervise(the_job, workers, command, grace=grace, log=lambda m: console.print(
+            f"irdma run: {m}", highlight=False, soft_wrap=True))
+    if status_code:
+        sys.exit(status_code)
 
 
 # ---------------------------------------------------------------- mounts

@@ -1,0 +1,281 @@
+"""``irdma run``: start N workers of a training script on one job, as ``horovodrun -np N`` and
+``torchrun --nproc-per-node N`` do.
+
+What the launcher does, in order:
+
+1. The namespace: ``--meta URL`` (or ``$IRDMA_META``) names a running one; without it a local
+   cluster is started in a temporary directory (``--shards`` shard processes, ``--capacity``
+   each) and removed at the end (:func:`irdma.ops.cluster.up`).
+2. The job directory ``/jobs/NAME`` (``--job``; a new name by default) with its settings as
+   xattrs: ``user.irdma.workers`` = N and ``user.irdma.consistency`` (``--consistency``: bsp,
+   ssp:K or asp; :mod:`irdma.train.coord`).
+3. N worker processes of the command, each with in its environment:
+
+   ============================  ==============================================================
+   ``IRDMA_RANK``                this worker's rank, 0 .. N-1 (Horovod's ``rank()``)
+   ``IRDMA_SIZE``                N (Horovod's ``size()``)
+   ``IRDMA_LOCAL_RANK``/``_SIZE``  the same on one host
+   ``IRDMA_META``                the metadata URL (:func:`irdma.connect`'s argument)
+   ``IRDMA_JOB``                 the job directory's path in the namespace
+   ``IRDMA_KEY_FILE``            the cluster's key file, when the launcher knows it
+   ============================  ==============================================================
+
+   Each line a worker prints goes to the launcher's stdout or stderr prefixed with ``[RANK]``.
+4. Supervision: SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded to every worker
+   (the workers run in sessions of their own, so a terminal's Ctrl-C reaches each once, through
+   the launcher; each also gets SIGKILL if the launcher dies: ``PR_SET_PDEATHSIG``, prctl(2)).
+   When a worker exits with a non-zero status, the launcher says which rank and how, stops the
+   others (SIGTERM, then SIGKILL after ``--grace`` seconds) and exits with that worker's status
+   (128 + N for a signal N, as a shell does). When every worker exits 0, so does the launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import IO
+
+from .._errors import InvalidArgument, IrdmaError
+
+#: The environment variables a worker gets (see the module docstring).
+RANK_ENV, SIZE_ENV, JOB_ENV, META_ENV = "IRDMA_RANK", "IRDMA_SIZE", "IRDMA_JOB", "IRDMA_META"
+LOCAL_RANK_ENV, LOCAL_SIZE_ENV, KEY_FILE_ENV = "IRDMA_LOCAL_RANK", "IRDMA_LOCAL_SIZE", "IRDMA_KEY_FILE"
+#: Where job directories live in the namespace.
+JOBS_DIR = "/jobs"
+#: Signals forwarded to the workers.
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """In the child: SIGKILL when the launcher dies (prctl(2) PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
+def exit_status(returncode: int) -> int:
+    """A Popen return code as a shell's exit status: 128 + N for a signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe(returncode: int) -> str:
+    """``exited with status 3`` or ``was killed by SIGKILL``."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with status {returncode}"
+
+
+@dataclass
+class Worker:
+    """One worker process and its rank."""
+
+    rank: int
+    proc: subprocess.Popen[bytes]
+    readers: list[threading.Thread] = field(default_factory=list)
+
+
+class _Output:
+    """Lines from the workers, each prefixed with its rank, written whole (one lock per stream)."""
+
+    def __init__(self, stdout: IO[bytes], stderr: IO[bytes]) -> None:
+        self.streams = {1: stdout, 2: stderr}
+        self.lock = threading.Lock()
+
+    def pump(self, rank: int, pipe: IO[bytes], fd: int) -> None:
+        out = self.streams[fd]
+        prefix = f"[{rank}] ".encode()
+        for line in iter(pipe.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"  # the worker's last line, unterminated
+            with self.lock:
+                out.write(prefix + line)
+                out.flush()
+        pipe.close()
+
+
+@dataclass
+class Job:
+    """Where the workers of one run train: the namespace and the job directory in it."""
+
+    meta_url: str
+    path: str
+    key_file: str | None = None
+
+
+def check_args(n: int, command: Sequence[str], consistency: str | None) -> None:
+    """Refuse bad arguments before anything starts.
+
+    Raises:
+        InvalidArgument: N below 1, no command, a consistency model that does not parse.
+    """
+    if n < 1:
+        raise InvalidArgument(f"-n {n}: a job needs at least one worker", "pass -n N with N >= 1")
+    if not command:
+        raise InvalidArgument("no command to run", "irdma run -n 2 -- python train.py")
+    if consistency is not None:
+        from ..train.coord import parse_consistency
+
+        try:
+            parse_consistency(consistency)
+        except ValueError as exc:
+            raise InvalidArgument(f"--consistency {consistency}: {exc}", "pass bsp, ssp:K or asp") from None
+
+
+def new_job_name() -> str:
+    """A job name unique on this host: ``job-YYYYmmdd-HHMMSS-PID``."""
+    return time.strftime("job-%Y%m%d-%H%M%S-") + str(os.getpid())
+
+
+def prepare_job(meta_url: str, name: str, workers: int, consistency: str | None, key_file: str | None) -> Job:
+    """Make ``/jobs/NAME`` (kept if it exists: a job run again resumes in it) and write its
+    ``user.irdma.workers`` and, when given, ``user.irdma.consistency``.
+
+    Raises:
+        InvalidArgument: a name with a slash; IrdmaError: the namespace cannot be reached.
+    """
+    if not name or "/" in name or name in (".", ".."):
+        raise InvalidArgument(f"--job {name!r}: a job name is one path component", "pass --job NAME, e.g. digits")
+    import stat
+
+    from .._errors import NotFound
+    from ..meta import open_meta
+    from ..train.coord import XATTR_CONSISTENCY, XATTR_WORKERS
+
+    path = f"{JOBS_DIR}/{name}"
+    with contextlib.closing(open_meta(meta_url)) as meta:
+        ino = 1
+        for part in path.strip("/").split("/"):
+            try:
+                ino = meta.lookup(ino, part.encode()).ino
+            except NotFound:
+                ino = meta.create(ino, part.encode(), stat.S_IFDIR | 0o755, os.getuid(), os.getgid()).ino
+        meta.setxattr(ino, XATTR_WORKERS, str(workers).encode())
+        if consistency is not None:
+            meta.setxattr(ino, XATTR_CONSISTENCY, consistency.encode())
+    return Job(meta_url, path, key_file)
+
+
+@contextlib.contextmanager
+def local_cluster(shards: int, capacity: int, progress: Callable[[str], None]) -> Iterator[Job]:
+    """A cluster of ``shards`` local shard processes in a temporary directory, removed at the
+    end (also on failure); yields a :class:`Job` with its URL and key file (path unset)."""
+    from . import cluster
+
+    parent = tempfile.mkdtemp(prefix="irdma-run-")
+    where = os.path.join(parent, "cluster")
+    try:
+        url = cluster.up(where, shards, capacity, durability="memory", replicas=1, progress=progress)
+        yield Job(url, "", cluster.key_file_of(where))
+    finally:
+        with contextlib.suppress(Exception):
+            cluster.destroy(where)
+        import shutil
+
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def worker_env(job: Job, rank: int, size: int, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of worker ``rank`` (see the module docstring)."""
+    env = dict(os.environ if base is None else base)
+    env.update({RANK_ENV: str(rank), SIZE_ENV: str(size), LOCAL_RANK_ENV: str(rank), LOCAL_SIZE_ENV: str(size),
+                META_ENV: job.meta_url, JOB_ENV: job.path, "PYTHONUNBUFFERED": "1"})
+    if job.key_file:
+        env[KEY_FILE_ENV] = job.key_file
+    return env
+
+
+def supervise(job: Job, n: int, command: Sequence[str], *, grace: float = 10.0,
+              stdout: IO[bytes] | None = None, stderr: IO[bytes] | None = None,
+              log: Callable[[str], None] = lambda msg: None) -> int:
+    """Run ``n`` workers of ``command`` on ``job`` until they all end (see the module
+    docstring); returns the launcher's exit status.
+
+    Must run in the main thread (it installs the signal handlers that forward to the workers;
+    the previous handlers are put back at the end).
+
+    Raises:
+        IrdmaError: the command cannot be started (not found, not executable); the workers
+            already started are stopped first.
+    """
+    out = _Output(stdout or sys.stdout.buffer, stderr or sys.stderr.buffer)
+    ended: queue.Queue[Worker] = queue.Queue()
+    workers: list[Worker] = []
+    received: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        received.append(signum)
+        for w in workers:
+            if w.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    w.proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    try:
+        for rank in range(n):
+            try:
+                proc = subprocess.Popen(list(command), env=worker_env(job, rank, n), stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                        preexec_fn=_die_with_parent)
+            except OSError as exc:
+                _stop(workers, grace)
+                raise IrdmaError(f"cannot start {command[0]!r}: {exc.strerror}",
+                                 "check the command after `--` (a path, or a program on PATH)") from None
+            w = Worker(rank, proc)
+            assert proc.stdout is not None and proc.stderr is not None
+            for pipe, fd in ((proc.stdout, 1), (proc.stderr, 2)):
+                t = threading.Thread(target=out.pump, args=(rank, pipe, fd), daemon=True, name=f"irdma-run-{rank}-{fd}")
+                t.start()
+                w.readers.append(t)
+            threading.Thread(target=_reap, args=(w, ended), daemon=True, name=f"irdma-run-{rank}").start()
+            workers.append(w)
+        log(f"started {n} worker(s) of job {job.path}: {' '.join(command)}")
+        status = 0
+        for _ in range(n):
+            w = ended.get()  # interrupted by the forwarded signals, whose handler runs first
+            for t in w.readers:
+                t.join(timeout=5.0)  # its last lines before the verdict
+            code = w.proc.returncode
+            if code != 0 and status == 0:
+                status = exit_status(code)
+                if not received:  # a worker failed on its own: the job cannot go on without it
+                    log(f"rank {w.rank} {describe(code)}; stopping the other workers")
+                    _stop(workers, grace)
+        return status
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        _stop(workers, grace)
+
+
+def _reap(w: Worker, ended: queue.Queue[Worker]) -> None:
+    w.proc.wait()
+    ended.put(w)
+
+
+def _stop(workers: list[Worker], grace: float) -> None:
+    """SIGTERM every worker still running, SIGKILL those still running ``grace`` s later."""
+    live = [w for w in workers if w.proc.poll() is None]
+    for w in live:
+        with contextlib.suppress(ProcessLookupError):
+            w.proc.terminate()
+    deadline = time.monotonic() + grace
+    for w in live:
+        try:
+            w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+            w.proc.wait()
