@@ -21,7 +21,7 @@ print("rank", e["IRDMA_RANK"], "size", e["IRDMA_SIZE"], "job", e["IRDMA_JOB"], "
 print("to stderr", e["IRDMA_RANK"], file=sys.stderr)
 """
 
-#: Rank 1 fails at once; the others wait (a deadline, not forever) and note a SIGTERM.
+#: Rank 1 fails once the others are ready; they wait (a deadline, not forever) and note a SIGTERM.
 FAILING_WORKER = """
 import os, signal, sys, time
 rank, out = int(os.environ["IRDMA_RANK"]), sys.argv[1]
@@ -29,9 +29,13 @@ def term(signum, frame):
     open(os.path.join(out, f"term-{rank}"), "w").close()
     sys.exit(0)
 signal.signal(signal.SIGTERM, term)
-if rank == 1:
-    sys.exit(3)
 deadline = time.monotonic() + 60
+if rank == 1:
+    others = {f"ready-{k}" for k in (0, 2)}
+    while not others <= set(os.listdir(out)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    sys.exit(3)
+open(os.path.join(out, f"ready-{rank}"), "w").close()
 while time.monotonic() < deadline:
     time.sleep(0.05)
 sys.exit(0)
@@ -85,7 +89,7 @@ def test_a_failed_worker_stops_the_others_and_the_launcher_exits_with_its_status
     res = irdma_cli("run", "-n", "3", "--grace", "20", "--", sys.executable, "-c", FAILING_WORKER, out, check=False)
     assert res.returncode == 3, res.stderr
     assert "rank 1 exited with status 3" in res.stderr
-    assert sorted(os.listdir(out)) == ["term-0", "term-2"]  # told to stop, not killed outright
+    assert sorted(os.listdir(out)) == ["ready-0", "ready-2", "term-0", "term-2"]  # told to stop, not killed outright
 
 
 def test_sigterm_and_sigint_to_the_launcher_reach_every_worker(tmp_path: object) -> None:
@@ -106,7 +110,7 @@ def test_sigterm_and_sigint_to_the_launcher_reach_every_worker(tmp_path: object)
 
 
 def test_bad_arguments_are_refused_before_anything_starts(tmp_path: object) -> None:
-    for args, says in ((["-n", "0"], "at least one worker"), (["-n", "2", "--consistency", "often"], "bsp, ssp:K"),
+    for args, says in ((["-n", "0"], "at least one worker"), (["-n", "2", "--consistency", "often"], "use asp, bsp or ssp:S"),
                        (["-n", "1", "--job", "a/b"], "one path component")):
         res = irdma_cli("run", *args, "--meta", "sqlite:///nonexistent/meta.db", "--", "true", check=False)
         assert res.returncode == 1 and says in res.stderr, res.stderr

@@ -1,6 +1,6 @@
 """The operator's tools: the ``irdma`` command and what it drives.
 
-* :mod:`.cli`: the ``irdma`` command (click, rich).
+* :mod:`.cli`: the ``irdma`` command (click, rich); :mod:`.launch`: ``irdma run``, the launcher of training jobs.
 * :mod:`.cluster`: starting, registering and stopping shard processes (``irdma up``/``down``).
 * :mod:`.fsck`: checking the chunk map against the shards.
 * :mod:`.stats` and :mod:`.metrics`: Prometheus metrics of shards and mounts, and ``irdma stats``.

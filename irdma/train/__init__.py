@@ -6,7 +6,11 @@
 * :mod:`.comm`: P3 priorities and layer dropping (which slices go first, which are skipped).
 * :mod:`.hier` (with :mod:`._hier_wire`): hierarchical aggregation inside a host before the shards.
 * :mod:`.costmodel`: the model that picks shard counts and placements for a job.
-* :mod:`.keras`: Keras/TensorFlow integration (a model's variables pulled and pushed).
+* :mod:`.distributed`: the Horovod-shaped Keras API (``import irdma.keras as hvd``):
+  ``DistributedOptimizer`` wrapping any Keras SGD/Adam/AdamW/Adagrad/RMSprop, checkpoints that
+  hold the shards' optimizer state.
+* :mod:`.keras`: ``ShardOptimizer`` (the step through a FUSE mount) and ``CommTrainer`` (P3,
+  compression, layer dropping, the host hierarchy).
 
 Built on :mod:`irdma.client`; the shards import only :mod:`.optimizers`' layout. Names are
 re-exported lazily.

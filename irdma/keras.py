@@ -1,0 +1,30 @@
+"""``import irdma.keras as hvd``: data-parallel Keras on irdma, shaped as Horovod's Keras API.
+
+The names (loaded with TensorFlow on first use of this module):
+
+* :func:`init`, :func:`shutdown`, :func:`rank`, :func:`size`, :func:`local_rank`,
+  :func:`job_dir`, :func:`shard_dataset`, :func:`barrier`, :class:`DistributedOptimizer`,
+  :class:`BroadcastInitialWeights`: :mod:`irdma.train.distributed` (run the script with
+  ``irdma run -n N -- python train.py``).
+* :class:`ShardOptimizer` (the optimizer step through a FUSE mount) and :class:`CommTrainer`
+  (P3 priorities, compression, layer dropping, the host hierarchy): :mod:`irdma.train.keras`.
+"""
+
+from __future__ import annotations
+
+from .train.distributed import (
+    BroadcastInitialWeights,
+    DistributedOptimizer,
+    barrier,
+    init,
+    job_dir,
+    local_rank,
+    rank,
+    shard_dataset,
+    shutdown,
+    size,
+)
+from .train.keras import CommTrainer, ShardOptimizer
+
+__all__ = ["BroadcastInitialWeights", "barrier", "CommTrainer", "DistributedOptimizer", "ShardOptimizer", "init", "job_dir",
+           "local_rank", "rank", "shard_dataset", "shutdown", "size"]

@@ -1,0 +1,466 @@
+"""Horovod-shaped data-parallel Keras on irdma: ``init``, ``rank``, ``size``,
+``DistributedOptimizer``, ``BroadcastInitialWeights``, ``shard_dataset``.
+
+A Horovod Keras script ports by changing its import (``import irdma.keras as hvd``) and runs
+under ``irdma run -n N -- python train.py`` (:mod:`irdma.ops.launch`)::
+
+    import irdma.keras as hvd
+    hvd.init()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(1e-3)), loss=...)
+    model.fit(hvd.shard_dataset(ds), callbacks=[hvd.BroadcastInitialWeights(0)], epochs=5)
+
+How it works
+------------
+The model's trainable variables are one file of the job directory, ``JOB/params`` (every
+tensor at its offset in ``JOB/layout.json``; little-endian float32, C order), on the shards. A
+training step of :class:`DistributedOptimizer` is, in one ``tf.py_function`` inside Keras's
+compiled train step:
+
+1. on the worker, what Keras does before an optimizer's update: gradient clipping
+   (``clipnorm``, ``clipvalue``, ``global_clipnorm``, Keras's own code) and the learning rate
+   at this step (a ``LearningRateSchedule`` evaluated at ``iterations``; what a
+   ``LearningRateScheduler`` or ``ReduceLROnPlateau`` callback set);
+2. decoupled weight decay (AdamW's, and any optimizer's ``weight_decay``; Loshchilov & Hutter,
+   ICLR 2019) as a push of ``-variable * weight_decay * learning_rate`` with update op ``add``;
+3. a push of the gradients with the wrapped optimizer's update op, *this step's* learning rate
+   carried in the request (:class:`irdma.wire.protocol.Update`): the shards apply Keras's
+   arithmetic with the optimizer state beside each chunk (:mod:`irdma.train.optimizers`);
+4. the end of the worker's round (its clock: under BSP/SSP it waits for the slowest worker to
+   be close enough, :mod:`irdma.train.coord`), then a pull of the whole file into the variables.
+
+With one worker, every step equals the wrapped Keras optimizer's (float32, to rounding).
+
+Joining the job: rank 0 writes the initial weights (op ``assign``) unless the job already holds
+parameters of this model (a job run again resumes from the shards' weights), then every rank
+passes the barrier ``JOB-start`` and pulls them. That happens at ``on_train_begin`` with
+:class:`BroadcastInitialWeights` (so each rank's first gradient is taken at the shared
+weights, as Horovod's callback of that name does), else at the first step.
+
+The job's chunk size follows the model: the largest power of two not above the parameters'
+bytes per shard, between 4 KiB and 4 MiB, so a small model's optimizer state is small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from .._errors import InvalidArgument
+from ..wire.protocol import Update, UpdateOp
+from .coord import XATTR_WORKERS
+from .optimizers import ARGUMENTS, parse_update
+
+PARAMS = "params"
+LAYOUT = "layout.json"
+#: Bounds of a job's chunk size (bytes).
+MIN_CHUNK, MAX_CHUNK = 4096, 4 << 20
+
+_world: dict[str, Any] = {}
+
+
+def init(*, meta: str | None = None, job: str | None = None, rank: int | None = None, size: int | None = None,
+         key_file: str | None = None) -> None:
+    """Join the job this process is a worker of (Horovod's ``hvd.init()``).
+
+    Each argument defaults to what ``irdma run`` put in the environment: ``IRDMA_META``,
+    ``IRDMA_JOB``, ``IRDMA_RANK``, ``IRDMA_SIZE``, ``IRDMA_KEY_FILE`` (rank 0 of 1 when unset).
+    Opens one native client (:func:`irdma.connect`) shared by the process. Calling it again
+    closes the previous client.
+
+    Raises:
+        InvalidArgument: no metadata URL or job (not under ``irdma run`` and none given), or a
+            rank outside ``[0, size)``. IrdmaError: the namespace cannot be opened.
+    """
+    from ..client.sync import connect
+
+    meta = meta or os.environ.get("IRDMA_META")
+    job = job or os.environ.get("IRDMA_JOB")
+    if not meta or not job:
+        raise InvalidArgument("no job to join: IRDMA_META and IRDMA_JOB are unset",
+                              "run the script with `irdma run -n N -- python SCRIPT`, or pass init(meta=URL, job=PATH)")
+    rank = int(os.environ.get("IRDMA_RANK", "0")) if rank is None else int(rank)
+    size = int(os.environ.get("IRDMA_SIZE", "1")) if size is None else int(size)
+    if not 0 <= rank < size:
+        raise InvalidArgument(f"rank {rank} is not one of {size} workers", "ranks run from 0 to size - 1")
+    shutdown()
+    _world.update(meta=meta, job="/" + job.strip("/"), rank=rank, size=size,
+                  client=connect(meta, key_file=key_file or os.environ.get("IRDMA_KEY_FILE")))
+
+
+def shutdown() -> None:
+    """Close the client :func:`init` opened (a no-op when none is open)."""
+    client = _world.pop("client", None)
+    _world.clear()
+    if client is not None:
+        client.close()
+
+
+def _need(name: str) -> Any:
+    if "client" not in _world:
+        raise InvalidArgument("irdma.keras.init() was not called", "call irdma.keras.init() first, as with Horovod")
+    return _world[name]
+
+
+def rank() -> int:
+    """This worker's rank, 0 to ``size() - 1``."""
+    return int(_need("rank"))
+
+
+def size() -> int:
+    """How many workers train the job."""
+    return int(_need("size"))
+
+
+def local_rank() -> int:
+    """This worker's rank on its host (``IRDMA_LOCAL_RANK``; the rank when unset)."""
+    return int(os.environ.get("IRDMA_LOCAL_RANK", rank()))
+
+
+def job_dir() -> str:
+    """The job directory's path in the namespace (``IRDMA_JOB``)."""
+    return str(_need("job"))
+
+
+def barrier(name: str = "barrier", timeout: float = 600.0) -> None:
+    """Return once every worker of the job called ``barrier(name)`` (Horovod's ``hvd.barrier()``).
+
+    Raises:
+        irdma.train.coord.SyncTimeout: not every worker arrived within ``timeout`` seconds.
+    """
+    client, job, n = _need("client"), _need("job"), _need("size")
+    client._run(client.client.barrier, f"{job.strip('/').replace('/', '-')}-{name}", n, timeout)
+
+
+def shard_dataset(data: Any) -> Any:
+    """This rank's part of the training data: ``tf.data.Dataset.shard(size(), rank())`` for a
+    dataset; every ``size()``-th row from ``rank()`` for an array or a tuple/list of arrays."""
+    if isinstance(data, tf.data.Dataset):
+        return data.shard(size(), rank())
+    if isinstance(data, tuple | list):
+        return type(data)(shard_dataset(d) for d in data)
+    return data[rank() :: size()]
+
+
+def update_of(optimizer: keras.optimizers.Optimizer) -> Update:
+    """The shard update op that applies ``optimizer``'s step, with its arguments at its initial
+    learning rate (a schedule: at step 0).
+
+    Raises:
+        InvalidArgument: an optimizer the shards do not apply (SGD with momentum and Nesterov,
+            Adam, AdamW, Adagrad, RMSprop are), or one that uses what they cannot do
+            (``amsgrad``, ``use_ema``, gradient accumulation, a loss scale).
+    """
+    cfg = optimizer.get_config()
+    kinds = {keras.optimizers.SGD: "sgd", keras.optimizers.Adam: "adam", keras.optimizers.AdamW: "adam",
+             keras.optimizers.Adagrad: "adagrad", keras.optimizers.RMSprop: "rmsprop"}
+    kind = kinds.get(type(optimizer))
+    if kind is None:
+        raise InvalidArgument(f"the shards do not apply {type(optimizer).__name__}",
+                              "wrap SGD, Adam, AdamW, Adagrad or RMSprop")
+    for name, why in (("amsgrad", "use Adam without amsgrad"), ("use_ema", "keep an EMA on the worker"),
+                      ("gradient_accumulation_steps", "accumulate on the worker"),
+                      ("loss_scale_factor", "unscale the gradient before the optimizer")):
+        if cfg.get(name):
+            raise InvalidArgument(f"{type(optimizer).__name__}({name}={cfg[name]!r}) cannot run on the shards", why)
+    words = [kind, f"learning_rate={_lr_at(optimizer._learning_rate, 0)!r}"]
+    words += [f"{k}={float(cfg[k])!r}" for k, _ in ARGUMENTS[parse_update(kind).op][1:] if k in cfg]
+    words += [f"{k}={'true' if cfg[k] else 'false'}" for k in ("nesterov", "centered") if k in cfg]
+    return parse_update(" ".join(words))
+
+
+def _lr_at(lr: Any, step: int) -> float:
+    if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
+        return float(lr(step))
+    return float(keras.ops.convert_to_numpy(lr)) if not isinstance(lr, float | int) else float(lr)
+
+
+def chunk_size_for(nbytes: int, shards: int) -> int:
+    """The chunk size of a job whose parameters are ``nbytes`` over ``shards`` shards (see the
+    module docstring)."""
+    per = max(1, nbytes // max(1, shards))
+    size = MIN_CHUNK
+    while size * 2 <= min(per, MAX_CHUNK):
+        size *= 2
+    return size
+
+
+@dataclasses.dataclass
+class _JobState:
+    """What a :class:`DistributedOptimizer` knows of its job. A plain object, so that Keras and
+    TensorFlow do not track it (its chunk map has integer keys; the wrapped optimizer is config)."""
+
+    inner: Any
+    vars: list[Any] = dataclasses.field(default_factory=list)
+    sizes: list[int] = dataclasses.field(default_factory=list)
+    layout: Any = None
+    chunks: Any = None
+    joined: bool = False
+    restore: bytes | None = None  # a checkpoint's state image, written at the next join or step
+
+
+@keras.saving.register_keras_serializable(package="irdma")
+class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  # Keras ships no types
+    """Wrap a Keras optimizer so that its steps run on the shards for every worker of the job
+    (Horovod's ``hvd.DistributedOptimizer``; see the module docstring).
+
+    Args:
+        optimizer: a ``keras.optimizers`` SGD, Adam, AdamW, Adagrad or RMSprop (or its name).
+            Its class and config decide what the shards apply; its ``learning_rate`` (a number
+            or a schedule), ``weight_decay`` and clipping what the worker does each step.
+        sync_timeout: seconds a clock or barrier wait may take before the step fails.
+
+    Raises:
+        InvalidArgument: see :func:`update_of`.
+    """
+
+    def __init__(self, optimizer: keras.optimizers.Optimizer | str | dict[str, Any], sync_timeout: float = 60.0,
+                 name: str | None = None, **kwargs: Any) -> None:
+        inner = optimizer if isinstance(optimizer, keras.optimizers.Optimizer) else keras.optimizers.get(optimizer)
+        update = update_of(inner)
+        cfg = inner.get_config()
+        lr = inner._learning_rate
+        if not isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
+            lr = _lr_at(lr, 0)
+        for key in ("learning_rate", "weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "name"):
+            kwargs.pop(key, None)
+        super().__init__(learning_rate=lr, weight_decay=cfg.get("weight_decay"), clipnorm=cfg.get("clipnorm"),
+                         clipvalue=cfg.get("clipvalue"), global_clipnorm=cfg.get("global_clipnorm"),
+                         name=name or f"distributed_{inner.name}", **kwargs)
+        self.update = update
+        for attr in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
+            if hasattr(inner, attr):
+                setattr(self, attr, getattr(inner, attr))
+        self.sync_timeout = float(sync_timeout)
+        self._job = _JobState(inner)
+        self.rounds = 0
+
+    @property
+    def inner(self) -> keras.optimizers.Optimizer:
+        """The wrapped Keras optimizer (its config; it never steps)."""
+        return self._job.inner
+
+    def get_config(self) -> dict[str, Any]:
+        inner = self.inner.get_config()
+        if not isinstance(self._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+            inner["learning_rate"] = float(keras.ops.convert_to_numpy(self._learning_rate))
+        return {"optimizer": keras.optimizers.serialize(type(self.inner).from_config(inner)),
+                "sync_timeout": self.sync_timeout, "name": self.name}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> DistributedOptimizer:
+        config = dict(config)
+        inner = keras.optimizers.deserialize(config.pop("optimizer"), custom_objects=custom_objects)
+        return cls(inner, **config)
+
+    # ------------------------------------------------------------ the job
+    def build(self, variables: list[Any]) -> None:
+        if self.built:
+            return
+        super().build(variables)
+        self._job.vars = list(variables)
+        self._job.sizes = [int(np.prod(v.shape)) for v in self._job.vars]
+
+    def join(self) -> None:
+        """Join the job (see the module docstring); eager. Called by
+        :class:`BroadcastInitialWeights`, else by the first step.
+
+        Raises:
+            InvalidArgument: the job holds parameters of another model (another layout).
+            irdma.IrdmaError (e.g. SyncTimeout): a worker did not arrive in time.
+        """
+        if self._job.joined:
+            return
+        if not self.built:
+            raise InvalidArgument("the optimizer is not built yet", "call join() from a callback of model.fit")
+        client, job, me, n = _need("client"), _need("job"), _need("rank"), _need("size")
+        params = f"{job}/{PARAMS}"
+        layout = [{"name": v.path, "shape": list(v.shape), "offset": 4 * sum(self._job.sizes[:i]), "dtype": "<f4"}
+                  for i, v in enumerate(self._job.vars)]
+        total = 4 * sum(self._job.sizes)
+        if me == 0:
+            job_ino = client.makedirs(job).ino
+            if XATTR_WORKERS not in client.client.store.listxattr(job_ino):  # not started by `irdma run`
+                client.client.store.setxattr(job_ino, XATTR_WORKERS, str(n).encode())
+            try:
+                have = json.loads(bytes(client.read(f"{job}/{LAYOUT}")))
+            except Exception:  # noqa: BLE001 - no layout yet: a new job
+                have = None
+            if have is not None and [t["shape"] for t in have] != [t["shape"] for t in layout]:
+                # (by shapes: names differ between processes, e.g. dense_1 for a model built twice)
+                raise InvalidArgument(f"job {job} holds the parameters of another model (its {LAYOUT} differs)",
+                                      "pass a new job name (irdma run --job NAME), or remove the job's directory")
+            if have is None:
+                shards = max(1, len(client.shard_stats()))
+                client.create(params, chunk_size=chunk_size_for(total, shards))
+                client.write(params, _flat([np.asarray(v.numpy()) for v in self._job.vars]), op="assign")
+                client.set_update_op(params, _spec(self.update))
+                client.write(f"{job}/{LAYOUT}", json.dumps(layout, indent=1).encode(), op="assign")
+            if self._job.restore is not None:
+                self._write_checkpoint()
+        client._run(client.client.barrier, f"{job.strip('/').replace('/', '-')}-start", n, self.sync_timeout)
+
+        async def locate(cl: Any) -> tuple[Any, Any]:
+            from ..client.native import layout_of
+
+            inode = await cl.meta.resolve(params)
+            return layout_of(inode), await cl.meta.chunk_map(inode.ino)
+
+        self._job.layout, self._job.chunks = client._run(locate, client.client)
+        self._job.joined = True
+        for v, w in zip(self._job.vars, self._pull(), strict=True):
+            v.assign(w)
+
+    def pull_weights(self) -> None:
+        """Set the variables to the shards' current weights (eager): after training, every
+        worker's steps (call :func:`barrier` first to wait for the others)."""
+        self.join()
+        for v, w in zip(self._job.vars, self._pull(), strict=True):
+            v.assign(w)
+
+    # ------------------------------------------------------------ checkpoints
+    def _write_checkpoint(self) -> None:
+        """Rank 0: make the job's weights the variables' values and its optimizer state the
+        image a checkpoint restored (:meth:`irdma.Client.write_state`: the weights go with op
+        ``assign``, then the state, before the next gradient)."""
+        client, job = _need("client"), _need("job")
+        image, self._job.restore = self._job.restore, None
+        if _need("rank") != 0:
+            return
+        params = f"{job}/{PARAMS}"
+        client.write(params, _flat([np.asarray(v.numpy()) for v in self._job.vars]), op="assign")
+        if image:
+            client._run(client.client.write_state, params, image)
+
+    def _state_image(self) -> bytes:
+        if not self._job.joined:
+            return self._job.restore or b""
+        return bytes(_need("client")._run(_need("client").client.read_state, f"{_need('job')}/{PARAMS}"))
+
+    def save_own_variables(self, store: Any) -> None:
+        """Keras saving (``model.save``, ``save_weights``, ``ModelCheckpoint``,
+        ``BackupAndRestore``): the optimizer's variables and the shards' optimizer state image
+        (``irdma_state``, uint8), read now."""
+        super().save_own_variables(store)
+        store["irdma_state"] = np.frombuffer(self._state_image(), dtype=np.uint8)
+
+    def load_own_variables(self, store: Any) -> None:
+        """The inverse of :meth:`save_own_variables`: the state image is written to the shards
+        (with the model's weights) at the next join or step."""
+        state = np.asarray(store["irdma_state"]) if "irdma_state" in store.keys() else None
+        rest = {k: store[k] for k in store.keys() if k != "irdma_state"}
+        super().load_own_variables(rest)
+        if state is not None:
+            self._job.restore = state.astype(np.uint8).tobytes()
+
+    def _serialize_to_tensors(self) -> dict[str, Any]:
+        """``tf.train.Checkpoint``: the shards' optimizer state image, read at save time (the
+        optimizer's variables are saved as its children)."""
+        return {"irdma_state": tf.constant(self._state_image(), dtype=tf.string)}
+
+    def _restore_from_tensors(self, restored_tensors: dict[str, Any]) -> Any:
+        self._job.restore = bytes(restored_tensors["irdma_state"].numpy())
+        return tf.no_op()
+
+    # ------------------------------------------------------------ the step
+    def _pull(self) -> list[np.ndarray]:
+        flat = np.empty(sum(self._job.sizes), dtype="<f4")
+        client = _need("client")
+
+        async def pull(cl: Any) -> None:
+            await cl.read_into(self._job.layout, 0, memoryview(flat).cast("B"), self._job.chunks)  # type: ignore[arg-type]
+
+        client.submit(pull, timeout=self.sync_timeout).result()
+        out, start = [], 0
+        for v, n in zip(self._job.vars, self._job.sizes, strict=True):
+            out.append(flat[start : start + n].reshape(v.shape))
+            start += n
+        return out
+
+    def _step(self, lr: Any, *tensors: Any) -> list[np.ndarray]:
+        """Eager (inside ``tf.py_function``): push the decay (if any) and the gradients, end the
+        round, pull the weights."""
+        self.join()
+        if self._job.restore is not None:  # a checkpoint restored since the job was joined
+            self._write_checkpoint()
+        k = len(self._job.vars)
+        decays, grads = tensors[:-k], tensors[-k:]
+        update = _with_learning_rate(self.update, float(lr.numpy()))
+        data = _flat([g.numpy() for g in grads])
+        decay = None
+        if decays:
+            decay = _flat([-d.numpy() for d in decays])
+        client, job, me = _need("client"), _need("job"), _need("rank")
+        layout, chunks = self._job.layout, self._job.chunks
+
+        async def step(cl: Any) -> None:
+            created: list[Any] = []
+            if decay is not None:
+                created += await cl.write_from(layout, 0, decay, UpdateOp.ADD, chunks)
+            created += await cl.write_from(layout, 0, data, update, chunks)
+            if created:  # chunks the file had not stored (a replica back from a failure): record them
+                await cl.meta.extend(layout.file_id, 4 * sum(self._job.sizes), time.time_ns(), tuple(created))
+                for index, shard, incarnation in created:
+                    chunks.setdefault(index, {})[shard] = incarnation
+            await cl.clock(job, me)
+
+        client.submit(step, timeout=self.sync_timeout).result()
+        self.rounds += 1
+        return self._pull()
+
+    def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> Any:
+        variables = list(trainable_variables) if trainable_variables is not None else self._job.vars
+        if not self.built:
+            self.build(variables)
+        grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g, dtype=tf.float32)
+                 for g, v in zip(grads, variables, strict=True)]
+        grads = self._clip_gradients(grads)
+        lr = tf.cast(self.learning_rate, tf.float32)
+        decays = []
+        if self.weight_decay:
+            wd = tf.cast(self.weight_decay, tf.float32)
+            decays = [v * wd * lr if self._use_weight_decay(v) else tf.zeros_like(v) for v in self._job.vars]
+        new = tf.py_function(self._step, [lr, *decays, *grads], Tout=[tf.float32] * len(grads))
+        for v, w in zip(variables, new, strict=True):
+            v.assign(tf.reshape(w, v.shape))
+        self._iterations.assign_add(1)
+        return self._iterations
+
+
+class BroadcastInitialWeights(keras.callbacks.Callback):  # type: ignore[misc]
+    """Join the job when training begins: rank ``root_rank`` (0) writes the model's initial
+    weights, every rank takes them (Horovod's ``BroadcastGlobalVariablesCallback``)."""
+
+    def __init__(self, root_rank: int = 0) -> None:
+        super().__init__()
+        if root_rank != 0:
+            raise InvalidArgument(f"root_rank {root_rank}: rank 0 writes the initial weights", "pass 0")
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        opt = self.model.optimizer
+        if not isinstance(opt, DistributedOptimizer):
+            raise InvalidArgument("BroadcastInitialWeights needs a model compiled with irdma.keras.DistributedOptimizer",
+                                  "compile with optimizer=irdma.keras.DistributedOptimizer(...)")
+        opt.build(self.model.trainable_variables)
+        opt.join()
+
+
+def _flat(arrays: list[np.ndarray]) -> np.ndarray:
+    """Every tensor in layout order as one little-endian float32 buffer (one copy)."""
+    return np.concatenate([np.asarray(a, dtype="<f4").ravel() for a in arrays])
+
+
+def _spec(update: Update) -> str:
+    from .optimizers import format_update
+
+    return format_update(update)
+
+
+def _with_learning_rate(update: Update, lr: float) -> Update:
+    return dataclasses.replace(update, args=(lr, *update.args[1:]))

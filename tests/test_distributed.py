@@ -1,0 +1,227 @@
+"""irdma.keras, the Horovod-shaped API: DistributedOptimizer wrapping a Keras optimizer equals
+that optimizer step by step with one worker (real shards, real TensorFlow, ``model.fit``);
+schedules, weight decay and clipping act as in Keras; models of every Keras kind train; the
+optimizer survives ``model.save``/``load_model``."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import running_cluster
+
+pytestmark = [pytest.mark.tf]
+
+keras = pytest.importorskip("keras")
+hvd = pytest.importorskip("irdma.keras")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: Any) -> Iterator[str]:
+    with running_cluster(str(tmp_path_factory.mktemp("dist") / "c"), shards=2, replicas=1) as c:
+        yield c.meta_url
+
+
+@pytest.fixture
+def job(cluster: str) -> Iterator[str]:
+    path = f"/jobs/t-{uuid.uuid4().hex[:8]}"
+    hvd.init(meta=cluster, job=path, rank=0, size=1)
+    yield path
+    hvd.shutdown()
+
+
+def _data(n: int = 96) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((n, 6)).astype("float32")
+    return x, (x[:, 0] + x[:, 1] > 0).astype("int64") + (x[:, 2] > 1).astype("int64")
+
+
+def _sequential() -> Any:
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(12, activation="relu"),
+                             keras.layers.Dense(3, activation="softmax")])
+
+
+def _functional() -> Any:
+    inp = keras.Input((6,))
+    a = keras.layers.Dense(8, activation="tanh")(inp)
+    b = keras.layers.Dense(8, activation="relu")(inp)
+    out = keras.layers.Dense(3, activation="softmax")(keras.layers.Concatenate()([a, b]))
+    return keras.Model(inp, out)
+
+
+class Subclassed(keras.Model):  # type: ignore[misc]
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = keras.layers.Dense(10, activation="relu")
+        self.out = keras.layers.Dense(3, activation="softmax")
+
+    def call(self, x: Any) -> Any:
+        return self.out(self.hidden(x))
+
+
+def _steps(make_model: Callable[[], Any], optimizer: Any, callbacks: list[Any] | None = None,
+           epochs: int = 2) -> list[list[np.ndarray]]:
+    """The model's weights after every step of ``model.fit`` with ``optimizer`` (same initial
+    weights and data every time)."""
+    keras.utils.set_random_seed(7)
+    model = make_model()
+    x, y = _data()
+    model(x[:1])  # built (a subclassed model has no build of its own)
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+    seen: list[list[np.ndarray]] = []
+    record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(
+        [np.array(w) for w in model.get_weights()]))
+    model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0, callbacks=[record, *(callbacks or [])])
+    return seen
+
+
+def _assert_same(ours: list[list[np.ndarray]], keras_: list[list[np.ndarray]]) -> None:
+    assert len(ours) == len(keras_) > 0
+    for step, (a, b) in enumerate(zip(ours, keras_, strict=True)):
+        for wa, wb in zip(a, b, strict=True):
+            np.testing.assert_allclose(wa, wb, rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
+
+
+OPTIMIZERS: dict[str, Callable[[], Any]] = {
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.005, momentum=0.5, centered=True),
+    "adagrad-schedule": lambda: keras.optimizers.Adagrad(
+        keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=3, decay_rate=0.5)),
+    "sgd-clipnorm": lambda: keras.optimizers.SGD(0.2, clipnorm=0.05),
+    "adam-global-clipnorm-decay": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.1, weight_decay=0.02),
+}
+
+
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_one_worker_equals_the_wrapped_keras_optimizer_step_by_step(job: str, kind: str) -> None:
+    make = OPTIMIZERS[kind]
+    _assert_same(_steps(_sequential, hvd.DistributedOptimizer(make())), _steps(_sequential, make()))
+
+
+@pytest.mark.parametrize("make_model", [_functional, Subclassed], ids=["functional", "subclassed"])
+def test_functional_and_subclassed_models_train_as_in_keras(job: str, make_model: Callable[[], Any]) -> None:
+    _assert_same(_steps(make_model, hvd.DistributedOptimizer(keras.optimizers.Adam(0.01))),
+                 _steps(make_model, keras.optimizers.Adam(0.01)))
+
+
+def test_a_learning_rate_scheduler_callback_changes_the_shards_steps(job: str) -> None:
+    def halve(epoch: int, lr: float) -> float:
+        return lr if epoch == 0 else lr / 2
+
+    ours = _steps(_sequential, hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.5)),
+                  [keras.callbacks.LearningRateScheduler(halve)])
+    theirs = _steps(_sequential, keras.optimizers.SGD(0.1, momentum=0.5), [keras.callbacks.LearningRateScheduler(halve)])
+    _assert_same(ours, theirs)
+    unscheduled = _steps(_sequential, keras.optimizers.SGD(0.1, momentum=0.5))
+    assert not np.allclose(ours[-1][0], unscheduled[-1][0])  # the schedule did something
+
+
+def test_the_job_holds_the_weights_and_a_small_model_gets_small_chunks(job: str, cluster: str) -> None:
+    steps = _steps(_sequential, hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), epochs=1)
+    from irdma.client.sync import connect
+
+    with connect(cluster) as c:
+        flat = np.frombuffer(bytes(c.read(f"{job}/params")), dtype="<f4")
+        np.testing.assert_array_equal(flat, np.concatenate([w.ravel() for w in steps[-1]]))
+        inode = c.stat(f"{job}/params")
+        assert inode.chunk_size == 4096  # 6*12+12+12*3+3 floats = 492 bytes: the smallest chunk
+        state = c._run(c.client.read_state, f"{job}/params")
+    assert len(state) < 64 * 1024, len(state)  # proportional to the model, not to 4 MiB chunks
+
+
+def test_the_optimizer_round_trips_through_model_save_and_load_model(job: str, tmp_path: Any) -> None:
+    keras.utils.set_random_seed(7)
+    model = _sequential()
+    opt = hvd.DistributedOptimizer(keras.optimizers.AdamW(0.01, weight_decay=0.1, clipnorm=1.0))
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    x, y = _data()
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    path = os.path.join(str(tmp_path), "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded.optimizer, hvd.DistributedOptimizer)
+    assert isinstance(loaded.optimizer.inner, keras.optimizers.AdamW)
+    assert loaded.optimizer.inner.weight_decay == pytest.approx(0.1) and loaded.optimizer.clipnorm == 1.0
+    for a, b in zip(loaded.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    keras.models.load_model(path, compile=False)
+
+
+def test_optimizers_the_shards_cannot_apply_are_refused_with_the_alternatives(job: str) -> None:
+    from irdma import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="wrap SGD, Adam, AdamW, Adagrad or RMSprop"):
+        hvd.DistributedOptimizer(keras.optimizers.Nadam())
+    with pytest.raises(InvalidArgument, match="amsgrad"):
+        hvd.DistributedOptimizer(keras.optimizers.Adam(amsgrad=True))
+
+
+def test_without_init_the_error_says_how_to_run_the_script(monkeypatch: Any) -> None:
+    from irdma import InvalidArgument
+
+    hvd.shutdown()
+    for name in ("IRDMA_META", "IRDMA_JOB"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(InvalidArgument) as info:
+        hvd.init()
+    assert "irdma run -n N" in str(info.value)
+    with pytest.raises(InvalidArgument, match="init"):
+        hvd.rank()
+
+
+@pytest.mark.parametrize("how", ["model.save", "tf.train.Checkpoint"])
+def test_a_checkpoint_holds_the_shards_optimizer_state_and_resuming_is_bit_identical(job: str, tmp_path: Any,
+                                                                                      how: str) -> None:
+    """An epoch, a checkpoint, another epoch (weights W). Restore the checkpoint, the same epoch
+    again: W exactly (Adam's moments and step counts came back to the shards with it)."""
+    import tensorflow as tf
+
+    x, y = _data()
+    keras.utils.set_random_seed(7)
+    model = _sequential()
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01))
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    path = os.path.join(str(tmp_path), "ckpt")
+    if how == "model.save":
+        model.save(path + ".keras")
+    else:
+        ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
+        ckpt.write(path)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    want = [np.array(w) for w in model.get_weights()]
+    if how == "model.save":
+        model = keras.models.load_model(path + ".keras")
+    else:
+        ckpt.read(path).assert_consumed()
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_the_horovod_style_example_trains_two_workers_under_irdma_run(tmp_path: Any) -> None:
+    """examples/horovod_style.py (Horovod's Keras example with three lines changed) under
+    ``irdma run -n 2``: both ranks train, rank 0 checkpoints and reports the test accuracy."""
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    ckpt = os.path.join(str(tmp_path), "ckpt")
+    res = subprocess.run([sys.executable, "-m", "irdma.ops.cli", "run", "-n", "2", "--consistency", "ssp:2", "--",
+                          sys.executable, os.path.join(REPO, "examples", "horovod_style.py"), "--epochs", "10",
+                          "--checkpoint-dir", ckpt], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    last = [ln for ln in res.stdout.splitlines() if ln.startswith(("[0] accuracy:", "[1] accuracy:"))]
+    assert len(last) == 1 and last[0].startswith("[0] accuracy: "), res.stdout[-2000:]
+    assert float(last[0].split()[2]) > 0.9, last[0]
+    assert sorted(os.listdir(ckpt)) == sorted(f"checkpoint-{e}.keras" for e in range(1, 11))
