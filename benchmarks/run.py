@@ -38,8 +38,8 @@ sys.path.insert(0, REPO)
 
 from irdma.fs.mount import spawn_mount, unmount  # noqa: E402
 
-from irdma import bench as B  # noqa: E402
-from irdma import cluster as C  # noqa: E402
+from irdma.ops import bench as B  # noqa: E402
+from irdma.ops import cluster as C  # noqa: E402
 from irdma.client.native import Client  # noqa: E402
 
 MiB = 1 << 20

@@ -31,7 +31,7 @@ sys.path.insert(0, REPO)
 from irdma.fs.mount import spawn_mount, unmount  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 
-from irdma import cluster as C  # noqa: E402
+from irdma.ops import cluster as C  # noqa: E402
 
 CONSISTENCY = ("asp", "bsp", "ssp:2")
 WORKERS = (2, 4)
