@@ -6,6 +6,8 @@ The names (loaded with TensorFlow on first use of this module):
   :func:`job_dir`, :func:`shard_dataset`, :func:`barrier`, :class:`DistributedOptimizer`,
   :class:`BroadcastInitialWeights`: :mod:`irdma.train.distributed` (run the script with
   ``irdma run -n N -- python train.py``).
+* :class:`Embedding`: an embedding layer whose table lives on the shards
+  (:mod:`irdma.train.embedding`).
 * :class:`ShardOptimizer` (the optimizer step through a FUSE mount) and :class:`CommTrainer`
   (P3 priorities, compression, layer dropping, the host hierarchy): :mod:`irdma.train.keras`.
 """
@@ -24,7 +26,8 @@ from .train.distributed import (
     shutdown,
     size,
 )
+from .train.embedding import Embedding
 from .train.keras import CommTrainer, ShardOptimizer
 
-__all__ = ["BroadcastInitialWeights", "barrier", "CommTrainer", "DistributedOptimizer", "ShardOptimizer", "init", "job_dir",
+__all__ = ["BroadcastInitialWeights", "Embedding", "barrier", "CommTrainer", "DistributedOptimizer", "ShardOptimizer", "init", "job_dir",
            "local_rank", "rank", "shard_dataset", "shutdown", "size"]

@@ -225,3 +225,47 @@ def test_the_horovod_style_example_trains_two_workers_under_irdma_run(tmp_path: 
     assert len(last) == 1 and last[0].startswith("[0] accuracy: "), res.stdout[-2000:]
     assert float(last[0].split()[2]) > 0.9, last[0]
     assert sorted(os.listdir(ckpt)) == sorted(f"checkpoint-{e}.keras" for e in range(1, 11))
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad"])
+def test_the_shards_embedding_trains_as_keras_embedding(job: str, kind: str) -> None:
+    """irdma.keras.Embedding (table on the shards, rows pulled and pushed) in a model with
+    DistributedOptimizer against keras.layers.Embedding with the same Keras optimizer: the
+    same dense weights and table after every step, rows absent from a batch left alone. With
+    SGD, ids repeat within every example (their gradients summed). Adagrad's batches hold
+    distinct ids: Keras's own sparse Adagrad squares each repeat's gradient apart (sum of
+    squares), where the shards, as dense Adagrad, square the summed gradient."""
+    make = {"sgd": lambda: keras.optimizers.SGD(0.5), "adagrad": lambda: keras.optimizers.Adagrad(0.3)}[kind]
+    rng = np.random.default_rng(3)
+    rows = 200
+    if kind == "sgd":
+        ids = rng.integers(0, 40, (64, 5))  # 40 of the 200 rows used: repeats, and rows never seen
+        ids[:, 1] = ids[:, 0]  # a repeat inside every example
+    else:
+        ids = np.concatenate([rng.permutation(rows)[:80].reshape(16, 5) for _ in range(4)])
+    y = (ids.sum(axis=1) % 2).astype("float32")
+
+    def model_with(embedding: Any) -> Any:
+        keras.utils.set_random_seed(11)
+        inp = keras.Input((5,), dtype="int64")
+        out = keras.layers.Dense(1, activation="sigmoid")(keras.layers.GlobalAveragePooling1D()(embedding(inp)))
+        return keras.Model(inp, out)
+
+    ref_layer = keras.layers.Embedding(rows, 4, embeddings_initializer=keras.initializers.RandomUniform(-0.5, 0.5, seed=5))
+    ref = model_with(ref_layer)
+    ours_layer = hvd.Embedding(rows, 4, optimizer=make())
+    ours = model_with(ours_layer)
+    dense_ref = ref.layers[-1].get_weights()
+    ours.layers[-1].set_weights(dense_ref)
+    ours_layer.write_table(np.asarray(ref_layer.embeddings))
+    ref.compile(optimizer=make(), loss="binary_crossentropy")
+    ours.compile(optimizer=hvd.DistributedOptimizer(make()), loss="binary_crossentropy")
+    for step in range(4):
+        batch = slice(16 * step, 16 * step + 16)
+        ref.train_on_batch(ids[batch], y[batch])
+        ours.train_on_batch(ids[batch], y[batch])
+        np.testing.assert_allclose(ours_layer.read_table(), np.asarray(ref_layer.embeddings), rtol=1e-5, atol=1e-6,
+                                   err_msg=f"table after step {step}")
+        for a, b in zip(ours.layers[-1].get_weights(), ref.layers[-1].get_weights(), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"dense layer after step {step}")
+    assert np.all(ours_layer.hook.numpy() == 0)

@@ -1,0 +1,175 @@
+"""``irdma.keras.Embedding``: a Keras embedding layer whose table lives on the shards.
+
+The one workload a parameter server exists for: a table larger than a worker's memory. The
+table is one file of the job, ``JOB/embedding-NAME`` (``input_dim`` rows of ``output_dim``
+little-endian float32, row-major; its shape recorded with :meth:`irdma.Client.set_shape`), whose
+update op is the layer's optimizer, applied on the shards row by row.
+
+* Forward: the batch's distinct ids are pulled (:meth:`irdma.Client.pull_rows`: one sparse
+  request per shard) and gathered into the output, shape ``ids.shape + (output_dim,)``.
+* Backward: the gradient of each distinct row (duplicates summed, as TensorFlow sums a
+  gather's gradient) is pushed (:meth:`irdma.Client.push_rows`) and the shards apply the
+  optimizer to those rows only: a *lazy* update, as TensorFlow's sparse ``apply`` and
+  LazyAdam do (rows not in the batch keep their weights and optimizer state). With SGD and
+  Adagrad this is exactly what ``keras.layers.Embedding`` does.
+
+The push happens during back-propagation, through a zero "hook" weight of the layer whose
+gradient carries it (``tf.custom_gradient``); the model's optimizer sees a zero gradient for
+that weight. Rank 0 creates and initializes the table at the first step (Keras's ``uniform``
+initializer by default, written in 4 Mi-float slices); every rank passes a barrier after it. A
+job run again finds the table and keeps it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from .._errors import InvalidArgument
+from . import distributed as D
+from .optimizers import format_update
+
+#: Floats per initialization write.
+INIT_SLICE = 4 << 20
+
+
+@keras.saving.register_keras_serializable(package="irdma")
+class Embedding(keras.layers.Layer):  # type: ignore[misc]  # Keras ships no types
+    """Turn integer ids into dense vectors of ``output_dim`` float32 from a table of
+    ``input_dim`` rows on the shards (see the module docstring).
+
+    Args:
+        input_dim: rows of the table (ids are ``0 .. input_dim - 1``).
+        output_dim: floats per row.
+        optimizer: what the shards apply to the rows pushed: a Keras SGD, Adam, Adagrad or
+            RMSprop (its learning rate at step 0; no schedule, weight decay or clipping), or a
+            ``user.irdma.update`` string. Default: Adagrad(0.05), the usual choice for sparse
+            features.
+        embeddings_initializer: a Keras initializer for the new table (rank 0, first step).
+
+    Raises:
+        InvalidArgument: a bad size or optimizer (when the layer is made); an id outside the
+            table (at the step: the shards refuse the request, nothing is applied).
+    """
+
+    def __init__(self, input_dim: int, output_dim: int, optimizer: Any = None,
+                 embeddings_initializer: Any = "uniform", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if int(input_dim) < 1 or int(output_dim) < 1:
+            raise InvalidArgument(f"an embedding of {input_dim} x {output_dim}", "input_dim and output_dim are >= 1")
+        self.input_dim, self.output_dim = int(input_dim), int(output_dim)
+        self.optimizer_spec = _spec_of(optimizer if optimizer is not None else keras.optimizers.Adagrad(0.05))
+        self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
+        self._ready = False
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "input_dim": self.input_dim, "output_dim": self.output_dim,
+                "optimizer": self.optimizer_spec,
+                "embeddings_initializer": keras.initializers.serialize(self.embeddings_initializer)}
+
+    def build(self, input_shape: Any) -> None:
+        self.hook = self.add_weight(name="hook", shape=(1,), initializer="zeros", trainable=True)
+
+    @property
+    def path(self) -> str:
+        """The table's file in the namespace."""
+        return f"{D.job_dir()}/embedding-{self.name}"
+
+    # ------------------------------------------------------------ the table
+    def _ensure_table(self) -> None:
+        """Rank 0: create and initialize the table unless the job has it; every rank: a barrier."""
+        if self._ready:
+            return
+        client = D._need("client")
+        if D.rank() == 0:
+            client.makedirs(D.job_dir())
+            try:
+                have = client.stat(self.path)
+            except Exception:  # noqa: BLE001 - not there yet: a new table
+                have = None
+            row = 4 * self.output_dim
+            if have is None:
+                client.create(self.path)
+                client.set_shape(self.path, [self.input_dim, self.output_dim])
+                total, done = self.input_dim * self.output_dim, 0
+                while done < total:
+                    n = min(INIT_SLICE - INIT_SLICE % self.output_dim or self.output_dim, total - done)
+                    part = self.embeddings_initializer((n // self.output_dim, self.output_dim), dtype="float32")
+                    client.write(self.path, np.asarray(part, dtype="<f4"), 4 * done, op="assign")
+                    done += n
+                client.set_update_op(self.path, self.optimizer_spec)
+            elif have.size != self.input_dim * row:
+                raise InvalidArgument(f"{self.path} holds {have.size // row} rows of {self.output_dim}, not"
+                                      f" {self.input_dim}", "pass a new job name, or remove the job's directory")
+        D.barrier(f"embedding-{self.name}")
+        self._ready = True
+
+    def write_table(self, table: np.ndarray, first_row: int = 0) -> None:
+        """Assign rows ``first_row ..`` of the table (float32, shape ``(n, output_dim)``),
+        e.g. a pretrained one (creates the table first if needed)."""
+        self._ensure_table()
+        D._need("client").write(self.path, np.ascontiguousarray(table, dtype="<f4"), 4 * first_row * self.output_dim,
+                                op="assign")
+
+    def read_table(self, ids: Any = None) -> np.ndarray:
+        """Rows ``ids`` of the table (all of it by default), float32 ``(len(ids), output_dim)``."""
+        self._ensure_table()
+        ids = np.arange(self.input_dim) if ids is None else np.asarray(ids, dtype=np.int64)
+        return np.asarray(D._need("client").pull_rows(self.path, ids, row_len=self.output_dim))
+
+    # ------------------------------------------------------------ the step
+    def _pull(self, ids: Any) -> np.ndarray:
+        self._ensure_table()
+        return np.asarray(D._need("client").pull_rows(self.path, ids.numpy(), row_len=self.output_dim),
+                          dtype=np.float32)
+
+    def _push(self, ids: Any, grad: Any) -> np.ndarray:
+        D._need("client").push_rows(self.path, ids.numpy(), grad.numpy(), row_len=self.output_dim)
+        return np.zeros(1, dtype=np.float32)
+
+    def call(self, inputs: Any) -> Any:
+        ids = tf.cast(inputs, tf.int64)
+        flat = tf.reshape(ids, [-1])
+        distinct, where = tf.unique(flat)
+
+        @tf.custom_gradient  # type: ignore[untyped-decorator]
+        def lookup(hook: Any) -> Any:
+            rows = tf.py_function(self._pull, [distinct], tf.float32)
+            rows = tf.reshape(rows, [-1, self.output_dim])
+
+            def grad(dy: Any) -> Any:
+                dense = tf.convert_to_tensor(dy)  # a gather's IndexedSlices: duplicates summed
+                done = tf.py_function(self._push, [distinct, dense], tf.float32)
+                return tf.reshape(done, tf.shape(hook))
+
+            return rows, grad
+
+        out = tf.gather(lookup(self.hook), where)
+        return tf.reshape(out, tf.concat([tf.shape(ids), [self.output_dim]], axis=0))
+
+    def compute_output_shape(self, input_shape: Any) -> Any:
+        return (*input_shape, self.output_dim)
+
+
+def _spec_of(optimizer: Any) -> str:
+    if isinstance(optimizer, str):
+        from .optimizers import parse_update
+
+        try:
+            update = parse_update(optimizer)
+        except ValueError as exc:
+            raise InvalidArgument(f"embedding optimizer {optimizer!r}: {exc}") from None
+        if not update.op.is_optimizer:
+            raise InvalidArgument(f"embedding optimizer {optimizer!r} is not an optimizer", "e.g. 'adagrad learning_rate=0.05'")
+        return format_update(update)
+    cfg = optimizer.get_config()
+    if cfg.get("weight_decay") or cfg.get("clipnorm") or cfg.get("clipvalue") or cfg.get("global_clipnorm"):
+        raise InvalidArgument("an embedding's optimizer cannot decay or clip on the shards",
+                              "drop weight_decay and clipping for the table")
+    if isinstance(optimizer.learning_rate, keras.optimizers.schedules.LearningRateSchedule) or isinstance(
+            getattr(optimizer, "_learning_rate", None), keras.optimizers.schedules.LearningRateSchedule):
+        raise InvalidArgument("an embedding's optimizer takes a constant learning rate", "pass a number")
+    return format_update(D.update_of(optimizer))
