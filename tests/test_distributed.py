@@ -269,3 +269,83 @@ def test_the_shards_embedding_trains_as_keras_embedding(job: str, kind: str) -> 
         for a, b in zip(ours.layers[-1].get_weights(), ref.layers[-1].get_weights(), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"dense layer after step {step}")
     assert np.all(ours_layer.hook.numpy() == 0)
+
+
+#: A one-worker job with BackupAndRestore; STALL=E:B makes it wait to be killed after batch B
+#: of epoch E (its pid in the marker file), past the last backup (epoch E-1's end).
+RESUMABLE = """
+import os, sys, time
+import numpy as np, keras
+import irdma.keras as hvd
+backup, marker, out = sys.argv[1], sys.argv[2], sys.argv[3]
+stall = tuple(int(v) for v in os.environ["STALL"].split(":")) if os.environ.get("STALL") else None
+hvd.init()
+keras.utils.set_random_seed(0)
+rng = np.random.default_rng(1)
+x = rng.standard_normal((256, 6)).astype("float32")
+y = (x[:, 0] + x[:, 3] > 0).astype("int64")
+model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
+                          keras.layers.Dense(2, activation="softmax")])
+model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="sparse_categorical_crossentropy")
+
+class Stall(keras.callbacks.Callback):
+    epoch = 0
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+    def on_train_batch_end(self, batch, logs=None):
+        if stall == (self.epoch, batch):
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+            sys.exit(9)
+
+model.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0,
+          callbacks=[hvd.BroadcastInitialWeights(0), keras.callbacks.BackupAndRestore(backup), Stall()])
+np.save(out, np.concatenate([w.ravel() for w in model.get_weights()]))
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_epoch_resumes_from_backup_and_restore_bit_identically(cluster: str, tmp_path: Any) -> None:
+    """SIGKILL a worker during epoch 2 (the shards have taken steps past its last backup), run
+    the job again: BackupAndRestore's checkpoint puts the weights and the shards' optimizer
+    state back, and the end weights equal an uninterrupted run's bit for bit."""
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import wait_until
+
+    tmp = str(tmp_path)
+
+    def run(job: str, tag: str, stall: str | None = None) -> subprocess.Popen[bytes]:
+        env = dict(os.environ)
+        env.pop("STALL", None)
+        if stall:
+            env["STALL"] = stall
+        return subprocess.Popen([sys.executable, "-m", "irdma.ops.cli", "run", "-n", "1", "--meta", cluster, "--job", job,
+                                 "--", sys.executable, "-c", RESUMABLE, os.path.join(tmp, f"backup-{job}"),
+                                 os.path.join(tmp, f"pid-{job}"), os.path.join(tmp, f"{tag}.npy")],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    whole = run("whole", "whole")
+    _, err = whole.communicate(timeout=300)
+    assert whole.returncode == 0, err.decode()[-3000:]
+
+    killed = run("killed", "first", stall="2:3")
+    try:
+        pid_file = os.path.join(tmp, "pid-killed")
+        wait_until(lambda: os.path.exists(pid_file) and os.path.getsize(pid_file) > 0, 300, "the worker to stall in epoch 2")
+        with open(pid_file) as f:
+            os.kill(int(f.read()), signal.SIGKILL)
+        _, err = killed.communicate(timeout=120)
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+    assert killed.returncode == 128 + signal.SIGKILL and b"rank 0 was killed by SIGKILL" in err, err.decode()[-2000:]
+    again = run("killed", "resumed")
+    _, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err.decode()[-3000:]
+    np.testing.assert_array_equal(np.load(os.path.join(tmp, "resumed.npy")), np.load(os.path.join(tmp, "whole.npy")))
