@@ -105,7 +105,7 @@ def test_sigterm_and_sigint_to_the_launcher_reach_every_worker(tmp_path: object)
         finally:
             if launcher.poll() is None:
                 launcher.kill()
-        assert launcher.returncode == 0, err.decode()
+        assert launcher.returncode == 128 + sig, err.decode()  # stopped by a signal: not a success
         assert {f"got-0-{sig.name}", f"got-1-{sig.name}"} <= set(os.listdir(out))
 
 
@@ -116,3 +116,56 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path: object) -> N
         assert res.returncode == 1 and says in res.stderr, res.stderr
     res = irdma_cli("run", "-n", "1", "--", os.path.join(str(tmp_path), "no-such-program"), check=False)
     assert res.returncode == 1 and "cannot start" in res.stderr and "no-such-program" in res.stderr, res.stderr
+
+
+#: Rank 0 ignores SIGTERM (it must be killed); rank 1 fails once rank 0 is ready.
+STUBBORN_WORKER = """
+import os, signal, sys, time
+rank, out = int(os.environ["IRDMA_RANK"]), sys.argv[1]
+deadline = time.monotonic() + 60
+if rank == 0:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with open(os.path.join(out, "pid-0"), "w") as f:
+        f.write(str(os.getpid()))
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    sys.exit(0)
+while not os.path.exists(os.path.join(out, "pid-0")) and time.monotonic() < deadline:
+    time.sleep(0.02)
+sys.exit(4)
+"""
+
+
+def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path: object) -> None:
+    out = str(tmp_path)
+    res = irdma_cli("run", "-n", "2", "--grace", "1", "--", sys.executable, "-c", STUBBORN_WORKER, out, check=False)
+    assert res.returncode == 4 and "rank 1 exited with status 4" in res.stderr, res.stderr
+    with open(os.path.join(out, "pid-0")) as f:
+        pid = int(f.read())
+    assert not _running(pid), "rank 0 outlived the grace period"
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (an exited child not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_launcher_whose_output_is_gone_still_drains_its_workers_and_ends(tmp_path: object) -> None:
+    """`irdma run ... | head -1`: the reader of the launcher's stdout goes away; the workers'
+    lines are dropped, never left to fill their pipes (which would block them for ever)."""
+    chatty = "import sys\nfor i in range(200000):\n    print('line', i)\n"
+    launcher = subprocess.Popen([sys.executable, "-m", "irdma.ops.cli", "run", "-n", "2", "--", sys.executable, "-c",
+                                 chatty], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert launcher.stdout is not None
+        launcher.stdout.readline()
+        launcher.stdout.close()  # as `head -1` does
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, err.decode()[-2000:]

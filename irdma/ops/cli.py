@@ -444,8 +444,8 @@ def destroy(cluster_dir: str, yes: bool) -> None:
 @click.option("--meta", "meta_url", envvar="IRDMA_META", default=None, show_default="$IRDMA_META",
               help="Metadata URL of a running namespace; without it a local cluster is started for the job"
                    " and removed after it.")
-@click.option("--job", default=None, help="Job name: its directory is /jobs/NAME (a run again resumes in it)."
-                                          " [default: a new name]")
+@click.option("--job", default=None, help="Job name: its directory is /jobs/NAME; with --meta, a run again of the"
+                                          " job resumes from the weights its shards hold. [default: a new name]")
 @click.option("--consistency", default=None, metavar="bsp|ssp:K|asp",
               help="The job's consistency model (user.irdma.consistency). [default: the namespace's, asp]")
 @click.option("--shards", default=2, show_default=True, help="Shards of the local cluster (without --meta).")

@@ -21,12 +21,18 @@ What the launcher does, in order:
    ============================  ==============================================================
 
    Each line a worker prints goes to the launcher's stdout or stderr prefixed with ``[RANK]``.
-4. Supervision: SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded to every worker
-   (the workers run in sessions of their own, so a terminal's Ctrl-C reaches each once, through
-   the launcher; each also gets SIGKILL if the launcher dies: ``PR_SET_PDEATHSIG``, prctl(2)).
-   When a worker exits with a non-zero status, the launcher says which rank and how, stops the
-   others (SIGTERM, then SIGKILL after ``--grace`` seconds) and exits with that worker's status
-   (128 + N for a signal N, as a shell does). When every worker exits 0, so does the launcher.
+4. Supervision: SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded to every worker's
+   process group (each worker runs in a session of its own, so a terminal's Ctrl-C reaches it
+   once, through the launcher, and its own children too; a signal that comes while workers are
+   starting stops the starting and reaches those started). Each worker gets SIGKILL if the
+   launcher dies (``PR_SET_PDEATHSIG``, prctl(2)). When a worker exits with a non-zero status,
+   the launcher says which rank and how, stops the others (SIGTERM, then SIGKILL after
+   ``--grace`` seconds) and exits with that worker's status (128 + N for a signal N, as a shell
+   does). When every worker exits 0, so does the launcher, unless a signal stopped the job:
+   then 128 + that signal (a preempted job is not a success).
+5. ``IRDMA_RUN_ID``, new for every launch, names this run's barriers
+   (:func:`irdma.keras.init`), so the arrivals of a killed earlier run of the same job never
+   count for this one.
 """
 
 from __future__ import annotations
@@ -41,15 +47,17 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, Any
 
 from .._errors import InvalidArgument, IrdmaError
 
 #: The environment variables a worker gets (see the module docstring).
 RANK_ENV, SIZE_ENV, JOB_ENV, META_ENV = "IRDMA_RANK", "IRDMA_SIZE", "IRDMA_JOB", "IRDMA_META"
 LOCAL_RANK_ENV, LOCAL_SIZE_ENV, KEY_FILE_ENV = "IRDMA_LOCAL_RANK", "IRDMA_LOCAL_SIZE", "IRDMA_KEY_FILE"
+RUN_ID_ENV = "IRDMA_RUN_ID"
 #: Where job directories live in the namespace.
 JOBS_DIR = "/jobs"
 #: Signals forwarded to the workers.
@@ -57,10 +65,17 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
 
 
+_prctl: Any
+try:  # resolved here, in the launcher: the child between fork and exec only calls it
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # pragma: no cover - not Linux
+    _prctl = None
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     """In the child: SIGKILL when the launcher dies (prctl(2) PR_SET_PDEATHSIG)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
 def exit_status(returncode: int) -> int:
@@ -96,12 +111,15 @@ class _Output:
         self.lock = threading.Lock()
 
     def pump(self, rank: int, pipe: IO[bytes], fd: int) -> None:
+        """Copy ``pipe`` line by line until the worker closes it. When the launcher's own
+        output breaks (``irdma run ... | head``, a closed terminal) the lines are dropped, but
+        the pipe is still drained: a worker never blocks on a full pipe."""
         out = self.streams[fd]
         prefix = f"[{rank}] ".encode()
         for line in iter(pipe.readline, b""):
             if not line.endswith(b"\n"):
                 line += b"\n"  # the worker's last line, unterminated
-            with self.lock:
+            with self.lock, contextlib.suppress(OSError, ValueError):
                 out.write(prefix + line)
                 out.flush()
         pipe.close()
@@ -114,6 +132,7 @@ class Job:
     meta_url: str
     path: str
     key_file: str | None = None
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
 def check_args(n: int, command: Sequence[str], consistency: str | None) -> None:
@@ -192,7 +211,7 @@ def worker_env(job: Job, rank: int, size: int, base: dict[str, str] | None = Non
     """The environment of worker ``rank`` (see the module docstring)."""
     env = dict(os.environ if base is None else base)
     env.update({RANK_ENV: str(rank), SIZE_ENV: str(size), LOCAL_RANK_ENV: str(rank), LOCAL_SIZE_ENV: str(size),
-                META_ENV: job.meta_url, JOB_ENV: job.path, "PYTHONUNBUFFERED": "1"})
+                META_ENV: job.meta_url, JOB_ENV: job.path, RUN_ID_ENV: job.run_id, "PYTHONUNBUFFERED": "1"})
     if job.key_file:
         env[KEY_FILE_ENV] = job.key_file
     return env
@@ -214,24 +233,24 @@ def supervise(job: Job, n: int, command: Sequence[str], *, grace: float = 10.0,
     out = _Output(stdout or sys.stdout.buffer, stderr or sys.stderr.buffer)
     ended: queue.Queue[Worker] = queue.Queue()
     workers: list[Worker] = []
-    received: list[int] = []
+    received: list[tuple[int, int]] = []  # (signal, how many workers it reached)
 
     def forward(signum: int, frame: object) -> None:
-        received.append(signum)
-        for w in workers:
-            if w.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    w.proc.send_signal(signum)
+        received.append((signum, len(workers)))
+        for w in list(workers):
+            _signal(w, signum)
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
         for rank in range(n):
+            if received:  # told to stop while starting: start no more
+                break
             try:
                 proc = subprocess.Popen(list(command), env=worker_env(job, rank, n), stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                                         preexec_fn=_die_with_parent)
             except OSError as exc:
-                _stop(workers, grace)
+                _stop(workers, grace, log)
                 raise IrdmaError(f"cannot start {command[0]!r}: {exc.strerror}",
                                  "check the command after `--` (a path, or a program on PATH)") from None
             w = Worker(rank, proc)
@@ -242,23 +261,35 @@ def supervise(job: Job, n: int, command: Sequence[str], *, grace: float = 10.0,
                 w.readers.append(t)
             threading.Thread(target=_reap, args=(w, ended), daemon=True, name=f"irdma-run-{rank}").start()
             workers.append(w)
-        log(f"started {n} worker(s) of job {job.path}: {' '.join(command)}")
+        for signum, reached in list(received):  # a signal that came while workers were starting
+            for w in workers[reached:]:
+                _signal(w, signum)
+        log(f"started {len(workers)} worker(s) of job {job.path}: {' '.join(command)}")
         status = 0
-        for _ in range(n):
-            w = ended.get()  # interrupted by the forwarded signals, whose handler runs first
+        for _ in range(len(workers)):
+            # no deadline: a job runs as long as it trains; the forwarded signals' handler runs meanwhile
+            w = ended.get()
             for t in w.readers:
                 t.join(timeout=5.0)  # its last lines before the verdict
             code = w.proc.returncode
             if code != 0 and status == 0:
                 status = exit_status(code)
-                if not received:  # a worker failed on its own: the job cannot go on without it
-                    log(f"rank {w.rank} {describe(code)}; stopping the other workers")
-                    _stop(workers, grace)
+                log(f"rank {w.rank} {describe(code)}; stopping the other workers")
+                _stop(workers, grace, log)  # the job cannot go on without it
+        if received and status == 0:
+            status = 128 + received[0][0]  # stopped by a signal: not a success, even if the workers exited 0
         return status
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-        _stop(workers, grace)
+        _stop(workers, grace, log)
+
+
+def _signal(w: Worker, signum: int) -> None:
+    """``signum`` to worker ``w``'s process group (its session: its own children too)."""
+    if w.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(w.proc.pid, signum)
 
 
 def _reap(w: Worker, ended: queue.Queue[Worker]) -> None:
@@ -266,16 +297,21 @@ def _reap(w: Worker, ended: queue.Queue[Worker]) -> None:
     ended.put(w)
 
 
-def _stop(workers: list[Worker], grace: float) -> None:
-    """SIGTERM every worker still running, SIGKILL those still running ``grace`` s later."""
+def _stop(workers: list[Worker], grace: float, log: Callable[[str], None] = lambda msg: None) -> None:
+    """SIGTERM every worker still running (its process group), SIGKILL those still running
+    ``grace`` s later; a worker that does not die within 10 s more (stuck in the kernel) is
+    named and left."""
     live = [w for w in workers if w.proc.poll() is None]
     for w in live:
-        with contextlib.suppress(ProcessLookupError):
-            w.proc.terminate()
+        _signal(w, signal.SIGTERM)
     deadline = time.monotonic() + grace
     for w in live:
         try:
             w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            w.proc.kill()
-            w.proc.wait()
+            _signal(w, signal.SIGKILL)
+            try:
+                w.proc.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                log(f"rank {w.rank} (pid {w.proc.pid}) did not die after SIGKILL: it is stuck in the kernel"
+                    " (a dead mount?); `cat /proc/PID/stack` shows where")
