@@ -349,3 +349,19 @@ def test_a_worker_killed_mid_epoch_resumes_from_backup_and_restore_bit_identical
     _, err = again.communicate(timeout=300)
     assert again.returncode == 0, err.decode()[-3000:]
     np.testing.assert_array_equal(np.load(os.path.join(tmp, "resumed.npy")), np.load(os.path.join(tmp, "whole.npy")))
+
+
+def test_an_xla_compiled_step_is_refused_with_the_fix(job: str) -> None:
+    """Keras turns XLA on by default where there is a GPU; the step calls the shards from
+    Python, which XLA cannot compile: the error says to compile with jit_compile=False."""
+    from irdma import InvalidArgument
+
+    model = _sequential()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="sparse_categorical_crossentropy",
+                  jit_compile=True)
+    x, y = _data(32)
+    with pytest.raises(InvalidArgument, match="jit_compile=False"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    inp = keras.Input((3,), dtype="int64")
+    with_table = keras.Model(inp, hvd.Embedding(10, 2, name="xla_table")(inp))
+    assert not with_table.layers[-1].supports_jit

@@ -52,13 +52,15 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from .._errors import InvalidArgument
+from .._errors import InvalidArgument, NotFound
 from ..wire.protocol import Update, UpdateOp
-from .coord import XATTR_WORKERS
+from .coord import XATTR_SYNC_TIMEOUT, XATTR_WORKERS
 from .optimizers import ARGUMENTS, parse_update
 
 PARAMS = "params"
 LAYOUT = "layout.json"
+#: Seconds a rank waits for what rank 0 makes (an embedding table).
+SYNC_WAIT = 600.0
 #: Bounds of a job's chunk size (bytes).
 MIN_CHUNK, MAX_CHUNK = 4096, 4 << 20
 
@@ -90,7 +92,7 @@ def init(*, meta: str | None = None, job: str | None = None, rank: int | None = 
     if not 0 <= rank < size:
         raise InvalidArgument(f"rank {rank} is not one of {size} workers", "ranks run from 0 to size - 1")
     shutdown()
-    _world.update(meta=meta, job="/" + job.strip("/"), rank=rank, size=size,
+    _world.update(meta=meta, job="/" + job.strip("/"), rank=rank, size=size, run=os.environ.get("IRDMA_RUN_ID", ""),
                   client=connect(meta, key_file=key_file or os.environ.get("IRDMA_KEY_FILE")))
 
 
@@ -134,8 +136,15 @@ def barrier(name: str = "barrier", timeout: float = 600.0) -> None:
     Raises:
         irdma.train.coord.SyncTimeout: not every worker arrived within ``timeout`` seconds.
     """
-    client, job, n = _need("client"), _need("job"), _need("size")
-    client._run(client.client.barrier, f"{job.strip('/').replace('/', '-')}-{name}", n, timeout)
+    client, n = _need("client"), _need("size")
+    client._run(client.client.barrier, barrier_name(name), n, timeout)
+
+
+def barrier_name(name: str) -> str:
+    """The namespace-wide name of this job's barrier ``name``: the job's path and, under
+    ``irdma run``, the launch's ``IRDMA_RUN_ID`` (an earlier run's stale arrivals never count)."""
+    job, run = _need("job"), _world.get("run", "")
+    return f"{job.strip('/').replace('/', '-')}{'-' + run if run else ''}-{name}"
 
 
 def shard_dataset(data: Any) -> Any:
@@ -214,7 +223,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         optimizer: a ``keras.optimizers`` SGD, Adam, AdamW, Adagrad or RMSprop (or its name).
             Its class and config decide what the shards apply; its ``learning_rate`` (a number
             or a schedule), ``weight_decay`` and clipping what the worker does each step.
-        sync_timeout: seconds a clock or barrier wait may take before the step fails.
+        sync_timeout: seconds a clock or barrier wait, or a step's pushes, may take before the
+            step fails (rank 0 writes it as the job's ``user.irdma.sync_timeout``).
 
     Raises:
         InvalidArgument: see :func:`update_of`.
@@ -288,9 +298,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
             job_ino = client.makedirs(job).ino
             if XATTR_WORKERS not in client.client.store.listxattr(job_ino):  # not started by `irdma run`
                 client.client.store.setxattr(job_ino, XATTR_WORKERS, str(n).encode())
+            client.client.store.setxattr(job_ino, XATTR_SYNC_TIMEOUT, repr(self.sync_timeout).encode())
             try:
                 have = json.loads(bytes(client.read(f"{job}/{LAYOUT}")))
-            except Exception:  # noqa: BLE001 - no layout yet: a new job
+            except NotFound:  # a new job (any other error: raised, never taken for one)
                 have = None
             if have is not None and [t["shape"] for t in have] != [t["shape"] for t in layout]:
                 # (by shapes: names differ between processes, e.g. dense_1 for a model built twice)
@@ -304,7 +315,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
                 client.write(f"{job}/{LAYOUT}", json.dumps(layout, indent=1).encode(), op="assign")
             if self._job.restore is not None:
                 self._write_checkpoint()
-        client._run(client.client.barrier, f"{job.strip('/').replace('/', '-')}-start", n, self.sync_timeout)
+        client._run(client.client.barrier, barrier_name("start"), n, self.sync_timeout)
 
         async def locate(cl: Any) -> tuple[Any, Any]:
             from ..client.native import layout_of
@@ -408,9 +419,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
                 await cl.meta.extend(layout.file_id, 4 * sum(self._job.sizes), time.time_ns(), tuple(created))
                 for index, shard, incarnation in created:
                     chunks.setdefault(index, {})[shard] = incarnation
-            await cl.clock(job, me)
 
-        client.submit(step, timeout=self.sync_timeout).result()
+        client.submit(step, timeout=self.sync_timeout).result()  # the pushes: each request has its deadline too
+        client._run(client.client.clock, job, me)  # the round's end: the job's sync timeout bounds its wait
         self.rounds += 1
         return self._pull()
 
@@ -418,6 +429,17 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         variables = list(trainable_variables) if trainable_variables is not None else self._job.vars
         if not self.built:
             self.build(variables)
+        if _in_xla():
+            raise InvalidArgument("DistributedOptimizer's step cannot be XLA-compiled (it calls the shards from"
+                                  " Python)", "compile the model with jit_compile=False (Keras turns XLA on by"
+                                  " default where there is a GPU)")
+        if [id(v) for v in variables] != [id(v) for v in self._job.vars]:
+            raise InvalidArgument("the model's trainable variables changed since the optimizer joined the job"
+                                  " (a layer frozen or unfrozen?)", "make a new DistributedOptimizer (and a new"
+                                  " job) for the new set of variables")
+        if any(getattr(v, "constraint", None) is not None for v in variables):
+            raise InvalidArgument("a variable has a constraint, which the shards cannot apply",
+                                  "drop kernel_constraint/bias_constraint, or use a penalty in the loss")
         grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g, dtype=tf.float32)
                  for g, v in zip(grads, variables, strict=True)]
         grads = self._clip_gradients(grads)
@@ -449,6 +471,17 @@ class BroadcastInitialWeights(keras.callbacks.Callback):  # type: ignore[misc]
                                   "compile with optimizer=irdma.keras.DistributedOptimizer(...)")
         opt.build(self.model.trainable_variables)
         opt.join()
+
+
+def _in_xla() -> bool:
+    """Whether the graph being built is XLA-compiled (TensorFlow's own test; private API, so
+    False when it moved)."""
+    try:
+        from tensorflow.python.ops import control_flow_util
+
+        return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+    except Exception:  # noqa: BLE001 - a TensorFlow without it: XLA then fails with its own error
+        return False
 
 
 def _flat(arrays: list[np.ndarray]) -> np.ndarray:

@@ -10,25 +10,31 @@ update op is the layer's optimizer, applied on the shards row by row.
 * Backward: the gradient of each distinct row (duplicates summed, as TensorFlow sums a
   gather's gradient) is pushed (:meth:`irdma.Client.push_rows`) and the shards apply the
   optimizer to those rows only: a *lazy* update, as TensorFlow's sparse ``apply`` and
-  LazyAdam do (rows not in the batch keep their weights and optimizer state). With SGD and
-  Adagrad this is exactly what ``keras.layers.Embedding`` does.
+  LazyAdam do (rows not in the batch keep their weights and optimizer state). With SGD this
+  is what ``keras.layers.Embedding`` does; with Adagrad too when a batch holds each id once
+  (Keras's sparse Adagrad squares a repeated id's gradients apart, the shards their sum).
 
 The push happens during back-propagation, through a zero "hook" weight of the layer whose
 gradient carries it (``tf.custom_gradient``); the model's optimizer sees a zero gradient for
-that weight. Rank 0 creates and initializes the table at the first step (Keras's ``uniform``
-initializer by default, written in 4 Mi-float slices); every rank passes a barrier after it. A
-job run again finds the table and keeps it.
+that weight. So, unlike ``keras.layers.Embedding``: every gradient taken through the layer
+updates the table (also a ``GradientTape`` outside ``fit``), a layer called twice in one step
+takes two steps, a loss scale (mixed precision) reaches the table unscaled by Keras, and there
+is no ``mask_zero`` nor SavedModel export. Rank 0 creates and initializes the table at its
+first use (Keras's ``uniform`` initializer by default, written in 4 Mi-float slices); the other
+ranks wait until it is ready. The table is named by the layer's name: a job run again finds
+it (same shape and optimizer) and keeps it; name the layer (``name=``) for that.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from .._errors import InvalidArgument
+from .._errors import InvalidArgument, NotFound
 from . import distributed as D
 from .optimizers import format_update
 
@@ -64,6 +70,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]  # Keras ships no typ
         self.optimizer_spec = _spec_of(optimizer if optimizer is not None else keras.optimizers.Adagrad(0.05))
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self._ready = False
+        self.supports_jit = False  # tf.py_function: a model holding this layer is never XLA-compiled
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "input_dim": self.input_dim, "output_dim": self.output_dim,
@@ -80,31 +87,47 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]  # Keras ships no typ
 
     # ------------------------------------------------------------ the table
     def _ensure_table(self) -> None:
-        """Rank 0: create and initialize the table unless the job has it; every rank: a barrier."""
+        """Rank 0: create and initialize the table unless the job has it (then: the same shape
+        and optimizer, or InvalidArgument). Other ranks: wait until rank 0 set the table's
+        update op, its last step (no barrier: one rank may use the table alone)."""
         if self._ready:
             return
         client = D._need("client")
+        row = 4 * self.output_dim
         if D.rank() == 0:
             client.makedirs(D.job_dir())
             try:
                 have = client.stat(self.path)
-            except Exception:  # noqa: BLE001 - not there yet: a new table
+            except NotFound:  # a new table (any other error: raised, never taken for one)
                 have = None
-            row = 4 * self.output_dim
             if have is None:
                 client.create(self.path)
                 client.set_shape(self.path, [self.input_dim, self.output_dim])
                 total, done = self.input_dim * self.output_dim, 0
+                per = max(self.output_dim, INIT_SLICE - INIT_SLICE % self.output_dim)
                 while done < total:
-                    n = min(INIT_SLICE - INIT_SLICE % self.output_dim or self.output_dim, total - done)
+                    n = min(per, total - done)
                     part = self.embeddings_initializer((n // self.output_dim, self.output_dim), dtype="float32")
                     client.write(self.path, np.asarray(part, dtype="<f4"), 4 * done, op="assign")
                     done += n
                 client.set_update_op(self.path, self.optimizer_spec)
-            elif have.size != self.input_dim * row:
-                raise InvalidArgument(f"{self.path} holds {have.size // row} rows of {self.output_dim}, not"
-                                      f" {self.input_dim}", "pass a new job name, or remove the job's directory")
-        D.barrier(f"embedding-{self.name}")
+            elif have.size != self.input_dim * row or (have.update_op or "") != self.optimizer_spec:
+                raise InvalidArgument(f"{self.path} holds another table ({have.size // row} rows of {self.output_dim}"
+                                      f" floats, update {have.update_op!r}), not {self.input_dim} rows with"
+                                      f" {self.optimizer_spec!r}", "name the layer (name=...) as before, pass a"
+                                      " new job name, or remove the job's directory")
+        else:
+            deadline = time.monotonic() + D.SYNC_WAIT
+            while True:
+                try:
+                    if (client.stat(self.path).update_op or "") == self.optimizer_spec:
+                        break
+                except NotFound:
+                    pass
+                if time.monotonic() > deadline:
+                    raise InvalidArgument(f"rank 0 did not make the table {self.path} within {D.SYNC_WAIT:.0f} s",
+                                          "check rank 0's output (`irdma run` prefixes it with [0])")
+                time.sleep(0.1)
         self._ready = True
 
     def write_table(self, table: np.ndarray, first_row: int = 0) -> None:
