@@ -365,3 +365,29 @@ def test_an_xla_compiled_step_is_refused_with_the_fix(job: str) -> None:
     inp = keras.Input((3,), dtype="int64")
     with_table = keras.Model(inp, hvd.Embedding(10, 2, name="xla_table")(inp))
     assert not with_table.layers[-1].supports_jit
+
+
+def test_compression_keeping_every_element_equals_keras_and_topk_pushes_only_the_largest(job: str, cluster: str) -> None:
+    """compress="topk:1.0" keeps every element: the steps equal Keras's. With "topk:0.05" one
+    SGD step changes at most 5% (rounded up) of each chunk's weights, by -lr x the kept
+    gradient, and the rest waits in the worker's residual (error feedback)."""
+    _assert_same(_steps(_sequential, hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
+                                                              compress="topk:1.0")),
+                 _steps(_sequential, keras.optimizers.SGD(0.05, momentum=0.9)))
+
+    hvd.init(meta=cluster, job=f"{job}-topk", rank=0, size=1)  # a new job: the one above holds trained weights
+    keras.utils.set_random_seed(7)
+    model = _sequential()
+    x, y = _data(16)
+    model(x[:1])
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.5), compress="topk:0.05")
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    before = np.concatenate([np.ravel(w) for w in model.get_weights()])
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)  # one step
+    after = np.concatenate([np.ravel(w) for w in model.get_weights()])
+    changed = np.flatnonzero(after != before)
+    # the params file is one 4 KiB chunk (1024 floats): one top-k piece of len(before) elements
+    assert 0 < len(changed) <= int(np.ceil(0.05 * len(before))), len(changed)
+    residual = opt._job.residual
+    assert residual is not None and np.count_nonzero(residual) > len(changed)
+    assert np.all(residual[changed] == 0)  # what was pushed left nothing behind
