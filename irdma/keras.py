@@ -4,7 +4,7 @@ The names (loaded with TensorFlow on first use of this module):
 
 * :func:`init`, :func:`shutdown`, :func:`rank`, :func:`size`, :func:`local_rank`,
   :func:`job_dir`, :func:`shard_dataset`, :func:`barrier`, :class:`DistributedOptimizer`,
-  :class:`BroadcastInitialWeights`: :mod:`irdma.train.distributed` (run the script with
+  :class:`BroadcastInitialWeights`, :class:`MetricAverageCallback`: :mod:`irdma.train.distributed` (run the script with
   ``irdma run -n N -- python train.py``).
 * :class:`Embedding`: an embedding layer whose table lives on the shards
   (:mod:`irdma.train.embedding`).
@@ -17,6 +17,7 @@ from __future__ import annotations
 from .train.distributed import (
     BroadcastInitialWeights,
     DistributedOptimizer,
+    MetricAverageCallback,
     barrier,
     init,
     job_dir,
@@ -29,5 +30,5 @@ from .train.distributed import (
 from .train.embedding import Embedding
 from .train.keras import CommTrainer, ShardOptimizer
 
-__all__ = ["BroadcastInitialWeights", "Embedding", "barrier", "CommTrainer", "DistributedOptimizer", "ShardOptimizer", "init", "job_dir",
-           "local_rank", "rank", "shard_dataset", "shutdown", "size"]
+__all__ = ["BroadcastInitialWeights", "CommTrainer", "DistributedOptimizer", "Embedding", "MetricAverageCallback",
+           "ShardOptimizer", "barrier", "init", "job_dir", "local_rank", "rank", "shard_dataset", "shutdown", "size"]

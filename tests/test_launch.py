@@ -169,3 +169,22 @@ def test_a_launcher_whose_output_is_gone_still_drains_its_workers_and_ends(tmp_p
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 0, err.decode()[-2000:]
+
+
+AVERAGING_WORKER = """
+import os
+import irdma.keras as hvd
+hvd.init()
+cb = hvd.MetricAverageCallback(timeout=60)
+for epoch in range(2):
+    logs = {"loss": float(hvd.rank() + 10 * epoch), "accuracy": 0.5 * hvd.rank(), "note": "text"}
+    cb.on_epoch_end(epoch, logs)
+    print("epoch", epoch, "loss", logs["loss"], "accuracy", logs["accuracy"], logs["note"])
+"""
+
+
+def test_metric_average_callback_gives_every_rank_the_mean_of_each_number(tmp_path: object) -> None:
+    res = irdma_cli("run", "-n", "3", "--", sys.executable, "-c", AVERAGING_WORKER)
+    for rank in range(3):
+        assert f"[{rank}] epoch 0 loss 1.0 accuracy 0.5 text" in res.stdout, res.stdout
+        assert f"[{rank}] epoch 1 loss 11.0 accuracy 0.5 text" in res.stdout, res.stdout

@@ -515,6 +515,38 @@ def _in_xla() -> bool:
         return False
 
 
+class MetricAverageCallback(keras.callbacks.Callback):  # type: ignore[misc]
+    """At each epoch's end, replace every number in ``logs`` by its mean over the job's
+    workers (Horovod's callback of this name), so that callbacks after it (put it first:
+    ``ModelCheckpoint``, ``ReduceLROnPlateau``, ``EarlyStopping``) decide alike on every rank.
+
+    Each rank writes its numbers to ``JOB/metrics/RUN-eEPOCH-rRANK.json`` in the namespace,
+    passes a barrier, and reads every rank's.
+
+    Raises:
+        irdma.train.coord.SyncTimeout: a rank did not reach the epoch's end within
+            ``timeout`` seconds (it says which barrier).
+    """
+
+    def __init__(self, timeout: float = 600.0) -> None:
+        super().__init__()
+        self.timeout = float(timeout)
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if logs is None or size() == 1:
+            return
+        client, job, run = _need("client"), job_dir(), _world.get("run", "") or "run"
+        mine = {k: float(v) for k, v in logs.items() if isinstance(v, int | float | np.number)
+                or (hasattr(v, "shape") and np.ndim(v) == 0)}
+        client.makedirs(f"{job}/metrics")
+        client.write(f"{job}/metrics/{run}-e{epoch}-r{rank()}.json", json.dumps(mine).encode(), op="assign")
+        barrier(f"metrics-{epoch}", self.timeout)
+        every = [json.loads(bytes(client.read(f"{job}/metrics/{run}-e{epoch}-r{r}.json"))) for r in range(size())]
+        for key in mine:
+            values = [d[key] for d in every if key in d]
+            logs[key] = float(np.mean(values))
+
+
 def _flat(arrays: list[np.ndarray]) -> np.ndarray:
     """Every tensor in layout order as one little-endian float32 buffer (one copy)."""
     return np.concatenate([np.asarray(a, dtype="<f4").ravel() for a in arrays])
