@@ -320,7 +320,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
                 client.create(params, chunk_size=chunk_size_for(total, shards))
                 client.write(params, _flat([np.asarray(v.numpy()) for v in self._job.vars]), op="assign")
                 client.set_update_op(params, _spec(self.update))
-                client.write(f"{job}/{LAYOUT}", json.dumps(layout, indent=1).encode(), op="assign")
+                client.write(f"{job}/{LAYOUT}", json.dumps(layout, indent=1).encode(), op="assign",
+                             chunk_size=MIN_CHUNK)  # a small file: a small chunk (shards hold whole chunks)
             if self._job.restore is not None:
                 self._write_checkpoint()
         client._run(client.client.barrier, barrier_name("start"), n, self.sync_timeout)
@@ -539,7 +540,8 @@ class MetricAverageCallback(keras.callbacks.Callback):  # type: ignore[misc]
         mine = {k: float(v) for k, v in logs.items() if isinstance(v, int | float | np.number)
                 or (hasattr(v, "shape") and np.ndim(v) == 0)}
         client.makedirs(f"{job}/metrics")
-        client.write(f"{job}/metrics/{run}-e{epoch}-r{rank()}.json", json.dumps(mine).encode(), op="assign")
+        client.write(f"{job}/metrics/{run}-e{epoch}-r{rank()}.json", json.dumps(mine).encode(), op="assign",
+                     chunk_size=MIN_CHUNK)
         barrier(f"metrics-{epoch}", self.timeout)
         every = [json.loads(bytes(client.read(f"{job}/metrics/{run}-e{epoch}-r{r}.json"))) for r in range(size())]
         for key in mine:

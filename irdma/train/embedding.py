@@ -101,7 +101,8 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]  # Keras ships no typ
             except NotFound:  # a new table (any other error: raised, never taken for one)
                 have = None
             if have is None:
-                client.create(self.path)
+                shards = max(1, len(client.shard_stats()))
+                client.create(self.path, chunk_size=D.chunk_size_for(self.input_dim * row, shards))
                 client.set_shape(self.path, [self.input_dim, self.output_dim])
                 total, done = self.input_dim * self.output_dim, 0
                 per = max(self.output_dim, INIT_SLICE - INIT_SLICE % self.output_dim)
