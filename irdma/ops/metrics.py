@@ -132,6 +132,25 @@ def error_kind(exc: BaseException) -> str:
 
 
 # ---------------------------------------------------------------- the shard
+def _count_request(m: ShardMetrics | ClientMetrics, t0: float, op: str, transport: str, status: str) -> dict[tuple[str, ...], Any]:
+    """Count a request of ``m`` (its ``requests`` counter and ``seconds`` histogram, seconds
+    since ``t0``), through the label children bound once in ``m._children`` (``labels()``
+    costs a lock and a dict per call: this is on every request); returns that cache."""
+    dt = time.perf_counter() - t0
+    c = m._children
+    key = (op, transport, status)
+    req = c.get(key)
+    if req is None:
+        req = c[key] = m.requests.labels(op, transport, status)
+    req.inc()
+    hkey = ("h", op, transport)
+    hist = c.get(hkey)
+    if hist is None:
+        hist = c[hkey] = m.seconds.labels(op, transport)
+    hist.observe(dt)
+    return c
+
+
 class ShardMetrics:
     """The request metrics of a shard server process (one per process: :func:`shard_metrics`).
 
@@ -185,18 +204,7 @@ class ShardMetrics:
         except Exception as exc:  # noqa: BLE001
             _warn_once("in-flight gauge", exc)
         try:
-            dt = time.perf_counter() - t0
-            c = self._children
-            key = (op, transport, status)
-            req = c.get(key)
-            if req is None:
-                req = c[key] = self.requests.labels(op, transport, status)
-            req.inc()
-            hkey = ("h", op, transport)
-            hist = c.get(hkey)
-            if hist is None:
-                hist = c[hkey] = self.seconds.labels(op, transport)
-            hist.observe(dt)
+            _count_request(self, t0, op, transport, status)
             if bytes_in:
                 self._bytes(op, transport, "in").inc(bytes_in)
             if bytes_out:
@@ -291,18 +299,7 @@ class ClientMetrics:
         except Exception as exc:  # noqa: BLE001
             _warn_once("in-flight gauge", exc)
         try:
-            dt = time.perf_counter() - t0
-            c = self._children
-            key = (op, transport, status)
-            req = c.get(key)
-            if req is None:
-                req = c[key] = self.requests.labels(op, transport, status)
-            req.inc()
-            hkey = ("h", op, transport)
-            hist = c.get(hkey)
-            if hist is None:
-                hist = c[hkey] = self.seconds.labels(op, transport)
-            hist.observe(dt)
+            c = _count_request(self, t0, op, transport, status)
             if nbytes:
                 key = ("b", op, direction)
                 b = c.get(key)
