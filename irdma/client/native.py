@@ -1603,13 +1603,14 @@ class Client:
             except NoAttribute:
                 return None
 
-        raw_c, raw_n, raw_t = (await xattr(coord.XATTR_CONSISTENCY), await xattr(coord.XATTR_WORKERS),
-                               await xattr(coord.XATTR_SYNC_TIMEOUT))
+        raw_c, raw_n, raw_t, raw_e = (await xattr(coord.XATTR_CONSISTENCY), await xattr(coord.XATTR_WORKERS),
+                                      await xattr(coord.XATTR_SYNC_TIMEOUT), await xattr(coord.XATTR_ELASTIC))
         if raw_n is None:
             raise InvalidArgument(f"inode {job} is not a job directory: set {coord.XATTR_WORKERS.decode()} on it first")
         consistency = coord.parse_consistency(raw_c or b"asp")
         timeout = coord.parse_timeout(raw_t) if raw_t else coord.DEFAULT_SYNC_TIMEOUT
-        return await coord.tick(self.meta, job, w, coord.parse_workers(raw_n), consistency, timeout)
+        elastic = coord.parse_elastic(raw_e) if raw_e else None
+        return await coord.tick(self.meta, job, w, coord.parse_workers(raw_n), consistency, timeout, elastic)
 
     async def clock(self, job_dir: str, worker: int) -> int:
         """The end of worker ``worker``'s push round in ``job_dir``: see :meth:`clock_at`."""

@@ -110,6 +110,22 @@ class Session:
 
 
 @dataclass
+class Member:
+    """A worker of a training job as the job's membership records it
+    (:mod:`irdma.train.coord`): its process, its last heartbeat, the epoch it last began, and
+    the barrier it waits at (``parked``; None while it trains) or ``left`` once it finished."""
+
+    worker: int
+    host: str
+    pid: int
+    heartbeat_ns: int
+    epoch: int
+    parked: str | None
+    left: bool
+    live: bool  # left is False, a heartbeat within MEMBER_EXPIRY_S and (on this host) its process alive
+
+
+@dataclass
 class DamagedFile:
     """A file some of whose recorded chunks are gone (see :meth:`MetaStore.damaged`)."""
 
@@ -126,6 +142,9 @@ UNLINK_GRACE_S = 2.0
 #: Seconds after its last heartbeat that a session counts as dead (sooner for a session of
 #: this host whose process is gone).
 SESSION_EXPIRY_S = 30.0
+#: Seconds after its last heartbeat that a training job's member counts as dead (sooner for a
+#: member of this host whose process is gone); members beat every second.
+MEMBER_EXPIRY_S = 10.0
 
 
 class MetaStore(abc.ABC):

@@ -13,6 +13,8 @@ Tables (both engines)::
     sync(kind, name, value, gen, n, holder, expires_ns)   kind: 'barrier' | 'lock' | 'counter'
     sync_owners(kind, name, uid, gid, mode)               a sync object's owner and permission bits
     clocks(job, worker, clock)                            job: the job directory's inode
+    members(job, worker, host, pid, heartbeat_ns, epoch, parked, gone)   a job's membership
+    arrivals(job, name, worker)                           a job barrier's arrivals (members)
 
 A sync object's *key* is its name (1 to :data:`MAX_SYNC_NAME` bytes, no '/') for the objects of
 a mount's root ``.irdma/`` and of native clients, or ``DIR/NAME`` (``DIR`` a directory's inode
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from irdma._errors import InvalidArgument
 
+from .base import MEMBER_EXPIRY_S, Member
 from .sql_rows import Cursor, now
 
 SYNC_SCHEMA = """
@@ -39,6 +42,12 @@ CREATE TABLE IF NOT EXISTS sync_owners(
     PRIMARY KEY(kind, name));
 CREATE TABLE IF NOT EXISTS clocks(
     job BIGINT NOT NULL, worker BIGINT NOT NULL, clock BIGINT NOT NULL, PRIMARY KEY(job, worker));
+CREATE TABLE IF NOT EXISTS members(
+    job BIGINT NOT NULL, worker BIGINT NOT NULL, host TEXT NOT NULL, pid BIGINT NOT NULL,
+    heartbeat_ns BIGINT NOT NULL, epoch BIGINT NOT NULL DEFAULT 0, parked TEXT, gone BIGINT NOT NULL DEFAULT 0,
+    PRIMARY KEY(job, worker));
+CREATE TABLE IF NOT EXISTS arrivals(
+    job BIGINT NOT NULL, name TEXT NOT NULL, worker BIGINT NOT NULL, PRIMARY KEY(job, name, worker));
 """
 #: Longest name of a barrier, lock or counter (bytes of UTF-8).
 MAX_SYNC_NAME = 200
@@ -79,6 +88,8 @@ class SqlSync:
         def _db(self) -> Cursor: ...
 
         def _tx(self) -> Any: ...
+
+        _host: str
 
     # ---------------------------------------------------------------- counters
     def counter_add(self, name: str, delta: int) -> int:
@@ -234,6 +245,88 @@ class SqlSync:
         return {int(w): int(k) for w, k in self._db.execute("SELECT worker, clock FROM clocks WHERE job=?", (job,))}
 
     def clock_reset(self, job: int) -> None:
-        """Forget job ``job``'s clocks (a new run in the same directory)."""
+        """Forget job ``job``'s clocks, members and barrier arrivals (a new run in the same
+        directory)."""
         with self._tx() as c:
-            c.execute("DELETE FROM clocks WHERE job=?", (job,))
+            for table in ("clocks", "members", "arrivals"):
+                c.execute(f"DELETE FROM {table} WHERE job=?", (job,))
+
+    # ---------------------------------------------------------------- a job's members
+    def _member_live(self, host: str, pid: int, heartbeat_ns: int, gone: int, t: int) -> bool:
+        if gone or heartbeat_ns < t - int(MEMBER_EXPIRY_S * 1e9):
+            return False
+        if host == self._host:
+            from irdma.ops._proc import pid_alive
+
+            return pid_alive(pid)
+        return True
+
+    def members(self, job: int) -> list[Member]:
+        """Every worker that joined job ``job`` (a directory's inode), by worker id."""
+        t = now()
+        return [Member(int(w), str(h), int(p), int(hb), int(e), None if pk is None else str(pk), bool(g),
+                       self._member_live(str(h), int(p), int(hb), int(g), t))
+                for w, h, p, hb, e, pk, g in self._db.execute(
+                    "SELECT worker, host, pid, heartbeat_ns, epoch, parked, gone FROM members WHERE job=?"
+                    " ORDER BY worker", (job,))]
+
+    def member_join(self, job: int, worker: int, host: str, pid: int) -> int:
+        """Make ``worker`` (process ``pid`` on ``host``) a live member of job ``job``: a
+        heartbeat now, not parked, not gone; and move its clock up to the largest clock of the
+        job's other live members, so that a worker that joins late, comes back after a crash or
+        leaves a job barrier goes on at the job's current clock (a clock never goes down).
+        Returns its clock."""
+        if not 0 <= worker < 1 << 20:
+            raise InvalidArgument(f"worker ids are 0 to {(1 << 20) - 1}, not {worker}")
+        with self._tx() as c:
+            t = now()
+            live = {int(w) for w, h, p, hb, g in c.execute(
+                "SELECT worker, host, pid, heartbeat_ns, gone FROM members WHERE job=? AND worker<>?", (job, worker))
+                if self._member_live(str(h), int(p), int(hb), int(g), t)}
+            clocks = {int(w): int(k) for w, k in c.execute("SELECT worker, clock FROM clocks WHERE job=?", (job,))}
+            clock = max([clocks.get(worker, 0), *(clocks.get(w, 0) for w in live)])
+            c.execute("INSERT INTO clocks VALUES (?,?,?) ON CONFLICT (job, worker) DO UPDATE SET clock=excluded.clock",
+                      (job, worker, clock))
+            c.execute("INSERT INTO members(job, worker, host, pid, heartbeat_ns) VALUES (?,?,?,?,?)"
+                      " ON CONFLICT (job, worker) DO UPDATE SET host=excluded.host, pid=excluded.pid,"
+                      " heartbeat_ns=excluded.heartbeat_ns, parked=NULL, gone=0", (job, worker, host, pid, t))
+            return clock
+
+    def member_beat(self, job: int, worker: int, epoch: int | None = None) -> bool:
+        """A heartbeat of ``worker`` in job ``job`` (and the epoch it began, when given).
+        False when it is not a live member (never joined, left, or its heartbeats lapsed and
+        the others went on without it): the caller then joins again (:meth:`member_join`)."""
+        with self._tx() as c:
+            t = now()
+            row = c.execute("SELECT heartbeat_ns, gone FROM members WHERE job=? AND worker=?", (job, worker)).fetchone()
+            if row is None or int(row[1]) or int(row[0]) < t - int(MEMBER_EXPIRY_S * 1e9):
+                return False
+            if epoch is None:
+                c.execute("UPDATE members SET heartbeat_ns=? WHERE job=? AND worker=?", (t, job, worker))
+            else:
+                c.execute("UPDATE members SET heartbeat_ns=?, epoch=? WHERE job=? AND worker=?", (t, epoch, job, worker))
+            return True
+
+    def member_leave(self, job: int, worker: int) -> None:
+        """``worker`` finished with job ``job``: no wait counts it any more."""
+        with self._tx() as c:
+            c.execute("UPDATE members SET gone=1, parked=NULL WHERE job=? AND worker=?", (job, worker))
+
+    def member_park(self, job: int, worker: int, name: str, arrived: bool = True) -> None:
+        """``worker`` arrived at job barrier ``name``: recorded (for good: a member that comes to
+        it later finds the arrivals before it) and parked there (clock waits do not wait for a
+        parked member) until it joins again. ``arrived=False`` takes the arrival back (a wait
+        that gave up) and unparks it."""
+        check_sync_name(name)
+        with self._tx() as c:
+            if arrived:
+                c.execute("INSERT INTO arrivals VALUES (?,?,?) ON CONFLICT (job, name, worker) DO NOTHING",
+                          (job, name, worker))
+            else:
+                c.execute("DELETE FROM arrivals WHERE job=? AND name=? AND worker=?", (job, name, worker))
+            c.execute("UPDATE members SET parked=? WHERE job=? AND worker=?", (name if arrived else None, job, worker))
+
+    def arrivals(self, job: int, name: str) -> list[int]:
+        """The workers that arrived at job barrier ``name`` of job ``job``."""
+        return sorted(int(w) for (w,) in self._db.execute("SELECT worker FROM arrivals WHERE job=? AND name=?",
+                                                          (job, name)))

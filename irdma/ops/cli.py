@@ -453,24 +453,30 @@ def destroy(cluster_dir: str, yes: bool) -> None:
               help="Memory region per shard of the local cluster (without --meta).")
 @click.option("--grace", default=10.0, show_default=True, type=click.FloatRange(0, 3600),
               help="Seconds the other workers get to stop (SIGTERM) after one failed, before SIGKILL.")
+@click.option("--elastic", default=None, metavar="MIN:MAX",
+              help="An elastic job: it goes on with MIN to MAX live workers; a failed worker is restarted and"
+                   " rejoins at the job's current clock and weights.")
+@click.option("--max-restarts", default=3, show_default=True, type=click.IntRange(0, 1000),
+              help="With --elastic: restarts of failed workers, in all.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 @friendly
 def run(workers: int, meta_url: str | None, job: str | None, consistency: str | None, shards: int, capacity: int,
-        grace: float, command: tuple[str, ...]) -> None:
+        grace: float, elastic: str | None, max_restarts: int, command: tuple[str, ...]) -> None:
     """Run N workers of COMMAND on one training job (as horovodrun and torchrun do).
 
     \b
     irdma run -n 4 -- python train.py --epochs 5
     irdma run -n 2 --meta $URL --job digits --consistency ssp:2 -- python train.py
+    irdma run -n 4 --elastic 2:4 --consistency bsp -- python train.py
 
     Each worker gets IRDMA_RANK, IRDMA_SIZE, IRDMA_META and IRDMA_JOB (the job's directory in
     the namespace) in its environment; its output lines are prefixed with [RANK]. Ctrl-C and
     SIGTERM reach every worker; when one fails the others are stopped and `irdma run` exits
-    with its status, naming its rank.
+    with its status, naming its rank (with --elastic: it is restarted and the others go on).
     """
     from . import launch
 
-    launch.check_args(workers, command, consistency)
+    bounds = launch.check_args(workers, command, consistency, elastic)
     name = job or launch.new_job_name()
     with contextlib.ExitStack() as stack:
         if meta_url is None:
@@ -482,10 +488,11 @@ def run(workers: int, meta_url: str | None, job: str | None, consistency: str | 
             meta_url, key_file = local.meta_url, local.key_file
         else:
             key_file = os.environ.get("IRDMA_KEY_FILE")
-        the_job = launch.prepare_job(meta_url, name, workers, consistency, key_file)
-        console.print(f"job {the_job.path} on {_redact(meta_url)}: {workers} worker(s)", highlight=False)
+        the_job = launch.prepare_job(meta_url, name, workers, consistency, key_file, bounds)
+        console.print(f"job {the_job.path} on {_redact(meta_url)}: {workers} worker(s)"
+                      f"{f', elastic {elastic}' if bounds else ''}", highlight=False)
         status_code = launch.supervise(the_job, workers, command, grace=grace, log=lambda m: console.print(
-            f"irdma run: {m}", highlight=False, soft_wrap=True))
+            f"irdma run: {m}", highlight=False, soft_wrap=True), elastic=bounds is not None, max_restarts=max_restarts)
     if status_code:
         sys.exit(status_code)
 

@@ -33,6 +33,14 @@ What the launcher does, in order:
 5. ``IRDMA_RUN_ID``, new for every launch, names this run's barriers
    (:func:`irdma.keras.init`), so the arrivals of a killed earlier run of the same job never
    count for this one.
+6. ``--elastic MIN:MAX`` (Horovod Elastic's ``--min-np``/``--max-np``, torchrun's ``--nnodes``
+   range): the job directory gets ``user.irdma.elastic`` = ``MIN:MAX`` and ``user.irdma.workers``
+   = MAX (:mod:`irdma.train.coord`: clock waits count only the live workers, never fewer than
+   MIN). A worker that fails is started again with the same rank, up to ``--max-restarts``
+   times in all (``IRDMA_RESTART`` counts its restarts); it rejoins the job at its current
+   clock, epoch and weights (:mod:`irdma.train.distributed`) while the others go on. A worker
+   that fails once the restarts are spent is left out: the others go on (while at least MIN
+   live) and the launcher's exit status is that worker's.
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ from .._errors import InvalidArgument, IrdmaError
 #: The environment variables a worker gets (see the module docstring).
 RANK_ENV, SIZE_ENV, JOB_ENV, META_ENV = "IRDMA_RANK", "IRDMA_SIZE", "IRDMA_JOB", "IRDMA_META"
 LOCAL_RANK_ENV, LOCAL_SIZE_ENV, KEY_FILE_ENV = "IRDMA_LOCAL_RANK", "IRDMA_LOCAL_SIZE", "IRDMA_KEY_FILE"
-RUN_ID_ENV = "IRDMA_RUN_ID"
+RUN_ID_ENV, RESTART_ENV = "IRDMA_RUN_ID", "IRDMA_RESTART"
 #: Where job directories live in the namespace.
 JOBS_DIR = "/jobs"
 #: Signals forwarded to the workers.
@@ -96,11 +104,12 @@ def describe(returncode: int) -> str:
 
 @dataclass
 class Worker:
-    """One worker process and its rank."""
+    """One worker process and its rank (``restart``: how many times this rank was restarted)."""
 
     rank: int
     proc: subprocess.Popen[bytes]
     readers: list[threading.Thread] = field(default_factory=list)
+    restart: int = 0
 
 
 class _Output:
@@ -135,14 +144,24 @@ class Job:
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
-def check_args(n: int, command: Sequence[str], consistency: str | None) -> None:
-    """Refuse bad arguments before anything starts.
+def check_args(n: int, command: Sequence[str], consistency: str | None,
+               elastic: str | None = None) -> tuple[int, int] | None:
+    """Refuse bad arguments before anything starts; the parsed ``--elastic`` range (or None).
 
     Raises:
-        InvalidArgument: N below 1, no command, a consistency model that does not parse.
+        InvalidArgument: N below 1, no command, a consistency model or elastic range that does
+            not parse, N outside the elastic range.
     """
     if n < 1:
         raise InvalidArgument(f"-n {n}: a job needs at least one worker", "pass -n N with N >= 1")
+    bounds = None
+    if elastic is not None:
+        from ..train.coord import parse_elastic
+
+        bounds = parse_elastic(elastic)
+        if not bounds[0] <= n <= bounds[1]:
+            raise InvalidArgument(f"-n {n} is outside --elastic {elastic}", f"start between {bounds[0]} and"
+                                  f" {bounds[1]} workers, or widen the range")
     if not command:
         raise InvalidArgument("no command to run", "irdma run -n 2 -- python train.py")
     if consistency is not None:
@@ -152,6 +171,7 @@ def check_args(n: int, command: Sequence[str], consistency: str | None) -> None:
             parse_consistency(consistency)
         except ValueError as exc:
             raise InvalidArgument(f"--consistency {consistency}: {exc}", "pass bsp, ssp:K or asp") from None
+    return bounds
 
 
 def new_job_name() -> str:
@@ -159,9 +179,11 @@ def new_job_name() -> str:
     return time.strftime("job-%Y%m%d-%H%M%S-") + str(os.getpid())
 
 
-def prepare_job(meta_url: str, name: str, workers: int, consistency: str | None, key_file: str | None) -> Job:
-    """Make ``/jobs/NAME`` (kept if it exists: a job run again resumes in it) and write its
-    ``user.irdma.workers`` and, when given, ``user.irdma.consistency``.
+def prepare_job(meta_url: str, name: str, workers: int, consistency: str | None, key_file: str | None,
+                elastic: tuple[int, int] | None = None) -> Job:
+    """Make ``/jobs/NAME`` (kept if it exists: a job run again resumes in it, with its clocks
+    and membership reset) and write its ``user.irdma.workers`` (MAX of an elastic job), ``user.irdma.elastic`` (removed when not
+    elastic) and, when given, ``user.irdma.consistency``.
 
     Raises:
         InvalidArgument: a name with a slash; IrdmaError: the namespace cannot be reached.
@@ -170,9 +192,9 @@ def prepare_job(meta_url: str, name: str, workers: int, consistency: str | None,
         raise InvalidArgument(f"--job {name!r}: a job name is one path component", "pass --job NAME, e.g. digits")
     import stat
 
-    from .._errors import NotFound
+    from .._errors import NoAttribute, NotFound
     from ..meta import open_meta
-    from ..train.coord import XATTR_CONSISTENCY, XATTR_WORKERS
+    from ..train.coord import XATTR_CONSISTENCY, XATTR_ELASTIC, XATTR_WORKERS
 
     path = f"{JOBS_DIR}/{name}"
     with contextlib.closing(open_meta(meta_url)) as meta:
@@ -182,7 +204,16 @@ def prepare_job(meta_url: str, name: str, workers: int, consistency: str | None,
                 ino = meta.lookup(ino, part.encode()).ino
             except NotFound:
                 ino = meta.create(ino, part.encode(), stat.S_IFDIR | 0o755, os.getuid(), os.getgid()).ino
-        meta.setxattr(ino, XATTR_WORKERS, str(workers).encode())
+        from ..meta.sql import SqlMeta
+
+        assert isinstance(meta, SqlMeta)  # every engine open_meta makes
+        meta.clock_reset(ino)  # a new run: its workers join afresh (the weights stay: it resumes)
+        meta.setxattr(ino, XATTR_WORKERS, str(elastic[1] if elastic else workers).encode())
+        if elastic is not None:
+            meta.setxattr(ino, XATTR_ELASTIC, f"{elastic[0]}:{elastic[1]}".encode())
+        else:
+            with contextlib.suppress(NoAttribute):
+                meta.removexattr(ino, XATTR_ELASTIC)
         if consistency is not None:
             meta.setxattr(ino, XATTR_CONSISTENCY, consistency.encode())
     return Job(meta_url, path, key_file)
@@ -207,11 +238,12 @@ def local_cluster(shards: int, capacity: int, progress: Callable[[str], None]) -
         shutil.rmtree(parent, ignore_errors=True)
 
 
-def worker_env(job: Job, rank: int, size: int, base: dict[str, str] | None = None) -> dict[str, str]:
+def worker_env(job: Job, rank: int, size: int, base: dict[str, str] | None = None, restart: int = 0) -> dict[str, str]:
     """The environment of worker ``rank`` (see the module docstring)."""
     env = dict(os.environ if base is None else base)
     env.update({RANK_ENV: str(rank), SIZE_ENV: str(size), LOCAL_RANK_ENV: str(rank), LOCAL_SIZE_ENV: str(size),
-                META_ENV: job.meta_url, JOB_ENV: job.path, RUN_ID_ENV: job.run_id, "PYTHONUNBUFFERED": "1"})
+                META_ENV: job.meta_url, JOB_ENV: job.path, RUN_ID_ENV: job.run_id, RESTART_ENV: str(restart),
+                "PYTHONUNBUFFERED": "1"})
     if job.key_file:
         env[KEY_FILE_ENV] = job.key_file
     return env
@@ -219,9 +251,10 @@ def worker_env(job: Job, rank: int, size: int, base: dict[str, str] | None = Non
 
 def supervise(job: Job, n: int, command: Sequence[str], *, grace: float = 10.0,
               stdout: IO[bytes] | None = None, stderr: IO[bytes] | None = None,
-              log: Callable[[str], None] = lambda msg: None) -> int:
+              log: Callable[[str], None] = lambda msg: None, elastic: bool = False, max_restarts: int = 3) -> int:
     """Run ``n`` workers of ``command`` on ``job`` until they all end (see the module
-    docstring); returns the launcher's exit status.
+    docstring; ``elastic``: a failed worker is restarted, up to ``max_restarts`` times in all,
+    and the others go on); returns the launcher's exit status.
 
     Must run in the main thread (it installs the signal handlers that forward to the workers;
     the previous handlers are put back at the end).
@@ -240,42 +273,58 @@ def supervise(job: Job, n: int, command: Sequence[str], *, grace: float = 10.0,
         for w in list(workers):
             _signal(w, signum)
 
+    def start(rank: int, restart: int) -> None:
+        try:
+            proc = subprocess.Popen(list(command), env=worker_env(job, rank, n, restart=restart),
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    start_new_session=True, preexec_fn=_die_with_parent)
+        except OSError as exc:
+            _stop(workers, grace, log)
+            raise IrdmaError(f"cannot start {command[0]!r}: {exc.strerror}",
+                             "check the command after `--` (a path, or a program on PATH)") from None
+        w = Worker(rank, proc, restart=restart)
+        assert proc.stdout is not None and proc.stderr is not None
+        for pipe, fd in ((proc.stdout, 1), (proc.stderr, 2)):
+            t = threading.Thread(target=out.pump, args=(rank, pipe, fd), daemon=True, name=f"irdma-run-{rank}-{fd}")
+            t.start()
+            w.readers.append(t)
+        threading.Thread(target=_reap, args=(w, ended), daemon=True, name=f"irdma-run-{rank}").start()
+        workers.append(w)
+
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
         for rank in range(n):
             if received:  # told to stop while starting: start no more
                 break
-            try:
-                proc = subprocess.Popen(list(command), env=worker_env(job, rank, n), stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                        preexec_fn=_die_with_parent)
-            except OSError as exc:
-                _stop(workers, grace, log)
-                raise IrdmaError(f"cannot start {command[0]!r}: {exc.strerror}",
-                                 "check the command after `--` (a path, or a program on PATH)") from None
-            w = Worker(rank, proc)
-            assert proc.stdout is not None and proc.stderr is not None
-            for pipe, fd in ((proc.stdout, 1), (proc.stderr, 2)):
-                t = threading.Thread(target=out.pump, args=(rank, pipe, fd), daemon=True, name=f"irdma-run-{rank}-{fd}")
-                t.start()
-                w.readers.append(t)
-            threading.Thread(target=_reap, args=(w, ended), daemon=True, name=f"irdma-run-{rank}").start()
-            workers.append(w)
+            start(rank, 0)
         for signum, reached in list(received):  # a signal that came while workers were starting
             for w in workers[reached:]:
                 _signal(w, signum)
         log(f"started {len(workers)} worker(s) of job {job.path}: {' '.join(command)}")
-        status = 0
-        for _ in range(len(workers)):
+        status, restarts, running = 0, 0, len(workers)
+        while running:
             # no deadline: a job runs as long as it trains; the forwarded signals' handler runs meanwhile
             w = ended.get()
+            running -= 1
             for t in w.readers:
                 t.join(timeout=5.0)  # its last lines before the verdict
             code = w.proc.returncode
-            if code != 0 and status == 0:
-                status = exit_status(code)
-                log(f"rank {w.rank} {describe(code)}; stopping the other workers")
-                _stop(workers, grace, log)  # the job cannot go on without it
+            if code == 0 or status:
+                continue
+            if elastic and not received:  # the others go on
+                if restarts < max_restarts:
+                    restarts += 1
+                    log(f"rank {w.rank} {describe(code)}; restarting it (restart {restarts} of {max_restarts})")
+                    start(w.rank, w.restart + 1)
+                    running += 1
+                else:
+                    log(f"rank {w.rank} {describe(code)}; no restarts left ({max_restarts} used): the job goes on"
+                        " without it")
+                    status = exit_status(code)
+                continue
+            status = exit_status(code)
+            log(f"rank {w.rank} {describe(code)}; stopping the other workers")
+            _stop(workers, grace, log)  # the job cannot go on without it
         if received and status == 0:
             status = 128 + received[0][0]  # stopped by a signal: not a success, even if the workers exited 0
         return status

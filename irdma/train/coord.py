@@ -18,9 +18,30 @@ PostgreSQL for many), so every mount and native client of the namespace sees the
 
 A worker that died or hangs never blocks the others forever: a wait gives up at its deadline
 (``user.irdma.sync_timeout`` on the job directory, seconds, default 60) with
-:class:`SyncTimeout` (ETIMEDOUT through the mount) naming the workers behind; the job then
-either stops, or goes on with fewer workers after ``user.irdma.workers`` is rewritten (workers
-with ids past the new N no longer count).
+:class:`SyncTimeout` (ETIMEDOUT through the mount) naming the workers behind and, for each,
+whether its process is gone or its heartbeats stopped; the job then either stops, or goes on
+with fewer workers after ``user.irdma.workers`` is rewritten (workers with ids past the new N
+no longer count).
+
+Membership and elastic jobs (Horovod Elastic's and torchrun's behaviour)
+------------------------------------------------------------------------
+A worker of :mod:`irdma.keras` is a *member* of its job (the metadata engine's ``members``
+table): it joins (:func:`join`), beats every :data:`HEARTBEAT_S` seconds, records the epoch
+it began and leaves when it finishes. A member is *live* while it beats (within
+:data:`~irdma.meta.base.MEMBER_EXPIRY_S`) and, on the metadata client's host, its process
+runs: a killed worker stops counting at once. A member that finished (left) is never waited
+for. A worker that joins while the others train, a restarted one or one whose heartbeats
+lapsed, joins *at the current clock*: its clock moves up to the largest of the live members'
+(and it pulls the current weights before its first step).
+
+With ``user.irdma.elastic`` = ``MIN:MAX`` on the job directory (``irdma run --elastic``) a
+clock wait counts only the live members that are not parked at a job barrier (a dead worker
+no longer holds the others back; a worker waiting at the end of its epoch for a late one does
+not hold that one back either), and waits while fewer than MIN are live; worker ids run from
+0 to MAX - 1. Without it every worker ``0 .. N-1`` that has not left counts, live or not.
+*Job barriers* (:func:`job_barrier`) are passed once every live member arrived (elastic) or
+every worker that has not left (otherwise); arrivals are kept, so a worker that rejoins and
+reaches a barrier the others passed goes through.
 
 Synchronization functions (SoftMemoryBox II, Ahn et al., IEEE Access 2020)
 --------------------------------------------------------------------------
@@ -39,12 +60,16 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import socket
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from .._errors import InvalidArgument, IrdmaError
+from ..meta.base import MEMBER_EXPIRY_S, Member
 
 if TYPE_CHECKING:
     from ..meta.aio import AsyncMeta
@@ -52,6 +77,10 @@ if TYPE_CHECKING:
 XATTR_CONSISTENCY = b"user.irdma.consistency"
 XATTR_WORKERS = b"user.irdma.workers"
 XATTR_SYNC_TIMEOUT = b"user.irdma.sync_timeout"
+#: On a job directory: ``MIN:MAX`` live workers of an elastic job (see the module docstring).
+XATTR_ELASTIC = b"user.irdma.elastic"
+#: Seconds between a member's heartbeats.
+HEARTBEAT_S = 1.0
 #: On a directory (the mount's root for its ``.irdma/``): the longest lease (seconds) a lock of
 #: that directory's ``.irdma/lock/`` may be taken for through a mount; longer ones are cut to it.
 XATTR_MAX_LEASE = b"user.irdma.max_lease"
@@ -138,14 +167,56 @@ def parse_timeout(value: bytes | str) -> float:
     return t
 
 
-def behind(clocks: dict[int, int], workers: int, clock: int, staleness: int) -> list[int]:
-    """The workers too far behind for a worker at ``clock`` to go on (SSP's condition)."""
-    return [w for w in range(workers) if clocks.get(w, 0) < clock - staleness]
+def parse_elastic(value: bytes | str) -> tuple[int, int]:
+    """``MIN:MAX`` live workers, 1 <= MIN <= MAX <= 2^20. Raises InvalidArgument."""
+    text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+    low, colon, high = text.strip().partition(":")
+    try:
+        lo, hi = int(low), int(high) if colon else -1
+    except ValueError:
+        lo = hi = -1
+    if not 1 <= lo <= hi <= 1 << 20:
+        raise InvalidArgument(f"bad elastic range {text!r}: use MIN:MAX with 1 <= MIN <= MAX, e.g. 1:4")
+    return lo, hi
+
+
+def behind(clocks: dict[int, int], workers: int | list[int], clock: int, staleness: int) -> list[int]:
+    """The workers (``0 .. workers-1``, or those listed) too far behind for a worker at
+    ``clock`` to go on (SSP's condition)."""
+    ids = range(workers) if isinstance(workers, int) else workers
+    return [w for w in ids if clocks.get(w, 0) < clock - staleness]
+
+
+def counted(members: list[Member], workers: int, elastic: tuple[int, int] | None, me: int) -> list[int]:
+    """The workers a clock wait of worker ``me`` waits for (see the module docstring)."""
+    if elastic is not None:
+        return [m.worker for m in members if m.live and m.parked is None and m.worker != me]
+    gone = {m.worker for m in members if m.left}
+    return [w for w in range(workers) if w not in gone and w != me]
+
+
+def describe_workers(ids: list[int], members: list[Member], clocks: dict[int, int]) -> str:
+    """``worker 1 (clock 17; its process 4242 on host h is gone), ...``: what a timeout names."""
+    by_id = {m.worker: m for m in members}
+    out = []
+    for w in ids:
+        m, what = by_id.get(w), f"clock {clocks.get(w, 0)}"
+        if m is None:
+            what += "; it never joined"
+        elif not m.live:
+            age = (time.time_ns() - m.heartbeat_ns) / 1e9
+            what += (f"; no heartbeat for {age:.0f} s" if age > MEMBER_EXPIRY_S
+                     else f"; its process {m.pid} on {m.host} is gone")
+        elif m.parked is not None:
+            what += f"; waiting at barrier {m.parked}"
+        out.append(f"worker {w} ({what})")
+    return ", ".join(out)
 
 
 #: What to do about a SyncTimeout: of a clock wait, of a barrier or lock wait.
-_CLOCK_HINT = ("check that every worker is alive (`irdma status`); raise user.irdma.sync_timeout"
-               " or lower user.irdma.workers to go on without a dead one")
+_CLOCK_HINT = ("restart the missing worker with the same rank (it rejoins at the job's current clock); run the"
+               " job elastic to go on without a dead worker (`irdma run --elastic MIN:MAX`, or lower"
+               " user.irdma.workers); raise user.irdma.sync_timeout for slow ones")
 _SYNC_HINT = ("check that every party is alive; through a mount, `irdma mount --sync-timeout` sets the deadline"
               " (natively: the timeout argument)")
 
@@ -164,15 +235,17 @@ async def _poll(check: Any, deadline: float, what: str, hint: str = _CLOCK_HINT)
         interval = min(interval * 2, POLL_MAX)
 
 
-async def tick(meta: AsyncMeta, job: int, worker: int, workers: int, consistency: Consistency, timeout: float) -> int:
-    """Advance ``worker``'s clock in ``job`` and wait until it may pull its next round.
+async def tick(meta: AsyncMeta, job: int, worker: int, workers: int, consistency: Consistency, timeout: float,
+               elastic: tuple[int, int] | None = None) -> int:
+    """Advance ``worker``'s clock in ``job`` and wait until it may pull its next round
+    (``elastic``: the job's MIN:MAX, see the module docstring).
 
     Returns:
         The worker's new clock.
 
     Raises:
         InvalidArgument: ``worker`` is not below ``workers``. SyncTimeout: workers stayed too
-            far behind until the deadline (the clock did advance).
+            far behind until the deadline (the clock did advance); it names each and why.
     """
     if not 0 <= worker < workers:
         raise InvalidArgument(f"worker {worker} is not one of the job's {workers} workers (0 to {workers - 1})")
@@ -181,17 +254,90 @@ async def tick(meta: AsyncMeta, job: int, worker: int, workers: int, consistency
         return clock
     staleness = consistency.staleness
     last: list[int] = []
+    state: dict[str, Any] = {}
 
     async def ready() -> bool:
         nonlocal last
-        last = behind(await meta.clocks(job), workers, clock, staleness)
+        members = await meta.members(job)
+        state.update(members=members, clocks=await meta.clocks(job))
+        last = behind(state["clocks"], counted(members, workers, elastic, worker), clock, staleness)
+        if elastic is not None:
+            live = sum(m.live for m in members)
+            state["live"] = live
+            if live < elastic[0]:
+                return False
         return not last
 
     try:
         await _poll(ready, trio.current_time() + timeout, f"worker {worker} at clock {clock} under {consistency.name}")
     except SyncTimeout as exc:
-        raise SyncTimeout(f"{exc.args[0]}: workers {last} are more than {staleness} clocks behind", exc.hint) from None
+        if last:
+            what = (f"{describe_workers(last, state['members'], state['clocks'])}"
+                    f" {'is' if len(last) == 1 else 'are'} more than {staleness} clocks behind")
+        else:
+            what = f"{state.get('live')} workers are live, fewer than the elastic minimum {elastic and elastic[0]}"
+        raise SyncTimeout(f"{exc.args[0]}: {what}", exc.hint) from None
     return clock
+
+
+def whoami() -> tuple[str, int]:
+    """``(host, pid)`` of this process, as a member records it."""
+    return socket.gethostname(), os.getpid()
+
+
+async def join(meta: AsyncMeta, job: int, worker: int) -> int:
+    """Join job ``job`` as ``worker`` (again: after a restart, a lapse or a job barrier); its
+    clock, moved up to the job's current clock."""
+    host, pid = whoami()
+    return int(await meta.member_join(job, worker, host, pid))
+
+
+async def heartbeat(meta: AsyncMeta, job: int, worker: int) -> None:
+    """Beat for ``worker`` every :data:`HEARTBEAT_S` seconds until cancelled; join again when
+    the job stopped counting it (its heartbeats lapsed). A metadata error is logged and the
+    next beat tries again (a member that cannot beat lapses, which is what the others need)."""
+    while True:
+        await trio.sleep(HEARTBEAT_S)
+        try:
+            if not await meta.member_beat(job, worker):
+                log.warning("worker %d of job %d: its heartbeats had lapsed; it joins again", worker, job)
+                await join(meta, job, worker)
+        except IrdmaError as exc:
+            log.warning("worker %d of job %d: heartbeat failed (%s); trying again", worker, job, exc)
+
+
+async def job_barrier(meta: AsyncMeta, job: int, name: str, worker: int, workers: int,
+                      elastic: tuple[int, int] | None, timeout: float) -> None:
+    """Wait at job barrier ``name`` until the members it waits for arrived (see the module
+    docstring), parked meanwhile; then join again (the clock moves up to the job's).
+
+    Raises:
+        SyncTimeout: not all arrived by the deadline (it names the missing ones).
+    """
+    await meta.member_park(job, worker, name)
+    state: dict[str, Any] = {}
+
+    async def passed() -> bool:
+        members, arrived = await meta.members(job), set(await meta.arrivals(job, name))
+        if elastic is not None:
+            want = [m.worker for m in members if m.live]
+        else:
+            gone = {m.worker for m in members if m.left}
+            want = [w for w in range(workers) if w not in gone]
+        state.update(members=members, missing=[w for w in want if w not in arrived and w != worker])
+        return not state["missing"]
+
+    try:
+        await _poll(passed, trio.current_time() + timeout, f"barrier {name} of worker {worker}")
+    except BaseException as exc:  # the deadline, a cancellation: the arrival is taken back
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + WITHDRAW_S):
+            await meta.member_park(job, worker, name, False)
+            clocks = await meta.clocks(job)
+        if isinstance(exc, SyncTimeout):
+            raise SyncTimeout(f"{exc.args[0]}: {describe_workers(state['missing'], state['members'], clocks)}"
+                              " did not arrive", exc.hint) from None
+        raise
+    await join(meta, job, worker)
 
 
 async def barrier(meta: AsyncMeta, name: str, n: int, timeout: float) -> None:

@@ -42,8 +42,10 @@ bytes per shard, between 4 KiB and 4 MiB, so a small model's optimizer state is 
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
+import logging
 import os
 import time
 from typing import Any
@@ -52,9 +54,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from .._errors import InvalidArgument, NotFound
+from .._errors import InvalidArgument, NoAttribute, NotFound
 from ..wire.protocol import Update, UpdateOp
-from .coord import XATTR_SYNC_TIMEOUT, XATTR_WORKERS
+from . import coord
+from .coord import XATTR_ELASTIC, XATTR_SYNC_TIMEOUT, XATTR_WORKERS
 from .optimizers import ARGUMENTS, parse_update
 
 PARAMS = "params"
@@ -65,6 +68,7 @@ SYNC_WAIT = 600.0
 MIN_CHUNK, MAX_CHUNK = 4096, 4 << 20
 
 _world: dict[str, Any] = {}
+log = logging.getLogger("irdma.keras")
 
 
 def init(*, meta: str | None = None, job: str | None = None, rank: int | None = None, size: int | None = None,
@@ -94,14 +98,75 @@ def init(*, meta: str | None = None, job: str | None = None, rank: int | None = 
     shutdown()
     _world.update(meta=meta, job="/" + job.strip("/"), rank=rank, size=size, run=os.environ.get("IRDMA_RUN_ID", ""),
                   client=connect(meta, key_file=key_file or os.environ.get("IRDMA_KEY_FILE")))
+    if not _world.get("atexit"):
+        atexit.register(shutdown)  # a script that never calls shutdown() still leaves the job
+        _world["atexit"] = True
 
 
 def shutdown() -> None:
-    """Close the client :func:`init` opened (a no-op when none is open)."""
-    client = _world.pop("client", None)
+    """Leave the job (no wait counts this worker any more) and close the client :func:`init`
+    opened (a no-op when none is open)."""
+    client, ino, me = _world.pop("client", None), _world.pop("job_ino", None), _world.get("rank", 0)
+    registered = _world.get("atexit", False)
     _world.clear()
-    if client is not None:
+    _world["atexit"] = registered
+    if client is None:
+        return
+    try:
+        if ino is not None:
+            client._run(client.client.meta.member_leave, ino, me)
+    except Exception as exc:  # noqa: BLE001 - closing goes on: the others see it as dead instead
+        log.warning("could not leave the job cleanly (%s): the other workers will see this one as dead", exc)
+    finally:
         client.close()
+
+
+def _member() -> int:
+    """Make this worker a member of its job, once per :func:`init` (:mod:`irdma.train.coord`:
+    join, then a heartbeat on the client's loop); the job directory's inode. Rank 0 makes the
+    directory when it is missing (not started by ``irdma run``); the others wait for it.
+
+    Raises:
+        InvalidArgument: the job directory did not appear within :data:`SYNC_WAIT` seconds.
+    """
+    if "job_ino" in _world:
+        return int(_world["job_ino"])
+    client, job, me, n = _need("client"), _need("job"), _need("rank"), _need("size")
+    store = client.client.store
+    if me == 0:
+        ino = client.makedirs(job).ino
+        if XATTR_WORKERS not in store.listxattr(ino):  # not started by `irdma run`
+            store.setxattr(ino, XATTR_WORKERS, str(n).encode())
+    else:
+        deadline = time.monotonic() + SYNC_WAIT
+        while True:
+            try:
+                ino = client.stat(job).ino
+                break
+            except NotFound:
+                if time.monotonic() > deadline:
+                    raise InvalidArgument(f"the job directory {job} did not appear within {SYNC_WAIT:.0f} s",
+                                          "check rank 0's output (`irdma run` prefixes it with [0])") from None
+                time.sleep(0.1)
+    try:
+        elastic = coord.parse_elastic(store.getxattr(ino, XATTR_ELASTIC))
+    except NoAttribute:
+        elastic = None
+    meta = client.client.meta
+    others = [m for m in client._run(meta.members, ino) if m.worker != me]
+    clocks = client._run(meta.clocks, ino)
+    # a job in progress (another worker of this run has stepped; `irdma run` resets the
+    # membership and clocks of a job it starts): this worker rejoins it, in the epoch of the
+    # slowest live worker (of the furthest worker when none is live)
+    rejoin = any(clocks.get(m.worker, 0) > 0 for m in others)
+    live = [m.epoch for m in others if m.live]
+    clock = client._run(coord.join, meta, ino, me)
+    _world.update(job_ino=ino, elastic=elastic, rejoin=rejoin, clock=clock,
+                  rejoin_epoch=(min(live) if live else max(m.epoch for m in others)) if rejoin else 0,
+                  beat=client.submit(lambda cl: coord.heartbeat(cl.meta, ino, me)))
+    if rejoin:
+        log.warning("rank %d rejoins job %s at its current clock and epoch %d", me, job, _world["rejoin_epoch"])
+    return int(ino)
 
 
 def _need(name: str) -> Any:
@@ -131,13 +196,19 @@ def job_dir() -> str:
 
 
 def barrier(name: str = "barrier", timeout: float = 600.0) -> None:
-    """Return once every worker of the job called ``barrier(name)`` (Horovod's ``hvd.barrier()``).
+    """Return once every worker of the job called ``barrier(name)`` (Horovod's ``hvd.barrier()``):
+    a job barrier (:func:`irdma.train.coord.job_barrier`: of an elastic job, every live
+    worker; a worker that finished is never waited for; a worker that rejoins passes a barrier
+    the others passed).
 
     Raises:
-        irdma.train.coord.SyncTimeout: not every worker arrived within ``timeout`` seconds.
+        irdma.train.coord.SyncTimeout: not every worker arrived within ``timeout`` seconds (it
+            names the missing ones).
     """
-    client, n = _need("client"), _need("size")
-    client._run(client.client.barrier, barrier_name(name), n, timeout)
+    ino = _member()
+    client = _need("client")
+    client._run(coord.job_barrier, client.client.meta, ino, barrier_name(name), _need("rank"), _need("size"),
+                _world.get("elastic"), timeout)
 
 
 def barrier_name(name: str) -> str:
@@ -302,10 +373,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         layout = [{"name": v.path, "shape": list(v.shape), "offset": 4 * sum(self._job.sizes[:i]), "dtype": "<f4"}
                   for i, v in enumerate(self._job.vars)]
         total = 4 * sum(self._job.sizes)
+        job_ino = _member()
         if me == 0:
-            job_ino = client.makedirs(job).ino
-            if XATTR_WORKERS not in client.client.store.listxattr(job_ino):  # not started by `irdma run`
-                client.client.store.setxattr(job_ino, XATTR_WORKERS, str(n).encode())
             client.client.store.setxattr(job_ino, XATTR_SYNC_TIMEOUT, repr(self.sync_timeout).encode())
             try:
                 have = json.loads(bytes(client.read(f"{job}/{LAYOUT}")))
@@ -322,9 +391,24 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
                 client.set_update_op(params, _spec(self.update))
                 client.write(f"{job}/{LAYOUT}", json.dumps(layout, indent=1).encode(), op="assign",
                              chunk_size=MIN_CHUNK)  # a small file: a small chunk (shards hold whole chunks)
-            if self._job.restore is not None:
+            if self._job.restore is not None and not _world["rejoin"]:
                 self._write_checkpoint()
-        client._run(client.client.barrier, barrier_name("start"), n, self.sync_timeout)
+        if _world["rejoin"]:  # the others passed the start long ago: wait for the weights only
+            _wait_for(lambda: client.stat(params).update_op, f"the job's parameters {params}")
+        elif _world["elastic"] is not None:  # an elastic job starts with every worker launched, else its minimum
+            low = _world["elastic"][0]
+            _wait_for(lambda: client.stat(params).update_op, f"the job's parameters {params}")
+
+            def live() -> int:
+                return sum(m.live for m in client._run(client.client.meta.members, job_ino))
+
+            try:
+                _wait_for(lambda: live() >= n, f"{n} live workers", self.sync_timeout)
+            except InvalidArgument:
+                _wait_for(lambda: live() >= low, f"{low} live workers (the elastic minimum)", self.sync_timeout)
+                log.warning("rank %d starts with %d of %d workers (the elastic minimum is %d)", me, live(), n, low)
+        else:
+            client._run(client.client.barrier, barrier_name("start"), n, self.sync_timeout)
 
         async def locate(cl: Any) -> tuple[Any, Any]:
             from ..client.native import layout_of
@@ -334,6 +418,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
 
         self._job.layout, self._job.chunks = client._run(locate, client.client)
         self._job.joined = True
+        if _world["rejoin"] and _world["clock"] > int(self._iterations.numpy()):
+            # the job's step (its clock counts every worker's rounds): a schedule goes on where the job is
+            self._iterations.assign(_world["clock"])
         for v, w in zip(self._job.vars, self._pull(), strict=True):
             v.assign(w)
 
@@ -486,6 +573,32 @@ class BroadcastInitialWeights(keras.callbacks.Callback):  # type: ignore[misc]
                                   "compile with optimizer=irdma.keras.DistributedOptimizer(...)")
         opt.build(self.model.trainable_variables)
         opt.join()
+        if _world.get("rejoin") and _world.get("rejoin_epoch", 0) > (self.model._initial_epoch or 0):
+            # a restarted worker goes on in the epoch the job is in, as BackupAndRestore does
+            self.model._initial_epoch = _world["rejoin_epoch"]
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        """Record the epoch this worker began (a worker that rejoins starts at the slowest
+        live worker's)."""
+        client = _need("client")
+        client._run(client.client.meta.member_beat, _member(), _need("rank"), epoch)
+
+
+def _wait_for(check: Any, what: str, timeout: float = SYNC_WAIT) -> Any:
+    """Poll ``check()`` (NotFound: not yet) until it returns something true, for up to
+    ``timeout`` seconds. Raises InvalidArgument at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            out = check()
+            if out:
+                return out
+        except NotFound:
+            pass
+        if time.monotonic() > deadline:
+            raise InvalidArgument(f"{what} did not appear within {timeout:.0f} s",
+                                  "check rank 0's output (`irdma run` prefixes it with [0])")
+        time.sleep(0.1)
 
 
 def _codec(compress: str | None) -> Any:
@@ -543,7 +656,8 @@ class MetricAverageCallback(keras.callbacks.Callback):  # type: ignore[misc]
         client.write(f"{job}/metrics/{run}-e{epoch}-r{rank()}.json", json.dumps(mine).encode(), op="assign",
                      chunk_size=MIN_CHUNK)
         barrier(f"metrics-{epoch}", self.timeout)
-        every = [json.loads(bytes(client.read(f"{job}/metrics/{run}-e{epoch}-r{r}.json"))) for r in range(size())]
+        arrived = client._run(client.client.meta.arrivals, _member(), barrier_name(f"metrics-{epoch}"))
+        every = [json.loads(bytes(client.read(f"{job}/metrics/{run}-e{epoch}-r{r}.json"))) for r in arrived]
         for key in mine:
             values = [d[key] for d in every if key in d]
             logs[key] = float(np.mean(values))
