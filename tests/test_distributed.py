@@ -73,8 +73,11 @@ def _steps(make_model: Callable[[], Any], optimizer: Any, callbacks: list[Any] |
     model(x[:1])  # built (a subclassed model has no build of its own)
     model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
     seen: list[list[np.ndarray]] = []
-    record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(
-        [np.array(w) for w in model.get_weights()]))
+    def record(batch: int, logs: Any) -> None:
+        getattr(model.optimizer, "flush", lambda: None)()  # per-layer rounds: the pulls in flight
+        seen.append([np.array(w) for w in model.get_weights()])
+
+    record = keras.callbacks.LambdaCallback(on_train_batch_end=record)
     model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0, callbacks=[record, *(callbacks or [])])
     return seen
 
@@ -391,3 +394,49 @@ def test_compression_keeping_every_element_equals_keras_and_topk_pushes_only_the
     residual = opt._job.residual
     assert residual is not None and np.count_nonzero(residual) > len(changed)
     assert np.all(residual[changed] == 0)  # what was pushed left nothing behind
+
+
+@pytest.mark.parametrize(("overlap", "hooks", "make_model", "kind"), [
+    ("p3", True, _sequential, "momentum"),
+    ("p3", True, _functional, "adamw"),
+    ("p3", False, Subclassed, "adam"),
+    ("fifo", True, _sequential, "adam-global-clipnorm-decay"),
+], ids=["p3-sequential-momentum", "p3-functional-adamw", "p3-subclassed-no-hooks", "fifo-decay"])
+def test_per_layer_rounds_through_model_fit_equal_keras_step_by_step(job: str, overlap: str, hooks: bool,
+                                                                   make_model: Callable[[], Any], kind: str) -> None:
+    """overlap="p3"/"fifo": a push per layer during back-propagation, pulls by priority that
+    each layer's next forward pass waits for (with BroadcastInitialWeights' hooks). With one
+    worker every step still equals the wrapped Keras optimizer's (the recording callback reads
+    the weights after flush())."""
+    make = OPTIMIZERS[kind]
+    opt = hvd.DistributedOptimizer(make(), overlap=overlap, slice_elems=16)
+    ours = _steps(make_model, opt, [hvd.BroadcastInitialWeights(0)] if hooks else [])
+    _assert_same(ours, _steps(make_model, make()))
+    rounds = opt._job.rounds
+    assert len(rounds.groups) == (3 if make_model is _functional else 2)
+    assert rounds.pushed == len(rounds.groups) * opt.rounds > 0
+    assert rounds.hooked == (set(range(len(rounds.groups))) if hooks else set())
+
+
+def test_layer_dropping_through_model_fit_holds_small_updates_back_and_loses_nothing(job: str) -> None:
+    """drop=T with overlap="p3": some layer pushes are skipped (their gradients wait in the
+    worker's residual cache); pushes + skips = layers x steps; the model still learns."""
+    from irdma import InvalidArgument
+
+    keras.utils.set_random_seed(7)
+    model = _sequential()
+    x, y = _data(256)
+    model(x[:1])
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05), overlap="p3", drop=0.05)
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    hist = model.fit(x, y, batch_size=16, epochs=6, shuffle=False, verbose=0, callbacks=[hvd.BroadcastInitialWeights(0)])
+    rounds = opt._job.rounds
+    assert rounds.skipped > 0 and rounds.pushed > 0
+    assert rounds.pushed + rounds.skipped == len(rounds.groups) * opt.rounds
+    # each step's forward pass took its layers' pulls of the step before (all but the first step's)
+    assert rounds.waited_in_forward >= len(rounds.groups) * (opt.rounds - 6 - 1)
+    assert hist.history["loss"][-1] < hist.history["loss"][0]
+    with pytest.raises(InvalidArgument, match="overlap='p3'"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.05), drop=0.1)
+    with pytest.raises(InvalidArgument, match="overlap="):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.05), overlap="p4")

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -57,6 +58,7 @@ import tensorflow as tf
 from .._errors import InvalidArgument, NoAttribute, NotFound
 from ..wire.protocol import Update, UpdateOp
 from . import coord
+from .comm import DEFAULT_SLICE_ELEMS
 from .coord import XATTR_ELASTIC, XATTR_SYNC_TIMEOUT, XATTR_WORKERS
 from .optimizers import ARGUMENTS, parse_update
 
@@ -285,6 +287,7 @@ class _JobState:
     restore: bytes | None = None  # a checkpoint's state image, written at the next join or step
     codec: Any = None  # the gradients' compression, or None
     residual: np.ndarray | None = None  # error feedback: what compression left out so far (float32)
+    rounds: Any = None  # overlap "fifo"/"p3": the per-layer rounds (irdma.train.overlap.Rounds)
 
 
 @keras.saving.register_keras_serializable(package="irdma")
@@ -303,13 +306,27 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
             with error feedback (what a push leaves out is added to the next step's gradient,
             kept on this worker: Applied Sciences 2020's residual cache). Weight decay is pushed
             uncompressed.
+        overlap: ``"none"`` (one push and one pull of the whole model per step), ``"p3"`` or
+            ``"fifo"``: per-layer pushes during back-propagation and pulls during the next
+            forward pass, by priority in slices of ``slice_elems`` float32 with ``"p3"``
+            (:mod:`irdma.train.overlap`; the forward hooks come with :class:`BroadcastInitialWeights`).
+        slice_elems: P3's slice, float32 elements (40,000: P3's own; 0: none).
+        drop: layer dropping (with ``"p3"``/``"fifo"``): a layer's push waits on the worker
+            while ``learning_rate * ||accumulated gradient||_1 < drop * ||weights||_1``.
 
     Raises:
-        InvalidArgument: see :func:`update_of`.
+        InvalidArgument: see :func:`update_of`; a bad ``overlap``, ``slice_elems`` or ``drop``
+            (or ``drop`` without per-layer rounds).
     """
 
     def __init__(self, optimizer: keras.optimizers.Optimizer | str | dict[str, Any], sync_timeout: float = 60.0,
-                 name: str | None = None, compress: str | None = None, **kwargs: Any) -> None:
+                 name: str | None = None, compress: str | None = None, overlap: str = "none",
+                 slice_elems: int = DEFAULT_SLICE_ELEMS, drop: float = 0.0, **kwargs: Any) -> None:
+        from . import overlap as _overlap
+
+        _overlap.check(overlap, slice_elems, float(drop))
+        if drop and overlap == "none":
+            raise InvalidArgument("drop= skips pushes per layer: it needs per-layer rounds", "pass overlap='p3' too")
         inner = optimizer if isinstance(optimizer, keras.optimizers.Optimizer) else keras.optimizers.get(optimizer)
         update = update_of(inner)
         cfg = inner.get_config()
@@ -327,6 +344,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
                 setattr(self, attr, getattr(inner, attr))
         self.sync_timeout = float(sync_timeout)
         self.compress = compress
+        self.overlap, self.slice_elems, self.drop = overlap, int(slice_elems), float(drop)
         self._job = _JobState(inner, codec=_codec(compress))
         self.rounds = 0
 
@@ -340,7 +358,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         if not isinstance(self._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
             inner["learning_rate"] = float(keras.ops.convert_to_numpy(self._learning_rate))
         return {"optimizer": keras.optimizers.serialize(type(self.inner).from_config(inner)),
-                "sync_timeout": self.sync_timeout, "name": self.name, "compress": self.compress}
+                "sync_timeout": self.sync_timeout, "name": self.name, "compress": self.compress,
+                "overlap": self.overlap, "slice_elems": self.slice_elems, "drop": self.drop}
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> DistributedOptimizer:
@@ -355,7 +374,29 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         super().build(variables)
         self._job.vars = list(variables)
         self._job.sizes = [int(np.prod(v.shape)) for v in self._job.vars]
+        if self.overlap != "none":
+            from .overlap import Rounds
 
+            self._job.rounds = Rounds(self.overlap, self.slice_elems, self.drop, self._job.vars, self._job.sizes)
+
+    def attach(self, model: Any) -> None:
+        """Per-layer rounds (``overlap="p3"``/``"fifo"``): each layer of ``model`` that owns
+        trainable variables waits, in its forward pass, for its own pull only (called by
+        :class:`BroadcastInitialWeights` before the first step; later it changes nothing)."""
+        if self._job.rounds is not None:
+            self._job.rounds.attach(model, self._await_group)
+
+    def flush(self) -> None:
+        """Apply the pulls still in flight to the variables (per-layer rounds: they are
+        otherwise applied by each layer's next forward pass); a no-op otherwise. Eager."""
+        if self._job.rounds is not None:
+            self._job.rounds.flush()
+
+    def _await_group(self, g: int) -> int:
+        rounds = self._job.rounds
+        if g in rounds.pending:
+            rounds.waited_in_forward += 1
+        return int(rounds.apply_pull(g))
     def join(self) -> None:
         """Join the job (see the module docstring); eager. Called by
         :class:`BroadcastInitialWeights`, else by the first step.
@@ -428,6 +469,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         """Set the variables to the shards' current weights (eager): after training, every
         worker's steps (call :func:`barrier` first to wait for the others)."""
         self.join()
+        self.flush()
         for v, w in zip(self._job.vars, self._pull(), strict=True):
             v.assign(w)
 
@@ -448,6 +490,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
     def _state_image(self) -> bytes:
         if not self._job.joined:
             return self._job.restore or b""
+        self.flush()  # the model's weights are saved too: the pulls in flight first
         return bytes(_need("client")._run(_need("client").client.read_state, f"{_need('job')}/{PARAMS}"))
 
     def save_own_variables(self, store: Any) -> None:
@@ -550,11 +593,56 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         if self.weight_decay:
             wd = tf.cast(self.weight_decay, tf.float32)
             decays = [v * wd * lr if self._use_weight_decay(v) else tf.zeros_like(v) for v in self._job.vars]
+        rounds = self._job.rounds
+        if rounds is not None:  # per layer, last first: each push starts when its gradients exist
+            rounds.group_by_path()
+            tokens = []
+            for g in reversed(range(len(rounds.groups))):
+                idx = rounds.groups[g]
+                tokens.append(tf.py_function(functools.partial(self._push_group, g),
+                                             [lr, *([decays[i] for i in idx] if decays else []), *[grads[i] for i in idx]],
+                                             Tout=tf.int64))
+            with tf.control_dependencies([tf.py_function(self._end_round, tokens, Tout=tf.int64)]):
+                self._iterations.assign_add(1)
+            return self._iterations
         new = tf.py_function(self._step, [lr, *decays, *grads], Tout=[tf.float32] * len(grads))
         for v, w in zip(variables, new, strict=True):
             v.assign(tf.reshape(w, v.shape))
         self._iterations.assign_add(1)
         return self._iterations
+
+    def _push_group(self, g: int, lr: Any, *tensors: Any) -> int:
+        """Eager (a ``tf.py_function`` of the step): start layer group ``g``'s push."""
+        rounds = self._job.rounds
+        if not rounds.started:  # the round's first push
+            self.join()
+            if self._job.restore is not None:
+                rounds.flush()
+                self._write_checkpoint()
+            rounds.started = True
+        k = len(rounds.groups[g])
+        decays, grads = tensors[:-k], tensors[-k:]
+        rate = float(lr.numpy())
+        decay = rounds.flat(g, [-d.numpy() for d in decays]) if decays else None
+        rounds.push(_need("client"), g, self._job.layout, self._job.chunks, sum(self._job.sizes),
+                    _with_learning_rate(self.update, rate), rounds.flat(g, [t.numpy() for t in grads]), decay,
+                    self._job.codec, rate, self.sync_timeout)
+        return 0
+
+    def _end_round(self, *tokens: Any) -> int:
+        """Eager: every push acknowledged, the worker's clock ticked (BSP/SSP wait here), every
+        layer's pull started; the pulls of layers without a forward hook are applied now."""
+        rounds = self._job.rounds
+        client = _need("client")
+        rounds.started = False
+        rounds.wait_pushes()
+        client._run(client.client.clock, _need("job"), _need("rank"))
+        self.rounds += 1
+        rounds.start_pulls(client, self._job.layout, self._job.chunks, self.sync_timeout)
+        for g in range(len(rounds.groups)):
+            if g not in rounds.hooked:
+                rounds.apply_pull(g)
+        return 0
 
 
 class BroadcastInitialWeights(keras.callbacks.Callback):  # type: ignore[misc]
@@ -572,6 +660,7 @@ class BroadcastInitialWeights(keras.callbacks.Callback):  # type: ignore[misc]
             raise InvalidArgument("BroadcastInitialWeights needs a model compiled with irdma.keras.DistributedOptimizer",
                                   "compile with optimizer=irdma.keras.DistributedOptimizer(...)")
         opt.build(self.model.trainable_variables)
+        opt.attach(self.model)
         opt.join()
         if _world.get("rejoin") and _world.get("rejoin_epoch", 0) > (self.model._initial_epoch or 0):
             # a restarted worker goes on in the epoch the job is in, as BackupAndRestore does
@@ -582,6 +671,14 @@ class BroadcastInitialWeights(keras.callbacks.Callback):  # type: ignore[misc]
         live worker's)."""
         client = _need("client")
         client._run(client.client.meta.member_beat, _member(), _need("rank"), epoch)
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        """Apply the pulls in flight (per-layer rounds), so that the callbacks after this one
+        (checkpoints) see the job's weights."""
+        self.model.optimizer.flush()
+
+    def on_train_end(self, logs: Any = None) -> None:
+        self.model.optimizer.flush()
 
 
 def _wait_for(check: Any, what: str, timeout: float = SYNC_WAIT) -> Any:
