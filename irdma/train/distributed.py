@@ -74,13 +74,14 @@ log = logging.getLogger("irdma.keras")
 
 
 def init(*, meta: str | None = None, job: str | None = None, rank: int | None = None, size: int | None = None,
-         key_file: str | None = None) -> None:
+         key_file: str | None = None, **client_options: Any) -> None:
     """Join the job this process is a worker of (Horovod's ``hvd.init()``).
 
     Each argument defaults to what ``irdma run`` put in the environment: ``IRDMA_META``,
     ``IRDMA_JOB``, ``IRDMA_RANK``, ``IRDMA_SIZE``, ``IRDMA_KEY_FILE`` (rank 0 of 1 when unset).
-    Opens one native client (:func:`irdma.connect`) shared by the process. Calling it again
-    closes the previous client.
+    Opens one native client (:func:`irdma.connect`, given ``client_options`` such as
+    ``transport="tcp"`` or ``window=4``) shared by the process. Calling it again closes the
+    previous client.
 
     Raises:
         InvalidArgument: no metadata URL or job (not under ``irdma run`` and none given), or a
@@ -99,7 +100,7 @@ def init(*, meta: str | None = None, job: str | None = None, rank: int | None = 
         raise InvalidArgument(f"rank {rank} is not one of {size} workers", "ranks run from 0 to size - 1")
     shutdown()
     _world.update(meta=meta, job="/" + job.strip("/"), rank=rank, size=size, run=os.environ.get("IRDMA_RUN_ID", ""),
-                  client=connect(meta, key_file=key_file or os.environ.get("IRDMA_KEY_FILE")))
+                  client=connect(meta, key_file=key_file or os.environ.get("IRDMA_KEY_FILE"), **client_options))
     if not _world.get("atexit"):
         atexit.register(shutdown)  # a script that never calls shutdown() still leaves the job
         _world["atexit"] = True
