@@ -511,3 +511,30 @@ def test_the_typed_async_metadata_facade_is_up_to_date() -> None:
 
     with open(aio.__file__[: -len(".py")] + ".pyi") as f:
         assert f.read() == aio.stub(), "regenerate it: python -m irdma.meta.aio > irdma/meta/aio.pyi"
+
+
+def test_clocks_members_barriers_locks_and_counters_work_on_every_engine(store: MetaStore) -> None:
+    """The synchronization state of training jobs (irdma.train.coord) on SQLite and on
+    PostgreSQL (where every statement needs the engine call's connection)."""
+    import os
+    import socket
+
+    m: Any = store
+    host, pid = socket.gethostname(), os.getpid()
+    assert m.clock_tick(5, 0) == 1 and m.clock_tick(5, 0) == 2
+    assert m.member_join(5, 1, host, pid) == 0  # worker 0 is no member yet: its clock does not count
+    assert m.member_join(5, 0, host, pid) == 2  # its own clock stays
+    assert m.member_join(5, 1, host, pid) == 2  # joins again at the job's clock
+    assert m.member_beat(5, 0, 3)
+    assert [(x.worker, x.live, x.epoch) for x in m.members(5)] == [(0, True, 3), (1, True, 0)]
+    m.member_park(5, 1, "e0")
+    assert m.arrivals(5, "e0") == [1]
+    m.member_leave(5, 1)
+    assert not m.member_beat(5, 1) and m.members(5)[1].left
+    assert m.barrier_arrive("b", 2) == (0, False) and m.barrier_arrive("b", 2) == (0, True)
+    assert m.barrier_generation("b") == 1
+    assert m.lock_acquire("l", "me", 5.0)[0] and not m.lock_acquire("l", "you", 5.0)[0]
+    assert m.lock_release("l", "me")
+    assert m.counter_add("c", 2) == 0 and m.counter_add("c", 1) == 2
+    m.clock_reset(5)
+    assert m.clocks(5) == {} and m.members(5) == []

@@ -617,7 +617,10 @@ def _engine_call(fn: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
-#: The methods that run through :meth:`SqlMeta._call`: the whole interface but ``close``.
-ENGINE_METHODS = sorted((MetaStore.__abstractmethods__ | {"getattr_io"}) - {"close"})
+#: The methods that run through :meth:`SqlMeta._call`: the whole interface but ``close``, and
+#: the synchronization state's (clocks, members, barriers, locks, counters: on PostgreSQL a
+#: statement needs the call's connection).
+ENGINE_METHODS = sorted((MetaStore.__abstractmethods__ | {"getattr_io"}
+                         | {n for n, f in vars(SqlSync).items() if not n.startswith("_") and callable(f)}) - {"close"})
 for _name in ENGINE_METHODS:
     setattr(SqlMeta, _name, _engine_call(getattr(SqlMeta, _name)))
