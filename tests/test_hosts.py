@@ -277,3 +277,45 @@ def test_a_shard_host_cut_off_the_network_costs_no_error_and_catches_up(hosts: H
     expected = np.full(n, 3.0 * count, dtype="<f4")
     np.testing.assert_array_equal(np.frombuffer(_read(os.path.join(hosts.mounts[1], rel)), dtype="<f4"), expected)
     wait_until(hosts.healthy, 120, "irdma status healthy once shard host 3 is back and resynced", interval=1.0)
+
+
+# ---------------------------------------------------------------- training across hosts
+HOST_WORKER = """
+import subprocess, keras, numpy as np
+import irdma.keras as hvd
+hvd.init()
+addr = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"], capture_output=True, text=True).stdout.split()[3]
+print(f"rank {hvd.rank()} of {hvd.size()}, local rank {hvd.local_rank()}, on {addr}", flush=True)
+keras.utils.set_random_seed(hvd.rank())
+rng = np.random.default_rng(1)
+x = rng.standard_normal((512, 6)).astype("float32")
+y = (x[:, 0] + x[:, 3] > 0).astype("int64")
+model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2, activation="softmax")])
+model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01), overlap="p3"),
+              loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+xs, ys = hvd.shard_dataset((x, y))
+model.fit(xs, ys, batch_size=32, epochs=4, verbose=0, callbacks=[hvd.BroadcastInitialWeights(0)])
+hvd.barrier("trained")
+model.optimizer.pull_weights()
+print(f"accuracy {model.evaluate(x, y, verbose=0)[1]:.3f}", flush=True)
+hvd.shutdown()
+"""
+
+
+def test_irdma_run_starts_workers_on_other_hosts_through_the_same_launcher(hosts: Hosts) -> None:
+    """``irdma run --hosts`` from host 4: rank 0 on host 4, rank 1 on host 5 (``--rsh netns``:
+    the code path ``ssh`` takes, with nsenter as the remote shell), one BSP job on the
+    PostgreSQL namespace; both train and agree."""
+    ns4, ns5 = hosts.bed.hosts[4].netns, hosts.bed.hosts[5].netns
+    res = hosts.bed.run(4, [*IRDMA, "run", "--meta", hosts.url, "--hosts", f"{ns4}:1,{ns5}:1", "--rsh", "netns",
+                            "-n", "2", "--consistency", "bsp", "--job", "across", "--", sys.executable, "-c",
+                            HOST_WORKER], capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    for rank, host in ((0, 4), (1, 5)):
+        assert f"[{rank}] rank {rank} of 2, local rank 0, on {hosts.bed.hosts[host].address}/" in out, out[-3000:]
+    accuracy = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("[0] accuracy")]
+    assert accuracy and accuracy[0] > 0.9, out[-3000:]
+    bad = subprocess.run([*IRDMA, "run", "-n", "2", "--hosts", "nowhere:2", "--", "true"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode != 0 and "--meta postgresql://" in bad.stderr, bad.stderr

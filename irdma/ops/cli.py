@@ -458,16 +458,24 @@ def destroy(cluster_dir: str, yes: bool) -> None:
                    " rejoins at the job's current clock and weights.")
 @click.option("--max-restarts", default=3, show_default=True, type=click.IntRange(0, 1000),
               help="With --elastic: restarts of failed workers, in all.")
+@click.option("-H", "--hosts", default=None, metavar="HOST:SLOTS,...",
+              help="Where the workers run: ranks fill the hosts in order (needs --meta with a PostgreSQL URL"
+                   " that every host reaches). [default: all on this host]")
+@click.option("--rsh", type=click.Choice(["ssh", "netns"]), default="ssh", show_default=True,
+              help="How a worker starts on another host: ssh HOST, or nsenter into network namespace HOST"
+                   " (the test bed's hosts).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 @friendly
 def run(workers: int, meta_url: str | None, job: str | None, consistency: str | None, shards: int, capacity: int,
-        grace: float, elastic: str | None, max_restarts: int, command: tuple[str, ...]) -> None:
+        grace: float, elastic: str | None, max_restarts: int, hosts: str | None, rsh: str,
+        command: tuple[str, ...]) -> None:
     """Run N workers of COMMAND on one training job (as horovodrun and torchrun do).
 
     \b
     irdma run -n 4 -- python train.py --epochs 5
     irdma run -n 2 --meta $URL --job digits --consistency ssp:2 -- python train.py
     irdma run -n 4 --elastic 2:4 --consistency bsp -- python train.py
+    irdma run -n 4 -H node1:2,node2:2 --meta postgresql://... -- python train.py
 
     Each worker gets IRDMA_RANK, IRDMA_SIZE, IRDMA_META and IRDMA_JOB (the job's directory in
     the namespace) in its environment; its output lines are prefixed with [RANK]. Ctrl-C and
@@ -477,6 +485,12 @@ def run(workers: int, meta_url: str | None, job: str | None, consistency: str | 
     from . import launch
 
     bounds = launch.check_args(workers, command, consistency, elastic)
+    where = launch.parse_hosts(hosts, workers)
+    remote = sorted({h for h in where if h not in launch.LOCALHOSTS})
+    if remote and meta_url is None:
+        raise InvalidArgument(f"--hosts {hosts}: workers on {', '.join(remote)} cannot reach a local cluster",
+                              "start a cluster with PostgreSQL metadata that every host reaches and pass"
+                              " --meta postgresql://... (docs/deploy.md)")
     name = job or launch.new_job_name()
     with contextlib.ExitStack() as stack:
         if meta_url is None:
@@ -492,7 +506,8 @@ def run(workers: int, meta_url: str | None, job: str | None, consistency: str | 
         console.print(f"job {the_job.path} on {_redact(meta_url)}: {workers} worker(s)"
                       f"{f', elastic {elastic}' if bounds else ''}", highlight=False)
         status_code = launch.supervise(the_job, workers, command, grace=grace, log=lambda m: console.print(
-            f"irdma run: {m}", highlight=False, soft_wrap=True), elastic=bounds is not None, max_restarts=max_restarts)
+            f"irdma run: {m}", highlight=False, soft_wrap=True), elastic=bounds is not None, max_restarts=max_restarts,
+            hosts=where, rsh=rsh)
     if status_code:
         sys.exit(status_code)
 

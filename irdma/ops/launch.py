@@ -41,6 +41,15 @@ What the launcher does, in order:
    clock, epoch and weights (:mod:`irdma.train.distributed`) while the others go on. A worker
    that fails once the restarts are spent is left out: the others go on (while at least MIN
    live) and the launcher's exit status is that worker's.
+7. ``--hosts HOST:SLOTS,...`` (horovodrun's ``-H``): ranks fill the hosts in order, each host
+   up to its slots (``IRDMA_LOCAL_RANK``/``_SIZE`` count the ranks of one host). A worker on
+   ``localhost`` starts as above; on another host through ``--rsh``: ``ssh`` (``ssh -o
+   BatchMode=yes HOST 'cd CWD && env IRDMA_...=... COMMAND'``: the same paths on every host, a
+   key-based login) or ``netns`` (``nsenter --net=/run/netns/HOST``: the network namespaces of
+   :mod:`irdma.ops.testbed`, the same code path for tests). Every host must reach the
+   namespace: ``--meta`` with a PostgreSQL URL (the launcher's local cluster serves this host
+   only), and the key file at the same path. A signal for the job reaches each remote worker
+   through its ``ssh`` (or directly, in a namespace).
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ import contextlib
 import ctypes
 import os
 import queue
+import shlex
 import signal
 import subprocess
 import sys
@@ -132,6 +142,53 @@ class _Output:
                 out.write(prefix + line)
                 out.flush()
         pipe.close()
+
+
+#: How a worker starts on another host (``--rsh``).
+RSH = ("ssh", "netns")
+LOCALHOSTS = ("localhost", "127.0.0.1")
+
+
+def parse_hosts(text: str | None, n: int) -> list[str]:
+    """The host of each rank 0 .. n-1 from ``HOST:SLOTS,...`` (ranks fill the hosts in order);
+    every rank on ``localhost`` when ``text`` is None.
+
+    Raises:
+        InvalidArgument: a malformed entry, or fewer slots than workers.
+    """
+    if text is None:
+        return ["localhost"] * n
+    out: list[str] = []
+    for entry in text.split(","):
+        host, colon, slots = entry.strip().rpartition(":")
+        if not colon:
+            host, slots = entry.strip(), "1"
+        if not host or not slots.isdigit() or int(slots) < 1 or any(c.isspace() or c in "'\"" for c in host):
+            raise InvalidArgument(f"--hosts entry {entry!r}", "write HOST:SLOTS, e.g. --hosts node1:2,node2:2")
+        out += [host] * int(slots)
+    if len(out) < n:
+        raise InvalidArgument(f"-n {n} but --hosts {text} has {len(out)} slots", "add slots or hosts, or lower -n")
+    return out[:n]
+
+
+def local_ranks(hosts: list[str]) -> list[tuple[int, int]]:
+    """``(local rank, local size)`` of each rank: its place among the ranks of its host."""
+    seen: dict[str, int] = {}
+    out = []
+    for h in hosts:
+        out.append(seen.get(h, 0))
+        seen[h] = seen.get(h, 0) + 1
+    return [(r, seen[h]) for r, h in zip(out, hosts, strict=True)]
+
+
+def remote_argv(rsh: str, host: str, env: dict[str, str], command: Sequence[str]) -> list[str]:
+    """The command that runs ``command`` on ``host`` with ``env`` added to its environment
+    (see the module docstring)."""
+    assign = [f"{k}={v}" for k, v in sorted(env.items())]
+    if rsh == "netns":
+        return ["nsenter", f"--net=/run/netns/{host}", "--", "env", *assign, *command]
+    remote = f"cd {shlex.quote(os.getcwd())} && {shlex.join(['env', *assign, *command])}"
+    return ["ssh", "-o", "BatchMode=yes", host, remote]
 
 
 @dataclass
@@ -238,12 +295,15 @@ def local_cluster(shards: int, capacity: int, progress: Callable[[str], None]) -
         shutil.rmtree(parent, ignore_errors=True)
 
 
-def worker_env(job: Job, rank: int, size: int, base: dict[str, str] | None = None, restart: int = 0) -> dict[str, str]:
-    """The environment of worker ``rank`` (see the module docstring)."""
+def worker_env(job: Job, rank: int, size: int, base: dict[str, str] | None = None, restart: int = 0,
+               local: tuple[int, int] | None = None) -> dict[str, str]:
+    """The environment of worker ``rank`` (see the module docstring; ``local``: its local rank
+    and size, all ranks on this host by default)."""
     env = dict(os.environ if base is None else base)
-    env.update({RANK_ENV: str(rank), SIZE_ENV: str(size), LOCAL_RANK_ENV: str(rank), LOCAL_SIZE_ENV: str(size),
-                META_ENV: job.meta_url, JOB_ENV: job.path, RUN_ID_ENV: job.run_id, RESTART_ENV: str(restart),
-                "PYTHONUNBUFFERED": "1"})
+    local_rank, local_size = local or (rank, size)
+    env.update({RANK_ENV: str(rank), SIZE_ENV: str(size), LOCAL_RANK_ENV: str(local_rank),
+                LOCAL_SIZE_ENV: str(local_size), META_ENV: job.meta_url, JOB_ENV: job.path, RUN_ID_ENV: job.run_id,
+                RESTART_ENV: str(restart), "PYTHONUNBUFFERED": "1"})
     if job.key_file:
         env[KEY_FILE_ENV] = job.key_file
     return env
@@ -251,10 +311,12 @@ def worker_env(job: Job, rank: int, size: int, base: dict[str, str] | None = Non
 
 def supervise(job: Job, n: int, command: Sequence[str], *, grace: float = 10.0,
               stdout: IO[bytes] | None = None, stderr: IO[bytes] | None = None,
-              log: Callable[[str], None] = lambda msg: None, elastic: bool = False, max_restarts: int = 3) -> int:
+              log: Callable[[str], None] = lambda msg: None, elastic: bool = False, max_restarts: int = 3,
+              hosts: list[str] | None = None, rsh: str = "ssh") -> int:
     """Run ``n`` workers of ``command`` on ``job`` until they all end (see the module
     docstring; ``elastic``: a failed worker is restarted, up to ``max_restarts`` times in all,
-    and the others go on); returns the launcher's exit status.
+    and the others go on; ``hosts``: each rank's host, started there with ``rsh``); returns the
+    launcher's exit status.
 
     Must run in the main thread (it installs the signal handlers that forward to the workers;
     the previous handlers are put back at the end).
@@ -273,15 +335,23 @@ def supervise(job: Job, n: int, command: Sequence[str], *, grace: float = 10.0,
         for w in list(workers):
             _signal(w, signum)
 
+    where = hosts or ["localhost"] * n
+    locals_ = local_ranks(where)
+
     def start(rank: int, restart: int) -> None:
+        env = worker_env(job, rank, n, restart=restart, local=locals_[rank])
+        argv = list(command)
+        if where[rank] not in LOCALHOSTS:  # only what the launcher sets goes with it
+            argv = remote_argv(rsh, where[rank], {k: v for k, v in env.items() if k.startswith("IRDMA_")
+                                                  or k == "PYTHONUNBUFFERED"}, command)
         try:
-            proc = subprocess.Popen(list(command), env=worker_env(job, rank, n, restart=restart),
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    start_new_session=True, preexec_fn=_die_with_parent)
+            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent)
         except OSError as exc:
             _stop(workers, grace, log)
-            raise IrdmaError(f"cannot start {command[0]!r}: {exc.strerror}",
-                             "check the command after `--` (a path, or a program on PATH)") from None
+            raise IrdmaError(f"cannot start {argv[0]!r}: {exc.strerror}",
+                             "check the command after `--` (a path, or a program on PATH)"
+                             + ("" if argv[0] == command[0] else f", and that {argv[0]} is installed")) from None
         w = Worker(rank, proc, restart=restart)
         assert proc.stdout is not None and proc.stderr is not None
         for pipe, fd in ((proc.stdout, 1), (proc.stderr, 2)):
