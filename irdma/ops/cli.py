@@ -1449,6 +1449,22 @@ def tune(layout: str | None, sizes: str | None, workers: int, hosts: int, shards
     out.print(f"ring all-reduce, for reference (dense, no overlap): {format_duration(ring)} per iteration",
               highlight=False, soft_wrap=True)
     out.print(f"best: {reason}", highlight=False, soft_wrap=True)
+    out.print(f"in model.fit: {_keras_args(ranked[0].config)}", highlight=False, soft_wrap=True)
+
+
+def _keras_args(c: Any) -> str:
+    """How to train in configuration ``c`` (a costmodel Config) with irdma.keras, or what does."""
+    if c.mode == "hier":
+        return ("the host hierarchy runs in irdma.train.keras.CommTrainer(group=HostGroup(...),"
+                f" sync_every={c.sync_every}), not yet in model.fit")
+    args = ["opt"]
+    if c.overlap != "none":
+        args.append(f"overlap={c.overlap!r}")
+        if c.overlap == "p3" and c.slice_bytes:
+            args.append(f"slice_elems={c.slice_bytes // 4}")
+    if c.mode != "flat":
+        args.append(f"compress={c.mode!r}")
+    return f"hvd.DistributedOptimizer({', '.join(args)}) with hvd.BroadcastInitialWeights(0) (import irdma.keras as hvd)"
 
 
 # ---------------------------------------------------------------- keys
