@@ -519,7 +519,9 @@ def test_clocks_members_barriers_locks_and_counters_work_on_every_engine(store: 
     import os
     import socket
 
-    m: Any = store
+    from irdma.meta.sql import SqlMeta
+
+    m: SqlMeta = store  # type: ignore[assignment]
     host, pid = socket.gethostname(), os.getpid()
     assert m.clock_tick(5, 0) == 1 and m.clock_tick(5, 0) == 2
     assert m.member_join(5, 1, host, pid) == 0  # worker 0 is no member yet: its clock does not count
