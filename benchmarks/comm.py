@@ -238,6 +238,9 @@ def fit_run(spec: dict[str, Any], run: dict[str, Any], xtr: Any, ytr: Any, xte: 
     import irdma.keras as hvd
 
     k, n, batch, steps = spec["worker"], spec["workers"], run["batch"], run["steps"]
+    if run.get("hier"):  # what `irdma run -H` gives each worker: its place on its host
+        os.environ["IRDMA_LOCAL_RANK"], os.environ["IRDMA_LOCAL_SIZE"] = (str(spec["local"]["rank"]),
+                                                                          str(spec["local"]["size"]))
     lr = float(run["update"].split("learning_rate=")[1])
     data = tf.data.Dataset.from_tensor_slices((xtr, ytr)).repeat().shuffle(2048, seed=k).batch(batch)
     ends: list[float] = []
@@ -258,7 +261,8 @@ def fit_run(spec: dict[str, Any], run: dict[str, Any], xtr: Any, ytr: Any, xte: 
              window=spec.get("window", WINDOW), timeout=60)
     model = make_model(run["model"], spec["quick"], seed=1)
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr), overlap=run["overlap"], sync_timeout=300,
-                                   slice_elems=run.get("slice", DEFAULT_SLICE), drop=run.get("drop", 0.0))
+                                   slice_elems=run.get("slice", DEFAULT_SLICE), drop=run.get("drop", 0.0),
+                                   hierarchy=bool(run.get("hier")))
     model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
     model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[hvd.BroadcastInitialWeights(0), timer])
     pred = model.predict(xte, verbose=0, batch_size=256)
@@ -511,16 +515,20 @@ def main() -> int:
                                             *([] if q else [("hier-K4", {"overlap": "none", "hier": True,
                                                                          "sync_every": 4})]),
                                             ("combined", {"overlap": "p3", "hier": True, "drop": DROPS[0],
-                                                          "compress": "topk:0.01"})):
+                                                          "compress": "topk:0.01"}),
+                                            ("fit flat", {"overlap": "none", "trainer": "fit"}),
+                                            ("fit hier", {"overlap": "none", "trainer": "fit", "hier": True})):
                             procs = []
                             cb.seq += 1
                             for hi, host in enumerate(bed.hosts[2:4]):
                                 for lr in range(2):
                                     run = {"name": name, "job": f"hier{cb.seq}", "model": "digits", "steps": digits_steps // 2,
                                            "batch": 32, "update": "sgd learning_rate=0.1", "warmup": 2, **extra}
+                                    fit = extra.get("trainer") == "fit"  # its optimizer forms the host group itself
                                     spec = {"worker": 2 * hi + lr, "workers": 4, "quick": q, "runs": [run],
+                                            "local": {"rank": lr, "size": 2},
                                             "group": {"name": f"bench-{os.getpid()}-{cb.seq}-h{hi}", "rank": lr, "size": 2,
-                                                      "nbytes": nbytes} if extra.get("hier") else None}
+                                                      "nbytes": nbytes} if extra.get("hier") and not fit else None}
                                     procs.append((host, spec))
                             res = cb.train(procs, url)
                             links = cb.last_link
@@ -658,13 +666,14 @@ def targets(R: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({"target": f"P3 through model.fit at {e['rate']}: exposed communication hidden, of its bound",
                     "ratio": hidden, "baseline": f"bound {bound:.3f} s of exposed {exposed:.3f} s", "wanted": ">= 0.80",
                     "met": hidden >= 0.8})
-    flat = next((h for h in R.get("hier", []) if h["name"] == "flat"), None)
-    hier = next((h for h in R.get("hier", []) if h["name"] == "hier"), None)
-    if flat and hier:
-        ratio = hier["link_tx"] / flat["link_tx"]
-        out.append({"target": "hierarchy: bytes on the worker hosts' links, one push per host (2 x 2 workers)",
-                    "ratio": ratio, "baseline": f"flat {fmt_bytes(flat['link_tx'])}", "wanted": "<= 0.55",
-                    "met": ratio <= 0.55})
+    for how, f_name, h_name in (("CommTrainer", "flat", "hier"), ("model.fit", "fit flat", "fit hier")):
+        flat = next((h for h in R.get("hier", []) if h["name"] == f_name), None)
+        hier = next((h for h in R.get("hier", []) if h["name"] == h_name), None)
+        if flat and hier:
+            ratio = hier["link_tx"] / flat["link_tx"]
+            out.append({"target": f"hierarchy ({how}): bytes on the worker hosts' links, one push per host (2 x 2"
+                                  " workers)", "ratio": ratio, "baseline": f"flat {fmt_bytes(flat['link_tx'])}",
+                        "wanted": "<= 0.55", "met": ratio <= 0.55})
     for c in R.get("model", []):
         out.append({"target": f"cost model: {c['config']}", "ratio": c["error"], "baseline": f"measured {c['measured']:.3f} s",
                     "wanted": "<= 0.25", "met": abs(c["error"]) <= 0.25})
@@ -732,10 +741,12 @@ def report(R: dict[str, Any]) -> str:
             L.append(f"| {e['model']} | {r['name']} | {fmt_bytes(r['wire_tx'])} | {r['wire_tx'] / base['wire_tx']:.3f} |"
                      f" {fmt_bytes(r['pushed'])} | {r['skipped']} of {r['skipped'] + r['pushes']} | {r['step_s']:.3f} |"
                      f" {r['acc']:.3f} |")
-    L += ["", "## Hierarchical aggregation (2 hosts x 2 workers, digits MLP)", "",
+    L += ["", "## Hierarchical aggregation (2 hosts x 2 workers, digits MLP; `fit` rows: model.fit with"
+          " `DistributedOptimizer(hierarchy=True)`, against `fit flat`)", "",
           "| mode | bytes sent by the worker hosts' links | vs flat | s/iter | accuracy |", "|---|---|---|---|---|"]
-    flat = next((h for h in R["hier"] if h["name"] == "flat"), None)
+    bases = {h["name"]: h for h in R["hier"] if h["name"] in ("flat", "fit flat")}
     for h in R["hier"] + R["combined"]:
+        flat = bases.get("fit flat" if h["name"].startswith("fit") else "flat")
         rel = f"{h['link_tx'] / flat['link_tx']:.3f}" if flat else "-"
         L.append(f"| {h['name']} | {fmt_bytes(h['link_tx'])} | {rel} | {h['step_s']:.3f} | {h['acc']:.3f} |")
     L.append("")

@@ -440,3 +440,48 @@ def test_layer_dropping_through_model_fit_holds_small_updates_back_and_loses_not
         hvd.DistributedOptimizer(keras.optimizers.SGD(0.05), drop=0.1)
     with pytest.raises(InvalidArgument, match="overlap="):
         hvd.DistributedOptimizer(keras.optimizers.SGD(0.05), overlap="p4")
+
+
+HIER = """
+import json, sys, keras, numpy as np
+import irdma.keras as hvd
+hvd.init()
+keras.utils.set_random_seed(hvd.rank())
+rng = np.random.default_rng(1)
+x = rng.standard_normal((512, 6)).astype("float32")
+y = (x[:, 0] + x[:, 3] > 0).astype("int64")
+model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
+                          keras.layers.Dense(2, activation="softmax")])
+opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.5), hierarchy=True)
+model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+xs, ys = hvd.shard_dataset((x, y))
+model.fit(xs, ys, batch_size=32, epochs=5, verbose=0, callbacks=[hvd.BroadcastInitialWeights(0)])
+weights = np.concatenate([w.ravel() for w in model.get_weights()])
+print(json.dumps({"rank": hvd.rank(), "pushes": opt.pushes, "rounds": opt.rounds,
+                  "accuracy": float(model.evaluate(x, y, verbose=0)[1]), "checksum": float(weights.sum()),
+                  "first": float(weights[0])}), flush=True)
+hvd.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_hierarchy_pushes_once_per_host_and_every_worker_gets_the_same_weights() -> None:
+    """DistributedOptimizer(hierarchy=True) under irdma run -n 2 (one host): the two workers sum
+    their gradients in shared memory, local rank 0 pushes once per step and hands the pulled
+    weights to the other; both end with the same weights and the model learns."""
+    import json
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "irdma.ops.cli", "run", "-n", "2", "--consistency", "bsp", "--",
+                          sys.executable, "-c", HIER], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = {d["rank"]: d for d in (json.loads(line.split("] ", 1)[1]) for line in res.stdout.splitlines()
+                                  if line.startswith(("[0] {", "[1] {")))}
+    assert got[0]["pushes"] == got[0]["rounds"] == got[1]["rounds"] > 0 and got[1]["pushes"] == 0
+    assert got[0]["checksum"] == got[1]["checksum"] and got[0]["first"] == got[1]["first"]
+    assert got[0]["accuracy"] > 0.9, got
+    from irdma import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="overlap='none'"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), overlap="p3", hierarchy=True)

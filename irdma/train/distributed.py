@@ -110,6 +110,8 @@ def shutdown() -> None:
     """Leave the job (no wait counts this worker any more) and close the client :func:`init`
     opened (a no-op when none is open)."""
     client, ino, me = _world.pop("client", None), _world.pop("job_ino", None), _world.get("rank", 0)
+    for group in _world.pop("groups", []):
+        group.close()
     registered = _world.get("atexit", False)
     _world.clear()
     _world["atexit"] = registered
@@ -289,6 +291,7 @@ class _JobState:
     codec: Any = None  # the gradients' compression, or None
     residual: np.ndarray | None = None  # error feedback: what compression left out so far (float32)
     rounds: Any = None  # overlap "fifo"/"p3": the per-layer rounds (irdma.train.overlap.Rounds)
+    group: Any = None  # hierarchy: this host's workers (irdma.train.hier.HostGroup)
 
 
 @keras.saving.register_keras_serializable(package="irdma")
@@ -314,6 +317,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         slice_elems: P3's slice, float32 elements (40,000: P3's own; 0: none).
         drop: layer dropping (with ``"p3"``/``"fifo"``): a layer's push waits on the worker
             while ``learning_rate * ||accumulated gradient||_1 < drop * ||weights||_1``.
+        hierarchy: the workers of one host (``IRDMA_LOCAL_RANK``/``IRDMA_LOCAL_SIZE``, as ``irdma
+            run -H`` sets them; ranks of a host are consecutive) sum their gradients in shared
+            memory (:class:`irdma.train.hier.HostGroup`, DASO's node-local step) and the host's
+            local rank 0 pushes the sum once (its weight decay times the host's workers) and
+            pulls once for all of them; every worker still ticks its clock. With
+            ``overlap="none"`` only.
 
     Raises:
         InvalidArgument: see :func:`update_of`; a bad ``overlap``, ``slice_elems`` or ``drop``
@@ -322,10 +331,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
 
     def __init__(self, optimizer: keras.optimizers.Optimizer | str | dict[str, Any], sync_timeout: float = 60.0,
                  name: str | None = None, compress: str | None = None, overlap: str = "none",
-                 slice_elems: int = DEFAULT_SLICE_ELEMS, drop: float = 0.0, **kwargs: Any) -> None:
+                 slice_elems: int = DEFAULT_SLICE_ELEMS, drop: float = 0.0, hierarchy: bool = False,
+                 **kwargs: Any) -> None:
         from . import overlap as _overlap
 
         _overlap.check(overlap, slice_elems, float(drop))
+        if hierarchy and overlap != "none":
+            raise InvalidArgument("hierarchy=True sums a whole step's gradients on the host first",
+                                  "pass overlap='none' with it")
         if drop and overlap == "none":
             raise InvalidArgument("drop= skips pushes per layer: it needs per-layer rounds", "pass overlap='p3' too")
         inner = optimizer if isinstance(optimizer, keras.optimizers.Optimizer) else keras.optimizers.get(optimizer)
@@ -346,8 +359,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         self.sync_timeout = float(sync_timeout)
         self.compress = compress
         self.overlap, self.slice_elems, self.drop = overlap, int(slice_elems), float(drop)
+        self.hierarchy = bool(hierarchy)
         self._job = _JobState(inner, codec=_codec(compress))
         self.rounds = 0
+        self.pushes = 0  # whole-model pushes this worker made (overlap "none")
 
     @property
     def inner(self) -> keras.optimizers.Optimizer:
@@ -360,7 +375,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
             inner["learning_rate"] = float(keras.ops.convert_to_numpy(self._learning_rate))
         return {"optimizer": keras.optimizers.serialize(type(self.inner).from_config(inner)),
                 "sync_timeout": self.sync_timeout, "name": self.name, "compress": self.compress,
-                "overlap": self.overlap, "slice_elems": self.slice_elems, "drop": self.drop}
+                "overlap": self.overlap, "slice_elems": self.slice_elems, "drop": self.drop,
+                "hierarchy": self.hierarchy}
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> DistributedOptimizer:
@@ -416,6 +432,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
                   for i, v in enumerate(self._job.vars)]
         total = 4 * sum(self._job.sizes)
         job_ino = _member()
+        if self.hierarchy and self._job.group is None:
+            self._job.group = _host_group(4 * sum(self._job.sizes), self.sync_timeout)
         if me == 0:
             client.client.store.setxattr(job_ino, XATTR_SYNC_TIMEOUT, repr(self.sync_timeout).encode())
             try:
@@ -521,6 +539,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
 
     # ------------------------------------------------------------ the step
     def _pull(self) -> list[np.ndarray]:
+        return self._split(self._pull_flat())
+
+    def _pull_flat(self) -> np.ndarray:
         flat = np.empty(sum(self._job.sizes), dtype="<f4")
         client = _need("client")
 
@@ -528,6 +549,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
             await cl.read_into(self._job.layout, 0, memoryview(flat).cast("B"), self._job.chunks)  # type: ignore[arg-type]
 
         client.submit(pull, timeout=self.sync_timeout).result()
+        return flat
+
+    def _split(self, flat: np.ndarray) -> list[np.ndarray]:
         out, start = [], 0
         for v, n in zip(self._job.vars, self._job.sizes, strict=True):
             out.append(flat[start : start + n].reshape(v.shape))
@@ -544,6 +568,15 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         decays, grads = tensors[:-k], tensors[-k:]
         update = _with_learning_rate(self.update, float(lr.numpy()))
         data = _flat([g.numpy() for g in grads])
+        client, job, me = _need("client"), _need("job"), _need("rank")
+        group = self._job.group
+        if group is not None:  # the host's sum goes in one push, by its local rank 0
+            total = group.reduce_to_leader(data)
+            if total is None:
+                client._run(client.client.clock, job, me)
+                self.rounds += 1
+                return self._split(group.broadcast(None))
+            data = np.ascontiguousarray(total, dtype="<f4")
         codec = self._job.codec
         if codec is not None:  # error feedback: what earlier pushes left out goes now
             if self._job.residual is None:
@@ -552,7 +585,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         decay = None
         if decays:
             decay = _flat([-d.numpy() for d in decays])
-        client, job, me = _need("client"), _need("job"), _need("rank")
+            if group is not None:  # every worker of the host would have pushed its own
+                decay *= np.float32(group.size)
         layout, chunks = self._job.layout, self._job.chunks
 
         async def step(cl: Any) -> None:
@@ -569,6 +603,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         client.submit(step, timeout=self.sync_timeout).result()  # the pushes: each request has its deadline too
         client._run(client.client.clock, job, me)  # the round's end: the job's sync timeout bounds its wait
         self.rounds += 1
+        self.pushes += 1
+        if group is not None:
+            return self._split(group.broadcast(self._pull_flat()))
         return self._pull()
 
     def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> Any:
@@ -680,6 +717,23 @@ class BroadcastInitialWeights(keras.callbacks.Callback):  # type: ignore[misc]
 
     def on_train_end(self, logs: Any = None) -> None:
         self.model.optimizer.flush()
+
+
+def _host_group(nbytes: int, timeout: float) -> Any:
+    """This host's :class:`irdma.train.hier.HostGroup`: ranks ``rank - local_rank ..`` of
+    ``IRDMA_LOCAL_SIZE`` (closed by :func:`shutdown`)."""
+    import hashlib
+
+    from .hier import HostGroup
+
+    me = _need("rank")
+    local_rank = int(os.environ.get("IRDMA_LOCAL_RANK", me))
+    local_size = int(os.environ.get("IRDMA_LOCAL_SIZE", _need("size")))
+    first = me - local_rank
+    tag = hashlib.sha256(f"{_need('job')} {_world.get('run', '')}".encode()).hexdigest()[:16]
+    group = HostGroup(f"irdma-{tag}-{first}", local_rank, local_size, nbytes, timeout=timeout)
+    _world.setdefault("groups", []).append(group)
+    return group
 
 
 def _wait_for(check: Any, what: str, timeout: float = SYNC_WAIT) -> Any:
