@@ -418,15 +418,57 @@ def test_per_layer_rounds_through_model_fit_equal_keras_step_by_step(job: str, o
     assert rounds.hooked == (set(range(len(rounds.groups))) if hooks else set())
 
 
-def test_layer_dropping_through_model_fit_holds_small_updates_back_and_loses_nothing(job: str) -> None:
-    """drop=T with overlap="p3": some layer pushes are skipped (their gradients wait in the
-    worker's residual cache); pushes + skips = layers x steps; the model still learns."""
-    from irdma import InvalidArgument
+def _losses(make_model: Callable[[], Any], optimizer: Any, callbacks: list[Any]) -> list[float]:
+    """The loss Keras logs after every batch (its forward passes' losses), nothing flushed."""
+    keras.utils.set_random_seed(7)
+    model = make_model()
+    x, y = _data()
+    model(x[:1])
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+    seen: list[float] = []
+    record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(float(logs["loss"])))
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[*callbacks, record])
+    return seen
 
+
+def test_p3s_forward_hooks_give_every_forward_pass_the_last_steps_weights(job: str) -> None:
+    """Nothing flushed between steps: each layer's forward pass takes its own pull (the hooks'
+    control dependencies). The losses of every forward pass equal Keras's, and the forward
+    passes, not a flush, took the pulls."""
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), overlap="p3", slice_elems=16)
+    ours = _losses(_functional, opt, [hvd.BroadcastInitialWeights(0)])
+    theirs = _losses(_functional, keras.optimizers.SGD(0.05, momentum=0.9), [])
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    rounds = opt._job.rounds
+    # 2 epochs of 6 steps: the first step of each epoch had nothing in flight (flushed at its end)
+    assert rounds.waited_in_forward == len(rounds.groups) * (opt.rounds - 2) > 0
+
+
+def test_layer_dropping_through_model_fit_holds_small_updates_back_and_loses_nothing(job: str, monkeypatch: Any) -> None:
+    """drop=T with overlap="p3": some layer pushes are skipped (their gradients wait in the
+    worker's residual cache); pushes + skips = layers x steps; nothing is lost: with SGD the
+    shards' weights are the initial ones less lr x everything pushed, and what was pushed plus
+    what waits in the cache is every gradient computed; the model learns."""
+    from irdma import InvalidArgument
+    from irdma.train import comm
+
+    offered: dict[int, list[np.ndarray]] = {}
+    pushed: dict[int, list[np.ndarray]] = {}
+    offer = comm.ResidualCache.offer
+
+    def recording(self: Any, key: Any, update: Any, weights: Any) -> Any:
+        offered.setdefault(key, []).append(np.array(update, dtype=np.float64))
+        out = offer(self, key, update, weights)
+        if out is not None:
+            pushed.setdefault(key, []).append(np.array(out, dtype=np.float64))
+        return out
+
+    monkeypatch.setattr(comm.ResidualCache, "offer", recording)
     keras.utils.set_random_seed(7)
     model = _sequential()
     x, y = _data(256)
     model(x[:1])
+    w0 = np.concatenate([np.ravel(w) for w in model.get_weights()]).astype(np.float64)
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05), overlap="p3", drop=0.05)
     model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     hist = model.fit(x, y, batch_size=16, epochs=6, shuffle=False, verbose=0, callbacks=[hvd.BroadcastInitialWeights(0)])
@@ -436,6 +478,15 @@ def test_layer_dropping_through_model_fit_holds_small_updates_back_and_loses_not
     # each step's forward pass took its layers' pulls of the step before (all but the first step's)
     assert rounds.waited_in_forward >= len(rounds.groups) * (opt.rounds - 6 - 1)
     assert hist.history["loss"][-1] < hist.history["loss"][0]
+    groups = range(len(rounds.groups))
+    sent = np.concatenate([np.sum(pushed.get(g, [np.zeros(1)]), axis=0) * np.ones(sum(
+        b - a for a, b in rounds.runs[g])) for g in groups])
+    opt.pull_weights()
+    final = np.concatenate([np.ravel(w) for w in model.get_weights()]).astype(np.float64)
+    np.testing.assert_allclose(final, w0 - 0.05 * sent, atol=2e-5)
+    for g in groups:
+        np.testing.assert_allclose(np.sum(offered[g], axis=0),
+                                   np.sum(pushed.get(g, [0.0]), axis=0) + rounds.cache.residual(g), atol=1e-4)
     with pytest.raises(InvalidArgument, match="overlap='p3'"):
         hvd.DistributedOptimizer(keras.optimizers.SGD(0.05), drop=0.1)
     with pytest.raises(InvalidArgument, match="overlap="):

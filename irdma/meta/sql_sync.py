@@ -275,7 +275,10 @@ class SqlSync:
         heartbeat now, not parked, not gone; and move its clock up to the largest clock of the
         job's other live members, so that a worker that joins late, comes back after a crash or
         leaves a job barrier goes on at the job's current clock (a clock never goes down).
-        Returns its clock."""
+        Returns its clock.
+
+        Raises:
+            InvalidArgument: a worker id outside 0 .. 2^20 - 1."""
         if not 0 <= worker < 1 << 20:
             raise InvalidArgument(f"worker ids are 0 to {(1 << 20) - 1}, not {worker}")
         with self._tx() as c:
@@ -316,7 +319,10 @@ class SqlSync:
         """``worker`` arrived at job barrier ``name``: recorded (for good: a member that comes to
         it later finds the arrivals before it) and parked there (clock waits do not wait for a
         parked member) until it joins again. ``arrived=False`` takes the arrival back (a wait
-        that gave up) and unparks it."""
+        that gave up) and unparks it.
+
+        Raises:
+            InvalidArgument: a bad barrier name (see :func:`check_sync_name`)."""
         check_sync_name(name)
         with self._tx() as c:
             if arrived:

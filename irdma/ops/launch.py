@@ -48,8 +48,11 @@ What the launcher does, in order:
    key-based login) or ``netns`` (``nsenter --net=/run/netns/HOST``: the network namespaces of
    :mod:`irdma.ops.testbed`, the same code path for tests). Every host must reach the
    namespace: ``--meta`` with a PostgreSQL URL (the launcher's local cluster serves this host
-   only), and the key file at the same path. A signal for the job reaches each remote worker
-   through its ``ssh`` (or directly, in a namespace).
+   only; keep its password in ``~/.pgpass``, not in the URL: the remote command line shows the
+   URL), and the key file at the same path. ``ssh -tt`` gives the remote worker a terminal, so
+   it gets SIGHUP when its ``ssh`` is stopped (a signal for the job, the launcher stopping the
+   others); in a namespace the signal reaches it directly. An elastic job restarts no worker
+   once another finished (exit 0): the job is ending.
 """
 
 from __future__ import annotations
@@ -136,6 +139,7 @@ class _Output:
         out = self.streams[fd]
         prefix = f"[{rank}] ".encode()
         for line in iter(pipe.readline, b""):
+            line = line.replace(b"\r\n", b"\n")  # through ssh -tt's terminal
             if not line.endswith(b"\n"):
                 line += b"\n"  # the worker's last line, unterminated
             with self.lock, contextlib.suppress(OSError, ValueError):
@@ -188,7 +192,9 @@ def remote_argv(rsh: str, host: str, env: dict[str, str], command: Sequence[str]
     if rsh == "netns":
         return ["nsenter", f"--net=/run/netns/{host}", "--", "env", *assign, *command]
     remote = f"cd {shlex.quote(os.getcwd())} && {shlex.join(['env', *assign, *command])}"
-    return ["ssh", "-o", "BatchMode=yes", host, remote]
+    # -tt: a terminal on the remote side, so that the worker gets SIGHUP when its ssh ends
+    # (a signal for the job, the launcher stopping it); its stderr then comes with its stdout
+    return ["ssh", "-tt", "-o", "BatchMode=yes", host, remote]
 
 
 @dataclass
@@ -371,7 +377,7 @@ def supervise(job: Job, n: int, command: Sequence[str], *, grace: float = 10.0,
             for w in workers[reached:]:
                 _signal(w, signum)
         log(f"started {len(workers)} worker(s) of job {job.path}: {' '.join(command)}")
-        status, restarts, running = 0, 0, len(workers)
+        status, restarts, running, finished = 0, 0, len(workers), 0
         while running:
             # no deadline: a job runs as long as it trains; the forwarded signals' handler runs meanwhile
             w = ended.get()
@@ -379,10 +385,16 @@ def supervise(job: Job, n: int, command: Sequence[str], *, grace: float = 10.0,
             for t in w.readers:
                 t.join(timeout=5.0)  # its last lines before the verdict
             code = w.proc.returncode
-            if code == 0 or status:
+            if code == 0:
+                finished += 1
+                continue
+            if status:
                 continue
             if elastic and not received:  # the others go on
-                if restarts < max_restarts:
+                if finished:  # the job is ending: a worker that finished leaves nothing to rejoin
+                    log(f"rank {w.rank} {describe(code)} after {finished} worker(s) finished; not restarted")
+                    status = exit_status(code)
+                elif restarts < max_restarts:
                     restarts += 1
                     log(f"rank {w.rank} {describe(code)}; restarting it (restart {restarts} of {max_restarts})")
                     start(w.rank, w.restart + 1)

@@ -237,8 +237,8 @@ async def _poll(check: Any, deadline: float, what: str, hint: str = _CLOCK_HINT)
 
 async def tick(meta: AsyncMeta, job: int, worker: int, workers: int, consistency: Consistency, timeout: float,
                elastic: tuple[int, int] | None = None) -> int:
-    """Advance ``worker``'s clock in ``job`` and wait until it may pull its next round
-    (``elastic``: the job's MIN:MAX, see the module docstring).
+    """Advance ``worker``'s clock in ``job`` and wait, at most ``timeout`` seconds, until it may
+    pull its next round (``elastic``: the job's MIN:MAX, see the module docstring).
 
     Returns:
         The worker's new clock.
@@ -262,7 +262,7 @@ async def tick(meta: AsyncMeta, job: int, worker: int, workers: int, consistency
         state.update(members=members, clocks=await meta.clocks(job))
         last = behind(state["clocks"], counted(members, workers, elastic, worker), clock, staleness)
         if elastic is not None:
-            live = sum(m.live for m in members)
+            live = sum(m.live or m.left for m in members)  # a worker that finished is no loss
             state["live"] = live
             if live < elastic[0]:
                 return False
@@ -276,6 +276,8 @@ async def tick(meta: AsyncMeta, job: int, worker: int, workers: int, consistency
                     f" {'is' if len(last) == 1 else 'are'} more than {staleness} clocks behind")
         else:
             what = f"{state.get('live')} workers are live, fewer than the elastic minimum {elastic and elastic[0]}"
+            raise SyncTimeout(f"{exc.args[0]}: {what}", "start more workers (irdma run --elastic restarts failed"
+                              " ones), or lower the minimum") from None
         raise SyncTimeout(f"{exc.args[0]}: {what}", exc.hint) from None
     return clock
 
@@ -292,24 +294,35 @@ async def join(meta: AsyncMeta, job: int, worker: int) -> int:
     return int(await meta.member_join(job, worker, host, pid))
 
 
-async def heartbeat(meta: AsyncMeta, job: int, worker: int) -> None:
-    """Beat for ``worker`` every :data:`HEARTBEAT_S` seconds until cancelled; join again when
-    the job stopped counting it (its heartbeats lapsed). A metadata error is logged and the
-    next beat tries again (a member that cannot beat lapses, which is what the others need)."""
-    while True:
+async def heartbeat(meta: AsyncMeta, job: int, worker: int, stop: Any = None) -> None:
+    """Beat for ``worker`` every :data:`HEARTBEAT_S` seconds until cancelled, ``stop`` (a
+    ``threading.Event``) is set or the member left; join again when the job stopped counting it
+    (its heartbeats lapsed), still parked at the barrier it waits at. A metadata error is logged
+    and the next beat tries again (a member that cannot beat lapses, which is what the others
+    need)."""
+    while stop is None or not stop.is_set():
         await trio.sleep(HEARTBEAT_S)
+        if stop is not None and stop.is_set():
+            return
         try:
-            if not await meta.member_beat(job, worker):
-                log.warning("worker %d of job %d: its heartbeats had lapsed; it joins again", worker, job)
-                await join(meta, job, worker)
+            if await meta.member_beat(job, worker):
+                continue
+            mine = next((m for m in await meta.members(job) if m.worker == worker), None)
+            if mine is not None and mine.left:
+                return  # it finished: never counted again
+            log.warning("worker %d of job %d: its heartbeats had lapsed; it joins again", worker, job)
+            await join(meta, job, worker)
+            if mine is not None and mine.parked is not None:
+                await meta.member_park(job, worker, mine.parked)  # still waiting there
         except IrdmaError as exc:
             log.warning("worker %d of job %d: heartbeat failed (%s); trying again", worker, job, exc)
 
 
 async def job_barrier(meta: AsyncMeta, job: int, name: str, worker: int, workers: int,
                       elastic: tuple[int, int] | None, timeout: float) -> None:
-    """Wait at job barrier ``name`` until the members it waits for arrived (see the module
-    docstring), parked meanwhile; then join again (the clock moves up to the job's).
+    """Wait at job barrier ``name``, at most ``timeout`` seconds, until the members it waits for
+    arrived (see the module docstring), parked meanwhile; then join again (the clock moves up
+    to the job's). Barrier names are for one use: :func:`irdma.keras.barrier` numbers its calls.
 
     Raises:
         SyncTimeout: not all arrived by the deadline (it names the missing ones).

@@ -48,6 +48,8 @@ import functools
 import json
 import logging
 import os
+import sys
+import threading
 import time
 from typing import Any
 
@@ -55,7 +57,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from .._errors import InvalidArgument, NoAttribute, NotFound
+from .._errors import InvalidArgument, IrdmaError, NoAttribute, NotFound
 from ..wire.protocol import Update, UpdateOp
 from . import coord
 from .comm import DEFAULT_SLICE_ELEMS
@@ -102,14 +104,33 @@ def init(*, meta: str | None = None, job: str | None = None, rank: int | None = 
     _world.update(meta=meta, job="/" + job.strip("/"), rank=rank, size=size, run=os.environ.get("IRDMA_RUN_ID", ""),
                   client=connect(meta, key_file=key_file or os.environ.get("IRDMA_KEY_FILE"), **client_options))
     if not _world.get("atexit"):
-        atexit.register(shutdown)  # a script that never calls shutdown() still leaves the job
+        atexit.register(_at_exit)  # a script that never calls shutdown() still leaves the job
+        previous = sys.excepthook
+
+        def crashed(*exc: Any) -> None:  # an unhandled exception: the worker failed, it did not finish
+            _crash.append(True)
+            previous(*exc)
+
+        sys.excepthook = crashed
         _world["atexit"] = True
 
 
-def shutdown() -> None:
-    """Leave the job (no wait counts this worker any more) and close the client :func:`init`
-    opened (a no-op when none is open)."""
+_crash: list[bool] = []
+
+
+def _at_exit() -> None:
+    """At the interpreter's exit: leave the job unless the script died of an exception (then
+    the others see a dead worker, never a finished one)."""
+    shutdown(leave=not _crash)
+
+
+def shutdown(leave: bool = True) -> None:
+    """Leave the job (``leave``: no wait counts this worker any more; else the others see it
+    die) and close the client :func:`init` opened (a no-op when none is open)."""
     client, ino, me = _world.pop("client", None), _world.pop("job_ino", None), _world.get("rank", 0)
+    stop = _world.pop("beat_stop", None)
+    if stop is not None:
+        stop.set()  # the heartbeat ends before the leave: it never joins again after it
     for group in _world.pop("groups", []):
         group.close()
     registered = _world.get("atexit", False)
@@ -118,7 +139,7 @@ def shutdown() -> None:
     if client is None:
         return
     try:
-        if ino is not None:
+        if ino is not None and leave:
             client._run(client.client.meta.member_leave, ino, me)
     except Exception as exc:  # noqa: BLE001 - closing goes on: the others see it as dead instead
         log.warning("could not leave the job cleanly (%s): the other workers will see this one as dead", exc)
@@ -158,17 +179,18 @@ def _member() -> int:
     except NoAttribute:
         elastic = None
     meta = client.client.meta
-    others = [m for m in client._run(meta.members, ino) if m.worker != me]
+    others = [m for m in client._run(meta.members, ino) if m.worker != me and not m.left]
     clocks = client._run(meta.clocks, ino)
-    # a job in progress (another worker of this run has stepped; `irdma run` resets the
-    # membership and clocks of a job it starts): this worker rejoins it, in the epoch of the
-    # slowest live worker (of the furthest worker when none is live)
+    # a job in progress (another worker that has not finished has stepped; `irdma run` resets
+    # the membership and clocks of a job it starts): this worker rejoins it, in the epoch of the
+    # slowest live worker (of the furthest one when none is live)
     rejoin = any(clocks.get(m.worker, 0) > 0 for m in others)
     live = [m.epoch for m in others if m.live]
     clock = client._run(coord.join, meta, ino, me)
-    _world.update(job_ino=ino, elastic=elastic, rejoin=rejoin, clock=clock,
+    stop = threading.Event()
+    _world.update(job_ino=ino, elastic=elastic, rejoin=rejoin, clock=clock, beat_stop=stop,
                   rejoin_epoch=(min(live) if live else max(m.epoch for m in others)) if rejoin else 0,
-                  beat=client.submit(lambda cl: coord.heartbeat(cl.meta, ino, me)))
+                  beat=client.submit(lambda cl: coord.heartbeat(cl.meta, ino, me, stop)))
     if rejoin:
         log.warning("rank %d rejoins job %s at its current clock and epoch %d", me, job, _world["rejoin_epoch"])
     return int(ino)
@@ -210,10 +232,20 @@ def barrier(name: str = "barrier", timeout: float = 600.0) -> None:
         irdma.train.coord.SyncTimeout: not every worker arrived within ``timeout`` seconds (it
             names the missing ones).
     """
+    _job_barrier(name, timeout)
+
+
+def _job_barrier(name: str, timeout: float) -> str:
+    """:func:`barrier`; returns the name it used: ``name`` numbered by its calls in this process
+    (``NAME#K``: a name used twice is two barriers; a restarted worker counts the same way)."""
     ino = _member()
     client = _need("client")
-    client._run(coord.job_barrier, client.client.meta, ino, barrier_name(name), _need("rank"), _need("size"),
+    uses = _world.setdefault("uses", {})
+    key = barrier_name(f"{name}#{uses.get(name, 0)}")
+    uses[name] = uses.get(name, 0) + 1
+    client._run(coord.job_barrier, client.client.meta, ino, key, _need("rank"), _need("size"),
                 _world.get("elastic"), timeout)
+    return key
 
 
 def barrier_name(name: str) -> str:
@@ -433,6 +465,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         total = 4 * sum(self._job.sizes)
         job_ino = _member()
         if self.hierarchy and self._job.group is None:
+            if _world.get("elastic") is not None:
+                raise InvalidArgument("hierarchy=True cannot follow an elastic job's membership (a host group has"
+                                      " a fixed size)", "drop hierarchy=True or --elastic")
             self._job.group = _host_group(4 * sum(self._job.sizes), self.sync_timeout)
         if me == 0:
             client.client.store.setxattr(job_ino, XATTR_SYNC_TIMEOUT, repr(self.sync_timeout).encode())
@@ -453,6 +488,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
                              chunk_size=MIN_CHUNK)  # a small file: a small chunk (shards hold whole chunks)
             if self._job.restore is not None and not _world["rejoin"]:
                 self._write_checkpoint()
+        if _world["rejoin"]:
+            self._job.restore = None  # the job's weights and state are newer than any checkpoint
         if _world["rejoin"]:  # the others passed the start long ago: wait for the weights only
             _wait_for(lambda: client.stat(params).update_op, f"the job's parameters {params}")
         elif _world["elastic"] is not None:  # an elastic job starts with every worker launched, else its minimum
@@ -505,6 +542,16 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         client.write(params, _flat([np.asarray(v.numpy()) for v in self._job.vars]), op="assign")
         if image:
             client._run(client.client.write_state, params, image)
+
+    def _restore_now(self) -> None:
+        """A checkpoint restored after the job was joined: written to the job, unless this
+        worker rejoined a running job (whose weights and state are newer: dropped)."""
+        if _world.get("rejoin"):
+            self._job.restore = None
+            log.warning("a checkpoint restored into a worker that rejoined a running job is ignored: the job's"
+                        " weights and optimizer state are newer")
+            return
+        self._write_checkpoint()
 
     def _state_image(self) -> bytes:
         if not self._job.joined:
@@ -563,7 +610,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         round, pull the weights."""
         self.join()
         if self._job.restore is not None:  # a checkpoint restored since the job was joined
-            self._write_checkpoint()
+            self._restore_now()
         k = len(self._job.vars)
         decays, grads = tensors[:-k], tensors[-k:]
         update = _with_learning_rate(self.update, float(lr.numpy()))
@@ -655,8 +702,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         if not rounds.started:  # the round's first push
             self.join()
             if self._job.restore is not None:
-                rounds.flush()
-                self._write_checkpoint()
+                rounds.pending.clear()  # pulls of the weights before the checkpoint: not applied
+                self._restore_now()
             rounds.started = True
         k = len(rounds.groups[g])
         decays, grads = tensors[:-k], tensors[-k:]
@@ -708,7 +755,10 @@ class BroadcastInitialWeights(keras.callbacks.Callback):  # type: ignore[misc]
         """Record the epoch this worker began (a worker that rejoins starts at the slowest
         live worker's)."""
         client = _need("client")
-        client._run(client.client.meta.member_beat, _member(), _need("rank"), epoch)
+        try:
+            client._run(client.client.meta.member_beat, _member(), _need("rank"), epoch)
+        except IrdmaError as exc:  # only a rejoining worker's first epoch depends on it
+            log.warning("could not record epoch %d of rank %d (%s)", epoch, _need("rank"), exc)
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         """Apply the pulls in flight (per-layer rounds), so that the callbacks after this one
@@ -807,8 +857,8 @@ class MetricAverageCallback(keras.callbacks.Callback):  # type: ignore[misc]
         client.makedirs(f"{job}/metrics")
         client.write(f"{job}/metrics/{run}-e{epoch}-r{rank()}.json", json.dumps(mine).encode(), op="assign",
                      chunk_size=MIN_CHUNK)
-        barrier(f"metrics-{epoch}", self.timeout)
-        arrived = client._run(client.client.meta.arrivals, _member(), barrier_name(f"metrics-{epoch}"))
+        key = _job_barrier(f"metrics-{epoch}", self.timeout)
+        arrived = client._run(client.client.meta.arrivals, _member(), key)
         every = [json.loads(bytes(client.read(f"{job}/metrics/{run}-e{epoch}-r{r}.json"))) for r in arrived]
         for key in mine:
             values = [d[key] for d in every if key in d]

@@ -27,6 +27,7 @@ it (same shape and optimizer) and keeps it; name the layer (``name=``) for that.
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
@@ -106,9 +107,13 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]  # Keras ships no typ
                 client.set_shape(self.path, [self.input_dim, self.output_dim])
                 total, done = self.input_dim * self.output_dim, 0
                 per = max(self.output_dim, INIT_SLICE - INIT_SLICE % self.output_dim)
+                init = self.embeddings_initializer
+                if isinstance(getattr(init, "seed", None), int):  # Keras 3 draws an int seed's values again
+                    init = copy.copy(init)  # at every call: a generator gives each slice its own
+                    init.seed = keras.random.SeedGenerator(init.seed)
                 while done < total:
                     n = min(per, total - done)
-                    part = self.embeddings_initializer((n // self.output_dim, self.output_dim), dtype="float32")
+                    part = init((n // self.output_dim, self.output_dim), dtype="float32")
                     client.write(self.path, np.asarray(part, dtype="<f4"), 4 * done, op="assign")
                     done += n
                 client.set_update_op(self.path, self.optimizer_spec)
