@@ -36,7 +36,7 @@ def _auc(out: str, prefix: str) -> float:
     return float(found[0])
 
 
-@pytest.mark.slow
+@pytest.mark.long  # make test-long (CI time): the embedding layer's gradients are checked in make test (test_distributed)
 def test_two_workers_reach_the_auc_of_one_local_process() -> None:
     """The same model, data and Adagrad: ``--local`` (keras.layers.Embedding in one process)
     against ``irdma run -n 2`` (the table on 2 shards, each worker on half the clicks, ASP).
@@ -53,7 +53,7 @@ def test_two_workers_reach_the_auc_of_one_local_process() -> None:
     assert abs(two - alone) < 0.01, f"2 workers {two:.4f} against local {alone:.4f}"
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_the_embedding_benchmark_measures_irdma_and_tf_parameter_servers() -> None:
     """``benchmarks/embedding.py --quick``: rows/s of irdma (2 workers) and of TF's
     ParameterServerStrategy (2 ps, 2 workers, the table sharded over both), and their ratio."""
