@@ -464,6 +464,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
                   for i, v in enumerate(self._job.vars)]
         total = 4 * sum(self._job.sizes)
         job_ino = _member()
+        if self._job.rounds is not None:  # ASP: no clock wait between a layer's push and its pull
+            try:
+                consistency = client.client.store.getxattr(job_ino, coord.XATTR_CONSISTENCY)
+            except NoAttribute:
+                consistency = b"asp"
+            self._job.rounds.asp = coord.parse_consistency(consistency).staleness is None
         if self.hierarchy and self._job.group is None:
             if _world.get("elastic") is not None:
                 raise InvalidArgument("hierarchy=True cannot follow an elastic job's membership (a host group has"
@@ -716,7 +722,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
 
     def _end_round(self, *tokens: Any) -> int:
         """Eager: every push acknowledged, the worker's clock ticked (BSP/SSP wait here), every
-        layer's pull started; the pulls of layers without a forward hook are applied now."""
+        layer's pull started (an ASP job's started with its push); the pulls of layers without
+        a forward hook are applied now."""
         rounds = self._job.rounds
         client = _need("client")
         rounds.started = False

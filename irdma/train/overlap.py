@@ -92,6 +92,9 @@ class Rounds:
         self.residuals: dict[int, np.ndarray] = {}  # compression's error feedback, per group
         self.pushed = self.skipped = self.waited_in_forward = 0
         self.started = False  # a round's first push happened (join, a restored checkpoint)
+        #: An ASP job: no clock wait comes between a layer's push and its pull, so each layer's
+        #: pull follows its own push at once (in the same task), overlapping back-propagation too.
+        self.asp = False
 
     # ------------------------------------------------------------ layers
     def group_by_path(self) -> None:
@@ -154,6 +157,8 @@ class Rounds:
             if push is None:
                 self.skipped += 1
                 if decay is None:
+                    if self.asp:  # the other workers' updates still come in
+                        self._start_pull(client, g, layout, chunks, timeout)
                     return
         fb = None
         if codec is not None and push is not None:  # error feedback: what earlier pushes left out goes now
@@ -161,7 +166,9 @@ class Rounds:
             push = push + fb
         runs = self.runs[g]
 
-        async def send(cl: Any) -> None:
+        pull = self._pull_fn(g, layout, chunks) if self.asp else None
+
+        async def send(cl: Any) -> np.ndarray | None:
             created: list[Any] = []
             at = 0
             for a, b in runs:
@@ -176,32 +183,45 @@ class Rounds:
                 await cl.meta.extend(layout.file_id, 4 * total, time.time_ns(), tuple(created))
                 for index, shard, incarnation in created:
                     chunks.setdefault(index, {})[shard] = incarnation
+            return await pull(cl) if pull is not None else None
 
         if push is not None:
             self.pushed += 1
-        self.pushes.append(client.submit(send, priority=g if self.overlap == "p3" else 0,
-                                         slice_bytes=self.slice_bytes, timeout=timeout))
+        fut = client.submit(send, priority=g if self.overlap == "p3" else 0, slice_bytes=self.slice_bytes,
+                            timeout=timeout)
+        if self.asp:
+            self.pending[g] = fut  # the layer's next forward pass waits for its push and pull
+        else:
+            self.pushes.append(fut)
 
     def wait_pushes(self) -> None:
         pushes, self.pushes = self.pushes, []
         for fut in pushes:
             fut.result()  # each has its deadline (submit's timeout)
 
+    def _pull_fn(self, g: int, layout: Any, chunks: Any) -> Callable[[Any], Any]:
+        """A coroutine function pulling group ``g`` into a fresh buffer (none is reused in flight)."""
+        runs = self.runs[g]
+        out = np.empty(sum(b - a for a, b in runs), dtype="<f4")
+
+        async def pull(cl: Any) -> np.ndarray:
+            at = 0
+            for a, b in runs:
+                await cl.read_into(layout, 4 * a, memoryview(out[at : at + b - a]).cast("B"), chunks)  # type: ignore[arg-type]
+                at += b - a
+            return out
+
+        return pull
+
+    def _start_pull(self, client: Any, g: int, layout: Any, chunks: Any, timeout: float) -> None:
+        self.pending[g] = client.submit(self._pull_fn(g, layout, chunks), priority=g if self.overlap == "p3" else 0,
+                                        slice_bytes=self.slice_bytes, timeout=timeout)
+
     def start_pulls(self, client: Any, layout: Any, chunks: Any, timeout: float) -> None:
-        """Start every group's pull, by priority."""
-        for g, runs in enumerate(self.runs):
-            n = sum(b - a for a, b in runs)
-            out = np.empty(n, dtype="<f4")  # a fresh buffer per pull: none is reused in flight
-
-            async def pull(cl: Any, runs: list[tuple[int, int]] = runs, out: np.ndarray = out) -> np.ndarray:
-                at = 0
-                for a, b in runs:
-                    await cl.read_into(layout, 4 * a, memoryview(out[at : at + b - a]).cast("B"), chunks)  # type: ignore[arg-type]
-                    at += b - a
-                return out
-
-            self.pending[g] = client.submit(pull, priority=g if self.overlap == "p3" else 0,
-                                            slice_bytes=self.slice_bytes, timeout=timeout)
+        """Start the pull of every group that has none in flight, by priority."""
+        for g in range(len(self.runs)):
+            if g not in self.pending:
+                self._start_pull(client, g, layout, chunks, timeout)
 
     def apply_pull(self, g: int) -> int:
         """Group ``g``'s pull in flight, if any: wait for it and assign its variables."""
