@@ -164,16 +164,7 @@ def _member() -> int:
         if XATTR_WORKERS not in store.listxattr(ino):  # not started by `irdma run`
             store.setxattr(ino, XATTR_WORKERS, str(n).encode())
     else:
-        deadline = time.monotonic() + SYNC_WAIT
-        while True:
-            try:
-                ino = client.stat(job).ino
-                break
-            except NotFound:
-                if time.monotonic() > deadline:
-                    raise InvalidArgument(f"the job directory {job} did not appear within {SYNC_WAIT:.0f} s",
-                                          "check rank 0's output (`irdma run` prefixes it with [0])") from None
-                time.sleep(0.1)
+        ino = _wait_for(lambda: client.stat(job).ino, f"the job directory {job}")
     try:
         elastic = coord.parse_elastic(store.getxattr(ino, XATTR_ELASTIC))
     except NoAttribute:
@@ -506,9 +497,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
                 return sum(m.live for m in client._run(client.client.meta.members, job_ino))
 
             try:
-                _wait_for(lambda: live() >= n, f"{n} live workers", self.sync_timeout)
-            except InvalidArgument:
-                _wait_for(lambda: live() >= low, f"{low} live workers (the elastic minimum)", self.sync_timeout)
+                _wait_for(lambda: live() >= n, f"{n} live workers", self.sync_timeout, coord.SyncTimeout)
+            except coord.SyncTimeout:
+                _wait_for(lambda: live() >= low, f"{low} live workers (the elastic minimum)", self.sync_timeout,
+                          coord.SyncTimeout)
                 log.warning("rank %d starts with %d of %d workers (the elastic minimum is %d)", me, live(), n, low)
         else:
             client._run(client.client.barrier, barrier_name("start"), n, self.sync_timeout)
@@ -793,9 +785,10 @@ def _host_group(nbytes: int, timeout: float) -> Any:
     return group
 
 
-def _wait_for(check: Any, what: str, timeout: float = SYNC_WAIT) -> Any:
-    """Poll ``check()`` (NotFound: not yet) until it returns something true, for up to
-    ``timeout`` seconds. Raises InvalidArgument at the deadline."""
+def _wait_for(check: Any, what: str, timeout: float = SYNC_WAIT, error: type[IrdmaError] = InvalidArgument) -> Any:
+    """Poll ``check()`` (NotFound: not yet) every 0.1 s until it returns something true, for up
+    to ``timeout`` seconds; returns that. Raises ``error`` (InvalidArgument: what rank 0 makes
+    never came; SyncTimeout: too few workers) at the deadline."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -805,7 +798,7 @@ def _wait_for(check: Any, what: str, timeout: float = SYNC_WAIT) -> Any:
         except NotFound:
             pass
         if time.monotonic() > deadline:
-            raise InvalidArgument(f"{what} did not appear within {timeout:.0f} s",
+            raise error(f"{what} did not appear within {timeout:.0f} s",
                                   "check rank 0's output (`irdma run` prefixes it with [0])")
         time.sleep(0.1)
 

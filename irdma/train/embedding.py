@@ -28,7 +28,6 @@ it (same shape and optimizer) and keeps it; name the layer (``name=``) for that.
 from __future__ import annotations
 
 import copy
-import time
 from typing import Any
 
 import keras
@@ -123,17 +122,8 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]  # Keras ships no typ
                                       f" {self.optimizer_spec!r}", "name the layer (name=...) as before, pass a"
                                       " new job name, or remove the job's directory")
         else:
-            deadline = time.monotonic() + D.SYNC_WAIT
-            while True:
-                try:
-                    if (client.stat(self.path).update_op or "") == self.optimizer_spec:
-                        break
-                except NotFound:
-                    pass
-                if time.monotonic() > deadline:
-                    raise InvalidArgument(f"rank 0 did not make the table {self.path} within {D.SYNC_WAIT:.0f} s",
-                                          "check rank 0's output (`irdma run` prefixes it with [0])")
-                time.sleep(0.1)
+            D._wait_for(lambda: (client.stat(self.path).update_op or "") == self.optimizer_spec,
+                        f"rank 0's table {self.path}")
         self._ready = True
 
     def write_table(self, table: np.ndarray, first_row: int = 0) -> None:
