@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from .._concurrency import open_nursery
 from .._errors import InvalidArgument
 from ..wire.protocol import UpdateOp
 from . import comm
@@ -85,6 +86,7 @@ class Rounds:
         self.offsets = [int(x) for x in np.cumsum([0, *sizes[:-1]])]
         self.groups: list[list[int]] = []  # variable indices per layer, in forward order
         self.runs: list[list[tuple[int, int]]] = []
+        self.pieces: list[list[tuple[int, int, int]]] = []
         self.hooked: set[int] = set()  # groups whose layer waits for its own pull
         self.pending: dict[int, Any] = {}  # group -> future of its pulled weights (float32, flat)
         self.pushes: list[Any] = []
@@ -130,6 +132,15 @@ class Rounds:
     def _set(self, groups: list[list[int]]) -> None:
         self.groups = groups
         self.runs = [_runs(g, self.offsets, self.sizes) for g in groups]
+        per = self.slice_bytes // 4
+        self.pieces = []  # per group: (file element, buffer element, count), at most one slice each
+        for runs in self.runs:
+            out, at = [], 0
+            for a, b in runs:
+                step = per or b - a
+                out += [(x, at + x - a, min(step, b - x)) for x in range(a, b, step)]
+                at += b - a
+            self.pieces.append(out)
 
     def flat(self, g: int, arrays: list[Any]) -> np.ndarray:
         """Group ``g``'s tensors (in the group's order) as one float32 buffer in run order."""
@@ -164,26 +175,39 @@ class Rounds:
         if codec is not None and push is not None:  # error feedback: what earlier pushes left out goes now
             fb = self.residuals.setdefault(g, np.zeros(data.size, np.float32))
             push = push + fb
-        runs = self.runs[g]
+        # An ASP job pulls each slice as soon as its push is acknowledged (as CommTrainer does):
+        # a big layer streams both ways of a full-duplex link at once instead of one after the other
+        out = np.empty(data.size, dtype="<f4") if self.asp else None
 
-        pull = self._pull_fn(g, layout, chunks) if self.asp else None
+        async def piece(cl: Any, a: int, at: int, n: int) -> list[Any]:
+            created: list[Any] = []
+            if decay is not None:
+                created += await cl.write_from(layout, 4 * a, decay[at : at + n], UpdateOp.ADD, chunks)
+            if push is not None:
+                created += await cl.write_from(layout, 4 * a, push[at : at + n], update, chunks, compress=codec,
+                                               feedback=None if fb is None else fb[at : at + n])
+            if out is not None:
+                await cl.read_into(layout, 4 * a, memoryview(out[at : at + n]).cast("B"), chunks)  # type: ignore[arg-type]
+            return created
+
+        pieces = self.pieces[g]
 
         async def send(cl: Any) -> np.ndarray | None:
             created: list[Any] = []
-            at = 0
-            for a, b in runs:
-                n = b - a
-                if decay is not None:
-                    created += await cl.write_from(layout, 4 * a, decay[at : at + n], UpdateOp.ADD, chunks)
-                if push is not None:
-                    created += await cl.write_from(layout, 4 * a, push[at : at + n], update, chunks, compress=codec,
-                                                   feedback=None if fb is None else fb[at : at + n])
-                at += n
+            if len(pieces) == 1:
+                created = await piece(cl, *pieces[0])
+            else:
+                async def one(p: tuple[int, int, int]) -> None:
+                    created.extend(await piece(cl, *p))
+
+                async with open_nursery() as nursery:  # an IrdmaError comes out as itself
+                    for p in pieces:
+                        nursery.start_soon(one, p)
             if created:  # chunks the file had not stored (a replica back from a failure): record them
                 await cl.meta.extend(layout.file_id, 4 * total, time.time_ns(), tuple(created))
                 for index, shard, incarnation in created:
                     chunks.setdefault(index, {})[shard] = incarnation
-            return await pull(cl) if pull is not None else None
+            return out
 
         if push is not None:
             self.pushed += 1
