@@ -68,7 +68,9 @@ def meta_path(url: str) -> str:
 
 def open_meta(url: str, *, create: bool = False) -> MetaStore:
     """Open the metadata engine at ``url``: an SQLite file (see :func:`meta_path` for the forms)
-    or a PostgreSQL database (``postgresql://user:password@host:port/db``, ``postgres://``, see
+    or a PostgreSQL database (``postgresql://user:password@host:port/db``, ``postgres://``;
+    several hosts in libpq's form ``postgresql://h1:5432,h2:5432/db?target_session_attrs=read-write``;
+    ``?failover_timeout=SECONDS``: how long calls wait for a lost server; see
     :class:`~irdma.meta.postgres.PostgresMeta`).
 
     Args:
@@ -79,7 +81,7 @@ def open_meta(url: str, *, create: bool = False) -> MetaStore:
         InvalidMetaURL: a malformed URL.
         InvalidArgument: the URL names a directory or a file that is not an irdma
             metadata database, or a PostgreSQL database without the irdma tables (and
-            ``create`` is False: `irdma format` makes them).
+            ``create`` is False: `irdma format` makes them), or a bad ``failover_timeout``.
         NotFound: the database does not exist and ``create`` is False.
         IrdmaError: the database cannot be opened (permissions, locked, I/O error), or the
             PostgreSQL server cannot be reached within its connect timeout.

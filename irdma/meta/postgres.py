@@ -8,7 +8,44 @@ each public call takes one connection for its whole length (callers run calls in
 threads, :data:`irdma.meta.aio.META_THREADS` per client). Each connection runs with
 ``lock_timeout = busy_timeout`` (a row lock waited for longer: :class:`Busy`),
 ``statement_timeout = 6 x busy_timeout`` and ``idle_in_transaction_session_timeout`` likewise
-(a client that died inside a transaction cannot keep its locks).
+(a client that died inside a transaction cannot keep its locks). Unless the URL sets them,
+connections use TCP keepalives (idle 5 s, then 3 probes 2 s apart) and ``tcp_user_timeout``
+10 s, so a server that vanished without closing the connection (a host gone, a partition) is
+noticed in seconds rather than after TCP's retransmissions (minutes).
+
+Several hosts: a URL may name several servers, in libpq's multi-host syntax
+``postgresql://h1:5432,h2:5432,h3:5432/irdma?target_session_attrs=read-write`` (PostgreSQL
+documentation, libpq "Connection Strings", "Specifying Multiple Hosts"; psycopg 3 passes it to
+libpq): every connection tries the hosts in order and keeps the first that answers and, with
+``target_session_attrs=read-write``, accepts writes: the primary of a replicated cluster
+(Patroni). :attr:`PostgresMeta.server` names them all (``h1:5432, h2:5432, h3:5432``).
+
+Lost connections (a restart, a failover, a network cut): a call whose connection breaks, or
+that cannot get one, runs again on a new connection (so the hosts are tried again and the new
+primary is found) after a pause of 50 ms doubling to 1 s, until ``failover_timeout`` seconds
+(default 30; the constructor's argument, else ``?failover_timeout=SECONDS`` in the URL, which
+is taken out before libpq sees it) after the loss; then :class:`MetadataError` with what to
+check. Errors that mean "this connection is gone": an ``OperationalError`` without an SQLSTATE
+(libpq lost the socket), class 08 (connection exception), ``admin_shutdown`` 57P01,
+``crash_shutdown`` 57P02, ``cannot_connect_now`` 57P03, ``idle_session_timeout`` 57P05,
+``idle_in_transaction_session_timeout`` 25P03, and ``read_only_sql_transaction`` 25006 (the
+server became a standby: the primary is elsewhere now). While the pool has not shown that it
+reconnected, calls wait at most 0.1 s for a pooled connection and otherwise open their own,
+so they do not wait for the pool's reconnection backoff (1 s doubling).
+
+Transaction ids (the mechanism is :mod:`irdma.meta.sql`'s): every write transaction inserts its
+call's UUID into ``txids(id UUID PRIMARY KEY, at TIMESTAMPTZ DEFAULT now())`` and commits, both
+in one simple-query message (``INSERT ...; COMMIT``: no extra round trip). When a COMMIT got no
+answer, the call, on a new connection, first makes sure that the old connection's server
+process is gone (``pg_stat_activity``, matched by pid and ``backend_start``; if it still runs,
+``pg_terminate_backend`` and a wait: a process still running could commit after the lookup),
+then looks the id up: present, the call landed; absent, it did not and runs again. After a
+failover the old process is on another host and the new primary holds exactly the commits
+that were replicated to it (with synchronous replication, every acknowledged one): the lookup
+there is the answer. Ids older than :data:`TXID_KEEP_S` (10 min, twice the longest
+``failover_timeout`` allowed) are deleted, by each engine at most once a minute, after a commit,
+in ``READ COMMITTED`` outside any ``SERIALIZABLE`` transaction (so the scan takes no predicate
+locks that would make writers conflict); a BRIN index on ``at`` keeps that delete cheap.
 
 Isolation, per method group:
 
@@ -41,8 +78,9 @@ Isolation, per method group:
   when its process is gone (as on SQLite).
 
 Errors: :class:`Busy` as above, ``lock_not_available`` (55P03) and ``query_canceled`` (57014);
-any other ``psycopg.Error`` is a :class:`MetadataError` (EIO), logged once. The password of the
-URL never appears in a message, a log line, ``repr`` or :attr:`PostgresMeta.url` (``***``).
+a server lost for longer than ``failover_timeout`` and any other ``psycopg.Error`` are a
+:class:`MetadataError` (EIO), logged once. The password of the URL never appears in a message,
+a log line, ``repr`` or :attr:`PostgresMeta.url` (``***``).
 """
 
 from __future__ import annotations
@@ -53,6 +91,9 @@ import re
 import socket
 import stat
 import threading
+import time
+import uuid
+import weakref
 from typing import Any
 
 import psycopg
@@ -62,7 +103,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from irdma._errors import Busy, InvalidArgument, IrdmaError, MetadataError
 
 from .base import ROOT_INO
-from .sql import SqlMeta, log
+from .sql import FAILOVER_TIMEOUT_S, SqlMeta, log
 from .sql_rows import Result, now, redact
 from .sql_sync import SYNC_SCHEMA
 
@@ -96,6 +137,8 @@ ALTER TABLE moves ADD COLUMN IF NOT EXISTS last_ino BIGINT;
 CREATE TABLE IF NOT EXISTS chunks(
     ino BIGINT NOT NULL, idx BIGINT NOT NULL, shard BIGINT NOT NULL, incarnation BIGINT NOT NULL,
     PRIMARY KEY(ino, idx, shard));
+CREATE TABLE IF NOT EXISTS txids(id UUID PRIMARY KEY, at TIMESTAMPTZ NOT NULL DEFAULT now());
+CREATE INDEX IF NOT EXISTS txids_at ON txids USING brin(at);
 """ + SYNC_SCHEMA
 #: Serializes schema creation of several processes formatting one database at once.
 _SCHEMA_LOCK = 0x1D3A_0001
@@ -106,19 +149,77 @@ _RETRY = {"40001", "40P01"}
 _UNIQUE_RETRIES = 3
 #: SQLSTATEs of a lock or statement waited for too long.
 _BUSY = {"55P03", "57014"}
+#: SQLSTATEs after which the connection is gone (see the module docstring); also class 08.
+_LOST = {"57P01", "57P02", "57P03", "57P05", "25P03", "25006"}
 SCHEMES = ("postgresql://", "postgres://")
 FORMAT_HINT = "make a namespace there first with `irdma format URL`"
+#: The URL query parameter of the failover deadline (taken out before libpq sees the URL).
+FAILOVER_PARAM = "failover_timeout"
+#: Seconds a transaction id is kept: a call settles a lost commit within its failover_timeout.
+TXID_KEEP_S = 600
+#: The longest failover_timeout (half of TXID_KEEP_S: another engine's pruning never removes an
+#: id a call still needs).
+FAILOVER_MAX_S = TXID_KEEP_S / 2
+#: Seconds between one engine's deletions of old transaction ids.
+TXID_PRUNE_EVERY_S = 60.0
+#: Seconds a call waits for a pooled connection while the pool has not shown it reconnected.
+_DEGRADED_GETCONN_S = 0.1
+#: libpq settings that bound how long a vanished server goes unnoticed (unless the URL sets them).
+_TCP_DEFAULTS = {"keepalives": "1", "keepalives_idle": "5", "keepalives_interval": "2", "keepalives_count": "3",
+                 "tcp_user_timeout": "10000"}
 
 
 def server_of(url: str) -> str:
-    """``host:port`` (or the socket directory) a URL connects to, as libpq resolves it (no I/O)."""
+    """The ``host:port`` (or socket directory) a URL connects to, as libpq resolves it (no
+    I/O); several, comma-separated, in the order libpq tries them, for a multi-host URL."""
     try:
         info = psycopg.conninfo.conninfo_to_dict(url)
     except psycopg.Error:
         return "?"
-    host = str(info.get("host") or os.environ.get("PGHOST") or "localhost")
-    port = str(info.get("port") or os.environ.get("PGPORT") or "5432")
-    return f"{host}:{port}" if not host.startswith("/") else f"{host} (unix socket, port {port})"
+    hosts = str(info.get("host") or os.environ.get("PGHOST") or "localhost").split(",")
+    ports = str(info.get("port") or os.environ.get("PGPORT") or "5432").split(",")
+    if len(ports) == 1:  # libpq: one port for every host, or one port per host
+        ports *= len(hosts)
+    shown = []
+    for host, port in zip(hosts, ports, strict=False):
+        host, port = host or "localhost", port or "5432"
+        shown.append(f"{host}:{port}" if not host.startswith("/") else f"{host} (unix socket, port {port})")
+    return ", ".join(shown)
+
+
+def split_failover(url: str) -> tuple[str, float | None]:
+    """``url`` without its ``failover_timeout`` query parameter, and that parameter's value
+    (None when absent). No I/O.
+
+    Raises:
+        InvalidArgument: the value is not a number of seconds in (0, :data:`FAILOVER_MAX_S`].
+    """
+    base, mark, query = url.partition("?")
+    if not mark or FAILOVER_PARAM + "=" not in query:
+        return url, None
+    keep, value = [], None
+    for part in query.split("&"):
+        if part.startswith(FAILOVER_PARAM + "="):
+            value = part[len(FAILOVER_PARAM) + 1:]
+        elif part:
+            keep.append(part)
+    return (base + "?" + "&".join(keep) if keep else base), check_failover_timeout(value)
+
+
+def check_failover_timeout(value: object) -> float:
+    """``value`` as seconds of a failover deadline.
+
+    Raises:
+        InvalidArgument: not a number in (0, :data:`FAILOVER_MAX_S`].
+    """
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not 0 < seconds <= FAILOVER_MAX_S:
+        raise InvalidArgument(f"bad {FAILOVER_PARAM} {value!r}: seconds, more than 0 and at most {FAILOVER_MAX_S:g}",
+                              f"write it in the URL as ?{FAILOVER_PARAM}=30")
+    return seconds
 
 
 class _Cursor:
@@ -151,41 +252,62 @@ class PostgresMeta(SqlMeta):
     """The namespace in a PostgreSQL database.
 
     Args:
-        url: ``postgresql://[user[:password]@][host][:port]/dbname[?param=value...]`` (also
-            ``postgres://``; ``?host=/socket/dir`` for a unix socket). Whatever the URL leaves out
-            comes from libpq's usual places: ``PGPASSWORD``, ``~/.pgpass``, ``PGSSLMODE``, ...
+        url: ``postgresql://[user[:password]@][host][:port][,host[:port]...]/dbname[?param=value...]``
+            (also ``postgres://``; ``?host=/socket/dir`` for a unix socket; several hosts: libpq
+            tries them in order, ``?target_session_attrs=read-write`` keeps the primary).
+            Whatever the URL leaves out comes from libpq's usual places: ``PGPASSWORD``,
+            ``~/.pgpass``, ``PGSSLMODE``, ... ``?failover_timeout=SECONDS`` is irdma's, not
+            libpq's: see ``failover_timeout``.
         create: make the schema and the root directory if the database has no irdma tables.
         busy_timeout: seconds a call may wait for locks and retries before :class:`Busy`.
-        connect_timeout: seconds to wait for the server when connecting.
-        pool_size: the most connections this engine holds open.
+        connect_timeout: seconds to wait for a server when connecting (per host).
+        pool_size: the most connections this engine keeps in its pool.
+        failover_timeout: seconds a call keeps reconnecting after its connection was lost
+            (a restart, a failover) before :class:`MetadataError`; None: the URL's
+            ``failover_timeout``, else :data:`~irdma.meta.sql.FAILOVER_TIMEOUT_S` (30).
 
     Raises:
         IrdmaError: the server cannot be reached or refused the login (the message names the
-            host and port, never the password).
-        InvalidArgument: the database has no irdma tables and ``create`` is False.
+            hosts and ports, never the password).
+        InvalidArgument: the database has no irdma tables and ``create`` is False; a bad
+            ``failover_timeout``.
     """
 
     _BEGIN = "BEGIN ISOLATION LEVEL SERIALIZABLE"
     _DB_ERROR = psycopg.Error
+    _TXIDS = True
 
     def __init__(self, url: str, *, create: bool = False, busy_timeout: float = 10.0,
-                 connect_timeout: float = 10.0, pool_size: int = 8) -> None:
-        self.__conninfo = url  # private: the only place the password is kept
+                 connect_timeout: float = 10.0, pool_size: int = 8, failover_timeout: float | None = None) -> None:
+        conninfo, url_failover = split_failover(url)
+        self.__conninfo = conninfo  # private: the only place the password is kept
         self.url = redact(url)
-        self.server = server_of(url)
+        self.server = server_of(conninfo)
         self.busy_timeout = busy_timeout
         self.connect_timeout = connect_timeout
+        self.failover_timeout = (check_failover_timeout(failover_timeout) if failover_timeout is not None
+                                 else url_failover or FAILOVER_TIMEOUT_S)
         self._host = socket.gethostname()
         self._local = threading.local()
         self._pool: ConnectionPool[Any] | None = None
-        self._applied_timeout: dict[int, float] = {}
+        #: per connection: the busy_timeout its limits were set for, its server process's pid and start
+        self._conn_info: weakref.WeakKeyDictionary[psycopg.Connection[Any], tuple[float, int, object]] = (
+            weakref.WeakKeyDictionary())
+        self._degraded = False  # a connection was lost and the pool has not shown it reconnected
+        self._lost_since: float | None = None  # when the current loss began (for the log)
+        self._next_prune = 0.0
+        try:
+            given = psycopg.conninfo.conninfo_to_dict(conninfo)
+        except psycopg.Error:
+            given = {}  # a malformed URL: the first connect says what is wrong with it
+        self._kwargs: dict[str, Any] = {"autocommit": True, "connect_timeout": max(2, round(connect_timeout)),
+                                        "application_name": "irdma",
+                                        **{k: v for k, v in _TCP_DEFAULTS.items() if k not in given}}
         with self._connect() as conn:
             self._init_schema(conn, create)
         pool: ConnectionPool[Any] = ConnectionPool(
-            url, min_size=1, max_size=pool_size, open=False, name="irdma-meta", timeout=busy_timeout,
-            kwargs={"autocommit": True, "connect_timeout": max(2, round(connect_timeout)),
-                    "application_name": "irdma"},
-            configure=self._configure, reconnect_timeout=max(60.0, 6 * busy_timeout))
+            conninfo, min_size=1, max_size=pool_size, open=False, name="irdma-meta", timeout=busy_timeout,
+            kwargs=self._kwargs, configure=self._configure, reconnect_timeout=max(60.0, 6 * busy_timeout))
         try:
             pool.open(wait=True, timeout=connect_timeout)
         except PoolTimeout:
@@ -216,22 +338,36 @@ class PostgresMeta(SqlMeta):
     def _connect(self) -> psycopg.Connection[Any]:
         """One connection, or a clear error within ``connect_timeout``."""
         try:
-            return psycopg.connect(self.__conninfo, autocommit=True,
-                                   connect_timeout=max(2, round(self.connect_timeout)), application_name="irdma")
+            return psycopg.connect(self.__conninfo, **self._kwargs)
         except psycopg.Error as exc:
             log.error("metadata: cannot connect to %s: %s", self.server, self._scrub(exc))
             raise self._unreachable(exc) from None
+
+    def _direct(self) -> psycopg.Connection[Any]:
+        """A connection of the call's own, outside the pool, with the pool's settings (a
+        ``psycopg.Error`` when no host answers: the call's lost-connection path)."""
+        conn = psycopg.connect(self.__conninfo, **self._kwargs)
+        try:
+            self._set_timeouts(conn)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     def _configure(self, conn: psycopg.Connection[Any]) -> None:
         """Every pooled connection's limits (see the module docstring)."""
         self._set_timeouts(conn)
 
     def _set_timeouts(self, conn: psycopg.Connection[Any]) -> None:
+        """The connection's limits, and which server process serves it (pid and start time:
+        what settles a commit whose answer was lost)."""
         ms = max(1, int(self.busy_timeout * 1000))
-        conn.execute(f"SET lock_timeout = {ms}")
-        conn.execute(f"SET statement_timeout = {6 * ms}")
-        conn.execute(f"SET idle_in_transaction_session_timeout = {6 * ms}")
-        self._applied_timeout[id(conn)] = self.busy_timeout
+        conn.execute(f"SET lock_timeout = {ms}; SET statement_timeout = {6 * ms};"
+                     f" SET idle_in_transaction_session_timeout = {6 * ms}")
+        row = conn.execute("SELECT pg_backend_pid(), backend_start FROM pg_stat_activity"
+                           " WHERE pid = pg_backend_pid()").fetchone()
+        pid, started = (int(row[0]), row[1]) if row else (conn.info.backend_pid, None)
+        self._conn_info[conn] = (self.busy_timeout, pid, started)
 
     def _init_schema(self, conn: psycopg.Connection[Any], create: bool) -> None:
         try:
@@ -281,26 +417,108 @@ class PostgresMeta(SqlMeta):
             raise RuntimeError("PostgresMeta: a statement outside an engine call")
         return _Cursor(conn.cursor())
 
-    def _acquire(self) -> None:
+    def _acquire(self, fresh: bool = False) -> None:
         if self._pool is None:
             raise IrdmaError(f"the metadata engine of {self.url} is closed")
-        try:
-            conn = self._pool.getconn(timeout=self.busy_timeout)
-        except PoolTimeout:
-            raise Busy(f"no connection to the PostgreSQL metadata server at {self.server} within"
-                       f" {self.busy_timeout:g} s", "check that the server is up; retry") from None
-        if self._applied_timeout.get(id(conn)) != self.busy_timeout:  # a client changed busy_timeout
+        conn: psycopg.Connection[Any] | None = None
+        if not fresh:
             try:
-                self._set_timeouts(conn)
-            except psycopg.Error:
-                self._pool.putconn(conn)
-                raise
+                conn = self._pool.getconn(timeout=_DEGRADED_GETCONN_S if self._degraded else self.busy_timeout)
+            except PoolTimeout:
+                pass  # every pooled connection busy, or the pool still reconnecting: one of its own
+        if conn is None:
+            conn = self._direct()
+            self._local.own = True
+        else:
+            self._local.own = False
+            info = self._conn_info.get(conn)
+            if info is None or info[0] != self.busy_timeout:  # a client changed busy_timeout
+                try:
+                    self._set_timeouts(conn)
+                except psycopg.Error:
+                    self._pool.putconn(conn)
+                    raise
         self._local.conn = conn
 
-    def _release(self) -> None:
+    def _release(self, ok: bool = False) -> None:
         conn = self._local.__dict__.pop("conn", None)
-        if conn is not None and self._pool is not None:
-            self._pool.putconn(conn)  # one in a transaction or broken is rolled back or dropped
+        own = self._local.__dict__.pop("own", False)
+        if conn is None:
+            return
+        if ok and self._lost_since is not None:
+            log.warning("metadata: %s answers again, %.1f s after the connection was lost", self.server,
+                        time.monotonic() - self._lost_since)
+            self._lost_since = None
+        if own or self._pool is None:
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
+            return
+        if ok:
+            self._degraded = False  # the pool's connections work again
+        self._pool.putconn(conn)  # one in a transaction or broken is rolled back or dropped
+
+    def _connection_lost(self, exc: Exception) -> bool:
+        code = getattr(exc, "sqlstate", None)
+        lost = (code is None and isinstance(exc, psycopg.OperationalError)) or (
+            code is not None and (code.startswith("08") or code in _LOST))
+        if lost and self._lost_since is None:
+            self._lost_since = time.monotonic()
+            log.warning("metadata: lost the connection to %s (%s): reconnecting, for up to %g s per call",
+                        self.server, self._scrub(exc), self.failover_timeout)
+        if lost:
+            self._degraded = True
+        return lost
+
+    def _commit(self, txid: uuid.UUID) -> None:
+        conn = self._local.conn
+        info = self._conn_info.get(conn)
+        self._local.committing = (info[1], info[2]) if info else (conn.info.backend_pid, None)
+        # one message: the id and the COMMIT arrive together (a UUID's text needs no quoting)
+        conn.execute(f"INSERT INTO txids(id) VALUES ('{txid}'); COMMIT")
+        self._local.committing = None
+        t = time.monotonic()
+        if t >= self._next_prune:
+            self._next_prune = t + TXID_PRUNE_EVERY_S
+            try:
+                conn.execute("DELETE FROM txids WHERE at < now() - make_interval(secs => %s)", (TXID_KEEP_S,))
+            except psycopg.Error as exc:  # the call's commit stands: pruning waits for the next one
+                log.info("metadata: pruning old transaction ids on %s: %s", self.server, self._scrub(exc))
+
+    def _landed(self, txid: uuid.UUID, committing: object, until: float) -> bool:
+        assert isinstance(committing, tuple)
+        pid, started = committing
+        c = self._db
+        pause, first = 0.01, True
+        while started is not None:  # the old connection's server process: gone, or stopped first
+            row = c.execute("SELECT backend_start FROM pg_stat_activity WHERE pid=?", (pid,)).fetchone()
+            if row is None or row[0] != started:
+                break
+            if first:
+                first = False
+                log.info("metadata: stopping server process %d of a lost connection to %s before looking up"
+                         " its commit", pid, self.server)
+            c.execute("SELECT pg_terminate_backend(?)", (pid,))
+            if time.monotonic() + pause >= until:
+                raise MetadataError(
+                    f"metadata database {self.url}: the server process {pid} of a lost connection still runs after"
+                    f" {self.failover_timeout:g} s: whether its commit landed is unknown",
+                    "check the server's log and pg_stat_activity; then check the operation's effect before retrying")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
+        return c.execute("SELECT 1 FROM txids WHERE id=?", (txid,)).fetchone() is not None
+
+    def _lost_failure(self, op: str, exc: Exception, unknown: bool) -> IrdmaError:
+        message = self._scrub(exc)
+        what = (f"metadata {op}: the PostgreSQL metadata server at {self.server} did not answer again within"
+                f" {self.failover_timeout:g} s ({message})")
+        if unknown:
+            what += "; whether the operation's commit landed is unknown"
+        log.error("%s", what)
+        return MetadataError(
+            what, "check that PostgreSQL runs there and is reachable; with several hosts, that one is the primary"
+                  " (`patronictl list`) and that the URL has target_session_attrs=read-write; a longer failover"
+                  f" needs a larger deadline: ?{FAILOVER_PARAM}=SECONDS in the URL"
+                  + ("; check the operation's effect before retrying it" if unknown else ""))
 
     def _retryable(self, exc: Exception, attempt: int) -> bool:
         code = getattr(exc, "sqlstate", None)

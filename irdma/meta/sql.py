@@ -20,7 +20,37 @@ thread takes a connection, runs the method, and on a retryable error rolls back 
 gives the connection back, sleeps a jittered, growing backoff, and runs the whole method again,
 until ``busy_timeout`` seconds have passed; then :class:`Busy`. A method that calls another
 public method (``lookup`` calls ``getattr``) runs it on the same connection, and leaves errors
-to the outer call. Methods are pure database work, so running one again is safe.
+to the outer call. Methods are pure database work, so running one again is safe, with one
+exception that the next paragraphs deal with: a commit whose answer never came.
+
+Lost connections (a driver whose ``_connection_lost`` says so: PostgreSQL, on a server restart,
+a failover, a network cut): the call runs again on a new connection (``_acquire(fresh=True)``),
+after a jittered pause of 50 ms doubling to 1 s, until ``failover_timeout`` seconds after the
+first loss; then the driver's ``_lost_failure`` (:class:`MetadataError` with what to do).
+Statements before the COMMIT changed nothing (the server rolls back a transaction whose
+connection is gone), so those simply run again.
+
+Commits whose outcome is unknown (drivers with ``_TXIDS``: PostgreSQL). When the connection
+breaks after COMMIT was sent and before its answer came, the transaction may or may not have
+committed, and the client gets the same error either way (the PostgreSQL documentation says so
+where it offers ``pg_xact_status``, "Transaction ID and Snapshot Information Functions": it is
+for applications that "become disconnected while a COMMIT is in progress"). Running the call
+again could apply it twice (a create that landed would then report ``Exists``, a clock would
+tick twice); reporting a failure would be wrong when it landed. So every write transaction
+carries a transaction id, a UUID made once per call before its first attempt and recorded in a
+row of its own (rather than the server's xid, which would take one more round trip per write
+to learn before the COMMIT; a row works the same on any engine): ``_tx`` leaves the
+transaction open, and :meth:`SqlMeta._call`, once the method returned its value, has the
+driver's ``_commit`` insert the id into the ``txids`` table and commit, in the same
+transaction (one message). If that commit's answer is lost, the next attempt first asks the
+driver's ``_landed`` (on a new connection, once the old connection's server process is gone,
+so its transaction is finished one way or the other) whether the id is there: if so, the call
+landed and returns the value it computed in the transaction that committed (kept in memory:
+the retry is the same call in the same process, so no result is stored, read back or
+unpickled from the database); if not, nothing landed and the call runs again. Read-only
+transactions (``_tx(read_only=True)``: nothing to apply twice) commit at once, without an id.
+SQLite has no ids: its COMMIT is a call into a local file, which returns or takes the calling
+process down with it; there is no connection that could be lost in between.
 """
 
 from __future__ import annotations
@@ -32,6 +62,7 @@ import random
 import stat
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, TypeVar
 
@@ -78,6 +109,11 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 #: First and largest pause (seconds) before a call runs again after a serialization failure.
 RETRY_FIRST_S = 0.002
 RETRY_MAX_S = 0.2
+#: First and largest pause (seconds) before a call tries a lost server again (restart, failover).
+RECONNECT_FIRST_S = 0.05
+RECONNECT_MAX_S = 1.0
+#: Seconds a call waits for a lost metadata server to answer again, by default.
+FAILOVER_TIMEOUT_S = 30.0
 
 
 def _invalid_as_einval(parse: Callable[[bytes | str], str]) -> Callable[[bytes | str], str]:
@@ -111,13 +147,25 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
             raises :class:`Busy`; a client sets it to its own request timeout.
         retries: calls run again after a serialization failure, since the engine opened (a
             measure of contention between clients).
+        failover_timeout: seconds a call keeps trying a server whose connection was lost
+            (restart, failover) before :class:`MetadataError` (engines with connections).
+        reconnects: tries after a lost connection, since the engine opened.
+        commits_resolved: commits whose answer was lost, settled by looking up their
+            transaction id; ``commits_landed`` of them had landed (their value was returned,
+            the call not run again).
     """
 
     url: str
     busy_timeout: float = 10.0
+    failover_timeout: float = FAILOVER_TIMEOUT_S
     retries: int = 0
+    reconnects: int = 0
+    commits_resolved: int = 0
+    commits_landed: int = 0
     _BEGIN: ClassVar[str] = "BEGIN"
     _DB_ERROR: ClassVar[type[Exception]] = Exception
+    #: Whether write transactions carry a transaction id (see the module docstring).
+    _TXIDS: ClassVar[bool] = False
     _local: threading.local
 
     # ---------------------------------------------------------------- the driver's part
@@ -126,11 +174,32 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
         """Where this call runs statements outside a transaction."""
         raise NotImplementedError
 
-    def _acquire(self) -> None:
-        """Take a connection for the call now starting on this thread."""
+    def _acquire(self, fresh: bool = False) -> None:
+        """Take a connection for the call now starting on this thread; ``fresh``: a new one
+        (the call lost its last), not one that may have been open before."""
 
-    def _release(self) -> None:
-        """Give back the connection :meth:`_acquire` took."""
+    def _release(self, ok: bool = False) -> None:
+        """Give back the connection :meth:`_acquire` took; ``ok``: the call succeeded on it."""
+
+    def _connection_lost(self, exc: Exception) -> bool:
+        """Whether ``exc`` (of ``_DB_ERROR``) means the connection to the server is gone, so
+        the call may run again on a new one (the driver notes the loss)."""
+        return False
+
+    def _commit(self, txid: uuid.UUID) -> None:
+        """Record ``txid`` in the open transaction and commit it (drivers with ``_TXIDS``)."""
+        raise NotImplementedError
+
+    def _landed(self, txid: uuid.UUID, committing: object, until: float) -> bool:
+        """Whether the transaction with id ``txid`` committed; ``committing`` is what
+        ``_commit`` left in ``self._local.committing`` when its answer was lost, ``until`` the
+        call's deadline (``time.monotonic()``)."""
+        raise NotImplementedError
+
+    def _lost_failure(self, op: str, exc: Exception, unknown: bool) -> IrdmaError:
+        """The error of method ``op`` whose server did not come back within
+        ``failover_timeout``; ``unknown``: whether its last commit landed is not known."""
+        return self._failure(op, exc, False)
 
     def _retryable(self, exc: Exception, attempt: int) -> bool:
         """Whether ``exc`` (of ``_DB_ERROR``, the ``attempt``-th failure of this call) changed
@@ -144,33 +213,82 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
 
     # ---------------------------------------------------------------- how a call runs
     def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run method ``fn`` on one connection, again while it fails in a retryable way."""
+        """Run method ``fn`` on one connection, again while it fails in a retryable way or
+        loses its connection; a commit whose answer was lost is settled by its transaction id
+        (see the module docstring)."""
         local = self._local
         if getattr(local, "depth", 0):  # inside another public call: its connection, its errors
             return fn(self, *args, **kwargs)
         deadline = time.monotonic() + self.busy_timeout
-        pause = RETRY_FIRST_S
+        lost_until: float | None = None  # set by the first lost connection: when to give up
+        pause, wait = RETRY_FIRST_S, RECONNECT_FIRST_S
         attempt = 0
+        txid = uuid.uuid4() if self._TXIDS else None  # one per call, before its first attempt
+        computed: Any = None  # the value of the attempt whose commit was sent last
+        unknown: object = None  # what _commit left when that commit's answer was lost
         while True:
-            self._acquire()
-            local.depth = 1
+            local.committing = None
             try:
-                return fn(self, *args, **kwargs)
+                self._acquire(fresh=lost_until is not None)
+                ok = False
+                local.depth = 1
+                local.pending = False
+                try:
+                    if unknown is not None:
+                        assert txid is not None and lost_until is not None
+                        landed = self._landed(txid, unknown, lost_until)
+                        self.commits_resolved += 1
+                        unknown = None
+                        if landed:
+                            self.commits_landed += 1
+                            ok = True
+                            return computed
+                    result = fn(self, *args, **kwargs)
+                    if local.pending:  # a write transaction left open by _tx: its id, then COMMIT
+                        assert txid is not None
+                        local.pending = False
+                        computed = result
+                        self._commit(txid)
+                    ok = True
+                    return result
+                finally:
+                    local.depth = 0
+                    local.pending = False
+                    self._release(ok)
             except self._DB_ERROR as exc:
+                sent, local.committing = local.committing, None
+                if self._connection_lost(exc):
+                    if sent is not None:  # COMMIT sent, no answer: landed or not, the id will tell
+                        unknown = sent
+                    t = time.monotonic()
+                    if lost_until is None:
+                        lost_until = t + self.failover_timeout
+                    if t >= lost_until:
+                        raise self._lost_failure(fn.__name__, exc, unknown is not None) from None
+                    self.reconnects += 1
+                    time.sleep(min(random.uniform(wait / 2, wait), lost_until - t))  # the last try: at the deadline
+                    wait = min(wait * 2, RECONNECT_MAX_S)
+                    deadline = max(deadline, time.monotonic() + self.busy_timeout)  # conflicts: their own time
+                    continue
+                if unknown is not None:  # the outcome could not be settled: say so, never guess
+                    raise self._lost_failure(fn.__name__, exc, True) from None
                 attempt += 1
                 retry = self._retryable(exc, attempt)
                 if not retry or time.monotonic() + pause >= deadline:
                     raise self._failure(fn.__name__, exc, retry) from None
-            finally:
-                local.depth = 0
-                self._release()
             self.retries += 1
             time.sleep(random.uniform(pause / 2, pause))  # jitter: two writers do not collide again
             pause = min(pause * 2, RETRY_MAX_S)
 
     @contextlib.contextmanager
-    def _tx(self) -> Iterator[Cursor]:
-        """A write transaction: committed if the block returns, rolled back if it raises."""
+    def _tx(self, read_only: bool = False) -> Iterator[Cursor]:
+        """A write transaction: committed if the block returns, rolled back if it raises.
+
+        On an engine with transaction ids (``_TXIDS``) and inside an engine call, a block that
+        returns leaves the transaction open: :meth:`_call` commits it with the call's id once
+        the method has its value (the block must be the method's last statement).
+        ``read_only``: a transaction that changes nothing (one snapshot of several reads),
+        committed here without an id (running it again is harmless)."""
         c = self._db
         c.execute(self._BEGIN)
         try:
@@ -180,7 +298,10 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
                 c.execute("ROLLBACK")
             raise
         else:
-            c.execute("COMMIT")
+            if self._TXIDS and not read_only and getattr(self._local, "depth", False):
+                self._local.pending = True
+            else:
+                c.execute("COMMIT")
 
     def _get(self, c: Cursor, ino: int) -> Inode:
         row = c.execute(f"SELECT {COLS} FROM inodes WHERE ino=?", (ino,)).fetchone()

@@ -35,7 +35,7 @@ class SqlCluster:
         @property
         def _db(self) -> Cursor: ...
 
-        def _tx(self) -> Any: ...
+        def _tx(self, read_only: bool = False) -> Any: ...
 
         def _get(self, c: Cursor, ino: int) -> Inode: ...
 
@@ -101,7 +101,7 @@ class SqlCluster:
         return int(c.execute("SELECT value FROM config WHERE key='epoch'").fetchone()[0])
 
     def shard_view(self) -> tuple[int, list[ShardRecord], list[Move]]:
-        with self._tx() as c:
+        with self._tx(read_only=True) as c:
             return (self._epoch(c), [shard_row(r) for r in c.execute(f"SELECT {SHARD_COLS} FROM shards ORDER BY id")],
                     self._moves(c))
 
@@ -376,7 +376,7 @@ class SqlCluster:
             return inode, self._reclaimable(c, ino) is not None
 
     def reclaimable(self, ino: int, grace: bool = True) -> Inode | None:
-        with self._tx() as c:
+        with self._tx(read_only=True) as c:
             return self._reclaimable(c, ino, grace)
 
     def _reclaimable(self, c: Cursor, ino: int, grace: bool = True) -> Inode | None:

@@ -6,7 +6,10 @@ Every call is one short transaction (SERIALIZABLE on PostgreSQL, the write lock 
 the state is shared by every mount and native client of the namespace, on any host; the waits
 (a barrier's generation, a lock held by another, a worker clock too far ahead) poll these rows
 from :mod:`irdma.train.coord` with a deadline. Times are the metadata host's clients' wall clocks
-(``time.time_ns``): leases assume clocks synchronised to well under a lease (NTP).
+(``time.time_ns``): leases assume clocks synchronised to well under a lease (NTP). On PostgreSQL
+each of these transactions carries its call's transaction id (:mod:`irdma.meta.sql`), so a clock
+tick, a barrier arrival, a lock, a counter add or a join whose COMMIT got no answer (a restart,
+a failover) is applied exactly once and returns what it computed.
 
 Tables (both engines)::
 
@@ -87,7 +90,7 @@ class SqlSync:
         @property
         def _db(self) -> Cursor: ...
 
-        def _tx(self) -> Any: ...
+        def _tx(self, read_only: bool = False) -> Any: ...
 
         _host: str
 

@@ -338,10 +338,10 @@ class PostgresServer:
                                "--auth-host=scram-sha-256", "-E", "UTF8", "--no-sync"])
             with open(os.path.join(self.data, "pg_hba.conf"), "a") as f:
                 f.write("host all all 0.0.0.0/0 scram-sha-256\n")
-            opts = (f"-c listen_addresses={listen} -p {port} -k {self.sock} -c fsync=off"
-                    " -c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
-            self._as_postgres([f"{PG_BIN}/pg_ctl", "-D", self.data, "-o", opts, "-l", self.log, "-w", "-t", "60",
-                               "start"], prefix=True)
+            self._opts = (f"-c listen_addresses={listen} -p {port} -k {self.sock} -c fsync=off"
+                          " -c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
+            self._as_postgres([f"{PG_BIN}/pg_ctl", "-D", self.data, "-o", self._opts, "-l", self.log, "-w", "-t",
+                               "60", "start"], prefix=True)
             self._started = True
             self.psql(f"CREATE ROLE {user} LOGIN PASSWORD '{self.password}'", stdin=True)  # not in `ps`
             self.psql(f"CREATE DATABASE {database} OWNER {user}")
@@ -387,6 +387,15 @@ class PostgresServer:
         name = f"t{os.getpid()}_{self._serial}"
         self.psql(f"CREATE DATABASE {name} OWNER {self.user}")
         return self.url_of(name)
+
+    def restart(self) -> None:
+        """Restart the server (``pg_ctl restart -m fast``: every session is ended, committed data
+        kept) and return once it accepts connections again (at most 60 s).
+
+        Raises:
+            IrdmaError: it did not come back (the message quotes its log)."""
+        self._as_postgres([f"{PG_BIN}/pg_ctl", "-D", self.data, "-o", self._opts, "-l", self.log, "-m", "fast",
+                           "-w", "-t", "60", "restart"], prefix=True)
 
     def close(self) -> None:
         """Stop the server and remove its directory (twice is fine)."""
