@@ -8,8 +8,9 @@ The names (loaded with TensorFlow on first use of this module):
   ``irdma run -n N -- python train.py``).
 * :class:`Embedding`: an embedding layer whose table lives on the shards
   (:mod:`irdma.train.embedding`).
-* :class:`ShardOptimizer` (the optimizer step through a FUSE mount) and :class:`CommTrainer`
-  (P3 priorities, compression, layer dropping, the host hierarchy): :mod:`irdma.train.keras`.
+* :class:`ShardOptimizer` (the optimizer step through a FUSE mount): :mod:`irdma.train.keras`.
+  P3 priorities, compression, layer dropping, the host hierarchy and DASO's global step are
+  options of :class:`DistributedOptimizer`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from .train.distributed import (
     size,
 )
 from .train.embedding import Embedding
-from .train.keras import CommTrainer, ShardOptimizer
+from .train.keras import ShardOptimizer
 
-__all__ = ["BroadcastInitialWeights", "CommTrainer", "DistributedOptimizer", "Embedding", "MetricAverageCallback",
+__all__ = ["BroadcastInitialWeights", "DistributedOptimizer", "Embedding", "MetricAverageCallback",
            "ShardOptimizer", "barrier", "init", "job_dir", "local_rank", "rank", "shard_dataset", "shutdown", "size"]

@@ -1,7 +1,8 @@
 """Less and smarter communication (issue 12) on real shard processes: P3's slicing and priority
 order (a high-priority pull overtakes a low-priority one in flight, and does not without a
-priority), the residual cache of layer dropping (nothing lost, exactly), the xattrs, and the
-Keras trainer's modes training a real model on digits."""
+priority), the residual cache of layer dropping (nothing lost, exactly), the xattrs, and the mount's
+per-file priority and slices. Training with them (``DistributedOptimizer(overlap=, drop=, compress=,
+hierarchy=, sync_every=)`` in ``model.fit``): tests/test_distributed.py."""
 
 from __future__ import annotations
 
@@ -237,86 +238,6 @@ def test_comm_xattrs_are_validated_and_normalized(one_shard: Cluster) -> None:
         assert meta.getxattr(ino, comm.XATTR_PRIORITY) == b"3"  # unchanged by the refused ones
 
 
-def _digits_model(seed: int = 0) -> object:
-    import keras
-
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
-                             keras.layers.Dense(48, activation="relu"), keras.layers.Dense(10, activation="softmax")])
-
-
-@pytest.mark.tf
-@pytest.mark.slow
-def test_trainer_modes_learn_digits_and_p3_changes_only_the_order(one_shard: Cluster) -> None:
-    from sklearn.datasets import load_digits
-
-    from irdma.train.keras import CommTrainer
-
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16).astype("float32")
-    weights, accs = {}, {}
-    with irdma.connect(one_shard.meta_url, transport="tcp", window=2) as c:
-        for mode in ("none", "fifo", "p3"):
-            model = _digits_model()
-            t = CommTrainer(model, c, f"/digits-{mode}", update="sgd learning_rate=0.1", overlap=mode, slice_elems=1000)
-            t.build()
-            t.fit(x[:1500], y[:1500], epochs=3, batch_size=32)
-            weights[mode] = [np.asarray(v.numpy()) for v in model.trainable_weights]
-            accs[mode] = float((np.argmax(model.predict(x[1500:], verbose=0), 1) == y[1500:]).mean())
-            # what the model holds is what the shards hold
-            np.testing.assert_array_equal(c.pull(f"/digits-{mode}/layer-000"),
-                                          np.concatenate([w.ravel() for w in weights[mode][:2]]))
-            assert c.client.store.getxattr(c.stat(f"/digits-{mode}/layer-002").ino, comm.XATTR_PRIORITY) == b"2"
-            assert t.stats.steps == 3 * (1500 // 32) and t.stats.skipped == 0
-            # the layout `irdma tune --layout` reads: one tensor per layer file
-            import json
-
-            from irdma.train.costmodel import sizes_from_layout
-
-            layout = json.loads(bytes(c.read(f"/digits-{mode}/layout.json")))
-            assert sizes_from_layout(layout) == tuple(4 * sum(w.size for w in ws) for ws in
-                                                      (weights[mode][0:2], weights[mode][2:4], weights[mode][4:6]))
-    assert accs["p3"] > 0.8, accs
-    for mode in ("fifo", "p3"):  # one worker: scheduling changes when bytes move, never which
-        for a, b in zip(weights["none"], weights[mode], strict=True):
-            np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.tf
-@pytest.mark.slow
-def test_trainer_layer_dropping_skips_small_pushes_and_still_learns(one_shard: Cluster) -> None:
-    from sklearn.datasets import load_digits
-
-    from irdma.train.keras import CommTrainer
-
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16).astype("float32")
-    with irdma.connect(one_shard.meta_url, transport="tcp") as c:
-        model = _digits_model()
-        t = CommTrainer(model, c, "/digits-drop", update="sgd learning_rate=0.1", overlap="p3", drop=0.01)
-        t.build()
-        t.fit(x[:1500], y[:1500], epochs=3, batch_size=32)
-        acc = float((np.argmax(model.predict(x[1500:], verbose=0), 1) == y[1500:]).mean())
-        assert t.stats.skipped > t.stats.pushes // 2, t.stats  # most small pushes were held back
-        assert acc > 0.75
-        ino = c.stat("/digits-drop").ino
-        assert c.client.store.getxattr(ino, comm.XATTR_DROP) == b"0.01"
-
-
-@pytest.mark.tf
-def test_trainer_refuses_bad_flags() -> None:
-    from irdma.train.keras import CommTrainer
-
-    model = _digits_model()
-    for kwargs, match in (({"overlap": "lifo"}, "overlap"), ({"update": "add"}, "optimizer"),
-                          ({"drop": 2.0}, "drop"), ({"slice_elems": -1}, "slice"), ({"worker": 3}, "worker"),
-                          ({"sync_every": 0}, "sync_every"), ({"sync_every": 2}, "overlap='none'"),
-                          ({"sync_every": 2, "overlap": "none", "update": "sgd learning_rate=0.1 momentum=0.9"},
-                           "plain SGD"), ({"compress": "topk:2"}, "topk")):
-        with pytest.raises(ValueError, match=match):
-            CommTrainer(model, None, "/j", **kwargs)  # type: ignore[arg-type]
-
-
 @pytest.mark.fuse
 def test_mount_pushes_and_pulls_a_file_by_its_directory_priority_and_slices(one_shard: Cluster,
                                                                             tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -349,69 +270,3 @@ def test_mount_pushes_and_pulls_a_file_by_its_directory_priority_and_slices(one_
         finally:
             os.close(fd)
         np.testing.assert_array_equal(got, base + 1.5)
-
-
-_GROUP_WORKER = r"""
-import json, os, sys
-os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-import numpy as np, keras
-from sklearn.datasets import load_digits
-import irdma
-from irdma.train.hier import HostGroup
-from irdma.train.keras import CommTrainer
-url, job, rank, k, run_dir, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
-x, y = load_digits(return_X_y=True)
-x = (x / 16).astype("float32")
-keras.utils.set_random_seed(0)
-model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
-                          keras.layers.Dense(10, activation="softmax")])
-with HostGroup(job.strip("/"), rank, 2, 4 * 64 * 64 + 256, timeout=60, run_dir=run_dir) as g, \
-        irdma.connect(url, transport="tcp") as c:
-    t = CommTrainer(model, c, job, worker=rank, workers=2, update="sgd learning_rate=0.1", overlap="none",
-                    group=g, sync_every=k, timeout=60)
-    t.build()
-    t.fit(x[rank:1500:2], y[rank:1500:2], epochs=2, batch_size=32, seed=0)
-    acc = float((np.argmax(model.predict(x[1500:], verbose=0), 1) == y[1500:]).mean())
-    np.savez(out, *[np.asarray(v.numpy()) for v in model.trainable_weights])
-    print(json.dumps({"pushes": t.stats.pushes, "acc": acc, "steps": t.stats.steps}))
-"""
-
-
-@pytest.mark.tf
-@pytest.mark.slow
-@pytest.mark.parametrize("sync_every", [1, 4], ids=["hier-every-step", "daso-every-4"])
-def test_host_group_trainer_pushes_once_per_host_and_workers_agree(one_shard: Cluster, tmp_path: object,
-                                                                   sync_every: int) -> None:
-    import json
-    import os
-    import subprocess
-    import sys
-
-    job = f"/group-{sync_every}"
-    run_dir = os.path.join(str(tmp_path), "run")
-    os.makedirs(run_dir, mode=0o700)
-    outs = [os.path.join(str(tmp_path), f"w{r}.npz") for r in (0, 1)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH")]))}
-    procs = [subprocess.Popen([sys.executable, "-c", _GROUP_WORKER, one_shard.meta_url, job, str(r), str(sync_every),
-                               run_dir, outs[r]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for r in (0, 1)]
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    steps = results[0]["steps"]
-    assert steps == 2 * (750 // 32)
-    # the leader pushes for the host, every step or every K steps; the other worker never
-    assert results[0]["pushes"] == 2 * (steps if sync_every == 1 else steps // sync_every)
-    assert results[1]["pushes"] == 0
-    w0, w1 = (np.load(o) for o in outs)
-    for name in w0.files:  # the host's workers hold the same bytes
-        np.testing.assert_array_equal(w0[name], w1[name])
-    assert min(r["acc"] for r in results) > 0.7, results
-    with irdma.connect(one_shard.meta_url, transport="tcp") as c:
-        if steps % sync_every == 0:  # the last step synchronised: the shards hold the workers' model
-            np.testing.assert_array_equal(c.pull(f"{job}/layer-000"),
-                                          np.concatenate([w0["arr_0"].ravel(), w0["arr_1"].ravel()]))
-        op = c.client.store.getxattr(c.stat(f"{job}/layer-000").ino, b"user.irdma.update")
-        assert op == b"add" if sync_every > 1 else op.startswith(b"sgd learning_rate=0.1")

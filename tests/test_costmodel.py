@@ -238,12 +238,15 @@ def test_cli_prints_a_sorted_table_and_the_best(tmp_path: Path) -> None:
     assert "per iteration, bound by" in best_line and "faster than" in best_line
     assert "ring all-reduce" in out
     advice = next(line for line in out.splitlines() if line.startswith("in model.fit: "))
-    assert "hvd.DistributedOptimizer(opt" in advice or "CommTrainer" in advice, advice
+    assert "hvd.DistributedOptimizer(opt" in advice, advice
 
     r = _tune("--sizes", "4MB", "--mode", "topk:0.01", "--overlap", "p3", "--slice", "160KB")
     assert r.exit_code == 0, r.output
     assert "in model.fit: hvd.DistributedOptimizer(opt, overlap='p3', slice_elems=40000, compress='topk:0.01')" \
         in r.stdout, r.stdout
+    r = _tune("--sizes", "4MB", "--mode", "hier", "--overlap", "none", "--sync-every", "4")
+    assert r.exit_code == 0, r.output
+    assert "in model.fit: hvd.DistributedOptimizer(opt, hierarchy=True, sync_every=4)" in r.stdout, r.stdout
 
     r = _tune("--sizes", "4MB,1MB,40000f", "--mode", "flat", "--mode", "hier", "--overlap", "p3",
               "--slice", "0", "--json")

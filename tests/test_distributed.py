@@ -475,6 +475,14 @@ def test_layer_dropping_through_model_fit_holds_small_updates_back_and_loses_not
     rounds = opt._job.rounds
     assert rounds.skipped > 0 and rounds.pushed > 0
     assert rounds.pushed + rounds.skipped == len(rounds.groups) * opt.rounds
+    assert rounds.pushed_bytes == 4 * sum(b - a for g in range(len(rounds.groups)) for a, b in rounds.runs[g]
+                                          for _ in pushed.get(g, []))
+    from irdma.train import distributed
+
+    client = distributed._need("client")  # the job directory records the options (getfattr -d JOB)
+    ino = client.stat(job).ino
+    assert client.client.store.getxattr(ino, comm.XATTR_DROP) == b"0.05"
+    assert client.client.store.getxattr(ino, comm.XATTR_SLICE) == str(opt.slice_elems).encode()
     # each step's forward pass took its layers' pulls of the step before (all but the first step's)
     assert rounds.waited_in_forward >= len(rounds.groups) * (opt.rounds - 6 - 1)
     assert hist.history["loss"][-1] < hist.history["loss"][0]
@@ -503,7 +511,8 @@ x = rng.standard_normal((512, 6)).astype("float32")
 y = (x[:, 0] + x[:, 3] > 0).astype("int64")
 model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
                           keras.layers.Dense(2, activation="softmax")])
-opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.5), hierarchy=True)
+lr, momentum, sync_every = float(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=momentum), hierarchy=True, sync_every=sync_every)
 model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 xs, ys = hvd.shard_dataset((x, y))
 model.fit(xs, ys, batch_size=32, epochs=5, verbose=0, callbacks=[hvd.BroadcastInitialWeights(0)])
@@ -516,23 +525,56 @@ hvd.shutdown()
 
 
 @pytest.mark.slow
-def test_hierarchy_pushes_once_per_host_and_every_worker_gets_the_same_weights() -> None:
+@pytest.mark.parametrize(("lr", "momentum", "sync_every"), [(0.05, 0.5, 1), (0.1, 0.0, 4)],
+                         ids=["every-step", "daso-K4"])
+def test_hierarchy_pushes_once_per_host_and_every_worker_gets_the_same_weights(lr: float, momentum: float,
+                                                                                sync_every: int) -> None:
     """DistributedOptimizer(hierarchy=True) under irdma run -n 2 (one host): the two workers sum
-    their gradients in shared memory, local rank 0 pushes once per step and hands the pulled
-    weights to the other; both end with the same weights and the model learns."""
+    their gradients in shared memory, local rank 0 pushes once per step (with sync_every=4,
+    DASO: once every 4 steps, the others local steps with the host's mean gradient) and hands
+    the pulled weights to the other; both end with the same weights and the model learns."""
     import json
     import subprocess
     import sys
 
     res = subprocess.run([sys.executable, "-m", "irdma.ops.cli", "run", "-n", "2", "--consistency", "bsp", "--",
-                          sys.executable, "-c", HIER], capture_output=True, text=True, timeout=300)
+                          sys.executable, "-c", HIER, str(lr), str(momentum), str(sync_every)], capture_output=True, text=True,
+                         timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = {d["rank"]: d for d in (json.loads(line.split("] ", 1)[1]) for line in res.stdout.splitlines()
                                   if line.startswith(("[0] {", "[1] {")))}
-    assert got[0]["pushes"] == got[0]["rounds"] == got[1]["rounds"] > 0 and got[1]["pushes"] == 0
+    steps = 5 * 512 // 2 // 32  # 5 epochs of each worker's half, batch 32
+    assert got[0]["pushes"] == got[0]["rounds"] == got[1]["rounds"] == steps // sync_every and got[1]["pushes"] == 0
     assert got[0]["checksum"] == got[1]["checksum"] and got[0]["first"] == got[1]["first"]
     assert got[0]["accuracy"] > 0.9, got
     from irdma import InvalidArgument
 
     with pytest.raises(InvalidArgument, match="overlap='none'"):
         hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), overlap="p3", hierarchy=True)
+
+
+def test_daso_local_steps_with_a_global_step_every_k_equal_keras_sgd_for_one_worker(job: str, cluster: str) -> None:
+    """sync_every=3 with one worker: two local SGD steps, then the model's change goes to the
+    shards (op add) and comes back; step by step the same weights as Keras's SGD, 1 round in 3."""
+    from irdma import InvalidArgument
+
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), sync_every=3)
+    ours = _steps(_sequential, opt)
+    _assert_same(ours, _steps(_sequential, keras.optimizers.SGD(0.1)))
+    assert len(ours) == 12 and opt.rounds == opt.pushes == 4
+
+    import irdma
+
+    with irdma.connect(cluster) as c:  # the shards hold the last global step's weights
+        flat = np.frombuffer(bytes(c.read(f"{job}/params")), dtype="<f4")
+    np.testing.assert_allclose(flat, np.concatenate([w.ravel() for w in ours[-1]]), rtol=1e-5, atol=1e-6)
+    for bad, match in (({"optimizer": keras.optimizers.SGD(0.1, momentum=0.9)}, "plain SGD"),
+                       ({"optimizer": keras.optimizers.Adam(0.1)}, "plain SGD"),
+                       ({"optimizer": keras.optimizers.SGD(0.1), "overlap": "p3"}, "overlap='none'"),
+                       ({"optimizer": keras.optimizers.SGD(0.1), "compress": "sign"}, "no compress"),
+                       ({"optimizer": keras.optimizers.SGD(0.1), "sync_every_": 0}, "1 \\(every step\\)")):
+        kwargs = dict(bad)
+        optimizer = kwargs.pop("optimizer")
+        k = kwargs.pop("sync_every_", 2)
+        with pytest.raises(InvalidArgument, match=match):
+            hvd.DistributedOptimizer(optimizer, sync_every=k, **kwargs)

@@ -1454,21 +1454,22 @@ def tune(layout: str | None, sizes: str | None, workers: int, hosts: int, shards
 
 def _keras_args(c: Any) -> str:
     """How to train in configuration ``c`` (a costmodel Config) with irdma.keras, or what does."""
-    if c.mode == "hier" and (c.sync_every > 1 or c.overlap != "none"):
-        return ("the host hierarchy with " + (f"a global step every {c.sync_every} steps (DASO)" if c.sync_every > 1
-                                               else f"overlap {c.overlap}")
-                + " runs in irdma.train.keras.CommTrainer(group=HostGroup(...)); model.fit has"
-                " hvd.DistributedOptimizer(opt, hierarchy=True) with overlap='none'")
+    note = ""
+    if c.mode == "hier" and c.overlap != "none":  # a host's workers sum whole steps
+        note = f" (the hierarchy runs with overlap='none': the overlap {c.overlap} ranked here does not combine with it)"
     args = ["opt"]
     if c.mode == "hier":
         args.append("hierarchy=True")
-    if c.overlap != "none":
+        if c.sync_every > 1:
+            args.append(f"sync_every={c.sync_every}")
+    if c.overlap != "none" and c.mode != "hier":
         args.append(f"overlap={c.overlap!r}")
         if c.overlap == "p3" and c.slice_bytes:
             args.append(f"slice_elems={c.slice_bytes // 4}")
     if c.mode not in ("flat", "hier"):
         args.append(f"compress={c.mode!r}")
-    return f"hvd.DistributedOptimizer({', '.join(args)}) with hvd.BroadcastInitialWeights(0) (import irdma.keras as hvd)"
+    return (f"hvd.DistributedOptimizer({', '.join(args)}) with hvd.BroadcastInitialWeights(0) (import irdma.keras"
+            f" as hvd){note}")
 
 
 # ---------------------------------------------------------------- keys

@@ -8,9 +8,9 @@
 * :mod:`.costmodel`: the model that picks shard counts and placements for a job.
 * :mod:`.distributed`: the Horovod-shaped Keras API (``import irdma.keras as hvd``):
   ``DistributedOptimizer`` wrapping any Keras SGD/Adam/AdamW/Adagrad/RMSprop, checkpoints that
-  hold the shards' optimizer state.
-* :mod:`.keras`: ``ShardOptimizer`` (the step through a FUSE mount) and ``CommTrainer`` (P3,
-  compression, layer dropping, the host hierarchy).
+  hold the shards' optimizer state, and as its options P3 and layer dropping (:mod:`.overlap`),
+  compression, the host hierarchy and DASO's global step every K steps.
+* :mod:`.keras`: ``ShardOptimizer`` (the step through a FUSE mount).
 
 Built on :mod:`irdma.client`; the shards import only :mod:`.optimizers`' layout. Names are
 re-exported lazily.

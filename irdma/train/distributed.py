@@ -315,6 +315,8 @@ class _JobState:
     residual: np.ndarray | None = None  # error feedback: what compression left out so far (float32)
     rounds: Any = None  # overlap "fifo"/"p3": the per-layer rounds (irdma.train.overlap.Rounds)
     group: Any = None  # hierarchy: this host's workers (irdma.train.hier.HostGroup)
+    anchor: np.ndarray | None = None  # sync_every > 1: the weights at the last global step (float32, flat)
+    local_steps: int = 0  # sync_every > 1: steps taken since the job was joined
 
 
 @keras.saving.register_keras_serializable(package="irdma")
@@ -346,16 +348,29 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
             local rank 0 pushes the sum once (its weight decay times the host's workers) and
             pulls once for all of them; every worker still ticks its clock. With
             ``overlap="none"`` only.
+        sync_every: DASO's global step every K steps (Coquelin et al., "Accelerating neural
+            network training with distributed asynchronous and selective optimization (DASO)",
+            J. Big Data 2022; local SGD, Stich, ICLR 2019). With K > 1 each step is a local step
+            of plain SGD on the worker (with ``hierarchy=True``: with the mean gradient of the
+            host's workers, summed in shared memory), and every K-th step the worker (the host's
+            local rank 0) adds its model's change since the last global step, divided by the
+            number of pushers (hosts, or workers), to the shards' weights (op ``add``: the
+            shards hold the average of the models), ticks its clock (BSP/SSP wait here) and
+            every worker pulls the result. The cross-host traffic is 1/K of ``sync_every=1``.
+            K > 1 needs a plain SGD optimizer (no momentum: the state would stay on one worker)
+            and ``overlap="none"``, no ``compress``, no ``drop``, and no ``--elastic`` (the
+            average divides by a fixed number of pushers).
 
     Raises:
-        InvalidArgument: see :func:`update_of`; a bad ``overlap``, ``slice_elems`` or ``drop``
-            (or ``drop`` without per-layer rounds).
+        InvalidArgument: see :func:`update_of`; a bad ``overlap``, ``slice_elems``, ``drop`` or
+            ``sync_every`` (or ``drop`` without per-layer rounds; ``sync_every`` > 1 with
+            something it cannot go with).
     """
 
     def __init__(self, optimizer: keras.optimizers.Optimizer | str | dict[str, Any], sync_timeout: float = 60.0,
                  name: str | None = None, compress: str | None = None, overlap: str = "none",
                  slice_elems: int = DEFAULT_SLICE_ELEMS, drop: float = 0.0, hierarchy: bool = False,
-                 **kwargs: Any) -> None:
+                 sync_every: int = 1, **kwargs: Any) -> None:
         from . import overlap as _overlap
 
         _overlap.check(overlap, slice_elems, float(drop))
@@ -366,6 +381,15 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
             raise InvalidArgument("drop= skips pushes per layer: it needs per-layer rounds", "pass overlap='p3' too")
         inner = optimizer if isinstance(optimizer, keras.optimizers.Optimizer) else keras.optimizers.get(optimizer)
         update = update_of(inner)
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise InvalidArgument(f"sync_every={sync_every!r}", "steps per global step: 1 (every step) or more")
+        if sync_every > 1:
+            if update.op != UpdateOp.SGD or update.args[1] or update.flags:
+                raise InvalidArgument(f"sync_every={sync_every} takes local steps of plain SGD on the workers (DASO),"
+                                      f" not {_spec(update)!r}", "use keras.optimizers.SGD(lr) with no momentum")
+            if overlap != "none" or compress or drop:
+                raise InvalidArgument(f"sync_every={sync_every} moves whole models every {sync_every} steps",
+                                      "pass overlap='none' and no compress or drop with it")
         cfg = inner.get_config()
         lr = inner._learning_rate
         if not isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
@@ -383,9 +407,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         self.compress = compress
         self.overlap, self.slice_elems, self.drop = overlap, int(slice_elems), float(drop)
         self.hierarchy = bool(hierarchy)
+        self.sync_every = int(sync_every)
         self._job = _JobState(inner, codec=_codec(compress))
         self.rounds = 0
         self.pushes = 0  # whole-model pushes this worker made (overlap "none")
+        self.pushed_bytes = 0  # push payload this worker sent (overlap "none"; per-layer: rounds.pushed_bytes)
 
     @property
     def inner(self) -> keras.optimizers.Optimizer:
@@ -399,7 +425,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         return {"optimizer": keras.optimizers.serialize(type(self.inner).from_config(inner)),
                 "sync_timeout": self.sync_timeout, "name": self.name, "compress": self.compress,
                 "overlap": self.overlap, "slice_elems": self.slice_elems, "drop": self.drop,
-                "hierarchy": self.hierarchy}
+                "hierarchy": self.hierarchy, "sync_every": self.sync_every}
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> DistributedOptimizer:
@@ -466,8 +492,16 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
                 raise InvalidArgument("hierarchy=True cannot follow an elastic job's membership (a host group has"
                                       " a fixed size)", "drop hierarchy=True or --elastic")
             self._job.group = _host_group(4 * sum(self._job.sizes), self.sync_timeout)
+        if self.sync_every > 1 and _world.get("elastic") is not None:
+            raise InvalidArgument(f"sync_every={self.sync_every} averages over a fixed number of workers, and this job"
+                                  " is elastic", "drop sync_every or --elastic")
         if me == 0:
             client.client.store.setxattr(job_ino, XATTR_SYNC_TIMEOUT, repr(self.sync_timeout).encode())
+            if self._job.rounds is not None:  # what an operator reads of the job (getfattr -d JOB)
+                from .comm import XATTR_DROP, XATTR_SLICE
+
+                client.client.store.setxattr(job_ino, XATTR_SLICE, str(self.slice_elems).encode())
+                client.client.store.setxattr(job_ino, XATTR_DROP, repr(self.drop).encode())
             try:
                 have = json.loads(bytes(client.read(f"{job}/{LAYOUT}")))
             except NotFound:  # a new job (any other error: raised, never taken for one)
@@ -518,6 +552,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
             self._iterations.assign(_world["clock"])
         for v, w in zip(self._job.vars, self._pull(), strict=True):
             v.assign(w)
+        self._job.anchor = None  # sync_every > 1: the next step starts from these weights
 
     def pull_weights(self) -> None:
         """Set the variables to the shards' current weights (eager): after training, every
@@ -534,6 +569,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         ``assign``, then the state, before the next gradient)."""
         client, job = _need("client"), _need("job")
         image, self._job.restore = self._job.restore, None
+        self._job.anchor = None  # sync_every > 1: local steps start again from the checkpoint's weights
         if _need("rank") != 0:
             return
         params = f"{job}/{PARAMS}"
@@ -611,6 +647,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
             self._restore_now()
         k = len(self._job.vars)
         decays, grads = tensors[:-k], tensors[-k:]
+        if self.sync_every > 1:
+            return self._local_step(float(lr.numpy()), decays, grads)
         update = _with_learning_rate(self.update, float(lr.numpy()))
         data = _flat([g.numpy() for g in grads])
         client, job, me = _need("client"), _need("job"), _need("rank")
@@ -646,12 +684,56 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
                     chunks.setdefault(index, {})[shard] = incarnation
 
         client.submit(step, timeout=self.sync_timeout).result()  # the pushes: each request has its deadline too
+        from .overlap import payload_bytes
+
+        self.pushed_bytes += payload_bytes(data.size, codec) + (decay.nbytes if decay is not None else 0)
         client._run(client.client.clock, job, me)  # the round's end: the job's sync timeout bounds its wait
         self.rounds += 1
         self.pushes += 1
         if group is not None:
             return self._split(group.broadcast(self._pull_flat()))
         return self._pull()
+
+    def _local_step(self, lr: float, decays: Any, grads: Any) -> list[np.ndarray]:
+        """``sync_every`` > 1 (DASO, see the class docstring): a local SGD step; every K-th, the
+        global step. Eager, inside the step's ``tf.py_function``."""
+        job_state, group = self._job, self._job.group
+        weights = _flat([np.asarray(v.numpy()) for v in job_state.vars])
+        if job_state.anchor is None:  # the weights of the last pull (join, a restored checkpoint)
+            job_state.anchor = weights.copy()
+        grad = _flat([g.numpy() for g in grads])
+        if group is not None:  # the host's mean gradient (every worker of the host takes the same step)
+            grad = group.allreduce(grad) / np.float32(group.size)
+        weights -= np.float32(lr) * grad
+        if decays:
+            weights -= _flat([d.numpy() for d in decays])
+        job_state.local_steps += 1
+        if job_state.local_steps % self.sync_every:
+            return self._split(weights)
+        client, job, me, n = _need("client"), _need("job"), _need("rank"), _need("size")
+        pushers = n // (group.size if group is not None else 1)
+        if group is None or group.is_leader:
+            delta = np.ascontiguousarray((weights - job_state.anchor) / np.float32(pushers), dtype="<f4")
+            layout, chunks = job_state.layout, job_state.chunks
+
+            async def push(cl: Any) -> None:
+                created = await cl.write_from(layout, 0, delta, Update(UpdateOp.ADD), chunks)
+                if created:  # chunks the file had not stored (a replica back from a failure): record them
+                    await cl.meta.extend(layout.file_id, 4 * sum(job_state.sizes), time.time_ns(), tuple(created))
+                    for index, shard, incarnation in created:
+                        chunks.setdefault(index, {})[shard] = incarnation
+
+            client.submit(push, timeout=self.sync_timeout).result()
+            self.pushed_bytes += delta.nbytes
+        client._run(client.client.clock, job, me)  # BSP/SSP: every pusher's change is in before the pull
+        self.rounds += 1
+        self.pushes += 1 if group is None or group.is_leader else 0
+        if group is not None:
+            pulled = group.broadcast(self._pull_flat() if group.is_leader else None)
+        else:
+            pulled = self._pull_flat()
+        job_state.anchor = np.array(pulled, dtype=np.float32)
+        return self._split(pulled)
 
     def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> Any:
         variables = list(trainable_variables) if trainable_variables is not None else self._job.vars

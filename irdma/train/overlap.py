@@ -93,6 +93,7 @@ class Rounds:
         self.cache = comm.ResidualCache(drop) if drop else None
         self.residuals: dict[int, np.ndarray] = {}  # compression's error feedback, per group
         self.pushed = self.skipped = self.waited_in_forward = 0
+        self.pushed_bytes = 0  # push payload (gradients after compression, and weight decay), bytes
         self.started = False  # a round's first push happened (join, a restored checkpoint)
         #: An ASP job: no clock wait comes between a layer's push and its pull, so each layer's
         #: pull follows its own push at once (in the same task), overlapping back-propagation too.
@@ -211,6 +212,9 @@ class Rounds:
 
         if push is not None:
             self.pushed += 1
+            self.pushed_bytes += sum(payload_bytes(n, codec) for _, _, n in pieces)
+        if decay is not None:
+            self.pushed_bytes += 4 * data.size
         fut = client.submit(send, priority=g if self.overlap == "p3" else 0, slice_bytes=self.slice_bytes,
                             timeout=timeout)
         if self.asp:
@@ -258,6 +262,15 @@ class Rounds:
         """Apply every pull in flight (before anything reads the weights outside a forward pass)."""
         for g in sorted(self.pending):
             self.apply_pull(g)
+
+
+def payload_bytes(n: int, codec: Any) -> int:
+    """Bytes of push payload that carry ``n`` float32 elements (compressed with ``codec``, if any)."""
+    if codec is None:
+        return 4 * n
+    from ..wire.compress import wire_bytes
+
+    return int(wire_bytes(n, codec))
 
 
 def _hook(layer: Any, wait: Callable[[], int]) -> None:
