@@ -6,16 +6,17 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-hosts test test-long test-fast chaos test-verbs vm-image bench bench-hosts bench-comm train-table lint clean
+.PHONY: install demo demo-hosts demo-ha test test-long test-fast chaos test-verbs vm-image bench bench-hosts bench-comm train-table lint clean
 
 install: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
 	@command -v fusermount3 >/dev/null && pkg-config --exists fuse3 2>/dev/null && command -v redis-server >/dev/null \
 	  && dpkg -s python3-pyverbs >/dev/null 2>&1 && test -x /usr/lib/postgresql/15/bin/pg_ctl && command -v fio >/dev/null \
-	  && command -v autoreconf >/dev/null && command -v automake >/dev/null && command -v cc >/dev/null && command -v make >/dev/null && command -v prove >/dev/null || { \
-	  echo "==> installing fuse3, libfuse3-dev, pkg-config, attr, python3-pyverbs, redis-server, postgresql-15, iproute2, fio, and autoconf, automake, gcc, make, perl to build and run pjdfstest (apt)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-dev pkg-config attr python3-pyverbs redis-server postgresql-15 iproute2 fio autoconf automake gcc make perl >/dev/null; }
+	  && command -v autoreconf >/dev/null && command -v automake >/dev/null && command -v cc >/dev/null && command -v make >/dev/null && command -v prove >/dev/null \
+	  && command -v patroni >/dev/null && command -v etcd >/dev/null && command -v curl >/dev/null || { \
+	  echo "==> installing fuse3, libfuse3-dev, pkg-config, attr, python3-pyverbs, redis-server, postgresql-15, patroni, etcd-server, curl, iproute2, fio, and autoconf, automake, gcc, make, perl to build and run pjdfstest (apt)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-dev pkg-config attr python3-pyverbs redis-server postgresql-15 patroni etcd-server curl iproute2 fio autoconf automake gcc make perl >/dev/null; }
 	@test -x $(PY) || { echo "==> creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
 	@echo "==> installing irdma and its dependencies into $(VENV) (TensorFlow takes about a minute)"
 	$(PY) -m pip install -q --upgrade pip
@@ -49,6 +50,10 @@ bench-comm: install
 # training across them with a checkpoint saved on one and restored on the other.
 demo-hosts: install
 	$(PY) examples/demo_hosts.py
+
+# The HA metadata tier (Patroni + etcd on three hosts) and its primary killed mid-training.
+demo-ha: install
+	$(PY) examples/demo_ha.py
 
 test: install
 	$(PY) -m pytest -v --durations=10 -m "not long" tests

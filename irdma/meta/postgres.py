@@ -86,6 +86,7 @@ a log line, ``repr`` or :attr:`PostgresMeta.url` (``***``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import socket
@@ -164,6 +165,9 @@ FAILOVER_MAX_S = TXID_KEEP_S / 2
 TXID_PRUNE_EVERY_S = 60.0
 #: Seconds a call waits for a pooled connection while the pool has not shown it reconnected.
 _DEGRADED_GETCONN_S = 0.1
+#: Seconds one host of a multi-host URL gets to answer a new connection (unless the URL sets
+#: connect_timeout): a dead host is skipped after this.
+MULTI_HOST_CONNECT_S = 3.0
 #: libpq settings that bound how long a vanished server goes unnoticed (unless the URL sets them).
 _TCP_DEFAULTS = {"keepalives": "1", "keepalives_idle": "5", "keepalives_interval": "2", "keepalives_count": "3",
                  "tcp_user_timeout": "10000"}
@@ -300,8 +304,15 @@ class PostgresMeta(SqlMeta):
             given = psycopg.conninfo.conninfo_to_dict(conninfo)
         except psycopg.Error:
             given = {}  # a malformed URL: the first connect says what is wrong with it
-        self._kwargs: dict[str, Any] = {"autocommit": True, "connect_timeout": max(2, round(connect_timeout)),
-                                        "application_name": "irdma",
+        # libpq/psycopg apply connect_timeout to each host of a multi-host URL in turn: a dead
+        # first host (the old primary's) costs every new connection that much, so it is short
+        # there, and opening allows one attempt per host
+        hosts = max(1, len(str(given.get("host") or "").split(",")))
+        attempt = connect_timeout if hosts == 1 else min(connect_timeout, MULTI_HOST_CONNECT_S)
+        self._open_timeout = max(connect_timeout, attempt * hosts + 2.0)
+        self._kwargs: dict[str, Any] = {"autocommit": True, "application_name": "irdma",
+                                        **({} if "connect_timeout" in given else
+                                           {"connect_timeout": max(2, round(attempt))}),
                                         **{k: v for k, v in _TCP_DEFAULTS.items() if k not in given}}
         with self._connect() as conn:
             self._init_schema(conn, create)
@@ -309,7 +320,7 @@ class PostgresMeta(SqlMeta):
             conninfo, min_size=1, max_size=pool_size, open=False, name="irdma-meta", timeout=busy_timeout,
             kwargs=self._kwargs, configure=self._configure, reconnect_timeout=max(60.0, 6 * busy_timeout))
         try:
-            pool.open(wait=True, timeout=connect_timeout)
+            pool.open(wait=True, timeout=self._open_timeout)
         except PoolTimeout:
             pool.close(timeout=1.0)
             raise self._unreachable("the connection pool could not connect") from None
@@ -473,8 +484,13 @@ class PostgresMeta(SqlMeta):
         conn = self._local.conn
         info = self._conn_info.get(conn)
         self._local.committing = (info[1], info[2]) if info else (conn.info.backend_pid, None)
-        # one message: the id and the COMMIT arrive together (a UUID's text needs no quoting)
-        conn.execute(f"INSERT INTO txids(id) VALUES ('{txid}'); COMMIT")
+        # One message: the id and the COMMIT arrive together (a UUID's text needs no quoting).
+        # No statement_timeout on the COMMIT: under synchronous replication a cancelled wait for
+        # the standby leaves the transaction committed locally, unreplicated, and reports success
+        # (PostgreSQL docs, "Synchronous Replication"), which a failover would then lose. So the
+        # COMMIT waits for the standby; a primary that cannot reach one is demoted by Patroni,
+        # which ends this connection, and the call settles its id on the new primary.
+        conn.execute(f"SET LOCAL statement_timeout = 0; INSERT INTO txids(id) VALUES ('{txid}'); COMMIT")
         self._local.committing = None
         t = time.monotonic()
         if t >= self._next_prune:
@@ -543,3 +559,80 @@ class PostgresMeta(SqlMeta):
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close(timeout=5.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TierMember:
+    """One PostgreSQL server of a metadata URL, as :func:`tier_status` found it.
+
+    ``role``: ``primary``, ``standby`` or ``down`` (no answer within the timeout); ``sync``: the
+    primary's view of this standby (``sync``, ``potential``, ``async``, ``quorum``), "" if not
+    known; ``lag_bytes``: WAL the standby has not replayed yet (primary's view), None if not
+    known (the role needs ``pg_monitor`` to see it); ``error``: why it is down.
+    """
+
+    server: str
+    role: str
+    sync: str = ""
+    lag_bytes: int | None = None
+    error: str = ""
+
+
+def tier_status(url: str, timeout: float = 3.0) -> list[TierMember]:
+    """Every server of ``url`` (each host of a multi-host URL, libpq syntax), probed apart with
+    ``target_session_attrs=any``: is it up, the primary or a standby (``pg_is_in_recovery()``),
+    and, from the primary's ``pg_stat_replication``, each standby's sync state and replay lag in
+    bytes (PostgreSQL docs, "The Statistics Collector": ``pg_stat_replication``). Blocking (run it
+    in a worker thread); the password comes from the URL or the libpq password file.
+
+    Raises:
+        InvalidArgument: not a PostgreSQL URL libpq can parse.
+    """
+    base, _ = split_failover(url)
+    try:
+        info = psycopg.conninfo.conninfo_to_dict(base)
+    except psycopg.Error as exc:
+        raise InvalidArgument(f"not a PostgreSQL URL libpq can parse: {exc}") from None
+    servers = [s.strip() for s in server_of(base).split(",")]
+    hosts = str(info.get("host") or "localhost").split(",")
+    ports = str(info.get("port") or "5432").split(",")
+    if len(ports) == 1:
+        ports *= len(hosts)
+    found: list[tuple[str, str, str, dict[str, tuple[str, int | None]]]] = []
+    for server, host, port in zip(servers, hosts, ports, strict=False):
+        one = {**info, "host": host, "port": port, "target_session_attrs": "any",
+               "connect_timeout": str(max(1, int(timeout)))}
+        one.pop("hostaddr", None)
+        try:
+            with psycopg.connect(psycopg.conninfo.make_conninfo("", **one), autocommit=True) as conn:
+                standby = bool(conn.execute("SELECT pg_is_in_recovery()").fetchone()[0])  # type: ignore[index]
+                seen: dict[str, tuple[str, int | None]] = {}
+                if not standby:
+                    for addr, sync, lag in conn.execute(
+                            "SELECT host(client_addr), sync_state, pg_wal_lsn_diff(pg_current_wal_lsn(), replay_lsn)"
+                            " FROM pg_stat_replication"):
+                        if addr:
+                            seen[str(addr)] = (str(sync or ""), None if lag is None else int(lag))
+                found.append((server, "standby" if standby else "primary", "", seen))
+        except psycopg.Error as exc:
+            found.append((server, "down", _scrub_text(str(exc).strip().splitlines()[0] if str(exc).strip() else
+                                                     type(exc).__name__, url), {}))
+    views = {k: v for _, role, _, seen in found if role == "primary" for k, v in seen.items()}
+    out = []
+    for (server, role, error, _), host in zip(found, hosts, strict=False):
+        key = host
+        if host not in views:  # a host name: the primary sees the standby's address
+            with contextlib.suppress(OSError):
+                key = socket.gethostbyname(host)
+        sync, lag = views.get(key, ("", None)) if role == "standby" else ("", None)
+        out.append(TierMember(server, role, sync, lag, error))
+    return out
+
+
+def _scrub_text(text: str, url: str) -> str:
+    """``text`` without the URL's password (if any)."""
+    with contextlib.suppress(psycopg.Error):
+        secret = psycopg.conninfo.conninfo_to_dict(split_failover(url)[0]).get("password")
+        if secret:
+            return text.replace(str(secret), "***")
+    return text

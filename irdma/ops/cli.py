@@ -1030,8 +1030,12 @@ def status(meta_url: str) -> None:
     table = Table(title="irdma status", show_header=False)
     table.add_column("what")
     table.add_column("value")
-    table.add_row("metadata", meta_url)
-    table.add_row("health", f"[{health.style}]{health.word}[/]")
+    table.add_row("metadata", _redact(meta_url))
+    tier_code, tier_advice = 0, []  # type: tuple[int, list[str]]
+    if meta_url.startswith(("postgresql://", "postgres://")):
+        tier_code, tier_advice = _metadata_tier(table, meta_url)
+    table.add_row("health", f"[{health.style}]{health.word}[/]" if not tier_code or health.exit_code
+                  else "[yellow]degraded[/] (the metadata tier)")
     table.add_row("shards up", f"{len(up_)} of {len(live)} (shard map epoch {v.epoch}"
                   + (f"; {len(retired)} drained or removed, not counted" if retired else "") + ")")
     table.add_row("capacity", format_size(cap))
@@ -1052,7 +1056,41 @@ def status(meta_url: str) -> None:
         _print_waiting(v.waiting)
     if health.advice:
         console.print(health.advice, highlight=False, soft_wrap=True)
-    sys.exit(health.exit_code)
+    for line in tier_advice:
+        console.print(line, highlight=False, soft_wrap=True)
+    sys.exit(max(health.exit_code, tier_code))
+
+
+def _metadata_tier(table: Any, meta_url: str) -> tuple[int, list[str]]:
+    """Rows for the PostgreSQL servers of ``meta_url`` (each host of a multi-host URL: role,
+    sync state, replay lag); returns (1 if a server is down or no standby is synchronous, else
+    0; the advice for each problem)."""
+    from ..meta.postgres import tier_status
+
+    members = tier_status(meta_url)
+    advice: list[str] = []
+    for m in members:
+        if m.role == "standby":
+            lag = "lag unknown (grant pg_monitor to the irdma role to see it)" if m.lag_bytes is None \
+                else f"lag {format_size(m.lag_bytes)}"
+            what = f"standby, {m.sync or 'not replicating from the primary'}, {lag}"
+        elif m.role == "down":
+            what = f"[red]down[/]: {escape(m.error)}"
+            advice.append(f"metadata server {m.server} does not answer: bring its host back (Patroni rejoins it as a"
+                          " standby, rewinding an old primary); `patronictl -c /etc/patroni/config.yml list` shows"
+                          " the members, `patronictl reinit SCOPE MEMBER` rebuilds one that cannot rejoin")
+        else:
+            what = "[green]primary[/]"
+        table.add_row("metadata server" if len(members) == 1 else f"metadata {m.server}", what)
+    up = [m for m in members if m.role != "down"]
+    primaries = [m for m in up if m.role == "primary"]
+    if len(members) > 1 and not primaries:
+        advice.append("no metadata server is the primary: a failover is under way (Patroni's ttl) or the etcd"
+                      " majority is lost (`etcdctl endpoint health`); calls wait up to failover_timeout")
+    if len(members) > 1 and primaries and not any(m.sync in ("sync", "quorum") for m in up):
+        advice.append("no standby is synchronous: a commit is not on a second server until one is (Patroni's"
+                      " synchronous_mode names one when a standby streams); check the standbys' logs")
+    return (1 if advice else 0), advice
 
 
 def _print_damaged(damaged: list[Any], limit: int = 50) -> None:
