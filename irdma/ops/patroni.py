@@ -233,9 +233,6 @@ class PatroniCluster:
                 return i
         raise IrdmaError("no PostgreSQL member is the primary now", "wait for Patroni's failover (ttl + loop_wait)")
 
-    def _index_of(self, member: dict[str, Any]) -> int:
-        return int(str(member["name"]).lstrip("m"))
-
     def healthy(self) -> bool:
         """Whether exactly one live member is the primary, one is a synchronous standby
         (``GET /sync`` 200) and every live member's PostgreSQL runs (``GET /health`` 200), as
