@@ -553,15 +553,19 @@ def test_hierarchy_pushes_once_per_host_and_every_worker_gets_the_same_weights(l
         hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), overlap="p3", hierarchy=True)
 
 
-def test_daso_local_steps_with_a_global_step_every_k_equal_keras_sgd_for_one_worker(job: str, cluster: str) -> None:
-    """sync_every=3 with one worker: two local SGD steps, then the model's change goes to the
-    shards (op add) and comes back; step by step the same weights as Keras's SGD, 1 round in 3."""
+@pytest.mark.parametrize(("k", "rounds"), [(3, 4), (5, 4)])
+def test_daso_local_steps_with_a_global_step_every_k_equal_keras_sgd_for_one_worker(job: str, cluster: str, k: int,
+                                                                                     rounds: int) -> None:
+    """sync_every=K with one worker: K-1 local SGD steps, then the model's change goes to the
+    shards (op add) and comes back, and again at each epoch's end (2 epochs of 6 steps: K=3
+    syncs at steps 3, 6, 9, 12; K=5 at 5, 6 (the epoch's end), 11, 12); step by step the same
+    weights as Keras's SGD, and the shards hold the last ones."""
     from irdma import InvalidArgument
 
-    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), sync_every=3)
-    ours = _steps(_sequential, opt)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), sync_every=k)
+    ours = _steps(_sequential, opt, callbacks=[hvd.BroadcastInitialWeights(0)])
     _assert_same(ours, _steps(_sequential, keras.optimizers.SGD(0.1)))
-    assert len(ours) == 12 and opt.rounds == opt.pushes == 4
+    assert len(ours) == 12 and opt.rounds == opt.pushes == rounds
 
     import irdma
 

@@ -309,8 +309,9 @@ def test_a_partitioned_primary_is_fenced_and_the_mount_follows_the_new_one(ha_be
     old = int(r["old"])  # type: ignore[call-overload]
     ha = ha_bed.ha
     # no split brain: the old primary, cut off, demotes itself (Patroni lost the leader key): a
-    # write from its own host (the only place it can be reached) never commits, whatever state
-    # the demotion is in (shutting down, restarting, a read-only standby), over several seconds
+    # write from its own host (the only place it can be reached) is never acknowledged, whatever
+    # state the demotion is in (shutting down, restarting, a read-only standby), over several
+    # seconds; and it is not on the new primary (the last check, after the heal)
     sock = os.path.join(ha._member_dir(old), "sock")
     refusals = []
     end = time.monotonic() + 8

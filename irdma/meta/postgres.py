@@ -309,6 +309,8 @@ class PostgresMeta(SqlMeta):
         # there, and opening allows one attempt per host
         hosts = max(1, len(str(given.get("host") or "").split(",")))
         attempt = connect_timeout if hosts == 1 else min(connect_timeout, MULTI_HOST_CONNECT_S)
+        with contextlib.suppress(TypeError, ValueError):
+            attempt = float(str(given["connect_timeout"])) if "connect_timeout" in given else attempt  # the URL's
         self._open_timeout = max(connect_timeout, attempt * hosts + 2.0)
         self._kwargs: dict[str, Any] = {"autocommit": True, "application_name": "irdma",
                                         **({} if "connect_timeout" in given else
@@ -476,6 +478,10 @@ class PostgresMeta(SqlMeta):
             self._lost_since = time.monotonic()
             log.warning("metadata: lost the connection to %s (%s): reconnecting, for up to %g s per call",
                         self.server, self._scrub(exc), self.failover_timeout)
+            pool = self._pool
+            if pool is not None:  # the idle connections went to the same server: replace them all
+                with contextlib.suppress(Exception):  # (one to a dead host costs a call tcp_user_timeout)
+                    pool.drain()
         if lost:
             self._degraded = True
         return lost
@@ -485,12 +491,11 @@ class PostgresMeta(SqlMeta):
         info = self._conn_info.get(conn)
         self._local.committing = (info[1], info[2]) if info else (conn.info.backend_pid, None)
         # One message: the id and the COMMIT arrive together (a UUID's text needs no quoting).
-        # No statement_timeout on the COMMIT: under synchronous replication a cancelled wait for
-        # the standby leaves the transaction committed locally, unreplicated, and reports success
-        # (PostgreSQL docs, "Synchronous Replication"), which a failover would then lose. So the
-        # COMMIT waits for the standby; a primary that cannot reach one is demoted by Patroni,
-        # which ends this connection, and the call settles its id on the new primary.
-        conn.execute(f"SET LOCAL statement_timeout = 0; INSERT INTO txids(id) VALUES ('{txid}'); COMMIT")
+        # Under synchronous replication the COMMIT waits for the standby with no statement_timeout
+        # (postgres.c's finish_xact_command disables it before committing): a primary that cannot
+        # reach one is demoted by Patroni, which ends this connection, and the call settles its
+        # id on the new primary (see _landed).
+        conn.execute(f"INSERT INTO txids(id) VALUES ('{txid}'); COMMIT")
         self._local.committing = None
         t = time.monotonic()
         if t >= self._next_prune:
@@ -504,24 +509,35 @@ class PostgresMeta(SqlMeta):
         assert isinstance(committing, tuple)
         pid, started = committing
         c = self._db
+        if c.execute("SELECT pg_is_in_recovery()").fetchone()[0]:  # a standby may lag behind the commit
+            raise psycopg.OperationalError("a standby answered: a lost commit is settled on the primary only"
+                                           " (use target_session_attrs=read-write in a multi-host URL)")
         pause, first = 0.01, True
         while started is not None:  # the old connection's server process: gone, or stopped first
-            row = c.execute("SELECT backend_start FROM pg_stat_activity WHERE pid=?", (pid,)).fetchone()
+            row = c.execute("SELECT backend_start, wait_event FROM pg_stat_activity WHERE pid=?", (pid,)).fetchone()
             if row is None or row[0] != started:
                 break
-            if first:
-                first = False
-                log.info("metadata: stopping server process %d of a lost connection to %s before looking up"
-                         " its commit", pid, self.server)
-            c.execute("SELECT pg_terminate_backend(?)", (pid,))
+            if row[1] != "SyncRep":  # ended while it waits for the standby, its commit would stay local
+                if first:
+                    first = False
+                    log.info("metadata: stopping server process %d of a lost connection to %s before looking up"
+                             " its commit", pid, self.server)
+                c.execute("SELECT pg_terminate_backend(?)", (pid,))
             if time.monotonic() + pause >= until:
                 raise MetadataError(
                     f"metadata database {self.url}: the server process {pid} of a lost connection still runs after"
-                    f" {self.failover_timeout:g} s: whether its commit landed is unknown",
-                    "check the server's log and pg_stat_activity; then check the operation's effect before retrying")
+                    f" {self.failover_timeout:g} s" + (" waiting for a synchronous standby" if row[1] == "SyncRep"
+                                                        else "") + ": whether its commit landed is unknown",
+                    "check the server's log, pg_stat_activity and the standbys (`irdma status`); then check the"
+                    " operation's effect before retrying")
             time.sleep(pause)
             pause = min(pause * 2, 0.2)
-        return c.execute("SELECT 1 FROM txids WHERE id=?", (txid,)).fetchone() is not None
+        found = c.execute("SELECT 1 FROM txids WHERE id=?", (txid,)).fetchone() is not None
+        if found:
+            # on this server; on a synchronous standby too once a later commit's wait is over (its
+            # WAL position is past the lost one's): only then is it said to have landed
+            c.execute("INSERT INTO txids(id) VALUES (?)", (uuid.uuid4(),))
+        return found
 
     def _lost_failure(self, op: str, exc: Exception, unknown: bool) -> IrdmaError:
         message = self._scrub(exc)
@@ -593,11 +609,12 @@ def tier_status(url: str, timeout: float = 3.0) -> list[TierMember]:
         info = psycopg.conninfo.conninfo_to_dict(base)
     except psycopg.Error as exc:
         raise InvalidArgument(f"not a PostgreSQL URL libpq can parse: {exc}") from None
-    servers = [s.strip() for s in server_of(base).split(",")]
-    hosts = str(info.get("host") or "localhost").split(",")
-    ports = str(info.get("port") or "5432").split(",")
+    hosts = str(info.get("host") or os.environ.get("PGHOST") or "localhost").split(",")
+    ports = str(info.get("port") or os.environ.get("PGPORT") or "5432").split(",")
     if len(ports) == 1:
         ports *= len(hosts)
+    servers = [server_of(psycopg.conninfo.make_conninfo("", host=h or "localhost", port=p or "5432"))
+               for h, p in zip(hosts, ports, strict=False)]
     found: list[tuple[str, str, str, dict[str, tuple[str, int | None]]]] = []
     for server, host, port in zip(servers, hosts, ports, strict=False):
         one = {**info, "host": host, "port": port, "target_session_attrs": "any",

@@ -118,7 +118,9 @@ class PatroniCluster:
                 self._start(i, new=True)
             self.wait_healthy(start_timeout)
             leader = self.primary()
-            self.psql(leader, f"CREATE ROLE {user} LOGIN PASSWORD '{self.password}'", stdin=True)
+            # (the server logs no statement of this session, so a failure never writes the password)
+            self.psql(leader, f"SET log_min_error_statement = panic; CREATE ROLE {user} LOGIN PASSWORD"
+                              f" '{self.password}'", stdin=True)
             self.psql(leader, f"CREATE DATABASE {database} OWNER {user}")
             self.psql(leader, f"GRANT pg_monitor TO {user}")  # `irdma status` reads pg_stat_replication
         except BaseException:

@@ -316,7 +316,7 @@ class _JobState:
     rounds: Any = None  # overlap "fifo"/"p3": the per-layer rounds (irdma.train.overlap.Rounds)
     group: Any = None  # hierarchy: this host's workers (irdma.train.hier.HostGroup)
     anchor: np.ndarray | None = None  # sync_every > 1: the weights at the last global step (float32, flat)
-    local_steps: int = 0  # sync_every > 1: steps taken since the job was joined
+    since_sync: int = 0  # sync_every > 1: local steps since the last global step
 
 
 @keras.saving.register_keras_serializable(package="irdma")
@@ -352,11 +352,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
             network training with distributed asynchronous and selective optimization (DASO)",
             J. Big Data 2022; local SGD, Stich, ICLR 2019). With K > 1 each step is a local step
             of plain SGD on the worker (with ``hierarchy=True``: with the mean gradient of the
-            host's workers, summed in shared memory), and every K-th step the worker (the host's
-            local rank 0) adds its model's change since the last global step, divided by the
-            number of pushers (hosts, or workers), to the shards' weights (op ``add``: the
-            shards hold the average of the models), ticks its clock (BSP/SSP wait here) and
-            every worker pulls the result. The cross-host traffic is 1/K of ``sync_every=1``.
+            host's workers, summed in shared memory), and every K-th step, and at each epoch's
+            end (:class:`BroadcastInitialWeights`), the worker (the host's local rank 0) adds
+            its model's change since the last global step, times its host's workers over the
+            job's, to the shards' weights (op ``add``: under BSP the shards then hold the
+            average of the workers' models; under ASP a running mix), ticks its clock (BSP/SSP
+            wait here) and every worker pulls the result. The cross-host traffic is 1/K of ``sync_every=1``.
             K > 1 needs a plain SGD optimizer (no momentum: the state would stay on one worker)
             and ``overlap="none"``, no ``compress``, no ``drop``, and no ``--elastic`` (the
             average divides by a fixed number of pushers).
@@ -547,9 +548,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
 
         self._job.layout, self._job.chunks = client._run(locate, client.client)
         self._job.joined = True
-        if _world["rejoin"] and _world["clock"] > int(self._iterations.numpy()):
+        step = _world["clock"] * self.sync_every  # a clock tick is a round: K steps under sync_every
+        if _world["rejoin"] and step > int(self._iterations.numpy()):
             # the job's step (its clock counts every worker's rounds): a schedule goes on where the job is
-            self._iterations.assign(_world["clock"])
+            self._iterations.assign(step)
         for v, w in zip(self._job.vars, self._pull(), strict=True):
             v.assign(w)
         self._job.anchor = None  # sync_every > 1: the next step starts from these weights
@@ -561,6 +563,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         self.flush()
         for v, w in zip(self._job.vars, self._pull(), strict=True):
             v.assign(w)
+        self._job.anchor = None  # sync_every > 1: local steps go on from these weights
 
     # ------------------------------------------------------------ checkpoints
     def _write_checkpoint(self) -> None:
@@ -707,13 +710,33 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         weights -= np.float32(lr) * grad
         if decays:
             weights -= _flat([d.numpy() for d in decays])
-        job_state.local_steps += 1
-        if job_state.local_steps % self.sync_every:
+        job_state.since_sync += 1
+        if job_state.since_sync < self.sync_every:
             return self._split(weights)
+        return self._split(self._global_step(weights))
+
+    def synchronize(self) -> None:
+        """``sync_every`` > 1: a global step now if local steps were taken since the last one, and
+        the variables set to its result (:class:`BroadcastInitialWeights` calls it at each
+        epoch's end and at the end of training, so every epoch ends with the workers' average;
+        every worker must call it at the same point). A no-op otherwise. Eager."""
+        if self.sync_every > 1 and self._job.joined and self._job.since_sync:
+            flat = self._global_step(_flat([np.asarray(v.numpy()) for v in self._job.vars]))
+            for v, w in zip(self._job.vars, self._split(flat), strict=True):
+                v.assign(w)
+
+    def _global_step(self, weights: np.ndarray) -> np.ndarray:
+        """DASO's global step from this worker's ``weights`` (float32, flat): its change since
+        the last one, times its host's workers over the job's workers, added on the shards (so
+        each worker's change counts 1/n under BSP, whatever the hosts' sizes), the clock ticked,
+        the result pulled (and handed to the host's workers)."""
+        job_state, group = self._job, self._job.group
+        assert job_state.anchor is not None
+        job_state.since_sync = 0
         client, job, me, n = _need("client"), _need("job"), _need("rank"), _need("size")
-        pushers = n // (group.size if group is not None else 1)
         if group is None or group.is_leader:
-            delta = np.ascontiguousarray((weights - job_state.anchor) / np.float32(pushers), dtype="<f4")
+            share = np.float32((group.size if group is not None else 1) / n)
+            delta = np.ascontiguousarray((weights - job_state.anchor) * share, dtype="<f4")
             layout, chunks = job_state.layout, job_state.chunks
 
             async def push(cl: Any) -> None:
@@ -733,7 +756,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         else:
             pulled = self._pull_flat()
         job_state.anchor = np.array(pulled, dtype=np.float32)
-        return self._split(pulled)
+        return np.asarray(pulled, dtype=np.float32)
 
     def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> Any:
         variables = list(trainable_variables) if trainable_variables is not None else self._job.vars
@@ -842,11 +865,14 @@ class BroadcastInitialWeights(keras.callbacks.Callback):  # type: ignore[misc]
             log.warning("could not record epoch %d of rank %d (%s)", epoch, _need("rank"), exc)
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        """Apply the pulls in flight (per-layer rounds), so that the callbacks after this one
-        (checkpoints) see the job's weights."""
+        """Apply the pulls in flight (per-layer rounds), and with ``sync_every`` > 1 take the
+        epoch's last global step, so that the callbacks after this one (checkpoints) see the
+        job's weights."""
+        self.model.optimizer.synchronize()
         self.model.optimizer.flush()
 
     def on_train_end(self, logs: Any = None) -> None:
+        self.model.optimizer.synchronize()
         self.model.optimizer.flush()
 
 

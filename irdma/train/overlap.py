@@ -176,7 +176,7 @@ class Rounds:
         if codec is not None and push is not None:  # error feedback: what earlier pushes left out goes now
             fb = self.residuals.setdefault(g, np.zeros(data.size, np.float32))
             push = push + fb
-        # An ASP job pulls each slice as soon as its push is acknowledged (as CommTrainer does):
+        # An ASP job pulls each slice as soon as its push is acknowledged:
         # a big layer streams both ways of a full-duplex link at once instead of one after the other
         out = np.empty(data.size, dtype="<f4") if self.asp else None
 
