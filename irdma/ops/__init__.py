@@ -3,6 +3,7 @@
 * :mod:`.cli`: the ``irdma`` command (click, rich); :mod:`.launch`: ``irdma run``, the launcher of training jobs.
 * :mod:`.cluster`: starting, registering and stopping shard processes (``irdma up``/``down``).
 * :mod:`.fsck`: checking the chunk map against the shards.
+* :mod:`.info`: ``irdma info PATH``: a file's chunks and replicas, a directory's summary.
 * :mod:`.stats` and :mod:`.metrics`: Prometheus metrics of shards and mounts, and ``irdma stats``.
 * :mod:`.bench` and :mod:`.testbed`: ``irdma bench`` and multi-host test beds.
 * :mod:`._proc`: child processes with deadlines.
