@@ -29,6 +29,7 @@ from irdma.meta import redact
 from irdma.ops._proc import last_log_line, pid_alive, spawn_detached
 from irdma.ops.metrics import Exporter, forget_mount, parse_metrics_address, record_mount
 from irdma.ops.metrics import serve as serve_metrics
+from irdma.ops.metrics import set_transport as set_metrics_transport
 from irdma.train.coord import DEFAULT_SYNC_TIMEOUT
 
 from .operations import IrdmaFS
@@ -82,6 +83,7 @@ async def _serve_mount(
 ) -> None:
     async with Client.open(meta_url, transport=transport, client_name=f"irdma-mount {mountpoint}",
                            timeout=timeout) as client:
+        set_metrics_transport(client.transport.name)  # irdma_build_info's label
         fs = IrdmaFS(client, direct_io=direct_io)
         fs.control.sync_timeout = sync_timeout
         await fs.start_session(f"mount {mountpoint}")

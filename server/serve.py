@@ -18,6 +18,7 @@ import trio
 from irdma._errors import IrdmaError
 from irdma.ops.metrics import Exporter
 from irdma.ops.metrics import serve as serve_metrics
+from irdma.ops.metrics import set_transport as set_metrics_transport
 from irdma.wire import auth
 from irdma.wire import protocol as P
 
@@ -68,6 +69,7 @@ async def run_server(
     server = ShardServer(shard, max_payload=max_payload, keys=keys, max_connections=max_connections,
                          max_per_peer=max_per_peer)
     server.verbs = verbs
+    set_metrics_transport("tcp,verbs" if verbs is not None else "tcp")  # irdma_build_info's label
     exporter: Exporter | None = None
     if metrics:
         exporter = await trio.to_thread.run_sync(serve_metrics, metrics)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import errno
 import io
 import os
+import platform
+import re
 import socket
 import subprocess
 import sys
@@ -240,17 +242,17 @@ def test_native_client_bytes_equal_shard_counters(mcluster: MetricsCluster) -> N
     assert writes == client_delta("irdma_client_requests_total", op="write", transport="tcp", status="ok")
     assert shard_delta("irdma_shard_requests_total", op="forward", status="ok") == writes
     assert shard_delta("irdma_shard_requests_total", op="sync", status="ok") >= 2
-    assert shard_delta("irdma_shard_request_seconds_count", op="write") == writes
-    assert client_delta("irdma_client_request_seconds_count", op="read", transport="tcp") >= 4
+    assert shard_delta("irdma_shard_request_duration_seconds_count", op="write") == writes
+    assert client_delta("irdma_client_request_duration_seconds_count", op="read", transport="tcp") >= 4
     assert shard_delta("irdma_shard_errors_total") == 0
     # replication: forwards acknowledged and timed; none pending once the writes returned
     assert shard_delta("irdma_shard_replication_forwards_total", status="ok") == writes
-    assert shard_delta("irdma_shard_replication_forward_seconds_count") == writes
+    assert shard_delta("irdma_shard_replication_forward_duration_seconds_count") == writes
     assert shards_total(after, "irdma_shard_replication_pending_forwards") == 0
     # gauges read at scrape time
     assert shards_total(after, "irdma_shard_capacity_bytes") == 2 * CAPACITY
     assert shards_total(after, "irdma_shard_chunks") >= 2 * 4
-    assert shards_total(after, "irdma_shard_bytes_held") >= 2 * n
+    assert shards_total(after, "irdma_shard_held_bytes") >= 2 * n
     assert shards_total(after, "irdma_shard_inflight_requests") == 0
     assert total(mine, "irdma_client_inflight_requests") == 0
 
@@ -294,7 +296,7 @@ def test_mount_metrics_count_fuse_requests_and_bytes(mcluster: MetricsCluster, m
     assert md("irdma_fuse_requests_total", op="write") >= n // (1 << 20)
     assert md("irdma_fuse_requests_total", op="fsync") == 1
     assert md("irdma_fuse_requests_total", op="create") == 1
-    assert md("irdma_fuse_request_seconds_count", op="write") == md("irdma_fuse_requests_total", op="write")
+    assert md("irdma_fuse_request_duration_seconds_count", op="write") == md("irdma_fuse_requests_total", op="write")
     # its client side and the shards agree, byte for byte
     assert md("irdma_client_bytes_total", op="write", direction="out") == n
     assert sd("irdma_shard_bytes_total", op="write", direction="in") == n
@@ -303,7 +305,7 @@ def test_mount_metrics_count_fuse_requests_and_bytes(mcluster: MetricsCluster, m
     assert sd("irdma_shard_bytes_total", op="read", direction="out") == pulled
     assert md("irdma_client_requests_total", op="write", transport="tcp", status="ok") == \
         sd("irdma_shard_requests_total", op="write", status="ok")
-    assert md("irdma_client_request_seconds_count", op="write", transport="tcp") >= 1
+    assert md("irdma_client_request_duration_seconds_count", op="write", transport="tcp") >= 1
 
 
 # ---------------------------------------------------------------- the live view
@@ -357,7 +359,7 @@ def test_quantile_interpolates_within_a_bucket() -> None:
     assert stats.quantile(0.99, {0.5: 1.0, float("inf"): 10.0}) == 0.5
 
 
-def test_missing_xattr_answers_are_requests_not_errors() -> None:
+def test_not_found_answers_are_requests_not_errors() -> None:
     from prometheus_client import CollectorRegistry
 
     reg = CollectorRegistry()
@@ -365,18 +367,26 @@ def test_missing_xattr_answers_are_requests_not_errors() -> None:
     t0 = time.perf_counter()
     m.end(t0, "getxattr", errno.ENODATA)
     m.end(t0, "listxattr", errno.ENODATA)
+    m.end(t0, "lookup", errno.ENOENT)
     m.end(t0, "getxattr", errno.EIO)
     m.end(t0, "read", errno.ENODATA)  # from any other request it is an error
+    m.end(t0, "getattr", errno.ENOENT)
     assert reg.get_sample_value("irdma_fuse_requests_total", {"op": "getxattr"}) == 2
-    assert reg.get_sample_value("irdma_fuse_errors_total", {"op": "getxattr", "errno": "ENODATA"}) is None
-    assert reg.get_sample_value("irdma_fuse_errors_total", {"op": "listxattr", "errno": "ENODATA"}) is None
+    assert reg.get_sample_value("irdma_fuse_requests_total", {"op": "lookup"}) == 1
+    for op, name in (("getxattr", "ENODATA"), ("listxattr", "ENODATA"), ("lookup", "ENOENT")):
+        assert reg.get_sample_value("irdma_fuse_errors_total", {"op": op, "errno": name}) is None
+        assert reg.get_sample_value("irdma_fuse_not_found_total", {"op": op, "errno": name}) == 1
     assert reg.get_sample_value("irdma_fuse_errors_total", {"op": "getxattr", "errno": "EIO"}) == 1
     assert reg.get_sample_value("irdma_fuse_errors_total", {"op": "read", "errno": "ENODATA"}) == 1
+    assert reg.get_sample_value("irdma_fuse_errors_total", {"op": "getattr", "errno": "ENOENT"}) == 1
+    assert reg.get_sample_value("irdma_fuse_not_found_total", {"op": "getattr", "errno": "ENOENT"}) is None
 
 
-def test_writes_and_absent_xattrs_count_no_fuse_errors(mcluster: MetricsCluster, mmnt: str) -> None:
-    """The kernel asks ``getxattr security.capability`` before writes; a missing attribute is an
-    answer: requests go up, ``irdma_fuse_errors_total`` does not (error-rate alerts stay quiet)."""
+def test_writes_and_absent_names_and_xattrs_count_no_fuse_errors(mcluster: MetricsCluster, mmnt: str) -> None:
+    """The kernel asks ``getxattr security.capability`` before writes and looks every new name up
+    before creating it; a missing attribute or name is an answer: requests and
+    ``irdma_fuse_not_found_total`` go up, ``irdma_fuse_errors_total`` does not (error-rate alerts
+    stay quiet)."""
     target = stats.mount_target(mmnt)
     m0 = scrape(target.address)
     path = os.path.join(mmnt, "no-xattrs")
@@ -387,17 +397,139 @@ def test_writes_and_absent_xattrs_count_no_fuse_errors(mcluster: MetricsCluster,
     with pytest.raises(OSError) as exc:
         os.getxattr(path, "user.not-there")
     assert exc.value.errno == errno.ENODATA
-    with pytest.raises(OSError):
-        os.stat(os.path.join(mmnt, "no-such-file"))  # a real failure still counts
+    with pytest.raises(FileNotFoundError):
+        os.stat(os.path.join(mmnt, "no-such-file"))
     m1 = scrape(target.address)
+    full = os.path.join(mmnt, "not-empty")
+    os.makedirs(os.path.join(full, "d"), exist_ok=True)
+    with pytest.raises(OSError) as exc:
+        os.rmdir(full)  # a real failure still counts
+    assert exc.value.errno == errno.ENOTEMPTY
+    m2 = scrape(target.address)
 
     def md(name: str, **match: str) -> float:
         return total(m1, name, **match) - total(m0, name, **match)
 
     assert md("irdma_fuse_requests_total", op="getxattr") >= 1
-    assert md("irdma_fuse_errors_total", op="getxattr") == 0
-    assert md("irdma_fuse_errors_total", errno="ENODATA") == 0
-    assert md("irdma_fuse_errors_total", op="lookup", errno="ENOENT") >= 1
+    assert md("irdma_fuse_not_found_total", op="getxattr", errno="ENODATA") >= 1
+    assert md("irdma_fuse_not_found_total", op="lookup", errno="ENOENT") >= 1  # no-such-file (and no-xattrs)
+    assert md("irdma_fuse_errors_total") == 0
+    assert total(m2, "irdma_fuse_errors_total", op="rmdir", errno="ENOTEMPTY") - \
+        total(m1, "irdma_fuse_errors_total", op="rmdir", errno="ENOTEMPTY") == 1
+
+
+# ---------------------------------------------------------------- the conventions, and the dashboard
+DASHBOARD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "grafana-irdma.json")
+#: Unit words that may end a metric name (before ``_total``): Prometheus base units and suffixes.
+UNITS = ("seconds", "bytes", "ratio", "info")
+#: Words that name a unit that is not a base unit: never in a name.
+NOT_BASE_UNITS = {"ms", "millis", "milliseconds", "us", "micros", "microseconds", "ns", "nanoseconds", "minutes",
+                  "hours", "days", "kb", "mb", "gb", "kib", "mib", "gib", "kilobytes", "megabytes", "percent"}
+#: PromQL words that are not metric names: operators, modifiers and grouping clauses.
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool",
+                "offset", "inf", "nan"}
+
+
+def families(address: str) -> list[Any]:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+        return list(text_string_to_metric_families(resp.read().decode()))
+
+
+def series_names(fams: list[Any]) -> set[str]:
+    """The names a PromQL query may use for ``fams``, with or without samples yet."""
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "summary": ("", "_sum", "_count")}
+    out = {s.name for f in fams for s in f.samples}
+    for f in fams:
+        out.update(f.name + x for x in suffixes.get(f.type, ("",)))
+    return out
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads (strings, label matchers, ranges, grouping
+    label lists and function names left out)."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)
+    expr = re.sub(r"\{[^}]*\}|\[[^\]]*\]", " ", expr)
+    expr = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)
+    names = set()
+    for m in re.finditer(r"(?<![\w$.])([A-Za-z_:][\w:]*)(\s*\()?", expr):
+        if not m.group(2) and m.group(1).lower() not in PROMQL_WORDS:
+            names.add(m.group(1))
+    return names
+
+
+def test_promql_metric_names() -> None:
+    assert promql_metric_names(
+        'histogram_quantile(0.99, sum by (le, op) (rate(a_seconds_bucket{op!="x",b=~"c.*"}[$__rate_interval])))'
+        " * on (job, instance) group_left (version) b_info + c_total offset 5m") == {"a_seconds_bucket", "b_info",
+                                                                                      "c_total"}
+
+
+def test_scrapes_follow_prometheus_conventions_and_serve_the_dashboard(mcluster: MetricsCluster, mmnt: str) -> None:
+    """Every exporter (each shard, the mount), scraped over HTTP after real I/O: names by the
+    Prometheus conventions, no ``_created``, process and platform collectors, ``irdma_build_info``;
+    a getxattr of a missing attribute is no FUSE error; every metric the Grafana dashboard's
+    queries read is served."""
+    target = stats.mount_target(mmnt)
+    path = os.path.join(mmnt, "conventions.bin")
+    with open(path, "wb") as f:
+        f.write(os.urandom(3 << 20))
+        os.fsync(f.fileno())
+    with open(path, "rb") as f:
+        assert len(f.read()) == 3 << 20
+    before = scrape(target.address)
+    for name in ("user.missing", "security.capability"):
+        with pytest.raises(OSError) as exc:
+            os.getxattr(path, name)
+        assert exc.value.errno == errno.ENODATA
+    after = scrape(target.address)
+    assert total(after, "irdma_fuse_requests_total", op="getxattr") - \
+        total(before, "irdma_fuse_requests_total", op="getxattr") >= 2
+    assert total(after, "irdma_fuse_errors_total") == total(before, "irdma_fuse_errors_total")
+
+    scrapes = {f"shard {sid}": families(a) for sid, a in mcluster.metrics.items()}
+    scrapes["mount"] = families(target.address)
+    served: set[str] = set()
+    for who, fams in scrapes.items():
+        byname = {f.name: f for f in fams}
+        for f in fams:
+            where = f"{who}: {f.name}"
+            assert not f.name.endswith("_created"), where
+            assert all(not s.name.endswith("_created") for s in f.samples), where
+            if f.type == "counter":
+                assert all(s.name == f.name + "_total" for s in f.samples), where
+            else:
+                assert not f.name.endswith("_total"), f"{where}: _total on a {f.type}"
+                assert all(not s.name.endswith("_total") for s in f.samples), where
+            words = f.name.split("_")
+            assert not NOT_BASE_UNITS & set(words), f"{where}: not a base unit"
+            for unit in UNITS:  # a unit word only at the end, and there when the help names it
+                assert unit not in words[:-1], f"{where}: {unit} not last"
+                if unit in ("seconds", "bytes") and re.search(rf"\b{unit}\b", f.documentation, re.I):
+                    assert words[-1] == unit, f"{where}: its help counts {unit}, its name does not end so"
+            if f.name.endswith("_info"):
+                assert f.type == "gauge" and all(s.value == 1 for s in f.samples), where
+        for name in ("process_cpu_seconds", "process_resident_memory_bytes", "process_start_time_seconds",
+                     "python_info", "irdma_build_info"):
+            assert name in byname and byname[name].samples, f"{who}: no {name}"
+        (info,) = byname["irdma_build_info"].samples
+        assert info.value == 1
+        assert info.labels["version"] == irdma.__version__
+        assert info.labels["python"] == platform.python_version()
+        assert info.labels["transport"] == "tcp", f"{who}: {info.labels}"
+        served |= series_names(fams)
+    assert "irdma_shard_held_bytes" in served and "irdma_shard_bytes_held" not in served
+
+    import json
+
+    with open(DASHBOARD) as f:
+        board = json.load(f)
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 12
+    for expr in exprs:
+        names = promql_metric_names(expr)
+        assert names, expr
+        missing = names - served
+        assert not missing, f"dashboard query {expr!r} reads {sorted(missing)}, which no exporter serves"
 
 
 def test_metrics_code_never_fails_a_request() -> None:

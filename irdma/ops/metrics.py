@@ -5,9 +5,12 @@ Every metric irdma exposes is defined here, in one per-process :data:`REGISTRY` 
 ``irdma server --metrics HOST:PORT`` and ``irdma mount --metrics HOST:PORT`` serve it at
 ``http://HOST:PORT/metrics`` (:func:`serve`: a daemon thread, never the trio loop).
 
-Names follow Prometheus conventions: a ``_total`` suffix on counters, base units (``_seconds``,
-``_bytes``) in the name. Labels take values from small fixed sets only (op names, transport
-names, statuses, error kinds, shard ids), never file names or chunk ids.
+Names follow the Prometheus conventions (https://prometheus.io/docs/practices/naming/): base
+units (``_seconds``, ``_bytes``) as the last word of the name, then ``_total`` on counters and on
+counters only; no ``_created`` series (:func:`serve` turns them off: they double every counter
+and no dashboard reads them); ``_info`` gauges of value 1 for what a process is. Labels take
+values from small fixed sets only (op names, transport names, statuses, error kinds, errno
+names, shard ids), never file names or chunk ids.
 
 The shard (``irdma_shard_*``; see :class:`ShardMetrics`):
 
@@ -20,16 +23,17 @@ The shard (``irdma_shard_*``; see :class:`ShardMetrics`):
 * ``irdma_shard_bytes_total{op,transport,direction}``: payload bytes, ``in`` (pushed to the
   shard: the data of a write) or ``out`` (pulled: the data of a read reply; a hole is 0).
   Headers, tags and other protocol bytes are not counted.
-* ``irdma_shard_request_seconds{op,transport}``: histogram of the time from a decoded request
-  to its reply (for a chained update: until the rest of the chain acknowledged it).
+* ``irdma_shard_request_duration_seconds{op,transport}``: histogram of the time from a decoded
+  request to its reply (for a chained update: until the rest of the chain acknowledged it).
 * ``irdma_shard_inflight_requests``: requests being applied or waiting for their chain.
-* ``irdma_shard_chunks{shard}``, ``irdma_shard_bytes_held{shard}``,
+* ``irdma_shard_chunks{shard}``, ``irdma_shard_held_bytes{shard}``,
   ``irdma_shard_capacity_bytes{shard}``: read from the shard at scrape time.
 * ``irdma_shard_replication_pending_forwards{shard}``: updates forwarded to the next replica
   and not yet acknowledged by it (the replication lag in updates); ``irdma_shard_dirty_chunks``:
   chunks with such updates (a clean read of one goes to the chain's tail).
-* ``irdma_shard_replication_forward_seconds``: histogram of the time a forward took to be
-  acknowledged by the rest of the chain (the replication lag in seconds).
+* ``irdma_shard_replication_forwards_total{status}``: updates forwarded to the next replica.
+* ``irdma_shard_replication_forward_duration_seconds``: histogram of the time a forward took to
+  be acknowledged by the rest of the chain (the replication lag in seconds).
 * ``irdma_shard_errors_total{kind}``: failed requests by kind (the status).
 
 The client (``irdma_client_*``, every process with an :class:`irdma.Client`, a mount too; see
@@ -40,17 +44,41 @@ The client (``irdma_client_*``, every process with an :class:`irdma.Client`, a m
   ``list``); ``status`` is ``ok`` or the error kind (:func:`error_kind`).
 * ``irdma_client_bytes_total{op,direction}``: payload bytes of successful calls, ``in``
   (pulled: the bytes read) or ``out`` (pushed: the data of a write).
-* ``irdma_client_request_seconds{op,transport}``: latency histogram.
+* ``irdma_client_request_duration_seconds{op,transport}``: latency histogram.
 * ``irdma_client_inflight_requests``; ``irdma_client_errors_total{kind}``.
 
 The mount (``irdma_fuse_*``, see :class:`FuseMetrics`): ``irdma_fuse_requests_total{op}``
 (FUSE request type: ``read``, ``write``, ``lookup``, ``getattr``, ``fsync`` ...),
-``irdma_fuse_request_seconds{op}``, ``irdma_fuse_bytes_total{op}`` (bytes returned by ``read``,
-accepted by ``write``), ``irdma_fuse_errors_total{op,errno}`` (``errno`` as its symbolic name).
-An answer that only says "no such attribute" (``ENODATA`` from ``getxattr`` or ``listxattr``:
-the kernel asks ``getxattr security.capability`` before every write to a file) is not an
-error: it counts in ``irdma_fuse_requests_total`` only (:data:`NOT_ERRORS`), so an alert on
-the error rate stays quiet on healthy traffic.
+``irdma_fuse_request_duration_seconds{op}``, ``irdma_fuse_bytes_total{op}`` (bytes returned by
+``read``, accepted by ``write``), ``irdma_fuse_errors_total{op,errno}`` (``errno`` as its
+symbolic name) and ``irdma_fuse_not_found_total{op,errno}``. An answer that only says "there is
+no such name" or "no such attribute" is not an error (:data:`NOT_ERRORS`): ``ENOENT`` from
+``lookup`` (the kernel looks a name up before every ``O_CREAT`` open, ``mkdir``, ``rename`` over
+nothing; ``$PATH`` and ``sys.path`` searches are made of them) and ``ENODATA`` (Linux's
+``ENOATTR``) from ``getxattr`` or ``listxattr`` (the kernel asks ``getxattr
+security.capability`` before every write to a file). Those count in
+``irdma_fuse_requests_total`` and ``irdma_fuse_not_found_total``, never in
+``irdma_fuse_errors_total``, so an alert on the error rate stays quiet on healthy traffic. The
+same errno from any other request (``ENOENT`` from ``getattr``: a file removed under an open
+handle) is an error.
+
+Every exporter (shard and mount alike) also serves what describes the process:
+``irdma_build_info{version,python,transport}`` (always 1: the irdma version, the Python version,
+the transports the process speaks: ``tcp``, ``tcp,verbs`` for a shard with an RDMA device, or
+the mount's transport), and ``prometheus_client``'s process collector (``process_cpu_seconds_total``,
+``process_resident_memory_bytes``, ``process_open_fds``, ``process_start_time_seconds`` ...),
+platform collector (``python_info``) and garbage-collector counters (``python_gc_*``).
+
+Renamed by issue 24 (old -> new), for dashboards and alerts written against the old names
+(``docs/deploy.md`` has the same table):
+
+* ``irdma_shard_bytes_held`` -> ``irdma_shard_held_bytes``
+* ``irdma_shard_request_seconds`` -> ``irdma_shard_request_duration_seconds``
+* ``irdma_shard_replication_forward_seconds`` -> ``irdma_shard_replication_forward_duration_seconds``
+* ``irdma_client_request_seconds`` -> ``irdma_client_request_duration_seconds``
+* ``irdma_fuse_request_seconds`` -> ``irdma_fuse_request_duration_seconds``
+* ``irdma_fuse_errors_total{op="lookup",errno="ENOENT"}`` -> ``irdma_fuse_not_found_total``
+* every ``*_created`` series: gone.
 
 Recording never fails a request: every hook catches and logs its own errors (once).
 """
@@ -60,13 +88,22 @@ from __future__ import annotations
 import errno as _errno
 import logging
 import os
+import platform
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -164,13 +201,13 @@ class ShardMetrics:
                                 ("op", "transport", "status"), registry=registry)
         self.bytes = Counter("irdma_shard_bytes", "Payload bytes a shard received (in) and sent (out).",
                              ("op", "transport", "direction"), registry=registry)
-        self.seconds = Histogram("irdma_shard_request_seconds", "Seconds from a decoded request to its reply.",
+        self.seconds = Histogram("irdma_shard_request_duration_seconds", "Seconds from a decoded request to its reply.",
                                  ("op", "transport"), buckets=LATENCY_BUCKETS, registry=registry)
         self.inflight = Gauge("irdma_shard_inflight_requests", "Requests being applied or waiting for their chain.",
                               registry=registry)
         self.errors = Counter("irdma_shard_errors", "Failed requests by kind.", ("kind",), registry=registry)
         self.forward_seconds = Histogram(
-            "irdma_shard_replication_forward_seconds",
+            "irdma_shard_replication_forward_duration_seconds",
             "Seconds an update forwarded to the next replica took to be acknowledged by the rest of its chain.",
             buckets=LATENCY_BUCKETS, registry=registry)
         self.forwards = Counter("irdma_shard_replication_forwards", "Updates forwarded to the next replica.",
@@ -242,7 +279,7 @@ class _ShardCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         chunks = GaugeMetricFamily("irdma_shard_chunks", "Chunks the shard holds.", labels=("shard",))
-        held = GaugeMetricFamily("irdma_shard_bytes_held", "Bytes of the shard's memory region in use.",
+        held = GaugeMetricFamily("irdma_shard_held_bytes", "Bytes of the shard's memory region in use.",
                                  labels=("shard",))
         cap = GaugeMetricFamily("irdma_shard_capacity_bytes", "Bytes of the shard's memory region.",
                                 labels=("shard",))
@@ -277,7 +314,7 @@ class ClientMetrics:
                                 ("op", "transport", "status"), registry=registry)
         self.bytes = Counter("irdma_client_bytes", "Payload bytes a client pulled (in) and pushed (out).",
                              ("op", "direction"), registry=registry)
-        self.seconds = Histogram("irdma_client_request_seconds", "Seconds a request to one shard took.",
+        self.seconds = Histogram("irdma_client_request_duration_seconds", "Seconds a request to one shard took.",
                                  ("op", "transport"), buckets=LATENCY_BUCKETS, registry=registry)
         self.inflight = Gauge("irdma_client_inflight_requests", "Requests to shards awaiting their reply.",
                               registry=registry)
@@ -312,10 +349,13 @@ class ClientMetrics:
             _warn_once("client end", exc)
 
 
-#: FUSE answers with an errno that are not failures: the file simply has no such extended
-#: attribute (``ENODATA``, Linux's ENOATTR). The kernel asks ``getxattr security.capability``
-#: before every write, so counting these would make every write look like a failed request.
-NOT_ERRORS: frozenset[tuple[str, int]] = frozenset({("getxattr", _errno.ENODATA), ("listxattr", _errno.ENODATA)})
+#: FUSE answers with an errno that are not failures, by (request type, errno): the name does not
+#: exist (``lookup`` ``ENOENT``: the kernel asks before every create, mkdir and rename onto a new
+#: name, and every search of a path list is made of them), or the file has no such extended
+#: attribute (``ENODATA``, Linux's ENOATTR: the kernel asks ``getxattr security.capability``
+#: before every write). Counting these as errors would make healthy traffic look like failures.
+NOT_ERRORS: frozenset[tuple[str, int]] = frozenset({
+    ("lookup", _errno.ENOENT), ("getxattr", _errno.ENODATA), ("listxattr", _errno.ENODATA)})
 
 
 class FuseMetrics:
@@ -324,18 +364,23 @@ class FuseMetrics:
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.requests = Counter("irdma_fuse_requests", "FUSE requests a mount answered, by type.", ("op",),
                                 registry=registry)
-        self.seconds = Histogram("irdma_fuse_request_seconds", "Seconds a FUSE request took, by type.", ("op",),
-                                 buckets=LATENCY_BUCKETS, registry=registry)
+        self.seconds = Histogram("irdma_fuse_request_duration_seconds", "Seconds a FUSE request took, by type.",
+                                 ("op",), buckets=LATENCY_BUCKETS, registry=registry)
         self.bytes = Counter("irdma_fuse_bytes", "Bytes a mount returned to read and accepted from write.", ("op",),
                              registry=registry)
-        self.errors = Counter("irdma_fuse_errors", "FUSE requests answered with an error, by type and errno.",
+        self.errors = Counter("irdma_fuse_errors", "FUSE requests that failed, by type and errno (not-found"
+                              " answers of lookup, getxattr and listxattr are not failures).",
                               ("op", "errno"), registry=registry)
+        self.not_found = Counter("irdma_fuse_not_found", "FUSE requests answered 'no such name' (lookup ENOENT)"
+                                 " or 'no such attribute' (getxattr, listxattr ENODATA): answers, not failures.",
+                                 ("op", "errno"), registry=registry)
         self._children: dict[tuple[str, ...], Any] = {}
 
     def end(self, t0: float, op: str, errno: int = 0, nbytes: int = 0) -> None:
         """Note a FUSE request of type ``op`` that started at ``t0`` and failed with ``errno``
         (0: it succeeded), moving ``nbytes``. An ``(op, errno)`` of :data:`NOT_ERRORS` is an
-        answer, not a failure: counted as a request, not in ``irdma_fuse_errors_total``."""
+        answer, not a failure: counted in ``irdma_fuse_requests_total`` and
+        ``irdma_fuse_not_found_total``, not in ``irdma_fuse_errors_total``."""
         try:
             dt = time.perf_counter() - t0
             c = self._children
@@ -349,8 +394,12 @@ class FuseMetrics:
                 if b is None:
                     b = c[("b", op)] = self.bytes.labels(op)
                 b.inc(nbytes)
-            if errno and (op, errno) not in NOT_ERRORS:
-                self.errors.labels(op, _errno.errorcode.get(errno, str(errno))).inc()
+            if errno:
+                name = _errno.errorcode.get(errno, str(errno))
+                if (op, errno) in NOT_ERRORS:
+                    self.not_found.labels(op, name).inc()
+                else:
+                    self.errors.labels(op, name).inc()
         except Exception as exc:  # noqa: BLE001
             _warn_once("fuse", exc)
 
@@ -465,6 +514,38 @@ def fuse_metrics() -> FuseMetrics:
     return _singleton("fuse", FuseMetrics)  # type: ignore[no-any-return]
 
 
+# ---------------------------------------------------------------- what the process is
+class _BuildInfo(Collector):
+    """``irdma_build_info{version,python,transport}``, always 1 (see :func:`set_transport`)."""
+
+    def __init__(self) -> None:
+        self.transport = ""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        from .. import __version__
+
+        info = GaugeMetricFamily("irdma_build_info", "What this process runs: the irdma version, the Python"
+                                 " version and the transports it speaks (always 1).",
+                                 labels=("version", "python", "transport"))
+        info.add_metric([__version__, platform.python_version(), self.transport], 1)
+        yield info
+
+
+_BUILD_INFO = _BuildInfo()
+REGISTRY.register(_BUILD_INFO)
+# what any Prometheus exporter serves: CPU seconds, memory, open fds, start time; the Python
+# version; garbage collections (in REGISTRY, not prometheus_client's global registry)
+ProcessCollector(registry=REGISTRY)
+PlatformCollector(registry=REGISTRY)
+GCCollector(registry=REGISTRY)
+
+
+def set_transport(transport: str) -> None:
+    """Set the ``transport`` label of ``irdma_build_info``: what this process speaks (``tcp``,
+    ``verbs``, ``tcp,verbs``). Until set, the label is empty."""
+    _BUILD_INFO.transport = transport
+
+
 # ---------------------------------------------------------------- the exporter
 class Exporter:
     """A running HTTP exporter of :data:`REGISTRY` (see :func:`serve`). ``address`` is the
@@ -515,6 +596,8 @@ def serve(addr: str) -> Exporter:
 
     Binding happens here (it does not block: call it before the trio loop, or with
     ``trio.to_thread.run_sync``); requests are served by the exporter's own threads.
+    Turns off ``prometheus_client``'s ``*_created`` series for the whole process
+    (``disable_created_metrics``).
 
     Args:
         addr: ``HOST:PORT`` to listen on; port 0 picks a free one (see ``Exporter.address``).
@@ -528,9 +611,12 @@ def serve(addr: str) -> Exporter:
     """
     import socket
 
-    from prometheus_client import start_http_server
+    from prometheus_client import disable_created_metrics, start_http_server
 
     host, port = parse_metrics_address(addr)
+    # no ``*_created`` series: prometheus_client's switch is process-wide, and only irdma's own
+    # processes (a shard, a mount) serve metrics, so it is set here and not at import
+    disable_created_metrics()  # type: ignore[no-untyped-call]
     try:
         httpd, thread = start_http_server(port, host, registry=REGISTRY)
     except socket.gaierror as exc:
@@ -634,6 +720,6 @@ __all__ = [
     "REGISTRY", "LATENCY_BUCKETS", "SHARD_METRICS_ENV", "ShardMetrics", "ClientMetrics", "FuseMetrics", "NOT_ERRORS",
     "Exporter",
     "MeteredConnection",
-    "error_kind", "shard_metrics", "client_metrics", "fuse_metrics", "serve", "shard_address", "run_dir",
+    "error_kind", "shard_metrics", "client_metrics", "fuse_metrics", "serve", "set_transport", "shard_address", "run_dir",
     "mount_state_file", "record_mount", "forget_mount", "parse_metrics_address", "format_host",
 ]

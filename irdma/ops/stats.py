@@ -288,7 +288,7 @@ def _layer_rows(target: Target, prev: Scrape, cur: Scrape, dt: float, layer: str
         return _sum(cur.samples.get(name, []), **match) - _sum(prev.samples.get(name, []), **match)
 
     def hist(match: dict[str, str]) -> tuple[float | None, float | None]:
-        name = f"{prefix}_request_seconds_bucket"
+        name = f"{prefix}_request_duration_seconds_bucket"
         buckets: dict[float, float] = defaultdict(float)
         for sign, samples in ((1, cur.samples.get(name, [])), (-1, prev.samples.get(name, []))):
             for labels, v in samples:
@@ -318,7 +318,7 @@ def _layer_rows(target: Target, prev: Scrape, cur: Scrape, dt: float, layer: str
     if layer != "fuse":
         total.inflight = _sum(cur.samples.get(f"{prefix}_inflight_requests", []))
     if layer == "shard":
-        held = _sum(cur.samples.get("irdma_shard_bytes_held", []))
+        held = _sum(cur.samples.get("irdma_shard_held_bytes", []))
         cap = _sum(cur.samples.get("irdma_shard_capacity_bytes", []))
         chunks = _sum(cur.samples.get("irdma_shard_chunks", []))
         lag = _sum(cur.samples.get("irdma_shard_replication_pending_forwards", []))
