@@ -285,8 +285,8 @@ class PostgresServer:
 
     ``initdb`` and ``pg_ctl`` run as the ``postgres`` OS user (``runuser``), the data directory
     and the unix socket live in a fresh temporary directory, the server listens on ``listen``
-    only, and a login role with a random password owns one database. ``fsync`` is off: this is
-    for tests and demos, not for keeping data. :meth:`close` stops it (``pg_ctl stop -m fast``)
+    only, and a login role with a random password owns one database. ``fsync`` is off unless
+    ``durable``: this is for tests and demos, not for keeping data. :meth:`close` stops it (``pg_ctl stop -m fast``)
     and removes the directory.
 
     Args:
@@ -295,6 +295,8 @@ class PostgresServer:
         prefix: a command prefix to run the server under, e.g. ``Host.nsenter`` to run it on a
             test bed host.
         user, database: the login role and its database.
+        durable: keep PostgreSQL's defaults (``fsync``, ``synchronous_commit``, full-page writes
+            on): a commit waits for its WAL on disk, as a real server's does (benchmarks).
 
     Attributes:
         url: ``postgresql://USER@HOST:PORT/DB`` (no password: it is in :attr:`passfile`).
@@ -308,7 +310,7 @@ class PostgresServer:
     """
 
     def __init__(self, listen: str = "127.0.0.1", port: int | None = None, prefix: Sequence[str] = (),
-                 user: str = "irdma", database: str = "irdma") -> None:
+                 user: str = "irdma", database: str = "irdma", durable: bool = False) -> None:
         import pwd
         import secrets
         import shutil
@@ -338,8 +340,8 @@ class PostgresServer:
                                "--auth-host=scram-sha-256", "-E", "UTF8", "--no-sync"])
             with open(os.path.join(self.data, "pg_hba.conf"), "a") as f:
                 f.write("host all all 0.0.0.0/0 scram-sha-256\n")
-            self._opts = (f"-c listen_addresses={listen} -p {port} -k {self.sock} -c fsync=off"
-                          " -c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
+            fast = "" if durable else " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+            self._opts = f"-c listen_addresses={listen} -p {port} -k {self.sock}{fast} -c max_connections=200"
             self._as_postgres([f"{PG_BIN}/pg_ctl", "-D", self.data, "-o", self._opts, "-l", self.log, "-w", "-t",
                                "60", "start"], prefix=True)
             self._started = True
