@@ -3,9 +3,9 @@
 The names (loaded with TensorFlow on first use of this module):
 
 * :func:`init`, :func:`shutdown`, :func:`rank`, :func:`size`, :func:`local_rank`,
-  :func:`job_dir`, :func:`shard_dataset`, :func:`barrier`, :class:`DistributedOptimizer`,
-  :class:`BroadcastInitialWeights`, :class:`MetricAverageCallback`: :mod:`irdma.train.distributed` (run the script with
-  ``irdma run -n N -- python train.py``).
+  :func:`job_dir`, :func:`shard_dataset`, :func:`barrier`: :mod:`irdma.train.world`;
+  :class:`DistributedOptimizer`, :class:`BroadcastInitialWeights`, :class:`MetricAverageCallback`:
+  :mod:`irdma.train.distributed` (run the script with ``irdma run -n N -- python train.py``).
 * :class:`Embedding`: an embedding layer whose table lives on the shards
   (:mod:`irdma.train.embedding`).
 * :class:`ShardOptimizer` (the optimizer step through a FUSE mount): :mod:`irdma.train.keras`.
@@ -15,21 +15,10 @@ The names (loaded with TensorFlow on first use of this module):
 
 from __future__ import annotations
 
-from .train.distributed import (
-    BroadcastInitialWeights,
-    DistributedOptimizer,
-    MetricAverageCallback,
-    barrier,
-    init,
-    job_dir,
-    local_rank,
-    rank,
-    shard_dataset,
-    shutdown,
-    size,
-)
+from .train.distributed import BroadcastInitialWeights, DistributedOptimizer, MetricAverageCallback
 from .train.embedding import Embedding
 from .train.keras import ShardOptimizer
+from .train.world import barrier, init, job_dir, local_rank, rank, shard_dataset, shutdown, size
 
 __all__ = ["BroadcastInitialWeights", "DistributedOptimizer", "Embedding", "MetricAverageCallback",
            "ShardOptimizer", "barrier", "init", "job_dir", "local_rank", "rank", "shard_dataset", "shutdown", "size"]

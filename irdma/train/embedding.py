@@ -36,6 +36,7 @@ import tensorflow as tf
 
 from .._errors import InvalidArgument, NotFound
 from . import distributed as D
+from . import world as W
 from .optimizers import format_update
 
 #: Floats per initialization write.
@@ -83,7 +84,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]  # Keras ships no typ
     @property
     def path(self) -> str:
         """The table's file in the namespace."""
-        return f"{D.job_dir()}/embedding-{self.name}"
+        return f"{W.job_dir()}/embedding-{self.name}"
 
     # ------------------------------------------------------------ the table
     def _ensure_table(self) -> None:
@@ -92,10 +93,10 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]  # Keras ships no typ
         update op, its last step (no barrier: one rank may use the table alone)."""
         if self._ready:
             return
-        client = D._need("client")
+        client = W._need("client")
         row = 4 * self.output_dim
-        if D.rank() == 0:
-            client.makedirs(D.job_dir())
+        if W.rank() == 0:
+            client.makedirs(W.job_dir())
             try:
                 have = client.stat(self.path)
             except NotFound:  # a new table (any other error: raised, never taken for one)
@@ -122,7 +123,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]  # Keras ships no typ
                                       f" {self.optimizer_spec!r}", "name the layer (name=...) as before, pass a"
                                       " new job name, or remove the job's directory")
         else:
-            D._wait_for(lambda: (client.stat(self.path).update_op or "") == self.optimizer_spec,
+            W._wait_for(lambda: (client.stat(self.path).update_op or "") == self.optimizer_spec,
                         f"rank 0's table {self.path}")
         self._ready = True
 
@@ -130,23 +131,23 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]  # Keras ships no typ
         """Assign rows ``first_row ..`` of the table (float32, shape ``(n, output_dim)``),
         e.g. a pretrained one (creates the table first if needed)."""
         self._ensure_table()
-        D._need("client").write(self.path, np.ascontiguousarray(table, dtype="<f4"), 4 * first_row * self.output_dim,
+        W._need("client").write(self.path, np.ascontiguousarray(table, dtype="<f4"), 4 * first_row * self.output_dim,
                                 op="assign")
 
     def read_table(self, ids: Any = None) -> np.ndarray:
         """Rows ``ids`` of the table (all of it by default), float32 ``(len(ids), output_dim)``."""
         self._ensure_table()
         ids = np.arange(self.input_dim) if ids is None else np.asarray(ids, dtype=np.int64)
-        return np.asarray(D._need("client").pull_rows(self.path, ids, row_len=self.output_dim))
+        return np.asarray(W._need("client").pull_rows(self.path, ids, row_len=self.output_dim))
 
     # ------------------------------------------------------------ the step
     def _pull(self, ids: Any) -> np.ndarray:
         self._ensure_table()
-        return np.asarray(D._need("client").pull_rows(self.path, ids.numpy(), row_len=self.output_dim),
+        return np.asarray(W._need("client").pull_rows(self.path, ids.numpy(), row_len=self.output_dim),
                           dtype=np.float32)
 
     def _push(self, ids: Any, grad: Any) -> np.ndarray:
-        D._need("client").push_rows(self.path, ids.numpy(), grad.numpy(), row_len=self.output_dim)
+        W._need("client").push_rows(self.path, ids.numpy(), grad.numpy(), row_len=self.output_dim)
         return np.zeros(1, dtype=np.float32)
 
     def call(self, inputs: Any) -> Any:
