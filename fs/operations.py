@@ -80,10 +80,11 @@ import numpy as np
 import pyfuse3
 import trio
 
-from irdma._errors import InvalidArgument, IrdmaError, NoAttribute, NotFound, Stale
+from irdma._errors import InvalidArgument, IrdmaError, NoAttribute, NotFound, ReadOnly, Stale
+from irdma.client import snapshots
 from irdma.client.native import ChunkMap, Client, layout_of
 from irdma.meta import ROOT_INO, Inode
-from irdma.meta.base import XATTR_UPDATE, setid_bits
+from irdma.meta.base import SNAPSHOTS_DIR, SNAPSHOTS_DIR_MARK, XATTR_UPDATE, setid_bits
 from irdma.ops.metrics import fuse_metrics
 from irdma.placement import Layout
 from irdma.train import comm, coord
@@ -436,7 +437,12 @@ class IrdmaFS(pyfuse3.Operations):
                 if target.is_dir:
                     raise NotFound(f"{name.decode(errors='replace')}: a directory has no optimizer state")
                 return await self._state_entry(self.control.state_file(target.ino))
-            return self._entry(await self.meta.lookup(parent_inode, name))
+            try:
+                return self._entry(await self.meta.lookup(parent_inode, name))
+            except NotFound:
+                if name != SNAPSHOTS_DIR:
+                    raise
+                return self._entry(await self.meta.snapshots_dir(parent_inode))  # always there, as CephFS's .snap
 
     async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
         with fuse_errors("getattr"):
@@ -518,6 +524,9 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> pyfuse3.EntryAttributes:
         with fuse_errors("mkdir"):
+            if (await self._getattr(parent_inode)).snap == SNAPSHOTS_DIR_MARK:  # mkdir D/.snapshots/NAME
+                await snapshots.create_at(self.client, await self.meta.parent_of(parent_inode), name)
+                return self._entry(await self.meta.lookup(parent_inode, name))
             self._new_name(name)
             inode = await self.meta.create(parent_inode, name, stat.S_IFDIR | (mode & ~ctx.umask & 0o7777), ctx.uid,
                                            ctx.gid)
@@ -525,6 +534,9 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         with fuse_errors("rmdir"):
+            if (await self._getattr(parent_inode)).snap == SNAPSHOTS_DIR_MARK:  # rmdir D/.snapshots/NAME
+                await snapshots.delete_at(self.client, await self.meta.parent_of(parent_inode), name)
+                return
             await self.meta.rmdir(parent_inode, name)
 
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
@@ -778,6 +790,8 @@ class IrdmaFS(pyfuse3.Operations):
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
         try:
+            if node.snap and (flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC):
+                raise ReadOnly(f"inode {inode} is in a snapshot, which is read-only")
             kill_setid = self._kills_setid(node, flags, ctx)
             if kill_setid and flags & os.O_TRUNC:  # a truncate by an unprivileged process
                 node = await self.meta.clear_setid(inode)

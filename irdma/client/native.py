@@ -50,6 +50,7 @@ from .._errors import (
     IsADirectory,
     NoAttribute,
     NotFound,
+    ReadOnly,
     ReplicaError,
     ReplicaFailed,
     ShardUnavailable,
@@ -68,7 +69,9 @@ from ..wire.compress import max_elements as compress_max_elements
 from ..wire.extents import move, positions
 from ..wire.protocol import DEFAULT_MAX_PAYLOAD, Chain, ChunkEntry, StatReply, Update, UpdateOp, as_update
 from ..wire.protocol import extents as P_extents
+from . import snapshots as _snaps
 from .pool import ShardPool
+from .snapshots import SnapshotInfo
 
 #: Requests in flight per shard connection.
 DEFAULT_WINDOW = 16
@@ -93,6 +96,12 @@ NewChunk = tuple[int, int, int]
 
 log = logging.getLogger("irdma.client")
 _T = TypeVar("_T")
+
+
+def _writable(inode: Inode, path: str) -> None:
+    """Raise ReadOnly (EROFS) for a file of a snapshot, before anything is sent."""
+    if inode.snap:
+        raise ReadOnly(f"{path} is in a snapshot, which is read-only", "write to the live file instead")
 
 
 def layout_of(inode: Inode) -> Layout:
@@ -1190,6 +1199,7 @@ class Client:
         """
         coded = _compression(compress)
         inode = await self.create(path, chunk_size=chunk_size)
+        _writable(inode, path)
         uop = parse_update(op) if isinstance(op, str) else (op if op is not None else parse_update(inode.update_op or "assign"))
         view = _as_bytes_view(data)
         layout = layout_of(inode)
@@ -1362,6 +1372,7 @@ class Client:
                 been applied).
         """
         inode = await self.meta.resolve(path)
+        _writable(inode, path)
         rb, nrows = await self._rows_of(inode, row_len)
         ids_arr = self._row_ids(ids)
         data = np.asarray(rows, dtype="<f4")
@@ -1555,7 +1566,9 @@ class Client:
             InvalidArgument: the file's op is not an optimizer, or the image's size is not this
                 file's (nothing written). NoSpace, ShardUnavailable.
         """
-        layout, op, per, total = await self.state_of(await self.meta.resolve(path))
+        inode = await self.meta.resolve(path)
+        _writable(inode, path)
+        layout, op, per, total = await self.state_of(inode)
         if op is None or len(image) != total:
             raise InvalidArgument(f"{path}: a state image of {total} bytes restores it"
                                   f" ({'its update op is not an optimizer' if op is None else f'not {len(image)}'});"
@@ -1641,6 +1654,7 @@ class Client:
     async def truncate(self, path: str, size: int) -> None:
         """Set a file's size; bytes past the old end read as zeros."""
         inode = await self.meta.resolve(path)
+        _writable(inode, path)
         if size < inode.size:
             await self.meta.setattr(inode.ino, size=size)  # first: the chunk map forgets them
             await self.truncate_data(layout_of(inode), size)
@@ -1678,6 +1692,20 @@ class Client:
             await self.truncate_data(layout_of(inode), 0)
         await self.meta.delete_inode(ino)
         return True
+
+    # ------------------------------------------------------------ snapshots (irdma.client.snapshots)
+    async def snapshot(self, path: str, name: str, *, keep: int | None = None) -> SnapshotInfo:
+        """Take a consistent, copy-on-write snapshot of file or directory ``path``, readable
+        at ``DIR/.snapshots/NAME`` (:func:`irdma.client.snapshots.create`: errors there)."""
+        return await _snaps.create(self, path, name, keep=keep)
+
+    async def snapshots(self, path: str) -> list[SnapshotInfo]:
+        """The snapshots of ``path`` (a directory, or a file: its directory's), oldest first."""
+        return await _snaps.list_snapshots(self, path)
+
+    async def delete_snapshot(self, path: str, name: str) -> int:
+        """Delete snapshot ``name`` of ``path``; returns how many files it had (NotFound: none)."""
+        return await _snaps.delete(self, path, name)
 
     async def listdir(self, path: str = "/") -> list[str]:
         return [n.decode() for n, _ in await self.meta.readdir((await self.meta.resolve(path)).ino)]

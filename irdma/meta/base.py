@@ -43,6 +43,10 @@ def parse_shape(value: bytes | str) -> tuple[int, ...]:
     if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
         raise ValueError(f"bad {XATTR_SHAPE.decode()} {text!r}: use positive dimensions such as 1000000,256")
     return tuple(int(p) for p in parts)
+#: The name of a directory's snapshots (``D/.snapshots/NAME``, as CephFS's ``.snap``).
+SNAPSHOTS_DIR = b".snapshots"
+#: :attr:`Inode.snap` of a ``.snapshots`` directory.
+SNAPSHOTS_DIR_MARK = -1
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 #: The longest file name (bytes) and symlink target (bytes, PATH_MAX less its NUL).
@@ -66,6 +70,9 @@ class Inode:
     update_op: str | None = None  # files: "assign" | "add"; directories: default or None
     rdev: int = 0  # device number of a character or block device node, else 0
     replicas: int = 1  # files: copies of each chunk, on distinct shards of the stripe
+    #: 0: a live inode. > 0: the id of the snapshot it belongs to (read-only). SNAPSHOTS_DIR_MARK:
+    #: a directory's ``.snapshots`` (hidden from readdir; mkdir/rmdir in it make/delete snapshots).
+    snap: int = 0
 
     @property
     def is_dir(self) -> bool:
@@ -95,6 +102,21 @@ class ShardRecord:
     # the updates it missed: in its chains as the tail, read from only when no replica is up) | "unknown"
     health: str = "unknown"
     health_ns: int = 0
+
+
+@dataclass
+class Snapshot:
+    """A snapshot (:mod:`irdma.meta.sql_snap`): ``dir``'s ``.snapshots/name``, whose tree
+    starts at inode ``root``, a copy of inode ``src`` (``dir`` itself, or a file in it) as it
+    was at ``created_ns`` (nanoseconds since the Unix epoch). ``state``: ``creating`` or ``ready``."""
+
+    id: int
+    dir: int
+    name: bytes
+    root: int
+    src: int
+    created_ns: int
+    state: str
 
 
 @dataclass

@@ -24,6 +24,7 @@ from .._errors import InvalidArgument, IrdmaError, TransportUnavailable
 from ..transport import TRANSPORTS
 from ..units import format_size, parse_size
 from . import cluster as _cluster
+from . import snapshot_cli
 
 # soft_wrap: a message is one line, however long (paths and commands stay whole for copy and paste;
 # tables still fit the terminal)
@@ -1750,6 +1751,9 @@ def fstab_args(argv: list[str]) -> list[str] | None:
         else:
             rest = rest[1:]
     return args
+
+
+cli.add_command(snapshot_cli.group(META_OPTION, friendly, console, out))
 
 
 def main(argv: list[str] | None = None) -> None:

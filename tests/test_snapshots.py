@@ -1,0 +1,191 @@
+"""Snapshots (issue 23) on a real cluster of shard processes (R=2), through the native client,
+a real FUSE mount and the real ``irdma`` CLI: the cut, copy-on-write on the shards, the
+read-only ``.snapshots`` tree, space, persistence across ``down``/``up``, delete and gc."""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import trio
+from helpers import Cluster, irdma_cli, mounted, running_cluster
+
+import irdma
+from irdma._errors import Exists, ReadOnly
+from irdma.ops import cluster as cluster_ops
+
+CHUNK = 64 * 1024
+
+
+@pytest.fixture()
+def cl(tmp_path: str) -> Iterator[Cluster]:
+    with running_cluster(str(tmp_path / "c"), shards=2, replicas=2) as c:  # type: ignore[operator]
+        yield c
+
+
+def _used(c: Cluster) -> int:
+    async def go() -> int:
+        async with irdma.Client.open(c.meta_url, transport="tcp") as client:
+            return sum(st.used for _, st, _ in await client.shard_stats() if st is not None)
+
+    return trio.run(go)
+
+
+def test_snapshot_keeps_the_cut_while_the_file_changes(cl: Cluster) -> None:
+    """A file and a directory tree under adam and assign: the snapshot reads as the files were
+    at the cut after the live files are rewritten, truncated and removed; writes to it are EROFS."""
+    w0 = np.arange(8 * CHUNK // 4, dtype="<f4")
+
+    async def go() -> None:
+        async with irdma.Client.open(cl.meta_url, transport="tcp") as c:
+            await c.makedirs("/job/sub")
+            await c.write("/job/w", w0, chunk_size=CHUNK)
+            await c.write("/job/sub/b", b"bias" * 1000, chunk_size=CHUNK)
+            await c.write("/job/opt", np.ones(2 * CHUNK // 4, "<f4"), chunk_size=CHUNK)
+            await c.set_update_op("/job/opt", "adam learning_rate=0.1")
+            await c.push("/job/opt", np.ones(2 * CHUNK // 4, "<f4"))  # one adam step: moments made
+            opt_at_cut = await c.pull("/job/opt")
+            state_at_cut = await c.optimizer_state("/job/opt")
+
+            info = await c.snapshot("/job", "s1")
+            assert (info.name, info.path, info.files, info.state) == ("s1", "/job/.snapshots/s1", 3, "ready")
+            assert info.bytes == w0.nbytes + 4000 + 2 * CHUNK
+            with pytest.raises(Exists):
+                await c.snapshot("/job", "s1")
+
+            await c.push("/job/w", np.ones_like(w0))  # copy-on-write of every chunk
+            await c.push("/job/opt", np.ones(2 * CHUNK // 4, "<f4"))
+            await c.write("/job/sub/b", b"XXXX")
+            assert np.array_equal(await c.pull("/job/w"), w0 + 1)
+            assert np.array_equal(await c.pull("/job/.snapshots/s1/w"), w0)
+            assert bytes(await c.read("/job/.snapshots/s1/sub/b")) == b"bias" * 1000
+            assert np.array_equal(await c.pull("/job/.snapshots/s1/opt"), opt_at_cut)
+            state = await c.optimizer_state("/job/.snapshots/s1/opt")
+            assert state.keys() == state_at_cut.keys()
+            assert all(np.array_equal(state[k], state_at_cut[k]) for k in state)
+            assert "/.snapshots" not in await c.listdir("/job") and ".snapshots" not in await c.listdir("/job")
+            assert await c.listdir("/job/.snapshots") == ["s1"]
+
+            with pytest.raises(ReadOnly):
+                await c.write("/job/.snapshots/s1/w", b"x")
+            with pytest.raises(ReadOnly):
+                await c.push("/job/.snapshots/s1/w", np.ones_like(w0))
+            with pytest.raises(ReadOnly):
+                await c.truncate("/job/.snapshots/s1/w", 0)
+
+            await c.truncate("/job/w", 0)
+            await c.unlink("/job/sub/b")
+            assert np.array_equal(await c.pull("/job/.snapshots/s1/w"), w0)
+            assert bytes(await c.read("/job/.snapshots/s1/sub/b")) == b"bias" * 1000
+
+            # a file's snapshot lands in its directory's .snapshots; keep=1 drops the older
+            await c.write("/job/w", w0 * 2)
+            await c.snapshot("/job/w", "s2", keep=1)
+            assert [s.name for s in await c.snapshots("/job")] == ["s2"]
+            assert await c.listdir("/job/.snapshots/s2") == ["w"]
+            assert np.array_equal(await c.pull("/job/.snapshots/s2/w"), w0 * 2)
+
+    trio.run(go)
+
+
+def test_space_copy_on_write_and_delete(cl: Cluster) -> None:
+    """After a snapshot and a rewrite of 10% of a file's chunks, the shards hold the file plus
+    10% (times the replicas); deleting the snapshot gives it back; gc finds nothing to free."""
+    chunks, replicas = 40, 2
+    data = np.random.default_rng(1).standard_normal(chunks * CHUNK // 4).astype("<f4")
+
+    async def go() -> tuple[int, int, int, int]:
+        async with irdma.Client.open(cl.meta_url, transport="tcp") as c:
+            await c.write("/w", data, chunk_size=CHUNK)
+            before = sum(st.used for _, st, _ in await c.shard_stats() if st is not None)
+            await c.snapshot("/", "s")
+            after_snap = sum(st.used for _, st, _ in await c.shard_stats() if st is not None)
+            for k in range(0, chunks, 10):  # 4 of 40 chunks
+                await c.write("/w", np.zeros(CHUNK // 4, "<f4"), k * CHUNK)
+            rewritten = sum(st.used for _, st, _ in await c.shard_stats() if st is not None)
+            assert np.array_equal(await c.pull("/.snapshots/s/w"), data)
+            assert await c.delete_snapshot("/", "s") == 1
+            gone = sum(st.used for _, st, _ in await c.shard_stats() if st is not None)
+            return before, after_snap, rewritten, gone
+
+    before, after_snap, rewritten, gone = trio.run(go)
+    assert before == chunks * CHUNK * replicas
+    assert after_snap == before  # no byte copied at creation
+    assert rewritten == before + 4 * CHUNK * replicas
+    assert gone == before
+    out = irdma_cli("gc", "--dry-run", "--meta", cl.meta_url).stdout
+    assert "0 orphaned files" in out and "0 leaked chunks" in out, out
+
+
+def test_snapshots_survive_down_and_up(cl: Cluster) -> None:
+    """Shared extents and copies are in the shards' data directories: after ``down`` + ``up``
+    the snapshot and the live file each read as before, and copy-on-write goes on."""
+    w0 = np.arange(4 * CHUNK // 4, dtype="<f4")
+
+    async def before() -> None:
+        async with irdma.Client.open(cl.meta_url, transport="tcp") as c:
+            await c.write("/w", w0, chunk_size=CHUNK)
+            await c.snapshot("/", "s")
+            await c.write("/w", np.zeros(CHUNK // 4, "<f4"))  # chunk 0 copied, 1..3 shared
+
+    trio.run(before)
+    cluster_ops.down(cl.dir)
+    cluster_ops.up(cl.dir, 2, 64 << 20)
+
+    async def after() -> None:
+        async with irdma.Client.open(cl.meta_url, transport="tcp") as c:
+            live = w0.copy()
+            live[: CHUNK // 4] = 0
+            assert np.array_equal(await c.pull("/w"), live)
+            assert np.array_equal(await c.pull("/.snapshots/s/w"), w0)
+            await c.push("/w", np.ones_like(w0))
+            assert np.array_equal(await c.pull("/w"), live + 1)
+            assert np.array_equal(await c.pull("/.snapshots/s/w"), w0)
+
+    trio.run(after)
+
+
+def test_mount_mkdir_rmdir_and_erofs(cl: Cluster, tmp_path: str) -> None:
+    """Through a real mount: ``mkdir D/.snapshots/N`` takes a snapshot, the tree reads as the
+    cut, writes in it fail with EROFS, ``ls -a D`` hides ``.snapshots``, ``rmdir`` deletes it;
+    the CLI lists and deletes the same snapshots."""
+    mnt = str(tmp_path / "mnt")  # type: ignore[operator]
+    with mounted(cl.meta_url, mnt):
+        os.makedirs(f"{mnt}/job")
+        with open(f"{mnt}/job/w", "wb") as f:
+            f.write(b"a" * 100_000)
+        assert os.path.isdir(f"{mnt}/job/.snapshots")  # always there to a lookup, as CephFS's .snap
+        os.mkdir(f"{mnt}/job/.snapshots/first")
+        with open(f"{mnt}/job/w", "r+b") as f:
+            f.write(b"b" * 10)
+        with open(f"{mnt}/job/.snapshots/first/w", "rb") as f:
+            assert f.read() == b"a" * 100_000
+        with open(f"{mnt}/job/w", "rb") as f:
+            assert f.read(11) == b"b" * 10 + b"a"
+        assert ".snapshots" not in os.listdir(f"{mnt}/job")
+        assert os.listdir(f"{mnt}/job/.snapshots") == ["first"]
+        for attempt in (lambda: open(f"{mnt}/job/.snapshots/first/w", "r+b"),
+                        lambda: open(f"{mnt}/job/.snapshots/first/new", "wb"),
+                        lambda: os.unlink(f"{mnt}/job/.snapshots/first/w"),
+                        lambda: os.mkdir(f"{mnt}/job/.snapshots/first/d"),
+                        lambda: os.chmod(f"{mnt}/job/.snapshots/first/w", 0o600),
+                        lambda: os.rename(f"{mnt}/job/.snapshots/first/w", f"{mnt}/job/x")):
+            with pytest.raises(OSError) as e:
+                attempt()
+            assert e.value.errno == errno.EROFS, attempt
+        with pytest.raises(OSError) as e:
+            os.rmdir(f"{mnt}/job")
+        assert e.value.errno == errno.ENOTEMPTY  # its snapshots stay until deleted (as CephFS's)
+
+        out = irdma_cli("snapshot", "list", "--meta", cl.meta_url, "/job").stdout
+        assert "first" in out and "ready" in out, out
+        irdma_cli("snapshot", "create", "--meta", cl.meta_url, "/job", "second")
+        assert sorted(os.listdir(f"{mnt}/job/.snapshots")) == ["first", "second"]
+        os.rmdir(f"{mnt}/job/.snapshots/first")
+        irdma_cli("snapshot", "delete", "--meta", cl.meta_url, "/job", "second")
+        assert not os.path.exists(f"{mnt}/job/.snapshots/second")
+        os.unlink(f"{mnt}/job/w")
+        os.rmdir(f"{mnt}/job")
