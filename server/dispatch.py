@@ -430,7 +430,7 @@ class Dispatcher:
             chunk = shard.locate(msg.file_id, msg.chunk_index, msg.create_size)
             if chunk is None:
                 return P.LocateReply(False)
-            return P.LocateReply(True, chunk.offset, chunk.size, chunk.slot)
+            return P.LocateReply(True, chunk.offset, chunk.size, chunk.slot, shard.is_shared(chunk))
         if isinstance(msg, P.RemoteWrite):
             if msg.in_place:
                 if msg.op != P.UpdateOp.ASSIGN:

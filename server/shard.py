@@ -220,8 +220,9 @@ class Shard:
         self._making: dict[ChunkKey, Chunk] = {}  # reserved, being made
         self._by_file: dict[int, set[int]] = {}
         #: Extents that several chunk keys share (a snapshot's clone of a file, :meth:`clone`):
-        #: region offset -> the keys. Absent for an extent held by one key (the usual case).
-        self._sharers: dict[int, set[ChunkKey]] = {}
+        #: region offset -> the keys, the extent's *owner* first (the key that had it first).
+        #: Absent for an extent held by one key (the usual case).
+        self._sharers: dict[int, list[ChunkKey]] = {}
         self.used = 0
         self.copies = 0  # copy-on-write copies made (a metric)
         self.incarnation = (int.from_bytes(os.urandom(8), "big") >> 1) or 1  # 63 bits: fits SQL integers
@@ -231,7 +232,7 @@ class Shard:
             for file_id, index, offset, size in store.chunks():
                 key = (file_id, index)
                 if offset in first:  # an extent shared with a snapshot's clone
-                    self._sharers.setdefault(offset, {first[offset]}).add(key)
+                    self._sharers.setdefault(offset, [first[offset]]).append(key)
                 else:
                     first[offset] = key
                     self._alloc.reserve(offset, size)
@@ -589,9 +590,7 @@ class Shard:
     def clone(self, src_file: int, dst_file: int) -> int:
         """Make every chunk of ``src_file`` here (and its optimizer state) also a chunk of
         ``dst_file``, sharing the extent: no byte is copied (a snapshot's clone, O(chunks)).
-        The first later update of either key copies the extent (:meth:`_unshare`): the key
-        written keeps its place in the region (a client's cached one-sided location stays
-        right), the other keys move to the copy, which keeps the bytes and version of the cut.
+        The first later update of either key copies the extent (:meth:`_unshare`).
 
         Returns:
             How many chunk keys were made (state chunks included).
@@ -606,13 +605,18 @@ class Shard:
             self.store.record_chunks([(f, i, c.offset, c.size) for f, i, c in made])
         for f, i, c in made:
             self._chunks[(f, i)] = Chunk(c.offset, c.size)
-            self._sharers.setdefault(c.offset, {(src_file, i)}).add((f, i))
+            self._sharers.setdefault(c.offset, [(src_file, i)]).append((f, i))
             self._by_file.setdefault(f, set()).add(i)
         return len(made)
 
     def _unshare(self, key: ChunkKey) -> None:
-        """Copy-on-write before ``key``'s chunk changes: when its extent is shared, the other
-        keys move to a copy of it (bytes and version), so the update reaches ``key`` alone.
+        """Copy-on-write before ``key``'s chunk changes, when its extent is shared: the extent's
+        owner stays where it is and the others move to a copy of it (bytes and version), so the
+        update reaches ``key`` alone. Written by its owner (the live file under a snapshot),
+        the other keys move; written by another (a writable clone), that key moves alone. A
+        key that moves was shared, and a shared chunk's place is never cached by a client
+        (:class:`irdma.wire.protocol.LocateReply` ``shared``), so no cached one-sided location
+        ever points at bytes that are no longer its chunk's.
 
         Raises:
             NoSpace: no free extent for the copy. Nothing changed.
@@ -620,22 +624,30 @@ class Shard:
         chunk = self._chunks.get(key)
         if chunk is None or chunk.offset not in self._sharers:
             return
-        others = self._sharers.pop(chunk.offset) - {key}
+        keys = self._sharers[chunk.offset]
+        movers = [k for k in keys if k != key] if key == keys[0] else [key]
         to = self._alloc.alloc(chunk.size)
         if to is None:
-            self._sharers[chunk.offset] = others | {key}
             raise NoSpace(f"shard {self.shard_id} is full: {self.used} of {self.capacity} bytes used, no room to"
                           f" copy a {chunk.size}-byte chunk a snapshot shares (delete a snapshot or add a shard)")
         self.region.view[to : to + chunk.size] = self.region.view[chunk.offset : chunk.offset + chunk.size]
         self.versions[to // PAGE] = self.versions[chunk.slot]
         self.used += chunk.size
         if self.store is not None:
-            self.store.record_chunks([(f, i, to, chunk.size) for f, i in sorted(others)])
-        for k in others:
+            self.store.record_chunks([(f, i, to, chunk.size) for f, i in movers])
+        stay = [k for k in keys if k not in movers]
+        if len(stay) > 1:
+            self._sharers[chunk.offset] = stay
+        else:
+            del self._sharers[chunk.offset]
+        if len(movers) > 1:
+            self._sharers[to] = movers
+        for k in movers:
             self._chunks[k].offset = to
-        if len(others) > 1:
-            self._sharers[to] = others
         self.copies += 1
+
+    def is_shared(self, chunk: Chunk) -> bool:
+        return chunk.offset in self._sharers
 
     def has_file(self, file_id: int) -> bool:
         return file_id in self._by_file
@@ -745,7 +757,7 @@ class Shard:
             del self._by_file[file_id]
         twin = self._sharers.get(chunk.offset)
         if twin is not None:  # other keys still hold the extent: only this key goes
-            twin.discard((file_id, chunk_index))
+            twin.remove((file_id, chunk_index))
             if len(twin) < 2:
                 del self._sharers[chunk.offset]
             if self.store is not None:

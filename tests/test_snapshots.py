@@ -189,3 +189,47 @@ def test_mount_mkdir_rmdir_and_erofs(cl: Cluster, tmp_path: str) -> None:
         assert not os.path.exists(f"{mnt}/job/.snapshots/second")
         os.unlink(f"{mnt}/job/w")
         os.rmdir(f"{mnt}/job")
+
+
+def test_shard_copy_on_write_rules(tmp_path: str) -> None:
+    """The shard alone, on a data directory: a clone shares extents (no byte, no space), the
+    owner's write moves the others to one copy, a clone's write moves that clone alone, a
+    freed owner leaves the extent to the clone, and all of it is reloaded from the directory."""
+    from irdma.server.shard import Region, Shard
+    from irdma.server.store import ShardStore
+    from irdma.wire.protocol import UpdateOp
+
+    def open_shard() -> tuple[ShardStore, Shard]:
+        st = ShardStore(str(tmp_path), 1, 1 << 24)
+        return st, Shard(1, Region(st.capacity, memoryview(st.region)), memoryview(st.versions), st)
+
+    def value(sh: Shard, f: int, i: int) -> float:
+        return float(np.frombuffer(sh.read(f, i, 0, 4)[1], "<f4")[0])  # type: ignore[arg-type]
+
+    st, sh = open_shard()
+    for i in range(4):
+        sh.write(7, i, CHUNK, 0, UpdateOp.ASSIGN, np.full(CHUNK // 4, i, "<f4").tobytes())
+    held = sh.used
+    assert sh.clone(7, 100) == 4 and sh.clone(7, 101) == 4 and sh.used == held
+    where = sh.locate(7, 1).offset  # type: ignore[union-attr]
+    sh.write(7, 1, CHUNK, 0, UpdateOp.ADD, np.ones(CHUNK // 4, "<f4").tobytes())
+    assert sh.locate(7, 1).offset == where  # the owner stays: a cached place stays right  # type: ignore[union-attr]
+    assert sh.used == held + CHUNK and sh.copies == 1  # one copy for both clones
+    assert (value(sh, 7, 1), value(sh, 100, 1), value(sh, 101, 1)) == (2.0, 1.0, 1.0)
+    assert sh.version_of(100, 1) == 1 and sh.version_of(7, 1) == 2
+    sh.write(7, 1, CHUNK, 0, UpdateOp.ADD, np.ones(CHUNK // 4, "<f4").tobytes())
+    assert sh.copies == 1  # later writes copy nothing
+    where = sh.locate(7, 2).offset  # type: ignore[union-attr]
+    sh.write(101, 2, CHUNK, 0, UpdateOp.ASSIGN, np.full(CHUNK // 4, 9, "<f4").tobytes())  # a clone written
+    assert sh.locate(7, 2).offset == where and sh.locate(101, 2).offset != where  # type: ignore[union-attr]
+    assert (value(sh, 7, 2), value(sh, 100, 2), value(sh, 101, 2)) == (2.0, 2.0, 9.0)
+    st.close()
+    st, sh = open_shard()
+    assert sh.used == held + 2 * CHUNK
+    assert (value(sh, 7, 1), value(sh, 100, 1), value(sh, 101, 2), value(sh, 100, 3)) == (3.0, 1.0, 9.0, 3.0)
+    sh.free(7, 0)  # the live file goes: its snapshots keep their chunks
+    assert (value(sh, 100, 0), value(sh, 100, 3), value(sh, 101, 3)) == (0.0, 3.0, 3.0)
+    sh.free(100, 0)
+    sh.free(101, 0)
+    assert sh.used == 0 and sh.chunk_count == 0
+    st.close()

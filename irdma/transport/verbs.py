@@ -801,7 +801,9 @@ class VerbsConnection(ShardConnection):
             reply = self._expect(await self._rpc(msg), P.LocateReply, msg)
             if not reply.exists:
                 return None
-            loc = self._locs[(file_id, chunk_index)] = reply
+            loc = reply
+            if not reply.shared:  # a shared chunk's place changes at copy-on-write: never cached
+                self._locs[(file_id, chunk_index)] = reply
         if create_size and loc.chunk_size != create_size:
             raise BadRequest(f"chunk ({file_id}, {chunk_index}) has size {loc.chunk_size}, request says {create_size}")
         return loc

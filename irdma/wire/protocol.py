@@ -711,10 +711,15 @@ class Locate:
 
 @dataclass
 class LocateReply:
+    """``shared``: the chunk shares its extent with another key (a snapshot's): its place may
+    change at the next update (copy-on-write), so a client must not cache it (sent as
+    ``exists`` = 2)."""
+
     exists: bool
     region_offset: int = 0
     chunk_size: int = 0
     version_slot: int = 0
+    shared: bool = False
 
 
 @dataclass
@@ -936,7 +941,7 @@ def _rep_vconn(body: memoryview, flags: int) -> VerbsConnectReply:
 def _rep_locate(body: memoryview, flags: int) -> LocateReply:
     _exact(body, _LOCATE_R.size, "LOCATE reply")
     exists, roff, csize, slot = _LOCATE_R.unpack_from(body)
-    return LocateReply(bool(exists), roff, csize, slot)
+    return LocateReply(bool(exists), roff, csize, slot, exists == 2)
 
 
 def _rep_checksum(body: memoryview, flags: int) -> ChecksumReply:
@@ -1190,7 +1195,8 @@ _REPLY_ENCODERS: dict[type, Callable[[Any], tuple[_Parts, int]]] = {
     VerbsConnectReply: lambda m: ([_VCONN_R.pack(m.qp_num, m.psn, m.gid, m.region_addr, m.region_len, m.region_rkey,
                                                  m.versions_addr, m.versions_rkey, m.staging_addr, m.staging_len,
                                                  m.staging_rkey, m.recv_slots, m.slot_size)], 0),
-    LocateReply: lambda m: ([_LOCATE_R.pack(int(m.exists), m.region_offset, m.chunk_size, m.version_slot)], 0),
+    LocateReply: lambda m: ([_LOCATE_R.pack(2 if m.exists and m.shared else int(m.exists), m.region_offset, m.chunk_size,
+                                            m.version_slot)], 0),
     ChecksumReply: lambda m: ([_CHECKSUM_R.pack(m.version, m.crc)], 0),
     ListReply: lambda m: ([_LIST_R.pack(len(m.entries))
                            + b"".join(_LIST_E.pack(x.file_id, x.chunk_index, x.chunk_size, x.version)
