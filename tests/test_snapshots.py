@@ -197,6 +197,7 @@ def test_shard_copy_on_write_rules(tmp_path: str) -> None:
     freed owner leaves the extent to the clone, and all of it is reloaded from the directory."""
     from irdma.server.shard import Region, Shard
     from irdma.server.store import ShardStore
+
     from irdma.wire.protocol import UpdateOp
 
     def open_shard() -> tuple[ShardStore, Shard]:
