@@ -168,7 +168,7 @@ def test_cache_times_are_what_the_kernel_uses(cluster: Cluster, tree: str, tmp_p
 
 def test_mount_options_become_mount_arguments() -> None:
     assert fstab_args(["sqlite:///m.db", "/mnt", "-o", "rw,_netdev,nofail,ro,subdir=/x,attr_cache=0,entry_cache=2,"
-                       "x-systemd.automount,allow_other"]) == [
+                       "x-systemd.automount,allow_other,dev,suid"]) == [
         "mount", "sqlite:///m.db", "/mnt", "--read-only", "--subdir", "/x", "--attr-cache", "0", "--entry-cache", "2",
         "--allow-other"]
     assert fstab_args(["mount", "u", "/m", "--transport", "tcp", "-o", "ro,log_file=/l"]) == [

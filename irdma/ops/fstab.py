@@ -16,8 +16,8 @@ Options (:data:`OPTIONS`): every ``irdma mount`` option by its name with ``_`` f
 ``direct_io``, ``read_only``), plus ``ro`` (``--read-only``) and ``rw``. mount(8)'s own options
 (``defaults``, ``auto``, ``noauto``, ``user``, ``nouser``, ``users``, ``owner``, ``group``,
 ``_netdev``, ``nofail``, ``comment=``, ``x-*``) are its business and are ignored here, as are
-``nosuid`` and ``nodev``, which every FUSE mount already has. Anything else is an error
-(:class:`MountOptionError`) unless ``-s`` (sloppy) was given.
+``nosuid``, ``nodev`` (every irdma mount is both), ``suid``, ``dev`` (mount.fuse3 adds them) and
+``exec``. Anything else is an error (:class:`MountOptionError`) unless ``-s`` (sloppy) was given.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ OPTIONS: dict[str, tuple[str, bool]] = {
     "log_file": ("--log-file", True), "key_file": ("--key-file", True), "timeout": ("--timeout", True),
     "sync_timeout": ("--sync-timeout", True), "metrics": ("--metrics", True),
 }
-#: Options that mount(8) consumes (or FUSE applies anyway): accepted and ignored.
+#: Options that mount(8) consumes, and the device and set-user-ID flags: every irdma mount is
+#: nosuid,nodev (libfuse's default), and mount.fuse3 adds ``dev,suid`` to what it passes on.
 IGNORED = frozenset({"rw", "defaults", "auto", "noauto", "user", "nouser", "users", "owner", "group", "_netdev",
-                     "nofail", "nosuid", "nodev", "comment"})
+                     "nofail", "comment", "nosuid", "nodev", "suid", "dev", "exec"})
 
 #: mount(8)'s exit status for a bad invocation, and for a mount that failed ("RETURN CODES").
 EXIT_USAGE, EXIT_FAILURE = 1, 32
