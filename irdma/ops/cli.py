@@ -550,7 +550,7 @@ def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_
           nonempty: bool = False, sync_timeout: float | None = None, **view: Any) -> None:
     """Mount the namespace at META_URL on MOUNTPOINT with FUSE (sqlite:///PATH/meta.db, or
     postgresql://USER@HOST:PORT/DB with the password in ~/.pgpass or $PGPASSFILE, never in the URL:
-    it would show in `ps`)."""
+    it would show in `ps`). `-o ro,subdir=/x,...` takes an fstab line's options (docs/deploy.md)."""
     from irdma.fs.mount import check_mountpoint, resolve_subdir, serve_mount, spawn_mount
 
     from ..meta import meta_path, meta_scheme, open_meta
