@@ -1674,10 +1674,8 @@ class Client:
 
     async def destroy_later(self, ino: int) -> None:
         """Wait out the unlink grace period, then free the file if nothing holds it open."""
-        from ..meta.base import UNLINK_GRACE_S
-
-        await trio.sleep(UNLINK_GRACE_S + 0.1)
         try:
+            await trio.sleep(await self.meta.unlink_grace() + 0.1)
             await self.destroy_if_unused(ino)
         except IrdmaError as exc:
             log.warning("freeing removed file %d failed (`irdma gc` will): %s", ino, exc)

@@ -159,7 +159,10 @@ class DamagedFile:
 
 #: Seconds a file that lost its last name stays openable (through a name a kernel cached just
 #: before): a reader on another mount then sees the old content, never ESTALE or zeros. Twice
-#: the mounts' entry cache time. Its chunks are freed only after it.
+#: the mounts' entry cache time: this is the floor, for the default of 1 s; a mount with a
+#: longer ``--entry-cache`` raises the namespace's grace to twice it before it serves
+#: (:meth:`MetaStore.raise_unlink_grace`), so the rule holds for every mount. Its chunks are
+#: freed only after it (:meth:`MetaStore.unlink_grace`).
 UNLINK_GRACE_S = 2.0
 #: Seconds after its last heartbeat that a session counts as dead (sooner for a session of
 #: this host whose process is gone).
@@ -576,6 +579,17 @@ class MetaStore(abc.ABC):
     def reclaimable(self, ino: int, grace: bool = True) -> Inode | None:
         """The inode if it has no name left, no live session holds it open and (with ``grace``)
         its unlink grace period is over; else None."""
+
+    @abc.abstractmethod
+    def unlink_grace(self) -> float:
+        """Seconds a file that lost its last name stays openable: :data:`UNLINK_GRACE_S`, or
+        more where a mount raised it (:meth:`raise_unlink_grace`)."""
+
+    @abc.abstractmethod
+    def raise_unlink_grace(self, seconds: float) -> float:
+        """Make :meth:`unlink_grace` at least ``seconds`` (a mount whose entry cache is longer
+        than half of it calls this before it serves). It never lowers it: a mount that left
+        cannot say whether another still caches names that long. Returns the grace now in force."""
 
     @abc.abstractmethod
     def dead_sessions(self) -> list[Session]:

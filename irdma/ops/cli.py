@@ -514,6 +514,15 @@ def run(workers: int, meta_url: str | None, job: str | None, consistency: str | 
 
 
 # ---------------------------------------------------------------- mounts
+def _cache_seconds(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    from irdma.fs.mount import check_cache_seconds
+
+    try:
+        return None if value is None else check_cache_seconds((param.name or "").replace("_", " "), value)
+    except IrdmaError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 @cli.command()
 @click.argument("meta_url")
 @click.argument("mountpoint", type=click.Path(file_okay=False))
@@ -528,21 +537,33 @@ def run(workers: int, meta_url: str | None, job: str | None, consistency: str | 
               " [default: 10].")
 @click.option("--sync-timeout", type=click.FloatRange(min=0, min_open=True, max=86400), default=None,
               help="Seconds a barrier or lock wait of MOUNTPOINT/.irdma may take (ETIMEDOUT after) [default: 60].")
+@click.option("--read-only", is_flag=True, help="Refuse every change (EROFS); the kernel mounts it ro.")
+@click.option("--subdir", metavar="PATH", help="Mount this directory of the namespace (/jobs/x) as the root.")
+@click.option("--attr-cache", type=float, callback=_cache_seconds, metavar="SECONDS",
+              help="Seconds the kernel caches attributes (0 to 3600) [default: 1].")
+@click.option("--entry-cache", type=float, callback=_cache_seconds, metavar="SECONDS",
+              help="Seconds the kernel caches names (0 to 3600; unlinked files stay openable twice as long)"
+              " [default: 1].")
 @METRICS_OPTION
 @friendly
 def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_file: str | None,
           direct_io: bool, allow_other: bool, timeout: float | None, metrics_addr: str | None = None,
-          nonempty: bool = False, sync_timeout: float | None = None) -> None:
+          nonempty: bool = False, sync_timeout: float | None = None, **view: Any) -> None:
     """Mount the namespace at META_URL on MOUNTPOINT with FUSE (sqlite:///PATH/meta.db, or
     postgresql://USER@HOST:PORT/DB with the password in ~/.pgpass or $PGPASSFILE, never in the URL:
-    it would show in `ps`)."""
-    from irdma.fs.mount import check_mountpoint, serve_mount, spawn_mount
+    it would show in `ps`). `-o ro,subdir=/x,...` takes an fstab line's options (docs/deploy.md)."""
+    from irdma.fs.mount import check_mountpoint, resolve_subdir, serve_mount, spawn_mount
 
     from ..meta import meta_path, meta_scheme, open_meta
 
     meta = open_meta(meta_url)  # fail here, clearly, if there is no namespace
     shown = meta.url
-    meta.close()
+    try:
+        if view["subdir"] is not None:
+            resolve_subdir(meta, view["subdir"])  # --read-only, --subdir, --attr-cache, --entry-cache
+    finally:
+        meta.close()
+    view = {k: v for k, v in view.items() if v is not None}
     extra: dict[str, Any] = {} if timeout is None else {"request_timeout": timeout}
     extra.update({} if sync_timeout is None else {"sync_timeout": sync_timeout})
     if foreground:
@@ -551,7 +572,7 @@ def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_
         timeouts.update({} if sync_timeout is None else {"sync_timeout": sync_timeout})
         trio.run(functools.partial(serve_mount, meta_url, check_mountpoint(mountpoint, nonempty=nonempty),
                                    transport=transport, direct_io=direct_io, allow_other=allow_other,
-                                   metrics=metrics_addr, **timeouts))
+                                   metrics=metrics_addr, **timeouts, **view))
         return
     name = f"mount-{os.path.basename(os.path.abspath(mountpoint))}.log"
     if log_file is None and meta_scheme(meta_url) == "sqlite":
@@ -561,7 +582,7 @@ def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_
         log_file = os.path.join(_cluster.default_dir(), name)
     with console.status(f"mounting {shown} on {mountpoint}"):
         pid = spawn_mount(meta_url, mountpoint, transport=transport, log_file=log_file, direct_io=direct_io,
-                          allow_other=allow_other, metrics=metrics_addr, nonempty=nonempty, **extra)
+                          allow_other=allow_other, metrics=metrics_addr, nonempty=nonempty, **extra, **view)
     console.print(f"mounted on {os.path.abspath(mountpoint)} (pid {pid}, log {log_file}); `irdma umount {mountpoint}` to stop.",
                   highlight=False, soft_wrap=True)
 
@@ -1725,32 +1746,28 @@ def _add_key_file_options(group: click.Group) -> None:
 _add_key_file_options(cli)
 
 
-#: fstab options (mount.fuse3 passes them as ``-o a,b=c``) that `irdma mount` takes; the
-#: kernel's and mount(8)'s own (rw, nosuid, _netdev, noauto, x-systemd.*, ...) are left out.
-_FSTAB_OPTIONS = {"key_file": "--key-file", "transport": "--transport", "timeout": "--timeout",
-                  "log_file": "--log-file", "allow_other": "--allow-other", "direct_io": "--direct-io",
-                  "sync_timeout": "--sync-timeout",
-                  "nonempty": "--nonempty"}
-
-
 def fstab_args(argv: list[str]) -> list[str] | None:
     """``irdma URL MOUNTPOINT [-o OPTIONS]``, as mount.fuse3 runs the program of an fstab line of
-    type ``fuse.irdma``, as the arguments of `irdma mount`; None for any other command line."""
+    type ``fuse.irdma``, as the arguments of `irdma mount` (:func:`irdma.ops.fstab.mount_args`),
+    and ``irdma mount ... -o OPTIONS`` with the options as flags; None for any other command line.
+
+    Raises:
+        MountOptionError: an option irdma does not know.
+    """
+    from .fstab import mount_args
+
+    if argv[:1] == ["mount"] and "-o" in argv[1:-1]:
+        rest, flags = [], []
+        for i, arg in enumerate(argv):
+            if arg == "-o" and i + 1 < len(argv):
+                flags += mount_args("", "", argv[i + 1])[3:]
+            elif i == 0 or argv[i - 1] != "-o":
+                rest.append(arg)
+        return rest + flags
     if len(argv) < 2 or ("://" not in argv[0] and not argv[0].endswith(".db")) or argv[0].startswith("-"):
         return None
-    args = ["mount", argv[0], argv[1]]
-    rest = argv[2:]
-    while rest:
-        if rest[0] == "-o" and len(rest) > 1:
-            for opt in rest[1].split(","):
-                name, _, value = opt.partition("=")
-                flag = _FSTAB_OPTIONS.get(name.replace("-", "_"))
-                if flag is not None:
-                    args += [flag] + ([value] if value else [])
-            rest = rest[2:]
-        else:
-            rest = rest[1:]
-    return args
+    options = [argv[i + 1] for i in range(2, len(argv) - 1) if argv[i] == "-o"]
+    return mount_args(argv[0], argv[1], ",".join(options))
 
 
 cli.add_command(snapshot_cli.group(META_OPTION, friendly, console, out))
@@ -1758,7 +1775,12 @@ cli.add_command(snapshot_cli.group(META_OPTION, friendly, console, out))
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    cli.main(args=fstab_args(argv) or argv, prog_name="irdma")
+    try:
+        args = fstab_args(argv) or argv
+    except IrdmaError as exc:
+        console.print(f"error: {escape(str(exc))}", highlight=False)
+        sys.exit(1)
+    cli.main(args=args, prog_name="irdma")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ import trio
 
 from .._errors import IrdmaError, NotFound, ShardUnavailable
 from ..client.native import Client, layout_of
-from ..meta.base import UNLINK_GRACE_S, DamagedFile, Session, ShardRecord
+from ..meta.base import DamagedFile, Session, ShardRecord
 
 #: The incarnation of a chunk-map row out of its chunk's in-sync set
 #: (:data:`irdma.meta.base.OUT_OF_SYNC`).
@@ -313,7 +313,7 @@ async def scan(client: Client, *, chunks: bool = True, reads: bool = True,
     rep.sessions = await meta.dead_sessions()
     held = await _held_open(client, {s.sid for s in rep.sessions})
     files = await meta.file_sizes() if chunks or held is None else {}
-    grace_ns = int(UNLINK_GRACE_S * 1e9)
+    grace_ns = int(await meta.unlink_grace() * 1e9)
     for inode in await meta.orphans():
         if held is not None:
             if inode.nlink > 0 or time.time_ns() - inode.ctime_ns <= grace_ns or inode.ino in held:
