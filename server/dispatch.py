@@ -199,6 +199,10 @@ class Dispatcher:
 
     async def _cloned(self, msg: P.Clone) -> int:
         shard = self.shard
+        if msg.token == 0:  # a clone of read-only files (a snapshot's): no cut to wait for
+            if msg.expect or any(d in {s for s, _ in msg.pairs} or shard.has_file(d) for _, d in msg.pairs):
+                raise BadRequest("a clone without a freeze names versions, or a file id in use on this shard")
+            return sum(shard.clone(s, d) for s, d in msg.pairs)
         self._expire()
         cut = self._freezes.get(msg.token)
         if cut is None:

@@ -234,3 +234,55 @@ def test_shard_copy_on_write_rules(tmp_path: str) -> None:
     sh.free(101, 0)
     assert sh.used == 0 and sh.chunk_count == 0
     st.close()
+
+
+def test_restore_and_clone(cl: Cluster) -> None:
+    """``restore`` makes a directory (entries swapped at once, its snapshots kept) or a file
+    what the snapshot holds; ``clone`` is a writable copy whose writes change neither the
+    snapshot nor the live tree; the CLI does both."""
+    a, b = np.arange(3 * CHUNK // 4, dtype="<f4"), np.full(CHUNK // 4, 7, "<f4")
+
+    async def go() -> None:
+        async with irdma.Client.open(cl.meta_url, transport="tcp") as c:
+            await c.makedirs("/job/sub")
+            await c.write("/job/a", a, chunk_size=CHUNK)
+            await c.write("/job/sub/b", b, chunk_size=CHUNK)
+            await c.snapshot("/job", "e1")
+            await c.push("/job/a", np.ones_like(a))
+            await c.unlink("/job/sub/b")
+            await c.write("/job/new", b"later")
+            await c.restore_snapshot("/job", "e1")
+            assert sorted(await c.listdir("/job")) == ["a", "sub"]
+            assert np.array_equal(await c.pull("/job/a"), a) and np.array_equal(await c.pull("/job/sub/b"), b)
+            assert [s.name for s in await c.snapshots("/job")] == ["e1"]
+            await c.push("/job/a", np.ones_like(a))  # the restored file is live and writable
+            assert np.array_equal(await c.pull("/job/a"), a + 1)
+            assert np.array_equal(await c.pull("/job/.snapshots/e1/a"), a)
+
+            await c.snapshot("/job/a", "f1")  # one file
+            await c.push("/job/a", np.ones_like(a))
+            await c.restore_snapshot("/job/a", "f1")
+            assert np.array_equal(await c.pull("/job/a"), a + 1)
+
+            await c.clone_snapshot("/job", "e1", "/copy")
+            assert sorted(await c.listdir("/copy")) == ["a", "sub"]
+            await c.push("/copy/a", np.full_like(a, 5))
+            assert np.array_equal(await c.pull("/copy/a"), a + 5)
+            assert np.array_equal(await c.pull("/job/.snapshots/e1/a"), a)
+            assert np.array_equal(await c.pull("/job/a"), a + 1)
+            with pytest.raises(Exists):
+                await c.clone_snapshot("/job", "e1", "/copy")
+
+    trio.run(go)
+    irdma_cli("snapshot", "restore", "--meta", cl.meta_url, "/job", "e1")
+    irdma_cli("snapshot", "clone", "--meta", cl.meta_url, "/job", "e1", "/copy2")
+    bad = irdma_cli("snapshot", "restore", "--meta", cl.meta_url, "/job", "nope", check=False)
+    assert bad.returncode == 1 and "no snapshot named 'nope'" in bad.stderr and "irdma snapshot list" in bad.stderr
+
+    async def check() -> None:
+        async with irdma.Client.open(cl.meta_url, transport="tcp") as c:
+            assert np.array_equal(await c.pull("/job/a"), a) and np.array_equal(await c.pull("/copy2/sub/b"), b)
+
+    trio.run(check)
+    out = irdma_cli("gc", "--dry-run", "--meta", cl.meta_url).stdout
+    assert "0 leaked chunks" in out, out

@@ -1701,6 +1701,16 @@ class Client:
         """The snapshots of ``path`` (a directory, or a file: its directory's), oldest first."""
         return await _snaps.list_snapshots(self, path)
 
+    async def restore_snapshot(self, path: str, name: str) -> None:
+        """Make ``path`` what its snapshot ``name`` holds again, atomically for readers
+        (:func:`irdma.client.snapshots.restore`: errors there)."""
+        await _snaps.restore(self, path, name)
+
+    async def clone_snapshot(self, path: str, name: str, new_path: str) -> Inode:
+        """A writable copy of snapshot ``name`` of ``path`` at ``new_path``, sharing its chunks
+        until written (:func:`irdma.client.snapshots.clone`)."""
+        return await _snaps.clone(self, path, name, new_path)
+
     async def delete_snapshot(self, path: str, name: str) -> int:
         """Delete snapshot ``name`` of ``path``; returns how many files it had (NotFound: none)."""
         return await _snaps.delete(self, path, name)

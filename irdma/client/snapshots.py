@@ -179,6 +179,99 @@ async def _cut(client: Client, files: Sequence[tuple[Inode, int]]) -> list[int]:
     return shards
 
 
+async def _find(client: Client, path: str, name: str) -> tuple[str, Snapshot]:
+    dir_path, dir_inode = await _dir_of(client, path)
+    for snap in await client.meta.snapshots(dir_inode.ino):
+        if snap.name == os.fsencode(name) and snap.state == "ready":
+            return dir_path, snap
+    raise NotFound(f"{path} has no snapshot named {name!r}", f"`irdma snapshot list {path}` lists them")
+
+
+async def _source(client: Client, snap: Snapshot) -> Inode:
+    """What a snapshot holds: its tree's root (a directory's snapshot) or its one file."""
+    root = await client.meta.getattr(snap.root)
+    if snap.src == snap.dir:
+        return root
+    (_, only), = await client.meta.readdir(snap.root)
+    return only
+
+
+async def _clone_into(client: Client, src: Inode, parent: int, name: bytes) -> Inode:
+    """Copy ``src`` (a snapshot's tree) as live ``name`` in ``parent``, sharing its chunks."""
+    from .native import layout_of
+
+    copy, files = await client.meta.clone_tree(src.ino, parent, name)
+    try:
+        await client.refresh_view()
+        by_shard: dict[int, list[tuple[int, int]]] = {}
+        for f, new in files:
+            if f.stripe:
+                for sid in client.shards_of(layout_of(f)):
+                    by_shard.setdefault(sid, []).append((f.ino, new))
+
+        async def clone(sid: int) -> None:
+            await client._conn_call(sid, "clone", 0, by_shard[sid], [])
+
+        async with trio.open_nursery() as nursery:
+            for sid in by_shard:
+                nursery.start_soon(clone, sid)
+        await client.meta.copy_chunk_maps([(f.ino, new) for f, new in files], sorted(by_shard))
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            for ino in await client.meta.remove_tree(copy.ino):
+                await client.destroy_if_unused(ino, grace=False)
+        raise
+    return copy
+
+
+async def clone(client: Client, path: str, name: str, new_path: str) -> Inode:
+    """A writable copy of snapshot ``name`` of ``path`` at ``new_path`` (its directory tree, or
+    its file), sharing every chunk with the snapshot until written (copy-on-write). O(files).
+
+    Raises:
+        NotFound: no such snapshot, or ``new_path``'s directory is missing. Exists: ``new_path``
+            exists. ShardUnavailable: a shard holding the snapshot did not answer (nothing made).
+    """
+    _, snap = await _find(client, path, name)
+    parent = os.path.dirname(new_path.rstrip("/")) or "/"
+    base = os.path.basename(new_path.rstrip("/"))
+    return await _clone_into(client, await _source(client, snap), (await client.meta.resolve(parent)).ino,
+                             os.fsencode(base))
+
+
+async def restore(client: Client, path: str, name: str) -> None:
+    """Make ``path`` what snapshot ``name`` holds again, atomically for readers: a file is
+    replaced by a copy of the snapshot's (rename(2) over it: an open file keeps what it had);
+    a directory's entries are swapped for a copy of the snapshot's tree in one metadata
+    transaction (the directory keeps its inode and its snapshots). The chunks are shared with
+    the snapshot (no byte copied); what only the old files held is freed.
+
+    Raises:
+        NotFound: no such snapshot. NotEmpty: a subdirectory holds snapshots of its own
+            (delete them, or restore that subdirectory). ShardUnavailable: nothing changed.
+    """
+    dir_path, snap = await _find(client, path, name)
+    src = await _source(client, snap)
+    tmp = b".irdma-restore-" + os.urandom(6).hex().encode()
+    if snap.src == snap.dir:  # the directory's tree
+        parent_path = os.path.dirname(dir_path.rstrip("/")) or "/"
+        tree = await _clone_into(client, src, (await client.meta.resolve(parent_path)).ino, tmp)
+        try:
+            gone = await client.meta.restore_contents(snap.dir, tree.ino)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                for ino in await client.meta.remove_tree(tree.ino):
+                    await client.destroy_if_unused(ino, grace=False)
+            raise
+    else:  # one file
+        fname = (await client.meta.readdir(snap.root))[0][0]
+        await _clone_into(client, src, snap.dir, tmp)
+        replaced = await client.meta.rename(snap.dir, tmp, snap.dir, fname)
+        gone = [replaced.ino] if replaced is not None and replaced.nlink <= 0 else []
+    for ino in gone:  # as the native client's unlink: no kernel name cache to wait out
+        await client.destroy_if_unused(ino, grace=False)
+
+
 async def _drop(client: Client, snap: Snapshot) -> int:
     """Take a snapshot away: its metadata, then its chunks on the shards (what cannot be freed
     now, ``irdma gc`` frees). Returns how many files it had."""

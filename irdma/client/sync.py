@@ -197,6 +197,14 @@ class SyncClient:
         """:meth:`Client.snapshots`: the snapshots of ``path``, oldest first."""
         return self._run(self.client.snapshots, path)  # type: ignore[no-any-return]
 
+    def restore_snapshot(self, path: str, name: str) -> None:
+        """:meth:`Client.restore_snapshot`."""
+        self._run(self.client.restore_snapshot, path, name)
+
+    def clone_snapshot(self, path: str, name: str, new_path: str) -> Inode:
+        """:meth:`Client.clone_snapshot`."""
+        return self._run(self.client.clone_snapshot, path, name, new_path)  # type: ignore[no-any-return]
+
     def delete_snapshot(self, path: str, name: str) -> int:
         """:meth:`Client.delete_snapshot`."""
         return self._run(self.client.delete_snapshot, path, name)  # type: ignore[no-any-return]

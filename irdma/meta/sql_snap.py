@@ -24,7 +24,7 @@ import stat
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from irdma._errors import Exists, InvalidArgument, NotFound, ReadOnly
+from irdma._errors import Exists, InvalidArgument, NotADirectory, NotEmpty, NotFound, ReadOnly
 
 from .base import SNAPSHOTS_DIR, SNAPSHOTS_DIR_MARK, Inode, Snapshot
 from .sql_rows import COLS, Cursor, check_name, inode_row, now
@@ -48,6 +48,8 @@ class SqlSnap:
         def _tx(self, read_only: bool = False) -> Any: ...
 
         def _get(self, c: Cursor, ino: int) -> Inode: ...
+
+        def _drop_name(self, c: Cursor, parent: int, name: bytes, inode: Inode) -> None: ...
 
     def _writable(self, c: Cursor, *inos: int) -> None:
         """Raise ReadOnly when any of ``inos`` belongs to a snapshot (or is a ``.snapshots``)."""
@@ -140,55 +142,167 @@ class SqlSnap:
                 raise Exists(f"a snapshot named {name.decode(errors='replace')!r} exists",
                              "choose another name, or delete that one first")
             holder = self._snapshots_dir(c, d, create=True)
+            assert holder is not None
             t = now()
             sid = int(c.execute("INSERT INTO snapshots(dir, name, root, src, created_ns, state)"
                                 " VALUES (?,?,0,?,?,'creating') RETURNING id", (dir_ino, name, ino, t)).fetchone()[0])
-            files: list[tuple[Inode, int]] = []
-            root = self._copy_inode(c, dir_ino, sid)
-            c.execute("UPDATE inodes SET nlink=2 WHERE ino=?", (root,))
-            c.execute("INSERT INTO dentries VALUES (?,?,?)", (holder, name, root))
-            c.execute("UPDATE inodes SET nlink=nlink+1 WHERE ino=?", (holder,))
-            if not src.is_dir:
-                copy = self._copy_inode(c, ino, sid)
-                c.execute("UPDATE inodes SET nlink=1 WHERE ino=?", (copy,))
-                c.execute("INSERT INTO dentries VALUES (?,?,?)", (root, self._name_in(c, dir_ino, ino), copy))
-                files.append((src, copy))
+            if src.is_dir:
+                root, files = self._copy_tree(c, dir_ino, holder, name, sid)
             else:
-                copies = {dir_ino: root}  # hard links: one copy per inode
-                todo = [dir_ino]
-                while todo:
-                    parent = todo.pop()
-                    rows = c.execute(f"SELECT d.name, {', '.join('i.' + x.strip() for x in COLS.split(','))}"
-                                     " FROM dentries d JOIN inodes i ON i.ino = d.ino WHERE d.parent=? ORDER BY d.name",
-                                     (parent,)).fetchall()
-                    for r in rows:
-                        child = inode_row(r[1:])
-                        if child.snap:  # a .snapshots: snapshots are not copied into snapshots
-                            continue
-                        new = copies.get(child.ino)
-                        if new is None:
-                            new = copies[child.ino] = self._copy_inode(c, child.ino, sid)
-                            if child.is_dir:
-                                todo.append(child.ino)
-                            elif stat.S_ISREG(child.mode):
-                                files.append((child, new))
-                        c.execute("INSERT INTO dentries VALUES (?,?,?)", (copies[parent], bytes(r[0]), new))
-                for old, new in copies.items():  # link counts as the copy has them
-                    if old != dir_ino:
-                        n = c.execute("SELECT COUNT(*) FROM dentries WHERE ino=?", (new,)).fetchone()[0]
-                        sub = c.execute("SELECT COUNT(*) FROM dentries d JOIN inodes i ON i.ino = d.ino"
-                                        " WHERE d.parent=? AND i.mode >= ? AND i.mode < ?",
-                                        (new, stat.S_IFDIR, stat.S_IFDIR + 0o10000)).fetchone()[0]
-                        if stat.S_ISDIR(self._get(c, new).mode):
-                            c.execute("UPDATE inodes SET nlink=? WHERE ino=?", (2 + int(sub), new))
-                        else:
-                            c.execute("UPDATE inodes SET nlink=? WHERE ino=?", (int(n), new))
-                sub = c.execute("SELECT COUNT(*) FROM dentries d JOIN inodes i ON i.ino = d.ino"
-                                " WHERE d.parent=? AND i.mode >= ? AND i.mode < ?",
-                                (root, stat.S_IFDIR, stat.S_IFDIR + 0o10000)).fetchone()[0]
-                c.execute("UPDATE inodes SET nlink=? WHERE ino=?", (2 + int(sub), root))
+                root, _ = self._copy_tree(c, dir_ino, holder, name, sid, children=False)
+                _, files = self._copy_tree(c, ino, root, self._name_in(c, dir_ino, ino), sid)
+                c.execute("UPDATE inodes SET nlink=2 WHERE ino=?", (root,))
+            c.execute("UPDATE inodes SET nlink=nlink+1 WHERE ino=?", (holder,))
             c.execute("UPDATE snapshots SET root=? WHERE id=?", (root, sid))
             return Snapshot(sid, dir_ino, name, root, ino, t, "creating"), files
+
+    def _copy_tree(self, c: Cursor, src: int, parent: int, name: bytes, snap_id: int,
+                   children: bool = True) -> tuple[int, list[tuple[Inode, int]]]:
+        """Copy inode ``src`` (and, for a directory with ``children``, its tree but its
+        ``.snapshots``) as ``name`` in ``parent``, the copies' ``snap`` set to ``snap_id``;
+        link counts as the copy has them. Returns the copy's inode number and, per regular
+        file, ``(source inode, copy's number)``."""
+        top = self._get(c, src)
+        copies = {src: self._copy_inode(c, src, snap_id)}  # hard links: one copy per inode
+        c.execute("INSERT INTO dentries VALUES (?,?,?)", (parent, name, copies[src]))
+        files: list[tuple[Inode, int]] = [] if top.is_dir else [(top, copies[src])]
+        todo = [src] if top.is_dir and children else []
+        cols = ", ".join("i." + x.strip() for x in COLS.split(","))
+        while todo:
+            at = todo.pop()
+            for r in c.execute(f"SELECT d.name, {cols} FROM dentries d JOIN inodes i ON i.ino = d.ino"
+                               " WHERE d.parent=? ORDER BY d.name", (at,)).fetchall():
+                child = inode_row(r[1:])
+                if child.snap == SNAPSHOTS_DIR_MARK:  # snapshots are not copied into copies
+                    continue
+                new = copies.get(child.ino)
+                if new is None:
+                    new = copies[child.ino] = self._copy_inode(c, child.ino, snap_id)
+                    if child.is_dir:
+                        todo.append(child.ino)
+                    elif stat.S_ISREG(child.mode):
+                        files.append((child, new))
+                c.execute("INSERT INTO dentries VALUES (?,?,?)", (copies[at], bytes(r[0]), new))
+        for new in copies.values():  # link counts as the copy has them
+            if stat.S_ISDIR(self._get(c, new).mode):
+                sub = c.execute("SELECT COUNT(*) FROM dentries d JOIN inodes i ON i.ino = d.ino WHERE d.parent=?"
+                                " AND i.mode >= ? AND i.mode < ?", (new, stat.S_IFDIR, stat.S_IFDIR + 0o10000)).fetchone()[0]
+                c.execute("UPDATE inodes SET nlink=? WHERE ino=?", (2 + int(sub), new))
+            else:
+                n = c.execute("SELECT COUNT(*) FROM dentries WHERE ino=?", (new,)).fetchone()[0]
+                c.execute("UPDATE inodes SET nlink=? WHERE ino=?", (int(n), new))
+        return copies[src], files
+
+    def clone_tree(self, src: int, parent: int, name: bytes) -> tuple[Inode, list[tuple[Inode, int]]]:
+        """Copy inode ``src`` (a snapshot's file or directory tree) as a live, writable
+        ``name`` in ``parent`` (``irdma snapshot clone``; the shards then clone its chunks).
+
+        Returns:
+            The copy's inode and, per regular file, ``(source inode, copy's number)``.
+
+        Raises:
+            Exists: ``name`` exists in ``parent``. ReadOnly: ``parent`` is in a snapshot.
+        """
+        check_name(name)
+        with self._tx() as c:
+            self._writable(c, parent)
+            if not self._get(c, parent).is_dir:
+                raise NotADirectory(f"inode {parent} is not a directory")
+            if c.execute("SELECT 1 FROM dentries WHERE parent=? AND name=?", (parent, name)).fetchone():
+                raise Exists(f"{name.decode(errors='replace')!r} exists", "choose a new path for the clone")
+            root, files = self._copy_tree(c, src, parent, name, 0)
+            copy = self._get(c, root)
+            if copy.is_dir:
+                c.execute("UPDATE inodes SET nlink=nlink+1 WHERE ino=?", (parent,))
+            t = now()
+            c.execute("UPDATE inodes SET mtime_ns=?, ctime_ns=? WHERE ino=?", (t, t, parent))
+            return copy, files
+
+    def copy_chunk_maps(self, pairs: Sequence[tuple[int, int]], shards: Sequence[int]) -> None:
+        """Give each ``(source, copy)`` file the source's chunk-map rows on ``shards`` (the
+        shards that cloned its chunks)."""
+        with self._tx() as c:
+            marks = ",".join("?" * len(shards)) or "NULL"
+            for src, dst in pairs:
+                c.execute(f"INSERT INTO chunks SELECT ?, idx, shard, incarnation FROM chunks WHERE ino=? AND shard IN ({marks})",
+                          (dst, src, *shards))
+
+    def remove_tree(self, ino: int) -> list[int]:
+        """Take a live directory tree (or file) with no snapshots in it out of the namespace in
+        one transaction: directories go, files lose their names. Returns the files left with no
+        name (the caller frees them once unused, as after unlink).
+
+        Raises:
+            NotEmpty: a directory of the tree holds snapshots (delete them first).
+        """
+        with self._tx() as c:
+            return self._remove_tree(c, ino)
+
+    def _remove_tree(self, c: Cursor, ino: int, names: bool = True) -> list[int]:
+        top = self._get(c, ino)
+        unnamed: list[int] = []
+        if names:  # the tree's own name(s)
+            for parent, name in c.execute("SELECT parent, name FROM dentries WHERE ino=?", (ino,)).fetchall():
+                self._drop_name(c, int(parent), bytes(name), top)
+                if top.is_dir:
+                    c.execute("UPDATE inodes SET nlink=nlink-1 WHERE ino=?", (int(parent),))
+        if not top.is_dir:
+            return [ino] if top.nlink <= 0 else []
+        todo, dirs = [ino], []
+        while todo:
+            d = todo.pop()
+            dirs.append(d)
+            for name, child_ino in c.execute("SELECT name, ino FROM dentries WHERE parent=?", (d,)).fetchall():
+                child = self._get(c, int(child_ino))
+                if child.snap == SNAPSHOTS_DIR_MARK:
+                    if c.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (child.ino,)).fetchone():
+                        raise NotEmpty(f"directory {d} holds snapshots: delete them first (`irdma snapshot list`)")
+                    c.execute("DELETE FROM inodes WHERE ino=?", (child.ino,))
+                    c.execute("DELETE FROM dentries WHERE parent=? AND name=?", (d, bytes(name)))
+                elif child.is_dir:
+                    c.execute("DELETE FROM dentries WHERE parent=? AND name=?", (d, bytes(name)))
+                    todo.append(child.ino)
+                else:
+                    self._drop_name(c, d, bytes(name), child)
+                    if child.nlink <= 0:
+                        unnamed.append(child.ino)
+        for d in dirs:
+            c.execute("DELETE FROM xattrs WHERE ino=?", (d,))
+            c.execute("DELETE FROM inodes WHERE ino=?", (d,))
+        return unnamed
+
+    def restore_contents(self, dir_ino: int, tree: int) -> list[int]:
+        """Make live directory ``dir_ino``'s entries those of directory ``tree`` (a clone of a
+        snapshot), in one transaction: a reader sees the old tree or the new one, never a mix.
+        ``dir_ino`` keeps its inode number and its ``.snapshots``; ``tree`` goes.
+
+        Returns:
+            The old tree's files left with no name (the caller frees them once unused).
+
+        Raises:
+            NotEmpty: a subdirectory of the old tree holds snapshots (delete them first).
+        """
+        with self._tx() as c:
+            self._writable(c, dir_ino)
+            unnamed: list[int] = []
+            for name, child_ino in c.execute("SELECT name, ino FROM dentries WHERE parent=?", (dir_ino,)).fetchall():
+                child = self._get(c, int(child_ino))
+                if child.snap == SNAPSHOTS_DIR_MARK or child.ino == tree:
+                    continue
+                if child.is_dir:
+                    unnamed += self._remove_tree(c, child.ino)
+                else:  # this name only (a hard link elsewhere keeps the file)
+                    self._drop_name(c, dir_ino, bytes(name), child)
+                    if child.nlink <= 0:
+                        unnamed.append(child.ino)
+            c.execute("UPDATE dentries SET parent=? WHERE parent=?", (dir_ino, tree))
+            self._remove_tree(c, tree)  # now empty
+            sub = c.execute("SELECT COUNT(*) FROM dentries d JOIN inodes i ON i.ino = d.ino WHERE d.parent=? AND"
+                            " i.mode >= ? AND i.mode < ? AND i.snap = 0",
+                            (dir_ino, stat.S_IFDIR, stat.S_IFDIR + 0o10000)).fetchone()[0]
+            t = now()
+            c.execute("UPDATE inodes SET nlink=?, mtime_ns=?, ctime_ns=? WHERE ino=?", (2 + int(sub), t, t, dir_ino))
+            return unnamed
 
     def _parent(self, c: Cursor, ino: int) -> int:
         row = c.execute("SELECT parent FROM dentries WHERE ino=? LIMIT 1", (ino,)).fetchone()

@@ -106,4 +106,44 @@ def group(META_OPTION: _Deco, friendly: _Deco, console: Any, out: Any) -> click.
         n = trio.run(run)
         console.print(f"deleted snapshot {escape(name)} of {escape(ns)} ({n} files)", highlight=False)
 
+    @snapshot.command("restore")
+    @click.argument("path")
+    @click.argument("name")
+    @META_OPTION
+    @friendly
+    def restore_cmd(path: str, name: str, meta_url: str) -> None:
+        """Make PATH what snapshot NAME holds again, atomically for readers (a file is replaced,
+        a directory's entries swapped in one step); no byte is copied. Files open elsewhere keep
+        what they had until reopened."""
+        from ..client.native import Client
+
+        ns = _namespace(path)
+
+        async def run() -> None:
+            async with Client.open(meta_url, transport="tcp") as client:
+                await client.restore_snapshot(ns, name)
+
+        trio.run(run)
+        console.print(f"restored {escape(ns)} from snapshot {escape(name)}", highlight=False)
+
+    @snapshot.command("clone")
+    @click.argument("path")
+    @click.argument("name")
+    @click.argument("new_path")
+    @META_OPTION
+    @friendly
+    def clone_cmd(path: str, name: str, new_path: str, meta_url: str) -> None:
+        """A writable copy of snapshot NAME of PATH at NEW_PATH, sharing every chunk with the
+        snapshot until written (copy-on-write)."""
+        from ..client.native import Client
+
+        ns, dst = _namespace(path), _namespace(new_path)
+
+        async def run() -> None:
+            async with Client.open(meta_url, transport="tcp") as client:
+                await client.clone_snapshot(ns, name, dst)
+
+        trio.run(run)
+        console.print(f"cloned snapshot {escape(name)} of {escape(ns)} to {escape(dst)}", highlight=False)
+
     return snapshot

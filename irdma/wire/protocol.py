@@ -644,8 +644,9 @@ class Clone:
     """Second phase of a snapshot's cut: once every chunk named in ``expect`` is at that
     version here (a replica catching up on forwarded updates; waited for up to the freeze's
     lease), make each pair's clone file share the source's chunks (no byte copied:
-    :meth:`irdma.server.shard.Shard.clone`), then release the freeze ``token``. Answered with a
-    FREE reply giving how many chunk keys were made."""
+    :meth:`irdma.server.shard.Shard.clone`), then release the freeze ``token``. Token 0: no
+    freeze, no versions (the sources are read-only: a snapshot's files, cloned back into the
+    live namespace). Answered with a FREE reply giving how many chunk keys were made."""
 
     token: int
     pairs: tuple[tuple[int, int], ...] = ()  # (source file id, clone's file id)
