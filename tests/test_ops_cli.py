@@ -7,6 +7,7 @@ Real shard processes (`irdma up`), a real FUSE mount and the CLI run as a user r
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -22,6 +23,7 @@ from rich.console import Console
 
 import irdma
 from irdma._errors import InvalidArgument
+from irdma.meta import open_meta
 from irdma.ops import cluster
 from irdma.ops.progress import transfer_progress
 
@@ -185,5 +187,11 @@ def test_drain_and_gc_report_bytes_and_chunks(tmp_path: object) -> None:
         want = f"drain shard {victim}: {chunks}/{chunks} chunks, {chunks}.0 MiB/{chunks}.0 MiB, "
         assert want in res.stderr, res.stderr
         assert "MiB/s" in res.stderr and f"{chunks}.0 MiB copied" in res.stderr, res.stderr
+        # 4 chunks past the end of a file no session holds open (a crashed writer's): gc frees them
+        with irdma.connect(c.meta_url, transport="tcp") as client:
+            client.write("/b.bin", os.urandom(4 * MB), chunk_size=MB)
+        with contextlib.closing(open_meta(c.meta_url)) as meta:
+            meta.setattr(meta.resolve("/b.bin").ino, size=0)
         res = irdma_cli("gc", "--meta", c.meta_url)
-        assert res.returncode == 0 and "freed:" in res.stdout
+        assert "4 leaked chunks (4.0 MiB)" in res.stdout, res.stdout
+        assert re.search(r"^gc: .*: 4/4 items, 4\.0 MiB/4\.0 MiB, ", res.stderr, re.M), res.stderr
