@@ -1106,24 +1106,25 @@ class Client:
                                        "truncate it again")
 
     # ------------------------------------------------------------ admin moves (irdma.client.moves)
-    async def resync_shard(self, shard_id: int, progress: Callable[[int, int], None] = lambda done, total: None,
+    async def resync_shard(self, shard_id: int, progress: Callable[[int, int, int, int], None] | None = None,
                            force: bool = False) -> int:
         """Bring a shard that is catching up level with its chains, then mark it up
-        (:meth:`irdma.client.moves.ShardMoves.resync_shard`). Returns bytes copied."""
+        (:meth:`irdma.client.moves.ShardMoves.resync_shard`). Returns bytes copied; ``progress``:
+        :data:`irdma.client.moves.MoveProgress` ``(done_bytes, total_bytes, done_chunks, total_chunks)``."""
         return await self._admin.resync_shard(shard_id, progress, force)
 
-    async def drain_shard(self, shard_id: int, progress: Callable[[int, int], None] = lambda done, total: None) -> int:
+    async def drain_shard(self, shard_id: int, progress: Callable[[int, int, int, int], None] | None = None) -> int:
         """Move every chunk off a shard while updates go on, then take it out of every chain
         (:meth:`irdma.client.moves.ShardMoves.drain_shard`). Returns bytes copied."""
         return await self._admin.drain_shard(shard_id, progress)
 
-    async def rebalance(self, progress: Callable[[int, int], None] = lambda done, total: None,
+    async def rebalance(self, progress: Callable[[int, int, int, int], None] | None = None,
                         tolerance: float = 0.1) -> list[tuple[int, int, int]]:
         """Even out the bytes the shards in service hold (:meth:`irdma.client.moves.ShardMoves.rebalance`).
         Returns ``(shard moved from, bytes copied, chunks moved)`` of each move made."""
         return await self._admin.rebalance(progress, tolerance)
 
-    async def run_move(self, progress: Callable[[int, int], None] = lambda done, total: None) -> int:
+    async def run_move(self, progress: Callable[[int, int, int, int], None] | None = None) -> int:
         """Carry out the move of chunks in progress in the shard map
         (:meth:`irdma.client.moves.ShardMoves.run_move`). Returns bytes copied."""
         return await self._admin.run_move(progress)

@@ -369,31 +369,41 @@ def _listen_error(exc: BaseException, listen: str) -> IrdmaError | None:
 @cli.command()
 @DIR_OPTION
 @click.option("--shards", "-n", default=2, show_default=True, help="Number of shard processes.")
-@click.option("--capacity", default="1GiB", show_default=True, callback=_size, help="Memory region per shard.")
+@click.option("--capacity", default=None, callback=lambda ctx, p, v: None if v is None else _size(ctx, p, v),
+              help="Memory region per shard [default: 1GiB; a restarted shard: its own].")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the shards listen on.")
-@click.option("--transport", type=click.Choice(TRANSPORTS), default="auto", show_default=True)
+@click.option("--transport", type=click.Choice(TRANSPORTS), default=None,
+              help="[default: auto; a restarted shard: its own]")
 @click.option("--fresh", is_flag=True, help="Wipe the namespace and data of a stopped cluster in --dir first.")
-@click.option("--durability", type=click.Choice(["fsync", "memory"]), default="fsync", show_default=True,
-              help="fsync/close wait until the bytes are on disk (fsync) or in the page cache only (memory).")
+@click.option("--durability", type=click.Choice(["fsync", "memory"]), default=None,
+              help="fsync/close wait until the bytes are on disk (fsync) or in the page cache only (memory)."
+                   " [default: fsync; a restarted shard: its own]")
 @click.option("--replicas", "-r", type=click.IntRange(1, 8), default=None,
               help="Copies of each chunk, on distinct shards (new clusters: 2 with 2 or more shards, else 1).")
 @click.option("--metrics", "metrics_addr", default=None, metavar="HOST:PORT",
-              help="Shard N serves Prometheus metrics on HOST:PORT+N (HOST:0: a free port each); see `irdma stats --meta`.")
+              help="Shard N serves Prometheus metrics on HOST:PORT+N (HOST:0: a free port each, kept across"
+                   " restarts; off: none); see `irdma stats --meta`. [default: none; a restarted shard: its own]")
 @click.option("--security", type=click.Choice(["integrity", "auth"]), default=None,
               help="What frame tags cover (kept in the key file; a new cluster: integrity): integrity, every"
                    " byte; auth, every header and control field but not tensor payloads (trusted fabrics;"
                    " faster). See SECURITY.md.")
 @friendly
-def up(cluster_dir: str, shards: int, capacity: int, host: str, transport: str, fresh: bool, durability: str,
-       replicas: int | None, metrics_addr: str | None = None, security: str | None = None) -> None:
+def up(cluster_dir: str, shards: int, capacity: int | None, host: str, transport: str | None, fresh: bool,
+       durability: str | None, replicas: int | None, metrics_addr: str | None = None,
+       security: str | None = None) -> None:
     """Start a local cluster: SQLite metadata in --dir and N shard processes keeping their
     chunks in --dir/shards/ID. On a stopped cluster's --dir, start it again on its data; on a
-    running one, restart just the shards that died and resync them (they missed updates)."""
-    if metrics_addr:
-        from .metrics import SHARD_METRICS_ENV, parse_metrics_address
+    running one, restart just the shards that died and resync them (they missed updates).
+
+    Each shard is started again as it was first started (--metrics, --durability,
+    --transport, kept in --dir/settings.json); an option given here replaces the shard's
+    setting and is kept for the next restarts."""
+    if metrics_addr and metrics_addr != "off":
+        from .metrics import parse_metrics_address
 
         parse_metrics_address(metrics_addr)
-        os.environ[SHARD_METRICS_ENV] = metrics_addr  # the shards it starts inherit it
+    if transport is None and (fresh or not os.path.exists(os.path.join(cluster_dir, "meta.db"))):
+        transport = "auto"  # a new cluster; a restarted shard keeps its own
     with console.status(f"starting shards in {cluster_dir}") as status:
 
         def progress(msg: str) -> None:
@@ -403,7 +413,8 @@ def up(cluster_dir: str, shards: int, capacity: int, host: str, transport: str, 
         missing: _cluster.ShardsNotStarted | None = None
         try:
             url = _cluster.up(cluster_dir, shards, capacity, host=host, transport=transport, fresh=fresh,
-                              durability=durability, replicas=replicas, progress=progress, security=security)
+                              durability=durability, replicas=replicas, progress=progress, security=security,
+                              metrics=metrics_addr)
         except _cluster.ShardsNotStarted as exc:  # the rest runs: resync it, then say what is missing
             missing, url = exc, exc.url
     trio.run(_resync, url, None)
@@ -598,8 +609,10 @@ def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_
 @friendly
 def stats_cmd(mountpoints: tuple[str, ...], meta_url: str | None, endpoints: tuple[str, ...], interval: float,
               count: int | None) -> None:
-    """Show mounts' and shards' metrics live (as `juicefs stats`): requests/s by op, MB/s pulled
-    and pushed, p50/p99 latency, errors, in flight, bytes held. They must run with --metrics."""
+    """Show mounts' and shards' metrics live (as `juicefs stats`): per endpoint its cpu, memory
+    and bytes held, and per layer and op: ops/s, MiB/s pulled and pushed, p50/p99 latency in
+    ms, errors/s, requests in flight. Fits 80 columns; wider terminals show more. The
+    processes must run with --metrics."""
     from . import stats as stats_mod
 
     if not (mountpoints or meta_url or endpoints):
@@ -664,11 +677,10 @@ async def _status(meta_url: str) -> _StatusView:
 
 
 async def _resync(meta_url: str, only: list[int] | None) -> int:
-    """Resync the shards that are catching up (``only``: these), with a progress bar each;
-    returns how many failed."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
+    """Resync the shards that are catching up (``only``: these), with a progress bar each
+    (bytes of the chunks compared, rate, time left, chunks); returns how many failed."""
     from ..client.native import Client
+    from .progress import transfer_progress
 
     failed = 0
     async with Client.open(meta_url, transport="tcp") as client:
@@ -678,13 +690,7 @@ async def _resync(meta_url: str, only: list[int] | None) -> int:
         todo = [rec.shard_id for rec, st, _ in stats if st is not None and rec.state not in ("drained", "removed")
                 and (rec.health == "syncing" if only is None else rec.shard_id in only)]
         for sid in todo:
-            with Progress(TextColumn(f"resync shard {sid}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                          console=console, transient=True) as bar:
-                task = bar.add_task("chunks", total=None)
-
-                def step(done: int, total: int, bar: Progress = bar, task: Any = task) -> None:
-                    bar.update(task, completed=done, total=total)
-
+            with transfer_progress(f"resync shard {sid}", console=console) as step:
                 try:
                     copied = await client.resync_shard(sid, step)
                 except IrdmaError as exc:
@@ -712,16 +718,12 @@ async def _adoptable(meta_url: str, shard_id: int) -> list[Any]:
 
 
 async def _force_resync(meta_url: str, shard_id: int) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     from ..client.native import Client
+    from .progress import transfer_progress
 
     async with Client.open(meta_url, transport="tcp") as client:
-        with Progress(TextColumn(f"resync shard {shard_id} (forced)"), BarColumn(), MofNCompleteColumn(),
-                      TimeRemainingColumn(), console=console, transient=True) as bar:
-            task = bar.add_task("chunks", total=None)
-            return await client.resync_shard(
-                shard_id, lambda done, total: bar.update(task, completed=done, total=total), force=True)
+        with transfer_progress(f"resync shard {shard_id} (forced)", console=console) as step:
+            return await client.resync_shard(shard_id, step, force=True)
 
 
 @shard.command("resync")
@@ -774,15 +776,12 @@ def shard_resync(shard_ids: tuple[int, ...], meta_url: str, force_from: int | No
 
 
 async def _drain(meta_url: str, shard_id: int) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     from ..client.native import Client
+    from .progress import transfer_progress
 
     async with Client.open(meta_url, transport="tcp") as client:
-        with Progress(TextColumn(f"drain shard {shard_id}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                      console=console, transient=True) as bar:
-            task = bar.add_task("chunks", total=None)
-            return await client.drain_shard(shard_id, lambda done, total: bar.update(task, completed=done, total=total))
+        with transfer_progress(f"drain shard {shard_id}", console=console) as step:
+            return await client.drain_shard(shard_id, step)
 
 
 @shard.command("drain")
@@ -824,16 +823,12 @@ def shard_remove(shard_id: int, meta_url: str, force: bool) -> None:
 
 
 async def _rebalance(meta_url: str, tolerance: float) -> tuple[list[tuple[int, int, int]], list[Any]]:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     from ..client.native import Client
+    from .progress import transfer_progress
 
     async with Client.open(meta_url, transport="tcp") as client:
-        with Progress(TextColumn("rebalance"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                      console=console, transient=True) as bar:
-            task = bar.add_task("chunks", total=None)
-            moves = await client.rebalance(lambda done, total: bar.update(task, completed=done, total=total),
-                                           tolerance)
+        with transfer_progress("rebalance", console=console) as step:
+            moves = await client.rebalance(step, tolerance)
         return moves, await client.shard_stats()
 
 
@@ -1337,11 +1332,14 @@ def gc(meta_url: str, dry_run: bool) -> None:
     session holds open: a crashed writer's). --dry-run reports exactly what a run frees."""
     from ..client.native import Client
     from .fsck import collect_garbage
+    from .progress import transfer_progress
 
     async def run() -> Any:
         async with Client.open(meta_url, transport="tcp") as client:
-            with console.status("collecting") as st:
-                return await collect_garbage(client, dry_run=dry_run, progress=lambda msg: st.update(msg))
+            # the scan's phases as the label; then bytes and items (orphaned files, leaked chunks) freed
+            with transfer_progress("gc: collecting", unit="items", console=console, final_line=not dry_run) as step:
+                return await collect_garbage(client, dry_run=dry_run, progress=lambda msg: step.describe(f"gc: {msg}"),
+                                             step=step)
 
     rep = trio.run(run)
     verb = "would free" if dry_run else "freed"
