@@ -198,6 +198,9 @@ class Dispatcher:
         return reply
 
     async def _cloned(self, msg: P.Clone) -> int:
+        """Clone at the cut. The freeze stays until THAW: released here, this shard's client
+        updates would reach its successors in chains before their own CLONE came (they would
+        be past the cut)."""
         shard = self.shard
         if msg.token == 0:  # a clone of read-only files (a snapshot's): no cut to wait for
             if msg.expect or any(d in {s for s, _ in msg.pairs} or shard.has_file(d) for _, d in msg.pairs):
@@ -207,30 +210,28 @@ class Dispatcher:
         cut = self._freezes.get(msg.token)
         if cut is None:
             raise BadRequest(f"shard {shard.shard_id}: freeze {msg.token} is over (its lease ended): take the snapshot again")
-        try:
-            srcs = {s for s, _ in msg.pairs}
-            if not srcs <= cut.files:
-                raise BadRequest("a clone names a file its freeze did not hold")
-            if any(d in srcs or shard.has_file(d) for _, d in msg.pairs):
-                raise BadRequest("a clone's file id is in use on this shard")
-            while True:  # a replica catches up on the updates forwarded to it before the freeze
-                behind = ahead = 0
-                for f, i, v in msg.expect:
-                    have = shard.version_of(f, i)
-                    behind += have < v
-                    ahead += have > v
-                if ahead:
-                    raise BadRequest(f"shard {shard.shard_id} has {ahead} chunks past the cut's versions: take the"
-                                     " snapshot again")
-                if not behind:
-                    break
-                if trio.current_time() >= cut.deadline:
-                    raise BadRequest(f"shard {shard.shard_id} did not reach the cut's versions of {behind} chunks"
-                                     " within the freeze's lease: take the snapshot again")
-                await trio.sleep(0.001)
-            return sum(shard.clone(s, d) for s, d in msg.pairs)
-        finally:
-            self._release(cut)
+        srcs = {s for s, _ in msg.pairs}
+        if not srcs <= cut.files:
+            raise BadRequest("a clone names a file its freeze did not hold")
+        if any(d in srcs or shard.has_file(d) for _, d in msg.pairs):
+            raise BadRequest("a clone's file id is in use on this shard")
+        while True:  # a replica catches up on the updates forwarded to it before the freeze
+            behind, ahead = 0, []
+            for f, i, v in msg.expect:
+                have = shard.version_of(f, i)
+                behind += have < v
+                if have > v:
+                    ahead.append(f"chunk {i} of file {f} at version {have} > {v}")
+            if ahead:
+                raise BadRequest(f"shard {shard.shard_id} is past the cut ({', '.join(ahead[:3])}): take the"
+                                 " snapshot again")
+            if not behind:
+                break
+            if trio.current_time() >= cut.deadline:
+                raise BadRequest(f"shard {shard.shard_id} did not reach the cut's versions of {behind} chunks"
+                                 " within the freeze's lease: take the snapshot again")
+            await trio.sleep(0.001)
+        return sum(shard.clone(s, d) for s, d in msg.pairs)
 
     def _handle(self, msg: P.Request, staging: memoryview | None, t0: float,
                 transport: str, zero_copy: bool = False) -> P.Reply | Awaitable[P.Reply] | ThreadWork:

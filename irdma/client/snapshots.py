@@ -15,10 +15,12 @@ How a snapshot is made (``irdma snapshot create PATH NAME``, ``mkdir PATH/.snaps
 3. **Clone** (one round trip per shard): each shard waits until its replicas of the chunks
    reach the highest version any replica answered (the updates already forwarded down a chain
    when the freeze came), then makes each copy's chunks share the live file's extents
-   (:meth:`irdma.server.shard.Shard.clone`: no byte copied) and releases the held updates.
-   Pushes waited two round trips at most; the freeze's lease (:data:`FREEZE_LEASE_S`) bounds
-   it even if this client dies between the two.
-4. **Commit**: the copies' chunk maps (the replicas that cloned) are recorded and the
+   (:meth:`irdma.server.shard.Shard.clone`: no byte copied).
+4. **Thaw**: once every shard cloned, each releases the held updates (not before: a head
+   released early would forward updates to a replica whose clone has not come yet, past the
+   cut). Pushes wait about three round trips to the shards; the freeze's lease
+   (:data:`FREEZE_LEASE_S`) bounds it even if this client dies meanwhile.
+5. **Commit**: the copies' chunk maps (the replicas that cloned) are recorded and the
    snapshot is ``ready``. A failure anywhere before takes it all back (thaw, free the clones,
    drop the metadata) and raises: a snapshot either exists whole or not at all.
 
@@ -168,14 +170,17 @@ async def _cut(client: Client, files: Sequence[tuple[Inode, int]]) -> list[int]:
         async with trio.open_nursery() as nursery:
             for sid in shards:
                 nursery.start_soon(clone, sid)
-    except BaseException:
+    finally:  # every shard keeps its freeze until every clone is made (dispatch.Dispatcher._cloned)
         with trio.CancelScope(shield=True), trio.move_on_after(client.timeout):
-            for sid in answered:
+            async def thaw(sid: int) -> None:
                 try:
                     await client._conn_call(sid, "thaw", token)
                 except IrdmaError as exc:  # its lease ends the freeze anyway
-                    log.warning("snapshot: could not thaw shard %d: %s", sid, exc)
-        raise
+                    log.warning("snapshot: could not thaw shard %d (its lease ends it): %s", sid, exc)
+
+            async with trio.open_nursery() as nursery:
+                for sid in answered:
+                    nursery.start_soon(thaw, sid)
     return shards
 
 

@@ -628,7 +628,7 @@ class ListReply:
 
 @dataclass
 class Freeze:
-    """Hold the updates clients send to these files until THAW or CLONE with ``token``, or
+    """Hold the updates clients send to these files until THAW with ``token``, or
     until ``lease_ms`` passed (the snapshot that asked is then void): the first phase of a
     snapshot's cut (:mod:`irdma.client.snapshots`). Updates a replica forwards down a chain are
     not held, so every replica reaches the versions the heads had. Answered with a LIST reply
@@ -644,7 +644,8 @@ class Clone:
     """Second phase of a snapshot's cut: once every chunk named in ``expect`` is at that
     version here (a replica catching up on forwarded updates; waited for up to the freeze's
     lease), make each pair's clone file share the source's chunks (no byte copied:
-    :meth:`irdma.server.shard.Shard.clone`), then release the freeze ``token``. Token 0: no
+    :meth:`irdma.server.shard.Shard.clone`); the freeze stays until THAW (every shard must
+    have cloned before any releases its held updates). Token 0: no
     freeze, no versions (the sources are read-only: a snapshot's files, cloned back into the
     live namespace). Answered with a FREE reply giving how many chunk keys were made."""
 
@@ -655,8 +656,8 @@ class Clone:
 
 @dataclass
 class Thaw:
-    """Release freeze ``token`` without cloning (a snapshot given up). Answered with a
-    VERSION reply of 0."""
+    """Release freeze ``token``: the held updates are applied (after every shard's CLONE, or
+    when a snapshot is given up). Answered with a VERSION reply of 0."""
 
     token: int
 
