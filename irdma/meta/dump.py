@@ -66,12 +66,13 @@ import dataclasses
 import datetime
 import json
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 from irdma._errors import InvalidArgument, IrdmaError
 
 from .base import ROOT_INO, MetaStore
+from .dump_sql import PAGE_ROWS, Side, engine_side, quote
 
 #: The version of the format this module writes and the only one it reads.
 FORMAT_VERSION = 1
@@ -79,9 +80,6 @@ FORMAT_VERSION = 1
 MAGIC = "irdma_metadata_dump"
 #: Tables a dump leaves out (see the module docstring), and a load leaves alone.
 TRANSIENT = frozenset({"sessions", "open_files", "txids"})
-#: Rows fetched from the database at once (a PostgreSQL dump's cursor page) and rows per
-#: insert batch of a load.
-PAGE_ROWS = 1000
 #: Column kinds of the format.
 KINDS = ("int", "float", "bool", "text", "bytes")
 
@@ -177,6 +175,14 @@ def encode_value(value: Any, kind: str) -> Any:
     raise TypeError(f"{type(value).__name__} in a {kind} column")
 
 
+def _fits(value: Any, kind: str) -> bool:
+    try:
+        encode_value(value, kind)
+    except TypeError:
+        return False
+    return True
+
+
 def decode_value(value: Any, kind: str) -> Any:
     """The column value a JSON value of the format stands for.
 
@@ -205,231 +211,6 @@ def decode_value(value: Any, kind: str) -> Any:
     raise ValueError(f"{value!r} is no {kind} value")
 
 
-def _quote(name: str) -> str:
-    """An SQL identifier, quoted (both engines take double quotes)."""
-    return '"' + name.replace('"', '""') + '"'
-
-
-# ---------------------------------------------------------------- the engines' catalogs
-class _Side:
-    """One engine's connection, as dump and load need it (a dialect)."""
-
-    kind = ""
-
-    def tables(self) -> dict[str, tuple[list[tuple[str, str]], list[str]]]:
-        """Every table: (its columns as (name, kind) in table order, its primary key's columns)."""
-        raise NotImplementedError
-
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
-        raise NotImplementedError
-
-    def begin_snapshot(self) -> None:
-        raise NotImplementedError
-
-    def begin_write(self, tables: Sequence[str]) -> None:
-        raise NotImplementedError
-
-    def end(self, commit: bool) -> None:
-        self.execute("COMMIT" if commit else "ROLLBACK")
-
-    def text_order(self, column: str) -> str:
-        """ORDER BY term of a text column, compared as bytes."""
-        return _quote(column)
-
-    def rows(self, sql: str) -> Iterator[Sequence[Any]]:
-        """The rows of a query, fetched in pages (never the whole result in memory)."""
-        raise NotImplementedError
-
-    def high_water(self, table: str, column: str) -> int:
-        """The highest id the engine's sequence of ``table.column`` handed out (0: none)."""
-        raise NotImplementedError
-
-    def set_counter(self, table: str, column: str, value: int) -> None:
-        raise NotImplementedError
-
-    def insert(self, table: str, columns: Sequence[str], rows: list[tuple[Any, ...]]) -> None:
-        raise NotImplementedError
-
-
-_SQLITE_KINDS = (("INT", "int"), ("BOOL", "bool"), ("CHAR", "text"), ("CLOB", "text"), ("TEXT", "text"),
-                 ("BLOB", "bytes"), ("REAL", "float"), ("FLOA", "float"), ("DOUB", "float"))
-
-
-def _sqlite_kind(decl: str) -> str:
-    """A SQLite declared type's kind, by its affinity (SQLite documentation, "Datatypes In
-    SQLite", 3.1 Determination Of Column Affinity); no type: bytes."""
-    decl = decl.upper()
-    if not decl:
-        return "bytes"
-    for part, kind in _SQLITE_KINDS:
-        if part in decl:
-            return kind
-    return "?" + decl
-
-
-class _SqliteSide(_Side):
-    kind = "sqlite"
-
-    def __init__(self, conn: Any) -> None:
-        self.conn = conn
-        self._auto: set[str] = set()
-
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
-        return self.conn.execute(sql, tuple(params))
-
-    def tables(self) -> dict[str, tuple[list[tuple[str, str]], list[str]]]:
-        out = {}
-        for name, sql in self.execute("SELECT name, sql FROM sqlite_master WHERE type='table'"
-                                      " AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\'").fetchall():
-            if "AUTOINCREMENT" in (sql or "").upper():
-                self._auto.add(name)
-            info = self.execute(f"PRAGMA table_info({_quote(name)})").fetchall()
-            cols = [(str(r[1]), _sqlite_kind(str(r[2] or ""))) for r in info]
-            key = [str(r[1]) for r in sorted((r for r in info if r[5]), key=lambda r: r[5])]
-            out[str(name)] = (cols, key)
-        return out
-
-    def begin_snapshot(self) -> None:
-        self.execute("BEGIN")  # WAL: the first read fixes the snapshot the whole dump sees
-
-    def begin_write(self, tables: Sequence[str]) -> None:
-        self.execute("BEGIN IMMEDIATE")
-
-    def rows(self, sql: str) -> Iterator[Sequence[Any]]:
-        cur = self.conn.execute(sql)
-        while True:
-            page = cur.fetchmany(PAGE_ROWS)
-            if not page:
-                return
-            yield from page
-
-    def high_water(self, table: str, column: str) -> int:
-        if table not in self._auto:
-            return 0
-        row = self.execute("SELECT seq FROM sqlite_sequence WHERE name=?", (table,)).fetchone()
-        return int(row[0]) if row else 0
-
-    def set_counter(self, table: str, column: str, value: int) -> None:
-        if table not in self._auto or value <= 0:
-            return  # a rowid table hands out one more than its largest id: nothing to keep
-        if not self.execute("UPDATE sqlite_sequence SET seq=? WHERE name=?", (value, table)).rowcount:
-            self.execute("INSERT INTO sqlite_sequence(name, seq) VALUES (?, ?)", (table, value))
-
-    def insert(self, table: str, columns: Sequence[str], rows: list[tuple[Any, ...]]) -> None:
-        cols = ", ".join(map(_quote, columns))
-        self.conn.executemany(f"INSERT INTO {_quote(table)}({cols}) VALUES ({', '.join('?' * len(columns))})", rows)
-
-
-_PG_KINDS = {"bigint": "int", "integer": "int", "smallint": "int", "text": "text", "character varying": "text",
-             "character": "text", "bytea": "bytes", "double precision": "float", "real": "float", "boolean": "bool"}
-
-
-class _PostgresSide(_Side):
-    kind = "postgresql"
-
-    def __init__(self, conn: Any) -> None:
-        self.conn = conn
-        self._seq: dict[tuple[str, str], str | None] = {}
-        self._serial = 0
-
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
-        return self.conn.execute(sql, tuple(params) or None)
-
-    def tables(self) -> dict[str, tuple[list[tuple[str, str]], list[str]]]:
-        out = {}
-        names = [r[0] for r in self.execute(
-            "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()"
-            " AND table_type = 'BASE TABLE'").fetchall()]
-        for name in names:
-            cols = [(str(c), _PG_KINDS.get(str(t), "?" + str(t))) for c, t in self.execute(
-                "SELECT column_name, data_type FROM information_schema.columns WHERE table_schema = current_schema()"
-                " AND table_name = %s ORDER BY ordinal_position", (name,)).fetchall()]
-            key = [str(r[0]) for r in self.execute(
-                "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid"
-                " AND a.attnum = ANY(i.indkey) WHERE i.indrelid = %s::regclass AND i.indisprimary"
-                " ORDER BY array_position(i.indkey::int2[], a.attnum)", (_quote(name),)).fetchall()]
-            out[str(name)] = (cols, key)
-        return out
-
-    def begin_snapshot(self) -> None:
-        self.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-        self._no_timeouts()
-
-    def begin_write(self, tables: Sequence[str]) -> None:
-        self.execute("BEGIN")
-        self._no_timeouts()
-        if tables:  # nobody writes the target while it is checked and filled
-            self.execute(f"LOCK TABLE {', '.join(map(_quote, tables))} IN EXCLUSIVE MODE")
-
-    def _no_timeouts(self) -> None:
-        # the engine's limits are for short calls; a dump or load is one long transaction
-        self.execute("SET LOCAL statement_timeout = 0")
-        self.execute("SET LOCAL idle_in_transaction_session_timeout = 0")
-
-    def text_order(self, column: str) -> str:
-        return f'{_quote(column)} COLLATE "C"'
-
-    def rows(self, sql: str) -> Iterator[Sequence[Any]]:
-        self._serial += 1
-        with self.conn.cursor(name=f"irdma_dump_{self._serial}") as cur:  # server-side: fetched by pages
-            cur.itersize = PAGE_ROWS
-            cur.execute(sql)
-            yield from cur
-
-    def _sequence(self, table: str, column: str) -> str | None:
-        if (table, column) not in self._seq:
-            row = self.execute("SELECT pg_get_serial_sequence(%s, %s)", (_quote(table), column)).fetchone()
-            self._seq[(table, column)] = row[0] if row else None
-        return self._seq[(table, column)]
-
-    def high_water(self, table: str, column: str) -> int:
-        seq = self._sequence(table, column)
-        if seq is None:
-            return 0
-        last, called = self.execute(f"SELECT last_value, is_called FROM {seq}").fetchone()
-        return int(last) if called else int(last) - 1
-
-    def set_counter(self, table: str, column: str, value: int) -> None:
-        seq = self._sequence(table, column)
-        if seq is not None and value >= 1:
-            self.execute("SELECT setval(%s::regclass, %s, true)", (seq, value))
-
-    def insert(self, table: str, columns: Sequence[str], rows: list[tuple[Any, ...]]) -> None:
-        # COPY: one stream per batch, and it takes the values of identity columns as given
-        with self.conn.cursor() as cur, cur.copy(
-                f"COPY {_quote(table)} ({', '.join(map(_quote, columns))}) FROM STDIN") as copy:
-            for row in rows:
-                copy.write_row(row)
-
-
-@contextlib.contextmanager
-def _side(meta: MetaStore) -> Iterator[_Side]:
-    """A connection of ``meta`` (an SQL engine) held for one dump or load, outside the
-    engine's per-call retries (a dump written halfway cannot be run again).
-
-    Raises:
-        InvalidArgument: ``meta`` is not one of the SQL engines.
-    """
-    from .sql import SqlMeta
-    from .sqlite import SqliteMeta
-
-    if not isinstance(meta, SqlMeta):
-        raise InvalidArgument(f"{type(meta).__name__} cannot be dumped or loaded",
-                              "pass an sqlite:// or postgresql:// metadata URL")
-    meta._acquire()
-    ok = False
-    meta._local.depth = 1  # engine calls made meanwhile run on this connection
-    try:
-        if isinstance(meta, SqliteMeta):
-            yield _SqliteSide(meta._db)
-        else:
-            yield _PostgresSide(meta._local.conn)
-        ok = True
-    finally:
-        meta._local.depth = 0
-        meta._release(ok)
-
-
 def _failure(meta: MetaStore, exc: Exception, what: str) -> IrdmaError:
     """A database error of a dump or load as an IrdmaError naming the database."""
     url = getattr(meta, "url", "?")
@@ -437,7 +218,7 @@ def _failure(meta: MetaStore, exc: Exception, what: str) -> IrdmaError:
                       "check that the database is reachable and writable, then run the command again")
 
 
-def _dump_tables(side: _Side) -> dict[str, Table]:
+def _dump_tables(side: Side) -> dict[str, Table]:
     """The tables a dump holds, with their columns in the dump's order (no counts yet).
 
     Raises:
@@ -464,11 +245,11 @@ def _counter_column(t: Table) -> str | None:
     return None
 
 
-def _select(side: _Side, t: Table) -> str:
+def _select(side: Side, t: Table) -> str:
     kinds = dict(t.columns)
     order = t.key or tuple(kinds)
-    terms = [side.text_order(c) if kinds[c] == "text" else _quote(c) for c in order]
-    return (f"SELECT {', '.join(_quote(c) for c, _ in t.columns)} FROM {_quote(t.name)}"
+    terms = [side.text_order(c) if kinds[c] == "text" else quote(c) for c in order]
+    return (f"SELECT {', '.join(quote(c) for c, _ in t.columns)} FROM {quote(t.name)}"
             f" ORDER BY {', '.join(terms)}")
 
 
@@ -503,7 +284,7 @@ def dump(meta: MetaStore, out: IO[bytes], *, source: str | None = None, progress
         out.write(raw)
         written += len(raw)
 
-    with _side(meta) as side:
+    with engine_side(meta) as side:
         db_error = getattr(meta, "_DB_ERROR", Exception)
         try:
             side.begin_snapshot()
@@ -511,11 +292,11 @@ def dump(meta: MetaStore, out: IO[bytes], *, source: str | None = None, progress
                 tables = _dump_tables(side)
                 counters = {}
                 for name, t in list(tables.items()):
-                    n = int(side.execute(f"SELECT COUNT(*) FROM {_quote(name)}").fetchone()[0])
+                    n = int(side.execute(f"SELECT COUNT(*) FROM {quote(name)}").fetchone()[0])
                     tables[name] = dataclasses.replace(t, rows=n)
                     col = _counter_column(t)
                     if col is not None:
-                        top = side.execute(f"SELECT MAX({_quote(col)}) FROM {_quote(name)}").fetchone()[0]
+                        top = side.execute(f"SELECT MAX({quote(col)}) FROM {quote(name)}").fetchone()[0]
                         counters[f"{name}.{col}"] = max(side.high_water(name, col), int(top or 0))
                 at = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
                 header = Header(__version__, side.kind, source or str(getattr(meta, "url", "")), at, tables, counters,
@@ -538,9 +319,11 @@ def dump(meta: MetaStore, out: IO[bytes], *, source: str | None = None, progress
                             line = json.dumps([encode_value(v, k) for v, k in zip(row, kinds, strict=True)],
                                               ensure_ascii=False, separators=(",", ":"))
                         except TypeError as exc:
-                            raise IrdmaError(f"table {name}, row {n + 1}: {exc}",
-                                             "the database holds a value of an unexpected type: check it with"
-                                             " `irdma fsck`") from None
+                            col = next(c for (c, k), v in zip(t.columns, row, strict=True)
+                                       if not _fits(v, k))
+                            raise IrdmaError(f"table {name}, row {n + 1} ({dict(zip(t.key, row, strict=False))}),"
+                                             f" column {col}: {exc}", "irdma never writes such a value: fix or delete"
+                                             " that row by hand (sqlite3, psql), then dump again") from None
                         if prev is not None:
                             emit(prev + ",\n")
                         prev = line
@@ -681,7 +464,7 @@ class DumpReader:
 
 
 # ---------------------------------------------------------------- loading
-def _check_target(side: _Side, header: Header, url: str) -> dict[str, tuple[list[tuple[str, str]], list[str]]]:
+def _check_target(side: Side, header: Header, url: str) -> dict[str, tuple[list[tuple[str, str]], list[str]]]:
     """Refuse a target that cannot take this dump: a table or column it lacks, of another kind,
     or one of its columns the dump lacks that has no default."""
     have = side.tables()
@@ -703,7 +486,7 @@ def _check_target(side: _Side, header: Header, url: str) -> dict[str, tuple[list
     return have
 
 
-def _check_empty(side: _Side, header: Header, url: str) -> None:
+def _check_empty(side: Side, header: Header, url: str) -> None:
     """Raise unless every table the dump fills holds nothing but what a new namespace has (the
     root directory, ``config``)."""
     held = []
@@ -711,7 +494,7 @@ def _check_empty(side: _Side, header: Header, url: str) -> None:
         if name == "config":
             continue
         where = f" WHERE ino <> {ROOT_INO}" if name == "inodes" else ""
-        n = int(side.execute(f"SELECT COUNT(*) FROM {_quote(name)}{where}").fetchone()[0])
+        n = int(side.execute(f"SELECT COUNT(*) FROM {quote(name)}{where}").fetchone()[0])
         if n:
             held.append(f"{n} {name}" if name != "inodes" else f"{n} inodes besides the root")
     if held:
@@ -749,7 +532,7 @@ def load(meta: MetaStore, reader: DumpReader, *, target: str | None = None,
     """
     header = reader.header
     url = target or str(getattr(meta, "url", "the target"))
-    with _side(meta) as side:
+    with engine_side(meta) as side:
         db_error = getattr(meta, "_DB_ERROR", Exception)
         try:
             side.begin_write(list(header.tables))
@@ -758,7 +541,7 @@ def load(meta: MetaStore, reader: DumpReader, *, target: str | None = None,
                 _check_target(side, header, url)
                 _check_empty(side, header, url)
                 for name in header.tables:
-                    side.execute(f"DELETE FROM {_quote(name)}")
+                    side.execute(f"DELETE FROM {quote(name)}")
                 if progress:
                     progress(header, 0, reader.bytes_read)
                 done = 0
