@@ -111,6 +111,8 @@ def test_round_trip_sqlite_postgresql_sqlite_is_line_for_line_equal(tmp_path: ob
 
     pg_url = postgres_server.new_database()
     mid = open_meta(pg_url, create=True)
+    with pytest.raises(E.InvalidArgument, match="has no table extra_state"):
+        load_bytes(mid, first)
     mid._call(lambda self: self._db.execute(  # type: ignore[attr-defined]
         EXTRA.format(pk="BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY", blob="BYTEA")), (), {})
     assert load_bytes(mid, first).rows == header["rows"]

@@ -535,10 +535,11 @@ def load(meta: MetaStore, reader: DumpReader, *, target: str | None = None,
     with engine_side(meta) as side:
         db_error = getattr(meta, "_DB_ERROR", Exception)
         try:
-            side.begin_write(list(header.tables))
+            side.begin_write()
             committed = False
             try:
                 _check_target(side, header, url)
+                side.lock(list(header.tables))  # nobody writes them while they are checked and filled
                 _check_empty(side, header, url)
                 for name in header.tables:
                     side.execute(f"DELETE FROM {quote(name)}")

@@ -48,8 +48,13 @@ class Side:
     def begin_snapshot(self) -> None:
         raise NotImplementedError
 
-    def begin_write(self, tables: Sequence[str]) -> None:
+    def begin_write(self) -> None:
+        """Begin the load's write transaction."""
         raise NotImplementedError
+
+    def lock(self, tables: Sequence[str]) -> None:
+        """Keep other writers off ``tables`` until the transaction ends (where the write
+        transaction does not already)."""
 
     def end(self, commit: bool) -> None:
         self.execute("COMMIT" if commit else "ROLLBACK")
@@ -114,8 +119,8 @@ class SqliteSide(Side):
     def begin_snapshot(self) -> None:
         self.execute("BEGIN")  # WAL: the first read fixes the snapshot the whole dump sees
 
-    def begin_write(self, tables: Sequence[str]) -> None:
-        self.execute("BEGIN IMMEDIATE")
+    def begin_write(self) -> None:
+        self.execute("BEGIN IMMEDIATE")  # the database's write lock: nobody else writes meanwhile
 
     def rows(self, sql: str) -> Iterator[Sequence[Any]]:
         cur = self.conn.execute(sql)
@@ -177,10 +182,12 @@ class PostgresSide(Side):
         self.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
         self._no_timeouts()
 
-    def begin_write(self, tables: Sequence[str]) -> None:
+    def begin_write(self) -> None:
         self.execute("BEGIN")
         self._no_timeouts()
-        if tables:  # nobody writes the target while it is checked and filled
+
+    def lock(self, tables: Sequence[str]) -> None:
+        if tables:
             self.execute(f"LOCK TABLE {', '.join(map(quote, tables))} IN EXCLUSIVE MODE")
 
     def _no_timeouts(self) -> None:
