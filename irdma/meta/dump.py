@@ -80,6 +80,9 @@ FORMAT_VERSION = 1
 MAGIC = "irdma_metadata_dump"
 #: Tables a dump leaves out (see the module docstring), and a load leaves alone.
 TRANSIENT = frozenset({"sessions", "open_files", "txids"})
+#: The rows a new, empty namespace holds, which a load replaces: by table, an SQL condition
+#: (``""``: every row). A target with any other row is not empty and a load refuses it.
+NEW_NAMESPACE_ROWS = {"config": "", "inodes": f"ino = {ROOT_INO}"}
 #: Column kinds of the format.
 KINDS = ("int", "float", "bool", "text", "bytes")
 
@@ -487,16 +490,17 @@ def _check_target(side: Side, header: Header, url: str) -> dict[str, tuple[list[
 
 
 def _check_empty(side: Side, header: Header, url: str) -> None:
-    """Raise unless every table the dump fills holds nothing but what a new namespace has (the
-    root directory, ``config``)."""
+    """Raise unless every table the dump fills holds nothing but what a new namespace has
+    (:data:`NEW_NAMESPACE_ROWS`)."""
     held = []
     for name in header.tables:
-        if name == "config":
+        fresh = NEW_NAMESPACE_ROWS.get(name)
+        if fresh == "":
             continue
-        where = f" WHERE ino <> {ROOT_INO}" if name == "inodes" else ""
+        where = f" WHERE NOT ({fresh})" if fresh else ""
         n = int(side.execute(f"SELECT COUNT(*) FROM {quote(name)}{where}").fetchone()[0])
         if n:
-            held.append(f"{n} {name}" if name != "inodes" else f"{n} inodes besides the root")
+            held.append(f"{n} {name}" + (" besides a new namespace's" if fresh else ""))
     if held:
         raise InvalidArgument(
             f"{url} already holds a namespace ({', '.join(held[:4])}): a dump loads only into an empty one",
