@@ -1467,6 +1467,50 @@ def format_(url: str | None, meta_url: str, replicas: int | None) -> None:
                   highlight=False, soft_wrap=True)
 
 
+# ---------------------------------------------------------------- metadata backup and migration
+_PROGRESS_OPTION = click.option("--progress/--no-progress", default=None,
+                                help="Progress bars on standard error [default: when it is a terminal].")
+_QUIET_OPTION = click.option("--quiet", "-q", is_flag=True, help="No progress and no summary line.")
+
+
+@cli.command("dump")
+@click.argument("meta_url")
+@click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
+@_PROGRESS_OPTION
+@_QUIET_OPTION
+@friendly
+def dump_cmd(meta_url: str, file: str, progress: bool | None, quiet: bool) -> None:
+    """Back up the metadata at META_URL to FILE (JSON; - for standard output; .gz: gzipped).
+
+    One consistent snapshot of every persistent table (namespace, xattrs, symlinks, chunk
+    maps, shard map, settings, job coordination state, id counters), streamed; writers may go
+    on. Not in a dump: the shards' bytes, the cluster key file, sessions. Restore or migrate
+    with `irdma load URL FILE` (SQLite <-> PostgreSQL either way).
+    """
+    from .dumpload import dump_file
+
+    dump_file(meta_url, file, progress=progress, quiet=quiet, console=console)
+
+
+@cli.command("load")
+@click.argument("meta_url")
+@click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
+@_PROGRESS_OPTION
+@_QUIET_OPTION
+@friendly
+def load_cmd(meta_url: str, file: str, progress: bool | None, quiet: bool) -> None:
+    """Restore the metadata `irdma dump` wrote to FILE (- for standard input) into META_URL.
+
+    META_URL must hold no namespace yet: a new SQLite file (made here), an empty PostgreSQL
+    database, or a namespace `irdma format` just made; anything else is refused, unchanged.
+    The load is one transaction: on any error nothing is changed. Then start the shards on
+    their data directories with --meta META_URL and the cluster's key file.
+    """
+    from .dumpload import load_file
+
+    load_file(meta_url, file, progress=progress, quiet=quiet, console=console)
+
+
 # ---------------------------------------------------------------- the cost model
 def _rate(ctx: Any, param: Any, value: str) -> float:
     from ..units import parse_rate
