@@ -420,6 +420,8 @@ class Dispatcher:
             return P.VersionReply(0)
         if isinstance(msg, P.Freeze):
             return self._freeze(msg)
+        if isinstance(msg, P.Usage):
+            return P.UsageReply([(f, *shard.exclusive_bytes(f)) for f in msg.file_ids])
         if isinstance(msg, P.Thaw):
             cut = self._freezes.get(msg.token)
             if cut is not None:
@@ -477,7 +479,7 @@ def _opcode_name(opcode: int) -> str:
 _OP_NAMES = {P.Read: "read", P.Write: "write", P.RemoteWrite: "remote_write", P.Resync: "resync",
              P.Checksum: "checksum", P.List: "list", P.Sync: "sync", P.Stat: "stat", P.Free: "free",
              P.Punch: "punch", P.Locate: "locate", P.Gather: "gather", P.Scatter: "scatter",
-             P.Freeze: "freeze", P.Clone: "clone", P.Thaw: "thaw"}
+             P.Freeze: "freeze", P.Clone: "clone", P.Thaw: "thaw", P.Usage: "usage"}
 #: Longest lease a FREEZE may ask, milliseconds.
 FREEZE_MAX_MS = 30_000
 

@@ -107,6 +107,8 @@ def test_space_copy_on_write_and_delete(cl: Cluster) -> None:
                 await c.write("/w", np.zeros(CHUNK // 4, "<f4"), k * CHUNK)
             rewritten = sum(st.used for _, st, _ in await c.shard_stats() if st is not None)
             assert np.array_equal(await c.pull("/.snapshots/s/w"), data)
+            (info,) = await c.snapshots("/")
+            assert (info.held_alone, info.shared) == (4 * CHUNK * replicas, 36 * CHUNK * replicas)
             assert await c.delete_snapshot("/", "s") == 1
             gone = sum(st.used for _, st, _ in await c.shard_stats() if st is not None)
             return before, after_snap, rewritten, gone
@@ -118,6 +120,25 @@ def test_space_copy_on_write_and_delete(cl: Cluster) -> None:
     assert gone == before
     out = irdma_cli("gc", "--dry-run", "--meta", cl.meta_url).stdout
     assert "0 orphaned files" in out and "0 leaked chunks" in out, out
+    irdma_cli("snapshot", "create", "--meta", cl.meta_url, "/w", "again")
+    listed = irdma_cli("snapshot", "list", "--meta", cl.meta_url, "/", env={**os.environ, "COLUMNS": "100"}).stdout
+    assert "again" in listed and "5.0 MiB" in listed and "ready" in listed, listed  # shared: 40 chunks x 2
+
+    # a metadata dump keeps the snapshots: loaded into a new engine, they are listed again
+    dump = os.path.join(cl.dir, "meta.json")
+    irdma_cli("dump", cl.meta_url, dump)
+    loaded = f"sqlite://{cl.dir}/loaded.db"
+    irdma_cli("load", loaded, dump)
+    from irdma.meta import open_meta
+
+    meta = open_meta(loaded)
+    try:
+        assert [s.name for s in meta.snapshots(1)] == [b"again"]
+        root = meta.lookup(meta.lookup(1, b".snapshots").ino, b"again")
+        assert [n for n, _ in meta.readdir(root.ino)] == [b"w"]
+        assert meta.chunk_map(meta.lookup(root.ino, b"w").ino)
+    finally:
+        meta.close()
 
 
 def test_snapshots_survive_down_and_up(cl: Cluster) -> None:

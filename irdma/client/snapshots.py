@@ -75,6 +75,11 @@ class SnapshotInfo:
         bytes: the sum of its files' sizes (bytes).
         state: ``ready``, or ``creating`` while being made (or left by a creator that died:
             ``irdma snapshot delete`` removes it).
+        held_alone: bytes the shards hold for it alone, every replica counted (what
+            ``delete`` frees: the chunks copied since, as the live files changed); -1 when a
+            shard did not answer.
+        shared: bytes of its chunks it still shares with the live files or other snapshots
+            (every replica counted); -1 when a shard did not answer.
     """
 
     name: str
@@ -83,6 +88,8 @@ class SnapshotInfo:
     files: int
     bytes: int
     state: str
+    held_alone: int = 0
+    shared: int = 0
 
 
 async def _dir_of(client: Client, path: str) -> tuple[str, Inode]:
@@ -316,10 +323,27 @@ async def delete_at(client: Client, dir_ino: int, name: bytes) -> int:
 
 
 async def _info(client: Client, dir_path: str, snap: Snapshot) -> SnapshotInfo:
+    from .native import layout_of
+
     files = await client.meta.snapshot_files(snap.id)
     base = dir_path.rstrip("/")
+    by_shard: dict[int, list[int]] = {}
+    for f in files:
+        if f.stripe:
+            for sid in client.shards_of(layout_of(f)):
+                by_shard.setdefault(sid, []).append(f.ino)
+    alone = shared = 0
+    for sid, inos in sorted(by_shard.items()):
+        try:
+            for _, a, s in await client._conn_call(sid, "usage", inos):  # type: ignore[attr-defined]
+                alone, shared = alone + a, shared + s
+        except IrdmaError as exc:
+            log.warning("snapshot %s: shard %d did not say what it holds: %s", snap.name.decode(errors="replace"), sid, exc)
+            alone = shared = -1
+            break
     return SnapshotInfo(snap.name.decode(errors="replace"), f"{base}/.snapshots/{snap.name.decode(errors='replace')}",
-                        snap.created_ns, len(files), sum(f.size for f in files if stat.S_ISREG(f.mode)), snap.state)
+                        snap.created_ns, len(files), sum(f.size for f in files if stat.S_ISREG(f.mode)), snap.state,
+                        alone, shared)
 
 
 async def list_snapshots(client: Client, path: str) -> list[SnapshotInfo]:

@@ -474,6 +474,9 @@ class MeteredConnection(ShardConnection):
     async def clone(self, token: int, pairs: Any, expect: Any) -> int:
         return await self._call("clone", self.conn.clone, token, pairs, expect)  # type: ignore[no-any-return]
 
+    async def usage(self, file_ids: Any) -> list[Any]:
+        return await self._call("usage", self.conn.usage, file_ids)  # type: ignore[no-any-return]
+
     async def thaw(self, token: int) -> None:
         await self._call("thaw", self.conn.thaw, token)
 

@@ -173,6 +173,10 @@ class ShardConnection(abc.ABC):
         (:class:`irdma.wire.protocol.Clone`); returns the chunk keys made."""
         raise NotImplementedError(f"{type(self).__name__} cannot take snapshots")
 
+    async def usage(self, file_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+        """``(file id, bytes held alone, bytes shared)`` per file on this shard (:class:`irdma.wire.protocol.Usage`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take snapshots")
+
     async def thaw(self, token: int) -> None:
         """End freeze ``token`` without cloning."""
         raise NotImplementedError(f"{type(self).__name__} cannot take snapshots")

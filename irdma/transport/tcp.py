@@ -314,6 +314,9 @@ class TcpConnection(ShardConnection):
                     expect: Sequence[tuple[int, int, int]]) -> int:
         return (await self._call_for(P.Clone(token, tuple(pairs), tuple(expect)), P.FreeReply)).freed
 
+    async def usage(self, file_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+        return (await self._call_for(P.Usage(tuple(file_ids)), P.UsageReply)).entries
+
     async def thaw(self, token: int) -> None:
         await self._call_for(P.Thaw(token), P.VersionReply)
 

@@ -1087,6 +1087,10 @@ class VerbsConnection(ShardConnection):
         msg = P.Clone(token, tuple(pairs), tuple(expect))
         return self._expect(await self._rpc(msg), P.FreeReply, msg).freed
 
+    async def usage(self, file_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+        msg = P.Usage(tuple(file_ids))
+        return self._expect(await self._rpc(msg), P.UsageReply, msg).entries
+
     async def thaw(self, token: int) -> None:
         msg = P.Thaw(token)
         self._expect(await self._rpc(msg), P.VersionReply, msg)

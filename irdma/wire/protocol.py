@@ -147,6 +147,7 @@ class Opcode(enum.IntEnum):
     FREEZE = 17
     CLONE = 18
     THAW = 19
+    USAGE = 20
 
 
 class Status(enum.IntEnum):
@@ -304,6 +305,7 @@ _FREEZE = struct.Struct("!QII")  # token, lease in milliseconds, file count; the
 _CLONE = struct.Struct("!QII")  # token, pair count, expected-version count; then pairs, then versions
 _PAIR = struct.Struct("!QQ")  # source file id, clone's file id
 _EXPECT = struct.Struct("!QQQ")  # file id, chunk index, version
+_USAGE_E = struct.Struct("!QQQ")  # file id, bytes it holds alone, bytes it shares
 #: Most files one FREEZE or CLONE names (a bigger snapshot sends several).
 MAX_SNAPSHOT_FILES = 65536
 _RWRITE = struct.Struct("!QQIIBB2xIQQ")  # file, chunk, chunk size, offset, op, in place, length, staging off, region off
@@ -655,6 +657,19 @@ class Clone:
 
 
 @dataclass
+class Usage:
+    """How many bytes each file holds on this shard alone and how many it shares with other
+    files (a snapshot and its live file: copy-on-write). Answered with a USAGE reply."""
+
+    file_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class UsageReply:
+    entries: list[tuple[int, int, int]] = field(default_factory=list)  # (file id, alone, shared) bytes
+
+
+@dataclass
 class Thaw:
     """Release freeze ``token``: the held updates are applied (after every shard's CLONE, or
     when a snapshot is given up). Answered with a VERSION reply of 0."""
@@ -789,10 +804,10 @@ def raise_for_error(reply: Reply, address: str) -> None:
 
 
 Request = Union[Hello, Read, Write, Stat, Free, Punch, VerbsConnect, Locate, RemoteWrite, List, Sync, Resync, Checksum,
-                Auth, Gather, Scatter, Freeze, Clone, Thaw]
+                Auth, Gather, Scatter, Freeze, Clone, Thaw, Usage]
 Reply = Union[
     HelloReply, ReadReply, VersionReply, StatReply, FreeReply, ErrorReply, VerbsConnectReply, LocateReply, ListReply,
-    ChecksumReply, AuthChallenge, GatherReply,
+    ChecksumReply, AuthChallenge, GatherReply, UsageReply,
 ]
 
 # ---------------------------------------------------------------- the message table
@@ -1044,6 +1059,28 @@ def _dec_freeze(body: memoryview, flags: int) -> Freeze:
     return Freeze(token, lease, tuple(int(i) for i in ids))
 
 
+def _enc_usage(msg: Usage) -> tuple[_Parts, int]:
+    if len(msg.file_ids) > MAX_SNAPSHOT_FILES:
+        raise LocalProtocolError(f"USAGE of {len(msg.file_ids)} files: at most {MAX_SNAPSHOT_FILES}")
+    return [_LIST_R.pack(len(msg.file_ids)), np.asarray(msg.file_ids, dtype=">u8").tobytes()], 0
+
+
+def _dec_usage(body: memoryview, flags: int) -> Usage:
+    _need(body, _LIST_R.size, "USAGE")
+    (n,) = _LIST_R.unpack_from(body)
+    if n > MAX_SNAPSHOT_FILES:
+        raise RemoteProtocolError(f"USAGE of {n} files: at most {MAX_SNAPSHOT_FILES}")
+    _exact(body, _LIST_R.size + 8 * n, "USAGE")
+    return Usage(tuple(int(i) for i in np.frombuffer(body[_LIST_R.size :], dtype=">u8").tolist()))
+
+
+def _rep_usage(body: memoryview, flags: int) -> UsageReply:
+    _need(body, _LIST_R.size, "USAGE reply")
+    (n,) = _LIST_R.unpack_from(body)
+    _exact(body, _LIST_R.size + n * _USAGE_E.size, "USAGE reply")
+    return UsageReply([_USAGE_E.unpack_from(body, _LIST_R.size + k * _USAGE_E.size) for k in range(n)])
+
+
 def _enc_clone(msg: Clone) -> tuple[_Parts, int]:
     if len(msg.pairs) > MAX_SNAPSHOT_FILES:
         raise LocalProtocolError(f"CLONE of {len(msg.pairs)} files: at most {MAX_SNAPSHOT_FILES}")
@@ -1112,6 +1149,7 @@ MESSAGES: dict[Opcode, Message] = {m.opcode: m for m in (
     Message(Opcode.FREEZE, Freeze, _enc_freeze, _dec_freeze, _rep_list),
     Message(Opcode.CLONE, Clone, _enc_clone, _dec_clone, _rep_free),
     Message(Opcode.THAW, Thaw, *_THAW_CODEC, _version_reply("THAW reply")),
+    Message(Opcode.USAGE, Usage, _enc_usage, _dec_usage, _rep_usage),
 )}
 _BY_TYPE: dict[type, Message] = {m.request: m for m in MESSAGES.values()}
 _REQUEST_OPCODE: dict[type, Opcode] = {m.request: m.opcode for m in MESSAGES.values()}
@@ -1194,6 +1232,7 @@ _REPLY_ENCODERS: dict[type, Callable[[Any], tuple[_Parts, int]]] = {
     StatReply: lambda m: ([_STAT_R.pack(m.shard_id, m.capacity, m.used, m.chunks)]
                           + ([m.metrics.encode()[:255]] if m.metrics else []), 0),
     FreeReply: lambda m: ([_VERSION.pack(m.freed)], 0),
+    UsageReply: lambda m: ([_LIST_R.pack(len(m.entries)), b"".join(_USAGE_E.pack(*e) for e in m.entries)], 0),
     VerbsConnectReply: lambda m: ([_VCONN_R.pack(m.qp_num, m.psn, m.gid, m.region_addr, m.region_len, m.region_rkey,
                                                  m.versions_addr, m.versions_rkey, m.staging_addr, m.staging_len,
                                                  m.staging_rkey, m.recv_slots, m.slot_size)], 0),
