@@ -307,3 +307,62 @@ def test_restore_and_clone(cl: Cluster) -> None:
     trio.run(check)
     out = irdma_cli("gc", "--dry-run", "--meta", cl.meta_url).stdout
     assert "0 leaked chunks" in out, out
+
+
+def fsx_with_snapshots(meta_url: str, transport: str, seed: int, ops: int = 200) -> int:
+    """fsx's manner (random writes, adds and truncates mirrored in memory) on a live file with a
+    snapshot at random points: every snapshot, read back at the end and some along the way,
+    must equal the mirror at its point, and the live file the mirror. Returns the snapshots
+    taken. Used on TCP here and on verbs in the VM stage (tests/test_verbs.py)."""
+    import random
+
+    rng = random.Random(seed)
+    max_size, path = 16 * CHUNK, f"/fsx{seed}"
+
+    async def go() -> int:
+        async with irdma.Client.open(meta_url, transport=transport) as c:
+            mirror = bytearray()
+            await c.write(path, b"", chunk_size=CHUNK)
+            taken: dict[str, bytes] = {}
+            for i in range(ops):
+                r = rng.random()
+                if r < 0.5:
+                    n = rng.randrange(1, 3 * CHUNK)
+                    off = rng.randrange(0, max_size - n)
+                    data = rng.randbytes(n)
+                    await c.write(path, data, off, op="assign")
+                    mirror[len(mirror):] = bytes(max(0, off - len(mirror)))
+                    mirror[off : off + n] = data
+                elif r < 0.7 and len(mirror) >= 8:
+                    k = rng.randrange(1, len(mirror) // 4 + 1)
+                    off = 4 * rng.randrange(0, len(mirror) // 4 - k + 1)
+                    delta = np.asarray([rng.randrange(-3, 4) for _ in range(k)], "<f4")
+                    await c.write(path, delta, off, op="add")
+                    with np.errstate(all="ignore"):  # random bytes hold NaNs and infinities: IEEE-754 as the shards
+                        cur = np.frombuffer(bytes(mirror[off : off + 4 * k]), "<f4") + delta
+                    mirror[off : off + 4 * k] = cur.astype("<f4").tobytes()
+                elif r < 0.82:
+                    size = rng.randrange(0, max_size)
+                    await c.truncate(path, size)
+                    mirror[size:] = b""
+                    mirror[len(mirror):] = bytes(size - len(mirror))
+                elif r < 0.92:
+                    name = f"s{i}"
+                    await c.snapshot(path, name)
+                    taken[name] = bytes(mirror)
+                elif taken:
+                    name = rng.choice(sorted(taken))
+                    assert bytes(await c.read(f"/.snapshots/{name}/{path[1:]}")) == taken[name], f"seed {seed} op {i}: {name}"
+                assert (await c.stat(path)).size == len(mirror), f"seed {seed} op {i}"
+            assert bytes(await c.read(path)) == bytes(mirror), f"seed {seed}: the live file"
+            for name, want in taken.items():
+                assert bytes(await c.read(f"/.snapshots/{name}/{path[1:]}")) == want, f"seed {seed}: snapshot {name}"
+            for name in taken:
+                await c.delete_snapshot(path, name)
+            return len(taken)
+
+    return trio.run(go)
+
+
+def test_fsx_with_snapshots(cl: Cluster) -> None:
+    assert fsx_with_snapshots(cl.meta_url, "tcp", seed=1) >= 10
