@@ -76,21 +76,30 @@ class Layout:
         chunk_size: bytes per chunk, a power of two.
         stripe: shard ids the file is striped over, in order.
         replicas: copies of each chunk (at most ``len(stripe)``).
+        place_id: the file id whose placement this file's chunks follow; 0: its own. A
+            snapshot's copy of a file shares the live file's chunks on the shards, so it is
+            placed as that file is (chains and moves alike), not by its own inode number.
     """
 
     file_id: int
     chunk_size: int
     stripe: tuple[int, ...]
     replicas: int = 1
+    place_id: int = 0
+
+    @property
+    def placed_as(self) -> int:
+        """The file id the placement formulas use (``place_id``, else ``file_id``)."""
+        return self.place_id or self.file_id
 
     def shard_of(self, chunk_index: int) -> int:
         """The chunk's first replica (the head of its chain)."""
-        return self.stripe[(self.file_id + chunk_index) % len(self.stripe)]
+        return self.stripe[(self.placed_as + chunk_index) % len(self.stripe)]
 
     def replicas_of(self, chunk_index: int) -> tuple[int, ...]:
         """The chunk's replicas in chain order: distinct shards, head first."""
         n = len(self.stripe)
-        first = self.file_id + chunk_index
+        first = self.placed_as + chunk_index
         return tuple(self.stripe[(first + k) % n] for k in range(min(self.replicas, n)))
 
     def pieces(self, offset: int, length: int, max_piece: int | None = None) -> Iterator[Piece]:

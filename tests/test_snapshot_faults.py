@@ -134,10 +134,6 @@ def _model() -> np.ndarray:
 
 
 # ---------------------------------------------------------------- 1. a shard dies while a snapshot is made
-@pytest.mark.xfail(strict=True, reason="irdma/client/snapshots.py _cut runs FREEZE and CLONE in trio.open_nursery():"
-                   " a shard that fails reaches the caller as an ExceptionGroup, not ShardUnavailable, and its"
-                   " message (the connection's) never says the snapshot was not made nor to take it again;"
-                   " fix: irdma._concurrency.open_nursery and a ShardUnavailable that says so (see the report)")
 def test_a_snapshot_refused_for_a_dead_shard_says_to_take_it_again(cl: Cluster) -> None:
     """With a shard SIGKILLed, ``Client.snapshot`` raises a plain ShardUnavailable saying to
     take the snapshot again (once the shard is back), and ``irdma snapshot create`` says so too."""
@@ -426,12 +422,6 @@ def test_drain_of_a_shard_holding_snapshot_chunks_keeps_them_exact(tmp_path: str
         trio.run(run)
 
 
-@pytest.mark.xfail(strict=True, reason="a snapshot's copy is placed by its own inode number (layout_of(copy):"
-                   " replicas_of(copy.ino + i), moves recorded before it was made pass it by) while its chunks"
-                   " are cloned where the source's are: with more shards than replicas they differ, so after a"
-                   " drain some snapshot chunks have one copy and one more failure loses them (DataLost); and"
-                   " _cut freezes a drained/removed shard of the stripe, so no snapshot of such a file can be"
-                   " taken once it is gone (see the report)")
 def test_snapshots_keep_two_replicas_through_a_drain_and_removal(tmp_path: str) -> None:
     """Three shards (R=2): snapshot s1, shard 1 drained, removed and stopped, snapshot s2: then
     each remaining shard alone serves the live file, s1 and s2 exact."""

@@ -109,7 +109,7 @@ def layout_of(inode: Inode) -> Layout:
     if inode.is_dir:
         raise IsADirectory(f"inode {inode.ino} is a directory")
     assert inode.chunk_size is not None
-    return Layout(inode.ino, inode.chunk_size, inode.stripe, inode.replicas)
+    return Layout(inode.ino, inode.chunk_size, inode.stripe, inode.replicas, inode.place)
 
 
 def _pack(src: np.ndarray, at: np.ndarray, length: np.ndarray) -> np.ndarray:
@@ -295,7 +295,7 @@ class Client:
         """A chunk's replicas in this client's view, head first, and the one joining them
         (the target of a move in progress: the tail, never read) or None
         (:func:`irdma.placement.substitute`)."""
-        return substitute(layout.replicas_of(index), self._moves, layout.file_id + index, file_id=layout.file_id)
+        return substitute(layout.replicas_of(index), self._moves, layout.placed_as + index, file_id=layout.placed_as)
 
     def shards_of(self, layout: Layout) -> set[int]:
         """Every shard that may hold a chunk of the file: its stripe and where moves took them."""

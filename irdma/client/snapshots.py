@@ -51,8 +51,10 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from .._concurrency import open_nursery
 from .._errors import InvalidArgument, IrdmaError, NotFound, ShardUnavailable
 from ..meta.base import Inode, Snapshot
+from ..placement import Layout
 
 if TYPE_CHECKING:
     from .native import Client
@@ -92,6 +94,16 @@ class SnapshotInfo:
     shared: int = 0
 
 
+def _serving(client: Client, layout: Layout) -> list[int]:
+    """The shards that may hold the file's chunks, less those drained or removed from the cluster."""
+    out = []
+    for sid in sorted(client.shards_of(layout)):
+        rec = client._shard_map.get(sid)
+        if rec is not None and rec.state not in ("drained", "removed"):
+            out.append(sid)
+    return out
+
+
 async def _dir_of(client: Client, path: str) -> tuple[str, Inode]:
     """The directory whose ``.snapshots`` holds PATH's snapshots, and its path."""
     inode = await client.meta.resolve(path)
@@ -125,7 +137,14 @@ async def create_at(client: Client, ino: int, name: bytes, *, keep: int | None =
         raise InvalidArgument(f"--keep {keep}: keep at least 1 snapshot")
     snap, files = await client.meta.snapshot_begin(ino, name)
     try:
-        shards = await _cut(client, files)
+        try:
+            shards = await _cut(client, files)
+        except IrdmaError as exc:
+            if isinstance(exc, ShardUnavailable) or "take the snapshot again" not in str(exc):
+                raise ShardUnavailable(f"snapshot {name.decode(errors='replace')!r} was not taken: {exc}",
+                                       "nothing was kept; take it again (once `irdma status` shows every shard up)"
+                                       ) from exc
+            raise
         snap = await client.meta.snapshot_commit(snap.id, [(f.ino, copy) for f, copy in files], shards)
     except BaseException:
         with trio.CancelScope(shield=True):
@@ -146,7 +165,7 @@ async def _cut(client: Client, files: Sequence[tuple[Inode, int]]) -> list[int]:
     by_shard: dict[int, list[tuple[int, int]]] = {}
     for f, copy in files:
         if f.stripe:
-            for sid in client.shards_of(layout_of(f)):
+            for sid in _serving(client, layout_of(f)):
                 by_shard.setdefault(sid, []).append((f.ino, copy))
     shards = sorted(sid for sid in by_shard if client._health.get(sid, "up") not in ("down", "syncing"))
     missing = sorted(set(by_shard) - set(shards))
@@ -162,7 +181,7 @@ async def _cut(client: Client, files: Sequence[tuple[Inode, int]]) -> list[int]:
             entries = await client._conn_call(sid, "freeze", token, lease_ms, inos)
             answered[sid] = [(e.file_id, e.chunk_index, e.version) for e in entries]  # type: ignore[attr-defined]
 
-        async with trio.open_nursery() as nursery:
+        async with open_nursery() as nursery:
             for sid in shards:
                 nursery.start_soon(freeze, sid)
         cut: dict[tuple[int, int], int] = {}
@@ -174,7 +193,7 @@ async def _cut(client: Client, files: Sequence[tuple[Inode, int]]) -> list[int]:
             expect = [(fid, idx, cut[(fid, idx)]) for fid, idx, _ in answered[sid]]
             await client._conn_call(sid, "clone", token, by_shard[sid], expect)
 
-        async with trio.open_nursery() as nursery:
+        async with open_nursery() as nursery:
             for sid in shards:
                 nursery.start_soon(clone, sid)
     finally:  # every shard keeps its freeze until every clone is made (dispatch.Dispatcher._cloned)
@@ -185,7 +204,7 @@ async def _cut(client: Client, files: Sequence[tuple[Inode, int]]) -> list[int]:
                 except IrdmaError as exc:  # its lease ends the freeze anyway
                     log.warning("snapshot: could not thaw shard %d (its lease ends it): %s", sid, exc)
 
-            async with trio.open_nursery() as nursery:
+            async with open_nursery() as nursery:
                 for sid in answered:
                     nursery.start_soon(thaw, sid)
     return shards
@@ -218,13 +237,13 @@ async def _clone_into(client: Client, src: Inode, parent: int, name: bytes) -> I
         by_shard: dict[int, list[tuple[int, int]]] = {}
         for f, new in files:
             if f.stripe:
-                for sid in client.shards_of(layout_of(f)):
+                for sid in _serving(client, layout_of(f)):
                     by_shard.setdefault(sid, []).append((f.ino, new))
 
         async def clone(sid: int) -> None:
             await client._conn_call(sid, "clone", 0, by_shard[sid], [])
 
-        async with trio.open_nursery() as nursery:
+        async with open_nursery() as nursery:
             for sid in by_shard:
                 nursery.start_soon(clone, sid)
         await client.meta.copy_chunk_maps([(f.ino, new) for f, new in files], sorted(by_shard))
@@ -330,7 +349,7 @@ async def _info(client: Client, dir_path: str, snap: Snapshot) -> SnapshotInfo:
     by_shard: dict[int, list[int]] = {}
     for f in files:
         if f.stripe:
-            for sid in client.shards_of(layout_of(f)):
+            for sid in _serving(client, layout_of(f)):
                 by_shard.setdefault(sid, []).append(f.ino)
     alone = shared = 0
     for sid, inos in sorted(by_shard.items()):

@@ -73,6 +73,9 @@ class Inode:
     #: 0: a live inode. > 0: the id of the snapshot it belongs to (read-only). SNAPSHOTS_DIR_MARK:
     #: a directory's ``.snapshots`` (hidden from readdir; mkdir/rmdir in it make/delete snapshots).
     snap: int = 0
+    #: Files: the inode number whose chunk placement this file follows (a snapshot's copy, or
+    #: a clone of one, follows the live file whose chunks it shares); 0: its own.
+    place: int = 0
 
     @property
     def is_dir(self) -> bool:

@@ -109,7 +109,9 @@ class SqlSnap:
             return self._get(c, holder)
 
     def _copy_inode(self, c: Cursor, ino: int, snap_id: int) -> int:
-        new = c.execute(f"INSERT INTO inodes({_COPIED}, snap) SELECT {_COPIED}, ? FROM inodes WHERE ino=? RETURNING ino",
+        # placed as the file it copies (its chunks are that file's, shared: Layout.place_id)
+        new = c.execute(f"INSERT INTO inodes({_COPIED}, snap, place) SELECT {_COPIED}, ?,"
+                        " CASE WHEN place = 0 THEN ino ELSE place END FROM inodes WHERE ino=? RETURNING ino",
                         (snap_id, ino)).fetchone()[0]
         c.execute("INSERT INTO xattrs SELECT ?, name, value FROM xattrs WHERE ino=?", (new, ino))
         return int(new)

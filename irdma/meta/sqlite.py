@@ -38,7 +38,7 @@ CREATE TABLE IF NOT EXISTS inodes(
     atime_ns INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL,
     chunk_size INTEGER, stripe TEXT NOT NULL DEFAULT '', update_op TEXT,
     rdev INTEGER NOT NULL DEFAULT 0, target BLOB, replicas INTEGER NOT NULL DEFAULT 1,
-    snap INTEGER NOT NULL DEFAULT 0);
+    snap INTEGER NOT NULL DEFAULT 0, place INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS dentries(
     parent INTEGER NOT NULL, name BLOB NOT NULL, ino INTEGER NOT NULL,
     PRIMARY KEY(parent, name));
@@ -73,7 +73,8 @@ _SHARD_COLUMNS = {
 #: Columns added to the inodes table since the first schema: the device number of a device
 #: node, the target of a symbolic link.
 _INODE_COLUMNS = {"rdev": "INTEGER NOT NULL DEFAULT 0", "target": "BLOB",
-                  "replicas": "INTEGER NOT NULL DEFAULT 1", "snap": "INTEGER NOT NULL DEFAULT 0"}
+                  "replicas": "INTEGER NOT NULL DEFAULT 1", "snap": "INTEGER NOT NULL DEFAULT 0",
+                  "place": "INTEGER NOT NULL DEFAULT 0"}
 #: Columns added to the moves table since the first schema: the highest inode number when the
 #: move was recorded (it applies to files up to it; NULL, a move recorded before: to every file).
 _MOVE_COLUMNS = {"last_ino": "INTEGER"}
