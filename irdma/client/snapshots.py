@@ -205,7 +205,7 @@ async def _cut(client: Client, files: Sequence[tuple[Inode, int]]) -> list[int]:
                     log.warning("snapshot: could not thaw shard %d (its lease ends it): %s", sid, exc)
 
             async with open_nursery() as nursery:
-                for sid in answered:
+                for sid in shards:  # every one: a freeze cancelled in flight may have landed (a THAW of an unknown token is a no-op)
                     nursery.start_soon(thaw, sid)
     return shards
 
