@@ -10,6 +10,7 @@ import sys
 import trio
 
 from irdma._errors import IrdmaError
+from irdma.client.cache import make_cache
 
 from .mount import serve_mount
 
@@ -26,15 +27,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sync-timeout", type=float, default=60.0, help="seconds a .irdma barrier or lock wait may take")
     ap.add_argument("--metrics", default=None, metavar="HOST:PORT",
                     help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: a free one)")
+    ap.add_argument("--cache-dir", default=None, help="the disk tier of the local read cache (irdma.client.cache)")
+    ap.add_argument("--cache-size", default=None, help="bytes of the disk tier (default 10GiB)")
+    ap.add_argument("--cache-memory", default=None, help="bytes of the memory tier (default 256MiB with --cache-dir, else 0)")
     args = ap.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
+        cache = make_cache(args.cache_dir, args.cache_size, args.cache_memory)
         trio.run(functools.partial(serve_mount, args.meta_url, args.mountpoint, transport=args.transport, debug=args.debug,
                                    direct_io=args.direct_io, timeout=args.timeout, allow_other=args.allow_other,
-                                   metrics=args.metrics, sync_timeout=args.sync_timeout))
+                                   metrics=args.metrics, sync_timeout=args.sync_timeout,
+                                   cache=cache))
     except IrdmaError as exc:
         logging.getLogger("irdma.fs").error("%s", exc)
         return 1

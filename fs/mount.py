@@ -24,6 +24,7 @@ import pyfuse3
 import trio
 
 from irdma._errors import IrdmaError
+from irdma.client.cache import ChunkCache, make_cache
 from irdma.client.native import DEFAULT_TIMEOUT, Client
 from irdma.meta import redact
 from irdma.ops._proc import last_log_line, pid_alive, spawn_detached
@@ -41,8 +42,12 @@ async def serve_mount(
     meta_url: str, mountpoint: str, *, transport: str = "auto", debug: bool = False, direct_io: bool = False,
     timeout: float = DEFAULT_TIMEOUT, allow_other: bool = False, metrics: str | None = None,
     sync_timeout: float = DEFAULT_SYNC_TIMEOUT,
+    cache: ChunkCache | None = None,
 ) -> None:
     """Mount the namespace at ``mountpoint`` and serve it until unmounted.
+
+    ``cache``: the local read cache of hot read-mostly files (``--cache-dir``, ``--cache-size``,
+    ``--cache-memory``; :mod:`irdma.client.cache`), or None.
 
     ``metrics``: ``HOST:PORT`` to serve Prometheus metrics on (:mod:`irdma.ops.metrics`: FUSE
     requests, the client's requests to shards; port 0 picks one). The bound address is recorded
@@ -70,7 +75,8 @@ async def serve_mount(
         exporter = await trio.to_thread.run_sync(serve_metrics, metrics)
     try:
         await _serve_mount(meta_url, mountpoint, transport=transport, debug=debug, direct_io=direct_io,
-                           timeout=timeout, allow_other=allow_other, exporter=exporter, sync_timeout=sync_timeout)
+                           timeout=timeout, allow_other=allow_other, exporter=exporter, sync_timeout=sync_timeout,
+                           cache=cache)
     finally:
         if exporter is not None:
             forget_mount(mountpoint)
@@ -80,9 +86,10 @@ async def serve_mount(
 async def _serve_mount(
     meta_url: str, mountpoint: str, *, transport: str, debug: bool, direct_io: bool, timeout: float,
     allow_other: bool, exporter: Exporter | None, sync_timeout: float = DEFAULT_SYNC_TIMEOUT,
+    cache: ChunkCache | None = None,
 ) -> None:
     async with Client.open(meta_url, transport=transport, client_name=f"irdma-mount {mountpoint}",
-                           timeout=timeout) as client:
+                           timeout=timeout, cache=cache) as client:
         set_metrics_transport(client.transport.name)  # irdma_build_info's label
         fs = IrdmaFS(client, direct_io=direct_io)
         fs.control.sync_timeout = sync_timeout
@@ -328,10 +335,15 @@ def spawn_mount(
     request_timeout: float = DEFAULT_TIMEOUT, allow_other: bool = False, metrics: str | None = None,
     sync_timeout: float | None = None,
     nonempty: bool = False,
+    cache_dir: str | None = None,
+    cache_size: str | None = None,
+    cache_memory: str | None = None,
 ) -> int:
     """Start a mount process in the background and wait until the mount is up (options as
     :func:`serve_mount`'s; ``metrics``: ``HOST:PORT`` of its Prometheus exporter, or None;
-    ``nonempty``: mount over a directory that holds entries, see :func:`check_mountpoint`).
+    ``nonempty``: mount over a directory that holds entries, see :func:`check_mountpoint`;
+    ``cache_dir``, ``cache_size``, ``cache_memory``: the local read cache, see
+    :func:`irdma.client.cache.make_cache`, checked here before anything starts).
 
     Returns:
         The mount process's pid.
@@ -346,6 +358,11 @@ def spawn_mount(
     args += ["--direct-io"] if direct_io else []
     args += ["--allow-other"] if allow_other else []
     args += ["--sync-timeout", repr(float(sync_timeout))] if sync_timeout is not None else []
+    if cache_dir is not None or cache_memory is not None:
+        make_cache(cache_dir, cache_size, cache_memory)  # a bad size or directory fails here, before anything starts
+    args += ["--cache-dir", os.path.abspath(cache_dir)] if cache_dir is not None else []
+    args += ["--cache-size", str(cache_size)] if cache_size is not None else []
+    args += ["--cache-memory", str(cache_memory)] if cache_memory is not None else []
     if metrics:
         parse_metrics_address(metrics)  # a malformed address fails here, before anything starts
         args += ["--metrics", metrics]

@@ -85,12 +85,14 @@ from irdma.train.optimizers import format_update, parse_update
 from irdma.wire import compress
 
 from .base import (
+    CACHE_MODES,
     IO_MODES,
     NAME_MAX,
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,
     ROOT_INO,
     SYMLINK_MAX,
+    XATTR_CACHE,
     XATTR_CHUNK_SIZE,
     XATTR_IO,
     XATTR_SHAPE,
@@ -693,6 +695,10 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
             else:
                 if name == XATTR_IO and value.strip() not in IO_MODES:
                     raise InvalidArgument(f"bad {XATTR_IO.decode()} {value!r}: use cached or direct")
+                if name == XATTR_CACHE:
+                    if value.strip() not in CACHE_MODES:
+                        raise InvalidArgument(f"bad {XATTR_CACHE.decode()} {value!r}: use default, readonly or off")
+                    value = value.strip()
                 if name == XATTR_SHAPE:
                     try:
                         value = ",".join(map(str, parse_shape(value))).encode()
