@@ -10,7 +10,8 @@ What is kept: a chunk's bytes ``[0, length)`` (``length`` is the chunk size, or 
 last chunk of a file: up to the file's size), with the chunk's *version* (what the shard
 answered with the bytes), the file's ``ctime_ns`` when the entry was last validated, and the
 CRC-32 (zlib) of the whole chunk as a shard computes it (the kept bytes followed by zeros to
-the chunk size). Two tiers, each bounded in bytes, least recently used evicted first:
+the chunk size; computed off the read path, by the disk write or by the first validation that
+needs it). Two tiers, each bounded in bytes, least recently used evicted first:
 
 * memory (``memory`` bytes; 0: off), a dict of immutable ``bytes``;
 * disk (``directory``, ``size`` bytes; None: off): one file per chunk,
@@ -39,6 +40,7 @@ runs in worker threads (never on the trio loop).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import hashlib
 import logging
@@ -68,6 +70,8 @@ READONLY_REVALIDATE_S = 60.0
 DEFAULT_MEMORY = 256 << 20
 #: Disk tier of ``--cache-dir`` without ``--cache-size``.
 DEFAULT_DISK = 10 << 30
+#: Disk writes that may wait behind the reads (chunks already in the memory tier).
+WRITES_BEHIND = 8
 _NAME = re.compile(r"^(\d+)-(\d+)$")
 _PAD = bytes(1 << 20)
 
@@ -93,7 +97,7 @@ class Entry:
     version: int  # the chunk's version when its bytes were read (> 0)
     ctime_ns: int  # the file's ctime when the entry was last validated
     length: int  # bytes kept: [0, length) of the chunk
-    crc: int  # zlib CRC-32 of the kept bytes and zeros up to chunk_size
+    crc: int | None  # zlib CRC-32 of the kept bytes and zeros up to chunk_size; None: not computed yet
     chunk_size: int
 
 
@@ -163,10 +167,14 @@ class ChunkCache:
         self.directory = os.path.abspath(directory) if directory else None
         self._root: str | None = None  # DIR/irdma-<namespace>, once attached
         self._lock = threading.Lock()
-        self._mem: collections.OrderedDict[tuple[int, int], tuple[Entry, bytes]] = collections.OrderedDict()
+        self._mem: collections.OrderedDict[tuple[int, int], tuple[Entry, bytes | memoryview]] = collections.OrderedDict()
         self._disk: collections.OrderedDict[tuple[int, int], Entry] = collections.OrderedDict()
         self.mem_bytes = 0
         self.disk_bytes = 0
+        # disk writes behind the reads: a chunk kept in memory is written by these threads while
+        # its readers go on; at most WRITES_BEHIND wait, then a store waits for its own write
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._behind = 0
         from ..ops.metrics import cache_metrics
 
         self.metrics = cache_metrics()
@@ -231,6 +239,7 @@ class ChunkCache:
 
     @staticmethod
     def _header(e: Entry) -> bytes:
+        assert e.crc is not None
         head = HEADER.pack(MAGIC, e.file_id, e.index, e.version, e.ctime_ns, e.length, e.crc, e.chunk_size, 0)
         return head[:-4] + struct.pack("<I", zlib.crc32(head[:-4]))
 
@@ -328,6 +337,26 @@ class ChunkCache:
             except OSError as exc:
                 log.warning("cache: cannot restamp %s: %s", self._path(e), exc)
 
+    def crc_of(self, e: Entry) -> int | None:
+        """The CRC-32 of kept chunk ``e`` (see :func:`chunk_crc`): recorded, else computed from
+        the bytes in memory (blocking: call from a worker thread); None if no longer kept."""
+        if e.crc is not None:
+            return e.crc
+        key = (e.file_id, e.index)
+        with self._lock:
+            disk = self._disk.get(key)
+            got = self._mem.get(key)
+        if disk is not None and disk.version == e.version and disk.crc is not None:
+            return disk.crc
+        if got is None or got[0].version != e.version:
+            return None
+        crc = chunk_crc(got[1], e.chunk_size)
+        with self._lock:
+            now = self._mem.get(key)
+            if now is not None and now[0] == got[0]:
+                self._mem[key] = (replace(got[0], crc=crc), got[1])
+        return crc
+
     # ------------------------------------------------------------ bytes
     async def load(self, file_id: int, index: int, version: int, lo: int, hi: int) -> memoryview | bytes | None:
         """Bytes ``[lo, hi)`` of a chunk kept at ``version``, or None (not kept, another
@@ -365,9 +394,10 @@ class ChunkCache:
             return None
         return data if len(data) == hi - lo else None
 
-    def _put_mem(self, e: Entry, data: bytes) -> None:
+    def _put_mem(self, e: Entry, data: bytes | memoryview) -> bool:
+        """Keep a chunk in the memory tier; False when it does not fit there."""
         if not self.memory_limit or e.length > self.memory_limit:
-            return
+            return False
         with self._lock:
             old = self._mem.pop((e.file_id, e.index), None)
             if old is not None:
@@ -376,17 +406,44 @@ class ChunkCache:
             self.mem_bytes += e.length
             self._evict_mem()
         self._gauges()
+        return True
 
-    async def store(self, e: Entry, data: bytes) -> None:
-        """Keep ``data`` (``e.length`` bytes) as chunk ``(e.file_id, e.index)`` at ``e.version``,
-        in memory and on disk (written in a worker thread, atomically). Never raises: a disk
+    async def store(self, e: Entry, data: bytes | memoryview) -> None:
+        """Keep ``data`` (``e.length`` bytes, never written again by the caller) as chunk
+        ``(e.file_id, e.index)`` at ``e.version``, in memory and on disk (written atomically in a
+        worker thread: behind, when the memory tier took it and fewer than
+        :data:`WRITES_BEHIND` writes wait; :meth:`close` waits for them). Never raises: a disk
         that fails is logged and the entry kept in memory only."""
-        self._put_mem(e, data)
+        in_mem = self._put_mem(e, data)
         if self._root is None or e.length > self.disk_limit:
             return
-        await trio.to_thread.run_sync(self._write, e, data)
+        with self._lock:
+            behind = in_mem and self._behind < WRITES_BEHIND
+            if behind:
+                self._behind += 1
+                if self._writer is None:
+                    self._writer = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="irdma-cache")
+                self._writer.submit(self._write_behind, e, data)
+        if not behind:
+            await trio.to_thread.run_sync(self._write, e, data)
 
-    def _write(self, e: Entry, data: bytes) -> None:
+    def _write_behind(self, e: Entry, data: bytes | memoryview) -> None:
+        try:
+            self._write(e, data)
+        finally:
+            with self._lock:
+                self._behind -= 1
+
+    def close(self) -> None:
+        """Wait for the disk writes behind (blocking: call from a worker thread). Safe twice."""
+        with self._lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.shutdown(wait=True)
+
+    def _write(self, e: Entry, data: bytes | memoryview) -> None:
+        if e.crc is None:  # computed here, off the read path
+            e = replace(e, crc=chunk_crc(data, e.chunk_size))
         path = self._path(e)
         tmp = f"{path}.{threading.get_ident()}.tmp"
         try:

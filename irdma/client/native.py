@@ -235,6 +235,9 @@ class Client:
                     nursery.cancel_scope.cancel()
         finally:
             meta.close()
+            if cache is not None:  # its disk writes behind the reads land before the client is gone
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(cache.close)
 
     async def aclose(self) -> None:
         """Close every shard connection. Safe to call twice."""

@@ -30,7 +30,7 @@ from ..meta import Inode
 from ..meta.base import CACHE_MODES, OUT_OF_SYNC, XATTR_CACHE
 from ..placement import Layout
 from ..wire.protocol import extents as P_extents
-from .cache import READONLY_REVALIDATE_S, ChunkCache, Entry, chunk_crc
+from .cache import READONLY_REVALIDATE_S, ChunkCache, Entry
 
 if TYPE_CHECKING:
     from .native import ChunkMap, Client
@@ -64,6 +64,7 @@ class CachedReads:
         self.cache = cache
         self.files: dict[int, _File] = {}
         self._fetching: dict[tuple[int, int], trio.Event] = {}
+        self._modes: dict[int, tuple[int, bytes]] = {}  # inode -> (ctime_ns, its user.irdma.cache)
         self.version_queries = 0  # round trips of open_file (shards asked), for tests and benchmarks
 
     def serves(self, file_id: int) -> bool:
@@ -98,7 +99,12 @@ class CachedReads:
         that does not answer leaves its chunks unvalidated (read from the shards), never served."""
         from .native import layout_of
 
-        mode = await self._mode(inode.ino) if mode is None else mode
+        if mode is None:  # the xattr changes the ctime: read it again only when the ctime moved
+            known = self._modes.get(inode.ino)
+            mode = known[1] if known is not None and known[0] == inode.ctime_ns else await self._mode(inode.ino)
+            self._modes[inode.ino] = (inode.ctime_ns, mode)
+            while len(self._modes) > MAX_FILES:
+                del self._modes[next(iter(self._modes))]
         old = self.files.pop(inode.ino, None)
         if mode == b"off":
             return
@@ -195,7 +201,8 @@ class CachedReads:
         except IrdmaError as exc:
             log.warning("cache: checksum of chunk %d of file %d on shard %d: %s", index, layout.file_id, sid, exc)
             return False
-        return got == (e.version, e.crc)
+        crc = await trio.to_thread.run_sync(self.cache.crc_of, e)
+        return crc is not None and got == (e.version, crc)
 
     # ------------------------------------------------------------ reads
     async def read_into(self, layout: Layout, offset: int, into: memoryview, chunks: ChunkMap | None) -> None:
@@ -250,17 +257,17 @@ class CachedReads:
         cs = layout.chunk_size
         length = min(cs, max(hi, st.size - idx * cs))
         gen = st.gen
-        buf = bytearray(length)
+        # not zeroed first: read_shards_into fills every byte or raises; once read the buffer is
+        # never written again (it is what the cache keeps, no copy)
+        data = memoryview(np.empty(length, dtype=np.uint8))  # type: ignore[arg-type]
         versions: list[int] = []
-        await self.client.read_shards_into(layout, idx * cs, memoryview(buf), chunks, versions)
-        dst[:] = memoryview(buf)[lo:hi]
+        await self.client.read_shards_into(layout, idx * cs, data, chunks, versions)
+        dst[:] = data[lo:hi]
         if not versions or len(set(versions)) != 1 or not versions[0]:
             return  # a hole (nothing to keep), or an update landed between its pieces
-        data = bytes(buf)
-        crc = await trio.to_thread.run_sync(chunk_crc, data, cs)
         if st.gen != gen or self.files.get(layout.file_id) is not st:
             return  # this client wrote the file meanwhile, or it was opened again
-        await self.cache.store(Entry(layout.file_id, idx, versions[0], st.ctime_ns, length, crc, cs), data)
+        await self.cache.store(Entry(layout.file_id, idx, versions[0], st.ctime_ns, length, None, cs), data)
         if st.gen == gen:
             st.valid[idx] = versions[0]
 

@@ -725,6 +725,8 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
                 return
             if c.execute("DELETE FROM xattrs WHERE ino=? AND name=?", (ino, name)).rowcount == 0:
                 raise NoAttribute(f"no attribute {name.decode(errors='replace')} on inode {ino}")
+            # a change of the inode (as Linux's removexattr): what a read cache checks before the xattr
+            c.execute("UPDATE inodes SET ctime_ns=? WHERE ino=?", (now(), ino))
 
     # ---------------------------------------------------------------- whole namespace
     def usage(self) -> tuple[int, int]:
