@@ -1,7 +1,8 @@
 """The local read cache (issue 24): a hot read-mostly file read by 4 processes at once through
 the mount, with the cache on and off, against tmpfs (the same bytes read from /dev/shm).
 
-Each reader process reads the whole file sequentially in 1 MiB ``preadv`` calls; the figure is
+Each reader process reads the whole file sequentially in 1 MiB ``preadv`` calls (into an
+mmap'd buffer: into a ``bytearray`` CPython's ``preadv`` ran 5x slower on tmpfs); the figure is
 the bytes all of them read over the time from the first one's start to the last one's end
 (MB/s, 10^6 bytes/s). The mounts use direct I/O, so the kernel's page cache never answers in
 the mount's place (what a second epoch sees once the page cache no longer holds the file, or
@@ -41,9 +42,9 @@ MiB = 1 << 20
 READERS = 4
 #: One reader: waits for the start file, reads the whole file, prints its start and end times.
 READER = """
-import os, sys, time
+import mmap, os, sys, time
 path, start, me = sys.argv[1], sys.argv[2], sys.argv[3]
-buf = bytearray(1 << 20)
+buf = mmap.mmap(-1, 1 << 20)  # os.preadv into a bytearray ran at a fifth of this speed on tmpfs here
 open(start + ".ready." + me, "w").close()
 while not os.path.exists(start):
     time.sleep(0.001)

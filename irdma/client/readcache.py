@@ -126,33 +126,54 @@ class CachedReads:
         if not kept:
             return
         versions, asked = await self._versions(layout, sorted(kept), chunks)
-        m = self.cache.metrics
         valid: dict[int, int] = {}
+        stale: list[int] = []
+        to_check: list[tuple[int, Entry]] = []  # same version, the file's ctime moved: CRC-32 decides
         for idx, e in kept.items():
             v = versions.get(idx)
             if v is None:
                 continue  # not checked (its shards did not answer): not served, kept for later
             if v != e.version:
-                m.validations.labels("stale").inc()
-                self.cache.drop(inode.ino, idx)
+                stale.append(idx)
             elif e.ctime_ns == inode.ctime_ns:
-                m.validations.labels("valid").inc()
-                valid[idx] = v
-            elif await self._same_crc(layout, idx, asked[idx], e):
-                m.validations.labels("checksum").inc()
-                await trio.to_thread.run_sync(self.cache.restamp, inode.ino, idx, inode.ctime_ns)
                 valid[idx] = v
             else:
-                m.validations.labels("stale").inc()
-                self.cache.drop(inode.ino, idx)
+                to_check.append((idx, e))
+        m = self.cache.metrics
+        checked: list[int] = []
+        if to_check:
+            limit = trio.Semaphore(16)
+
+            async def check(idx: int, e: Entry) -> None:
+                async with limit:
+                    same = await self._same_crc(layout, idx, asked[idx], e)
+                (checked if same else stale).append(idx)
+
+            async with open_nursery() as nursery:
+                for idx, e in to_check:
+                    nursery.start_soon(check, idx, e)
+            await trio.to_thread.run_sync(self._restamp, inode.ino, checked, inode.ctime_ns)
+            valid.update((idx, kept[idx].version) for idx in checked)
+        for idx in stale:
+            self.cache.drop(inode.ino, idx)
+        for result, n in (("valid", len(valid) - len(checked)), ("checksum", len(checked)), ("stale", len(stale))):
+            if n:
+                m.validations.labels(result).inc(n)
         if self.files.get(inode.ino) is st:
             for idx, v in valid.items():
                 st.valid.setdefault(idx, v)  # a miss meanwhile set the same version, or a newer one
+
+    def _restamp(self, ino: int, indices: list[int], ctime_ns: int) -> None:
+        for idx in indices:
+            self.cache.restamp(ino, idx, ctime_ns)
 
     def _asked(self, layout: Layout, index: int, chunks: ChunkMap | None) -> int | None:
         """The replica a chunk's version is asked of: the tail of its up-to-date replicas (CRAQ:
         what it has is acknowledged), never one out of the chunk's in-sync set; None if none."""
         c = self.client
+        if layout.replicas == 1 and not c._moves:  # its one copy, where the stripe put it
+            sid = layout.shard_of(index)
+            return sid if c._current(sid) else None
         placed, joining = c.placed(layout, index)
         rec = chunks.get(index) if chunks else None
         cands = [s for s in placed if s != joining and c._current(s) and (rec is None or rec.get(s) != OUT_OF_SYNC)]
