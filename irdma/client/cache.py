@@ -10,12 +10,11 @@ What is kept: a chunk's bytes ``[0, length)`` (``length`` is the chunk size, or 
 last chunk of a file: up to the file's size), with the chunk's *version* (what the shard
 answered with the bytes), the file's ``ctime_ns`` when the entry was last validated, and the
 CRC-32 (zlib) of the whole chunk as a shard computes it (the kept bytes followed by zeros to
-the chunk size; computed off the read path, by the disk write or by the first validation that
-needs it). Two tiers, each bounded in bytes, least recently used evicted first:
+the chunk size; computed by the first validation that needs it, never on the read path). Two tiers, each bounded in bytes, least recently used evicted first:
 
 * memory (``memory`` bytes; 0: off), a dict of immutable ``bytes``;
 * disk (``directory``, ``size`` bytes; None: off): one file per chunk,
-  ``DIR/irdma-<namespace>/<file id>/<chunk index>-<version>``, a 64-byte header
+  ``DIR/irdma-<namespace>/<file id>/<chunk index>-<version>``, a 68-byte header
   (:data:`HEADER`: magic, file id, chunk index, version, ctime_ns, length, CRC-32 of the
   chunk, CRC-32 of the header; little-endian) then the bytes. Written atomically (a
   ``.tmp`` file, then ``rename(2)``), so a crash leaves either the old entry or the new one,
@@ -59,10 +58,11 @@ from ..units import format_size, parse_size
 log = logging.getLogger("irdma.cache")
 
 #: Header of a chunk file on disk: magic, file id, chunk index, version, ctime_ns, length,
-#: CRC-32 of the chunk (kept bytes + zeros to the chunk size), chunk size, CRC-32 of the header
-#: before it; little-endian, 64 bytes.
-HEADER = struct.Struct("<8sQQQqQIQI")
-MAGIC = b"IRDMAC01"
+#: CRC-32 of the chunk (kept bytes + zeros to the chunk size) with bit 32 set, or 0 when not
+#: computed yet, chunk size, CRC-32 of the header before it; little-endian, 68 bytes.
+HEADER = struct.Struct("<8sQQQqQQQI")
+MAGIC = b"IRDMAC02"
+_KNOWN = 1 << 32
 #: Seconds a ``user.irdma.cache=readonly`` file goes without its versions checked (while its
 #: ctime in the metadata engine does not change).
 READONLY_REVALIDATE_S = 60.0
@@ -202,10 +202,12 @@ class ChunkCache:
         check_directory(self.directory)
         check_directory(root)
         found: list[tuple[float, Entry]] = []
-        for sub in os.scandir(root):
-            if not sub.is_dir() or not sub.name.isdigit():
-                continue
-            for f in os.scandir(sub.path):
+        with os.scandir(root) as it:
+            subs = [d for d in it if d.is_dir() and d.name.isdigit()]
+        for sub in subs:
+            with os.scandir(sub.path) as it:
+                names = list(it)
+            for f in names:
                 m = _NAME.match(f.name)
                 if f.name.endswith(".tmp") or m is None:  # a write a crash cut short
                     with contextlib.suppress(OSError):
@@ -239,8 +241,8 @@ class ChunkCache:
 
     @staticmethod
     def _header(e: Entry) -> bytes:
-        assert e.crc is not None
-        head = HEADER.pack(MAGIC, e.file_id, e.index, e.version, e.ctime_ns, e.length, e.crc, e.chunk_size, 0)
+        crc = 0 if e.crc is None else e.crc | _KNOWN
+        head = HEADER.pack(MAGIC, e.file_id, e.index, e.version, e.ctime_ns, e.length, crc, e.chunk_size, 0)
         return head[:-4] + struct.pack("<I", zlib.crc32(head[:-4]))
 
     @staticmethod
@@ -256,7 +258,7 @@ class ChunkCache:
         magic, fid, idx, ver, ctime, length, crc, csize, hcrc = HEADER.unpack(head)
         if magic != MAGIC or hcrc != zlib.crc32(head[:-4]) or size != HEADER.size + length or ver <= 0:
             return None
-        return Entry(fid, idx, ver, ctime, length, crc, csize)
+        return Entry(fid, idx, ver, ctime, length, crc & 0xFFFFFFFF if crc & _KNOWN else None, csize)
 
     def _unlink(self, e: Entry) -> None:
         with contextlib.suppress(OSError):
@@ -348,13 +350,22 @@ class ChunkCache:
             got = self._mem.get(key)
         if disk is not None and disk.version == e.version and disk.crc is not None:
             return disk.crc
-        if got is None or got[0].version != e.version:
+        if got is not None and got[0].version == e.version:
+            crc = chunk_crc(got[1], e.chunk_size)
+        elif disk is not None and disk.version == e.version:
+            data = self._read_data(disk, 0, disk.length)
+            if data is None:
+                return None
+            crc = chunk_crc(data, e.chunk_size)
+        else:
             return None
-        crc = chunk_crc(got[1], e.chunk_size)
-        with self._lock:
+        with self._lock:  # recorded (on disk by the restamp that follows a match)
             now = self._mem.get(key)
-            if now is not None and now[0] == got[0]:
-                self._mem[key] = (replace(got[0], crc=crc), got[1])
+            if now is not None and now[0].version == e.version:
+                self._mem[key] = (replace(now[0], crc=crc), now[1])
+            d = self._disk.get(key)
+            if d is not None and d.version == e.version:
+                self._disk[key] = replace(d, crc=crc)
         return crc
 
     # ------------------------------------------------------------ bytes
@@ -442,8 +453,6 @@ class ChunkCache:
             writer.shutdown(wait=True)
 
     def _write(self, e: Entry, data: bytes | memoryview) -> None:
-        if e.crc is None:  # computed here, off the read path
-            e = replace(e, crc=chunk_crc(data, e.chunk_size))
         path = self._path(e)
         tmp = f"{path}.{threading.get_ident()}.tmp"
         try:
