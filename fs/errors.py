@@ -33,6 +33,7 @@ ERRNO: dict[type[E.IrdmaError], int] = {
     E.InvalidArgument: errno.EINVAL,
     E.BadRequest: errno.EINVAL,
     E.Busy: errno.EBUSY,
+    E.ReadOnly: errno.EROFS,
     E.NoSpace: errno.ENOSPC,
     E.ShardUnavailable: errno.EIO,
     E.RemoteProtocolError: errno.EIO,

@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import errno
 import logging
+import math
 import os
 import re
 import signal
@@ -19,21 +20,23 @@ import stat
 import subprocess
 import threading
 import time
+from urllib.parse import urlsplit, urlunsplit
 
 import pyfuse3
 import trio
 
-from irdma._errors import IrdmaError
+from irdma._errors import IrdmaError, NotADirectory, NotFound
 from irdma.client.cache import ChunkCache, make_cache
 from irdma.client.native import DEFAULT_TIMEOUT, Client
-from irdma.meta import redact
+from irdma.meta import ROOT_INO, meta_scheme, redact
+from irdma.meta.base import UNLINK_GRACE_S, MetaStore
 from irdma.ops._proc import last_log_line, pid_alive, spawn_detached
 from irdma.ops.metrics import Exporter, forget_mount, parse_metrics_address, record_mount
 from irdma.ops.metrics import serve as serve_metrics
 from irdma.ops.metrics import set_transport as set_metrics_transport
 from irdma.train.coord import DEFAULT_SYNC_TIMEOUT
 
-from .operations import IrdmaFS
+from .operations import ATTR_TIMEOUT, ENTRY_TIMEOUT, IrdmaFS
 
 log = logging.getLogger("irdma.fs")
 
@@ -41,13 +44,21 @@ log = logging.getLogger("irdma.fs")
 async def serve_mount(
     meta_url: str, mountpoint: str, *, transport: str = "auto", debug: bool = False, direct_io: bool = False,
     timeout: float = DEFAULT_TIMEOUT, allow_other: bool = False, metrics: str | None = None,
-    sync_timeout: float = DEFAULT_SYNC_TIMEOUT,
+    sync_timeout: float = DEFAULT_SYNC_TIMEOUT, read_only: bool = False, subdir: str | None = None,
+    attr_cache: float = ATTR_TIMEOUT, entry_cache: float = ENTRY_TIMEOUT,
     cache: ChunkCache | None = None,
 ) -> None:
     """Mount the namespace at ``mountpoint`` and serve it until unmounted.
 
     ``cache``: the local read cache of hot read-mostly files (``--cache-dir``, ``--cache-size``,
     ``--cache-memory``; :mod:`irdma.client.cache`), or None.
+
+    ``read_only``: every request that would change something fails with EROFS, and the kernel
+    mounts it ``ro``. ``subdir``: a directory of the namespace (``/jobs/x``) served as the
+    mount's root; nothing above it can be reached. ``attr_cache``, ``entry_cache``: seconds the
+    kernel caches attributes and names (:func:`check_cache_seconds`). These are ``juicefs
+    mount``'s ``--read-only``, ``--subdir``, ``--attr-cache`` and ``--entry-cache``.
+    ``/proc/mounts`` shows the mount as ``irdma:URL`` (:func:`mount_source`) of type ``fuse.irdma``.
 
     ``metrics``: ``HOST:PORT`` to serve Prometheus metrics on (:mod:`irdma.ops.metrics`: FUSE
     requests, the client's requests to shards; port 0 picks one). The bound address is recorded
@@ -68,15 +79,17 @@ async def serve_mount(
     Raises:
         IrdmaError: the namespace cannot be opened, or FUSE could not mount (``/dev/fuse``
             missing, mountpoint busy), or the metrics address cannot be served (bad address,
-            port in use).
+            port in use), or ``subdir`` is not a directory of the namespace.
     """
     exporter: Exporter | None = None
     if metrics:
         exporter = await trio.to_thread.run_sync(serve_metrics, metrics)
     try:
+        view = _View(read_only, subdir, check_cache_seconds("attr cache", attr_cache),
+                     check_cache_seconds("entry cache", entry_cache))
         await _serve_mount(meta_url, mountpoint, transport=transport, debug=debug, direct_io=direct_io,
                            timeout=timeout, allow_other=allow_other, exporter=exporter, sync_timeout=sync_timeout,
-                           cache=cache)
+                           view=view, cache=cache)
     finally:
         if exporter is not None:
             forget_mount(mountpoint)
@@ -85,20 +98,28 @@ async def serve_mount(
 
 async def _serve_mount(
     meta_url: str, mountpoint: str, *, transport: str, debug: bool, direct_io: bool, timeout: float,
-    allow_other: bool, exporter: Exporter | None, sync_timeout: float = DEFAULT_SYNC_TIMEOUT,
+    allow_other: bool, exporter: Exporter | None, sync_timeout: float = DEFAULT_SYNC_TIMEOUT, view: _View,
     cache: ChunkCache | None = None,
 ) -> None:
     async with Client.open(meta_url, transport=transport, client_name=f"irdma-mount {mountpoint}",
                            timeout=timeout, cache=cache) as client:
         set_metrics_transport(client.transport.name)  # irdma_build_info's label
-        fs = IrdmaFS(client, direct_io=direct_io)
+        root = ROOT_INO if view.subdir is None else await trio.to_thread.run_sync(resolve_subdir, client.meta.store,
+                                                                                   view.subdir)
+        if 2 * view.entry_cache > UNLINK_GRACE_S:  # a name cached here stays openable (irdma.meta.base)
+            grace = await client.meta.raise_unlink_grace(2 * view.entry_cache)
+            log.info("entry cache %g s: unlinked files stay openable for %g s", view.entry_cache, grace)
+        fs = IrdmaFS(client, direct_io=direct_io, read_only=view.read_only, root=root, attr_cache=view.attr_cache,
+                     entry_cache=view.entry_cache)
         fs.control.sync_timeout = sync_timeout
         await fs.start_session(f"mount {mountpoint}")
         options = set(pyfuse3.default_options)
         options.add("default_permissions")  # the kernel checks modes, owners and the sticky bit
         if allow_other:
             options.add("allow_other")
-        options.add("fsname=irdma")
+        if view.read_only:
+            options.add("ro")
+        options.add("fsname=" + mount_source(meta_url).replace("\\", "\\\\").replace(",", "\\,"))
         options.add("subtype=irdma")
         if debug:
             options.add("debug")
@@ -139,6 +160,70 @@ async def _serve_mount(
             # after terminate() the kernel mount is still there: take it down ourselves
             pyfuse3.close(unmount=not unmounted or _still_mounted(mountpoint))
             await fs.end_session()
+
+
+@dataclasses.dataclass(frozen=True)
+class _View:
+    """What a mount shows of the namespace (``--read-only``, ``--subdir``, the kernel caches)."""
+
+    read_only: bool
+    subdir: str | None
+    attr_cache: float
+    entry_cache: float
+
+
+#: Longest ``--attr-cache`` / ``--entry-cache``, seconds: an entry cache of E keeps unlinked
+#: files (their chunks) for 2E (see :data:`irdma.meta.base.UNLINK_GRACE_S`).
+MAX_CACHE_S = 3600.0
+
+
+def check_cache_seconds(what: str, seconds: float) -> float:
+    """``seconds`` if it is a valid kernel cache time (0 to :data:`MAX_CACHE_S`, finite).
+
+    Raises:
+        IrdmaError: it is negative, NaN, infinite or longer than :data:`MAX_CACHE_S`.
+    """
+    if not (math.isfinite(seconds) and 0 <= seconds <= MAX_CACHE_S):
+        raise IrdmaError(f"{what} of {seconds!r} s is out of range",
+                         f"give 0 to {MAX_CACHE_S:g} seconds; 0 turns caching off, the default is 1")
+    return float(seconds)
+
+
+def resolve_subdir(meta: MetaStore, subdir: str) -> int:
+    """The inode of directory ``subdir`` of the namespace (``/jobs/x``; ``/`` is the root).
+
+    Raises:
+        IrdmaError: no such path, or it is not a directory.
+    """
+    try:
+        inode = meta.resolve(subdir)
+    except NotFound:
+        raise IrdmaError(f"--subdir {subdir}: no such directory in {redact(meta.url)}",
+                         "create it first with mkdir through a mount of the whole namespace, or give an"
+                         " existing directory") from None
+    except NotADirectory:
+        inode = None
+    if inode is None or not inode.is_dir:
+        raise IrdmaError(f"--subdir {subdir}: not a directory in {redact(meta.url)}",
+                         "give a directory, a path such as /jobs/x from the namespace's root")
+    return inode.ino
+
+
+def mount_source(meta_url: str) -> str:
+    """What ``/proc/mounts`` and ``df`` show as the mount's source: ``irdma:`` and the metadata
+    URL without secrets (a PostgreSQL URL's password and ``password=`` parameters go:
+    ``postgresql://u:secret@h/db`` shows as ``irdma:postgresql://u@h/db``); an SQLite path as
+    given. No I/O."""
+    if meta_scheme(meta_url) == "sqlite":
+        return f"irdma:{meta_url}"
+    try:
+        parts = urlsplit(meta_url)
+        if parts.password is not None:
+            parts = parts._replace(netloc=f"{parts.username or ''}@{parts.netloc.rsplit('@', 1)[1]}")
+        query = "&".join(q for q in parts.query.split("&") if not q.split("=", 1)[0].endswith("password"))
+        return "irdma:" + urlunsplit(parts._replace(query=query))
+    except ValueError:
+        return "irdma:" + meta_url.split("://", 1)[0] + "://"
 
 
 #: pyfuse3 serves each request in flight with one trio task; a task that answered its request
@@ -334,7 +419,8 @@ def spawn_mount(
     meta_url: str, mountpoint: str, *, transport: str, log_file: str, timeout: float = 30.0, direct_io: bool = False,
     request_timeout: float = DEFAULT_TIMEOUT, allow_other: bool = False, metrics: str | None = None,
     sync_timeout: float | None = None,
-    nonempty: bool = False,
+    nonempty: bool = False, read_only: bool = False, subdir: str | None = None, attr_cache: float | None = None,
+    entry_cache: float | None = None,
     cache_dir: str | None = None,
     cache_size: str | None = None,
     cache_memory: str | None = None,
@@ -358,6 +444,10 @@ def spawn_mount(
     args += ["--direct-io"] if direct_io else []
     args += ["--allow-other"] if allow_other else []
     args += ["--sync-timeout", repr(float(sync_timeout))] if sync_timeout is not None else []
+    args += ["--read-only"] if read_only else []
+    args += ["--subdir", subdir] if subdir is not None else []
+    args += ["--attr-cache", repr(check_cache_seconds("attr cache", attr_cache))] if attr_cache is not None else []
+    args += ["--entry-cache", repr(check_cache_seconds("entry cache", entry_cache))] if entry_cache is not None else []
     if cache_dir is not None or cache_memory is not None:
         make_cache(cache_dir, cache_size, cache_memory)  # a bad size or directory fails here, before anything starts
     args += ["--cache-dir", os.path.abspath(cache_dir)] if cache_dir is not None else []

@@ -80,10 +80,11 @@ import numpy as np
 import pyfuse3
 import trio
 
-from irdma._errors import InvalidArgument, IrdmaError, NoAttribute, NotFound, Stale
+from irdma._errors import InvalidArgument, IrdmaError, NoAttribute, NotFound, ReadOnly, Stale
+from irdma.client import snapshots
 from irdma.client.native import ChunkMap, Client, layout_of
 from irdma.meta import ROOT_INO, Inode
-from irdma.meta.base import XATTR_UPDATE, setid_bits
+from irdma.meta.base import SNAPSHOTS_DIR, SNAPSHOTS_DIR_MARK, XATTR_UPDATE, setid_bits
 from irdma.ops.metrics import fuse_metrics
 from irdma.placement import Layout
 from irdma.train import comm, coord
@@ -97,8 +98,15 @@ from .errors import fuse_errors
 
 log = logging.getLogger("irdma.fs")
 
-#: Seconds the kernel may cache entries and attributes.
+#: Seconds the kernel may cache a file's attributes (``irdma mount --attr-cache``'s default).
 ATTR_TIMEOUT = 1.0
+#: Seconds the kernel may cache a name's inode (``irdma mount --entry-cache``'s default). A mount
+#: with a longer one raises the namespace's unlink grace to twice it before it serves
+#: (:meth:`irdma.meta.base.MetaStore.raise_unlink_grace`): a name it cached stays openable.
+ENTRY_TIMEOUT = 1.0
+#: Requests that change the namespace or a file: a read-only mount answers them EROFS.
+WRITE_OPS = frozenset({"write", "create", "mkdir", "mknod", "symlink", "link", "unlink", "rmdir", "rename", "setattr",
+                       "setxattr", "removexattr"})
 #: Seconds between mtime updates of a file written only through direct I/O without growing.
 MTIME_LAZY_S = 1.0
 #: Seconds between a mount's session heartbeats (and shard health checks).
@@ -156,15 +164,24 @@ class IrdmaFS(pyfuse3.Operations):
     Args:
         client: an open :class:`irdma.Client`.
         direct_io: open every file with direct I/O (no page cache, 1 MiB requests).
+        read_only: answer every request that would change something (:data:`WRITE_OPS`, an
+            open for writing or with O_TRUNC) with EROFS, as ``juicefs mount --read-only``.
+        root: the namespace directory served as the mount's root (``--subdir``): the kernel's
+            inode 1 is it, it is its own ``..``, and it is listed as inode 1; no other inode
+            number changes (nothing above it can be named from inside: directories have one name).
+        attr_cache, entry_cache: seconds the kernel may cache attributes and names (FUSE's
+            attr_timeout and entry_timeout).
     """
 
     enable_writeback_cache = False
     supports_dot_lookup = True
 
-    def __init__(self, client: Client, *, direct_io: bool = False) -> None:
+    def __init__(self, client: Client, *, direct_io: bool = False, read_only: bool = False, root: int = ROOT_INO,
+                 attr_cache: float = ATTR_TIMEOUT, entry_cache: float = ENTRY_TIMEOUT) -> None:
         super().__init__()
         self.client = client
         self.direct_io = direct_io  # every file with direct I/O (else per file: user.irdma.io)
+        self.read_only, self.root, self.attr_cache, self.entry_cache = read_only, root, attr_cache, entry_cache
         self.meta = client.meta
         self.sid = 0  # this mount's session in the metadata
         self.nursery: trio.Nursery | None = None
@@ -207,6 +224,8 @@ class IrdmaFS(pyfuse3.Operations):
         """Register this mount as a session, then reap dead sessions and their orphans."""
         self.sid = await self.meta.open_session(name)
         self.control.session = self.sid
+        if self.read_only:
+            return  # it changes nothing in the namespace (the next read-write mount or `irdma gc` reaps)
         from irdma.ops.fsck import collect_garbage
 
         try:
@@ -278,10 +297,10 @@ class IrdmaFS(pyfuse3.Operations):
     # ------------------------------------------------------------ helpers
     def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
         e = pyfuse3.EntryAttributes()
-        e.st_ino = inode.ino
+        e.st_ino = ROOT_INO if inode.ino == self.root else inode.ino
         e.generation = 0
-        e.entry_timeout = ATTR_TIMEOUT
-        e.attr_timeout = ATTR_TIMEOUT
+        e.entry_timeout = self.entry_cache
+        e.attr_timeout = self.attr_cache
         e.st_mode = inode.mode
         e.st_nlink = max(inode.nlink, 0)
         e.st_uid = inode.uid
@@ -436,7 +455,12 @@ class IrdmaFS(pyfuse3.Operations):
                 if target.is_dir:
                     raise NotFound(f"{name.decode(errors='replace')}: a directory has no optimizer state")
                 return await self._state_entry(self.control.state_file(target.ino))
-            return self._entry(await self.meta.lookup(parent_inode, name))
+            try:
+                return self._entry(await self.meta.lookup(parent_inode, name))
+            except NotFound:
+                if name != SNAPSHOTS_DIR:
+                    raise
+                return self._entry(await self.meta.snapshots_dir(parent_inode))  # always there, as CephFS's .snap
 
     async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
         with fuse_errors("getattr"):
@@ -518,6 +542,9 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> pyfuse3.EntryAttributes:
         with fuse_errors("mkdir"):
+            if (await self._getattr(parent_inode)).snap == SNAPSHOTS_DIR_MARK:  # mkdir D/.snapshots/NAME
+                await snapshots.create_at(self.client, await self.meta.parent_of(parent_inode), name)
+                return self._entry(await self.meta.lookup(parent_inode, name))
             self._new_name(name)
             inode = await self.meta.create(parent_inode, name, stat.S_IFDIR | (mode & ~ctx.umask & 0o7777), ctx.uid,
                                            ctx.gid)
@@ -525,6 +552,9 @@ class IrdmaFS(pyfuse3.Operations):
 
     async def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         with fuse_errors("rmdir"):
+            if (await self._getattr(parent_inode)).snap == SNAPSHOTS_DIR_MARK:  # rmdir D/.snapshots/NAME
+                await snapshots.delete_at(self.client, await self.meta.parent_of(parent_inode), name)
+                return
             await self.meta.rmdir(parent_inode, name)
 
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
@@ -582,7 +612,7 @@ class IrdmaFS(pyfuse3.Operations):
             node = await self._getattr(inode)
             if not node.is_dir:
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
-            up = ROOT_INO if inode == ROOT_INO else await self.meta.parent_of(inode)
+            up = inode if inode == self.root else await self.meta.parent_of(inode)
             listing = await self.meta.readdir(inode)
             fh = self._next_fh
             self._next_fh += 1
@@ -605,14 +635,16 @@ class IrdmaFS(pyfuse3.Operations):
                 listing = self._control_dirs[fh]
                 for i in range(start_id, len(listing)):
                     name, ino = listing[i]
-                    e = (await self._control_entry(ino)) if Control.owns(ino) else self._dot_entry(ino)
+                    e = (await self._control_entry(ino)) if Control.owns(ino) else self._dot_entry(
+                        ROOT_INO if ino == self.root else ino)
                     if not pyfuse3.readdir_reply(token, name, e, i + 1):
                         break
                 return
             entries = self._dirs.get(fh, [])
             for i in range(start_id, len(entries)):
                 name, inode = entries[i]
-                e = self._entry(inode) if isinstance(inode, Inode) else self._dot_entry(inode)
+                e = self._entry(inode) if isinstance(inode, Inode) else self._dot_entry(
+                    ROOT_INO if inode == self.root else inode)
                 if not pyfuse3.readdir_reply(token, name, e, i + 1):
                     break
 
@@ -778,6 +810,8 @@ class IrdmaFS(pyfuse3.Operations):
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
         try:
+            if node.snap and (flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC):
+                raise ReadOnly(f"inode {inode} is in a snapshot, which is read-only")
             kill_setid = self._kills_setid(node, flags, ctx)
             if kill_setid and flags & os.O_TRUNC:  # a truncate by an unprivileged process
                 node = await self.meta.clear_setid(inode)
@@ -978,10 +1012,14 @@ def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     metrics = fuse_metrics()
     sized = name in ("read", "write")
 
+    inode_args = [i - 1 for i, p in enumerate(inspect.signature(fn).parameters) if p.endswith("inode")]
+
     async def guarded(self: IrdmaFS, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
             with fuse_errors(name):
+                if self.read_only or self.root != ROOT_INO:
+                    args = _mount_view(self, name, inode_args, args)
                 out = await fn(self, *args, **kwargs)
         except pyfuse3.FUSEError as exc:
             metrics.end(t0, name, exc.errno)
@@ -995,6 +1033,23 @@ def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     guarded.__name__ = fn.__name__
     guarded.__doc__ = fn.__doc__
     return guarded
+
+
+def _mount_view(fs: IrdmaFS, name: str, inode_args: list[int], args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A request's arguments as the mount's options see it: EROFS for a change on a read-only
+    mount; the kernel's root inode (1) as ``fs.root`` on a ``--subdir`` mount, whose ``..``
+    is itself (as a chroot's)."""
+    if fs.read_only and (name in WRITE_OPS or name == "open" and args[1] & (os.O_ACCMODE | os.O_TRUNC)):
+        raise pyfuse3.FUSEError(errno.EROFS)
+    if fs.root == ROOT_INO or not inode_args:
+        return args
+    out = list(args)
+    for i in inode_args:
+        if out[i] == ROOT_INO:
+            out[i] = fs.root
+    if name == "lookup" and out[0] == fs.root and out[1] == b"..":
+        out[1] = b"."
+    return tuple(out)
 
 
 # Belt and braces: every request handler, whatever its body does, lets only FUSEError out

@@ -83,6 +83,10 @@ class NotPermitted(IrdmaError):
     directory (EPERM)."""
 
 
+class ReadOnly(IrdmaError):
+    """A change asked of a read-only object: a snapshot's files (EROFS)."""
+
+
 class Busy(IrdmaError):
     """The object is in use and cannot change that way now (EBUSY)."""
 

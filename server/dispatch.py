@@ -88,6 +88,9 @@ class Dispatcher:
         self.replicator.metrics = self.metrics
         #: ``HOST:PORT`` of this shard's metrics exporter, if it has one (told in STAT replies).
         self.metrics_address = ""
+        #: Snapshot freezes in force, by token, and the frozen files (:meth:`_freeze`).
+        self._freezes: dict[int, _Freeze] = {}
+        self._frozen: dict[int, _Freeze] = {}
         #: Chunks being made (see :meth:`_make_then_apply`), each with the event set when done.
         self._making: dict[tuple[int, int], trio.Event] = {}
         # a new chunk's disk I/O goes to a worker thread (ThreadWork), not the event loop
@@ -132,7 +135,103 @@ class Dispatcher:
             return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
         if isinstance(msg, P.Sync) and self.shard.store is not None:
             return ThreadWork(self._sync(msg, t0, transport))
+        if isinstance(msg, P.Clone):
+            return ThreadWork(self._clone(msg, t0, transport))
+        if self._frozen and _held(msg, self._frozen):
+            return ThreadWork(self._after_thaw(msg, staging, t0, transport))
         return self._handle(msg, staging, t0, transport, zero_copy)
+
+    # ------------------------------------------------------------ snapshots: the cut
+    def _freeze(self, msg: P.Freeze) -> P.ListReply:
+        """FREEZE: hold client updates to the files until CLONE/THAW or the lease ends."""
+        self._expire()
+        if msg.token == 0 or msg.token in self._freezes:
+            raise BadRequest(f"freeze token {msg.token} is 0 or in use")
+        busy = [f for f in msg.file_ids if f in self._frozen]
+        if busy:
+            raise BadRequest(f"file {busy[0]} is being snapshotted by another request: try again")
+        lease = min(max(msg.lease_ms, 1), FREEZE_MAX_MS) / 1000
+        cut = _Freeze(msg.token, trio.current_time() + lease, frozenset(msg.file_ids))
+        self._freezes[msg.token] = cut
+        for f in cut.files:
+            self._frozen[f] = cut
+        return P.ListReply([P.ChunkEntry(*e) for f in sorted(cut.files) for e in self.shard.file_chunks(f)])
+
+    def _release(self, cut: _Freeze) -> None:
+        if self._freezes.get(cut.token) is cut:
+            del self._freezes[cut.token]
+        for f in cut.files:
+            if self._frozen.get(f) is cut:
+                del self._frozen[f]
+        cut.released.set()
+
+    def _expire(self) -> None:
+        now = trio.current_time()
+        for cut in [c for c in self._freezes.values() if c.deadline <= now]:
+            log.warning("shard %d: a snapshot's freeze %d ended at its lease, not cloned", self.shard.shard_id, cut.token)
+            self._release(cut)
+
+    async def _after_thaw(self, msg: P.Request, staging: memoryview | None, t0: float,
+                          transport: str) -> P.Reply | Awaitable[P.Reply] | ThreadWork:
+        """A client update to a frozen file: applied once the freeze ends (at most its lease)."""
+        try:
+            while (cut := self._frozen.get(_file_of(msg))) is not None:
+                with trio.move_on_at(cut.deadline):
+                    await cut.released.wait()
+                self._expire()
+        except BaseException:
+            self.metrics.end(t0, _op_of(msg), transport, "cancelled")
+            raise
+        return self._handle(msg, staging, t0, transport)
+
+    async def _clone(self, msg: P.Clone, t0: float, transport: str) -> P.Reply:
+        """CLONE: wait until this replica has the cut's versions, clone, release the freeze."""
+        reply: P.Reply
+        try:
+            reply = P.FreeReply(await self._cloned(msg))
+        except Exception as exc:
+            reply = self._error(exc, msg)
+        except BaseException:
+            self.metrics.end(t0, "clone", transport, "cancelled")
+            raise
+        self._observe(t0, msg, reply, transport)
+        return reply
+
+    async def _cloned(self, msg: P.Clone) -> int:
+        """Clone at the cut. The freeze stays until THAW: released here, this shard's client
+        updates would reach its successors in chains before their own CLONE came (they would
+        be past the cut)."""
+        shard = self.shard
+        if msg.token == 0:  # a clone of read-only files (a snapshot's): no cut to wait for
+            if msg.expect or any(d in {s for s, _ in msg.pairs} or shard.has_file(d) for _, d in msg.pairs):
+                raise BadRequest("a clone without a freeze names versions, or a file id in use on this shard")
+            return sum(shard.clone(s, d) for s, d in msg.pairs)
+        self._expire()
+        cut = self._freezes.get(msg.token)
+        if cut is None:
+            raise BadRequest(f"shard {shard.shard_id}: freeze {msg.token} is over (its lease ended): take the snapshot again")
+        srcs = {s for s, _ in msg.pairs}
+        if not srcs <= cut.files:
+            raise BadRequest("a clone names a file its freeze did not hold")
+        if any(d in srcs or shard.has_file(d) for _, d in msg.pairs):
+            raise BadRequest("a clone's file id is in use on this shard")
+        while True:  # a replica catches up on the updates forwarded to it before the freeze
+            behind, ahead = 0, []
+            for f, i, v in msg.expect:
+                have = shard.version_of(f, i)
+                behind += have < v
+                if have > v:
+                    ahead.append(f"chunk {i} of file {f} at version {have} > {v}")
+            if ahead:
+                raise BadRequest(f"shard {shard.shard_id} is past the cut ({', '.join(ahead[:3])}): take the"
+                                 " snapshot again")
+            if not behind:
+                break
+            if trio.current_time() >= cut.deadline:
+                raise BadRequest(f"shard {shard.shard_id} did not reach the cut's versions of {behind} chunks"
+                                 " within the freeze's lease: take the snapshot again")
+            await trio.sleep(0.001)
+        return sum(shard.clone(s, d) for s, d in msg.pairs)
 
     def _handle(self, msg: P.Request, staging: memoryview | None, t0: float,
                 transport: str, zero_copy: bool = False) -> P.Reply | Awaitable[P.Reply] | ThreadWork:
@@ -319,6 +418,15 @@ class Dispatcher:
         if isinstance(msg, P.Sync):
             shard.sync()
             return P.VersionReply(0)
+        if isinstance(msg, P.Freeze):
+            return self._freeze(msg)
+        if isinstance(msg, P.Usage):
+            return P.UsageReply([(f, *shard.exclusive_bytes(f)) for f in msg.file_ids])
+        if isinstance(msg, P.Thaw):
+            cut = self._freezes.get(msg.token)
+            if cut is not None:
+                self._release(cut)
+            return P.VersionReply(0)
         if isinstance(msg, P.Stat):
             return P.StatReply(shard.shard_id, shard.capacity, shard.used, shard.chunk_count, self.metrics_address)
         if isinstance(msg, P.Free):
@@ -329,7 +437,7 @@ class Dispatcher:
             chunk = shard.locate(msg.file_id, msg.chunk_index, msg.create_size)
             if chunk is None:
                 return P.LocateReply(False)
-            return P.LocateReply(True, chunk.offset, chunk.size, chunk.slot)
+            return P.LocateReply(True, chunk.offset, chunk.size, chunk.slot, shard.is_shared(chunk))
         if isinstance(msg, P.RemoteWrite):
             if msg.in_place:
                 if msg.op != P.UpdateOp.ASSIGN:
@@ -370,7 +478,33 @@ def _opcode_name(opcode: int) -> str:
 
 _OP_NAMES = {P.Read: "read", P.Write: "write", P.RemoteWrite: "remote_write", P.Resync: "resync",
              P.Checksum: "checksum", P.List: "list", P.Sync: "sync", P.Stat: "stat", P.Free: "free",
-             P.Punch: "punch", P.Locate: "locate", P.Gather: "gather", P.Scatter: "scatter"}
+             P.Punch: "punch", P.Locate: "locate", P.Gather: "gather", P.Scatter: "scatter",
+             P.Freeze: "freeze", P.Clone: "clone", P.Thaw: "thaw", P.Usage: "usage"}
+#: Longest lease a FREEZE may ask, milliseconds.
+FREEZE_MAX_MS = 30_000
+
+
+class _Freeze:
+    """One snapshot's freeze on this shard: the files whose client updates wait."""
+
+    def __init__(self, token: int, deadline: float, files: frozenset[int]) -> None:
+        self.token, self.deadline, self.files = token, deadline, files
+        self.released = trio.Event()
+
+
+_UPDATES = (P.Write, P.Scatter, P.RemoteWrite, P.Punch, P.Free)
+
+
+def _file_of(msg: P.Request) -> int:
+    return int(getattr(msg, "file_id", 0))
+
+
+def _held(msg: P.Request, frozen: dict[int, _Freeze]) -> bool:
+    """An update a client sent to a frozen file (a forwarded one, from a replica, goes on)."""
+    if not isinstance(msg, _UPDATES) or _file_of(msg) not in frozen:
+        return False
+    chain = getattr(msg, "chain", None)
+    return chain is None or not (chain.expect or getattr(msg, "replace", False))
 
 
 def _op_of(msg: P.Request) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import logging
 import mmap
 import os
 import zlib
@@ -33,6 +34,7 @@ from . import optim
 if TYPE_CHECKING:
     from .store import ShardStore
 
+log = logging.getLogger("irdma.server")
 PAGE = 4096
 #: Largest chunk a shard accepts (bytes).
 MAX_CHUNK_SIZE = 256 << 20
@@ -217,15 +219,26 @@ class Shard:
         self.defer_creation = False
         self._making: dict[ChunkKey, Chunk] = {}  # reserved, being made
         self._by_file: dict[int, set[int]] = {}
+        #: Extents that several chunk keys share (a snapshot's clone of a file, :meth:`clone`):
+        #: region offset -> the keys, the extent's *owner* first (the key that had it first).
+        #: Absent for an extent held by one key (the usual case).
+        self._sharers: dict[int, list[ChunkKey]] = {}
         self.used = 0
+        self.copies = 0  # copy-on-write copies made (a metric)
         self.incarnation = (int.from_bytes(os.urandom(8), "big") >> 1) or 1  # 63 bits: fits SQL integers
         if store is not None:
             self.incarnation = store.incarnation
+            first: dict[int, ChunkKey] = {}  # extent -> the first key found at it
             for file_id, index, offset, size in store.chunks():
-                self._alloc.reserve(offset, size)
-                self._chunks[(file_id, index)] = Chunk(offset, size)
+                key = (file_id, index)
+                if offset in first:  # an extent shared with a snapshot's clone
+                    self._sharers.setdefault(offset, [first[offset]]).append(key)
+                else:
+                    first[offset] = key
+                    self._alloc.reserve(offset, size)
+                    self.used += size
+                self._chunks[key] = Chunk(offset, size)
                 self._by_file.setdefault(file_id, set()).add(index)
-                self.used += size
 
     def sync(self) -> None:
         """Make every update applied so far durable (a shard with a data directory and
@@ -379,6 +392,8 @@ class Shard:
             if pending:
                 raise pending
             assert state is not None
+            self._unshare((file_id, chunk_index))
+            self._unshare(skey)
             start = chunk.offset + offset
             optim.apply(op, self.region.view[start : start + n], data,
                         self.region.view[state.offset : state.offset + state.size], chunk_size, offset)
@@ -386,6 +401,7 @@ class Shard:
             self.versions[state.slot] = version  # the state's version follows its chunk's
             return version
         chunk = self._get_or_create(file_id, chunk_index, chunk_size, existing)
+        self._unshare((file_id, chunk_index))
         start = chunk.offset + offset
         if kind == UpdateOp.ASSIGN:
             self.region.view[start : start + n] = data
@@ -488,6 +504,10 @@ class Shard:
             raise
         if pending:
             raise pending
+        for index, _, _, _ in parts:  # copy-on-write first: nothing applied yet if it finds no room
+            self._unshare((file_id, index))
+            if kind.is_optimizer:
+                self._unshare((file_id, optimizers.state_index(index)))
         src = np.frombuffer(data, dtype=np.uint8)
         if kind.is_optimizer:
             assert isinstance(op, Update)
@@ -561,9 +581,97 @@ class Shard:
         if chunk is not None and chunk.size != chunk_size:
             self._drop(file_id, chunk_index)
         chunk = self._get_or_create(file_id, chunk_index, chunk_size)
+        self._unshare((file_id, chunk_index))
         self.region.view[chunk.offset : chunk.offset + chunk_size] = data
         self.versions[chunk.slot] = version
         return version
+
+    # ------------------------------------------------------------ snapshots: shared extents
+    def clone(self, src_file: int, dst_file: int) -> int:
+        """Make every chunk of ``src_file`` here (and its optimizer state) also a chunk of
+        ``dst_file``, sharing the extent: no byte is copied (a snapshot's clone, O(chunks)).
+        The first later update of either key copies the extent (:meth:`_unshare`).
+
+        Returns:
+            How many chunk keys were made (state chunks included).
+
+        Raises:
+            BadRequest: ``dst_file`` already has chunks here, or is ``src_file``. Nothing changed.
+        """
+        if dst_file == src_file or dst_file in self._by_file:
+            raise BadRequest(f"file {dst_file} already has chunks on shard {self.shard_id}: a clone needs a new file id")
+        made = [(dst_file, i, self._chunks[(src_file, i)]) for i in sorted(self._by_file.get(src_file, ()))]
+        if self.store is not None and made:
+            self.store.record_chunks([(f, i, c.offset, c.size) for f, i, c in made])
+        for f, i, c in made:
+            self._chunks[(f, i)] = Chunk(c.offset, c.size)
+            self._sharers.setdefault(c.offset, [(src_file, i)]).append((f, i))
+            self._by_file.setdefault(f, set()).add(i)
+        return len(made)
+
+    def _unshare(self, key: ChunkKey) -> None:
+        """Copy-on-write before ``key``'s chunk changes, when its extent is shared: the extent's
+        owner stays where it is and the others move to a copy of it (bytes and version), so the
+        update reaches ``key`` alone. Written by its owner (the live file under a snapshot),
+        the other keys move; written by another (a writable clone), that key moves alone. A
+        key that moves was shared, and a shared chunk's place is never cached by a client
+        (:class:`irdma.wire.protocol.LocateReply` ``shared``), so no cached one-sided location
+        ever points at bytes that are no longer its chunk's.
+
+        Raises:
+            NoSpace: no free extent for the copy. Nothing changed.
+        """
+        chunk = self._chunks.get(key)
+        if chunk is None or chunk.offset not in self._sharers:
+            return
+        keys = self._sharers[chunk.offset]
+        movers = [k for k in keys if k != key] if key == keys[0] else [key]
+        to = self._alloc.alloc(chunk.size)
+        if to is None:
+            raise NoSpace(f"shard {self.shard_id} is full: {self.used} of {self.capacity} bytes used, no room to"
+                          f" copy a {chunk.size}-byte chunk a snapshot shares (delete a snapshot or add a shard)")
+        self.region.view[to : to + chunk.size] = self.region.view[chunk.offset : chunk.offset + chunk.size]
+        self.versions[to // PAGE] = self.versions[chunk.slot]
+        self.used += chunk.size
+        if self.store is not None:
+            self.store.record_chunks([(f, i, to, chunk.size) for f, i in movers])
+        stay = [k for k in keys if k not in movers]
+        if len(stay) > 1:
+            self._sharers[chunk.offset] = stay
+        else:
+            del self._sharers[chunk.offset]
+        if len(movers) > 1:
+            self._sharers[to] = movers
+        for k in movers:
+            self._chunks[k].offset = to
+        self.copies += 1
+
+    def is_shared(self, chunk: Chunk) -> bool:
+        return chunk.offset in self._sharers
+
+    def has_file(self, file_id: int) -> bool:
+        return file_id in self._by_file
+
+    def file_chunks(self, file_id: int) -> list[tuple[int, int, int, int]]:
+        """Every chunk of ``file_id`` here (optimizer state left out) as ``(file_id, chunk
+        index, chunk size in bytes, version)``, in index order."""
+        out = []
+        for i in sorted(self._by_file.get(file_id, ())):
+            if not optimizers.is_state(i):
+                c = self._chunks[(file_id, i)]
+                out.append((file_id, i, c.size, int(self.versions[c.slot])))
+        return out
+
+    def exclusive_bytes(self, file_id: int) -> tuple[int, int]:
+        """``(bytes held by file_id alone, bytes it shares with other keys)`` on this shard."""
+        alone = shared = 0
+        for i in self._by_file.get(file_id, ()):
+            c = self._chunks[(file_id, i)]
+            if c.offset in self._sharers:
+                shared += c.size
+            else:
+                alone += c.size
+        return alone, shared
 
     def _bump(self, chunk: Chunk) -> int:
         self.versions[chunk.slot] += 1
@@ -602,6 +710,10 @@ class Shard:
             raise BadRequest(f"chunk ({file_id}, {chunk_index}) is not at region offset {region_offset}: locate it again")
         if offset + length > chunk.size:
             raise BadRequest(f"range [{offset}, {offset + length}) leaves the {chunk.size}-byte chunk")
+        if chunk.offset in self._sharers:
+            # the bytes landed in an extent a snapshot shares: a client must stage such writes
+            log.error("an in-place write landed in chunk (%d, %d), which a snapshot shares", file_id, chunk_index)
+            raise BadRequest(f"chunk ({file_id}, {chunk_index}) is shared with a snapshot: stage writes to it")
         return self._bump(chunk)
 
     def punch(self, file_id: int, chunk_index: int, offset: int) -> int:
@@ -618,6 +730,7 @@ class Shard:
         if offset == 0:
             self._drop(file_id, chunk_index)
             return 0
+        self._unshare((file_id, chunk_index))
         self.region.view[chunk.offset + offset : chunk.offset + chunk.size] = bytes(chunk.size - offset)
         return self._bump(chunk)
 
@@ -642,6 +755,14 @@ class Shard:
         idx.discard(chunk_index)
         if not idx:
             del self._by_file[file_id]
+        twin = self._sharers.get(chunk.offset)
+        if twin is not None:  # other keys still hold the extent: only this key goes
+            twin.remove((file_id, chunk_index))
+            if len(twin) < 2:
+                del self._sharers[chunk.offset]
+            if self.store is not None:
+                self.store.unrecord_chunk(file_id, chunk_index)
+            return
         if self.store is not None:
             self.store.drop_chunk(file_id, chunk_index, chunk.offset, chunk.size)
         else:

@@ -8,7 +8,9 @@ Layout of ``--data-dir DIR`` (one directory per shard)::
                  MAP_SHARED; chunk bytes live at their region offset
     versions     the chunk version table: little-endian u64, one slot per 4 KiB page of the
                  region (slot = region offset // 4096), memory-mapped MAP_SHARED
-    chunks.db    the chunk index (SQLite): (file id, chunk index) -> (region offset, size)
+    chunks.db    the chunk index (SQLite): (file id, chunk index) -> (region offset, size);
+                 several keys at one offset share that extent (a snapshot's clone, copied
+                 on the next write: :meth:`irdma.server.shard.Shard.clone`)
 
 Why this layout: the region stays one contiguous mapping of plain memory, so the TCP path
 copies straight into it and RDMA registers it as it did the anonymous region (one-sided
@@ -213,6 +215,29 @@ class ShardStore:
                 if self._db.in_transaction:
                     self._db.execute("ROLLBACK")
                 raise
+
+    def record_chunks(self, chunks: Sequence[tuple[int, int, int, int]]) -> None:
+        """Record chunk keys ``(file id, chunk index, region offset, size)`` at extents whose
+        bytes are already there (a snapshot's clone sharing an extent, or keys moved to a
+        copy-on-write copy), in one transaction; the region is not touched.
+
+        Raises:
+            sqlite3.Error: the index could not be written; nothing was recorded.
+        """
+        with self._db_lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany("INSERT OR REPLACE INTO chunks VALUES (?,?,?,?)", chunks)
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+
+    def unrecord_chunk(self, file_id: int, chunk_index: int) -> None:
+        """Forget one chunk key whose extent other keys still hold (its bytes stay)."""
+        with self._db_lock:
+            self._db.execute("DELETE FROM chunks WHERE file=? AND idx=?", (file_id, chunk_index))
 
     def drop_chunk(self, file_id: int, chunk_index: int, offset: int, size: int) -> None:
         with self._db_lock:

@@ -15,7 +15,7 @@ import pytest
 
 from irdma import _errors as E
 from irdma.meta import ROOT_INO, XATTR_UPDATE, open_meta
-from irdma.meta.base import MetaStore
+from irdma.meta.base import UNLINK_GRACE_S, MetaStore
 
 F = stat.S_IFREG | 0o644
 D = stat.S_IFDIR | 0o755
@@ -288,6 +288,20 @@ def test_sessions_heartbeats_and_reaping(meta: MetaStore) -> None:
         meta.heartbeat(other)
     meta.close_session(sid)
     assert meta.sessions() == []
+
+
+def test_the_unlink_grace_only_rises(meta: MetaStore) -> None:
+    """A mount with a longer entry cache raises it to twice that (irdma.meta.base.UNLINK_GRACE_S);
+    a shorter one leaves it; an unlinked file stays openable for that long."""
+    assert meta.unlink_grace() == UNLINK_GRACE_S
+    assert meta.raise_unlink_grace(1.0) == UNLINK_GRACE_S
+    assert meta.raise_unlink_grace(60.0) == 60.0 and meta.raise_unlink_grace(10.0) == 60.0
+    assert meta.unlink_grace() == 60.0
+    sid = meta.open_session("mount")
+    f = meta.create(ROOT_INO, b"f", F, 0, 0)
+    meta.unlink(ROOT_INO, b"f")
+    assert meta.reclaimable(f.ino) is None and meta.reclaimable(f.ino, grace=False) is not None
+    assert meta.open_inode(sid, f.ino)[0].ino == f.ino
 
 
 # ---------------------------------------------------------------- PostgreSQL only

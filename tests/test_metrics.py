@@ -334,11 +334,15 @@ def test_stats_run_shows_mount_and_shards(mcluster: MetricsCluster, mmnt: str) -
     for sid in mcluster.metrics:
         assert f"shard {sid}" in text
     assert f"mount {os.path.abspath(mmnt)}" in text
-    lines = text.splitlines()
-    for layer, op in (("shard", "total"), ("shard", "write"), ("client", "total"), ("client", "write"),
-                      ("fuse", "total"), ("fuse", "write")):
-        assert any(f" {layer} " in ln and f" {op} " in ln for ln in lines), f"no {layer}/{op} row:\n{text}"
-    assert "128.0 MiB" in text  # held / capacity of a shard
+    # one block per endpoint: its name line, then per layer a total row (named by the layer)
+    # and its op rows (indented)
+    blocks = {b.splitlines()[0].split(":")[0]: b.splitlines() for b in text.split("\n\n")[1:]}
+    mount = blocks[f"mount {os.path.abspath(mmnt)}"]
+    for block, layers in ((blocks[f"shard {min(mcluster.metrics)}"], ("shard",)), (mount, ("client", "fuse"))):
+        for layer in layers:
+            assert any(ln.startswith(layer + " ") for ln in block), f"no {layer} total row:\n{text}"
+        assert any(ln.startswith("  write ") for ln in block), f"no write row:\n{text}"
+    assert "of 128M" in text  # held / capacity of a shard
 
 
 def test_stats_run_names_an_endpoint_that_does_not_answer(tmp_path: object) -> None:

@@ -419,3 +419,12 @@ def test_a_clients_rkeys_stop_working_when_its_connection_ends(vshard: str, vkey
                 n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_snapshots_copy_on_write_on_verbs(vcluster: str) -> None:
+    """fsx with snapshots on verbs: pushes are staged (no in-place RDMA WRITE can reach a chunk a
+    snapshot shares), the live file's cached one-sided places stay right through copy-on-write,
+    and shared chunks are never cached (tests/test_snapshots.py)."""
+    from test_snapshots import fsx_with_snapshots
+
+    assert fsx_with_snapshots(vcluster, "verbs", seed=2) >= 5

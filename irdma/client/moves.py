@@ -64,6 +64,15 @@ if TYPE_CHECKING:
 #: Chunks a move (drain, rebalance) copies at once.
 MOVE_COPIES = 4
 
+#: A move's progress callback: ``(done_bytes, total_bytes, done_items, total_items)``, bytes of
+#: the chunks handled so far (compared, and copied where they differ) and of all to handle, and
+#: the same counted in chunks (:func:`irdma.ops.progress.transfer_progress` shows it).
+MoveProgress = Callable[[int, int, int, int], None]
+
+
+def _no_progress(done_bytes: int, total_bytes: int, done_items: int, total_items: int) -> None:
+    pass
+
 # the client's logger: what a move logs is what the client did
 log = logging.getLogger("irdma.client")
 
@@ -92,12 +101,11 @@ class ShardMoves:
         self._resync_said: dict[int, str] = {}  # the last reason each shard's resync gave, logged once
         self._resyncing: set[int] = set()  # shards a resync in progress waits for (no cycles)
 
-    async def resync_shard(self, shard_id: int, progress: Callable[[int, int], None] = lambda done, total: None,
-                           force: bool = False) -> int:
+    async def resync_shard(self, shard_id: int, progress: MoveProgress | None = None, force: bool = False) -> int:
         """See :meth:`_resync_once`; chunks that wait for in-sync replicas which are reachable
         but catching up themselves are retried once those shards were resynced first."""
         try:
-            return await self._resync_once(shard_id, progress, force)
+            return await self._resync_once(shard_id, progress or _no_progress, force)
         except _ChunksWaiting as exc:
             helped = False
             for sid in sorted(exc.waiting):
@@ -114,9 +122,9 @@ class ShardMoves:
                     self._resyncing.discard(sid)
             if not helped:
                 raise
-            return await self._resync_once(shard_id, progress, force)
+            return await self._resync_once(shard_id, progress or _no_progress, force)
 
-    async def _resync_once(self, shard_id: int, progress: Callable[[int, int], None], force: bool) -> int:
+    async def _resync_once(self, shard_id: int, progress: MoveProgress, force: bool) -> int:
         """Bring a shard that is catching up (``syncing``) level with its chains, then mark it
         up. For every written chunk of a replicated file with a replica there, and every chunk
         of such a file the shard holds (it may have missed a truncate):
@@ -156,7 +164,9 @@ class ShardMoves:
         todo = [(by_ino[ino], idx) for ino, idx in sorted(wanted)
                 if shard_id in self.client.placed(layout_of(by_ino[ino]), idx)[0]]
         copied = 0
-        progress(0, len(todo))
+        total_bytes = sum(layout_of(inode).chunk_size for inode, _ in todo)
+        done_bytes = 0
+        progress(0, total_bytes, 0, len(todo))
         inc = (await self.client.connection(shard_id)).info.incarnation
         # every shard up in this view fences older views from now on (file 0 never exists): an
         # update built on a view without this shard in its chains can land nowhere after this
@@ -221,7 +231,8 @@ class ShardMoves:
                     waiting[s].add(inode.ino)
             # else: it holds every acknowledged update, or every holder lost it (fsck names it;
             # the head, if one is up, holds no up-to-date copy to give)
-            progress(n, len(todo))
+            done_bytes += layout.chunk_size
+            progress(done_bytes, total_bytes, n, len(todo))
         if adopted:
             log.warning("shard %d: %d chunks whose in-sync replicas are gone took this shard's copy (--force-from):"
                         " the updates it missed are lost", shard_id, adopted)
@@ -254,7 +265,7 @@ class ShardMoves:
                         if s != skip and self.client._in_view(s) and r.state not in ("drained", "removed")]:
                 nursery.start_soon(self.client._conn_call, sid, "checksum", 0, 0, view)
 
-    async def drain_shard(self, shard_id: int, progress: Callable[[int, int], None] = lambda done, total: None) -> int:
+    async def drain_shard(self, shard_id: int, progress: MoveProgress | None = None) -> int:
         """Move every chunk off a shard while updates go on, then take it out of every chain
         (``irdma shard drain``; safe to run again after a failure: it resumes).
 
@@ -279,8 +290,7 @@ class ShardMoves:
         await self.client.meta.drain_shard(shard_id)
         return await self.run_move(progress)
 
-    async def rebalance(self, progress: Callable[[int, int], None] = lambda done, total: None,
-                        tolerance: float = 0.1) -> list[tuple[int, int, int]]:
+    async def rebalance(self, progress: MoveProgress | None = None, tolerance: float = 0.1) -> list[tuple[int, int, int]]:
         """Even out the bytes the shards in service hold (``irdma rebalance``): every shard that
         holds more than ``1 + tolerance`` times the mean moves the excess share of its chunks to
         the shards under the mean, one move at a time (as :meth:`drain_shard` does, with
@@ -324,10 +334,13 @@ class ShardMoves:
                 used[s] += int(moved * under[s] / sum(under.values()))
         return done
 
-    async def run_move(self, progress: Callable[[int, int], None] = lambda done, total: None) -> int:
+    async def run_move(self, progress: MoveProgress | None = None) -> int:
         """Carry out the move of chunks in progress in the shard map (see :meth:`drain_shard`):
         fence every shard at its epoch, copy each moving chunk to its target, mark the move
-        done, and free the moved copies on the shard they left. Returns bytes copied."""
+        done, and free the moved copies on the shard they left. Returns bytes copied.
+
+        ``progress`` (:data:`MoveProgress`) is called with 0 done first, then after each chunk."""
+        progress = progress or _no_progress
         await self.client.refresh_view()
         move = next((m for m in self.client._moves if not m.done), None)
         if move is None:
@@ -361,8 +374,9 @@ class ShardMoves:
                 raise InvalidArgument(f"chunk {idx} of file {ino} has a replica on every shard in service:"
                                       f" shard {shard_id} cannot be drained (the drain was cancelled)",
                                       "add a shard first (`irdma shard add`), then drain again")
-        progress(0, len(todo))
-        copied = [0, 0]  # bytes, chunks done
+        total_bytes = sum(layout_of(inode).chunk_size for inode, _, _ in todo)
+        progress(0, total_bytes, 0, len(todo))
+        copied = [0, 0, 0]  # bytes copied, chunks done, bytes of the chunks done
         incs: dict[int, int] = {}
         limit = trio.Semaphore(MOVE_COPIES)
 
@@ -371,7 +385,8 @@ class ShardMoves:
                 n = await self._copy_to_joining(inode, idx, target, view, incs)
             copied[0] += n  # (not `+= await`: that reads the total before the await)
             copied[1] += 1
-            progress(copied[1], len(todo))
+            copied[2] += layout_of(inode).chunk_size
+            progress(copied[2], total_bytes, copied[1], len(todo))
 
         async with open_nursery() as nursery:
             for inode, idx, target in todo:

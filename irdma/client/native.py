@@ -50,6 +50,7 @@ from .._errors import (
     IsADirectory,
     NoAttribute,
     NotFound,
+    ReadOnly,
     ReplicaError,
     ReplicaFailed,
     ShardUnavailable,
@@ -68,9 +69,11 @@ from ..wire.compress import max_elements as compress_max_elements
 from ..wire.extents import move, positions
 from ..wire.protocol import DEFAULT_MAX_PAYLOAD, Chain, ChunkEntry, StatReply, Update, UpdateOp, as_update
 from ..wire.protocol import extents as P_extents
+from . import snapshots as _snaps
 from .cache import ChunkCache
 from .pool import ShardPool
 from .readcache import CachedReads
+from .snapshots import SnapshotInfo
 
 #: Requests in flight per shard connection.
 DEFAULT_WINDOW = 16
@@ -95,6 +98,12 @@ NewChunk = tuple[int, int, int]
 
 log = logging.getLogger("irdma.client")
 _T = TypeVar("_T")
+
+
+def _writable(inode: Inode, path: str) -> None:
+    """Raise ReadOnly (EROFS) for a file of a snapshot, before anything is sent."""
+    if inode.snap:
+        raise ReadOnly(f"{path} is in a snapshot, which is read-only", "write to the live file instead")
 
 
 def layout_of(inode: Inode) -> Layout:
@@ -1134,24 +1143,25 @@ class Client:
                                        "truncate it again")
 
     # ------------------------------------------------------------ admin moves (irdma.client.moves)
-    async def resync_shard(self, shard_id: int, progress: Callable[[int, int], None] = lambda done, total: None,
+    async def resync_shard(self, shard_id: int, progress: Callable[[int, int, int, int], None] | None = None,
                            force: bool = False) -> int:
         """Bring a shard that is catching up level with its chains, then mark it up
-        (:meth:`irdma.client.moves.ShardMoves.resync_shard`). Returns bytes copied."""
+        (:meth:`irdma.client.moves.ShardMoves.resync_shard`). Returns bytes copied; ``progress``:
+        :data:`irdma.client.moves.MoveProgress` ``(done_bytes, total_bytes, done_chunks, total_chunks)``."""
         return await self._admin.resync_shard(shard_id, progress, force)
 
-    async def drain_shard(self, shard_id: int, progress: Callable[[int, int], None] = lambda done, total: None) -> int:
+    async def drain_shard(self, shard_id: int, progress: Callable[[int, int, int, int], None] | None = None) -> int:
         """Move every chunk off a shard while updates go on, then take it out of every chain
         (:meth:`irdma.client.moves.ShardMoves.drain_shard`). Returns bytes copied."""
         return await self._admin.drain_shard(shard_id, progress)
 
-    async def rebalance(self, progress: Callable[[int, int], None] = lambda done, total: None,
+    async def rebalance(self, progress: Callable[[int, int, int, int], None] | None = None,
                         tolerance: float = 0.1) -> list[tuple[int, int, int]]:
         """Even out the bytes the shards in service hold (:meth:`irdma.client.moves.ShardMoves.rebalance`).
         Returns ``(shard moved from, bytes copied, chunks moved)`` of each move made."""
         return await self._admin.rebalance(progress, tolerance)
 
-    async def run_move(self, progress: Callable[[int, int], None] = lambda done, total: None) -> int:
+    async def run_move(self, progress: Callable[[int, int, int, int], None] | None = None) -> int:
         """Carry out the move of chunks in progress in the shard map
         (:meth:`irdma.client.moves.ShardMoves.run_move`). Returns bytes copied."""
         return await self._admin.run_move(progress)
@@ -1227,6 +1237,7 @@ class Client:
         """
         coded = _compression(compress)
         inode = await self.create(path, chunk_size=chunk_size)
+        _writable(inode, path)
         uop = parse_update(op) if isinstance(op, str) else (op if op is not None else parse_update(inode.update_op or "assign"))
         view = _as_bytes_view(data)
         layout = layout_of(inode)
@@ -1419,6 +1430,7 @@ class Client:
                 been applied).
         """
         inode = await self.meta.resolve(path)
+        _writable(inode, path)
         rb, nrows = await self._rows_of(inode, row_len)
         ids_arr = self._row_ids(ids)
         data = np.asarray(rows, dtype="<f4")
@@ -1612,7 +1624,9 @@ class Client:
             InvalidArgument: the file's op is not an optimizer, or the image's size is not this
                 file's (nothing written). NoSpace, ShardUnavailable.
         """
-        layout, op, per, total = await self.state_of(await self.meta.resolve(path))
+        inode = await self.meta.resolve(path)
+        _writable(inode, path)
+        layout, op, per, total = await self.state_of(inode)
         if op is None or len(image) != total:
             raise InvalidArgument(f"{path}: a state image of {total} bytes restores it"
                                   f" ({'its update op is not an optimizer' if op is None else f'not {len(image)}'});"
@@ -1698,6 +1712,7 @@ class Client:
     async def truncate(self, path: str, size: int) -> None:
         """Set a file's size; bytes past the old end read as zeros."""
         inode = await self.meta.resolve(path)
+        _writable(inode, path)
         if size < inode.size:
             await self.meta.setattr(inode.ino, size=size)  # first: the chunk map forgets them
             await self.truncate_data(layout_of(inode), size)
@@ -1717,10 +1732,8 @@ class Client:
 
     async def destroy_later(self, ino: int) -> None:
         """Wait out the unlink grace period, then free the file if nothing holds it open."""
-        from ..meta.base import UNLINK_GRACE_S
-
-        await trio.sleep(UNLINK_GRACE_S + 0.1)
         try:
+            await trio.sleep(await self.meta.unlink_grace() + 0.1)
             await self.destroy_if_unused(ino)
         except IrdmaError as exc:
             log.warning("freeing removed file %d failed (`irdma gc` will): %s", ino, exc)
@@ -1735,6 +1748,30 @@ class Client:
             await self.truncate_data(layout_of(inode), 0)
         await self.meta.delete_inode(ino)
         return True
+
+    # ------------------------------------------------------------ snapshots (irdma.client.snapshots)
+    async def snapshot(self, path: str, name: str, *, keep: int | None = None) -> SnapshotInfo:
+        """Take a consistent, copy-on-write snapshot of file or directory ``path``, readable
+        at ``DIR/.snapshots/NAME`` (:func:`irdma.client.snapshots.create`: errors there)."""
+        return await _snaps.create(self, path, name, keep=keep)
+
+    async def snapshots(self, path: str) -> list[SnapshotInfo]:
+        """The snapshots of ``path`` (a directory, or a file: its directory's), oldest first."""
+        return await _snaps.list_snapshots(self, path)
+
+    async def restore_snapshot(self, path: str, name: str) -> None:
+        """Make ``path`` what its snapshot ``name`` holds again, atomically for readers
+        (:func:`irdma.client.snapshots.restore`: errors there)."""
+        await _snaps.restore(self, path, name)
+
+    async def clone_snapshot(self, path: str, name: str, new_path: str) -> Inode:
+        """A writable copy of snapshot ``name`` of ``path`` at ``new_path``, sharing its chunks
+        until written (:func:`irdma.client.snapshots.clone`)."""
+        return await _snaps.clone(self, path, name, new_path)
+
+    async def delete_snapshot(self, path: str, name: str) -> int:
+        """Delete snapshot ``name`` of ``path``; returns how many files it had (NotFound: none)."""
+        return await _snaps.delete(self, path, name)
 
     async def listdir(self, path: str = "/") -> list[str]:
         return [n.decode() for n, _ in await self.meta.readdir((await self.meta.resolve(path)).ino)]

@@ -189,6 +189,26 @@ class SyncClient:
     def unlink(self, path: str) -> None:
         self._run(self.client.unlink, path)
 
+    def snapshot(self, path: str, name: str, *, keep: int | None = None) -> Any:
+        """:meth:`Client.snapshot`: a consistent, copy-on-write snapshot of ``path``."""
+        return self._run(self.client.snapshot, path, name, keep=keep)
+
+    def snapshots(self, path: str) -> list[Any]:
+        """:meth:`Client.snapshots`: the snapshots of ``path``, oldest first."""
+        return self._run(self.client.snapshots, path)  # type: ignore[no-any-return]
+
+    def restore_snapshot(self, path: str, name: str) -> None:
+        """:meth:`Client.restore_snapshot`."""
+        self._run(self.client.restore_snapshot, path, name)
+
+    def clone_snapshot(self, path: str, name: str, new_path: str) -> Inode:
+        """:meth:`Client.clone_snapshot`."""
+        return self._run(self.client.clone_snapshot, path, name, new_path)  # type: ignore[no-any-return]
+
+    def delete_snapshot(self, path: str, name: str) -> int:
+        """:meth:`Client.delete_snapshot`."""
+        return self._run(self.client.delete_snapshot, path, name)  # type: ignore[no-any-return]
+
     def listdir(self, path: str = "/") -> list[str]:
         return self._run(self.client.listdir, path)  # type: ignore[no-any-return]
 

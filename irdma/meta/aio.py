@@ -66,7 +66,7 @@ def stub() -> str:
         "",
         "from irdma.placement import Move",
         "",
-        "from .base import DamagedFile, Inode, Member, MetaStore, Session, ShardRecord",
+        "from .base import DamagedFile, Inode, Member, MetaStore, Session, ShardRecord, Snapshot",
         "",
         "META_THREADS: int",
         "",

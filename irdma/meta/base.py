@@ -49,6 +49,10 @@ def parse_shape(value: bytes | str) -> tuple[int, ...]:
     if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
         raise ValueError(f"bad {XATTR_SHAPE.decode()} {text!r}: use positive dimensions such as 1000000,256")
     return tuple(int(p) for p in parts)
+#: The name of a directory's snapshots (``D/.snapshots/NAME``, as CephFS's ``.snap``).
+SNAPSHOTS_DIR = b".snapshots"
+#: :attr:`Inode.snap` of a ``.snapshots`` directory.
+SNAPSHOTS_DIR_MARK = -1
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 #: The longest file name (bytes) and symlink target (bytes, PATH_MAX less its NUL).
@@ -72,6 +76,9 @@ class Inode:
     update_op: str | None = None  # files: "assign" | "add"; directories: default or None
     rdev: int = 0  # device number of a character or block device node, else 0
     replicas: int = 1  # files: copies of each chunk, on distinct shards of the stripe
+    #: 0: a live inode. > 0: the id of the snapshot it belongs to (read-only). SNAPSHOTS_DIR_MARK:
+    #: a directory's ``.snapshots`` (hidden from readdir; mkdir/rmdir in it make/delete snapshots).
+    snap: int = 0
 
     @property
     def is_dir(self) -> bool:
@@ -101,6 +108,21 @@ class ShardRecord:
     # the updates it missed: in its chains as the tail, read from only when no replica is up) | "unknown"
     health: str = "unknown"
     health_ns: int = 0
+
+
+@dataclass
+class Snapshot:
+    """A snapshot (:mod:`irdma.meta.sql_snap`): ``dir``'s ``.snapshots/name``, whose tree
+    starts at inode ``root``, a copy of inode ``src`` (``dir`` itself, or a file in it) as it
+    was at ``created_ns`` (nanoseconds since the Unix epoch). ``state``: ``creating`` or ``ready``."""
+
+    id: int
+    dir: int
+    name: bytes
+    root: int
+    src: int
+    created_ns: int
+    state: str
 
 
 @dataclass
@@ -143,7 +165,10 @@ class DamagedFile:
 
 #: Seconds a file that lost its last name stays openable (through a name a kernel cached just
 #: before): a reader on another mount then sees the old content, never ESTALE or zeros. Twice
-#: the mounts' entry cache time. Its chunks are freed only after it.
+#: the mounts' entry cache time: this is the floor, for the default of 1 s; a mount with a
+#: longer ``--entry-cache`` raises the namespace's grace to twice it before it serves
+#: (:meth:`MetaStore.raise_unlink_grace`), so the rule holds for every mount. Its chunks are
+#: freed only after it (:meth:`MetaStore.unlink_grace`).
 UNLINK_GRACE_S = 2.0
 #: Seconds after its last heartbeat that a session counts as dead (sooner for a session of
 #: this host whose process is gone).
@@ -560,6 +585,17 @@ class MetaStore(abc.ABC):
     def reclaimable(self, ino: int, grace: bool = True) -> Inode | None:
         """The inode if it has no name left, no live session holds it open and (with ``grace``)
         its unlink grace period is over; else None."""
+
+    @abc.abstractmethod
+    def unlink_grace(self) -> float:
+        """Seconds a file that lost its last name stays openable: :data:`UNLINK_GRACE_S`, or
+        more where a mount raised it (:meth:`raise_unlink_grace`)."""
+
+    @abc.abstractmethod
+    def raise_unlink_grace(self, seconds: float) -> float:
+        """Make :meth:`unlink_grace` at least ``seconds`` (a mount whose entry cache is longer
+        than half of it calls this before it serves). It never lowers it: a mount that left
+        cannot say whether another still caches names that long. Returns the grace now in force."""
 
     @abc.abstractmethod
     def dead_sessions(self) -> list[Session]:

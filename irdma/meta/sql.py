@@ -78,6 +78,7 @@ from irdma._errors import (
     NotEmpty,
     NotFound,
     NotPermitted,
+    ReadOnly,
 )
 from irdma.placement import DEFAULT_CHUNK_SIZE, check_chunk_size
 from irdma.train import comm, coord
@@ -91,6 +92,7 @@ from .base import (
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,
     ROOT_INO,
+    SNAPSHOTS_DIR_MARK,
     SYMLINK_MAX,
     XATTR_CACHE,
     XATTR_CHUNK_SIZE,
@@ -104,6 +106,7 @@ from .base import (
 )
 from .sql_cluster import SqlCluster
 from .sql_rows import COLS, I_COLS, VIRTUAL, Cursor, check_name, inode_row, now
+from .sql_snap import SqlSnap
 from .sql_sync import SqlSync
 
 log = logging.getLogger("irdma.meta")
@@ -140,7 +143,7 @@ _JOB_XATTRS = {
 }
 
 
-class SqlMeta(SqlCluster, SqlSync, MetaStore):
+class SqlMeta(SqlCluster, SqlSync, SqlSnap, MetaStore):
     """The namespace in an SQL database; a driver subclass supplies the connection and dialect.
 
     Attributes:
@@ -374,6 +377,7 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
         mtime_ns: int | None = None,
     ) -> Inode:
         with self._tx() as c:
+            self._writable(c, ino)
             inode = self._get(c, ino)
             if size is not None:
                 if inode.is_dir:
@@ -405,6 +409,7 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
 
     def extend(self, ino: int, end: int, mtime_ns: int, chunks: tuple[tuple[int, int, int], ...] = ()) -> Inode:
         with self._tx() as c:
+            self._writable(c, ino)
             c.execute(
                 "UPDATE inodes SET size=CASE WHEN size > ? THEN size ELSE ? END, mtime_ns=?, ctime_ns=? WHERE ino=?",
                 (end, end, mtime_ns, mtime_ns, ino),
@@ -424,6 +429,7 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
             except ValueError as exc:
                 raise InvalidArgument(str(exc)) from None
         with self._tx() as c:
+            self._writable(c, parent)
             return self._insert(c, parent, name, mode, uid, gid, chunk_size=chunk_size)
 
     def mknod(self, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int = 0) -> Inode:
@@ -432,6 +438,7 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
         if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
             rdev = 0
         with self._tx() as c:
+            self._writable(c, parent)
             return self._insert(c, parent, name, mode, uid, gid, rdev=rdev)
 
     def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
@@ -440,6 +447,7 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
         if len(target) > SYMLINK_MAX:
             raise NameTooLong(f"symbolic link target of {len(target)} bytes is longer than {SYMLINK_MAX}")
         with self._tx() as c:
+            self._writable(c, parent)
             return self._insert(c, parent, name, stat.S_IFLNK | 0o777, uid, gid, target=target)
 
     def _insert(
@@ -501,6 +509,7 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
     def link(self, ino: int, parent: int, name: bytes) -> Inode:
         check_name(name)
         with self._tx() as c:
+            self._writable(c, ino, parent)
             inode = self._get(c, ino)
             if inode.is_dir:
                 raise NotPermitted(f"inode {ino} is a directory: directories cannot have hard links")
@@ -519,6 +528,7 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
 
     def clear_setid(self, ino: int) -> Inode:
         with self._tx() as c:
+            self._writable(c, ino)
             inode = self._get(c, ino)
             bits = setid_bits(inode.mode)
             if bits:
@@ -532,13 +542,14 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
             raise NotADirectory(f"inode {ino} is not a directory")
         rows = self._db.execute(
             f"SELECT d.name, {I_COLS} FROM dentries d"
-            " JOIN inodes i ON i.ino = d.ino WHERE d.parent=? ORDER BY d.name",
-            (ino,),
+            " JOIN inodes i ON i.ino = d.ino WHERE d.parent=? AND i.snap <> ? ORDER BY d.name",
+            (ino, SNAPSHOTS_DIR_MARK),  # a directory's .snapshots is hidden (as CephFS's .snap)
         ).fetchall()
         return [(bytes(r[0]), inode_row(r[1:])) for r in rows]
 
     def unlink(self, parent: int, name: bytes) -> Inode:
         with self._tx() as c:
+            self._writable(c, parent)
             inode = self._lookup(c, parent, name)
             if inode.is_dir:
                 raise IsADirectory(f"{name.decode(errors='replace')!r} is a directory: use rmdir")
@@ -554,10 +565,11 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
 
     def rmdir(self, parent: int, name: bytes) -> None:
         with self._tx() as c:
+            self._writable(c, parent)
             inode = self._lookup(c, parent, name)
             if not inode.is_dir:
                 raise NotADirectory(f"{name.decode(errors='replace')!r} is not a directory")
-            if c.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (inode.ino,)).fetchone():
+            if not self._emptied(c, inode.ino):
                 raise NotEmpty(f"directory {name.decode(errors='replace')!r} is not empty")
             c.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
             c.execute("DELETE FROM inodes WHERE ino=?", (inode.ino,))
@@ -575,7 +587,10 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
         if flags & RENAME_NOREPLACE and flags & RENAME_EXCHANGE:
             raise InvalidArgument("RENAME_NOREPLACE and RENAME_EXCHANGE exclude each other")
         with self._tx() as c:
+            self._writable(c, parent_old, parent_new)
             src = self._lookup(c, parent_old, name_old)
+            if src.snap:
+                raise ReadOnly(f"{name_old.decode(errors='replace')!r} holds snapshots: it cannot be renamed")
             if not self._get(c, parent_new).is_dir:
                 raise NotADirectory(f"inode {parent_new} is not a directory")
             try:
@@ -600,7 +615,7 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
                 if src.is_dir and not dst.is_dir:
                     raise NotADirectory(f"{name_new.decode(errors='replace')!r} is not a directory")
                 if dst.is_dir:
-                    if c.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (dst.ino,)).fetchone():
+                    if not self._emptied(c, dst.ino):
                         raise NotEmpty(f"directory {name_new.decode(errors='replace')!r} is not empty")
                     c.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent_new, name_new))
                     c.execute("DELETE FROM inodes WHERE ino=?", (dst.ino,))
@@ -673,6 +688,7 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
 
     def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
         with self._tx() as c:
+            self._writable(c, ino)
             inode = self._get(c, ino)
             if name == XATTR_UPDATE:
                 try:
@@ -716,6 +732,7 @@ class SqlMeta(SqlCluster, SqlSync, MetaStore):
 
     def removexattr(self, ino: int, name: bytes) -> None:
         with self._tx() as c:
+            self._writable(c, ino)
             inode = self._get(c, ino)
             if name in VIRTUAL:
                 if not inode.is_dir:
@@ -750,6 +767,7 @@ def _engine_call(fn: _F) -> _F:
 #: the synchronization state's (clocks, members, barriers, locks, counters: on PostgreSQL a
 #: statement needs the call's connection).
 ENGINE_METHODS = sorted((MetaStore.__abstractmethods__ | {"getattr_io"}
-                         | {n for n, f in vars(SqlSync).items() if not n.startswith("_") and callable(f)}) - {"close"})
+                         | {n for n, f in vars(SqlSync).items() if not n.startswith("_") and callable(f)}
+                         | {n for n, f in vars(SqlSnap).items() if not n.startswith("_") and callable(f)}) - {"close"})
 for _name in ENGINE_METHODS:
     setattr(SqlMeta, _name, _engine_call(getattr(SqlMeta, _name)))

@@ -359,7 +359,7 @@ class SqlCluster:
             if got is None:
                 raise Stale(f"inode {ino} was removed")
             inode, io_mode = got
-            if (inode.nlink <= 0 and now() - inode.ctime_ns > UNLINK_GRACE_S * 1e9
+            if (inode.nlink <= 0 and now() - inode.ctime_ns > self._grace_ns(c)
                     and not c.execute("SELECT 1 FROM open_files WHERE sid=? AND ino=?", (sid, ino)).fetchone()):
                 raise Stale(f"inode {ino} has no name left")
             if sid:
@@ -375,6 +375,22 @@ class SqlCluster:
                 return None, False
             return inode, self._reclaimable(c, ino) is not None
 
+    @staticmethod
+    def _grace_ns(c: Cursor) -> int:
+        row = c.execute("SELECT value FROM config WHERE key='unlink_grace_ns'").fetchone()
+        return max(int(UNLINK_GRACE_S * 1e9), int(row[0]) if row else 0)
+
+    def unlink_grace(self) -> float:
+        with self._tx(read_only=True) as c:
+            return self._grace_ns(c) / 1e9
+
+    def raise_unlink_grace(self, seconds: float) -> float:
+        with self._tx() as c:  # one statement: concurrent raises keep the largest
+            c.execute("INSERT INTO config VALUES ('unlink_grace_ns', ?) ON CONFLICT (key) DO UPDATE"
+                      " SET value=excluded.value WHERE CAST(config.value AS BIGINT) < CAST(excluded.value AS BIGINT)",
+                      (str(int(seconds * 1e9)),))
+            return self._grace_ns(c) / 1e9
+
     def reclaimable(self, ino: int, grace: bool = True) -> Inode | None:
         with self._tx(read_only=True) as c:
             return self._reclaimable(c, ino, grace)
@@ -384,7 +400,7 @@ class SqlCluster:
             inode = self._get(c, ino)
         except NotFound:
             return None
-        if inode.nlink > 0 or (grace and now() - inode.ctime_ns <= UNLINK_GRACE_S * 1e9) or self._live_openers(c, ino):
+        if inode.nlink > 0 or (grace and now() - inode.ctime_ns <= self._grace_ns(c)) or self._live_openers(c, ino):
             return None
         return inode
 

@@ -38,7 +38,8 @@ class Cursor(Protocol):
     def executemany(self, sql: str, params: Sequence[Sequence[Any]]) -> Any: ...
 
 
-COLS = "ino, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size, stripe, update_op, rdev, replicas"
+COLS = ("ino, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size, stripe, update_op, rdev, replicas,"
+        " snap")
 #: :data:`COLS` of the inodes table aliased ``i``.
 I_COLS = ", ".join("i." + x.strip() for x in COLS.split(","))
 SHARD_COLS = "id, address, state, added_ns, incarnation, health, health_ns"
@@ -64,7 +65,7 @@ def inode_row(row: Sequence[Any]) -> Inode:
     ino, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size = row[:10]
     return Inode(int(ino), int(mode), int(uid), int(gid), int(size), int(nlink), int(atime_ns), int(mtime_ns),
                  int(ctime_ns), None if chunk_size is None else int(chunk_size), stripe, row[11], int(row[12]),
-                 int(row[13]))
+                 int(row[13]), int(row[14]))
 
 
 def shard_row(row: Sequence[Any]) -> ShardRecord:

@@ -37,7 +37,8 @@ CREATE TABLE IF NOT EXISTS inodes(
     gid INTEGER NOT NULL, size INTEGER NOT NULL DEFAULT 0, nlink INTEGER NOT NULL,
     atime_ns INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL,
     chunk_size INTEGER, stripe TEXT NOT NULL DEFAULT '', update_op TEXT,
-    rdev INTEGER NOT NULL DEFAULT 0, target BLOB);
+    rdev INTEGER NOT NULL DEFAULT 0, target BLOB, replicas INTEGER NOT NULL DEFAULT 1,
+    snap INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS dentries(
     parent INTEGER NOT NULL, name BLOB NOT NULL, ino INTEGER NOT NULL,
     PRIMARY KEY(parent, name));
@@ -59,6 +60,9 @@ CREATE TABLE IF NOT EXISTS moves(
 CREATE TABLE IF NOT EXISTS chunks(
     ino INTEGER NOT NULL, idx INTEGER NOT NULL, shard INTEGER NOT NULL, incarnation INTEGER NOT NULL,
     PRIMARY KEY(ino, idx, shard));
+CREATE TABLE IF NOT EXISTS snapshots(
+    id INTEGER PRIMARY KEY AUTOINCREMENT, dir INTEGER NOT NULL, name BLOB NOT NULL, root INTEGER NOT NULL DEFAULT 0,
+    src INTEGER NOT NULL, created_ns INTEGER NOT NULL, state TEXT NOT NULL, UNIQUE(dir, name));
 """ + SYNC_SCHEMA
 #: Columns added to the shards table since the first schema (added on open where missing).
 _SHARD_COLUMNS = {
@@ -69,7 +73,7 @@ _SHARD_COLUMNS = {
 #: Columns added to the inodes table since the first schema: the device number of a device
 #: node, the target of a symbolic link.
 _INODE_COLUMNS = {"rdev": "INTEGER NOT NULL DEFAULT 0", "target": "BLOB",
-                  "replicas": "INTEGER NOT NULL DEFAULT 1"}
+                  "replicas": "INTEGER NOT NULL DEFAULT 1", "snap": "INTEGER NOT NULL DEFAULT 0"}
 #: Columns added to the moves table since the first schema: the highest inode number when the
 #: move was recorded (it applies to files up to it; NULL, a move recorded before: to every file).
 _MOVE_COLUMNS = {"last_ino": "INTEGER"}

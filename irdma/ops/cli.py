@@ -24,6 +24,7 @@ from .._errors import InvalidArgument, IrdmaError, TransportUnavailable
 from ..transport import TRANSPORTS
 from ..units import format_size, parse_size
 from . import cluster as _cluster
+from . import snapshot_cli
 
 # soft_wrap: a message is one line, however long (paths and commands stay whole for copy and paste;
 # tables still fit the terminal)
@@ -368,31 +369,41 @@ def _listen_error(exc: BaseException, listen: str) -> IrdmaError | None:
 @cli.command()
 @DIR_OPTION
 @click.option("--shards", "-n", default=2, show_default=True, help="Number of shard processes.")
-@click.option("--capacity", default="1GiB", show_default=True, callback=_size, help="Memory region per shard.")
+@click.option("--capacity", default=None, callback=lambda ctx, p, v: None if v is None else _size(ctx, p, v),
+              help="Memory region per shard [default: 1GiB; a restarted shard: its own].")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the shards listen on.")
-@click.option("--transport", type=click.Choice(TRANSPORTS), default="auto", show_default=True)
+@click.option("--transport", type=click.Choice(TRANSPORTS), default=None,
+              help="[default: auto; a restarted shard: its own]")
 @click.option("--fresh", is_flag=True, help="Wipe the namespace and data of a stopped cluster in --dir first.")
-@click.option("--durability", type=click.Choice(["fsync", "memory"]), default="fsync", show_default=True,
-              help="fsync/close wait until the bytes are on disk (fsync) or in the page cache only (memory).")
+@click.option("--durability", type=click.Choice(["fsync", "memory"]), default=None,
+              help="fsync/close wait until the bytes are on disk (fsync) or in the page cache only (memory)."
+                   " [default: fsync; a restarted shard: its own]")
 @click.option("--replicas", "-r", type=click.IntRange(1, 8), default=None,
               help="Copies of each chunk, on distinct shards (new clusters: 2 with 2 or more shards, else 1).")
 @click.option("--metrics", "metrics_addr", default=None, metavar="HOST:PORT",
-              help="Shard N serves Prometheus metrics on HOST:PORT+N (HOST:0: a free port each); see `irdma stats --meta`.")
+              help="Shard N serves Prometheus metrics on HOST:PORT+N (HOST:0: a free port each, kept across"
+                   " restarts; off: none); see `irdma stats --meta`. [default: none; a restarted shard: its own]")
 @click.option("--security", type=click.Choice(["integrity", "auth"]), default=None,
               help="What frame tags cover (kept in the key file; a new cluster: integrity): integrity, every"
                    " byte; auth, every header and control field but not tensor payloads (trusted fabrics;"
                    " faster). See SECURITY.md.")
 @friendly
-def up(cluster_dir: str, shards: int, capacity: int, host: str, transport: str, fresh: bool, durability: str,
-       replicas: int | None, metrics_addr: str | None = None, security: str | None = None) -> None:
+def up(cluster_dir: str, shards: int, capacity: int | None, host: str, transport: str | None, fresh: bool,
+       durability: str | None, replicas: int | None, metrics_addr: str | None = None,
+       security: str | None = None) -> None:
     """Start a local cluster: SQLite metadata in --dir and N shard processes keeping their
     chunks in --dir/shards/ID. On a stopped cluster's --dir, start it again on its data; on a
-    running one, restart just the shards that died and resync them (they missed updates)."""
-    if metrics_addr:
-        from .metrics import SHARD_METRICS_ENV, parse_metrics_address
+    running one, restart just the shards that died and resync them (they missed updates).
+
+    Each shard is started again as it was first started (--metrics, --durability,
+    --transport, kept in --dir/settings.json); an option given here replaces the shard's
+    setting and is kept for the next restarts."""
+    if metrics_addr and metrics_addr != "off":
+        from .metrics import parse_metrics_address
 
         parse_metrics_address(metrics_addr)
-        os.environ[SHARD_METRICS_ENV] = metrics_addr  # the shards it starts inherit it
+    if transport is None and (fresh or not os.path.exists(os.path.join(cluster_dir, "meta.db"))):
+        transport = "auto"  # a new cluster; a restarted shard keeps its own
     with console.status(f"starting shards in {cluster_dir}") as status:
 
         def progress(msg: str) -> None:
@@ -402,7 +413,8 @@ def up(cluster_dir: str, shards: int, capacity: int, host: str, transport: str, 
         missing: _cluster.ShardsNotStarted | None = None
         try:
             url = _cluster.up(cluster_dir, shards, capacity, host=host, transport=transport, fresh=fresh,
-                              durability=durability, replicas=replicas, progress=progress, security=security)
+                              durability=durability, replicas=replicas, progress=progress, security=security,
+                              metrics=metrics_addr)
         except _cluster.ShardsNotStarted as exc:  # the rest runs: resync it, then say what is missing
             missing, url = exc, exc.url
     trio.run(_resync, url, None)
@@ -513,6 +525,15 @@ def run(workers: int, meta_url: str | None, job: str | None, consistency: str | 
 
 
 # ---------------------------------------------------------------- mounts
+def _cache_seconds(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    from irdma.fs.mount import check_cache_seconds
+
+    try:
+        return None if value is None else check_cache_seconds((param.name or "").replace("_", " "), value)
+    except IrdmaError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 @cli.command()
 @click.argument("meta_url")
 @click.argument("mountpoint", type=click.Path(file_okay=False))
@@ -527,6 +548,13 @@ def run(workers: int, meta_url: str | None, job: str | None, consistency: str | 
               " [default: 10].")
 @click.option("--sync-timeout", type=click.FloatRange(min=0, min_open=True, max=86400), default=None,
               help="Seconds a barrier or lock wait of MOUNTPOINT/.irdma may take (ETIMEDOUT after) [default: 60].")
+@click.option("--read-only", is_flag=True, help="Refuse every change (EROFS); the kernel mounts it ro.")
+@click.option("--subdir", metavar="PATH", help="Mount this directory of the namespace (/jobs/x) as the root.")
+@click.option("--attr-cache", type=float, callback=_cache_seconds, metavar="SECONDS",
+              help="Seconds the kernel caches attributes (0 to 3600) [default: 1].")
+@click.option("--entry-cache", type=float, callback=_cache_seconds, metavar="SECONDS",
+              help="Seconds the kernel caches names (0 to 3600; unlinked files stay openable twice as long)"
+              " [default: 1].")
 @METRICS_OPTION
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Keep chunks read in this directory (the disk tier of the local read cache; docs/cache.md).")
@@ -538,17 +566,23 @@ def run(workers: int, meta_url: str | None, job: str | None, consistency: str | 
 def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_file: str | None,
           direct_io: bool, allow_other: bool, timeout: float | None, metrics_addr: str | None = None,
           nonempty: bool = False, sync_timeout: float | None = None,
-          cache_dir: str | None = None, cache_size: str | None = None, cache_memory: str | None = None) -> None:
+          cache_dir: str | None = None, cache_size: str | None = None, cache_memory: str | None = None,
+          **view: Any) -> None:
     """Mount the namespace at META_URL on MOUNTPOINT with FUSE (sqlite:///PATH/meta.db, or
     postgresql://USER@HOST:PORT/DB with the password in ~/.pgpass or $PGPASSFILE, never in the URL:
-    it would show in `ps`)."""
-    from irdma.fs.mount import check_mountpoint, serve_mount, spawn_mount
+    it would show in `ps`). `-o ro,subdir=/x,...` takes an fstab line's options (docs/deploy.md)."""
+    from irdma.fs.mount import check_mountpoint, resolve_subdir, serve_mount, spawn_mount
 
     from ..meta import meta_path, meta_scheme, open_meta
 
     meta = open_meta(meta_url)  # fail here, clearly, if there is no namespace
     shown = meta.url
-    meta.close()
+    try:
+        if view["subdir"] is not None:
+            resolve_subdir(meta, view["subdir"])  # --read-only, --subdir, --attr-cache, --entry-cache
+    finally:
+        meta.close()
+    view = {k: v for k, v in view.items() if v is not None}
     extra: dict[str, Any] = {} if timeout is None else {"request_timeout": timeout}
     extra.update({} if sync_timeout is None else {"sync_timeout": sync_timeout})
     caching: dict[str, Any] = {"cache_dir": cache_dir, "cache_size": cache_size, "cache_memory": cache_memory}
@@ -561,7 +595,7 @@ def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_
         timeouts["cache"] = make_cache(cache_dir, cache_size, cache_memory)
         trio.run(functools.partial(serve_mount, meta_url, check_mountpoint(mountpoint, nonempty=nonempty),
                                    transport=transport, direct_io=direct_io, allow_other=allow_other,
-                                   metrics=metrics_addr, **timeouts))
+                                   metrics=metrics_addr, **timeouts, **view))
         return
     name = f"mount-{os.path.basename(os.path.abspath(mountpoint))}.log"
     if log_file is None and meta_scheme(meta_url) == "sqlite":
@@ -571,7 +605,7 @@ def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_
         log_file = os.path.join(_cluster.default_dir(), name)
     with console.status(f"mounting {shown} on {mountpoint}"):
         pid = spawn_mount(meta_url, mountpoint, transport=transport, log_file=log_file, direct_io=direct_io,
-                          allow_other=allow_other, metrics=metrics_addr, nonempty=nonempty, **extra,
+                          allow_other=allow_other, metrics=metrics_addr, nonempty=nonempty, **extra, **view,
                           **caching)
     console.print(f"mounted on {os.path.abspath(mountpoint)} (pid {pid}, log {log_file}); `irdma umount {mountpoint}` to stop.",
                   highlight=False, soft_wrap=True)
@@ -588,8 +622,10 @@ def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_
 @friendly
 def stats_cmd(mountpoints: tuple[str, ...], meta_url: str | None, endpoints: tuple[str, ...], interval: float,
               count: int | None) -> None:
-    """Show mounts' and shards' metrics live (as `juicefs stats`): requests/s by op, MB/s pulled
-    and pushed, p50/p99 latency, errors, in flight, bytes held. They must run with --metrics."""
+    """Show mounts' and shards' metrics live (as `juicefs stats`): per endpoint its cpu, memory
+    and bytes held, and per layer and op: ops/s, MiB/s pulled and pushed, p50/p99 latency in
+    ms, errors/s, requests in flight. Fits 80 columns; wider terminals show more. The
+    processes must run with --metrics."""
     from . import stats as stats_mod
 
     if not (mountpoints or meta_url or endpoints):
@@ -705,11 +741,10 @@ async def _status(meta_url: str) -> _StatusView:
 
 
 async def _resync(meta_url: str, only: list[int] | None) -> int:
-    """Resync the shards that are catching up (``only``: these), with a progress bar each;
-    returns how many failed."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
+    """Resync the shards that are catching up (``only``: these), with a progress bar each
+    (bytes of the chunks compared, rate, time left, chunks); returns how many failed."""
     from ..client.native import Client
+    from .progress import transfer_progress
 
     failed = 0
     async with Client.open(meta_url, transport="tcp") as client:
@@ -719,13 +754,7 @@ async def _resync(meta_url: str, only: list[int] | None) -> int:
         todo = [rec.shard_id for rec, st, _ in stats if st is not None and rec.state not in ("drained", "removed")
                 and (rec.health == "syncing" if only is None else rec.shard_id in only)]
         for sid in todo:
-            with Progress(TextColumn(f"resync shard {sid}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                          console=console, transient=True) as bar:
-                task = bar.add_task("chunks", total=None)
-
-                def step(done: int, total: int, bar: Progress = bar, task: Any = task) -> None:
-                    bar.update(task, completed=done, total=total)
-
+            with transfer_progress(f"resync shard {sid}", console=console) as step:
                 try:
                     copied = await client.resync_shard(sid, step)
                 except IrdmaError as exc:
@@ -753,16 +782,12 @@ async def _adoptable(meta_url: str, shard_id: int) -> list[Any]:
 
 
 async def _force_resync(meta_url: str, shard_id: int) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     from ..client.native import Client
+    from .progress import transfer_progress
 
     async with Client.open(meta_url, transport="tcp") as client:
-        with Progress(TextColumn(f"resync shard {shard_id} (forced)"), BarColumn(), MofNCompleteColumn(),
-                      TimeRemainingColumn(), console=console, transient=True) as bar:
-            task = bar.add_task("chunks", total=None)
-            return await client.resync_shard(
-                shard_id, lambda done, total: bar.update(task, completed=done, total=total), force=True)
+        with transfer_progress(f"resync shard {shard_id} (forced)", console=console) as step:
+            return await client.resync_shard(shard_id, step, force=True)
 
 
 @shard.command("resync")
@@ -815,15 +840,12 @@ def shard_resync(shard_ids: tuple[int, ...], meta_url: str, force_from: int | No
 
 
 async def _drain(meta_url: str, shard_id: int) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     from ..client.native import Client
+    from .progress import transfer_progress
 
     async with Client.open(meta_url, transport="tcp") as client:
-        with Progress(TextColumn(f"drain shard {shard_id}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                      console=console, transient=True) as bar:
-            task = bar.add_task("chunks", total=None)
-            return await client.drain_shard(shard_id, lambda done, total: bar.update(task, completed=done, total=total))
+        with transfer_progress(f"drain shard {shard_id}", console=console) as step:
+            return await client.drain_shard(shard_id, step)
 
 
 @shard.command("drain")
@@ -865,16 +887,12 @@ def shard_remove(shard_id: int, meta_url: str, force: bool) -> None:
 
 
 async def _rebalance(meta_url: str, tolerance: float) -> tuple[list[tuple[int, int, int]], list[Any]]:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     from ..client.native import Client
+    from .progress import transfer_progress
 
     async with Client.open(meta_url, transport="tcp") as client:
-        with Progress(TextColumn("rebalance"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                      console=console, transient=True) as bar:
-            task = bar.add_task("chunks", total=None)
-            moves = await client.rebalance(lambda done, total: bar.update(task, completed=done, total=total),
-                                           tolerance)
+        with transfer_progress("rebalance", console=console) as step:
+            moves = await client.rebalance(step, tolerance)
         return moves, await client.shard_stats()
 
 
@@ -1378,11 +1396,14 @@ def gc(meta_url: str, dry_run: bool) -> None:
     session holds open: a crashed writer's). --dry-run reports exactly what a run frees."""
     from ..client.native import Client
     from .fsck import collect_garbage
+    from .progress import transfer_progress
 
     async def run() -> Any:
         async with Client.open(meta_url, transport="tcp") as client:
-            with console.status("collecting") as st:
-                return await collect_garbage(client, dry_run=dry_run, progress=lambda msg: st.update(msg))
+            # the scan's phases as the label; then bytes and items (orphaned files, leaked chunks) freed
+            with transfer_progress("gc: collecting", unit="items", console=console, final_line=not dry_run) as step:
+                return await collect_garbage(client, dry_run=dry_run, progress=lambda msg: step.describe(f"gc: {msg}"),
+                                             step=step)
 
     rep = trio.run(run)
     verb = "would free" if dry_run else "freed"
@@ -1508,6 +1529,50 @@ def format_(url: str | None, meta_url: str, replicas: int | None) -> None:
     console.print(f"namespace {shown}; cluster key {key_file} (cluster {ring.cluster_hex}): start shards"
                   f" with `irdma server --listen HOST:PORT --meta URL --data-dir DIR --key-file {key_file}`",
                   highlight=False, soft_wrap=True)
+
+
+# ---------------------------------------------------------------- metadata backup and migration
+_PROGRESS_OPTION = click.option("--progress/--no-progress", default=None,
+                                help="Progress bars on standard error [default: when it is a terminal].")
+_QUIET_OPTION = click.option("--quiet", "-q", is_flag=True, help="No progress and no summary line.")
+
+
+@cli.command("dump")
+@click.argument("meta_url")
+@click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
+@_PROGRESS_OPTION
+@_QUIET_OPTION
+@friendly
+def dump_cmd(meta_url: str, file: str, progress: bool | None, quiet: bool) -> None:
+    """Back up the metadata at META_URL to FILE (JSON; - for standard output; .gz: gzipped).
+
+    One consistent snapshot of every persistent table (namespace, xattrs, symlinks, chunk
+    maps, shard map, settings, job coordination state, id counters), streamed; writers may go
+    on. Not in a dump: the shards' bytes, the cluster key file, sessions. Restore or migrate
+    with `irdma load URL FILE` (SQLite <-> PostgreSQL either way).
+    """
+    from .dumpload import dump_file
+
+    dump_file(meta_url, file, progress=progress, quiet=quiet, console=console)
+
+
+@cli.command("load")
+@click.argument("meta_url")
+@click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
+@_PROGRESS_OPTION
+@_QUIET_OPTION
+@friendly
+def load_cmd(meta_url: str, file: str, progress: bool | None, quiet: bool) -> None:
+    """Restore the metadata `irdma dump` wrote to FILE (- for standard input) into META_URL.
+
+    META_URL must hold no namespace yet: a new SQLite file (made here), an empty PostgreSQL
+    database, or a namespace `irdma format` just made; anything else is refused, unchanged.
+    The load is one transaction: on any error nothing is changed. Then start the shards on
+    their data directories with --meta META_URL and the cluster's key file.
+    """
+    from .dumpload import load_file
+
+    load_file(meta_url, file, progress=progress, quiet=quiet, console=console)
 
 
 # ---------------------------------------------------------------- the cost model
@@ -1787,37 +1852,41 @@ def _add_key_file_options(group: click.Group) -> None:
 _add_key_file_options(cli)
 
 
-#: fstab options (mount.fuse3 passes them as ``-o a,b=c``) that `irdma mount` takes; the
-#: kernel's and mount(8)'s own (rw, nosuid, _netdev, noauto, x-systemd.*, ...) are left out.
-_FSTAB_OPTIONS = {"key_file": "--key-file", "transport": "--transport", "timeout": "--timeout",
-                  "log_file": "--log-file", "allow_other": "--allow-other", "direct_io": "--direct-io",
-                  "sync_timeout": "--sync-timeout",
-                  "nonempty": "--nonempty"}
-
-
 def fstab_args(argv: list[str]) -> list[str] | None:
     """``irdma URL MOUNTPOINT [-o OPTIONS]``, as mount.fuse3 runs the program of an fstab line of
-    type ``fuse.irdma``, as the arguments of `irdma mount`; None for any other command line."""
+    type ``fuse.irdma``, as the arguments of `irdma mount` (:func:`irdma.ops.fstab.mount_args`),
+    and ``irdma mount ... -o OPTIONS`` with the options as flags; None for any other command line.
+
+    Raises:
+        MountOptionError: an option irdma does not know.
+    """
+    from .fstab import mount_args
+
+    if argv[:1] == ["mount"] and "-o" in argv[1:-1]:
+        rest, flags = [], []
+        for i, arg in enumerate(argv):
+            if arg == "-o" and i + 1 < len(argv):
+                flags += mount_args("", "", argv[i + 1])[3:]
+            elif i == 0 or argv[i - 1] != "-o":
+                rest.append(arg)
+        return rest + flags
     if len(argv) < 2 or ("://" not in argv[0] and not argv[0].endswith(".db")) or argv[0].startswith("-"):
         return None
-    args = ["mount", argv[0], argv[1]]
-    rest = argv[2:]
-    while rest:
-        if rest[0] == "-o" and len(rest) > 1:
-            for opt in rest[1].split(","):
-                name, _, value = opt.partition("=")
-                flag = _FSTAB_OPTIONS.get(name.replace("-", "_"))
-                if flag is not None:
-                    args += [flag] + ([value] if value else [])
-            rest = rest[2:]
-        else:
-            rest = rest[1:]
-    return args
+    options = [argv[i + 1] for i in range(2, len(argv) - 1) if argv[i] == "-o"]
+    return mount_args(argv[0], argv[1], ",".join(options))
+
+
+cli.add_command(snapshot_cli.group(META_OPTION, friendly, console, out))
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    cli.main(args=fstab_args(argv) or argv, prog_name="irdma")
+    try:
+        args = fstab_args(argv) or argv
+    except IrdmaError as exc:
+        console.print(f"error: {escape(str(exc))}", highlight=False)
+        sys.exit(1)
+    cli.main(args=args, prog_name="irdma")
 
 
 if __name__ == "__main__":

@@ -2,11 +2,13 @@
 
 ``irdma up``, ``irdma down`` and ``irdma destroy`` are built on :func:`up`, :func:`down` and
 :func:`destroy`. The directory holds ``meta.db`` (the namespace and the shard map),
-``cluster.json`` (pids and addresses), ``shards/ID/`` (each shard's data directory: its
+``cluster.json`` (pids and addresses of the running shards), ``settings.json`` (how each shard
+is started: see :class:`ShardSettings`), ``shards/ID/`` (each shard's data directory: its
 chunks in memory-mapped files, see :mod:`irdma.server.store`) and ``logs/``. ``down`` stops
 the shards and keeps everything; ``up`` on the same directory starts them again on their data
-(every file comes back bit-exact), and on a running cluster restarts just the shards that
-died; ``destroy`` removes the data.
+(every file comes back bit-exact) with the settings they had (metrics address, durability,
+transport; an option given to that ``up`` replaces the setting and is remembered), and on a
+running cluster restarts just the shards that died; ``destroy`` removes the data.
 
 ``up`` never destroys or replaces data: it restarts only shards it started (their data
 directory is ``shards/ID/``), leaves alone every shard that answers the handshake (a shard
@@ -40,6 +42,13 @@ from ..wire.auth import KEY_FILE_ENV, KEY_FILE_NAME, KeyRing, create_key_file, r
 from ._proc import last_log_line, pid_alive, spawn_detached
 
 STATE_FILE = "cluster.json"
+#: How each shard ``irdma up`` started is started again (:class:`ShardSettings`), by shard id.
+SETTINGS_FILE = "settings.json"
+#: What ``up`` uses for a setting neither recorded nor given.
+DEFAULT_TRANSPORT = "tcp"
+DEFAULT_DURABILITY = "fsync"
+#: A new cluster's capacity per shard when none is given (bytes).
+DEFAULT_CAPACITY = 1 << 30
 #: Command lines of shards started by hand (not by ``irdma up``) seen running, by shard id.
 HAND_FILE = "hand_started.json"
 #: Seconds ``up`` waits for the handshake of a shard it did not start.
@@ -56,6 +65,76 @@ class ShardProc:
     pid: int
     log: str
     create_time: float | None = None
+
+
+@dataclass
+class ShardSettings:
+    """How ``up`` starts a shard, kept in ``settings.json`` so that a restart (``irdma down``
+    then ``irdma up``, or ``up`` after a crash) starts it as it was. Each is the ``irdma
+    server`` option of the same name.
+
+    Attributes:
+        transport: ``tcp``, ``verbs`` or ``auto``.
+        durability: ``fsync`` or ``memory``.
+        metrics: ``HOST:PORT`` of its Prometheus endpoint (a fixed port, chosen when it was
+            first started with one), or None for none.
+        capacity: bytes of its memory region (fixed when its data directory was made: the
+            directory's ``shard.json`` holds it too).
+        data_dir: its data directory (absolute).
+    """
+
+    transport: str
+    durability: str
+    metrics: str | None
+    capacity: int | None
+    data_dir: str
+
+
+def read_settings(cluster_dir: str) -> dict[int, ShardSettings]:
+    """The recorded settings of the shards ``up`` started in ``cluster_dir``, by shard id
+    (empty for a cluster made before they were recorded: ``up`` uses its defaults then).
+
+    Raises:
+        IrdmaError: ``settings.json`` is there but unreadable or not what ``up`` writes.
+    """
+    path = os.path.join(cluster_dir, SETTINGS_FILE)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return {int(k): ShardSettings(**v) for k, v in data["shards"].items()}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise IrdmaError(f"cannot read the shards' settings {path}: {exc}",
+                         f"remove {path}: `irdma up` then starts the shards with the options it is given") from None
+
+
+def _write_settings(cluster_dir: str, settings: dict[int, ShardSettings]) -> None:
+    tmp = os.path.join(cluster_dir, SETTINGS_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"format": 1, "shards": {str(k): asdict(v) for k, v in sorted(settings.items())}}, f, indent=1)
+    os.replace(tmp, os.path.join(cluster_dir, SETTINGS_FILE))
+
+
+def _metrics_of(base: str | None, shard_id: int) -> str | None:
+    """The metrics address shard ``shard_id`` gets from ``up --metrics base``: ``HOST:PORT+ID``,
+    or a free port of HOST now (so that it is recorded and the same after a restart) when PORT
+    is 0; None for ``off`` or None.
+
+    Raises:
+        InvalidArgument: ``base`` is not HOST:PORT, or PORT+ID is past 65535.
+    """
+    from .metrics import format_host, parse_metrics_address
+
+    if base is None or base == "off":
+        return None
+    host, port = parse_metrics_address(base)
+    if port == 0:
+        return format_host(f"{host}:{_free_port(host)}")
+    if port + shard_id > 65535:
+        raise InvalidArgument(f"shard {shard_id} would serve metrics on port {port + shard_id} (> 65535)",
+                              "pass `irdma up --metrics` a lower port")
+    return format_host(f"{host}:{port + shard_id}")
 
 
 class ShardsNotStarted(IrdmaError):
@@ -213,19 +292,32 @@ def shard_dir(cluster_dir: str, shard_id: int) -> str:
 def up(
     cluster_dir: str,
     shards: int,
-    capacity: int,
+    capacity: int | None = None,
     *,
     host: str = "127.0.0.1",
-    transport: str = "tcp",
+    transport: str | None = None,
     fresh: bool = False,
-    durability: str = "fsync",
+    durability: str | None = None,
     replicas: int | None = None,
     progress: Callable[[str], None] = lambda msg: None,
     timeout: float = 60.0,
     security: str | None = None,
+    metrics: str | None = None,
 ) -> str:
     """Start a local cluster, or start again the shards of one in ``cluster_dir`` that are not
     running (on their data); returns its metadata URL.
+
+    Each shard's settings are recorded in ``settings.json`` (:class:`ShardSettings`); a shard
+    started again gets its recorded ones, except those given here (not None), which replace
+    them (and are recorded). Shards that run are left alone: what is given applies to them the
+    next time ``up`` starts them. A new cluster takes what is given, else ``transport``
+    :data:`DEFAULT_TRANSPORT`, ``durability`` :data:`DEFAULT_DURABILITY`, no metrics.
+
+    ``capacity``: bytes per shard of a new cluster (None: :data:`DEFAULT_CAPACITY`); on a
+    restart None, or the shards' own (fixed when their data directories were made).
+
+    ``metrics``: ``HOST:PORT``: shard N serves Prometheus metrics at ``HOST:PORT+N`` (PORT 0:
+    a free port each, chosen now and kept); ``off``: none from now on.
 
     ``security``: the level written in the cluster's key file (:data:`irdma.wire.auth.SECURITY_LEVELS`;
     None keeps the file's, ``integrity`` for a new one).
@@ -243,7 +335,11 @@ def up(
         IrdmaError: every shard of the cluster in ``cluster_dir`` already runs, or a shard did
             not start (the message names its log).
     """
-    check_up_args(cluster_dir, shards, capacity, host)
+    from .metrics import parse_metrics_address
+
+    check_up_args(cluster_dir, shards, DEFAULT_CAPACITY if capacity is None else capacity, host)
+    if metrics is not None and metrics != "off":
+        parse_metrics_address(metrics)  # a bad address fails before anything starts
     if replicas is not None and not 1 <= replicas <= min(8, shards):
         raise InvalidArgument(f"--replicas {replicas} must be 1 to {min(8, shards)} (at most --shards)",
                               "each replica of a chunk lives on a distinct shard")
@@ -258,7 +354,10 @@ def up(
         if replicas is not None:
             with contextlib.closing(open_meta(meta_path)) as m:
                 m.set_replicas(replicas)
-        return _restart(cluster_dir, transport, durability, progress, timeout, security)
+        given: dict[str, object] = {"transport": transport, "durability": durability, "capacity": capacity,
+                                    "metrics": metrics}
+        return _restart(cluster_dir, given, progress, timeout, security)
+    capacity = DEFAULT_CAPACITY if capacity is None else capacity
     try:
         fresh_dir = not os.path.exists(cluster_dir)
         os.makedirs(os.path.join(cluster_dir, "logs"), exist_ok=True)
@@ -272,11 +371,16 @@ def up(
     procs: list[ShardProc] = []
     try:
         meta.set_replicas(replicas if replicas is not None else min(2, shards))
+        settings: dict[int, ShardSettings] = {}
         for _ in range(shards):
             address = f"{host}:{_free_port(host)}"
             rec = meta.add_shard(address)
-            procs.append(_spawn(cluster_dir, rec.shard_id, address, transport, durability, capacity))
-            progress(f"started shard {procs[-1].shard_id} on {address} (pid {procs[-1].pid})")
+            st = settings[rec.shard_id] = ShardSettings(
+                transport or DEFAULT_TRANSPORT, durability or DEFAULT_DURABILITY, _metrics_of(metrics, rec.shard_id),
+                capacity, shard_dir(cluster_dir, rec.shard_id))
+            procs.append(_spawn(cluster_dir, rec.shard_id, address, st, capacity))
+            progress(f"started shard {procs[-1].shard_id} on {address} (pid {procs[-1].pid}{_described(st)})")
+        _write_settings(cluster_dir, settings)
         _write_state(cluster_dir, procs)
         _wait_all(procs, timeout, progress, key_file)
     except BaseException:
@@ -309,14 +413,22 @@ def _ensure_key(cluster_dir: str, progress: Callable[[str], None], security: str
     return path
 
 
-def _spawn(cluster_dir: str, shard_id: int, address: str, transport: str, durability: str,
-           capacity: int | None) -> ShardProc:
+def _described(st: ShardSettings) -> str:
+    """``, durability memory, metrics HOST:PORT``: what ``up`` says of a shard it starts."""
+    return f", transport {st.transport}, durability {st.durability}" + (f", metrics {st.metrics}" if st.metrics else "")
+
+
+def _spawn(cluster_dir: str, shard_id: int, address: str, st: ShardSettings, capacity: int | None) -> ShardProc:
+    """Start ``irdma server`` for shard ``shard_id`` with settings ``st`` (``capacity``: for a
+    new data directory; None: the directory's own)."""
     log = os.path.abspath(os.path.join(cluster_dir, "logs", f"shard-{shard_id}.log"))
-    args = ["-m", "irdma.ops.cli", "server", "--listen", address, "--shard-id", str(shard_id), "--transport", transport,
-            "--data-dir", shard_dir(cluster_dir, shard_id), "--durability", durability,
+    args = ["-m", "irdma.ops.cli", "server", "--listen", address, "--shard-id", str(shard_id),
+            "--transport", st.transport, "--data-dir", st.data_dir, "--durability", st.durability,
             "--key-file", key_file_of(cluster_dir)]  # the path only: the key is never on a command line
     if capacity is not None:
         args += ["--capacity", str(capacity)]
+    if st.metrics:
+        args += ["--metrics", st.metrics]
     pid = spawn_detached(args, log)
     try:
         started: float | None = psutil.Process(pid).create_time()
@@ -337,10 +449,11 @@ def _wait_all(procs: list[ShardProc], timeout: float, progress: Callable[[str], 
         progress(f"shard {p.shard_id} answers on {p.address}")
 
 
-def _restart(cluster_dir: str, transport: str, durability: str, progress: Callable[[str], None],
+def _restart(cluster_dir: str, given: dict[str, object], progress: Callable[[str], None],
              timeout: float, security: str | None = None) -> str:
     """Start again every shard of the shard map that ``up`` started and that is not running, on
-    its data directory; leave alone every shard that answers; name the command for the others."""
+    its data directory, with its recorded settings and those ``given`` (not None) instead;
+    leave alone every shard that answers; name the command for the others."""
     meta_url = meta_url_of(cluster_dir)
     meta = open_meta(os.path.join(cluster_dir, "meta.db"))
     try:
@@ -363,18 +476,27 @@ def _restart(cluster_dir: str, transport: str, durability: str, progress: Callab
     if not dead and not lost:
         raise IrdmaError(f"a cluster already runs in {cluster_dir} (all {len(records)} shards)",
                          f"irdma status --meta {meta_url}; `irdma down --dir {cluster_dir}` stops it")
+    settings = read_settings(cluster_dir)
+    new = {r.shard_id: _settings_for(cluster_dir, r.shard_id, settings.get(r.shard_id), given) for r in dead}
+    if any(given[k] is not None for k in ("transport", "durability", "metrics")):
+        for sid in sorted(running):  # kept for their next start
+            new[sid] = _settings_for(cluster_dir, sid, settings.get(sid), given)
+            progress(f"shard {sid} runs: left as it is (the options given apply when `irdma up` starts it again)")
     os.makedirs(os.path.join(cluster_dir, "logs"), exist_ok=True)
     procs: list[ShardProc] = []
     try:
         for r in dead:
-            procs.append(_spawn(cluster_dir, r.shard_id, r.address, transport, durability, None))
-            progress(f"restarted shard {r.shard_id} on {r.address} from {shard_dir(cluster_dir, r.shard_id)}"
-                     f" (pid {procs[-1].pid})")
+            st = new[r.shard_id]
+            procs.append(_spawn(cluster_dir, r.shard_id, r.address, st, None))
+            progress(f"restarted shard {r.shard_id} on {r.address} from {st.data_dir}"
+                     f" (pid {procs[-1].pid}{_described(st)})")
         _write_state(cluster_dir, sorted([*running.values(), *procs], key=lambda p: p.shard_id))
         _wait_all(procs, timeout, progress, key_file)
     except BaseException:
         _stop(procs, 10.0)
         raise
+    settings.update(new)  # once they run: a setting that kept a shard from starting is not kept
+    _write_settings(cluster_dir, settings)
     if lost:
         commands = "; ".join(f"shard {r.shard_id}: `{start_command(cluster_dir, r.shard_id, r.address, hand)}`"
                              for r in lost)
@@ -481,8 +603,48 @@ def start_command(cluster_dir: str, shard_id: int, address: str,
             f" {key_file_of(cluster_dir)} --data-dir ITS_DATA_DIR")
 
 
+def _stored_capacity(data_dir: str) -> int | None:
+    """The capacity (bytes) the shard's data directory was made with (its ``shard.json``, see
+    :mod:`irdma.server.store`), or None when it has none or it cannot be read (the shard says why
+    when it starts)."""
+    try:
+        with open(os.path.join(data_dir, "shard.json")) as f:
+            return int(json.load(f)["capacity"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _settings_for(cluster_dir: str, shard_id: int, recorded: ShardSettings | None,
+                  given: dict[str, object]) -> ShardSettings:
+    """The settings shard ``shard_id`` restarts with: ``recorded`` (or the defaults, for a
+    cluster made before settings were recorded), with what is ``given`` (not None) instead.
+
+    Raises:
+        InvalidArgument: a capacity given that is not the shard's own (its data directory was
+            made with it); a bad metrics address.
+    """
+    from irdma.server.shard import PAGE
+
+    st = recorded or ShardSettings(DEFAULT_TRANSPORT, DEFAULT_DURABILITY, None, None, shard_dir(cluster_dir, shard_id))
+    st = ShardSettings(**asdict(st))
+    own = _stored_capacity(st.data_dir)
+    if own is not None:
+        st.capacity = own
+    cap = given.get("capacity")
+    if isinstance(cap, int) and own is not None and cap - cap % PAGE != own:
+        raise InvalidArgument(f"shard {shard_id} holds {own} bytes of capacity (its data directory {st.data_dir} was"
+                              f" made so), not {cap}", "leave out --capacity: a shard restarts with its own")
+    if given.get("transport") is not None:
+        st.transport = str(given["transport"])
+    if given.get("durability") is not None:
+        st.durability = str(given["durability"])
+    if given.get("metrics") is not None:
+        st.metrics = _metrics_of(str(given["metrics"]), shard_id)
+    return st
+
+
 def _remove_namespace(cluster_dir: str) -> None:
-    for name in ("meta.db", "meta.db-wal", "meta.db-shm", STATE_FILE, KEY_FILE_NAME, HAND_FILE):
+    for name in ("meta.db", "meta.db-wal", "meta.db-shm", STATE_FILE, KEY_FILE_NAME, HAND_FILE, SETTINGS_FILE):
         path = os.path.join(cluster_dir, name)
         if os.path.exists(path):
             os.unlink(path)

@@ -47,7 +47,7 @@ import trio
 
 from .._errors import IrdmaError, NotFound, ShardUnavailable
 from ..client.native import Client, layout_of
-from ..meta.base import UNLINK_GRACE_S, DamagedFile, Session, ShardRecord
+from ..meta.base import DamagedFile, Session, ShardRecord
 
 #: The incarnation of a chunk-map row out of its chunk's in-sync set
 #: (:data:`irdma.meta.base.OUT_OF_SYNC`).
@@ -85,6 +85,7 @@ class Report:
     sessions: list[Session] = field(default_factory=list)  # dead sessions
     orphans: list[int] = field(default_factory=list)  # inode numbers
     orphan_bytes: int = 0  # their sizes
+    orphan_sizes: dict[int, int] = field(default_factory=dict)  # inode number -> its size (bytes)
     leaked: list[tuple[int, int, int, int]] = field(default_factory=list)  # (shard, file, chunk, bytes)
     unreachable: list[tuple[int, str]] = field(default_factory=list)  # (shard, why) in service, not scanned
     retired: list[int] = field(default_factory=list)  # shards drained or removed (not scanned)
@@ -313,7 +314,7 @@ async def scan(client: Client, *, chunks: bool = True, reads: bool = True,
     rep.sessions = await meta.dead_sessions()
     held = await _held_open(client, {s.sid for s in rep.sessions})
     files = await meta.file_sizes() if chunks or held is None else {}
-    grace_ns = int(UNLINK_GRACE_S * 1e9)
+    grace_ns = int(await meta.unlink_grace() * 1e9)
     for inode in await meta.orphans():
         if held is not None:
             if inode.nlink > 0 or time.time_ns() - inode.ctime_ns <= grace_ns or inode.ino in held:
@@ -322,6 +323,7 @@ async def scan(client: Client, *, chunks: bool = True, reads: bool = True,
             continue
         rep.orphans.append(inode.ino)
         rep.orphan_bytes += inode.size
+        rep.orphan_sizes[inode.ino] = inode.size
     if reads:
         progress("checking that every written chunk can be read")
         rep.damaged, rep.waiting, rep.missing = await readability(client, stats, listed if chunks else None)
@@ -346,11 +348,17 @@ async def scan(client: Client, *, chunks: bool = True, reads: bool = True,
 async def collect_garbage(
     client: Client, *, dry_run: bool = False, leaked_chunks: bool = True,
     progress: Callable[[str], None] = lambda msg: None,
+    step: Callable[[int, int, int, int], None] | None = None,
 ) -> Report:
     """Reap dead sessions, free orphans and (with ``leaked_chunks``) leaked chunks: what
     :func:`scan` finds, so ``dry_run`` reports exactly what a run then frees. Each leaked
     chunk is checked again just before it is freed (its file may have grown or been opened
     since); one that no longer is garbage is kept and left out of the report.
+
+    ``progress`` gets a line per phase and per thing freed; ``step(done_bytes, total_bytes,
+    done_items, total_items)`` (:func:`irdma.ops.progress.transfer_progress`) the bytes and
+    items (orphaned files, then leaked chunks) handled so far of those found, once the scan is
+    over.
 
     Returns:
         What was found; with ``dry_run`` nothing is changed, else what was freed.
@@ -365,6 +373,16 @@ async def collect_garbage(
     for s in rep.sessions:
         await meta.reap_session(s.sid)
         progress(f"reaped session {s.sid} ({s.name}, pid {s.pid} on {s.host})")
+    total = [rep.orphan_bytes + rep.leaked_bytes, len(rep.orphans) + len(rep.leaked)]
+    done = [0, 0]
+
+    def did(nbytes: int, items: int) -> None:
+        done[0] += nbytes
+        done[1] += items
+        if step is not None:
+            step(done[0], total[0], done[1], total[1])
+
+    did(0, 0)
     freed = []
     for ino in rep.orphans:
         try:
@@ -373,17 +391,20 @@ async def collect_garbage(
                 progress(f"freed orphan inode {ino}")
         except ShardUnavailable as exc:
             progress(f"orphan inode {ino} kept: {exc}")
+        did(rep.orphan_sizes.get(ino, 0), 1)
     if len(freed) != len(rep.orphans):
         rep.orphans = freed
+        rep.orphan_bytes = sum(rep.orphan_sizes.get(ino, 0) for ino in freed)
     if rep.leaked:
-        rep.leaked = await _free_leaked(client, rep.leaked, progress)
+        rep.leaked = await _free_leaked(client, rep.leaked, progress, did)
     return rep
 
 
-async def _free_leaked(client: Client, leaked: Iterable[tuple[int, int, int, int]],
-                       progress: Callable[[str], None]) -> list[tuple[int, int, int, int]]:
+async def _free_leaked(client: Client, leaked: Iterable[tuple[int, int, int, int]], progress: Callable[[str], None],
+                       did: Callable[[int, int], None] = lambda nbytes, items: None) -> list[tuple[int, int, int, int]]:
     """Free leaked chunks from the first index on per (shard, file) (FREE drops every chunk at
-    or after it), each file checked again first; returns those freed."""
+    or after it), each file checked again first; returns those freed. ``did(bytes, chunks)``
+    is told each (shard, file)'s chunks once handled (freed or kept)."""
     by_key: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
     for x in leaked:
         by_key.setdefault((x[0], x[1]), []).append(x)
@@ -399,13 +420,16 @@ async def _free_leaked(client: Client, leaked: Iterable[tuple[int, int, int, int
             size, cs = inode.size, inode.chunk_size or 1
             if first < -(-size // cs) or (held is not None and file_id in held):
                 progress(f"chunks of file {file_id} on shard {shard_id} kept: the file grew or was opened since")
+                did(sum(x[3] for x in items), len(items))
                 continue
         try:
             await client._conn_call(shard_id, "free", file_id, first)
         except IrdmaError as exc:
             progress(f"cannot free leaked chunks of file {file_id} on shard {shard_id}: {exc}")
+            did(sum(x[3] for x in items), len(items))
             continue
         freed += items
+        did(sum(x[3] for x in items), len(items))
     if freed:
         progress(f"freed {len(freed)} leaked chunks")
     return freed

@@ -493,6 +493,18 @@ class MeteredConnection(ShardConnection):
     async def sync(self) -> None:
         await self._call("sync", self.conn.sync)
 
+    async def freeze(self, token: int, lease_ms: int, file_ids: Any) -> list[Any]:
+        return await self._call("freeze", self.conn.freeze, token, lease_ms, file_ids)  # type: ignore[no-any-return]
+
+    async def clone(self, token: int, pairs: Any, expect: Any) -> int:
+        return await self._call("clone", self.conn.clone, token, pairs, expect)  # type: ignore[no-any-return]
+
+    async def usage(self, file_ids: Any) -> list[Any]:
+        return await self._call("usage", self.conn.usage, file_ids)  # type: ignore[no-any-return]
+
+    async def thaw(self, token: int) -> None:
+        await self._call("thaw", self.conn.thaw, token)
+
     async def list_chunks(self, after_file: int = 0, after_chunk: int = 0) -> list[Any]:
         return await self._call("list", self.conn.list_chunks, after_file, after_chunk)  # type: ignore[no-any-return]
 

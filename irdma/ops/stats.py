@@ -4,7 +4,7 @@ Where the numbers come from: every shard started with ``irdma server --metrics H
 ``irdma up --metrics HOST:PORT``) and every mount started with ``irdma mount --metrics
 HOST:PORT`` serves Prometheus metrics at ``http://HOST:PORT/metrics`` (:mod:`irdma.ops.metrics`).
 :func:`run` scrapes them every ``interval`` seconds and shows per-second rates computed from the
-difference of two scrapes: requests/s by op, MB/s pulled and pushed, p50 and p99 latency (from
+difference of two scrapes: requests/s by op, MiB/s pulled and pushed, p50 and p99 latency (from
 the histogram buckets that filled in between, as Prometheus's ``histogram_quantile`` of a
 ``rate`` does), errors/s, requests in flight, bytes held and capacity.
 
@@ -37,8 +37,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
-from rich.console import Console
+from rich import box
+from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
 from .._errors import InvalidArgument, IrdmaError
 from ..meta import redact
@@ -249,20 +251,21 @@ def quantile(q: float, buckets: dict[float, float]) -> float | None:
 
 @dataclasses.dataclass
 class Row:
-    """One line of the view: rates over the last interval. Units: per second, MB/s (10^6
-    bytes), seconds for latencies."""
+    """One line of the view: rates over the last interval. Units: per second, bytes per
+    second, seconds for latencies; ``requests`` is the count since the process started."""
 
     endpoint: str
     layer: str
     op: str
     requests_s: float
-    pull_mb_s: float = 0.0
-    push_mb_s: float = 0.0
+    pull_bytes_s: float = 0.0
+    push_bytes_s: float = 0.0
     p50_s: float | None = None
     p99_s: float | None = None
     errors_s: float = 0.0
     inflight: float | None = None
     held: str = ""
+    requests: float = 0.0
 
 
 def rows_of(target: Target, prev: Scrape, cur: Scrape) -> list[Row]:
@@ -273,6 +276,22 @@ def rows_of(target: Target, prev: Scrape, cur: Scrape) -> list[Row]:
     for layer, prefix, directions in _LAYERS:
         rows += _layer_rows(target, prev, cur, dt, layer, prefix, directions)
     return rows
+
+
+def summary_of(prev: Scrape, cur: Scrape) -> str:
+    """What the process of an endpoint uses over the interval between two scrapes (the
+    ``usage`` group of ``juicefs stats``): ``cpu 12%`` (of one core, from
+    ``process_cpu_seconds_total``) and ``mem 85M`` (resident, ``process_resident_memory_bytes``);
+    empty when the exporter has no process collector."""
+    parts = []
+    cpu_now, cpu_then = cur.samples.get("process_cpu_seconds_total"), prev.samples.get("process_cpu_seconds_total")
+    if cpu_now and cpu_then:
+        used = (_sum(cpu_now) - _sum(cpu_then)) / max(cur.at - prev.at, 1e-6)
+        parts.append(f"cpu {used * 100:.0f}%")
+    mem = cur.samples.get("process_resident_memory_bytes")
+    if mem:
+        parts.append(f"mem {_bytes(_sum(mem))}")
+    return ", ".join(parts)
 
 
 def _layer_rows(target: Target, prev: Scrape, cur: Scrape, dt: float, layer: str, prefix: str,
@@ -298,18 +317,18 @@ def _layer_rows(target: Target, prev: Scrape, cur: Scrape, dt: float, layer: str
 
     def row(op: str, match: dict[str, str]) -> Row:
         reqs = delta(req_name, **match)
-        r = Row(target.name, layer, op, reqs / dt)
+        r = Row(target.name, layer, op, reqs / dt, requests=_sum(now_req, **match))
         if layer == "fuse":
             b = delta(f"{prefix}_bytes_total", **match)
             if op in ("read", "total"):
-                r.pull_mb_s = (b if op == "read" else delta(f"{prefix}_bytes_total", op="read")) / dt / 1e6
+                r.pull_bytes_s = (b if op == "read" else delta(f"{prefix}_bytes_total", op="read")) / dt
             if op in ("write", "total"):
-                r.push_mb_s = (b if op == "write" else delta(f"{prefix}_bytes_total", op="write")) / dt / 1e6
+                r.push_bytes_s = (b if op == "write" else delta(f"{prefix}_bytes_total", op="write")) / dt
             r.errors_s = delta(f"{prefix}_errors_total", **match) / dt
         else:
             for direction, what in directions.items():
-                mb = delta(f"{prefix}_bytes_total", direction=direction, **match) / dt / 1e6
-                setattr(r, f"{what}_mb_s", mb)
+                rate = delta(f"{prefix}_bytes_total", direction=direction, **match) / dt
+                setattr(r, f"{what}_bytes_s", rate)
             r.errors_s = (reqs - delta(req_name, status="ok", **match)) / dt
         r.p50_s, r.p99_s = hist(match)
         return r
@@ -322,7 +341,7 @@ def _layer_rows(target: Target, prev: Scrape, cur: Scrape, dt: float, layer: str
         cap = _sum(cur.samples.get("irdma_shard_capacity_bytes", []))
         chunks = _sum(cur.samples.get("irdma_shard_chunks", []))
         lag = _sum(cur.samples.get("irdma_shard_replication_pending_forwards", []))
-        total.held = f"{_size(held)} / {_size(cap)}, {int(chunks)} chunks" + (f", lag {int(lag)}" if lag else "")
+        total.held = f"held {_bytes(held)} of {_bytes(cap)}, {_count(chunks)} chunks" + (f", lag {_count(lag)}" if lag else "")
     rows: list[Row] = [total]
     cumulative = _by(now_req, "op")
     op_rows = [row(op, {"op": op}) for op in ops if cumulative[op] > 0]
@@ -331,39 +350,98 @@ def _layer_rows(target: Target, prev: Scrape, cur: Scrape, dt: float, layer: str
     return rows
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+# ---------------------------------------------------------------- the view
+def _num(x: float | None) -> str:
+    """A number in at most 4 characters, as ``juicefs stats`` writes them: ``0``, ``0.25``,
+    ``12.5``, ``350``, ``1.2K``, ``35M`` (powers of 1000); ``-`` for None (nothing measured)."""
+    if x is None:
+        return "-"
+    if x == 0:
+        return "0"
+    if abs(x) < 0.01:
+        return "<.01" if x > 0 else "0"
+    for scale, suffix in ((1.0, ""), (1e3, "K"), (1e6, "M"), (1e9, "G"), (1e12, "T")):
+        v = x / scale
+        if abs(v) < 999.5 or suffix == "T":
+            if suffix == "":
+                return f"{v:.2f}" if abs(v) < 9.995 else f"{v:.1f}" if abs(v) < 99.95 else f"{v:.0f}"
+            return f"{v:.1f}{suffix}" if abs(v) < 9.95 else f"{v:.0f}{suffix}"
+    return f"{x:.0f}"  # pragma: no cover
+
+
+def _count(x: float) -> str:
+    """A count (requests, chunks) in at most 4 characters: ``7``, ``350``, ``1.2K``, ``35M``."""
+    return f"{x:.0f}" if abs(x) < 999.5 else _num(x)
+
+
+def _bytes(n: float) -> str:
+    """Bytes in at most 4 characters, in powers of 1024 (``512B``, ``1.2K``, ``35M``, ``128G``:
+    KiB, MiB, GiB)."""
+    for suffix in ("B", "K", "M", "G", "T"):
+        if abs(n) < 999.5 or suffix == "T":
+            return f"{n:.0f}{suffix}" if suffix == "B" or abs(n) >= 9.95 else f"{n:.1f}{suffix}"
         n /= 1024
-    return f"{n:.1f} TiB"
+    return f"{n:.0f}T"  # pragma: no cover
 
 
 def _ms(s: float | None) -> str:
-    if s is None:
-        return "-"
-    return f"{s * 1e3:.3f}" if s < 0.01 else f"{s * 1e3:.1f}"
+    return "-" if s is None else _num(s * 1e3)
 
 
-def render(rows: Sequence[Row], down: Sequence[str] = (), notes: Sequence[str] = (), interval: float = 1.0) -> Table:
-    """The table of :func:`run` for ``rows`` (and lines for endpoints that did not answer)."""
-    table = Table(title=f"irdma stats (rates over {interval:g} s; Ctrl-C to stop)", title_justify="left",
-                  caption="\n".join([*down, *notes]) or None, caption_justify="left")
-    for name, justify in (("endpoint", "left"), ("layer", "left"), ("op", "left"), ("req/s", "right"),
-                          ("pull MB/s", "right"), ("push MB/s", "right"), ("p50 ms", "right"), ("p99 ms", "right"),
-                          ("err/s", "right"), ("in flight", "right"), ("held / capacity", "left")):
-        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-    last = ""
+def _mib(b: float) -> str:
+    return _num(b / (1 << 20))
+
+
+#: Columns of the view: header, what a row shows, shown from this terminal width on. The
+#: narrow set fits 80 columns (op names up to 14 characters with their indent).
+_COLUMNS: tuple[tuple[str, Any, int], ...] = (
+    ("ops/s", lambda r: _num(r.requests_s), 0),
+    ("pull MiB/s", lambda r: _mib(r.pull_bytes_s), 0),
+    ("push MiB/s", lambda r: _mib(r.push_bytes_s), 0),
+    ("p50 ms", lambda r: _ms(r.p50_s), 0),
+    ("p99 ms", lambda r: _ms(r.p99_s), 0),
+    ("err/s", lambda r: _num(r.errors_s), 0),
+    ("infl", lambda r: "" if r.inflight is None else _count(r.inflight), 0),
+    ("ops", lambda r: _count(r.requests), 100),
+)
+
+
+def render(rows: Sequence[Row], down: Sequence[str] = (), notes: Sequence[str] = (), interval: float = 1.0,
+           summaries: dict[str, str] | None = None, width: int = 80) -> Group:
+    """The view of :func:`run` for ``rows``, for a terminal ``width`` columns wide: a title
+    line, then per endpoint a line naming it (its ``summaries`` entry: cpu and memory; a
+    shard's bytes held, capacity and chunks) and a table with a group of rows per layer
+    (``shard``, ``client``, ``fuse``: its total, then its busiest ops), and lines for the
+    endpoints that did not answer.
+
+    Headers and numbers are short (``ops/s``, ``pull MiB/s``, ``p50 ms``; ``1.2K``, ``35M``)
+    so that at 80 columns nothing is cut; from 100 columns on the count of requests since
+    the process started is shown too.
+    """
+    summaries = summaries or {}
+    cols = [(h, f) for h, f, min_width in _COLUMNS if width >= min_width]
+    parts: list[Any] = [Text(f"irdma stats: rates over {interval:g} s (Ctrl-C to stop)", style="bold")]
+    by_endpoint: dict[str, list[Row]] = {}
     for r in rows:
-        first = r.endpoint != last
-        if first and last:
-            table.add_section()
-        last = r.endpoint
-        style = "bold" if r.op == "total" else None
-        table.add_row(r.endpoint if first else "", r.layer, r.op, f"{r.requests_s:.1f}", f"{r.pull_mb_s:.2f}",
-                      f"{r.push_mb_s:.2f}", _ms(r.p50_s), _ms(r.p99_s), f"{r.errors_s:.1f}",
-                      "" if r.inflight is None else f"{r.inflight:.0f}", r.held, style=style)
-    return table
+        by_endpoint.setdefault(r.endpoint, []).append(r)
+    for endpoint, ep_rows in by_endpoint.items():
+        extra = [x for x in (next((r.held for r in ep_rows if r.held), ""), summaries.get(endpoint, "")) if x]
+        parts.append(Text.assemble(("\n" + endpoint, "bold cyan"), (": " + "; ".join(extra)) if extra else ""))
+        table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False, show_edge=False)
+        table.add_column("op", justify="left", no_wrap=True, min_width=14)
+        for header, _ in cols:
+            table.add_column(header, justify="right", no_wrap=True)
+        layer = ""
+        for r in ep_rows:
+            if r.layer != layer and layer:
+                table.add_section()
+            layer = r.layer
+            total = r.op == "total"
+            table.add_row(r.layer if total else "  " + r.op, *(f(r) for _, f in cols), style="bold" if total else None)
+        parts.append(table)
+    for line in [*down, *notes]:
+        parts.append(Text(line, style="yellow"))
+    return Group(*parts)
 
 
 # ---------------------------------------------------------------- the loop
@@ -407,7 +485,7 @@ def run(*, mountpoints: Sequence[str] = (), meta_url: str | None = None, endpoin
     if console.is_terminal:
         from rich.live import Live
 
-        live = Live(render([], interval=interval), console=console, auto_refresh=False)
+        live = Live(render([], interval=interval, width=console.width), console=console, auto_refresh=False)
         live.start()
     try:
         deadline = time.monotonic()
@@ -417,16 +495,18 @@ def run(*, mountpoints: Sequence[str] = (), meta_url: str | None = None, endpoin
             cur = scrape_all(targets, timeout)
             rows: list[Row] = []
             down: list[str] = []
+            summaries: dict[str, str] = {}
             for t, old, new in zip(targets, prev, cur, strict=True):
                 if isinstance(new, IrdmaError):
                     down.append(f"{t.name} ({t.address}): no answer (check that it still runs)")
                 elif isinstance(old, Scrape):
                     rows += rows_of(t, old, new)
-            table = render(rows, down, notes, interval)
+                    summaries[t.name] = summary_of(old, new)
+            table = render(rows, down, notes, interval, summaries, console.width)
             if live is not None:
                 live.update(table, refresh=True)
             else:
-                console.print(table)
+                console.print(table, soft_wrap=False)  # lines fit the width (a long mount path wraps)
             prev = [n if isinstance(n, Scrape) else o for o, n in zip(prev, cur, strict=True)]
             shown += 1
     except KeyboardInterrupt:
@@ -438,4 +518,4 @@ def run(*, mountpoints: Sequence[str] = (), meta_url: str | None = None, endpoin
 
 
 __all__ = ["Target", "Scrape", "Row", "discover", "mount_target", "shard_targets", "scrape", "scrape_all",
-           "quantile", "rows_of", "render", "run"]
+           "quantile", "rows_of", "summary_of", "render", "run"]

@@ -17,6 +17,7 @@ The interface follows ps-lite's ``Van`` (transports behind one interface chosen 
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -160,6 +161,25 @@ class ShardConnection(abc.ABC):
     @abc.abstractmethod
     async def sync(self) -> None:
         """Return once every update this shard applied before the call is durable."""
+
+    async def freeze(self, token: int, lease_ms: int, file_ids: Sequence[int]) -> list[ChunkEntry]:
+        """Hold client updates to ``file_ids`` on this shard (a snapshot's first phase:
+        :class:`irdma.wire.protocol.Freeze`); returns every chunk of them with its version."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take snapshots")
+
+    async def clone(self, token: int, pairs: Sequence[tuple[int, int]],
+                    expect: Sequence[tuple[int, int, int]]) -> int:
+        """Clone each ``(source, clone)`` file at the cut's versions and end freeze ``token``
+        (:class:`irdma.wire.protocol.Clone`); returns the chunk keys made."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take snapshots")
+
+    async def usage(self, file_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+        """``(file id, bytes held alone, bytes shared)`` per file on this shard (:class:`irdma.wire.protocol.Usage`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take snapshots")
+
+    async def thaw(self, token: int) -> None:
+        """End freeze ``token`` without cloning."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take snapshots")
 
     @abc.abstractmethod
     async def list_chunks(self, after_file: int = 0, after_chunk: int = 0) -> list[ChunkEntry]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -305,6 +306,19 @@ class TcpConnection(ShardConnection):
 
     async def sync(self) -> None:
         await self._call_for(P.Sync(), P.VersionReply)
+
+    async def freeze(self, token: int, lease_ms: int, file_ids: Sequence[int]) -> list[ChunkEntry]:
+        return (await self._call_for(P.Freeze(token, lease_ms, tuple(file_ids)), P.ListReply)).entries
+
+    async def clone(self, token: int, pairs: Sequence[tuple[int, int]],
+                    expect: Sequence[tuple[int, int, int]]) -> int:
+        return (await self._call_for(P.Clone(token, tuple(pairs), tuple(expect)), P.FreeReply)).freed
+
+    async def usage(self, file_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+        return (await self._call_for(P.Usage(tuple(file_ids)), P.UsageReply)).entries
+
+    async def thaw(self, token: int) -> None:
+        await self._call_for(P.Thaw(token), P.VersionReply)
 
     async def list_chunks(self, after_file: int = 0, after_chunk: int = 0) -> list[ChunkEntry]:
         reply = await self._call_for(P.List(after_file, after_chunk), P.ListReply)

@@ -11,15 +11,15 @@ pair to the shard. After the exchange every request goes over the queue pair:
   chunk's place comes from a LOCATE request the first time and is cached afterwards (chunks
   never move while they exist; the cache of a file is dropped when this client frees its
   chunks and when a mount opens the file, which gives close-to-open consistency).
-* **push with assign**: a one-sided ``RDMA WRITE`` into the chunk and, right behind it on the
-  same queue pair, a REMOTE_WRITE request (a ``SEND``) that makes the shard bump the chunk's
-  version. One task posts both, the WRITE first, with no checkpoint in between: RC queue pairs
-  execute in order, so the bytes are in place when the shard reads the SEND. A commit refused
-  because the chunk moved or was freed (another client freed it) drops the cached place; the
-  write is tried once more from a fresh LOCATE.
-* **push with add** (and any other update op): the same pair, the ``RDMA WRITE`` going to one of
-  this connection's staging slots on the shard; the shard applies the update from there
-  (SoftMemoryBox II's accumulate from staging buffers), bumps the version and replies.
+* **push** (every update op): a one-sided ``RDMA WRITE`` into one of this connection's staging
+  slots on the shard and, right behind it on the same queue pair, a REMOTE_WRITE request (a
+  ``SEND``); the shard applies the update from there (SoftMemoryBox II's accumulate from staging
+  buffers), bumps the version and replies. One task posts both, the WRITE first, with no
+  checkpoint in between: RC queue pairs execute in order, so the bytes are in place when the
+  shard reads the SEND. An ``assign`` used to go straight into the chunk (``in_place_assign``,
+  off): a chunk a snapshot shares must be copied before it changes (copy-on-write), and only
+  the shard, applying the update, can do that first; a byte written into the chunk by a client's
+  cached one-sided location would change the snapshot. The cost is one copy on the shard.
 * STAT, FREE, PUNCH, LIST and LOCATE: protocol frames carried in ``SEND``/``RECV`` messages.
 
 Client buffers are registered once (a pool) and reused; requests larger than the device's
@@ -59,7 +59,7 @@ import itertools
 import os
 import random
 import resource
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -801,7 +801,9 @@ class VerbsConnection(ShardConnection):
             reply = self._expect(await self._rpc(msg), P.LocateReply, msg)
             if not reply.exists:
                 return None
-            loc = self._locs[(file_id, chunk_index)] = reply
+            loc = reply
+            if not reply.shared:  # a shared chunk's place changes at copy-on-write: never cached
+                self._locs[(file_id, chunk_index)] = reply
         if create_size and loc.chunk_size != create_size:
             raise BadRequest(f"chunk ({file_id}, {chunk_index}) has size {loc.chunk_size}, request says {create_size}")
         return loc
@@ -812,6 +814,9 @@ class VerbsConnection(ShardConnection):
 
     # ------------------------------------------------------------ the data path
     one_sided_reads = True
+    #: Write an ``assign`` straight into the chunk by RDMA WRITE (then a commit) rather than
+    #: through a staging slot. Off: it would bypass a snapshot's copy-on-write (module doc).
+    in_place_assign = False
 
     async def read(self, file_id: int, chunk_index: int, offset: int, into: memoryview, clean: bool = False) -> int:
         loc = await self._locate(file_id, chunk_index, 0)
@@ -875,7 +880,7 @@ class VerbsConnection(ShardConnection):
             return version
         assert self.remote is not None
         r = self.remote
-        if P.op_kind(op) == UpdateOp.ASSIGN:
+        if P.op_kind(op) == UpdateOp.ASSIGN and self.in_place_assign:
             op = UpdateOp.ASSIGN
             for attempt in (1, 2):
                 loc = await self._locate(file_id, chunk_index, 0 if existing else chunk_size)
@@ -1072,6 +1077,23 @@ class VerbsConnection(ShardConnection):
         msg = P.Checksum(file_id, chunk_index, view)
         reply = self._expect(await self._rpc(msg), P.ChecksumReply, msg)
         return reply.version, reply.crc
+
+    async def freeze(self, token: int, lease_ms: int, file_ids: Sequence[int]) -> list[ChunkEntry]:
+        msg = P.Freeze(token, lease_ms, tuple(file_ids))
+        return self._expect(await self._rpc(msg), P.ListReply, msg).entries
+
+    async def clone(self, token: int, pairs: Sequence[tuple[int, int]],
+                    expect: Sequence[tuple[int, int, int]]) -> int:
+        msg = P.Clone(token, tuple(pairs), tuple(expect))
+        return self._expect(await self._rpc(msg), P.FreeReply, msg).freed
+
+    async def usage(self, file_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+        msg = P.Usage(tuple(file_ids))
+        return self._expect(await self._rpc(msg), P.UsageReply, msg).entries
+
+    async def thaw(self, token: int) -> None:
+        msg = P.Thaw(token)
+        self._expect(await self._rpc(msg), P.VersionReply, msg)
 
     async def list_chunks(self, after_file: int = 0, after_chunk: int = 0) -> list[ChunkEntry]:
         msg = P.List(after_file, after_chunk)

@@ -144,6 +144,10 @@ class Opcode(enum.IntEnum):
     AUTH = 14
     GATHER = 15
     SCATTER = 16
+    FREEZE = 17
+    CLONE = 18
+    THAW = 19
+    USAGE = 20
 
 
 class Status(enum.IntEnum):
@@ -297,6 +301,13 @@ _LOCATE_R = struct.Struct("!B3xQIQ")  # exists, region offset, chunk size, versi
 _LIST = struct.Struct("!QQI")  # after file id, after chunk index, max entries
 _LIST_R = struct.Struct("!I")  # entry count, then entries
 _LIST_E = struct.Struct("!QQIQ")  # file id, chunk index, chunk size, version
+_FREEZE = struct.Struct("!QII")  # token, lease in milliseconds, file count; then u64 file ids
+_CLONE = struct.Struct("!QII")  # token, pair count, expected-version count; then pairs, then versions
+_PAIR = struct.Struct("!QQ")  # source file id, clone's file id
+_EXPECT = struct.Struct("!QQQ")  # file id, chunk index, version
+_USAGE_E = struct.Struct("!QQQ")  # file id, bytes it holds alone, bytes it shares
+#: Most files one FREEZE or CLONE names (a bigger snapshot sends several).
+MAX_SNAPSHOT_FILES = 65536
 _RWRITE = struct.Struct("!QQIIBB2xIQQ")  # file, chunk, chunk size, offset, op, in place, length, staging off, region off
 _CHAIN = struct.Struct("!QQQIB3x")  # request id, view, expect version, forward timeout (ms), successor count
 _PEER = struct.Struct("!IH")  # shard id, address length; the UTF-8 address follows
@@ -618,6 +629,55 @@ class ListReply:
 
 
 @dataclass
+class Freeze:
+    """Hold the updates clients send to these files until THAW with ``token``, or
+    until ``lease_ms`` passed (the snapshot that asked is then void): the first phase of a
+    snapshot's cut (:mod:`irdma.client.snapshots`). Updates a replica forwards down a chain are
+    not held, so every replica reaches the versions the heads had. Answered with a LIST reply
+    of every chunk of those files here (optimizer state left out: it follows its chunk)."""
+
+    token: int  # u64, non-zero, chosen by the snapshot's creator
+    lease_ms: int
+    file_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Clone:
+    """Second phase of a snapshot's cut: once every chunk named in ``expect`` is at that
+    version here (a replica catching up on forwarded updates; waited for up to the freeze's
+    lease), make each pair's clone file share the source's chunks (no byte copied:
+    :meth:`irdma.server.shard.Shard.clone`); the freeze stays until THAW (every shard must
+    have cloned before any releases its held updates). Token 0: no
+    freeze, no versions (the sources are read-only: a snapshot's files, cloned back into the
+    live namespace). Answered with a FREE reply giving how many chunk keys were made."""
+
+    token: int
+    pairs: tuple[tuple[int, int], ...] = ()  # (source file id, clone's file id)
+    expect: tuple[tuple[int, int, int], ...] = ()  # (file id, chunk index, version)
+
+
+@dataclass
+class Usage:
+    """How many bytes each file holds on this shard alone and how many it shares with other
+    files (a snapshot and its live file: copy-on-write). Answered with a USAGE reply."""
+
+    file_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class UsageReply:
+    entries: list[tuple[int, int, int]] = field(default_factory=list)  # (file id, alone, shared) bytes
+
+
+@dataclass
+class Thaw:
+    """Release freeze ``token``: the held updates are applied (after every shard's CLONE, or
+    when a snapshot is given up). Answered with a VERSION reply of 0."""
+
+    token: int
+
+
+@dataclass
 class Punch:
     file_id: int
     chunk_index: int
@@ -668,10 +728,15 @@ class Locate:
 
 @dataclass
 class LocateReply:
+    """``shared``: the chunk shares its extent with another key (a snapshot's): its place may
+    change at the next update (copy-on-write), so a client must not cache it (sent as
+    ``exists`` = 2)."""
+
     exists: bool
     region_offset: int = 0
     chunk_size: int = 0
     version_slot: int = 0
+    shared: bool = False
 
 
 @dataclass
@@ -739,10 +804,10 @@ def raise_for_error(reply: Reply, address: str) -> None:
 
 
 Request = Union[Hello, Read, Write, Stat, Free, Punch, VerbsConnect, Locate, RemoteWrite, List, Sync, Resync, Checksum,
-                Auth, Gather, Scatter]
+                Auth, Gather, Scatter, Freeze, Clone, Thaw, Usage]
 Reply = Union[
     HelloReply, ReadReply, VersionReply, StatReply, FreeReply, ErrorReply, VerbsConnectReply, LocateReply, ListReply,
-    ChecksumReply, AuthChallenge, GatherReply,
+    ChecksumReply, AuthChallenge, GatherReply, UsageReply,
 ]
 
 # ---------------------------------------------------------------- the message table
@@ -893,7 +958,7 @@ def _rep_vconn(body: memoryview, flags: int) -> VerbsConnectReply:
 def _rep_locate(body: memoryview, flags: int) -> LocateReply:
     _exact(body, _LOCATE_R.size, "LOCATE reply")
     exists, roff, csize, slot = _LOCATE_R.unpack_from(body)
-    return LocateReply(bool(exists), roff, csize, slot)
+    return LocateReply(bool(exists), roff, csize, slot, exists == 2)
 
 
 def _rep_checksum(body: memoryview, flags: int) -> ChecksumReply:
@@ -977,6 +1042,65 @@ def _dec_scatter(body: memoryview, flags: int) -> Scatter:
     return msg
 
 
+def _enc_freeze(msg: Freeze) -> tuple[_Parts, int]:
+    if len(msg.file_ids) > MAX_SNAPSHOT_FILES:
+        raise LocalProtocolError(f"FREEZE of {len(msg.file_ids)} files: at most {MAX_SNAPSHOT_FILES}")
+    return [_FREEZE.pack(msg.token, msg.lease_ms, len(msg.file_ids)),
+            np.asarray(msg.file_ids, dtype=">u8").tobytes()], 0
+
+
+def _dec_freeze(body: memoryview, flags: int) -> Freeze:
+    _need(body, _FREEZE.size, "FREEZE")
+    token, lease, n = _FREEZE.unpack_from(body)
+    if n > MAX_SNAPSHOT_FILES:
+        raise RemoteProtocolError(f"FREEZE of {n} files: at most {MAX_SNAPSHOT_FILES}")
+    _exact(body, _FREEZE.size + 8 * n, "FREEZE")
+    ids = np.frombuffer(body[_FREEZE.size :], dtype=">u8").tolist()
+    return Freeze(token, lease, tuple(int(i) for i in ids))
+
+
+def _enc_usage(msg: Usage) -> tuple[_Parts, int]:
+    if len(msg.file_ids) > MAX_SNAPSHOT_FILES:
+        raise LocalProtocolError(f"USAGE of {len(msg.file_ids)} files: at most {MAX_SNAPSHOT_FILES}")
+    return [_LIST_R.pack(len(msg.file_ids)), np.asarray(msg.file_ids, dtype=">u8").tobytes()], 0
+
+
+def _dec_usage(body: memoryview, flags: int) -> Usage:
+    _need(body, _LIST_R.size, "USAGE")
+    (n,) = _LIST_R.unpack_from(body)
+    if n > MAX_SNAPSHOT_FILES:
+        raise RemoteProtocolError(f"USAGE of {n} files: at most {MAX_SNAPSHOT_FILES}")
+    _exact(body, _LIST_R.size + 8 * n, "USAGE")
+    return Usage(tuple(int(i) for i in np.frombuffer(body[_LIST_R.size :], dtype=">u8").tolist()))
+
+
+def _rep_usage(body: memoryview, flags: int) -> UsageReply:
+    _need(body, _LIST_R.size, "USAGE reply")
+    (n,) = _LIST_R.unpack_from(body)
+    _exact(body, _LIST_R.size + n * _USAGE_E.size, "USAGE reply")
+    return UsageReply([_USAGE_E.unpack_from(body, _LIST_R.size + k * _USAGE_E.size) for k in range(n)])
+
+
+def _enc_clone(msg: Clone) -> tuple[_Parts, int]:
+    if len(msg.pairs) > MAX_SNAPSHOT_FILES:
+        raise LocalProtocolError(f"CLONE of {len(msg.pairs)} files: at most {MAX_SNAPSHOT_FILES}")
+    return [_CLONE.pack(msg.token, len(msg.pairs), len(msg.expect)),
+            b"".join(_PAIR.pack(*p) for p in msg.pairs), b"".join(_EXPECT.pack(*e) for e in msg.expect)], 0
+
+
+def _dec_clone(body: memoryview, flags: int) -> Clone:
+    _need(body, _CLONE.size, "CLONE")
+    token, n, m = _CLONE.unpack_from(body)
+    if n > MAX_SNAPSHOT_FILES or m > MAX_SNAPSHOT_FILES * 1024:
+        raise RemoteProtocolError(f"CLONE of {n} files and {m} chunks is too large")
+    _exact(body, _CLONE.size + n * _PAIR.size + m * _EXPECT.size, "CLONE")
+    at = _CLONE.size
+    pairs = tuple(_PAIR.unpack_from(body, at + k * _PAIR.size) for k in range(n))
+    at += n * _PAIR.size
+    expect = tuple(_EXPECT.unpack_from(body, at + k * _EXPECT.size) for k in range(m))
+    return Clone(token, pairs, expect)
+
+
 @dataclass(frozen=True)
 class Message:
     """One request kind of the protocol: a row of :data:`MESSAGES`.
@@ -1002,6 +1126,7 @@ _VCONN_CODEC = _fixed(VerbsConnect, _VCONN, "VERBS_CONNECT")
 _LOCATE_CODEC = _fixed(Locate, _LOCATE, "LOCATE")
 _LIST_CODEC = _fixed(List, _LIST, "LIST")
 _CHECKSUM_CODEC = _fixed(Checksum, _CHECKSUM, "CHECKSUM")
+_THAW_CODEC = _fixed(Thaw, struct.Struct("!Q"), "THAW")
 
 #: Every request kind, by opcode: the one registry of the protocol.
 MESSAGES: dict[Opcode, Message] = {m.opcode: m for m in (
@@ -1021,6 +1146,10 @@ MESSAGES: dict[Opcode, Message] = {m.opcode: m for m in (
     Message(Opcode.CHECKSUM, Checksum, *_CHECKSUM_CODEC, _rep_checksum),
     Message(Opcode.GATHER, Gather, _enc_gather, _dec_gather, _rep_gather),
     Message(Opcode.SCATTER, Scatter, _enc_scatter, _dec_scatter, _version_reply("SCATTER reply")),
+    Message(Opcode.FREEZE, Freeze, _enc_freeze, _dec_freeze, _rep_list),
+    Message(Opcode.CLONE, Clone, _enc_clone, _dec_clone, _rep_free),
+    Message(Opcode.THAW, Thaw, *_THAW_CODEC, _version_reply("THAW reply")),
+    Message(Opcode.USAGE, Usage, _enc_usage, _dec_usage, _rep_usage),
 )}
 _BY_TYPE: dict[type, Message] = {m.request: m for m in MESSAGES.values()}
 _REQUEST_OPCODE: dict[type, Opcode] = {m.request: m.opcode for m in MESSAGES.values()}
@@ -1103,10 +1232,12 @@ _REPLY_ENCODERS: dict[type, Callable[[Any], tuple[_Parts, int]]] = {
     StatReply: lambda m: ([_STAT_R.pack(m.shard_id, m.capacity, m.used, m.chunks)]
                           + ([m.metrics.encode()[:255]] if m.metrics else []), 0),
     FreeReply: lambda m: ([_VERSION.pack(m.freed)], 0),
+    UsageReply: lambda m: ([_LIST_R.pack(len(m.entries)), b"".join(_USAGE_E.pack(*e) for e in m.entries)], 0),
     VerbsConnectReply: lambda m: ([_VCONN_R.pack(m.qp_num, m.psn, m.gid, m.region_addr, m.region_len, m.region_rkey,
                                                  m.versions_addr, m.versions_rkey, m.staging_addr, m.staging_len,
                                                  m.staging_rkey, m.recv_slots, m.slot_size)], 0),
-    LocateReply: lambda m: ([_LOCATE_R.pack(int(m.exists), m.region_offset, m.chunk_size, m.version_slot)], 0),
+    LocateReply: lambda m: ([_LOCATE_R.pack(2 if m.exists and m.shared else int(m.exists), m.region_offset, m.chunk_size,
+                                            m.version_slot)], 0),
     ChecksumReply: lambda m: ([_CHECKSUM_R.pack(m.version, m.crc)], 0),
     ListReply: lambda m: ([_LIST_R.pack(len(m.entries))
                            + b"".join(_LIST_E.pack(x.file_id, x.chunk_index, x.chunk_size, x.version)

@@ -1,0 +1,357 @@
+"""Snapshots of a live model: a consistent cut across shards, copy-on-write chunks (issue 23).
+
+How a snapshot is made (``irdma snapshot create PATH NAME``, ``mkdir PATH/.snapshots/NAME``):
+
+1. **Metadata copy** (:meth:`irdma.meta.sql_snap.SqlSnap.snapshot_begin`): the tree of PATH is
+   copied inode by inode (new inode numbers, same attributes and xattrs, read-only) under
+   ``DIR/.snapshots/NAME``. O(files), no byte of parameters.
+2. **Freeze** (one round trip per shard, all shards at once): every shard that may hold a chunk
+   of the tree's files holds the updates *clients* send to those files from now on
+   (:class:`irdma.wire.protocol.Freeze`; an update a replica forwards down its chain goes on)
+   and answers each chunk's version. Once every shard answered, no client update to the files
+   is being applied anywhere: that instant is the cut. Every push acknowledged before
+   ``create`` was called was applied on every replica before it, and every push that starts
+   after ``create`` returns is applied after it.
+3. **Clone** (one round trip per shard): each shard waits until its replicas of the chunks
+   reach the highest version any replica answered (the updates already forwarded down a chain
+   when the freeze came), then makes each copy's chunks share the live file's extents
+   (:meth:`irdma.server.shard.Shard.clone`: no byte copied).
+4. **Thaw**: once every shard cloned, each releases the held updates (not before: a head
+   released early would forward updates to a replica whose clone has not come yet, past the
+   cut). Pushes wait about three round trips to the shards; the freeze's lease
+   (:data:`FREEZE_LEASE_S`) bounds it even if this client dies meanwhile.
+5. **Commit**: the copies' chunk maps (the replicas that cloned) are recorded and the
+   snapshot is ``ready``. A failure anywhere before takes it all back (thaw, free the clones,
+   drop the metadata) and raises: a snapshot either exists whole or not at all.
+
+The first update of a shared chunk afterwards copies it on its shard (copy-on-write: the
+snapshot keeps the bytes and the optimizer state of the cut; later updates copy nothing).
+
+What a cut does not give: a push that spans several chunks and is in flight while the
+freeze lands may be in the snapshot for some of its chunks and not for others (each chunk's
+update is atomic; a push is one update per chunk). Take snapshots between pushes for whole
+pushes (:class:`irdma.train.keras.SnapshotCallback` does at epoch ends), or see
+docs/snapshots.md for the plan (pushes tagged with the cut's epoch).
+
+Sources: CephFS snapshots (``.snap``, Ceph documentation "CephFS Snapshots"); ZFS snapshots
+and copy-on-write (Bonwick et al., "The Zettabyte File System", 2003); the consistent cut of
+Chandy and Lamport, "Distributed Snapshots", ACM TOCS 1985 (here with the cut enforced by
+holding writes rather than by markers).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import trio
+
+from .._errors import InvalidArgument, IrdmaError, NotFound, ShardUnavailable
+from ..meta.base import Inode, Snapshot
+
+if TYPE_CHECKING:
+    from .native import Client
+
+log = logging.getLogger("irdma.client")
+
+#: Seconds a shard holds client updates for a snapshot at most (the freeze's lease).
+FREEZE_LEASE_S = 5.0
+
+
+@dataclass
+class SnapshotInfo:
+    """One snapshot as ``irdma snapshot list`` shows it.
+
+    Attributes:
+        name: its name (``DIR/.snapshots/NAME``).
+        path: where to read it.
+        created_ns: when it was made, nanoseconds since the Unix epoch.
+        files: regular files in it.
+        bytes: the sum of its files' sizes (bytes).
+        state: ``ready``, or ``creating`` while being made (or left by a creator that died:
+            ``irdma snapshot delete`` removes it).
+        held_alone: bytes the shards hold for it alone, every replica counted (what
+            ``delete`` frees: the chunks copied since, as the live files changed); -1 when a
+            shard did not answer.
+        shared: bytes of its chunks it still shares with the live files or other snapshots
+            (every replica counted); -1 when a shard did not answer.
+    """
+
+    name: str
+    path: str
+    created_ns: int
+    files: int
+    bytes: int
+    state: str
+    held_alone: int = 0
+    shared: int = 0
+
+
+async def _dir_of(client: Client, path: str) -> tuple[str, Inode]:
+    """The directory whose ``.snapshots`` holds PATH's snapshots, and its path."""
+    inode = await client.meta.resolve(path)
+    if inode.is_dir:
+        return path.rstrip("/") or "/", inode
+    parent = os.path.dirname(path.rstrip("/")) or "/"
+    return parent, await client.meta.resolve(parent)
+
+
+async def create(client: Client, path: str, name: str, *, keep: int | None = None) -> SnapshotInfo:
+    """Snapshot file or directory ``path`` as ``DIR/.snapshots/NAME`` (see the module doc).
+
+    ``keep``: then delete the oldest snapshots of DIR beyond the newest ``keep`` (as
+    ``tf.train.CheckpointManager``'s ``max_to_keep``).
+
+    Raises:
+        Exists: DIR has a snapshot named ``name``. InvalidArgument: a bad name or ``keep``.
+        ReadOnly: ``path`` is in a snapshot. NotFound: no such path.
+        ShardUnavailable, BadRequest: a shard holding the files could not take part (down,
+            or its freeze's lease ended): nothing was kept; try again.
+    """
+    inode = await client.meta.resolve(path)
+    snap = await create_at(client, inode.ino, os.fsencode(name), keep=keep)
+    dir_path, _ = await _dir_of(client, path)
+    return await _info(client, dir_path, snap)
+
+
+async def create_at(client: Client, ino: int, name: bytes, *, keep: int | None = None) -> Snapshot:
+    """:func:`create` of inode ``ino`` (the mount's ``mkdir D/.snapshots/NAME``)."""
+    if keep is not None and keep < 1:
+        raise InvalidArgument(f"--keep {keep}: keep at least 1 snapshot")
+    snap, files = await client.meta.snapshot_begin(ino, name)
+    try:
+        shards = await _cut(client, files)
+        snap = await client.meta.snapshot_commit(snap.id, [(f.ino, copy) for f, copy in files], shards)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await _drop(client, snap)
+        raise
+    if keep is not None:
+        ready = [s for s in await client.meta.snapshots(snap.dir) if s.state == "ready"]
+        for old in ready[: max(0, len(ready) - keep)]:
+            await _drop(client, old)
+    return snap
+
+
+async def _cut(client: Client, files: Sequence[tuple[Inode, int]]) -> list[int]:
+    """Freeze, then clone, on every shard that may hold the files' chunks; returns those shards."""
+    from .native import layout_of
+
+    await client.refresh_view()
+    by_shard: dict[int, list[tuple[int, int]]] = {}
+    for f, copy in files:
+        if f.stripe:
+            for sid in client.shards_of(layout_of(f)):
+                by_shard.setdefault(sid, []).append((f.ino, copy))
+    shards = sorted(sid for sid in by_shard if client._health.get(sid, "up") not in ("down", "syncing"))
+    missing = sorted(set(by_shard) - set(shards))
+    if missing:
+        raise ShardUnavailable(f"shard {missing[0]} holds chunks of these files and is {client._health.get(missing[0])}",
+                               "wait until `irdma status` shows it up (resynced), then take the snapshot again")
+    token = int.from_bytes(os.urandom(8), "big") >> 1 or 1
+    lease_ms = int(FREEZE_LEASE_S * 1000)
+    answered: dict[int, list[tuple[int, int, int]]] = {}
+    try:
+        async def freeze(sid: int) -> None:
+            inos = [src for src, _ in by_shard[sid]]
+            entries = await client._conn_call(sid, "freeze", token, lease_ms, inos)
+            answered[sid] = [(e.file_id, e.chunk_index, e.version) for e in entries]  # type: ignore[attr-defined]
+
+        async with trio.open_nursery() as nursery:
+            for sid in shards:
+                nursery.start_soon(freeze, sid)
+        cut: dict[tuple[int, int], int] = {}
+        for entries in answered.values():
+            for fid, idx, v in entries:
+                cut[(fid, idx)] = max(cut.get((fid, idx), 0), v)
+
+        async def clone(sid: int) -> None:
+            expect = [(fid, idx, cut[(fid, idx)]) for fid, idx, _ in answered[sid]]
+            await client._conn_call(sid, "clone", token, by_shard[sid], expect)
+
+        async with trio.open_nursery() as nursery:
+            for sid in shards:
+                nursery.start_soon(clone, sid)
+    finally:  # every shard keeps its freeze until every clone is made (dispatch.Dispatcher._cloned)
+        with trio.CancelScope(shield=True), trio.move_on_after(client.timeout):
+            async def thaw(sid: int) -> None:
+                try:
+                    await client._conn_call(sid, "thaw", token)
+                except IrdmaError as exc:  # its lease ends the freeze anyway
+                    log.warning("snapshot: could not thaw shard %d (its lease ends it): %s", sid, exc)
+
+            async with trio.open_nursery() as nursery:
+                for sid in answered:
+                    nursery.start_soon(thaw, sid)
+    return shards
+
+
+async def _find(client: Client, path: str, name: str) -> tuple[str, Snapshot]:
+    dir_path, dir_inode = await _dir_of(client, path)
+    for snap in await client.meta.snapshots(dir_inode.ino):
+        if snap.name == os.fsencode(name) and snap.state == "ready":
+            return dir_path, snap
+    raise NotFound(f"{path} has no snapshot named {name!r}", f"`irdma snapshot list {path}` lists them")
+
+
+async def _source(client: Client, snap: Snapshot) -> Inode:
+    """What a snapshot holds: its tree's root (a directory's snapshot) or its one file."""
+    root = await client.meta.getattr(snap.root)
+    if snap.src == snap.dir:
+        return root
+    (_, only), = await client.meta.readdir(snap.root)
+    return only
+
+
+async def _clone_into(client: Client, src: Inode, parent: int, name: bytes) -> Inode:
+    """Copy ``src`` (a snapshot's tree) as live ``name`` in ``parent``, sharing its chunks."""
+    from .native import layout_of
+
+    copy, files = await client.meta.clone_tree(src.ino, parent, name)
+    try:
+        await client.refresh_view()
+        by_shard: dict[int, list[tuple[int, int]]] = {}
+        for f, new in files:
+            if f.stripe:
+                for sid in client.shards_of(layout_of(f)):
+                    by_shard.setdefault(sid, []).append((f.ino, new))
+
+        async def clone(sid: int) -> None:
+            await client._conn_call(sid, "clone", 0, by_shard[sid], [])
+
+        async with trio.open_nursery() as nursery:
+            for sid in by_shard:
+                nursery.start_soon(clone, sid)
+        await client.meta.copy_chunk_maps([(f.ino, new) for f, new in files], sorted(by_shard))
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            for ino in await client.meta.remove_tree(copy.ino):
+                await client.destroy_if_unused(ino, grace=False)
+        raise
+    return copy
+
+
+async def clone(client: Client, path: str, name: str, new_path: str) -> Inode:
+    """A writable copy of snapshot ``name`` of ``path`` at ``new_path`` (its directory tree, or
+    its file), sharing every chunk with the snapshot until written (copy-on-write). O(files).
+
+    Raises:
+        NotFound: no such snapshot, or ``new_path``'s directory is missing. Exists: ``new_path``
+            exists. ShardUnavailable: a shard holding the snapshot did not answer (nothing made).
+    """
+    _, snap = await _find(client, path, name)
+    parent = os.path.dirname(new_path.rstrip("/")) or "/"
+    base = os.path.basename(new_path.rstrip("/"))
+    return await _clone_into(client, await _source(client, snap), (await client.meta.resolve(parent)).ino,
+                             os.fsencode(base))
+
+
+async def restore(client: Client, path: str, name: str) -> None:
+    """Make ``path`` what snapshot ``name`` holds again, atomically for readers: a file is
+    replaced by a copy of the snapshot's (rename(2) over it: an open file keeps what it had);
+    a directory's entries are swapped for a copy of the snapshot's tree in one metadata
+    transaction (the directory keeps its inode and its snapshots). The chunks are shared with
+    the snapshot (no byte copied); what only the old files held is freed.
+
+    Raises:
+        NotFound: no such snapshot. NotEmpty: a subdirectory holds snapshots of its own
+            (delete them, or restore that subdirectory). ShardUnavailable: nothing changed.
+    """
+    dir_path, snap = await _find(client, path, name)
+    src = await _source(client, snap)
+    tmp = b".irdma-restore-" + os.urandom(6).hex().encode()
+    if snap.src == snap.dir:  # the directory's tree
+        parent_path = os.path.dirname(dir_path.rstrip("/")) or "/"
+        tree = await _clone_into(client, src, (await client.meta.resolve(parent_path)).ino, tmp)
+        try:
+            gone = await client.meta.restore_contents(snap.dir, tree.ino)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                for ino in await client.meta.remove_tree(tree.ino):
+                    await client.destroy_if_unused(ino, grace=False)
+            raise
+    else:  # one file
+        fname = (await client.meta.readdir(snap.root))[0][0]
+        await _clone_into(client, src, snap.dir, tmp)
+        replaced = await client.meta.rename(snap.dir, tmp, snap.dir, fname)
+        gone = [replaced.ino] if replaced is not None and replaced.nlink <= 0 else []
+    for ino in gone:  # as the native client's unlink: no kernel name cache to wait out
+        await client.destroy_if_unused(ino, grace=False)
+
+
+async def _drop(client: Client, snap: Snapshot) -> int:
+    """Take a snapshot away: its metadata, then its chunks on the shards (what cannot be freed
+    now, ``irdma gc`` frees). Returns how many files it had."""
+    from .native import layout_of
+
+    files = await client.meta.snapshot_drop(snap.id)
+    for f in files:
+        if f.stripe:
+            try:
+                await client.truncate_data(layout_of(f), 0)
+            except IrdmaError as exc:
+                log.warning("snapshot %s: chunks of its file %d stay until `irdma gc` (%s)", snap.name.decode(errors="replace"),
+                            f.ino, exc)
+    return len(files)
+
+
+async def delete(client: Client, path: str, name: str) -> int:
+    """Delete snapshot ``name`` of ``path`` (a directory, or a file of it); what only it held on
+    the shards is freed. Returns how many files it had.
+
+    Raises:
+        NotFound: no such snapshot.
+    """
+    _, dir_inode = await _dir_of(client, path)
+    try:
+        return await delete_at(client, dir_inode.ino, os.fsencode(name))
+    except NotFound:
+        raise NotFound(f"{path} has no snapshot named {name!r}", f"`irdma snapshot list {path}` lists them") from None
+
+
+async def delete_at(client: Client, dir_ino: int, name: bytes) -> int:
+    """:func:`delete` of directory inode ``dir_ino``'s snapshot ``name`` (the mount's rmdir)."""
+    for snap in await client.meta.snapshots(dir_ino):
+        if snap.name == name:
+            return await _drop(client, snap)
+    raise NotFound(f"no snapshot named {name.decode(errors='replace')!r}")
+
+
+async def _info(client: Client, dir_path: str, snap: Snapshot) -> SnapshotInfo:
+    from .native import layout_of
+
+    files = await client.meta.snapshot_files(snap.id)
+    base = dir_path.rstrip("/")
+    by_shard: dict[int, list[int]] = {}
+    for f in files:
+        if f.stripe:
+            for sid in client.shards_of(layout_of(f)):
+                by_shard.setdefault(sid, []).append(f.ino)
+    alone = shared = 0
+    for sid, inos in sorted(by_shard.items()):
+        try:
+            for _, a, s in await client._conn_call(sid, "usage", inos):  # type: ignore[attr-defined]
+                alone, shared = alone + a, shared + s
+        except IrdmaError as exc:
+            log.warning("snapshot %s: shard %d did not say what it holds: %s", snap.name.decode(errors="replace"), sid, exc)
+            alone = shared = -1
+            break
+    return SnapshotInfo(snap.name.decode(errors="replace"), f"{base}/.snapshots/{snap.name.decode(errors='replace')}",
+                        snap.created_ns, len(files), sum(f.size for f in files if stat.S_ISREG(f.mode)), snap.state,
+                        alone, shared)
+
+
+async def list_snapshots(client: Client, path: str) -> list[SnapshotInfo]:
+    """The snapshots of ``path`` (a directory, or a file: its directory's), oldest first."""
+    dir_path, dir_inode = await _dir_of(client, path)
+    return [await _info(client, dir_path, s) for s in await client.meta.snapshots(dir_inode.ino)]
+
+
+def age(created_ns: int) -> float:
+    """Seconds since ``created_ns``."""
+    return max(0.0, time.time() - created_ns / 1e9)

@@ -1,0 +1,387 @@
+"""The SQL engine's snapshots (issue 23; a mixin of :class:`~irdma.meta.sql.SqlMeta`, which
+supplies ``_db``, ``_tx`` and ``_get``).
+
+A snapshot of a directory ``D`` (or of a file in ``D``) named ``N`` is a read-only copy of its
+tree at ``D/.snapshots/N``, as CephFS's ``.snap`` directories (``mkdir .snap/NAME``) and ZFS's
+``.zfs/snapshot``: every inode of the tree is copied (a new inode number, the same attributes,
+xattrs and symlink targets, ``snap`` set to the snapshot's id), so the cost of a snapshot grows
+with the number of files and chunks, never with their bytes. A copied file's chunks are shared
+with the live file on the shards (:meth:`irdma.server.shard.Shard.clone`, copy-on-write), and its
+chunk map records the replicas that cloned them. ``D/.snapshots`` is a real directory inode
+(``snap`` = :data:`~irdma.meta.base.SNAPSHOTS_DIR_MARK`), hidden from ``readdir`` and never
+counted in ``D``'s link count; while it holds snapshots ``rmdir D`` fails (ENOTEMPTY), as
+CephFS's does. It goes once its last snapshot is deleted.
+
+A snapshot is made in two steps around the shards' cut (:mod:`irdma.client.snapshots`):
+:meth:`SqlSnap.snapshot_begin` copies the tree (state ``creating``), then
+:meth:`SqlSnap.snapshot_commit` records the clones' chunk maps (state ``ready``);
+:meth:`SqlSnap.snapshot_abort` takes a snapshot that did not finish away again.
+"""
+
+from __future__ import annotations
+
+import stat
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from irdma._errors import Exists, InvalidArgument, NotADirectory, NotEmpty, NotFound, ReadOnly
+
+from .base import SNAPSHOTS_DIR, SNAPSHOTS_DIR_MARK, Inode, Snapshot
+from .sql_rows import COLS, Cursor, check_name, inode_row, now
+
+_SNAP_COLS = "id, dir, name, root, src, created_ns, state"
+#: The inode columns a snapshot copies (all but the number and ``snap``).
+_COPIED = "mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size, stripe, update_op, rdev, target, replicas"
+
+
+def _snap_row(row: Sequence[Any]) -> Snapshot:
+    return Snapshot(int(row[0]), int(row[1]), bytes(row[2]), int(row[3]), int(row[4]), int(row[5]), str(row[6]))
+
+
+class SqlSnap:
+    """Snapshots of the namespace (see the module doc)."""
+
+    if TYPE_CHECKING:
+        @property
+        def _db(self) -> Cursor: ...
+
+        def _tx(self, read_only: bool = False) -> Any: ...
+
+        def _get(self, c: Cursor, ino: int) -> Inode: ...
+
+        def _drop_name(self, c: Cursor, parent: int, name: bytes, inode: Inode) -> None: ...
+
+    def _writable(self, c: Cursor, *inos: int) -> None:
+        """Raise ReadOnly when any of ``inos`` belongs to a snapshot (or is a ``.snapshots``)."""
+        for ino in inos:
+            row = c.execute("SELECT snap FROM inodes WHERE ino=?", (ino,)).fetchone()
+            if row is not None and int(row[0]):
+                raise ReadOnly(f"inode {ino} is in a snapshot, which is read-only",
+                               "write to the live file instead")
+
+    def _emptied(self, c: Cursor, ino: int) -> bool:
+        """Whether directory ``ino`` is empty to rmdir: no entry but a ``.snapshots`` holding no
+        snapshot, which goes now (one holding snapshots keeps the directory: ENOTEMPTY)."""
+        rows = c.execute("SELECT d.ino, i.snap FROM dentries d JOIN inodes i ON i.ino = d.ino WHERE d.parent=? LIMIT 2",
+                         (ino,)).fetchall()
+        if not rows:
+            return True
+        if len(rows) > 1 or int(rows[0][1]) != SNAPSHOTS_DIR_MARK:
+            return False
+        holder = int(rows[0][0])
+        if c.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (holder,)).fetchone():
+            return False
+        c.execute("DELETE FROM dentries WHERE ino=?", (holder,))
+        c.execute("DELETE FROM inodes WHERE ino=?", (holder,))
+        return True
+
+    def _snapshots_dir(self, c: Cursor, d: Inode, create: bool) -> int | None:
+        """The inode number of ``d``'s ``.snapshots`` (made when ``create``), or None."""
+        row = c.execute("SELECT d.ino FROM dentries d JOIN inodes i ON i.ino = d.ino"
+                        " WHERE d.parent=? AND d.name=? AND i.snap=?", (d.ino, SNAPSHOTS_DIR, SNAPSHOTS_DIR_MARK)).fetchone()
+        if row is not None:
+            return int(row[0])
+        if not create:
+            return None
+        if c.execute("SELECT 1 FROM dentries WHERE parent=? AND name=?", (d.ino, SNAPSHOTS_DIR)).fetchone():
+            raise Exists(f"directory {d.ino} holds a file named {SNAPSHOTS_DIR.decode()}, the name of its snapshots",
+                         "rename it to take snapshots of the directory")
+        t = now()
+        ino = c.execute("INSERT INTO inodes(mode, uid, gid, nlink, atime_ns, mtime_ns, ctime_ns, snap)"
+                        " VALUES (?,?,?,2,?,?,?,?) RETURNING ino",
+                        (stat.S_IFDIR | (d.mode & 0o7777), d.uid, d.gid, t, t, t, SNAPSHOTS_DIR_MARK)).fetchone()[0]
+        c.execute("INSERT INTO dentries VALUES (?,?,?)", (d.ino, SNAPSHOTS_DIR, ino))
+        return int(ino)
+
+    def snapshots_dir(self, ino: int) -> Inode:
+        """Directory ``ino``'s ``.snapshots`` (made if missing: it is always there to a lookup,
+        as CephFS's ``.snap``; hidden from readdir, and gone with the directory while empty).
+
+        Raises:
+            NotFound: ``ino`` is not a live directory (a file, or in a snapshot).
+        """
+        with self._tx() as c:
+            d = self._get(c, ino)
+            if not d.is_dir or d.snap:
+                raise NotFound(f"inode {ino} is not a live directory: it has no {SNAPSHOTS_DIR.decode()}")
+            holder = self._snapshots_dir(c, d, create=True)
+            assert holder is not None
+            return self._get(c, holder)
+
+    def _copy_inode(self, c: Cursor, ino: int, snap_id: int) -> int:
+        new = c.execute(f"INSERT INTO inodes({_COPIED}, snap) SELECT {_COPIED}, ? FROM inodes WHERE ino=? RETURNING ino",
+                        (snap_id, ino)).fetchone()[0]
+        c.execute("INSERT INTO xattrs SELECT ?, name, value FROM xattrs WHERE ino=?", (new, ino))
+        return int(new)
+
+    def snapshot_begin(self, ino: int, name: bytes) -> tuple[Snapshot, list[tuple[Inode, int]]]:
+        """Copy the tree of ``ino`` (a directory, or a file: then into a directory of its own)
+        as snapshot ``name`` of the directory that holds it (``ino`` itself for a directory),
+        in state ``creating``.
+
+        Returns:
+            The snapshot and, for every regular file of the tree, ``(live inode, copy's
+            inode number)``: the files whose chunks the shards clone.
+
+        Raises:
+            InvalidArgument: a bad name, or ``ino`` is neither a file nor a directory.
+            Exists: that snapshot exists. ReadOnly: ``ino`` is in a snapshot. NotFound.
+        """
+        check_name(name)
+        if name in (b".", b".."):
+            raise InvalidArgument(f"{name.decode()!r} cannot name a snapshot")
+        with self._tx() as c:
+            src = self._get(c, ino)
+            if src.snap:
+                raise ReadOnly(f"inode {ino} is in a snapshot: snapshots of snapshots are not kept")
+            if not (src.is_dir or stat.S_ISREG(src.mode)):
+                raise InvalidArgument("snapshots are of directories and regular files")
+            dir_ino = ino if src.is_dir else self._parent(c, ino)
+            d = self._get(c, dir_ino)
+            if c.execute("SELECT 1 FROM snapshots WHERE dir=? AND name=?", (dir_ino, name)).fetchone():
+                raise Exists(f"a snapshot named {name.decode(errors='replace')!r} exists",
+                             "choose another name, or delete that one first")
+            holder = self._snapshots_dir(c, d, create=True)
+            assert holder is not None
+            t = now()
+            sid = int(c.execute("INSERT INTO snapshots(dir, name, root, src, created_ns, state)"
+                                " VALUES (?,?,0,?,?,'creating') RETURNING id", (dir_ino, name, ino, t)).fetchone()[0])
+            if src.is_dir:
+                root, files = self._copy_tree(c, dir_ino, holder, name, sid)
+            else:
+                root, _ = self._copy_tree(c, dir_ino, holder, name, sid, children=False)
+                _, files = self._copy_tree(c, ino, root, self._name_in(c, dir_ino, ino), sid)
+                c.execute("UPDATE inodes SET nlink=2 WHERE ino=?", (root,))
+            c.execute("UPDATE inodes SET nlink=nlink+1 WHERE ino=?", (holder,))
+            c.execute("UPDATE snapshots SET root=? WHERE id=?", (root, sid))
+            return Snapshot(sid, dir_ino, name, root, ino, t, "creating"), files
+
+    def _copy_tree(self, c: Cursor, src: int, parent: int, name: bytes, snap_id: int,
+                   children: bool = True) -> tuple[int, list[tuple[Inode, int]]]:
+        """Copy inode ``src`` (and, for a directory with ``children``, its tree but its
+        ``.snapshots``) as ``name`` in ``parent``, the copies' ``snap`` set to ``snap_id``;
+        link counts as the copy has them. Returns the copy's inode number and, per regular
+        file, ``(source inode, copy's number)``."""
+        top = self._get(c, src)
+        copies = {src: self._copy_inode(c, src, snap_id)}  # hard links: one copy per inode
+        c.execute("INSERT INTO dentries VALUES (?,?,?)", (parent, name, copies[src]))
+        files: list[tuple[Inode, int]] = [] if top.is_dir else [(top, copies[src])]
+        todo = [src] if top.is_dir and children else []
+        cols = ", ".join("i." + x.strip() for x in COLS.split(","))
+        while todo:
+            at = todo.pop()
+            for r in c.execute(f"SELECT d.name, {cols} FROM dentries d JOIN inodes i ON i.ino = d.ino"
+                               " WHERE d.parent=? ORDER BY d.name", (at,)).fetchall():
+                child = inode_row(r[1:])
+                if child.snap == SNAPSHOTS_DIR_MARK:  # snapshots are not copied into copies
+                    continue
+                new = copies.get(child.ino)
+                if new is None:
+                    new = copies[child.ino] = self._copy_inode(c, child.ino, snap_id)
+                    if child.is_dir:
+                        todo.append(child.ino)
+                    elif stat.S_ISREG(child.mode):
+                        files.append((child, new))
+                c.execute("INSERT INTO dentries VALUES (?,?,?)", (copies[at], bytes(r[0]), new))
+        for new in copies.values():  # link counts as the copy has them
+            if stat.S_ISDIR(self._get(c, new).mode):
+                sub = c.execute("SELECT COUNT(*) FROM dentries d JOIN inodes i ON i.ino = d.ino WHERE d.parent=?"
+                                " AND i.mode >= ? AND i.mode < ?", (new, stat.S_IFDIR, stat.S_IFDIR + 0o10000)).fetchone()[0]
+                c.execute("UPDATE inodes SET nlink=? WHERE ino=?", (2 + int(sub), new))
+            else:
+                n = c.execute("SELECT COUNT(*) FROM dentries WHERE ino=?", (new,)).fetchone()[0]
+                c.execute("UPDATE inodes SET nlink=? WHERE ino=?", (int(n), new))
+        return copies[src], files
+
+    def clone_tree(self, src: int, parent: int, name: bytes) -> tuple[Inode, list[tuple[Inode, int]]]:
+        """Copy inode ``src`` (a snapshot's file or directory tree) as a live, writable
+        ``name`` in ``parent`` (``irdma snapshot clone``; the shards then clone its chunks).
+
+        Returns:
+            The copy's inode and, per regular file, ``(source inode, copy's number)``.
+
+        Raises:
+            Exists: ``name`` exists in ``parent``. ReadOnly: ``parent`` is in a snapshot.
+        """
+        check_name(name)
+        with self._tx() as c:
+            self._writable(c, parent)
+            if not self._get(c, parent).is_dir:
+                raise NotADirectory(f"inode {parent} is not a directory")
+            if c.execute("SELECT 1 FROM dentries WHERE parent=? AND name=?", (parent, name)).fetchone():
+                raise Exists(f"{name.decode(errors='replace')!r} exists", "choose a new path for the clone")
+            root, files = self._copy_tree(c, src, parent, name, 0)
+            copy = self._get(c, root)
+            if copy.is_dir:
+                c.execute("UPDATE inodes SET nlink=nlink+1 WHERE ino=?", (parent,))
+            t = now()
+            c.execute("UPDATE inodes SET mtime_ns=?, ctime_ns=? WHERE ino=?", (t, t, parent))
+            return copy, files
+
+    def copy_chunk_maps(self, pairs: Sequence[tuple[int, int]], shards: Sequence[int]) -> None:
+        """Give each ``(source, copy)`` file the source's chunk-map rows on ``shards`` (the
+        shards that cloned its chunks)."""
+        with self._tx() as c:
+            marks = ",".join("?" * len(shards)) or "NULL"
+            for src, dst in pairs:
+                c.execute(f"INSERT INTO chunks SELECT ?, idx, shard, incarnation FROM chunks WHERE ino=? AND shard IN ({marks})",
+                          (dst, src, *shards))
+
+    def remove_tree(self, ino: int) -> list[int]:
+        """Take a live directory tree (or file) with no snapshots in it out of the namespace in
+        one transaction: directories go, files lose their names. Returns the files left with no
+        name (the caller frees them once unused, as after unlink).
+
+        Raises:
+            NotEmpty: a directory of the tree holds snapshots (delete them first).
+        """
+        with self._tx() as c:
+            return self._remove_tree(c, ino)
+
+    def _remove_tree(self, c: Cursor, ino: int, names: bool = True) -> list[int]:
+        top = self._get(c, ino)
+        unnamed: list[int] = []
+        if names:  # the tree's own name(s)
+            for parent, name in c.execute("SELECT parent, name FROM dentries WHERE ino=?", (ino,)).fetchall():
+                self._drop_name(c, int(parent), bytes(name), top)
+                if top.is_dir:
+                    c.execute("UPDATE inodes SET nlink=nlink-1 WHERE ino=?", (int(parent),))
+        if not top.is_dir:
+            return [ino] if top.nlink <= 0 else []
+        todo, dirs = [ino], []
+        while todo:
+            d = todo.pop()
+            dirs.append(d)
+            for name, child_ino in c.execute("SELECT name, ino FROM dentries WHERE parent=?", (d,)).fetchall():
+                child = self._get(c, int(child_ino))
+                if child.snap == SNAPSHOTS_DIR_MARK:
+                    if c.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (child.ino,)).fetchone():
+                        raise NotEmpty(f"directory {d} holds snapshots: delete them first (`irdma snapshot list`)")
+                    c.execute("DELETE FROM inodes WHERE ino=?", (child.ino,))
+                    c.execute("DELETE FROM dentries WHERE parent=? AND name=?", (d, bytes(name)))
+                elif child.is_dir:
+                    c.execute("DELETE FROM dentries WHERE parent=? AND name=?", (d, bytes(name)))
+                    todo.append(child.ino)
+                else:
+                    self._drop_name(c, d, bytes(name), child)
+                    if child.nlink <= 0:
+                        unnamed.append(child.ino)
+        for d in dirs:
+            c.execute("DELETE FROM xattrs WHERE ino=?", (d,))
+            c.execute("DELETE FROM inodes WHERE ino=?", (d,))
+        return unnamed
+
+    def restore_contents(self, dir_ino: int, tree: int) -> list[int]:
+        """Make live directory ``dir_ino``'s entries those of directory ``tree`` (a clone of a
+        snapshot), in one transaction: a reader sees the old tree or the new one, never a mix.
+        ``dir_ino`` keeps its inode number and its ``.snapshots``; ``tree`` goes.
+
+        Returns:
+            The old tree's files left with no name (the caller frees them once unused).
+
+        Raises:
+            NotEmpty: a subdirectory of the old tree holds snapshots (delete them first).
+        """
+        with self._tx() as c:
+            self._writable(c, dir_ino)
+            unnamed: list[int] = []
+            for name, child_ino in c.execute("SELECT name, ino FROM dentries WHERE parent=?", (dir_ino,)).fetchall():
+                child = self._get(c, int(child_ino))
+                if child.snap == SNAPSHOTS_DIR_MARK or child.ino == tree:
+                    continue
+                if child.is_dir:
+                    unnamed += self._remove_tree(c, child.ino)
+                else:  # this name only (a hard link elsewhere keeps the file)
+                    self._drop_name(c, dir_ino, bytes(name), child)
+                    if child.nlink <= 0:
+                        unnamed.append(child.ino)
+            c.execute("UPDATE dentries SET parent=? WHERE parent=?", (dir_ino, tree))
+            self._remove_tree(c, tree)  # now empty
+            sub = c.execute("SELECT COUNT(*) FROM dentries d JOIN inodes i ON i.ino = d.ino WHERE d.parent=? AND"
+                            " i.mode >= ? AND i.mode < ? AND i.snap = 0",
+                            (dir_ino, stat.S_IFDIR, stat.S_IFDIR + 0o10000)).fetchone()[0]
+            t = now()
+            c.execute("UPDATE inodes SET nlink=?, mtime_ns=?, ctime_ns=? WHERE ino=?", (2 + int(sub), t, t, dir_ino))
+            return unnamed
+
+    def _parent(self, c: Cursor, ino: int) -> int:
+        row = c.execute("SELECT parent FROM dentries WHERE ino=? LIMIT 1", (ino,)).fetchone()
+        if row is None:
+            raise NotFound(f"inode {ino} has no name left")
+        return int(row[0])
+
+    def _name_in(self, c: Cursor, parent: int, ino: int) -> bytes:
+        row = c.execute("SELECT name FROM dentries WHERE parent=? AND ino=? LIMIT 1", (parent, ino)).fetchone()
+        if row is None:
+            raise NotFound(f"inode {ino} has no name in directory {parent}")
+        return bytes(row[0])
+
+    def snapshot_commit(self, snap_id: int, pairs: Sequence[tuple[int, int]], shards: Sequence[int]) -> Snapshot:
+        """Record the clones' chunk maps (each ``(live file, copy)`` gets the live file's rows
+        for ``shards``, the shards that cloned) and mark the snapshot ``ready``.
+
+        Raises:
+            NotFound: no such snapshot being made (it was aborted).
+        """
+        with self._tx() as c:
+            row = c.execute(f"SELECT {_SNAP_COLS} FROM snapshots WHERE id=? AND state='creating'", (snap_id,)).fetchone()
+            if row is None:
+                raise NotFound(f"no snapshot {snap_id} being made")
+            marks = ",".join("?" * len(shards)) or "NULL"
+            for src, dst in pairs:
+                c.execute(f"INSERT INTO chunks SELECT ?, idx, shard, incarnation FROM chunks WHERE ino=? AND shard IN ({marks})",
+                          (dst, src, *shards))
+            c.execute("UPDATE snapshots SET state='ready' WHERE id=?", (snap_id,))
+            snap = _snap_row(row)
+            snap.state = "ready"
+            return snap
+
+    def snapshots(self, dir_ino: int) -> list[Snapshot]:
+        """The snapshots of directory ``dir_ino`` (those being made too), oldest first."""
+        return [_snap_row(r) for r in self._db.execute(
+            f"SELECT {_SNAP_COLS} FROM snapshots WHERE dir=? ORDER BY created_ns, id", (dir_ino,))]
+
+    def snapshot_by_root(self, root: int) -> Snapshot | None:
+        """The snapshot whose tree starts at inode ``root`` (``D/.snapshots/NAME``), or None."""
+        row = self._db.execute(f"SELECT {_SNAP_COLS} FROM snapshots WHERE root=?", (root,)).fetchone()
+        return None if row is None else _snap_row(row)
+
+    def snapshot_files(self, snap_id: int) -> list[Inode]:
+        """Every regular file of a snapshot's tree."""
+        return [inode_row(r) for r in self._db.execute(
+            f"SELECT {COLS} FROM inodes WHERE snap=? AND mode >= ? AND mode < ?",
+            (snap_id, stat.S_IFREG, stat.S_IFREG + 0o10000))]
+
+    def snapshot_drop(self, snap_id: int) -> list[Inode]:
+        """Take a snapshot's tree out of the namespace (its metadata: inodes, names, xattrs,
+        chunk maps); ``D/.snapshots`` goes with its last snapshot.
+
+        Returns:
+            Its regular files as they were: the caller frees their chunks on the shards
+            (what it misses, ``irdma gc`` frees: no inode names them any more).
+
+        Raises:
+            NotFound: no such snapshot.
+        """
+        with self._tx() as c:
+            row = c.execute(f"SELECT {_SNAP_COLS} FROM snapshots WHERE id=?", (snap_id,)).fetchone()
+            if row is None:
+                raise NotFound(f"no snapshot {snap_id}")
+            snap = _snap_row(row)
+            files = [inode_row(r) for r in c.execute(f"SELECT {COLS} FROM inodes WHERE snap=? AND mode >= ? AND mode < ?",
+                                                      (snap_id, stat.S_IFREG, stat.S_IFREG + 0o10000))]
+            c.execute("DELETE FROM chunks WHERE ino IN (SELECT ino FROM inodes WHERE snap=?)", (snap_id,))
+            c.execute("DELETE FROM xattrs WHERE ino IN (SELECT ino FROM inodes WHERE snap=?)", (snap_id,))
+            c.execute("DELETE FROM dentries WHERE parent IN (SELECT ino FROM inodes WHERE snap=?)", (snap_id,))
+            c.execute("DELETE FROM dentries WHERE ino=?", (snap.root,))
+            c.execute("DELETE FROM inodes WHERE snap=?", (snap_id,))
+            c.execute("DELETE FROM snapshots WHERE id=?", (snap_id,))
+            d = self._get(c, snap.dir)
+            holder = self._snapshots_dir(c, d, create=False)
+            if holder is not None:
+                if c.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (holder,)).fetchone():
+                    c.execute("UPDATE inodes SET nlink=nlink-1 WHERE ino=?", (holder,))
+                else:
+                    c.execute("DELETE FROM dentries WHERE ino=?", (holder,))
+                    c.execute("DELETE FROM inodes WHERE ino=?", (holder,))
+            return files

@@ -1,0 +1,91 @@
+"""The cut under load (issue 23): 4 writer processes push ``add`` of 1.0 into a directory of 3
+files, 2 through 2 real mounts (pwrite + fsync) and 2 through the native client, while the
+test takes a snapshot of the directory every 50 ms. Each writer adds to its own element, so
+a snapshot's element ``w`` of file ``f`` counts writer ``w``'s pushes into ``f`` that are in
+it. Each snapshot must hold every push acknowledged before ``create`` was called and none
+that started after it returned, and the snapshots must grow in order (a prefix of every
+writer's pushes). Real shard processes, R=2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import trio
+from helpers import mounted, running_cluster
+
+import irdma
+
+FILES, PUSHES, SIZE, CHUNK = 3, 150, 4096, 4096
+WRITER = os.path.join(os.path.dirname(__file__), "snapshot_writer.py")
+
+
+def test_every_snapshot_is_a_prefix_of_every_writer(tmp_path: str) -> None:
+    d = str(tmp_path)
+    with running_cluster(os.path.join(d, "c"), shards=2, replicas=2) as cl:
+        async def setup() -> None:
+            async with irdma.Client.open(cl.meta_url, transport="tcp") as c:
+                await c.makedirs("/d")
+                for k in range(FILES):
+                    await c.write(f"/d/f{k}", np.zeros(SIZE // 4, "<f4"), chunk_size=CHUNK)
+                    await c.set_update_op(f"/d/f{k}", "add")
+
+        trio.run(setup)
+        with mounted(cl.meta_url, os.path.join(d, "m0")) as m0, mounted(cl.meta_url, os.path.join(d, "m1")) as m1:
+            wheres = [f"mount:{m0}/d", f"mount:{m1}/d", f"native:{cl.meta_url}:/d", f"native:{cl.meta_url}:/d"]
+            procs = [subprocess.Popen([sys.executable, WRITER, str(w), where, str(FILES), str(PUSHES), str(SIZE),
+                                       os.path.join(d, f"w{w}.json")]) for w, where in enumerate(wheres)]
+            snaps: list[tuple[str, float, float]] = []
+
+            async def snapshotter() -> None:
+                async with irdma.Client.open(cl.meta_url, transport="tcp") as c:
+                    deadline = time.monotonic() + 60
+                    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                        name = f"s{len(snaps)}"
+                        t0 = time.monotonic()
+                        await c.snapshot("/d", name)
+                        snaps.append((name, t0, time.monotonic()))
+                        await trio.sleep(0.05)
+                    await c.snapshot("/d", "final")  # after every writer is done: all of them
+                    snaps.append(("final", time.monotonic(), time.monotonic()))
+
+            trio.run(snapshotter)
+            for p in procs:
+                assert p.wait(timeout=60) == 0
+        logs = []
+        for w in range(len(wheres)):
+            with open(os.path.join(d, f"w{w}.json")) as f:
+                logs.append(json.load(f))
+
+        async def read_all() -> dict[str, np.ndarray]:
+            async with irdma.Client.open(cl.meta_url, transport="tcp") as c:
+                return {name: np.stack([await c.pull(f"/d/.snapshots/{name}/f{k}") for k in range(FILES)])
+                        for name, _, _ in snaps}
+
+        got = trio.run(read_all)
+    assert len(snaps) >= 10, f"only {len(snaps)} snapshots were taken while the writers ran"
+    previous = np.zeros((FILES, len(wheres)))
+    for name, t_call, t_return in snaps:
+        counts = got[name][:, : len(wheres)]  # element w of each file
+        for w, log in enumerate(logs):
+            for k in range(FILES):
+                acked = sum(1 for f, _, t1 in log if f == k and t1 < t_call)
+                started = sum(1 for f, t0, _ in log if f == k and t0 < t_return)
+                assert acked <= counts[k, w] <= started, (
+                    f"snapshot {name}: writer {w} file f{k} holds {counts[k, w]} pushes; {acked} were acknowledged"
+                    f" before create was called and {started} had started when it returned")
+        assert (counts >= previous).all(), f"snapshot {name} lost pushes an earlier one had"
+        assert not got[name][:, len(wheres):].any(), "bytes no writer wrote"
+        previous = counts
+    assert (got["final"][:, : len(wheres)] == PUSHES // FILES).all()
+
+
+@pytest.fixture(autouse=True)
+def _clock() -> None:
+    assert time.get_clock_info("monotonic").implementation.startswith("clock_gettime"), \
+        "the writers' and the test's times must come from one machine-wide monotonic clock"
