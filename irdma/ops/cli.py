@@ -651,35 +651,32 @@ def warmup(paths: tuple[str, ...], threads: int, meta_url: str | None, cache_dir
     """Fill the local read cache with files, ahead of their reads (as `juicefs warmup`): PATHS on
     a mount started with --cache-dir or --cache-memory, or namespace PATHS with --meta URL
     --cache-dir DIR. Directories are read whole. See docs/cache.md."""
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
     from . import warmup as W
+    from .progress import transfer_progress
 
     if (meta_url is None) != (cache_dir is None):
         raise click.UsageError("--meta and --cache-dir go together (namespace paths into a disk cache);"
                                " without them PATHS are on a mount")
-    with Progress(TextColumn("warming"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-                  console=console, transient=True) as bar:
-        task = bar.add_task("warmup", total=None)
+    done = [0, 0]
+    totals: list[int | None] = [None, None]
+    with transfer_progress("warmup", unit="files", console=console) as step:
 
-        def tick(n: int) -> None:
-            bar.advance(task, n)
+        def tick(n: int, files: int) -> None:
+            done[0] += n
+            done[1] += files
+            step(done[0], totals[0], done[1], totals[1])
+
+        def sized(total_bytes: int, total_files: int) -> None:
+            totals[:] = [total_bytes, total_files]
+            step(0, total_bytes, 0, total_files)
 
         if meta_url is None:
             files = W.mount_files(paths)
-            bar.update(task, total=sum(size for _, size in files))
+            sized(sum(size for _, size in files), len(files))
             result = W.warm_mount(files, threads, tick)
         else:
             assert cache_dir is not None
-            result = trio.run(W.warm_namespace, meta_url, paths, cache_dir, cache_size, threads, transport, tick,
-                              lambda total: bar.update(task, total=total))
+            result = trio.run(W.warm_namespace, meta_url, paths, cache_dir, cache_size, threads, transport, tick, sized)
     rate = result.bytes / result.seconds if result.seconds > 0 else 0.0
     console.print(f"warmed {result.files} files, {format_size(result.bytes)} in {result.seconds:.1f} s"
                   f" ({format_size(rate)}/s)", highlight=False)

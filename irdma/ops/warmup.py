@@ -11,7 +11,8 @@ Two ways, by what the paths are (https://juicefs.com/docs/community/command_refe
   of the same namespace with the same ``--cache-dir`` finds them (validated by chunk version at
   its opens, as any kept chunk).
 
-Progress is shown in bytes with the rate and the time left.
+Progress (:func:`irdma.ops.progress.transfer_progress`) is shown in bytes and files, with the
+rate and the time left.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def mount_files(paths: tuple[str, ...]) -> list[tuple[str, int]]:
     return out
 
 
-def _read_file(path: str, size: int, progress: Callable[[int], None]) -> int:
+def _read_file(path: str, size: int, progress: Callable[..., None]) -> int:
     """Read a file whole with O_DIRECT (plain reads where the filesystem refuses O_DIRECT)."""
     buf = mmap.mmap(-1, READ_BLOCK)  # page aligned, as O_DIRECT wants
     try:
@@ -100,13 +101,15 @@ def _read_file(path: str, size: int, progress: Callable[[int], None]) -> int:
                 progress(n)
         finally:
             os.close(fd)
+        progress(0, 1)
         return got
     finally:
         buf.close()
 
 
-def warm_mount(files: list[tuple[str, int]], threads: int, progress: Callable[[int], None]) -> WarmupResult:
+def warm_mount(files: list[tuple[str, int]], threads: int, progress: Callable[[int, int], None]) -> WarmupResult:
     """Read ``files`` through their mount with ``threads`` threads (see the module docstring).
+    ``progress(bytes, files)`` is told what got done, from one thread at a time.
 
     Raises:
         OSError: a read failed (the file's name is in the error).
@@ -116,9 +119,9 @@ def warm_mount(files: list[tuple[str, int]], threads: int, progress: Callable[[i
     t0 = time.perf_counter()
     lock = threading.Lock()
 
-    def tick(n: int) -> None:
+    def tick(n: int, files: int = 0) -> None:
         with lock:
-            progress(n)
+            progress(n, files)
 
     total = 0
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
@@ -128,10 +131,11 @@ def warm_mount(files: list[tuple[str, int]], threads: int, progress: Callable[[i
 
 
 async def warm_namespace(meta_url: str, paths: tuple[str, ...], cache_dir: str, cache_size: str | None,
-                         threads: int, transport: str, progress: Callable[[int], None],
-                         sized: Callable[[int], None]) -> WarmupResult:
+                         threads: int, transport: str, progress: Callable[[int, int], None],
+                         sized: Callable[[int, int], None]) -> WarmupResult:
     """Read every chunk of the files under namespace ``paths`` into the disk cache ``cache_dir``
-    with a native client, ``threads`` files at a time. ``sized`` is told the total bytes first.
+    with a native client, ``threads`` files at a time. ``sized(bytes, files)`` is told the
+    totals first, ``progress(bytes, files)`` what got done.
 
     Raises:
         NotFound: a path is not in the namespace. InvalidArgument: the cache directory cannot
@@ -157,7 +161,7 @@ async def warm_namespace(meta_url: str, paths: tuple[str, ...], cache_dir: str, 
                 todo += [p.rstrip("/") + "/" + n for n in sorted(await client.listdir(p), reverse=True)]
             elif stat.S_ISREG(inode.mode):
                 files.append(inode)
-        sized(sum(i.size for i in files))
+        sized(sum(i.size for i in files), len(files))
         limit = trio.Semaphore(max(1, threads))
         total = 0
 
@@ -165,8 +169,9 @@ async def warm_namespace(meta_url: str, paths: tuple[str, ...], cache_dir: str, 
             nonlocal total
             async with limit:
                 assert client.cached is not None
-                await client.cached.warm(inode, await client.meta.chunk_map(inode.ino), progress)
+                await client.cached.warm(inode, await client.meta.chunk_map(inode.ino), lambda n: progress(n, 0))
                 total += inode.size
+                progress(0, 1)
 
         async with trio.open_nursery() as nursery:
             for inode in files:
