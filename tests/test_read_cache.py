@@ -253,3 +253,15 @@ def test_bad_cache_settings_are_refused_before_mounting(cc: Cached, tmp_path: ob
     assert not os.path.ismount(mnt)
     with pytest.raises(InvalidArgument, match="needs --cache-dir"):
         ChunkCache(0, None, "1G")
+
+
+def test_stats_summary_shows_the_cache() -> None:
+    from irdma.ops.stats import Scrape, summary_of
+
+    prev = Scrape(0.0, {"irdma_cache_hits_total": [({"tier": "memory"}, 10.0)], "irdma_cache_misses_total": [({}, 5.0)],
+                        "irdma_cache_bytes": [({"tier": "memory"}, 0.0)]})
+    cur = Scrape(1.0, {"irdma_cache_hits_total": [({"tier": "memory"}, 40.0), ({"tier": "disk"}, 8.0)],
+                       "irdma_cache_misses_total": [({}, 7.0)],
+                       "irdma_cache_bytes": [({"tier": "memory"}, float(1 << 30)), ({"tier": "disk"}, 0.0)]})
+    assert summary_of(prev, cur) == "cache 95% hits 1.0G"
+    assert summary_of(prev, prev) == "cache 0B"
