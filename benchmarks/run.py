@@ -38,9 +38,9 @@ sys.path.insert(0, REPO)
 
 from irdma.fs.mount import spawn_mount, unmount  # noqa: E402
 
+from irdma.client.native import Client  # noqa: E402
 from irdma.ops import bench as B  # noqa: E402
 from irdma.ops import cluster as C  # noqa: E402
-from irdma.client.native import Client  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -550,8 +550,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the suite, not figures")
     ap.add_argument("--out", default=os.path.join(REPO, "docs"))
-    ap.add_argument("--only", choices=["replication", "authentication", "rounds", "fio", "rows"],
+    ap.add_argument("--only", choices=["replication", "authentication", "rounds", "fio", "rows", "cache"],
                     help="run one section, print its figures as JSON and compare only its ratios")
+    ap.add_argument("--cache-file-size", default="1GiB",
+                    help="--only cache: bytes of the hot file 4 readers read (benchmarks/readcache.py)")
     args = ap.parse_args()
     sys.path.insert(0, HERE)
     import guard
@@ -559,6 +561,13 @@ def main() -> int:
     # the run to compare with, read before anything is overwritten: docs/benchmarks.json as committed
     previous, against = guard.load_previous(REPO, args.out)
     commit = guard.git_commit(REPO)
+    if args.only == "cache":  # the local read cache: figures printed, no report written
+        import readcache
+
+        from irdma.units import parse_size
+
+        print(json.dumps(readcache.run(64 * MiB if args.quick else parse_size(args.cache_file_size), say), indent=1))
+        return 0
     if args.only in ("replication", "authentication"):  # figures printed, no report written
         size = 64 * MiB if args.quick else (256 if args.only == "replication" else 512) * MiB
         part = replication(size) if args.only == "replication" else authentication(size)

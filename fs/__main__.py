@@ -10,6 +10,7 @@ import sys
 import trio
 
 from irdma._errors import IrdmaError
+from irdma.client.cache import make_cache
 
 from .mount import serve_mount
 from .operations import ATTR_TIMEOUT, ENTRY_TIMEOUT
@@ -31,16 +32,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--subdir", default=None, help="serve this directory of the namespace as the mount's root")
     ap.add_argument("--attr-cache", type=float, default=ATTR_TIMEOUT, help="seconds the kernel caches attributes")
     ap.add_argument("--entry-cache", type=float, default=ENTRY_TIMEOUT, help="seconds the kernel caches names")
+    ap.add_argument("--cache-dir", default=None, help="the disk tier of the local read cache (irdma.client.cache)")
+    ap.add_argument("--cache-size", default=None, help="bytes of the disk tier (default 10GiB)")
+    ap.add_argument("--cache-memory", default=None, help="bytes of the memory tier (default 256MiB with --cache-dir, else 0)")
     args = ap.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
+        cache = make_cache(args.cache_dir, args.cache_size, args.cache_memory)
         trio.run(functools.partial(serve_mount, args.meta_url, args.mountpoint, transport=args.transport, debug=args.debug,
                                    direct_io=args.direct_io, timeout=args.timeout, allow_other=args.allow_other,
                                    metrics=args.metrics, sync_timeout=args.sync_timeout, read_only=args.read_only,
-                                   subdir=args.subdir, attr_cache=args.attr_cache, entry_cache=args.entry_cache))
+                                   subdir=args.subdir, attr_cache=args.attr_cache, entry_cache=args.entry_cache,
+                                   cache=cache))
     except IrdmaError as exc:
         logging.getLogger("irdma.fs").error("%s", exc)
         return 1

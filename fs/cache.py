@@ -21,7 +21,9 @@ records in the metadata engine, and the bytes the shards acknowledged, are that.
   ``READAHEAD_MIN`` and double with every sequential hit up to ``READAHEAD_WINDOW``, and the next
   window is fetched while the kernel consumes this one. Any other read (random, strided) is one
   exact pull of the bytes asked for, unless a window already holds them. At most
-  ``READAHEAD_BYTES`` of windows are kept per file, the oldest dropped first.
+  ``READAHEAD_BYTES`` of windows are kept per file, the oldest dropped first. Windows and exact
+  pulls go through :meth:`irdma.Client.read_into`, so a mount with a local read cache
+  (``--cache-dir``, ``--cache-memory``: :mod:`irdma.client.cache`) serves them from it.
 * Residuals (:class:`Residuals`), error feedback of compressed pushes (Applied Sciences 2020's
   local residual cache; :mod:`irdma.wire.compress`): one residual per inode, float32, element ``i``
   for bytes ``[4i, 4i+4)`` of the file, made on the first compressed write and grown (zeros) to

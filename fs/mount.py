@@ -26,6 +26,7 @@ import pyfuse3
 import trio
 
 from irdma._errors import IrdmaError, NotADirectory, NotFound
+from irdma.client.cache import ChunkCache, make_cache
 from irdma.client.native import DEFAULT_TIMEOUT, Client
 from irdma.meta import ROOT_INO, meta_scheme, redact
 from irdma.meta.base import UNLINK_GRACE_S, MetaStore
@@ -45,8 +46,12 @@ async def serve_mount(
     timeout: float = DEFAULT_TIMEOUT, allow_other: bool = False, metrics: str | None = None,
     sync_timeout: float = DEFAULT_SYNC_TIMEOUT, read_only: bool = False, subdir: str | None = None,
     attr_cache: float = ATTR_TIMEOUT, entry_cache: float = ENTRY_TIMEOUT,
+    cache: ChunkCache | None = None,
 ) -> None:
     """Mount the namespace at ``mountpoint`` and serve it until unmounted.
+
+    ``cache``: the local read cache of hot read-mostly files (``--cache-dir``, ``--cache-size``,
+    ``--cache-memory``; :mod:`irdma.client.cache`), or None.
 
     ``read_only``: every request that would change something fails with EROFS, and the kernel
     mounts it ``ro``. ``subdir``: a directory of the namespace (``/jobs/x``) served as the
@@ -84,7 +89,7 @@ async def serve_mount(
                      check_cache_seconds("entry cache", entry_cache))
         await _serve_mount(meta_url, mountpoint, transport=transport, debug=debug, direct_io=direct_io,
                            timeout=timeout, allow_other=allow_other, exporter=exporter, sync_timeout=sync_timeout,
-                           view=view)
+                           view=view, cache=cache)
     finally:
         if exporter is not None:
             forget_mount(mountpoint)
@@ -94,9 +99,10 @@ async def serve_mount(
 async def _serve_mount(
     meta_url: str, mountpoint: str, *, transport: str, debug: bool, direct_io: bool, timeout: float,
     allow_other: bool, exporter: Exporter | None, sync_timeout: float = DEFAULT_SYNC_TIMEOUT, view: _View,
+    cache: ChunkCache | None = None,
 ) -> None:
     async with Client.open(meta_url, transport=transport, client_name=f"irdma-mount {mountpoint}",
-                           timeout=timeout) as client:
+                           timeout=timeout, cache=cache) as client:
         set_metrics_transport(client.transport.name)  # irdma_build_info's label
         root = ROOT_INO if view.subdir is None else await trio.to_thread.run_sync(resolve_subdir, client.meta.store,
                                                                                    view.subdir)
@@ -415,10 +421,15 @@ def spawn_mount(
     sync_timeout: float | None = None,
     nonempty: bool = False, read_only: bool = False, subdir: str | None = None, attr_cache: float | None = None,
     entry_cache: float | None = None,
+    cache_dir: str | None = None,
+    cache_size: str | None = None,
+    cache_memory: str | None = None,
 ) -> int:
     """Start a mount process in the background and wait until the mount is up (options as
     :func:`serve_mount`'s; ``metrics``: ``HOST:PORT`` of its Prometheus exporter, or None;
-    ``nonempty``: mount over a directory that holds entries, see :func:`check_mountpoint`).
+    ``nonempty``: mount over a directory that holds entries, see :func:`check_mountpoint`;
+    ``cache_dir``, ``cache_size``, ``cache_memory``: the local read cache, see
+    :func:`irdma.client.cache.make_cache`, checked here before anything starts).
 
     Returns:
         The mount process's pid.
@@ -437,6 +448,11 @@ def spawn_mount(
     args += ["--subdir", subdir] if subdir is not None else []
     args += ["--attr-cache", repr(check_cache_seconds("attr cache", attr_cache))] if attr_cache is not None else []
     args += ["--entry-cache", repr(check_cache_seconds("entry cache", entry_cache))] if entry_cache is not None else []
+    if cache_dir is not None or cache_memory is not None:
+        make_cache(cache_dir, cache_size, cache_memory)  # a bad size or directory fails here, before anything starts
+    args += ["--cache-dir", os.path.abspath(cache_dir)] if cache_dir is not None else []
+    args += ["--cache-size", str(cache_size)] if cache_size is not None else []
+    args += ["--cache-memory", str(cache_memory)] if cache_memory is not None else []
     if metrics:
         parse_metrics_address(metrics)  # a malformed address fails here, before anything starts
         args += ["--metrics", metrics]

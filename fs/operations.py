@@ -821,6 +821,8 @@ class IrdmaFS(pyfuse3.Operations):
                 node = await self._getattr(inode)
                 chunks = {}
             coded, sched = await self._communication_of(node)
+            if self.client.cached is not None:  # close-to-open: the local read cache checks chunk versions
+                await self.client.cache_open(node, chunks)
             fi = self._open_handle(node, io_mode, chunks, append=bool(flags & os.O_APPEND), compress=coded, sched=sched,
                                    writable=flags & os.O_ACCMODE != os.O_RDONLY)
             self._handles[fi.fh].kill_setid = kill_setid

@@ -70,7 +70,9 @@ from ..wire.extents import move, positions
 from ..wire.protocol import DEFAULT_MAX_PAYLOAD, Chain, ChunkEntry, StatReply, Update, UpdateOp, as_update
 from ..wire.protocol import extents as P_extents
 from . import snapshots as _snaps
+from .cache import ChunkCache
 from .pool import ShardPool
+from .readcache import CachedReads
 from .snapshots import SnapshotInfo
 
 #: Requests in flight per shard connection.
@@ -153,6 +155,9 @@ class Client:
         window: requests in flight per shard, for pulls and for the rest each; waiting ones are admitted by priority
             (:func:`irdma.train.comm.priority`: P3, lower levels first), FIFO among equal levels.
         timeout: seconds each request to a shard may take, queueing and connecting included.
+        cache: the local read cache (:class:`irdma.client.cache.ChunkCache`: memory and disk
+            tiers of whole chunks, validated by chunk version at each open; see
+            :meth:`cache_open`), or None for none.
     """
 
     def __init__(
@@ -165,6 +170,7 @@ class Client:
         window: int = DEFAULT_WINDOW,
         client_name: str = "",
         timeout: float = DEFAULT_TIMEOUT,
+        cache: ChunkCache | None = None,
     ) -> None:
         self.store = meta
         self.meta = AsyncMeta(meta)
@@ -191,6 +197,8 @@ class Client:
         from .moves import ShardMoves  # here, not at the top: irdma.client.moves imports this module
 
         self._admin = ShardMoves(self)  # resync, drain, rebalance, removal
+        #: the local read cache and the files validated at their open (:mod:`irdma.client.readcache`)
+        self.cached = CachedReads(self, cache) if cache is not None and cache.enabled else None
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -203,17 +211,22 @@ class Client:
         window: int = DEFAULT_WINDOW,
         client_name: str = "",
         timeout: float = DEFAULT_TIMEOUT,
+        cache: ChunkCache | None = None,
     ) -> AsyncIterator[Client]:
         """Open the namespace at ``meta_url`` (see :func:`irdma.meta.open_meta`).
 
         ``key_file``: the cluster's key file; default ``$IRDMA_KEY_FILE``, else ``cluster.key``
-        beside a SQLite namespace (where ``irdma up`` puts it), else none.
+        beside a SQLite namespace (where ``irdma up`` puts it), else none. ``cache``: a local
+        read cache (:class:`irdma.client.cache.ChunkCache`); its disk tier is opened here.
 
         Raises:
             NotFound: no metadata database there.
             InvalidArgument: the key file cannot be read, or others may read it.
             TransportUnavailable: ``transport="verbs"`` where verbs cannot run.
+            InvalidArgument: the cache directory cannot be written.
         """
+        if cache is not None:
+            await trio.to_thread.run_sync(cache.attach, meta_url)
         keys = auth.KeySource(key_file or auth.default_key_file(meta_url))
         tr = make_transport(transport) if isinstance(transport, str) else transport
         meta = await trio.to_thread.run_sync(open_meta, meta_url)
@@ -222,7 +235,7 @@ class Client:
         try:
             async with open_nursery() as nursery:
                 client = cls(meta, tr, nursery, keys=keys, window=window, client_name=client_name,
-                             timeout=timeout)
+                             timeout=timeout, cache=cache)
                 await client.refresh_view()
                 try:
                     yield client
@@ -231,6 +244,9 @@ class Client:
                     nursery.cancel_scope.cancel()
         finally:
             meta.close()
+            if cache is not None:  # its disk writes behind the reads land before the client is gone
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(cache.close)
 
     async def aclose(self) -> None:
         """Close every shard connection. Safe to call twice."""
@@ -427,6 +443,15 @@ class Client:
             ShardUnavailable: no replica answered in time. In both cases ``into`` is partly filled.
         """
         into = into.cast("B") if into.format != "B" or into.ndim != 1 else into
+        if self.cached is not None and self.cached.serves(layout.file_id):
+            await self.cached.read_into(layout, offset, into, chunks)
+            return
+        await self.read_shards_into(layout, offset, into, chunks)
+
+    async def read_shards_into(self, layout: Layout, offset: int, into: memoryview, chunks: ChunkMap | None = None,
+                               versions: list[int] | None = None) -> None:
+        """:meth:`read_into` from the shards, never the cache. ``versions``: the version each
+        piece read answered is appended to it (0 for a hole)."""
         n, cs = len(into), layout.chunk_size
         index, within = divmod(offset, cs)
         if 0 < n <= cs - within and offset >= 0 and n <= (self._max_piece(layout) or n):
@@ -434,14 +459,16 @@ class Client:
         else:
             pieces = list(layout.pieces(offset, n, self._max_piece(layout)))
         for attempt in range(2):
+            if versions is not None:
+                versions.clear()  # those of this attempt only
             try:
                 if len(pieces) == 1:
-                    await self._read_piece(layout, pieces[0], into, chunks)
+                    await self._read_piece(layout, pieces[0], into, chunks, versions)
                     return
                 async with open_nursery() as nursery:
                     for p in pieces:
                         nursery.start_soon(self._read_piece, layout, p, into[p.buf_offset : p.buf_offset + p.length],
-                                           chunks)
+                                           chunks, versions)
                 return
             except DataLost:
                 # a replica this view names may have given its chunk to a drain's target since:
@@ -451,23 +478,25 @@ class Client:
                 if attempt or self._view == view:
                     raise
 
-    async def _read_piece(self, layout: Layout, p: Piece, view: memoryview, chunks: ChunkMap | None) -> None:
+    async def _read_piece(self, layout: Layout, p: Piece, view: memoryview, chunks: ChunkMap | None,
+                          versions: list[int] | None = None) -> None:
         rec = chunks.get(p.chunk_index) if chunks else None
         if rec is not None and all(i == OUT_OF_SYNC for i in rec.values()):
             rec = None  # only withdrawals of a write never acknowledged: not a written chunk
         if layout.replicas == 1 and not self._moves:  # its one copy, where the stripe put it
-            await self._read_replica(layout, p, p.shard_id, view, rec, False)
+            await self._read_replica(layout, p, p.shard_id, view, rec, False, versions)
             return
         placed, joining = self.placed(layout, p.chunk_index)
         reps = tuple(s for s in placed if s != joining)
         if len(reps) == 1:
-            await self._read_replica(layout, p, reps[0], view, rec, False)
+            await self._read_replica(layout, p, reps[0], view, rec, False, versions)
             return
         if self._writing[(layout.file_id, p.chunk_index)]:
             # read your writes: this client's updates in flight reach the head first, and a read
             # sent after them on the same connection is applied after them (as with one replica)
             with contextlib.suppress(ReplicaFailed):
-                await self._read_replica(layout, p, self.chain_of(layout, p.chunk_index)[0], view, rec, False)
+                await self._read_replica(layout, p, self.chain_of(layout, p.chunk_index)[0], view, rec, False,
+                                         versions)
                 return
         tried: set[int] = set()
         lost: DataLost | None = None
@@ -498,10 +527,10 @@ class Client:
             pick = known[(layout.file_id + p.chunk_index) % len(known)]  # spread over the replicas
             try:
                 try:
-                    await self._read_replica(layout, p, pick, view, rec, pick != tail)
+                    await self._read_replica(layout, p, pick, view, rec, pick != tail, versions)
                 except Dirty:
                     pick = tail
-                    await self._read_replica(layout, p, tail, view, rec, False)
+                    await self._read_replica(layout, p, tail, view, rec, False, versions)
                 return
             except DataLost as exc:
                 lost = exc  # this replica lost it: another one may have it
@@ -541,7 +570,7 @@ class Client:
                                 f"restart shards {who} (`irdma up`); `irdma status` shows them")
 
     async def _read_replica(self, layout: Layout, p: Piece, shard_id: int, view: memoryview,
-                            rec: dict[int, int] | None, clean: bool) -> None:
+                            rec: dict[int, int] | None, clean: bool, versions: list[int] | None = None) -> None:
         """Read one piece from one replica; a replica that failed is marked down (R > 1)."""
         inc = rec.get(shard_id) if rec is not None else None
 
@@ -552,6 +581,8 @@ class Client:
                                       clean and not conn.one_sided_reads)
             if version == 0 and rec is not None:
                 raise self._lost(layout, p.chunk_index, shard_id, "no longer has it (freed outside the namespace)")
+            if versions is not None:
+                versions.append(version)
 
         try:
             await self._on_shard(shard_id, fn, pull=True)
@@ -599,6 +630,8 @@ class Client:
             Other chunks' parts may have been applied.
         """
         view = _as_bytes_view(data)
+        if self.cached is not None:  # read your writes: the chunks written are read from the shards again
+            self.cached.invalidate(layout.file_id, offset, offset + len(view))
         update = as_update(op)
         if update.encoding and not compress:
             raise InvalidArgument("an encoded write needs its compression: pass compress=")
@@ -927,6 +960,8 @@ class Client:
         """
         if not len(ids):
             return []
+        if self.cached is not None:
+            self.cached.invalidate(layout.file_id)
         src = np.frombuffer(_as_bytes_view(data), dtype=np.uint8)
         chunk, offset, length, at = self.row_extents(layout, ids, row_bytes)
         created: list[NewChunk] = []
@@ -1067,6 +1102,8 @@ class Client:
         it comes back, and what it kept past the end is freed by ``irdma gc``."""
         first_free = layout.chunk_count(new_size)
         skipped: set[int] = set()  # replicas that kept bytes the others dropped
+        if self.cached is not None:
+            self.cached.invalidate(layout.file_id, size=new_size)
 
         async def one(shard_id: int, fn: str, *args: object) -> None:
             if layout.replicas > 1 and self._health.get(shard_id) == "down":
@@ -1222,8 +1259,28 @@ class Client:
         n = max(0, min(inode.size - offset, inode.size if length is None else length))
         buf = bytearray(n)
         if n:
-            await self.read_into(layout_of(inode), offset, memoryview(buf), await self.meta.chunk_map(inode.ino))
+            chunks = await self.meta.chunk_map(inode.ino)
+            if self.cached is not None:  # close-to-open: each read is an open
+                await self.cache_open(inode, chunks)
+            await self.read_into(layout_of(inode), offset, memoryview(buf), chunks)
         return buf
+
+    async def cache_open(self, inode: Inode, chunks: ChunkMap | None = None, mode: bytes | None = None) -> None:
+        """Validate what the local read cache keeps of a file, at an open of it (close-to-open;
+        the rule is in :mod:`irdma.client.cache`): from now on :meth:`read_into` serves its
+        chunks whose version is still the shards'. One version query per shard of the file's
+        stripe holding kept chunks (a GATHER of empty extents; none when nothing is kept, and
+        none for a ``readonly`` file validated in the last
+        :data:`~irdma.client.cache.READONLY_REVALIDATE_S` s at the same ctime), and a CHECKSUM
+        per kept chunk whose version matches but whose file changed ctime since.
+        ``mode``: the file's ``user.irdma.cache`` (None: read it). Without a cache: nothing.
+
+        Raises:
+            ShardUnavailable: a shard did not answer the version query (nothing is served from
+                the cache for the file then; reads go to the shards).
+        """
+        if self.cached is not None and not inode.is_dir:
+            await self.cached.open_file(inode, chunks, mode)
 
     async def push(self, path: str, delta: np.ndarray, offset: int = 0, *, compress: Compression | str | None = None,
                    residual: np.ndarray | None = None) -> None:

@@ -26,6 +26,12 @@ XATTR_CHUNK_SIZE = b"user.irdma.chunk_size"
 #: ``direct`` (direct I/O: no page cache, large requests; for parameters streamed in bulk).
 XATTR_IO = b"user.irdma.io"
 IO_MODES = (b"cached", b"direct")
+#: The xattr that sets how a client's local read cache (``--cache-dir``, ``--cache-memory``;
+#: :mod:`irdma.client.cache`) keeps a file: ``default`` (kept, its chunk versions checked at every
+#: open), ``readonly`` (kept, checked at most every 60 s while the file's ctime does not change:
+#: for files nobody writes) or ``off`` (never kept).
+XATTR_CACHE = b"user.irdma.cache"
+CACHE_MODES = (b"default", b"readonly", b"off")
 #: The xattr that gives a file's tensor shape, e.g. ``1000000,256`` (C order, little-endian
 #: float32): a sparse pull or push of rows (:meth:`irdma.Client.pull_rows`) takes its row length
 #: (the product of every dimension after the first) and row count (the first) from it.

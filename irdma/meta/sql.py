@@ -86,6 +86,7 @@ from irdma.train.optimizers import format_update, parse_update
 from irdma.wire import compress
 
 from .base import (
+    CACHE_MODES,
     IO_MODES,
     NAME_MAX,
     RENAME_EXCHANGE,
@@ -93,6 +94,7 @@ from .base import (
     ROOT_INO,
     SNAPSHOTS_DIR_MARK,
     SYMLINK_MAX,
+    XATTR_CACHE,
     XATTR_CHUNK_SIZE,
     XATTR_IO,
     XATTR_SHAPE,
@@ -709,6 +711,10 @@ class SqlMeta(SqlCluster, SqlSync, SqlSnap, MetaStore):
             else:
                 if name == XATTR_IO and value.strip() not in IO_MODES:
                     raise InvalidArgument(f"bad {XATTR_IO.decode()} {value!r}: use cached or direct")
+                if name == XATTR_CACHE:
+                    if value.strip() not in CACHE_MODES:
+                        raise InvalidArgument(f"bad {XATTR_CACHE.decode()} {value!r}: use default, readonly or off")
+                    value = value.strip()
                 if name == XATTR_SHAPE:
                     try:
                         value = ",".join(map(str, parse_shape(value))).encode()
@@ -736,6 +742,8 @@ class SqlMeta(SqlCluster, SqlSync, SqlSnap, MetaStore):
                 return
             if c.execute("DELETE FROM xattrs WHERE ino=? AND name=?", (ino, name)).rowcount == 0:
                 raise NoAttribute(f"no attribute {name.decode(errors='replace')} on inode {ino}")
+            # a change of the inode (as Linux's removexattr): what a read cache checks before the xattr
+            c.execute("UPDATE inodes SET ctime_ns=? WHERE ino=?", (now(), ino))
 
     # ---------------------------------------------------------------- whole namespace
     def usage(self) -> tuple[int, int]:

@@ -556,10 +556,18 @@ def _cache_seconds(ctx: click.Context, param: click.Parameter, value: float | No
               help="Seconds the kernel caches names (0 to 3600; unlinked files stay openable twice as long)"
               " [default: 1].")
 @METRICS_OPTION
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Keep chunks read in this directory (the disk tier of the local read cache; docs/cache.md).")
+@click.option("--cache-size", default=None, callback=lambda c, p, v: v if v is None else str(_size(c, p, v)),
+              help="Bytes of the disk tier, such as 10G [default: 10GiB].")
+@click.option("--cache-memory", default=None, callback=lambda c, p, v: v if v is None else str(_size(c, p, v)),
+              help="Bytes of the memory tier [default: 256MiB with --cache-dir, else 0: off].")
 @friendly
 def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_file: str | None,
           direct_io: bool, allow_other: bool, timeout: float | None, metrics_addr: str | None = None,
-          nonempty: bool = False, sync_timeout: float | None = None, **view: Any) -> None:
+          nonempty: bool = False, sync_timeout: float | None = None,
+          cache_dir: str | None = None, cache_size: str | None = None, cache_memory: str | None = None,
+          **view: Any) -> None:
     """Mount the namespace at META_URL on MOUNTPOINT with FUSE (sqlite:///PATH/meta.db, or
     postgresql://USER@HOST:PORT/DB with the password in ~/.pgpass or $PGPASSFILE, never in the URL:
     it would show in `ps`). `-o ro,subdir=/x,...` takes an fstab line's options (docs/deploy.md)."""
@@ -577,10 +585,14 @@ def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_
     view = {k: v for k, v in view.items() if v is not None}
     extra: dict[str, Any] = {} if timeout is None else {"request_timeout": timeout}
     extra.update({} if sync_timeout is None else {"sync_timeout": sync_timeout})
+    caching: dict[str, Any] = {"cache_dir": cache_dir, "cache_size": cache_size, "cache_memory": cache_memory}
     if foreground:
         logging.getLogger("irdma").setLevel(logging.INFO)
         timeouts: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         timeouts.update({} if sync_timeout is None else {"sync_timeout": sync_timeout})
+        from ..client.cache import make_cache
+
+        timeouts["cache"] = make_cache(cache_dir, cache_size, cache_memory)
         trio.run(functools.partial(serve_mount, meta_url, check_mountpoint(mountpoint, nonempty=nonempty),
                                    transport=transport, direct_io=direct_io, allow_other=allow_other,
                                    metrics=metrics_addr, **timeouts, **view))
@@ -593,7 +605,8 @@ def mount(meta_url: str, mountpoint: str, transport: str, foreground: bool, log_
         log_file = os.path.join(_cluster.default_dir(), name)
     with console.status(f"mounting {shown} on {mountpoint}"):
         pid = spawn_mount(meta_url, mountpoint, transport=transport, log_file=log_file, direct_io=direct_io,
-                          allow_other=allow_other, metrics=metrics_addr, nonempty=nonempty, **extra, **view)
+                          allow_other=allow_other, metrics=metrics_addr, nonempty=nonempty, **extra, **view,
+                          **caching)
     console.print(f"mounted on {os.path.abspath(mountpoint)} (pid {pid}, log {log_file}); `irdma umount {mountpoint}` to stop.",
                   highlight=False, soft_wrap=True)
 
@@ -619,6 +632,54 @@ def stats_cmd(mountpoints: tuple[str, ...], meta_url: str | None, endpoints: tup
         meta_url = _meta_default()
     stats_mod.run(mountpoints=mountpoints, meta_url=meta_url, endpoints=endpoints, interval=interval, count=count,
                   console=out)
+
+
+@cli.command()
+@click.argument("paths", nargs=-1, required=True)
+@click.option("--threads", "-p", type=click.IntRange(1, 256), default=4, show_default=True,
+              help="Files read at once.")
+@click.option("--meta", "meta_url", default=None,
+              help="PATHS are namespace paths of this metadata URL (else paths on a mount); needs --cache-dir.")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="With --meta: the disk cache to fill (a mount with the same --cache-dir uses it).")
+@click.option("--cache-size", default=None, callback=lambda c, p, v: v if v is None else str(_size(c, p, v)),
+              help="With --meta: bytes of that disk cache [default: 10GiB].")
+@click.option("--transport", type=click.Choice(TRANSPORTS), default="auto", show_default=True)
+@friendly
+def warmup(paths: tuple[str, ...], threads: int, meta_url: str | None, cache_dir: str | None,
+           cache_size: str | None, transport: str) -> None:
+    """Fill the local read cache with files, ahead of their reads (as `juicefs warmup`): PATHS on
+    a mount started with --cache-dir or --cache-memory, or namespace PATHS with --meta URL
+    --cache-dir DIR. Directories are read whole. See docs/cache.md."""
+    from . import warmup as W
+    from .progress import transfer_progress
+
+    if (meta_url is None) != (cache_dir is None):
+        raise click.UsageError("--meta and --cache-dir go together (namespace paths into a disk cache);"
+                               " without them PATHS are on a mount")
+    done = [0, 0]
+    totals: list[int | None] = [None, None]
+    with transfer_progress("warmup", unit="files", console=console) as step:
+
+        def tick(n: int, files: int) -> None:
+            done[0] += n
+            done[1] += files
+            step(done[0], totals[0], done[1], totals[1])
+
+        def sized(total_bytes: int, total_files: int) -> None:
+            totals[:] = [total_bytes, total_files]
+            step(0, total_bytes, 0, total_files)
+
+        if meta_url is None:
+            files = W.mount_files(paths)
+            sized(sum(size for _, size in files), len(files))
+            result = W.warm_mount(files, threads, tick)
+        else:
+            assert cache_dir is not None
+            result = trio.run(W.warm_namespace, meta_url, paths, cache_dir, cache_size, threads, transport, tick, sized)
+    rate = result.bytes / result.seconds if result.seconds > 0 else 0.0
+    console.print(f"warmed {result.files} files, {format_size(result.bytes)} in {result.seconds:.1f} s"
+                  f" ({format_size(rate)}/s)", highlight=False)
 
 
 @cli.command()

@@ -13,7 +13,7 @@ it returns once the mount answers, as mount(8) expects. Without the helper, fuse
 Options (:data:`OPTIONS`): every ``irdma mount`` option by its name with ``_`` for ``-``
 (``subdir=/jobs/x``, ``attr_cache=5``, ``entry_cache=5``, ``transport=tcp``, ``log_file=``,
 ``key_file=``, ``timeout=``, ``sync_timeout=``, ``metrics=``, ``allow_other``, ``nonempty``,
-``direct_io``, ``read_only``), plus ``ro`` (``--read-only``) and ``rw``. mount(8)'s own options
+``direct_io``, ``read_only``, ``cache_dir=``, ``cache_size=``, ``cache_memory=``), plus ``ro`` (``--read-only``) and ``rw``. mount(8)'s own options
 (``defaults``, ``auto``, ``noauto``, ``user``, ``nouser``, ``users``, ``owner``, ``group``,
 ``_netdev``, ``nofail``, ``comment=``, ``x-*``) are its business and are ignored here, as are
 ``nosuid``, ``nodev`` (every irdma mount is both), ``suid``, ``dev`` (mount.fuse3 adds them) and
@@ -35,6 +35,7 @@ OPTIONS: dict[str, tuple[str, bool]] = {
     "attr_cache": ("--attr-cache", True), "entry_cache": ("--entry-cache", True), "transport": ("--transport", True),
     "log_file": ("--log-file", True), "key_file": ("--key-file", True), "timeout": ("--timeout", True),
     "sync_timeout": ("--sync-timeout", True), "metrics": ("--metrics", True),
+    "cache_dir": ("--cache-dir", True), "cache_size": ("--cache-size", True), "cache_memory": ("--cache-memory", True),
 }
 #: Options that mount(8) consumes, and the device and set-user-ID flags: every irdma mount is
 #: nosuid,nodev (libfuse's default), and mount.fuse3 adds ``dev,suid`` to what it passes on.

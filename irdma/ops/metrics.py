@@ -62,6 +62,13 @@ security.capability`` before every write to a file). Those count in
 same errno from any other request (``ENOENT`` from ``getattr``: a file removed under an open
 handle) is an error.
 
+The local read cache (``irdma_cache_*``, a mount or client with a cache; see
+:class:`CacheMetrics` and :mod:`irdma.client.cache`): ``irdma_cache_hits_total{tier}`` (chunk
+reads served from ``memory`` or ``disk``), ``irdma_cache_misses_total`` (chunk reads that went to
+the shards), ``irdma_cache_evictions_total{tier}``, ``irdma_cache_bytes{tier}`` (bytes held) and
+``irdma_cache_validations_total{result}`` (kept chunks checked at an open: ``valid``, ``stale``,
+``checksum``).
+
 Every exporter (shard and mount alike) also serves what describes the process:
 ``irdma_build_info{version,python,transport}`` (always 1: the irdma version, the Python version,
 the transports the process speaks: ``tcp``, ``tcp,verbs`` for a shard with an RDMA device, or
@@ -404,6 +411,24 @@ class FuseMetrics:
             _warn_once("fuse", exc)
 
 
+class CacheMetrics:
+    """The local read cache of a client (:mod:`irdma.client.cache`; one per process:
+    :func:`cache_metrics`). ``tier`` is ``memory`` or ``disk``."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.hits = Counter("irdma_cache_hits", "Chunk reads served from the local read cache, by tier.", ("tier",),
+                            registry=registry)
+        self.misses = Counter("irdma_cache_misses", "Chunk reads the local read cache could not serve (read from"
+                              " the shards, then kept).", registry=registry)
+        self.evictions = Counter("irdma_cache_evictions", "Chunks the local read cache dropped to stay within its"
+                                 " size, by tier.", ("tier",), registry=registry)
+        self.bytes = Gauge("irdma_cache_bytes", "Bytes the local read cache holds, by tier.", ("tier",),
+                           registry=registry)
+        self.validations = Counter("irdma_cache_validations", "Kept chunks checked against the shards at an open,"
+                                   " by result (valid, stale, checksum: valid after a CRC-32 check).", ("result",),
+                                   registry=registry)
+
+
 class MeteredConnection(ShardConnection):
     """A :class:`ShardConnection` that records every call in :class:`ClientMetrics` and passes
     it on unchanged (same results, same exceptions, same cancellation).
@@ -524,6 +549,11 @@ def client_metrics() -> ClientMetrics:
 def fuse_metrics() -> FuseMetrics:
     """This process's :class:`FuseMetrics` (made, and registered, on first use)."""
     return _singleton("fuse", FuseMetrics)  # type: ignore[no-any-return]
+
+
+def cache_metrics() -> CacheMetrics:
+    """This process's :class:`CacheMetrics` (made, and registered, on first use)."""
+    return _singleton("cache", CacheMetrics)  # type: ignore[no-any-return]
 
 
 # ---------------------------------------------------------------- what the process is
@@ -730,6 +760,7 @@ def forget_mount(mountpoint: str) -> None:
 
 __all__ = [
     "REGISTRY", "LATENCY_BUCKETS", "SHARD_METRICS_ENV", "ShardMetrics", "ClientMetrics", "FuseMetrics", "NOT_ERRORS",
+    "CacheMetrics", "cache_metrics",
     "Exporter",
     "MeteredConnection",
     "error_kind", "shard_metrics", "client_metrics", "fuse_metrics", "serve", "set_transport", "shard_address", "run_dir",
