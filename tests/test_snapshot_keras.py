@@ -31,9 +31,12 @@ from sklearn.datasets import load_digits
 import irdma.keras as hvd
 
 mode, out = sys.argv[1], sys.argv[2]
-log = logging.getLogger("irdma.keras")
+log = logging.getLogger("irdma.keras")  # its INFO lines (one per snapshot) on stderr
 log.addHandler(logging.StreamHandler())
 log.setLevel(logging.INFO)
+log.propagate = False
+if mode == "resume":  # started beside the first run (TensorFlow loads meanwhile): go once it ended
+    assert sys.stdin.readline().strip() == "go"
 tf.config.experimental.enable_op_determinism()
 keras.utils.set_random_seed(0)
 x, y = load_digits(return_X_y=True)
@@ -44,7 +47,21 @@ model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(24, activation=
                           keras.layers.Dense(10, activation="softmax")])
 lr = keras.optimizers.schedules.ExponentialDecay(0.01, decay_steps=12, decay_rate=0.5)
 model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(lr)), loss="sparse_categorical_crossentropy")
-first = hvd.restore_snapshot(sys.argv[3], model=model) if mode == "resume" else 0
+from irdma import InvalidArgument, NotFound
+for bad in ({"every_n_epochs": 0}, {"keep": 0}, {"name": "a/{epoch}"}, {"name": "{step}"}):
+    try:
+        hvd.SnapshotCallback(**bad)
+        raise SystemExit(f"SnapshotCallback({bad}) was accepted")
+    except InvalidArgument as exc:
+        print("refused:", exc, file=sys.stderr)
+first = 0
+if mode == "resume":
+    try:
+        hvd.restore_snapshot("epoch-9", model=model)
+        raise SystemExit("a snapshot that is not there was restored")
+    except NotFound as exc:
+        print("refused:", exc, file=sys.stderr)
+    first = hvd.restore_snapshot(sys.argv[3], model=model)
 seen = {}
 
 def flat(ws):
@@ -64,19 +81,35 @@ hvd.shutdown()
 """
 
 
-def _train(meta: str, job: str, mode: str, out: str, *args: str) -> str:
+def _start(meta: str, job: str, mode: str, out: str, *args: str) -> subprocess.Popen[str]:
     env = dict(os.environ, IRDMA_META=meta, IRDMA_JOB=job, TF_CPP_MIN_LOG_LEVEL="3", PYTHONHASHSEED="0")
-    res = subprocess.run([sys.executable, "-c", TRAIN, mode, out, *args], env=env, capture_output=True,
-                         text=True, timeout=240)
-    assert res.returncode == 0, res.stderr[-4000:]
-    return res.stderr
+    return subprocess.Popen([sys.executable, "-c", TRAIN, mode, out, *args], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen[str], stdin: str | None = None) -> str:
+    try:
+        _, err = proc.communicate(stdin, timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-4000:]
+    return err
 
 
 def test_a_fresh_process_resumes_from_an_epoch_snapshot_bit_identically(tmp_path: Any) -> None:
     tmp = str(tmp_path)
     job = "/jobs/digits"
     with running_cluster(os.path.join(tmp, "c"), shards=2, replicas=2) as c:
-        err = _train(c.meta_url, job, "whole", os.path.join(tmp, "whole.npz"))
+        # the fresh process starts now but touches the job only once the first run has ended
+        fresh = _start(c.meta_url, job, "resume", os.path.join(tmp, "resumed.npz"), "epoch-2")
+        try:
+            err = _finish(_start(c.meta_url, job, "whole", os.path.join(tmp, "whole.npz")))
+        except BaseException:
+            fresh.kill()
+            fresh.wait()
+            raise
         for epoch in range(1, 5):  # one line per snapshot
             assert re.search(rf"snapshot {job}/.snapshots/epoch-{epoch} of {job} after epoch {epoch}: 3 files,"
                              r" \d+ bytes, \d+ ms", err), err[-3000:]
@@ -88,7 +121,9 @@ def test_a_fresh_process_resumes_from_an_epoch_snapshot_bit_identically(tmp_path
             state_whole = cl._run(cl.client.optimizer_state, f"{job}/params")
             assert set(state_whole) == {"m", "v", "step"} and state_whole["step"].max() == 4 * 12
 
-        err = _train(c.meta_url, job, "resume", os.path.join(tmp, "resumed.npz"), "epoch-2")
+        assert err.count("refused: ") == 4 and "refused: name='a/{epoch}' cannot name a snapshot" in err, err[-3000:]
+        err = _finish(fresh, "go\n")
+        assert f"refused: {job} has no snapshot named 'epoch-9'" in err, err[-3000:]
         assert f"restored {job} from snapshot {job}/.snapshots/epoch-2 (epoch 2)" in err, err[-3000:]
         assert "snapshot epoch-3 of /jobs/digits exists (an earlier run's): replacing it" in err, err[-3000:]
         resumed = np.load(os.path.join(tmp, "resumed.npz"))

@@ -304,8 +304,10 @@ class SnapshotCallback(keras.callbacks.Callback):  # type: ignore[misc]
     each shard holds the client pushes to the directory's files for at most two round trips.
     Every push acknowledged before the snapshot was called is in it, none that started after
     it returned is; a multi-chunk push in flight while it is taken (another worker's step)
-    may be in it for some chunks and not for others. With one worker, or under BSP where the
-    others wait at the epoch's last clock, the snapshot holds whole steps.
+    may be in it for some chunks and not for others. With one worker the snapshot holds whole
+    steps (this worker's pushes were all acknowledged when its epoch ended); with several it
+    may hold part of another worker's step, under BSP too (a worker pushes its next step
+    before its clock waits).
 
     Cost: O(files) metadata work and two round trips per shard; no byte of parameters is
     copied (the shards share the chunks copy-on-write: the first push to a chunk after the
@@ -336,7 +338,7 @@ class SnapshotCallback(keras.callbacks.Callback):  # type: ignore[misc]
 
     def __init__(self, path: str | None = None, every_n_epochs: int = 1, keep: int | None = 5,
                  name: str = "epoch-{epoch}") -> None:
-        from .._errors import InvalidArgument
+        from .._errors import InvalidArgument, IrdmaError
         from ..meta.sql_rows import check_name
 
         super().__init__()
@@ -346,7 +348,7 @@ class SnapshotCallback(keras.callbacks.Callback):  # type: ignore[misc]
             raise InvalidArgument(f"keep={keep!r}", "keep 1 or more snapshots, or pass None to keep them all")
         try:
             check_name(os.fsencode(name.format(epoch=1)))
-        except (KeyError, IndexError, ValueError) as exc:  # InvalidArgument is a ValueError too
+        except (KeyError, IndexError, ValueError, IrdmaError) as exc:  # IrdmaError: check_name's InvalidArgument
             raise InvalidArgument(f"name={name!r} cannot name a snapshot ({exc})",
                                   "pass a name without '/', with {epoch} as its only field, e.g. 'epoch-{epoch}'") from None
         self.path, self.every_n_epochs, self.keep, self.name = path, every_n_epochs, keep, name
