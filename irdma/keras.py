@@ -9,6 +9,10 @@ The names (loaded with TensorFlow on first use of this module):
 * :class:`Embedding`: an embedding layer whose table lives on the shards
   (:mod:`irdma.train.embedding`).
 * :class:`ShardOptimizer` (the optimizer step through a FUSE mount): :mod:`irdma.train.keras`.
+* :class:`SnapshotCallback` (rank 0 snapshots the job directory at epoch ends: weights, the
+  shards' optimizer state and ``keras-state.npz``, copy-on-write, no barrier) and
+  :func:`restore_snapshot` (a new process resumes from one, bit-identically with one worker
+  and deterministic ops): :mod:`irdma.train.keras`, docs/keras.md "Snapshots".
   P3 priorities, compression, layer dropping, the host hierarchy and DASO's global step are
   options of :class:`DistributedOptimizer`.
 """
@@ -17,8 +21,9 @@ from __future__ import annotations
 
 from .train.distributed import BroadcastInitialWeights, DistributedOptimizer, MetricAverageCallback
 from .train.embedding import Embedding
-from .train.keras import ShardOptimizer
+from .train.keras import ShardOptimizer, SnapshotCallback, restore_snapshot
 from .train.world import barrier, init, job_dir, local_rank, rank, shard_dataset, shutdown, size
 
 __all__ = ["BroadcastInitialWeights", "DistributedOptimizer", "Embedding", "MetricAverageCallback",
-           "ShardOptimizer", "barrier", "init", "job_dir", "local_rank", "rank", "shard_dataset", "shutdown", "size"]
+           "ShardOptimizer", "SnapshotCallback", "barrier", "init", "job_dir", "local_rank", "rank",
+           "restore_snapshot", "shard_dataset", "shutdown", "size"]

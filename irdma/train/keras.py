@@ -33,12 +33,17 @@ The step runs as a ``tf.py_function`` inside Keras's compiled train function (Te
 backend). The job directory gets ``user.irdma.consistency`` and ``user.irdma.workers`` from
 worker 0 before the barrier. Errors (a shard down, a wait past its deadline: ETIMEDOUT) stop
 ``model.fit`` with the OSError.
+
+Snapshots of a :class:`irdma.train.distributed.DistributedOptimizer` job (issue 23):
+:class:`SnapshotCallback` (rank 0, at epoch ends, copy-on-write through the native client) and
+:func:`restore_snapshot` (a new process resumes from one), below; exported by :mod:`irdma.keras`.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 from typing import Any
 
@@ -51,6 +56,8 @@ from .optimizers import parse_update
 
 PARAMS = "params"
 LAYOUT = "layout.json"
+
+_log = logging.getLogger("irdma.keras")
 
 
 def _mount_root(path: str) -> str:
@@ -259,3 +266,231 @@ def keras_optimizer(update: str) -> keras.optimizers.Optimizer:
     cls = {"SGD": keras.optimizers.SGD, "ADAM": keras.optimizers.Adam, "ADAGRAD": keras.optimizers.Adagrad,
            "RMSPROP": keras.optimizers.RMSprop}[u.op.name]
     return cls(**kwargs)
+
+
+# ------------------------------------------------------------ snapshots (issue 23)
+#: The worker's part of a job's training state, written into the job directory by
+#: :class:`SnapshotCallback` before each snapshot (an ``.npz`` archive, no pickles).
+WORKER_STATE = "keras-state.npz"
+
+
+class SnapshotCallback(keras.callbacks.Callback):  # type: ignore[misc]
+    """At the end of every ``every_n_epochs``-th epoch, rank 0 takes a snapshot of the job's
+    parameter directory (:meth:`irdma.Client.snapshot`), read-only at
+    ``PATH/.snapshots/NAME``, keeping the newest ``keep``. Needs :func:`irdma.keras.init` and a
+    model compiled with :class:`irdma.train.distributed.DistributedOptimizer`; put it after
+    :class:`irdma.train.distributed.BroadcastInitialWeights` in ``callbacks`` (that one applies
+    the pulls in flight and, with ``sync_every`` > 1, takes the epoch's last global step, so
+    the shards hold the epoch's result). Resume from one with :func:`restore_snapshot`.
+
+    What it snapshots: the whole directory ``path`` (default: the job directory,
+    :func:`irdma.keras.job_dir`): ``params`` (the trainable variables, little-endian float32
+    at the offsets of ``layout.json``) with the shards' optimizer state beside each chunk
+    (moments, per-element step counts: :meth:`irdma.Client.optimizer_state`), ``layout.json``,
+    and ``keras-state.npz``, which rank 0 writes just before: what of the training lives on the
+    worker, as an ``.npz`` archive (no pickles) of ``epoch`` (int64: epochs done, the
+    ``initial_epoch`` to resume with), ``iterations`` (int64: the optimizer's step count, which
+    a learning-rate schedule is evaluated at), ``learning_rate`` (float32; absent under a
+    schedule: what ``LearningRateScheduler`` or ``ReduceLROnPlateau`` set) and ``v0``, ``v1``,
+    ... the model's non-trainable variables in ``model.non_trainable_variables`` order
+    (BatchNormalization's moving statistics, the dropout seed generators' states; dtype and
+    shape as in the model). What it does not hold: the worker-side residuals of
+    ``compress=`` (error feedback) and of ``drop=`` (gradients held back), which a resumed run
+    starts at zero, and the order of the data (feed ``model.fit`` data whose order depends on
+    the epoch only, e.g. ``shuffle=False`` or a ``tf.data`` pipeline seeded with the epoch:
+    Keras's own ``shuffle=True`` starts its sequence again in a new process).
+
+    The cut (:mod:`irdma.client.snapshots`): no barrier, the other workers keep training;
+    each shard holds the client pushes to the directory's files for at most two round trips.
+    Every push acknowledged before the snapshot was called is in it, none that started after
+    it returned is; a multi-chunk push in flight while it is taken (another worker's step)
+    may be in it for some chunks and not for others. With one worker the snapshot holds whole
+    steps (this worker's pushes were all acknowledged when its epoch ended); with several it
+    may hold part of another worker's step, under BSP too (a worker pushes its next step
+    before its clock waits).
+
+    Cost: O(files) metadata work and two round trips per shard; no byte of parameters is
+    copied (the shards share the chunks copy-on-write: the first push to a chunk after the
+    snapshot copies that chunk once). Each snapshot logs one line (logger ``irdma.keras``,
+    INFO): its name, files, bytes and milliseconds.
+
+    A snapshot of the same name already there (an earlier run's, e.g. epoch 3 of the run a
+    restored snapshot of epoch 2 came from) is replaced, as ``ModelCheckpoint`` overwrites
+    its file, with a warning.
+
+    Args:
+        path: the directory to snapshot, in the namespace (default: the job directory). When
+            it is not the job directory or a directory above it, the snapshot does not hold
+            ``keras-state.npz``.
+        every_n_epochs: snapshot after epochs ``n``, ``2n``, ... (counted from 1, as Keras's
+            ``initial_epoch`` counts, so a resumed run keeps the cadence).
+        keep: how many of the directory's snapshots to keep (the oldest beyond it are
+            deleted, whoever made them); None keeps all.
+        name: the snapshot's name; ``{epoch}`` is the number of epochs done (1 after the first).
+
+    Raises:
+        InvalidArgument: at construction, a bad ``every_n_epochs``, ``keep`` or ``name``; when
+            training begins, no :func:`irdma.keras.init` or no DistributedOptimizer.
+        irdma.IrdmaError: from :meth:`irdma.Client.snapshot` at an epoch's end (e.g.
+            ShardUnavailable: a shard holding the files is down; nothing was kept, and
+            ``model.fit`` stops with it, as it does when ``ModelCheckpoint`` cannot write).
+    """
+
+    def __init__(self, path: str | None = None, every_n_epochs: int = 1, keep: int | None = 5,
+                 name: str = "epoch-{epoch}") -> None:
+        from .._errors import InvalidArgument, IrdmaError
+        from ..meta.sql_rows import check_name
+
+        super().__init__()
+        if isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 1:
+            raise InvalidArgument(f"every_n_epochs={every_n_epochs!r}", "pass a whole number of epochs, 1 or more")
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise InvalidArgument(f"keep={keep!r}", "keep 1 or more snapshots, or pass None to keep them all")
+        try:
+            check_name(os.fsencode(name.format(epoch=1)))
+        except (KeyError, IndexError, ValueError, IrdmaError) as exc:  # IrdmaError: check_name's InvalidArgument
+            raise InvalidArgument(f"name={name!r} cannot name a snapshot ({exc})",
+                                  "pass a name without '/', with {epoch} as its only field, e.g. 'epoch-{epoch}'") from None
+        self.path, self.every_n_epochs, self.keep, self.name = path, every_n_epochs, keep, name
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        _distributed_optimizer(self.model, "SnapshotCallback")
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        from .world import rank
+
+        if (epoch + 1) % self.every_n_epochs == 0 and rank() == 0:
+            self.snapshot(epoch + 1)
+
+    def snapshot(self, epoch: int) -> Any:
+        """Take the snapshot of ``epoch`` epochs done now (rank 0's ``on_epoch_end`` calls it).
+        Returns its :class:`irdma.client.snapshots.SnapshotInfo`. Raises as the class says."""
+        import time
+
+        from .._errors import Exists
+        from .world import _need, job_dir
+
+        client, job = _need("client"), job_dir()
+        path = "/" + (self.path or job).strip("/")
+        name = self.name.format(epoch=epoch)
+        started = time.monotonic()
+        _save_worker_state(client, job, self.model, epoch)
+        try:
+            info = client.snapshot(path, name, keep=self.keep)
+        except Exists:
+            _log.warning("snapshot %s of %s exists (an earlier run's): replacing it", name, path)
+            client.delete_snapshot(path, name)
+            info = client.snapshot(path, name, keep=self.keep)
+        _log.info("snapshot %s of %s after epoch %d: %d files, %d bytes, %.0f ms", info.path, path, epoch, info.files,
+                  info.bytes, 1000 * (time.monotonic() - started))
+        return info
+
+
+def restore_snapshot(name: str, path: str | None = None, model: Any = None, timeout: float = 600.0) -> int:
+    """Make the job what snapshot ``name`` (of :class:`SnapshotCallback`, or ``irdma snapshot
+    create``) holds, in a process that has not trained yet, and return the epoch to resume at
+    (``model.fit(..., initial_epoch=...)``; 0 when the snapshot holds no ``keras-state.npz``).
+
+    Every rank calls it after :func:`irdma.keras.init` and ``model.compile``, before
+    ``model.fit``; the job's other processes must be stopped. Rank 0 restores ``path``
+    (default: the job directory) from the snapshot (:meth:`irdma.Client.restore_snapshot`: its
+    entries swapped for copy-on-write copies of the snapshot's in one metadata transaction, no
+    byte copied; the snapshots stay); with more than one worker every rank then passes the
+    job barrier ``restore-NAME``. ``model.fit``'s join then pulls the snapshot's weights
+    (:class:`irdma.train.distributed.BroadcastInitialWeights`), and the shards step on from
+    the snapshot's optimizer state. With ``model``, its optimizer's ``iterations`` and
+    ``learning_rate`` and the model's non-trainable variables are set from the snapshot's
+    ``keras-state.npz`` (see :class:`SnapshotCallback`): with one worker, data in the same
+    order and deterministic ops (``tf.config.experimental.enable_op_determinism()``), the
+    resumed run's weights and optimizer state equal an uninterrupted run's bit for bit
+    (tests/test_snapshot_keras.py).
+
+    Raises:
+        InvalidArgument: no :func:`irdma.keras.init`; ``model``'s optimizer already joined the
+            job (restore before ``model.fit``); ``keras-state.npz`` is of another model (other
+            non-trainable variables): nothing changed.
+        irdma.NotFound: no ready snapshot ``name`` of ``path`` (``irdma snapshot list PATH``
+            lists them). irdma.IrdmaError: from :meth:`irdma.Client.restore_snapshot`, e.g.
+            ShardUnavailable (nothing changed). irdma.train.coord.SyncTimeout: a rank did not
+            reach the barrier within ``timeout`` seconds.
+    """
+    import io
+
+    from .._errors import InvalidArgument, NotFound
+    from .world import _job_barrier, _need, job_dir, rank, size
+
+    client, job = _need("client"), job_dir()
+    path = "/" + (path or job).strip("/")
+    opt = None
+    if model is not None:
+        opt = _distributed_optimizer(model, "restore_snapshot(model=...)")
+        if opt._job.joined:
+            raise InvalidArgument("the model's optimizer has joined the job already: its weights came from the"
+                                  " shards before the restore", "call restore_snapshot before model.fit, in a new process")
+    found = [s for s in client.snapshots(path) if s.name == name and s.state == "ready"]
+    if not found:
+        raise NotFound(f"{path} has no snapshot named {name!r}", f"`irdma snapshot list {path}` lists them")
+    state: dict[str, np.ndarray] = {}
+    base = path.rstrip("/")
+    if job == base or job.startswith(base + "/"):
+        try:
+            raw = bytes(client.read(f"{found[0].path}{job[len(base):]}/{WORKER_STATE}"))
+            with np.load(io.BytesIO(raw), allow_pickle=False) as npz:
+                state = {k: np.array(npz[k]) for k in npz.files}
+        except NotFound:
+            _log.warning("snapshot %s holds no %s: the optimizer's step count and the model's non-trainable"
+                         " variables stay as they are", found[0].path, WORKER_STATE)
+    variables = list(model.non_trainable_variables) if model is not None else []
+    if model is not None and state:
+        saved = [state.get(f"v{i}") for i in range(sum(k[:1] == "v" and k[1:].isdigit() for k in state))]
+        if [tuple(s.shape) for s in saved if s is not None] != [tuple(v.shape) for v in variables]:
+            raise InvalidArgument(f"snapshot {name}'s {WORKER_STATE} holds the non-trainable variables of another"
+                                  " model: nothing restored", "restore it with the model that was trained")
+    if rank() == 0:
+        client.restore_snapshot(path, name)
+        _log.info("restored %s from snapshot %s (epoch %d)", path, found[0].path, int(state.get("epoch", 0)))
+    if size() > 1:
+        _job_barrier(f"restore-{name}", timeout)
+    if opt is not None and state:
+        opt.iterations.assign(int(state["iterations"]))
+        if "learning_rate" in state and not isinstance(opt._learning_rate,
+                                                       keras.optimizers.schedules.LearningRateSchedule):
+            opt.learning_rate = float(state["learning_rate"])
+        for i, v in enumerate(variables):
+            v.assign(state[f"v{i}"])
+    return int(state.get("epoch", 0))
+
+
+def _distributed_optimizer(model: Any, who: str) -> Any:
+    """``model``'s DistributedOptimizer (InvalidArgument if it has another)."""
+    from .._errors import InvalidArgument
+    from .distributed import DistributedOptimizer
+
+    opt = getattr(model, "optimizer", None)
+    if not isinstance(opt, DistributedOptimizer):
+        raise InvalidArgument(f"{who} needs a model compiled with irdma.keras.DistributedOptimizer (its parameters and"
+                              f" optimizer state are the job's files), not {type(opt).__name__}",
+                              "compile with optimizer=irdma.keras.DistributedOptimizer(...); a ShardOptimizer job on a"
+                              " mount is snapshotted with `mkdir JOB/.snapshots/NAME`")
+    return opt
+
+
+def _save_worker_state(client: Any, job: str, model: Any, epoch: int) -> None:
+    """Write ``JOB/keras-state.npz`` (see :class:`SnapshotCallback`)."""
+    import io
+
+    from .distributed import MIN_CHUNK
+
+    opt = model.optimizer
+    arrays: dict[str, np.ndarray] = {"epoch": np.asarray(epoch, dtype=np.int64),
+                                     "iterations": np.asarray(int(opt.iterations.numpy()), dtype=np.int64)}
+    if not isinstance(opt._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+        arrays["learning_rate"] = np.asarray(keras.ops.convert_to_numpy(opt._learning_rate), dtype=np.float32)
+    for i, v in enumerate(model.non_trainable_variables):
+        arrays[f"v{i}"] = np.asarray(keras.ops.convert_to_numpy(v))
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)  # type: ignore[arg-type]
+    data = buf.getvalue()
+    target = f"{job}/{WORKER_STATE}"
+    client.write(target, data, op="assign", chunk_size=MIN_CHUNK)
+    client.truncate(target, len(data))  # an earlier, longer archive's tail goes
