@@ -366,3 +366,26 @@ def fsx_with_snapshots(meta_url: str, transport: str, seed: int, ops: int = 200)
 
 def test_fsx_with_snapshots(cl: Cluster) -> None:
     assert fsx_with_snapshots(cl.meta_url, "tcp", seed=1) >= 10
+
+
+def test_one_replica_per_chunk(tmp_path: str) -> None:
+    """With fewer replicas than shards, a snapshot's copy, a restore and a clone find their
+    chunks where the clone made them (placed as the live file, not by their own inode number)."""
+    with running_cluster(str(tmp_path / "c1"), shards=2, replicas=1) as c:  # type: ignore[operator]
+        async def go() -> None:
+            async with irdma.Client.open(c.meta_url, transport="tcp") as cl:
+                await cl.makedirs("/job")
+                w = np.arange(2048, dtype="<f4")  # 2 chunks of 4 KiB, one on each shard
+                await cl.write("/job/w", w, chunk_size=4096)
+                await cl.snapshot("/job", "s1")
+                await cl.write("/job/w", w + 1)
+                assert np.array_equal(await cl.pull("/job/.snapshots/s1/w"), w)
+                await cl.clone_snapshot("/job", "s1", "/copy")
+                assert np.array_equal(await cl.pull("/copy/w"), w)
+                await cl.restore_snapshot("/job", "s1")
+                assert np.array_equal(await cl.pull("/job/w"), w)
+                await cl.write("/job/w", w + 2)
+                assert np.array_equal(await cl.pull("/job/w"), w + 2)
+                assert np.array_equal(await cl.pull("/job/.snapshots/s1/w"), w)
+
+        trio.run(go)

@@ -29,8 +29,9 @@ snapshot keeps the bytes and the optimizer state of the cut; later updates copy 
 
 What a cut does not give: a push that spans several chunks and is in flight while the
 freeze lands may be in the snapshot for some of its chunks and not for others (each chunk's
-update is atomic; a push is one update per chunk). Take snapshots between pushes for whole
-pushes (:class:`irdma.train.keras.SnapshotCallback` does at epoch ends), or see
+update is atomic; a push is one update per chunk). Take snapshots between a writer's pushes
+for whole pushes (:class:`irdma.train.keras.SnapshotCallback` does at the end of an epoch: whole
+for one worker; with several, another worker's step may be in flight), or see
 docs/snapshots.md for the plan (pushes tagged with the cut's epoch).
 
 Sources: CephFS snapshots (``.snap``, Ceph documentation "CephFS Snapshots"); ZFS snapshots
