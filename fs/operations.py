@@ -390,6 +390,8 @@ class IrdmaFS(pyfuse3.Operations):
         """Set a file's size. Shrinking forgets the chunks past the end in the metadata first,
         then frees them; growing first clears what a failed writer may have left past the old
         end, so the new bytes read as zeros."""
+        if inode.snap:
+            raise ReadOnly(f"inode {inode.ino} is in a snapshot, which is read-only")
         st = self._files.get(inode.ino)
         if st is not None:
             async with st.write_behind.admit:
@@ -890,6 +892,8 @@ class IrdmaFS(pyfuse3.Operations):
             target = self.control.handle_target(fh)
             if target is not None:  # DIR/.irdma-state@NAME: a restore
                 layout, per, total, node, _ = await self._state_handle(fh, target)
+                if node.snap:
+                    raise ReadOnly(f"inode {target} is in a snapshot: its optimizer state is read-only")
                 if not total or off + len(buf) > total:
                     raise InvalidArgument(
                         f"optimizer state of inode {target}: the image is {total} bytes"

@@ -149,7 +149,8 @@ class Dispatcher:
             raise BadRequest(f"freeze token {msg.token} is 0 or in use")
         busy = [f for f in msg.file_ids if f in self._frozen]
         if busy:
-            raise BadRequest(f"file {busy[0]} is being snapshotted by another request: try again")
+            raise BadRequest(f"file {busy[0]} is being snapshotted by another request: wait for that snapshot,"
+                             " then take the snapshot again")
         lease = min(max(msg.lease_ms, 1), FREEZE_MAX_MS) / 1000
         cut = _Freeze(msg.token, trio.current_time() + lease, frozenset(msg.file_ids))
         self._freezes[msg.token] = cut

@@ -539,6 +539,7 @@ class Shard:
             state = None
         fresh = state is None
         state = self._get_or_create(file_id, optimizers.state_index(chunk_index), size)
+        self._unshare(key)  # before init_state may rewrite it (another optimizer): a snapshot keeps its own
         view = self.region.view[state.offset : state.offset + state.size]
         if fresh or optimizers.header_op(view) != update.op:
             optim.init_state(update, view, chunk_size)

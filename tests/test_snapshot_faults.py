@@ -16,7 +16,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import cast
 
@@ -27,6 +27,7 @@ from helpers import Cluster, irdma_cli, running_cluster, wait_until
 
 import irdma
 from irdma._errors import ShardUnavailable
+from irdma.client import snapshots as snapshots_mod
 from irdma.client.native import layout_of
 from irdma.meta import open_meta
 from irdma.ops import cluster as cluster_ops
@@ -185,24 +186,43 @@ def test_snapshot_with_a_shard_already_dead_fails_cleanly_then_a_retry_is_exact(
     trio.run(retry)
 
 
+_REAL_CONTROL = snapshots_mod._control
+
+
 def _kill_at(c: Cluster, client: irdma.Client, victim: int, before: str | None = None,
              after: str | None = None) -> list[str]:
-    """Wrap ``client``'s shard calls: SIGKILL shard ``victim`` just before its ``before`` call
-    (FREEZE, CLONE ...) is sent, or just after its ``after`` call answered. Returns the
-    calls the wrapper saw, in order (``"clone 2"``)."""
-    real: Callable[..., Awaitable[object]] = client._conn_call
+    """Wrap ``client``'s snapshot calls to the shards (FREEZE, CLONE, THAW on the connections of
+    :func:`irdma.client.snapshots._control`): SIGKILL shard ``victim`` just before its ``before``
+    call is sent, or just after its ``after`` call answered. Returns the calls seen, in order
+    (``"clone 2"``)."""
     seen: list[str] = []
 
-    async def call(shard_id: int, fn_name: str, *args: object, probe: bool = False) -> object:
-        seen.append(f"{fn_name} {shard_id}")
-        if shard_id == victim and fn_name == before and pid_alive(_pid(c, victim)):
-            await _akill(c, victim)
-        out = await real(shard_id, fn_name, *args, probe=probe)
-        if shard_id == victim and fn_name == after:
-            await _akill(c, victim)
-        return out
+    class Spy:
+        def __init__(self, sid: int, conn: object) -> None:
+            self.sid, self.conn = sid, conn
 
-    client._conn_call = call  # type: ignore[method-assign]
+        def __getattr__(self, name: str) -> object:
+            fn = getattr(self.conn, name)
+            if name not in ("freeze", "clone", "thaw"):
+                return fn
+
+            async def call(*args: object) -> object:
+                seen.append(f"{name} {self.sid}")
+                if self.sid == victim and name == before and pid_alive(_pid(c, victim)):
+                    await _akill(c, victim)
+                out = await fn(*args)
+                if self.sid == victim and name == after:
+                    await _akill(c, victim)
+                return out
+
+            return call
+
+    @contextlib.asynccontextmanager
+    async def control(cl: irdma.Client, shards: Sequence[int]) -> AsyncIterator[dict[int, object]]:
+        async with _REAL_CONTROL(cl, shards) as conns:
+            yield {sid: Spy(sid, conn) for sid, conn in conns.items()} if cl is client else conns
+
+    snapshots_mod._control = control  # type: ignore[assignment]
     return seen
 
 
@@ -391,7 +411,8 @@ def _add_shard(c: Cluster) -> int:
     address = f"127.0.0.1:{cluster_ops._free_port('127.0.0.1')}"
     with contextlib.closing(open_meta(c.meta_url)) as meta:
         rec = meta.add_shard(address)
-    proc = cluster_ops._spawn(c.dir, rec.shard_id, address, "tcp", "fsync", 64 << 20)
+    settings = cluster_ops.ShardSettings("tcp", "fsync", None, 64 << 20, cluster_ops.shard_dir(c.dir, rec.shard_id))
+    proc = cluster_ops._spawn(c.dir, rec.shard_id, address, settings, 64 << 20)
     cluster_ops._write_state(c.dir, [*cluster_ops.read_state(c.dir), proc])
     c.shards.append(proc)  # its log is checked at the end too
     trio.run(cluster_ops.wait_for_shard, address, "tcp", time.monotonic() + 20, proc.pid,

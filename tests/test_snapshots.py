@@ -81,12 +81,15 @@ def test_snapshot_keeps_the_cut_while_the_file_changes(cl: Cluster) -> None:
             assert np.array_equal(await c.pull("/job/.snapshots/s1/w"), w0)
             assert bytes(await c.read("/job/.snapshots/s1/sub/b")) == b"bias" * 1000
 
-            # a file's snapshot lands in its directory's .snapshots; keep=1 drops the older
+            # a file's snapshot lands in its directory's .snapshots; keep=1 drops the older ones
+            # of the same file only (never s1, of the directory)
             await c.write("/job/w", w0 * 2)
             await c.snapshot("/job/w", "s2", keep=1)
-            assert [s.name for s in await c.snapshots("/job")] == ["s2"]
-            assert await c.listdir("/job/.snapshots/s2") == ["w"]
-            assert np.array_equal(await c.pull("/job/.snapshots/s2/w"), w0 * 2)
+            await c.write("/job/w", w0 * 3)
+            await c.snapshot("/job/w", "s3", keep=1)
+            assert [s.name for s in await c.snapshots("/job")] == ["s1", "s3"]
+            assert await c.listdir("/job/.snapshots/s3") == ["w"]
+            assert np.array_equal(await c.pull("/job/.snapshots/s3/w"), w0 * 3)
 
     trio.run(go)
 

@@ -42,11 +42,12 @@ holding writes rather than by markers).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -58,6 +59,7 @@ from ..meta.base import Inode, Snapshot
 from ..placement import Layout
 
 if TYPE_CHECKING:
+    from ..transport.base import ShardConnection
     from .native import Client
 
 log = logging.getLogger("irdma.client")
@@ -139,34 +141,70 @@ async def create_at(client: Client, ino: int, name: bytes, *, keep: int | None =
     snap, files = await client.meta.snapshot_begin(ino, name)
     try:
         try:
-            shards = await _cut(client, files)
+            cloned = await _cut(client, snap, files)
         except IrdmaError as exc:
             if isinstance(exc, ShardUnavailable) or "take the snapshot again" not in str(exc):
                 raise ShardUnavailable(f"snapshot {name.decode(errors='replace')!r} was not taken: {exc}",
                                        "nothing was kept; take it again (once `irdma status` shows every shard up)"
                                        ) from exc
             raise
-        snap = await client.meta.snapshot_commit(snap.id, [(f.ino, copy) for f, copy in files], shards)
+        snap = await client.meta.snapshot_commit(snap.id, cloned)
     except BaseException:
         with trio.CancelScope(shield=True):
             await _drop(client, snap)
         raise
-    if keep is not None:
-        ready = [s for s in await client.meta.snapshots(snap.dir) if s.state == "ready"]
+    if keep is not None:  # only snapshots of the same file or tree: never one made of something else
+        ready = [s for s in await client.meta.snapshots(snap.dir) if s.state == "ready" and s.src == snap.src]
         for old in ready[: max(0, len(ready) - keep)]:
             await _drop(client, old)
     return snap
 
 
-async def _cut(client: Client, files: Sequence[tuple[Inode, int]]) -> list[int]:
-    """Freeze, then clone, on every shard that may hold the files' chunks; returns those shards."""
+@contextlib.asynccontextmanager
+async def _control(client: Client, shards: Sequence[int]) -> AsyncIterator[dict[int, ShardConnection]]:
+    """A TCP connection of its own to each shard for FREEZE, CLONE and THAW: on the client's
+    pooled connection they would queue behind this client's own pushes that the freeze holds
+    (a connection's requests are applied in order), and the freeze would outlive its lease."""
+    from ..transport import make_transport
+
+    transport = make_transport("tcp")
+    keys = client.pool.keys
+    conns: dict[int, ShardConnection] = {}
+    async with open_nursery() as nursery:
+        try:
+            async def connect(sid: int) -> None:
+                rec = client._shard_map[sid]
+                conns[sid] = await transport.connect(rec.address, nursery, client_name=f"{client.pool.name} (snapshot)",
+                                                     key=keys.ring() if keys is not None else None,
+                                                     timeout=client.timeout)
+
+            async with open_nursery() as connecting:
+                for sid in shards:
+                    connecting.start_soon(connect, sid)
+            yield conns
+        finally:
+            with trio.CancelScope(shield=True):
+                for conn in conns.values():
+                    await conn.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def _cut(client: Client, snap: Snapshot, files: Sequence[tuple[Inode, int]]) -> list[tuple[int, int, int, int]]:
+    """Freeze, clone and thaw on every shard that may hold the files' chunks.
+
+    Returns:
+        ``(live file, copy, chunk index, shard)`` of every chunk replica the shards cloned: the
+        copies' chunk map (the chunk map at the cut, not at commit time).
+    """
     from .native import layout_of
 
     await client.refresh_view()
+    layouts = {f.ino: layout_of(f) for f, _ in files}
+    copies = dict((f.ino, copy) for f, copy in files)
     by_shard: dict[int, list[tuple[int, int]]] = {}
     for f, copy in files:
         if f.stripe:
-            for sid in _serving(client, layout_of(f)):
+            for sid in _serving(client, layouts[f.ino]):
                 by_shard.setdefault(sid, []).append((f.ino, copy))
     shards = sorted(sid for sid in by_shard if client._health.get(sid, "up") not in ("down", "syncing"))
     missing = sorted(set(by_shard) - set(shards))
@@ -176,39 +214,54 @@ async def _cut(client: Client, files: Sequence[tuple[Inode, int]]) -> list[int]:
     token = int.from_bytes(os.urandom(8), "big") >> 1 or 1
     lease_ms = int(FREEZE_LEASE_S * 1000)
     answered: dict[int, list[tuple[int, int, int]]] = {}
-    try:
-        async def freeze(sid: int) -> None:
-            inos = [src for src, _ in by_shard[sid]]
-            entries = await client._conn_call(sid, "freeze", token, lease_ms, inos)
-            answered[sid] = [(e.file_id, e.chunk_index, e.version) for e in entries]  # type: ignore[attr-defined]
-
-        async with open_nursery() as nursery:
-            for sid in shards:
-                nursery.start_soon(freeze, sid)
-        cut: dict[tuple[int, int], int] = {}
-        for entries in answered.values():
-            for fid, idx, v in entries:
-                cut[(fid, idx)] = max(cut.get((fid, idx), 0), v)
-
-        async def clone(sid: int) -> None:
-            expect = [(fid, idx, cut[(fid, idx)]) for fid, idx, _ in answered[sid]]
-            await client._conn_call(sid, "clone", token, by_shard[sid], expect)
-
-        async with open_nursery() as nursery:
-            for sid in shards:
-                nursery.start_soon(clone, sid)
-    finally:  # every shard keeps its freeze until every clone is made (dispatch.Dispatcher._cloned)
-        with trio.CancelScope(shield=True), trio.move_on_after(client.timeout):
-            async def thaw(sid: int) -> None:
-                try:
-                    await client._conn_call(sid, "thaw", token)
-                except IrdmaError as exc:  # its lease ends the freeze anyway
-                    log.warning("snapshot: could not thaw shard %d (its lease ends it): %s", sid, exc)
+    cloned: list[tuple[int, int, int, int]] = []
+    async with _control(client, shards) as conns:
+        try:
+            async def freeze(sid: int) -> None:
+                inos = [src for src, _ in by_shard[sid]]
+                with trio.fail_after(client.timeout):
+                    entries = await conns[sid].freeze(token, lease_ms, inos)
+                answered[sid] = [(e.file_id, e.chunk_index, e.version) for e in entries]
 
             async with open_nursery() as nursery:
-                for sid in shards:  # every one: a freeze cancelled in flight may have landed (a THAW of an unknown token is a no-op)
-                    nursery.start_soon(thaw, sid)
-    return shards
+                for sid in shards:
+                    nursery.start_soon(freeze, sid)
+            # the cut: every chunk any replica has, at the highest version any answered
+            cut: dict[tuple[int, int], int] = {}
+            for entries in answered.values():
+                for fid, idx, v in entries:
+                    cut[(fid, idx)] = max(cut.get((fid, idx), 0), v)
+            # each replica placed for a chunk waits for it, even one that has not made it yet
+            # (its forwarded creation still on its way): never a snapshot with a replica short
+            want: dict[int, list[tuple[int, int, int]]] = {sid: [] for sid in shards}
+            for (fid, idx), v in sorted(cut.items()):
+                chain, joining = client.placed(layouts[fid], idx)
+                for sid in chain:
+                    if sid in want and sid != joining:
+                        want[sid].append((fid, idx, v))
+                        cloned.append((fid, copies[fid], idx, sid))
+            # sizes at the cut (the metadata copy was made before the freeze)
+            await client.meta.snapshot_sizes(snap.id, [(f.ino, copy) for f, copy in files])
+
+            async def clone(sid: int) -> None:
+                with trio.fail_after(client.timeout):
+                    await conns[sid].clone(token, by_shard[sid], want[sid])
+
+            async with open_nursery() as nursery:
+                for sid in shards:
+                    nursery.start_soon(clone, sid)
+        finally:  # every shard keeps its freeze until every clone is made (dispatch.Dispatcher._cloned)
+            with trio.CancelScope(shield=True), trio.move_on_after(client.timeout):
+                async def thaw(sid: int) -> None:
+                    try:
+                        await conns[sid].thaw(token)
+                    except IrdmaError as exc:  # its lease ends the freeze anyway
+                        log.warning("snapshot: could not thaw shard %d (its lease ends it): %s", sid, exc)
+
+                async with trio.open_nursery() as nursery:
+                    for sid in conns:  # every one: a freeze cancelled in flight may have landed
+                        nursery.start_soon(thaw, sid)
+    return cloned
 
 
 async def _find(client: Client, path: str, name: str) -> tuple[str, Snapshot]:
@@ -300,8 +353,9 @@ async def restore(client: Client, path: str, name: str) -> None:
         await _clone_into(client, src, snap.dir, tmp)
         replaced = await client.meta.rename(snap.dir, tmp, snap.dir, fname)
         gone = [replaced.ino] if replaced is not None and replaced.nlink <= 0 else []
-    for ino in gone:  # as the native client's unlink: no kernel name cache to wait out
-        await client.destroy_if_unused(ino, grace=False)
+    async with open_nursery() as nursery:  # freed past the unlink grace (mounts may cache the names)
+        for ino in gone:
+            nursery.start_soon(client.destroy_later, ino)
 
 
 async def _drop(client: Client, snap: Snapshot) -> int:
@@ -310,13 +364,20 @@ async def _drop(client: Client, snap: Snapshot) -> int:
     from .native import layout_of
 
     files = await client.meta.snapshot_drop(snap.id)
-    for f in files:
-        if f.stripe:
+    limit = trio.CapacityLimiter(16)
+
+    async def free(f: Inode) -> None:
+        async with limit:
             try:
                 await client.truncate_data(layout_of(f), 0)
             except IrdmaError as exc:
-                log.warning("snapshot %s: chunks of its file %d stay until `irdma gc` (%s)", snap.name.decode(errors="replace"),
-                            f.ino, exc)
+                log.warning("snapshot %s: chunks of its file %d stay until `irdma gc` (%s)",
+                            snap.name.decode(errors="replace"), f.ino, exc)
+
+    async with trio.open_nursery() as nursery:  # the files' frees at once (16 at a time)
+        for f in files:
+            if f.stripe:
+                nursery.start_soon(free, f)
     return len(files)
 
 

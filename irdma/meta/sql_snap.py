@@ -318,9 +318,18 @@ class SqlSnap:
             raise NotFound(f"inode {ino} has no name in directory {parent}")
         return bytes(row[0])
 
-    def snapshot_commit(self, snap_id: int, pairs: Sequence[tuple[int, int]], shards: Sequence[int]) -> Snapshot:
-        """Record the clones' chunk maps (each ``(live file, copy)`` gets the live file's rows
-        for ``shards``, the shards that cloned) and mark the snapshot ``ready``.
+    def snapshot_sizes(self, snap_id: int, pairs: Sequence[tuple[int, int]]) -> None:
+        """Give each copy the live file's size now (called during the cut's freeze: the tree
+        was copied before it)."""
+        with self._tx() as c:
+            for src, dst in pairs:
+                c.execute("UPDATE inodes SET size=(SELECT l.size FROM inodes l WHERE l.ino=?) WHERE ino=? AND snap=?",
+                          (src, dst, snap_id))
+
+    def snapshot_commit(self, snap_id: int, cloned: Sequence[tuple[int, int, int, int]]) -> Snapshot:
+        """Record the clones' chunk maps and mark the snapshot ``ready``: for each ``(live file,
+        copy, chunk index, shard)`` the shards cloned at the cut, the live file's chunk-map row
+        of that replica (its in-sync state) becomes the copy's.
 
         Raises:
             NotFound: no such snapshot being made (it was aborted).
@@ -329,10 +338,8 @@ class SqlSnap:
             row = c.execute(f"SELECT {_SNAP_COLS} FROM snapshots WHERE id=? AND state='creating'", (snap_id,)).fetchone()
             if row is None:
                 raise NotFound(f"no snapshot {snap_id} being made")
-            marks = ",".join("?" * len(shards)) or "NULL"
-            for src, dst in pairs:
-                c.execute(f"INSERT INTO chunks SELECT ?, idx, shard, incarnation FROM chunks WHERE ino=? AND shard IN ({marks})",
-                          (dst, src, *shards))
+            c.executemany("INSERT INTO chunks SELECT ?, idx, shard, incarnation FROM chunks WHERE ino=? AND idx=? AND shard=?",
+                          [(dst, src, idx, shard) for src, dst, idx, shard in cloned])
             c.execute("UPDATE snapshots SET state='ready' WHERE id=?", (snap_id,))
             snap = _snap_row(row)
             snap.state = "ready"

@@ -40,7 +40,10 @@ OPTIONS: dict[str, tuple[str, bool]] = {
 #: Options that mount(8) consumes, and the device and set-user-ID flags: every irdma mount is
 #: nosuid,nodev (libfuse's default), and mount.fuse3 adds ``dev,suid`` to what it passes on.
 IGNORED = frozenset({"rw", "defaults", "auto", "noauto", "user", "nouser", "users", "owner", "group", "_netdev",
-                     "nofail", "comment", "nosuid", "nodev", "suid", "dev", "exec"})
+                     "nofail", "comment", "nosuid", "nodev", "suid", "dev", "exec",
+                     # the kernel's access-time and write flags: a FUSE mount of irdma keeps its own
+                     "noatime", "relatime", "strictatime", "atime", "nodiratime", "lazytime", "nolazytime",
+                     "noexec", "sync", "async", "dirsync"})
 
 #: mount(8)'s exit status for a bad invocation, and for a mount that failed ("RETURN CODES").
 EXIT_USAGE, EXIT_FAILURE = 1, 32
