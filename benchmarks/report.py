@@ -144,7 +144,7 @@ def _snapshots_section(sn: dict[str, Any], date: str | None) -> list[str]:
     for key in ("file", "tensors"):
         c = cr[key]
         snap = max(c["snapshot_native"], c["snapshot_mount"])
-        L.append(f"| {c['path']}: {c['files']} file{'s' if c['files'] > 1 else ''}, {_fmt_size(c['bytes'])} |"
+        L.append(f"| {c['path']}: {c['files']} file{'s' if c['files'] > 1 else ''}, {c['bytes'] / 1e6:,.0f} MB |"
                  f" {c['snapshot_native']:.3f} ({len(c['runs']['snapshot_native'])} runs) |"
                  f" {c['snapshot_mount']:.3f} ({len(c['runs']['snapshot_mount'])}) |"
                  f" {c['copy_mount']:.2f} ({c['copy_mount_how']}, {len(c['runs']['copy_mount'])}) |"
