@@ -19,6 +19,9 @@ def _fmt_size(n: int) -> str:
 
 
 # what each replication and authentication ratio is wanted at (the tables below, and the guard)
+SNAPSHOT_CREATE_WANTED = 100.0  # a snapshot at least this many times faster than a copy through the mount
+SNAPSHOT_STEP_WANTED = 1.1  # a training step with a snapshot every second, over none, at most
+SNAPSHOT_BYTES_WANTED = 1.05  # shard bytes over (1 + N f) x bytes x replicas, at most
 REPLICATION_WANTED = (("pull", 0.95), ("push-assign", 0.5), ("push-add", 0.5))
 AUTHENTICATION_WANTED = 0.9
 
@@ -32,7 +35,8 @@ def _at(commit: dict[str, Any] | None) -> str:
 
 def _section(what: str) -> str:
     """The ``--only`` section a target's figures come from ("main": only a full run measures it)."""
-    for prefix, section in (("model round", "rounds"), ("fio ", "fio"), ("sparse rows", "rows")):
+    for prefix, section in (("model round", "rounds"), ("fio ", "fio"), ("sparse rows", "rows"),
+                            ("snapshot", "snapshots")):
         if what.startswith(prefix):
             return section
     return "main"
@@ -103,7 +107,65 @@ def targets(R: dict[str, Any]) -> list[dict[str, Any]]:
         add("sparse rows push (add), 10,000 of 256 float32, native", rw["add_ratio"],
             "contiguous push (add) of the same bytes", 0.4,
             f"{rw['rows-add']['mb_s']:.0f} vs {rw['contig-add']['mb_s']:.0f} MB/s")
+    sn = R.get("snapshots")
+    if sn:
+        for key, what in (("file", f"a {_fmt_size(sn['create']['file']['bytes'])} file"),
+                          ("tensors", f"ResNet-50's {sn['create']['tensors']['files']} tensors")):
+            c = sn["create"][key]
+            snap = max(c["snapshot_native"], c["snapshot_mount"])  # the slower of the two ways
+            add(f"snapshot of {what}, x faster than a copy through the mount", c["copy_mount"] / snap,
+                f"{c['copy_mount_how']} through the mount", SNAPSHOT_CREATE_WANTED,
+                f"{snap * 1e3:.0f} ms vs {c['copy_mount']:.1f} s")
+        st = sn["step"]
+        add("snapshot every second while 2 workers train, step time over none", st["ratio"],
+            "the same training, no snapshots", SNAPSHOT_STEP_WANTED,
+            f"{st['round_s_every_1s'] * 1e3:.0f} vs {st['round_s_none'] * 1e3:.0f} ms ({st['snapshots_taken']} taken,"
+            f" {st.get('snapshots_failed', 0)} refused)", lower_is_better=True)
+        bh = sn["bytes_held"]
+        add(f"snapshots: shard bytes after {bh['snapshots']}, {bh['f']:.0%} rewritten after each, over (1 + N f) x"
+            " bytes x replicas", bh["ratio"], "ZFS's cost model", SNAPSHOT_BYTES_WANTED,
+            f"{bh['file_used'] / 1e6:.0f} vs {bh['expected'] / 1e6:.0f} MB", lower_is_better=True)
     return out
+
+
+def _snapshots_section(sn: dict[str, Any], date: str | None) -> list[str]:
+    """The "Snapshots" section: create time, training while taking them, bytes held."""
+    cr, st, bh = sn["create"], sn["step"], sn["bytes_held"]
+    L = ["## Snapshots (issue 23)", "",
+         f"`benchmarks/snapshots.py`: {sn['shards']} shards, {sn['replicas']} replicas (each shard holds every chunk),"
+         " one mount" + (f" (measured again on {date}, `benchmarks/run.py --only snapshots`)" if date else "") + ".",
+         "A snapshot through the native client (`Client.snapshot`) and through the mount (`mkdir DIR/.snapshots/NAME`)"
+         " against copying the same directory: through the mount, and with `cp -r` on tmpfs. The 1 GiB file is copied"
+         " through the mount with 4 MiB reads and writes: `cp` (coreutils 9) calls copy_file_range(2) there, which"
+         " the mount does not implement, and the kernel's fallback splices it page by page (2 to 7 MB/s on this host)."
+         " Medians; seconds.", "",
+         "| directory | snapshot, native | snapshot, mount | copy through the mount | `cp -r` on tmpfs |"
+         " copy through the mount / slower snapshot |", "|---|---|---|---|---|---|"]
+    for key in ("file", "tensors"):
+        c = cr[key]
+        snap = max(c["snapshot_native"], c["snapshot_mount"])
+        L.append(f"| {c['path']}: {c['files']} file{'s' if c['files'] > 1 else ''}, {c['bytes'] / 1e6:,.0f} MB |"
+                 f" {c['snapshot_native']:.3f} ({len(c['runs']['snapshot_native'])} runs) |"
+                 f" {c['snapshot_mount']:.3f} ({len(c['runs']['snapshot_mount'])}) |"
+                 f" {c['copy_mount']:.2f} ({c['copy_mount_how']}, {len(c['runs']['copy_mount'])}) |"
+                 f" {c['cp_tmpfs']:.3f} ({len(c['runs']['cp_tmpfs'])}) | {c['copy_mount'] / snap:.0f}x |")
+    took = f"median {st['snapshot_s_median'] * 1e3:.0f} ms, longest {st['snapshot_s_max'] * 1e3:.0f} ms" \
+        if st.get("snapshot_s_median") is not None else "none completed"
+    dele = f"; deleting the oldest took a median of {st['delete_s_median'] * 1e3:.0f} ms" \
+        if st.get("delete_s_median") is not None else ""
+    L += ["", f"Training: 2 worker processes, each round a push (`add`) into each of the {sn['tensors']} tensors then a"
+          " pull of each (native client, `benchmarks/workers.py irdma-native`), with a snapshot of the directory every"
+          f" second (the oldest deleted beyond 2) against none; {st['rounds']} rounds a run, the two alternating,"
+          f" {len(st['runs']['none'])} runs each, means: {st['round_s_every_1s'] * 1e3:.0f} ms a round against"
+          f" {st['round_s_none'] * 1e3:.0f} ms ({st['ratio']:.2f}x). Snapshots made: {st['snapshots_taken']}"
+          f" ({took}{dele}); refused: {st.get('snapshots_failed', 0)}"
+          + (f" (first: {st['failures'][0]})" if st.get("failures") else "") + ".",
+          "", f"Bytes held: {bh['snapshots']} snapshots of the {_fmt_size(bh['file_bytes'])} file, {bh['f']:.0%} of its"
+          f" {bh['chunks']} chunks rewritten (assign) after each: the shards hold {bh['file_used'] / 1e6:.0f} MB for"
+          f" the file against (1 + N f) x bytes x replicas = {bh['expected'] / 1e6:.0f} MB ({bh['ratio']:.3f}x);"
+          f" {bh['used_after_delete'] / 1e6:.0f} MB after deleting the snapshots ({bh['used_before'] / 1e6:.0f} MB"
+          " before them).", ""]
+    return L
 
 
 def plots(R: dict[str, Any], out: str) -> list[str]:
@@ -197,7 +259,8 @@ def write_report(R: dict[str, Any], out: str) -> None:
          f"The run took {R['elapsed_s']:.0f} s."
          + "".join(f" The {what} were measured again on {R[key + '_date']}{_at(R.get(key + '_commit'))}"
                    f" (`benchmarks/run.py --only {key}`)."
-                   for key, what in (("rounds", "model rounds"), ("fio", "fio runs"), ("rows", "sparse rows"))
+                   for key, what in (("rounds", "model rounds"), ("fio", "fio runs"), ("rows", "sparse rows"),
+                                     ("snapshots", "snapshots"))
                    if R.get(key + "_date")),
          "Every figure is set against a baseline measured in the same run (the machine is noisy).",
          "Bandwidth in MB/s (10^6 bytes per second); everything on 127.0.0.1.", "",
@@ -331,6 +394,9 @@ def write_report(R: dict[str, Any], out: str) -> None:
             L.append(f"| `pull_rows` in 10 calls of 1,000 rows | {rw['rows-pull-batches-of-1000']['seconds']:.4f} |"
                      f" {mb / rw['rows-pull-batches-of-1000']['seconds']:.0f} |")
         L.append("")
+    sn = R.get("snapshots")
+    if sn:
+        L += _snapshots_section(sn, R.get("snapshots_date"))
     L += ["## Memory", "", "| shard holding | shard RSS |", "|---|---|"]
     for k, v in R["shard_rss"].items():
         L.append(f"| {_fmt_size(int(k)) if int(k) else '0'} | {v / 1e6:.0f} MB |")

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The side-by-side benchmark suite, in one run: ceilings, irdma (native and through the
-mount), peers (TensorFlow ParameterServerStrategy, Redis), how cost grows, memory, checkpoints.
+mount), peers (TensorFlow ParameterServerStrategy, Redis), how cost grows, memory, checkpoints,
+sparse rows, fio, snapshots.
 
 Writes ``docs/benchmarks.md`` (tables, every figure also as a ratio to its baseline from the
 same run), ``docs/benchmarks.json`` and PNG plots under ``docs/``. Bandwidth is in MB/s
@@ -550,7 +551,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the suite, not figures")
     ap.add_argument("--out", default=os.path.join(REPO, "docs"))
-    ap.add_argument("--only", choices=["replication", "authentication", "rounds", "fio", "rows", "cache"],
+    ap.add_argument("--only", choices=["replication", "authentication", "rounds", "fio", "rows", "cache", "snapshots"],
                     help="run one section, print its figures as JSON and compare only its ratios")
     ap.add_argument("--cache-file-size", default="1GiB",
                     help="--only cache: bytes of the hot file 4 readers read (benchmarks/readcache.py)")
@@ -574,13 +575,17 @@ def main() -> int:
         print(json.dumps(part, indent=1))
         regression_check({args.only: part}, previous, against, [args.only], args.quick)
         return 0
-    if args.only in ("rounds", "fio", "rows"):  # measure one section again into the last report
+    if args.only in ("rounds", "fio", "rows", "snapshots"):  # measure one section again into the last report
         if args.only == "rounds":
             part = model_rounds(model_shapes(), 1 if args.quick else 3)
         elif args.only == "rows":
             import rows
 
             part = rows.run(args.quick, say)
+        elif args.only == "snapshots":
+            import snapshots
+
+            part = snapshots.run(args.quick, say)
         else:
             import fio
 
@@ -700,6 +705,11 @@ def main() -> int:
 
     say("fio: sequential 1 MiB and random 4 KiB, read and write, on tmpfs, a pyfuse3 passthrough and the mount")
     R["fio"] = fio.run_all(args.quick, say)
+
+    import snapshots
+
+    say("snapshots: create time against copies, training while taking them, bytes held (2 shards, 2 replicas)")
+    R["snapshots"] = snapshots.run(args.quick, say, shapes)
     R["elapsed_s"] = time.monotonic() - t_start
     from report import write_report
 
