@@ -102,7 +102,7 @@ def script(path: str) -> str:
         if b.lang not in RUN or b.tags.startswith("no-test"):
             continue
         where = f"{b.path}:{b.line}"
-        parts.append(f"DOC_BLOCK={where}; echo '==> {where}' >&2")
+        parts.append(f"DOC_BLOCK={where}; echo \"==> {where} (at $SECONDS s)\" >&2")
         if b.lang == "python":
             assert "__DOC_PY__" not in b.text
             parts.append(f'"$DOC_PYTHON" - <<\'__DOC_PY__\'\n{b.text}__DOC_PY__')
@@ -123,11 +123,12 @@ def run_doc(path: str, home: str, work: str) -> None:
     text = script(path)
     try:
         res = subprocess.run(["bash", "-c", text], cwd=work, env=env, capture_output=True, text=True,
-                             timeout=TIMEOUT)
+                             timeout=TIMEOUT, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"{path}: its blocks took more than {TIMEOUT} s:\n{exc.stdout}\n{exc.stderr}") from None
+        out = [(x or b"").decode(errors="replace")[-4000:] for x in (exc.stdout, exc.stderr)]
+        raise AssertionError(f"{path}: its blocks took more than {TIMEOUT} s:\n{out[0]}\n{out[1]}") from None
     if os.environ.get("IRDMA_DOCS_VERBOSE"):  # pytest -s: see what each block printed
-        print(res.stdout, res.stderr, sep="\n")
+        print(res.stdout, res.stderr, f"{path}: {res.stderr.count('==> ')} blocks", sep="\n")
     assert res.returncode == 0, f"{path}: a block failed ({res.returncode}):\n{res.stdout[-6000:]}\n{res.stderr[-6000:]}"
 
 
