@@ -6,7 +6,7 @@ cluster with a real FUSE mount.
 The docs assume the local cluster of the README: ``irdma up`` (metadata
 ``sqlite://$HOME/.irdma/meta.db``, exported as ``IRDMA_META``) mounted on ``~/ps``. So each file
 runs with ``HOME`` a fresh temporary directory: the README's blocks start that cluster and mount
-themselves; the other files get it from :func:`helpers.running_cluster` and :func:`helpers.mounted`
+themselves; the other files get it from ``irdma up`` and :func:`helpers.mounted`
 (one cluster for all of them, operations.md last, since it drains and restarts shards). Each file
 runs in an empty working directory of its own.
 
@@ -17,6 +17,7 @@ language is refused, so that nothing runnable hides in an untagged block.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import subprocess
@@ -25,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from helpers import REPO, Cluster, mounted, running_cluster
+from helpers import REPO, assert_clean_log, irdma_cli, mounted
 
 #: Written by the benchmark tools (`make bench`, `make bench-hosts`, `make bench-comm`, `make
 #: train-table`): their commands are in the Makefile, not for hand-editing.
@@ -98,6 +99,8 @@ def script(path: str) -> str:
     """One bash script running every runnable block of ``path`` in order; each block announces
     itself (FILE:LINE) so that a failure names the block."""
     parts = ["set -euo pipefail", "trap 'echo \"!! failed in $DOC_BLOCK\" >&2' ERR"]
+    if os.environ.get("IRDMA_DOCS_VERBOSE") == "2":  # every command with the second it started at
+        parts.append("PS4='+ [$SECONDS s] '; set -x")
     for b in blocks(path):
         if b.lang not in RUN or b.tags.startswith("no-test"):
             continue
@@ -133,11 +136,11 @@ def run_doc(path: str, home: str, work: str) -> None:
 
 
 def _cleanup(home: str) -> None:
-    """Unmount what the README's blocks mounted under ``home`` and stop its cluster."""
+    """Unmount what the blocks mounted under ``home`` and stop the cluster in ``home/.irdma``."""
     with open("/proc/mounts") as f:
         mounts = [line.split()[1] for line in f if line.split()[1].startswith(home)]
     for mnt in mounts:
-        subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True)
+        subprocess.run([sys.executable, "-m", "irdma.ops.cli", "umount", mnt], capture_output=True, timeout=60)
     if os.path.isdir(os.path.join(home, ".irdma")):
         subprocess.run([sys.executable, "-m", "irdma.ops.cli", "down", "--dir", os.path.join(home, ".irdma")],
                        capture_output=True, timeout=60)
@@ -178,27 +181,28 @@ def test_readme_blocks_run(tmp_path: object) -> None:
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Cluster]]:
-    """The cluster the guides assume: ~/.irdma (3 shards: operations.md drains one) on ~/ps."""
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The cluster the guides assume: ~/.irdma (3 shards: operations.md drains one) on ~/ps.
+
+    Started by the `irdma up` command, as a reader does, not in this process: shards that are
+    children of pytest would stay zombies after the docs' own `irdma down` (nothing here reaps
+    them), and `down` would wait its 15 s for them to go."""
     home = str(tmp_path_factory.mktemp("home"))
-    with running_cluster(os.path.join(home, ".irdma"), shards=3, capacity=256 << 20) as c:
-        with mounted(c.meta_url, os.path.join(home, "ps")):
-            yield home, c
-        # operations.md mounts ~/ps again by itself
-        _cleanup_mounts(home)
-
-
-def _cleanup_mounts(home: str) -> None:
-    with open("/proc/mounts") as f:
-        for line in f:
-            if line.split()[1].startswith(home):
-                subprocess.run([sys.executable, "-m", "irdma.ops.cli", "umount", line.split()[1]],
-                               capture_output=True, timeout=60)
+    cluster_dir = os.path.join(home, ".irdma")
+    irdma_cli("up", "--dir", cluster_dir, "--shards", "3", "--capacity", "256MiB", "--transport", "tcp")
+    try:
+        with mounted(f"sqlite://{cluster_dir}/meta.db", os.path.join(home, "ps")):
+            yield home
+    finally:
+        _cleanup(home)  # operations.md mounts ~/ps again by itself
+        logs = glob.glob(os.path.join(cluster_dir, "logs", "*.log")) + glob.glob(os.path.join(cluster_dir, "*.log"))
+        for log in logs:
+            assert_clean_log(log)
 
 
 @pytest.mark.parametrize("path", doc_files())
-def test_doc_blocks_run(path: str, shared: tuple[str, Cluster], tmp_path: object) -> None:
-    home, _ = shared
+def test_doc_blocks_run(path: str, shared: str, tmp_path: object) -> None:
+    home = shared
     if not any(b.lang in RUN and not b.tags.startswith("no-test") for b in blocks(path)):
         return  # nothing to run (every block is output, configuration or tagged)
     run_doc(path, home, os.path.join(str(tmp_path), "work"))
