@@ -133,6 +133,10 @@ def run_doc(path: str, home: str, work: str) -> None:
     if os.environ.get("IRDMA_DOCS_VERBOSE"):  # pytest -s: see what each block printed
         print(res.stdout, res.stderr, f"{path}: {res.stderr.count('==> ')} blocks", sep="\n")
     assert res.returncode == 0, f"{path}: a block failed ({res.returncode}):\n{res.stdout[-6000:]}\n{res.stderr[-6000:]}"
+    # what a reader sees: no library log lines on stderr (pyverbs' basicConfig once made every
+    # irdma.connect print "[INFO] ... transport auto: picked tcp")
+    stray = [line for line in res.stderr.splitlines() if line.startswith(("[INFO]", "INFO:", "DEBUG:"))]
+    assert not stray, f"{path}: log lines on stderr:\n" + "\n".join(stray[:5])
 
 
 def _cleanup(home: str) -> None:
