@@ -6,7 +6,7 @@ pulled in one call at >= 0.5x the bandwidth of a contiguous pull of the same 10 
 alternating so that the machine's drift hits both alike, each reusing its output buffer (as a
 training loop does; a fresh buffer costs both the same page faults). Also measured, through the mount:
 the same rows read with one ``pread`` per row from 1 thread and from 16, and the rows pulled
-by the native client in batches of 1,000 (for the "fastest way" table of the README).
+by the native client in batches of 1,000 (for the "fastest way" of docs/user-guide.md, "Sparse rows").
 
 Run on its own: ``.venv/bin/python benchmarks/rows.py [--quick]`` (prints JSON), or as the
 ``rows`` section of ``benchmarks/run.py``.

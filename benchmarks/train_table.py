@@ -148,7 +148,7 @@ def write_report(results: list[dict], out: str, took: float, epochs: int) -> Non
           " (included); the workers share 2 cores with the shards, so N workers take about N times the wall"
           " time of one here. On a real cluster each worker has its own machine.", "",
           "Through a FUSE mount (any framework, no irdma import) the same training runs with"
-          " `irdma.train.keras.ShardOptimizer` (`examples/train_keras.py`; README, \"Keras through a mount\").", ""]
+          " `irdma.train.keras.ShardOptimizer` (`examples/train_keras.py`; docs/user-guide.md, \"Training with Keras\").", ""]
     with open(os.path.join(out, "training.md"), "w") as f:
         f.write("\n".join(L))
 

@@ -314,12 +314,15 @@ class Client:
         return substitute(layout.replicas_of(index), self._moves, layout.placed_as + index, file_id=layout.placed_as)
 
     def shards_of(self, layout: Layout) -> set[int]:
-        """Every shard that may hold a chunk of the file: its stripe and where moves took them."""
+        """Every shard that may hold a chunk of the file: its stripe and where moves took them,
+        less the shards drained or removed since (a finished drain freed their copies; one that
+        a rebalance once fed and was then drained holds nothing either)."""
         out = set(layout.stripe)
         for m in self._moves:
             if m.shard_id in out:
                 out.update(m.targets)
-        return out
+        gone = {s for s in out if (rec := self._shard_map.get(s)) is not None and rec.state in ("drained", "removed")}
+        return out - gone
 
     def _feeding(self, shard_id: int) -> list[int]:
         """``shard_id`` and every shard whose chunks moves may have taken to it (so files

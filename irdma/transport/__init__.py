@@ -27,7 +27,9 @@ def make_transport(name: str) -> Transport:
     """The transport called ``name``: ``tcp``, ``verbs`` or ``auto``.
 
     ``auto`` picks verbs when a usable RDMA device is present, TCP otherwise, and logs which
-    it picked and why.
+    it picked and why at DEBUG on the ``irdma.transport`` logger (a library prints nothing by
+    default; ``logging.getLogger("irdma.transport").setLevel(logging.DEBUG)`` with a handler,
+    or ``irdma -vv COMMAND``, shows it; a mount's log names its transport at INFO).
 
     Raises:
         ValueError: an unknown name.
@@ -40,7 +42,7 @@ def make_transport(name: str) -> Transport:
         return TcpTransport()
     ok, why = verbs_status()
     if name == "auto":
-        log.info("transport auto: picked %s (%s)", "verbs" if ok else "tcp", why)
+        log.debug("transport auto: picked %s (%s)", "verbs" if ok else "tcp", why)
         if not ok:
             return TcpTransport()
     if not ok:

@@ -56,6 +56,7 @@ import ctypes
 import dataclasses
 import errno
 import itertools
+import logging
 import os
 import random
 import resource
@@ -75,6 +76,12 @@ from irdma.wire.protocol import ChunkEntry, StatReply, UpdateOp, raise_for_error
 
 from .base import ShardConnection, ShardInfo, Transport, parse_address
 
+# pyverbs.base calls logging.basicConfig(level=INFO) when imported: that would configure the
+# application's root logger behind its back (every INFO line of every library on stderr, as
+# "[INFO] ... transport auto: picked tcp" at each irdma.connect). Undo it: the root logger is
+# the application's to configure.
+_root = logging.getLogger()
+_root_state = (list(_root.handlers), _root.level)
 try:  # Debian installs pyverbs for the system python3; let any python3.11 find it
     import pyverbs  # noqa: F401
 except ImportError:  # pragma: no cover - depends on the machine
@@ -92,6 +99,9 @@ from pyverbs.pd import PD  # noqa: E402
 from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError  # noqa: E402
 from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr  # noqa: E402
 from pyverbs.wr import SGE, RecvWR, SendWR  # noqa: E402
+
+_root.handlers[:], _root.level = _root_state[0], _root_state[1]
+del _root, _root_state
 
 REMOTE_ACCESS = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
 LOCAL_ACCESS = e.IBV_ACCESS_LOCAL_WRITE  # memory no peer may reach (a shard's own registration)
