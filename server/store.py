@@ -206,15 +206,7 @@ class ShardStore:
         """
         for _, _, offset, size in chunks:
             self._zero(offset, size)  # a new chunk starts as zeros, whatever a crash left
-        with self._db_lock:
-            self._db.execute("BEGIN")
-            try:
-                self._db.executemany("INSERT OR REPLACE INTO chunks VALUES (?,?,?,?)", chunks)
-                self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
-                raise
+        self.record_chunks(chunks)
 
     def record_chunks(self, chunks: Sequence[tuple[int, int, int, int]]) -> None:
         """Record chunk keys ``(file id, chunk index, region offset, size)`` at extents whose

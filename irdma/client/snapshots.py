@@ -46,7 +46,6 @@ import contextlib
 import logging
 import os
 import stat
-import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -431,8 +430,3 @@ async def list_snapshots(client: Client, path: str) -> list[SnapshotInfo]:
     """The snapshots of ``path`` (a directory, or a file: its directory's), oldest first."""
     dir_path, dir_inode = await _dir_of(client, path)
     return [await _info(client, dir_path, s) for s in await client.meta.snapshots(dir_inode.ino)]
-
-
-def age(created_ns: int) -> float:
-    """Seconds since ``created_ns``."""
-    return max(0.0, time.time() - created_ns / 1e9)

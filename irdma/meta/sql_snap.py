@@ -350,11 +350,6 @@ class SqlSnap:
         return [_snap_row(r) for r in self._db.execute(
             f"SELECT {_SNAP_COLS} FROM snapshots WHERE dir=? ORDER BY created_ns, id", (dir_ino,))]
 
-    def snapshot_by_root(self, root: int) -> Snapshot | None:
-        """The snapshot whose tree starts at inode ``root`` (``D/.snapshots/NAME``), or None."""
-        row = self._db.execute(f"SELECT {_SNAP_COLS} FROM snapshots WHERE root=?", (root,)).fetchone()
-        return None if row is None else _snap_row(row)
-
     def snapshot_files(self, snap_id: int) -> list[Inode]:
         """Every regular file of a snapshot's tree."""
         return [inode_row(r) for r in self._db.execute(
