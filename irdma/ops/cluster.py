@@ -187,9 +187,19 @@ def meta_url_of(cluster_dir: str) -> str:
 
 
 def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return _free_ports(host, 1)[0]
+
+
+def _free_ports(host: str, count: int) -> list[int]:
+    """``count`` distinct ports free on ``host`` now: the sockets stay bound until all are chosen,
+    so the kernel cannot hand the same ephemeral port out twice (it did, one CI run in ~40)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            s = stack.enter_context(socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET))
+            s.bind((host, 0))
+            ports.append(int(s.getsockname()[1]))
+        return ports
 
 
 def read_state(cluster_dir: str) -> list[ShardProc]:
@@ -372,8 +382,8 @@ def up(
     try:
         meta.set_replicas(replicas if replicas is not None else min(2, shards))
         settings: dict[int, ShardSettings] = {}
-        for _ in range(shards):
-            address = f"{host}:{_free_port(host)}"
+        for port in _free_ports(host, shards):
+            address = f"{host}:{port}"
             rec = meta.add_shard(address)
             st = settings[rec.shard_id] = ShardSettings(
                 transport or DEFAULT_TRANSPORT, durability or DEFAULT_DURABILITY, _metrics_of(metrics, rec.shard_id),
