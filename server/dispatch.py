@@ -17,8 +17,10 @@ The front ends only move frames: :mod:`irdma.server.tcp` (pipelined TCP connecti
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +93,8 @@ class Dispatcher:
         #: Snapshot freezes in force, by token, and the frozen files (:meth:`_freeze`).
         self._freezes: dict[int, _Freeze] = {}
         self._frozen: dict[int, _Freeze] = {}
+        #: The push parts clients' updates applied here of late (:meth:`_note_part`).
+        self._parts: OrderedDict[int, _PushParts] = OrderedDict()
         #: Chunks being made (see :meth:`_make_then_apply`), each with the event set when done.
         self._making: dict[tuple[int, int], trio.Event] = {}
         # a new chunk's disk I/O goes to a worker thread (ThreadWork), not the event loop
@@ -137,8 +141,10 @@ class Dispatcher:
             return ThreadWork(self._sync(msg, t0, transport))
         if isinstance(msg, P.Clone):
             return ThreadWork(self._clone(msg, t0, transport))
+        if isinstance(msg, P.Admit):
+            return ThreadWork(self._admit(msg, t0, transport))
         if self._frozen and _held(msg, self._frozen):
-            return ThreadWork(self._after_thaw(msg, staging, t0, transport))
+            return self._hold(msg, staging, t0, transport)
         return self._handle(msg, staging, t0, transport, zero_copy)
 
     # ------------------------------------------------------------ snapshots: the cut
@@ -156,34 +162,135 @@ class Dispatcher:
         self._freezes[msg.token] = cut
         for f in cut.files:
             self._frozen[f] = cut
-        return P.ListReply([P.ChunkEntry(*e) for f in sorted(cut.files) for e in self.shard.file_chunks(f)])
+        self._forget_parts()
+        since = trio.current_time() - P.PART_MEMORY_S / 2
+        parts = [P.Part(pid, i, rec.count) for pid, rec in self._parts.items()
+                 if rec.file_id in cut.files and rec.last >= since for i in sorted(rec.indices)]
+        return P.FreezeReply([P.ChunkEntry(*e) for f in sorted(cut.files) for e in self.shard.file_chunks(f)], parts)
 
     def _release(self, cut: _Freeze) -> None:
+        """End a freeze: its held updates are applied now, in the order they came (one event
+        loop step: an update that comes after finds the files free and the queue empty)."""
         if self._freezes.get(cut.token) is cut:
             del self._freezes[cut.token]
         for f in cut.files:
             if self._frozen.get(f) is cut:
                 del self._frozen[f]
+        queue, cut.queue = cut.queue, []
+        for held in queue:
+            self._apply_held(held)
         cut.released.set()
+
+    def _apply_held(self, held: _Held) -> None:
+        if not held.gone:
+            held.result = self._handle(held.msg, None, held.t0, held.transport)
+        held.done.set()
+
+    def _hold(self, msg: P.Request, staging: memoryview | None, t0: float,
+              transport: str) -> P.Reply | Awaitable[P.Reply] | ThreadWork:
+        """A client update to a frozen file: applied when the freeze ends (THAW, its lease), or
+        at once when its push was admitted into the cut (:meth:`_admit`), and answered then.
+        The connection goes on meanwhile (its next requests are read and applied: another
+        file's, or queued behind this one if they are this freeze's), so a push's other parts
+        sent on it reach the shard."""
+        cut = self._frozen[_file_of(msg)]
+        chain = getattr(msg, "chain", None)
+        part = chain.part if chain is not None else None
+        if part is not None and part.push_id in cut.admitted:
+            return self._handle(msg, staging, t0, transport)
+        held = _Held(_detached(msg, staging), t0, transport)
+        cut.queue.append(held)
+        cut.arrived.set()
+        return self._held_reply(cut, held)
+
+    async def _held_reply(self, cut: _Freeze, held: _Held) -> P.Reply:
+        try:
+            while not held.done.is_set():
+                with trio.move_on_at(cut.deadline):
+                    await held.done.wait()
+                self._expire()
+        except BaseException:
+            if not held.done.is_set():  # never applied: the connection went away
+                held.gone = True
+                self.metrics.end(held.t0, _op_of(held.msg), held.transport, "cancelled")
+            raise
+        result = held.result
+        while isinstance(result, ThreadWork):
+            result = await result
+        if inspect.isawaitable(result):
+            result = await result
+        assert result is not None
+        return result
+
+    def _note_part(self, msg: P.Request) -> None:
+        """Remember a client update that was one part of a push (FLAG_PART), applied here."""
+        chain = getattr(msg, "chain", None)
+        if chain is None or chain.part is None or chain.expect:
+            return
+        part = chain.part
+        rec = self._parts.get(part.push_id)
+        if rec is None:
+            if len(self._parts) >= MAX_PUSHES_REMEMBERED:
+                self._parts.popitem(last=False)
+            rec = self._parts[part.push_id] = _PushParts(_file_of(msg), part.count)
+        else:
+            self._parts.move_to_end(part.push_id)
+        rec.indices.add(part.index)
+        rec.last = trio.current_time()
+
+    def _forget_parts(self) -> None:
+        old = trio.current_time() - P.PART_MEMORY_S
+        while self._parts:
+            pid, rec = next(iter(self._parts.items()))
+            if rec.last >= old:
+                break
+            del self._parts[pid]
+
+    async def _admit(self, msg: P.Admit, t0: float, transport: str) -> P.Reply:
+        """ADMIT: apply the held parts of the pushes the cut must take whole (see
+        :class:`irdma.wire.protocol.Admit`); wait up to ``wait_ms`` for one if none is held."""
+        reply: P.Reply
+        try:
+            self._expire()
+            cut = self._freezes.get(msg.token)
+            if cut is None:
+                raise BadRequest(f"shard {self.shard.shard_id}: freeze {msg.token} is over (its lease ended):"
+                                 " take the snapshot again")
+            wanted = set(msg.push_ids)
+            cut.admitted |= wanted
+            if not self._admit_held(cut) and msg.wait_ms:
+                with trio.move_on_at(min(cut.deadline, trio.current_time() + msg.wait_ms / 1000)):
+                    while True:
+                        cut.arrived = trio.Event()
+                        await cut.arrived.wait()
+                        if self._admit_held(cut):
+                            break
+            files = sorted({rec.file_id for pid, rec in self._parts.items() if pid in wanted})
+            reply = P.FreezeReply([P.ChunkEntry(*e) for f in files for e in self.shard.file_chunks(f)],
+                                  [P.Part(pid, i, self._parts[pid].count) for pid in sorted(wanted)
+                                   if pid in self._parts for i in sorted(self._parts[pid].indices)])
+        except Exception as exc:
+            reply = self._error(exc, msg)
+        except BaseException:
+            self.metrics.end(t0, "admit", transport, "cancelled")
+            raise
+        self._observe(t0, msg, reply, transport)
+        return reply
+
+    def _admit_held(self, cut: _Freeze) -> int:
+        """Apply the held updates of ``cut``'s admitted pushes, in the order they came."""
+        take = [h for h in cut.queue if _push_of(h.msg) in cut.admitted]
+        if take:
+            cut.queue = [h for h in cut.queue if _push_of(h.msg) not in cut.admitted]
+            for held in take:
+                self._apply_held(held)
+        return len(take)
 
     def _expire(self) -> None:
         now = trio.current_time()
         for cut in [c for c in self._freezes.values() if c.deadline <= now]:
             log.warning("shard %d: a snapshot's freeze %d ended at its lease, not cloned", self.shard.shard_id, cut.token)
             self._release(cut)
-
-    async def _after_thaw(self, msg: P.Request, staging: memoryview | None, t0: float,
-                          transport: str) -> P.Reply | Awaitable[P.Reply] | ThreadWork:
-        """A client update to a frozen file: applied once the freeze ends (at most its lease)."""
-        try:
-            while (cut := self._frozen.get(_file_of(msg))) is not None:
-                with trio.move_on_at(cut.deadline):
-                    await cut.released.wait()
-                self._expire()
-        except BaseException:
-            self.metrics.end(t0, _op_of(msg), transport, "cancelled")
-            raise
-        return self._handle(msg, staging, t0, transport)
 
     async def _clone(self, msg: P.Clone, t0: float, transport: str) -> P.Reply:
         """CLONE: wait until this replica has the cut's versions, clone, release the freeze."""
@@ -211,6 +318,7 @@ class Dispatcher:
         cut = self._freezes.get(msg.token)
         if cut is None:
             raise BadRequest(f"shard {shard.shard_id}: freeze {msg.token} is over (its lease ended): take the snapshot again")
+        cut.admitted.clear()  # the cut is fixed: a late part of an admitted push waits for THAW
         srcs = {s for s, _ in msg.pairs}
         if not srcs <= cut.files:
             raise BadRequest("a clone names a file its freeze did not hold")
@@ -242,6 +350,9 @@ class Dispatcher:
             return self._make_then_apply(pending, msg, staging, t0, transport)
         except Exception as exc:
             reply = self._error(exc, msg)
+        else:
+            if isinstance(msg, _PARTED):
+                self._note_part(msg)
         if inspect.isawaitable(reply):
             return self._finish(reply, msg, t0, transport)
         self._observe(t0, msg, reply, transport)
@@ -480,17 +591,69 @@ def _opcode_name(opcode: int) -> str:
 _OP_NAMES = {P.Read: "read", P.Write: "write", P.RemoteWrite: "remote_write", P.Resync: "resync",
              P.Checksum: "checksum", P.List: "list", P.Sync: "sync", P.Stat: "stat", P.Free: "free",
              P.Punch: "punch", P.Locate: "locate", P.Gather: "gather", P.Scatter: "scatter",
-             P.Freeze: "freeze", P.Clone: "clone", P.Thaw: "thaw", P.Usage: "usage"}
+             P.Freeze: "freeze", P.Clone: "clone", P.Thaw: "thaw", P.Usage: "usage", P.Admit: "admit"}
 #: Longest lease a FREEZE may ask, milliseconds.
 FREEZE_MAX_MS = 30_000
 
 
+#: Most pushes a shard remembers the parts of (the oldest are forgotten first).
+MAX_PUSHES_REMEMBERED = 65536
+
+
 class _Freeze:
-    """One snapshot's freeze on this shard: the files whose client updates wait."""
+    """One snapshot's freeze on this shard: the files whose client updates wait, the updates
+    held (in the order they came) and the pushes admitted into the cut."""
 
     def __init__(self, token: int, deadline: float, files: frozenset[int]) -> None:
         self.token, self.deadline, self.files = token, deadline, files
         self.released = trio.Event()
+        self.queue: list[_Held] = []
+        self.admitted: set[int] = set()
+        self.arrived = trio.Event()  # set when an update is held (ADMIT waits for parts)
+
+
+class _Held:
+    """A client update a freeze holds, and what applying it gave."""
+
+    def __init__(self, msg: P.Request, t0: float, transport: str) -> None:
+        self.msg, self.t0, self.transport = msg, t0, transport
+        self.done = trio.Event()
+        self.result: P.Reply | Awaitable[P.Reply] | ThreadWork | None = None
+        self.gone = False  # its connection went away before it was applied: never applied
+
+
+class _PushParts:
+    """The parts of one push applied here: its file, its part count and the indices."""
+
+    def __init__(self, file_id: int, count: int) -> None:
+        self.file_id, self.count = file_id, count
+        self.indices: set[int] = set()
+        self.last = 0.0
+
+
+#: The requests that may carry a push part.
+_PARTED = (P.Write, P.RemoteWrite, P.Scatter)
+
+
+def _push_of(msg: P.Request) -> int:
+    chain = getattr(msg, "chain", None)
+    return chain.part.push_id if chain is not None and chain.part is not None else 0
+
+
+def _detached(msg: P.Request, staging: memoryview | None) -> P.Request:
+    """``msg`` with its payload copied out of the connection's staging buffer (verbs), so it
+    can wait for a thaw while the connection's next requests reuse the buffer."""
+    if isinstance(msg, P.RemoteWrite) and not msg.in_place:
+        if staging is None or msg.staging_offset + msg.length > len(staging):
+            return msg  # refused when applied, as it would be now
+        data = bytes(staging[msg.staging_offset : msg.staging_offset + msg.length])
+        return P.Write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, data, msg.existing, msg.chain)
+    if isinstance(msg, P.Scatter) and msg.staged:
+        if staging is None or msg.staging_offset + msg.length > len(staging):
+            return msg
+        return dataclasses.replace(msg, data=bytes(staging[msg.staging_offset : msg.staging_offset + msg.length]),
+                                   staged=False)
+    return msg
 
 
 _UPDATES = (P.Write, P.Scatter, P.RemoteWrite, P.Punch, P.Free)

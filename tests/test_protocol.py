@@ -39,6 +39,14 @@ REQUESTS = [
             chain=P.Chain(5, 9, 42, 2500)),
     P.RemoteWrite(9, 4, 1 << 20, 8, P.Update(P.UpdateOp.ADD, encoding=P.Encoding.SIGN), False, 4096, 65536, 0,
                   chain=P.Chain(6, 1, 0, 10, ((4, "h:1"),))),
+    # push parts (protocol 9): a snapshot's cut takes a push of several requests whole
+    P.Write(7, 3, 8192, 0, P.UpdateOp.ADD, b"abcd", chain=P.Chain(5, 9, 0, 2500, part=P.Part(2**64 - 1, 1, 2))),
+    P.RemoteWrite(9, 4, 1 << 20, 8, P.UpdateOp.ADD, False, 4096, 65536, 0,
+                  chain=P.Chain(6, 1, 0, 10, ((4, "h:1"),), P.Part(12, 0, 3))),
+    P.Scatter(7, 4096, P.extents([0, 1], [0, 8], [4, 4]), P.UpdateOp.ADD, b"abcdefgh",
+              chain=P.Chain(8, 1, 0, 10, (), P.Part(13, 2, 3))),
+    P.Admit(99, 50, (12, 13, 2**64 - 1)),
+    P.Freeze(99, 5000, (7, 9)),
     # authentication: an offer (cluster id and nonce) and a proof
     P.Hello(4, 4, "worker-1", bytes(range(48))),
     P.Auth(bytes(range(32))),
@@ -69,6 +77,8 @@ REPLIES = [
     (P.Opcode.AUTH, P.HelloReply(4, 3, 2 << 30, 16 << 20, 7, b"", bytes(range(32)))),
     (P.Opcode.AUTH, P.HelloReply(4, 3, 2 << 30, 16 << 20, 7, b"verbs", bytes(range(32)))),
     (P.Opcode.AUTH, P.ErrorReply(P.Status.AUTH_FAILED, "wrong cluster key")),
+    (P.Opcode.FREEZE, P.FreezeReply([P.ChunkEntry(7, 0, 4096, 3)], [P.Part(12, 0, 3), P.Part(12, 2, 3)])),
+    (P.Opcode.ADMIT, P.FreezeReply([], [])),
 ]
 
 
@@ -87,6 +97,8 @@ def _norm(msg: object) -> object:
     for k, v in d.items():
         if isinstance(v, memoryview):
             d[k] = bytes(v)
+        elif hasattr(v, "tolist"):  # extents
+            d[k] = v.tolist()
     return type(msg), d
 
 
@@ -266,8 +278,19 @@ def test_encoding_assign_or_a_scatter_is_a_local_error() -> None:
         P.decode_request(frame)
 
 
-def test_protocol_8_is_the_only_version_spoken() -> None:
-    assert (P.MIN_PROTOCOL_VERSION, P.PROTOCOL_VERSION) == (8, 8)
+def test_protocol_9_is_the_only_version_spoken() -> None:
+    assert (P.MIN_PROTOCOL_VERSION, P.PROTOCOL_VERSION) == (9, 9)
+
+
+@pytest.mark.parametrize("part", [(0, 0, 2), (5, 2, 2), (5, 0, 1)], ids=["push id 0", "index past count", "one part"])
+def test_a_push_part_that_cannot_be_is_a_remote_error(part: tuple[int, int, int]) -> None:
+    wire = bytearray(b"".join(P.encode_request(P.Write(7, 3, 8192, 0, P.UpdateOp.ADD, b"",
+                                                       chain=P.Chain(5, 9, 0, 2500, part=P.Part(1, 0, 2))), 1)))
+    at = len(wire) - 16  # the part is the body's last 16 bytes (no payload)
+    wire[at:] = struct.pack("!QII", *part)
+    [frame] = _frames(bytes(wire))
+    with pytest.raises(RemoteProtocolError, match="push part"):
+        P.decode_request(frame)
 
 
 @pytest.mark.parametrize("status,cls", P.STATUS_ERRORS, ids=[s.name for s, _ in P.STATUS_ERRORS])

@@ -67,7 +67,7 @@ from ..wire.compress import Compression, parse_compress
 from ..wire.compress import encode as compress_encode
 from ..wire.compress import max_elements as compress_max_elements
 from ..wire.extents import move, positions
-from ..wire.protocol import DEFAULT_MAX_PAYLOAD, Chain, ChunkEntry, StatReply, Update, UpdateOp, as_update
+from ..wire.protocol import DEFAULT_MAX_PAYLOAD, Chain, ChunkEntry, Part, StatReply, Update, UpdateOp, as_update
 from ..wire.protocol import extents as P_extents
 from . import snapshots as _snaps
 from .cache import ChunkCache
@@ -659,18 +659,20 @@ class Client:
         if len(pieces) == 1:
             await self._write_piece(layout, pieces[0], view, op, chunks, created, coded, fb)
         else:
+            push_id = self._request_id()  # each piece is tagged a part of it: a snapshot takes all or none
             async with open_nursery() as nursery:
-                for p in pieces:
+                for k, p in enumerate(pieces):
                     nursery.start_soon(self._write_piece, layout, p, view[p.buf_offset : p.buf_offset + p.length], op,
                                        chunks, created, coded,
-                                       None if fb is None else fb[p.buf_offset // 4 : (p.buf_offset + p.length) // 4])
+                                       None if fb is None else fb[p.buf_offset // 4 : (p.buf_offset + p.length) // 4],
+                                       Part(push_id, k, len(pieces)))
         return created
 
-    async def _write_piece(self, layout: Layout, p: Piece, part: memoryview, op: UpdateOp | Update, chunks: ChunkMap | None,
+    async def _write_piece(self, layout: Layout, p: Piece, data: memoryview, op: UpdateOp | Update, chunks: ChunkMap | None,
                            created: list[NewChunk], coded: Compression | None = None,
-                           feedback: np.ndarray | None = None) -> None:
+                           feedback: np.ndarray | None = None, part: Part | None = None) -> None:
         if coded is not None:
-            dense = np.frombuffer(part, dtype="<f4")
+            dense = np.frombuffer(data, dtype="<f4")
             try:
                 # once: a resend carries the same bytes; a large piece off the event loop (numpy
                 # sorts and packs without the GIL, so pieces encode in parallel)
@@ -680,10 +682,11 @@ class Client:
                     payload, decoded = compress_encode(dense, coded)
             except ValueError as exc:
                 raise InvalidArgument(f"cannot compress the gradient at byte {p.buf_offset}: {exc}") from None
-            part = memoryview(payload)
+            data = memoryview(payload)
 
         async def send(conn: ShardConnection, existing: bool, chain: Chain) -> None:
-            await conn.write(layout.file_id, p.chunk_index, layout.chunk_size, p.chunk_offset, op, part, existing, chain)
+            await conn.write(layout.file_id, p.chunk_index, layout.chunk_size, p.chunk_offset, op, data, existing,
+                             chain if part is None else dataclasses.replace(chain, part=part))
 
         await self._chained_update(layout, (p.chunk_index,), send, chunks, created, self._request_id(), "write")
         if coded is not None and feedback is not None:
@@ -970,11 +973,12 @@ class Client:
         created: list[NewChunk] = []
         limit = self._max_piece(layout) or DEFAULT_MAX_PAYLOAD
         units = self._scatter_units(layout, chunk, chunks)
+        batches = [b for sel in units for b in self._batches(chunk, length, sel, limit)]
+        push_id = self._request_id() if len(batches) > 1 else 0  # a snapshot takes all the requests or none
         async with open_nursery() as nursery:
-            for sel in units:
-                for part in self._batches(chunk, length, sel, limit):
-                    nursery.start_soon(self._scatter_chain, layout, chunk[part], offset[part], length[part],
-                                       src, at[part], op, chunks, created, self._request_id())
+            for k, b in enumerate(batches):
+                nursery.start_soon(self._scatter_chain, layout, chunk[b], offset[b], length[b], src, at[b], op, chunks,
+                                   created, self._request_id(), Part(push_id, k, len(batches)) if push_id else None)
         return list(dict.fromkeys(created))  # a chunk in two requests is created once
 
     def _scatter_units(self, layout: Layout, chunk: np.ndarray, chunks: ChunkMap | None,
@@ -1003,7 +1007,7 @@ class Client:
 
     async def _scatter_chain(self, layout: Layout, chunk: np.ndarray, offset: np.ndarray, length: np.ndarray,
                              src: np.ndarray, at: np.ndarray, op: UpdateOp | Update, chunks: ChunkMap | None,
-                             created: list[NewChunk], rid: int) -> None:
+                             created: list[NewChunk], rid: int, part: Part | None = None) -> None:
         """One SCATTER along its chunks' chain (:meth:`_chained_update`); a group whose chunks'
         chains parted since it was formed is split, one request per chain, same request id."""
         ext = P_extents(chunk, offset, length)
@@ -1016,12 +1020,12 @@ class Client:
             async with open_nursery() as nursery:
                 for u in units:
                     nursery.start_soon(self._scatter_chain, layout, chunk[u], offset[u], length[u], src, at[u], op,
-                                       chunks, created, rid)
+                                       chunks, created, rid, part)
             return True
 
         async def send(conn: ShardConnection, existing: bool, chain: Chain) -> None:
             await conn.scatter(layout.file_id, layout.chunk_size, ext, op, memoryview(payload),  # type: ignore[arg-type]
-                               existing, chain)
+                               existing, chain if part is None else dataclasses.replace(chain, part=part))
 
         await self._chained_update(layout, sorted(set(chunk.tolist())), send, chunks, created, rid, "scatter", parted)
 

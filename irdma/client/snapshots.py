@@ -27,12 +27,13 @@ How a snapshot is made (``irdma snapshot create PATH NAME``, ``mkdir PATH/.snaps
 The first update of a shared chunk afterwards copies it on its shard (copy-on-write: the
 snapshot keeps the bytes and the optimizer state of the cut; later updates copy nothing).
 
-What a cut does not give: a push that spans several chunks and is in flight while the
-freeze lands may be in the snapshot for some of its chunks and not for others (each chunk's
-update is atomic; a push is one update per chunk). Take snapshots between a writer's pushes
-for whole pushes (:class:`irdma.train.keras.SnapshotCallback` does at the end of an epoch: whole
-for one worker; with several, another worker's step may be in flight), or see
-docs/snapshots.md for the plan (pushes tagged with the cut's epoch).
+A push that spans several requests (a write over several chunks, rows on several shards) is
+in the snapshot whole or not at all: the client tags each request as a part of its push
+(:class:`irdma.wire.protocol.Part`), each shard's FREEZE answer names the parts it applied of
+late, and a push the freeze split (some parts applied before it, some held or still on their
+way) is admitted whole into the cut before CLONE (:func:`_whole_pushes`: every shard applies
+that push's held parts, the others as they come). A frozen shard goes on reading a
+connection's requests while it holds one, so no part is stuck behind a held one.
 
 Sources: CephFS snapshots (``.snap``, Ceph documentation "CephFS Snapshots"); ZFS snapshots
 and copy-on-write (Bonwick et al., "The Zettabyte File System", 2003); the consistent cut of
@@ -46,7 +47,7 @@ import contextlib
 import logging
 import os
 import stat
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,7 @@ from .._concurrency import open_nursery
 from .._errors import InvalidArgument, IrdmaError, NotFound, ShardUnavailable
 from ..meta.base import Inode, Snapshot
 from ..placement import Layout
+from ..wire.protocol import MAX_ADMIT, FreezeReply
 
 if TYPE_CHECKING:
     from ..transport.base import ShardConnection
@@ -65,6 +67,10 @@ log = logging.getLogger("irdma.client")
 
 #: Seconds a shard holds client updates for a snapshot at most (the freeze's lease).
 FREEZE_LEASE_S = 5.0
+#: Seconds a snapshot waits for the last parts of a push its freeze split (:func:`_whole_pushes`).
+ADMIT_WAIT_S = 2.0
+#: Milliseconds a shard waits for a held part on one ADMIT before it answers.
+ADMIT_POLL_MS = 50
 
 
 @dataclass
@@ -212,24 +218,30 @@ async def _cut(client: Client, snap: Snapshot, files: Sequence[tuple[Inode, int]
                                "wait until `irdma status` shows it up (resynced), then take the snapshot again")
     token = int.from_bytes(os.urandom(8), "big") >> 1 or 1
     lease_ms = int(FREEZE_LEASE_S * 1000)
-    answered: dict[int, list[tuple[int, int, int]]] = {}
+    answered: list[tuple[int, int, int]] = []
+    parts: dict[int, tuple[int, set[int]]] = {}  # push id: (part count, parts applied)
     cloned: list[tuple[int, int, int, int]] = []
+
+    def note(reply: FreezeReply) -> None:
+        answered.extend((e.file_id, e.chunk_index, e.version) for e in reply.entries)
+        for p in reply.parts:
+            parts.setdefault(p.push_id, (p.count, set()))[1].add(p.index)
+
     async with _control(client, shards) as conns:
         try:
             async def freeze(sid: int) -> None:
                 inos = [src for src, _ in by_shard[sid]]
                 with trio.fail_after(client.timeout):
-                    entries = await conns[sid].freeze(token, lease_ms, inos)
-                answered[sid] = [(e.file_id, e.chunk_index, e.version) for e in entries]
+                    note(await conns[sid].freeze(token, lease_ms, inos))
 
             async with open_nursery() as nursery:
                 for sid in shards:
                     nursery.start_soon(freeze, sid)
+            await _whole_pushes(conns, token, parts, note)
             # the cut: every chunk any replica has, at the highest version any answered
             cut: dict[tuple[int, int], int] = {}
-            for entries in answered.values():
-                for fid, idx, v in entries:
-                    cut[(fid, idx)] = max(cut.get((fid, idx), 0), v)
+            for fid, idx, v in answered:
+                cut[(fid, idx)] = max(cut.get((fid, idx), 0), v)
             # each replica placed for a chunk waits for it, even one that has not made it yet
             # (its forwarded creation still on its way): never a snapshot with a replica short
             want: dict[int, list[tuple[int, int, int]]] = {sid: [] for sid in shards}
@@ -261,6 +273,35 @@ async def _cut(client: Client, snap: Snapshot, files: Sequence[tuple[Inode, int]
                     for sid in conns:  # every one: a freeze cancelled in flight may have landed
                         nursery.start_soon(thaw, sid)
     return cloned
+
+
+async def _whole_pushes(conns: dict[int, ShardConnection], token: int, parts: dict[int, tuple[int, set[int]]],
+                        note: Callable[[FreezeReply], None]) -> None:
+    """Take whole into the cut every push the freeze split: one some of whose parts (requests,
+    :class:`irdma.wire.protocol.Part`) a shard applied before its freeze while others were
+    still on their way. Every shard is asked (ADMIT) to apply the parts of those pushes it
+    holds, and those that come, until every part is in; ``note`` gets each answer (the chunks'
+    new versions, the parts applied). A part that does not come within :data:`ADMIT_WAIT_S`
+    belongs to a push its client gave up (an error answered: never acknowledged), and the cut
+    is taken without it."""
+    deadline = trio.current_time() + ADMIT_WAIT_S
+    while True:
+        split = sorted(pid for pid, (count, got) in parts.items() if len(got) < count)
+        if not split:
+            return
+        if trio.current_time() >= deadline:
+            log.warning("snapshot: %d pushes split by the cut did not send every part within %.1f s (their clients"
+                        " gave up on them); the snapshot holds what of them was applied", len(split), ADMIT_WAIT_S)
+            return
+        split = split[:MAX_ADMIT]
+
+        async def admit(sid: int, pushes: list[int] = split) -> None:
+            with trio.fail_after(ADMIT_WAIT_S + 5):
+                note(await conns[sid].admit(token, pushes, ADMIT_POLL_MS))
+
+        async with open_nursery() as nursery:
+            for sid in conns:
+                nursery.start_soon(admit, sid)
 
 
 async def _find(client: Client, path: str, name: str) -> tuple[str, Snapshot]:

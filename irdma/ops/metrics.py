@@ -493,8 +493,11 @@ class MeteredConnection(ShardConnection):
     async def sync(self) -> None:
         await self._call("sync", self.conn.sync)
 
-    async def freeze(self, token: int, lease_ms: int, file_ids: Any) -> list[Any]:
-        return await self._call("freeze", self.conn.freeze, token, lease_ms, file_ids)  # type: ignore[no-any-return]
+    async def freeze(self, token: int, lease_ms: int, file_ids: Any) -> Any:
+        return await self._call("freeze", self.conn.freeze, token, lease_ms, file_ids)
+
+    async def admit(self, token: int, push_ids: Any, wait_ms: int = 0) -> Any:
+        return await self._call("admit", self.conn.admit, token, push_ids, wait_ms)
 
     async def clone(self, token: int, pairs: Any, expect: Any) -> int:
         return await self._call("clone", self.conn.clone, token, pairs, expect)  # type: ignore[no-any-return]

@@ -24,7 +24,7 @@ import numpy as np
 import trio
 
 from irdma.wire.auth import KeyRing
-from irdma.wire.protocol import Chain, ChunkEntry, StatReply, Update, UpdateOp
+from irdma.wire.protocol import Chain, ChunkEntry, FreezeReply, StatReply, Update, UpdateOp
 
 
 @dataclass(frozen=True)
@@ -162,9 +162,14 @@ class ShardConnection(abc.ABC):
     async def sync(self) -> None:
         """Return once every update this shard applied before the call is durable."""
 
-    async def freeze(self, token: int, lease_ms: int, file_ids: Sequence[int]) -> list[ChunkEntry]:
+    async def freeze(self, token: int, lease_ms: int, file_ids: Sequence[int]) -> FreezeReply:
         """Hold client updates to ``file_ids`` on this shard (a snapshot's first phase:
-        :class:`irdma.wire.protocol.Freeze`); returns every chunk of them with its version."""
+        :class:`irdma.wire.protocol.Freeze`); returns every chunk of them with its version, and
+        the push parts applied of late."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take snapshots")
+
+    async def admit(self, token: int, push_ids: Sequence[int], wait_ms: int = 0) -> FreezeReply:
+        """Take pushes ``push_ids`` whole into freeze ``token``'s cut (:class:`irdma.wire.protocol.Admit`)."""
         raise NotImplementedError(f"{type(self).__name__} cannot take snapshots")
 
     async def clone(self, token: int, pairs: Sequence[tuple[int, int]],

@@ -307,8 +307,11 @@ class TcpConnection(ShardConnection):
     async def sync(self) -> None:
         await self._call_for(P.Sync(), P.VersionReply)
 
-    async def freeze(self, token: int, lease_ms: int, file_ids: Sequence[int]) -> list[ChunkEntry]:
-        return (await self._call_for(P.Freeze(token, lease_ms, tuple(file_ids)), P.ListReply)).entries
+    async def freeze(self, token: int, lease_ms: int, file_ids: Sequence[int]) -> P.FreezeReply:
+        return await self._call_for(P.Freeze(token, lease_ms, tuple(file_ids)), P.FreezeReply)
+
+    async def admit(self, token: int, push_ids: Sequence[int], wait_ms: int = 0) -> P.FreezeReply:
+        return await self._call_for(P.Admit(token, wait_ms, tuple(push_ids)), P.FreezeReply)
 
     async def clone(self, token: int, pairs: Sequence[tuple[int, int]],
                     expect: Sequence[tuple[int, int, int]]) -> int:

@@ -1088,9 +1088,13 @@ class VerbsConnection(ShardConnection):
         reply = self._expect(await self._rpc(msg), P.ChecksumReply, msg)
         return reply.version, reply.crc
 
-    async def freeze(self, token: int, lease_ms: int, file_ids: Sequence[int]) -> list[ChunkEntry]:
+    async def freeze(self, token: int, lease_ms: int, file_ids: Sequence[int]) -> P.FreezeReply:
         msg = P.Freeze(token, lease_ms, tuple(file_ids))
-        return self._expect(await self._rpc(msg), P.ListReply, msg).entries
+        return self._expect(await self._rpc(msg), P.FreezeReply, msg)
+
+    async def admit(self, token: int, push_ids: Sequence[int], wait_ms: int = 0) -> P.FreezeReply:
+        msg = P.Admit(token, wait_ms, tuple(push_ids))
+        return self._expect(await self._rpc(msg), P.FreezeReply, msg)
 
     async def clone(self, token: int, pairs: Sequence[tuple[int, int]],
                     expect: Sequence[tuple[int, int, int]]) -> int:

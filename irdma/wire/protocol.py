@@ -34,7 +34,9 @@ lost chunk never silently comes back as zeros plus the new bytes. LIST pages thr
 chunks (for ``irdma gc`` and ``irdma fsck``). SYNC returns once every update the shard applied
 before it is durable (``msync``/``fsync`` of a shard with a data directory; nothing to do for
 one whose memory is volatile or whose durability is ``memory``). Requests are
-applied in order per connection and answered in order unless replicated (below). A reply whose status is not OK carries a UTF-8 message as
+applied in order per connection and answered in order unless replicated (below) or held by a
+snapshot's FREEZE (answered once applied, after THAW; the connection's later requests to
+other files go on meanwhile). A reply whose status is not OK carries a UTF-8 message as
 its body. :class:`FrameDecoder` turns a byte stream, fed in pieces of any size, into frames;
 :func:`decode_body` turns a frame into a message; :func:`encode` does the reverse and returns a
 list of buffers so payloads are sent without being copied.
@@ -94,11 +96,12 @@ from .._errors import (
     ShardUnavailable,
 )
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 #: Oldest protocol version this code speaks (3 added chain replication, 4 authentication, 5 GMAC
 #: frame tags, 6 optimizer update ops, 7 GATHER and SCATTER of extents: sparse rows, 8 encoded
-#: (compressed) gradients in WRITE and REMOTE_WRITE).
-MIN_PROTOCOL_VERSION = 8
+#: (compressed) gradients in WRITE and REMOTE_WRITE, 9 push parts (FLAG_PART) and ADMIT: a
+#: snapshot keeps a push whole).
+MIN_PROTOCOL_VERSION = 9
 MAGIC = b"IR"
 HEADER = struct.Struct("!2sBBIHHI")
 HEADER_SIZE = HEADER.size  # 16
@@ -123,6 +126,9 @@ FLAG_CHALLENGE = 0x40
 #: On SCATTER: the payload is not in the frame but in the connection's staging buffer at
 #: ``staging_offset`` (verbs: it moved there by RDMA WRITE).
 FLAG_STAGED = 0x80
+#: On WRITE, REMOTE_WRITE and SCATTER with FLAG_CHAIN: a :class:`Part` follows the chain (the
+#: update is one of several requests of one push; a snapshot's cut keeps a push whole).
+FLAG_PART = 0x100
 #: Most entries one LIST reply carries.
 MAX_LIST_ENTRIES = 4096
 
@@ -148,6 +154,7 @@ class Opcode(enum.IntEnum):
     CLONE = 18
     THAW = 19
     USAGE = 20
+    ADMIT = 21
 
 
 class Status(enum.IntEnum):
@@ -306,6 +313,10 @@ _CLONE = struct.Struct("!QII")  # token, pair count, expected-version count; the
 _PAIR = struct.Struct("!QQ")  # source file id, clone's file id
 _EXPECT = struct.Struct("!QQQ")  # file id, chunk index, version
 _USAGE_E = struct.Struct("!QQQ")  # file id, bytes it holds alone, bytes it shares
+_PART = struct.Struct("!QII")  # push id, part index, part count
+_ADMIT = struct.Struct("!QII")  # token, wait in milliseconds, push id count; then u64 push ids
+#: Most push ids one ADMIT names.
+MAX_ADMIT = 4096
 #: Most files one FREEZE or CLONE names (a bigger snapshot sends several).
 MAX_SNAPSHOT_FILES = 65536
 _RWRITE = struct.Struct("!QQIIBB2xIQQ")  # file, chunk, chunk size, offset, op, in place, length, staging off, region off
@@ -379,6 +390,24 @@ def _decode_update(opv: int, body: memoryview, at: int, encodable: bool = True) 
     return Update(uop, tuple(args), flags, enc), at + _OPTIM.size
 
 
+@dataclass(frozen=True)
+class Part:
+    """The part a request is of a push that takes several (FLAG_PART; protocol 9): a client
+    cuts a push into one update per chunk piece (or one SCATTER per shard), and tags each with
+    the push's id, its own index and how many there are, so a snapshot's cut can take the
+    whole push or none of it (:mod:`irdma.client.snapshots`).
+
+    Attributes:
+        push_id: u64, random, chosen by the client per push (never 0).
+        index: u32, this request's place among the push's parts, ``0 <= index < count``.
+        count: u32, how many requests the push was cut into (at least 2).
+    """
+
+    push_id: int
+    index: int
+    count: int
+
+
 @dataclass
 class Chain:
     """Chain replication of one update (CRAQ: Terrace & Freedman, USENIX ATC 2009; chain
@@ -405,6 +434,9 @@ class Chain:
     expect: int = 0
     timeout_ms: int = 5000
     successors: tuple[tuple[int, str], ...] = ()
+    #: The push this update is a part of, when it is one of several (FLAG_PART, after the
+    #: chain on the wire; a client's update only: forwards leave it out).
+    part: Part | None = None
 
     def encode(self) -> bytes:
         out = [_CHAIN.pack(self.request_id, self.view, self.expect, self.timeout_ms, len(self.successors))]
@@ -629,6 +661,34 @@ class ListReply:
 
 
 @dataclass
+class FreezeReply(ListReply):
+    """Reply to FREEZE and ADMIT: ``entries``, the frozen files' chunks here (file id, chunk
+    index, chunk size, version), and ``parts``, the push parts (:class:`Part`) this shard
+    applied of those files: for FREEZE, those of the last :data:`PART_MEMORY_S` seconds; for
+    ADMIT, those of the pushes it names."""
+
+    parts: list[Part] = field(default_factory=list)
+
+
+#: Seconds a shard remembers the push parts it applied (a push's parts land within a few
+#: milliseconds of one another; a FREEZE reports those of the last half of this).
+PART_MEMORY_S = 10.0
+
+
+@dataclass
+class Admit:
+    """Between FREEZE and CLONE: the pushes ``push_ids`` were split by the freeze (some of their
+    parts were applied before it on some shard, some not): apply their parts this shard holds
+    now, and those that come later at once, so the cut takes them whole. Waits up to ``wait_ms``
+    for one to come when none is held. Answered with a :class:`FreezeReply` of the chunks of
+    the files those parts touched and every part of those pushes this shard applied."""
+
+    token: int
+    wait_ms: int = 0
+    push_ids: tuple[int, ...] = ()
+
+
+@dataclass
 class Freeze:
     """Hold the updates clients send to these files until THAW with ``token``, or
     until ``lease_ms`` passed (the snapshot that asked is then void): the first phase of a
@@ -804,10 +864,10 @@ def raise_for_error(reply: Reply, address: str) -> None:
 
 
 Request = Union[Hello, Read, Write, Stat, Free, Punch, VerbsConnect, Locate, RemoteWrite, List, Sync, Resync, Checksum,
-                Auth, Gather, Scatter, Freeze, Clone, Thaw, Usage]
+                Auth, Gather, Scatter, Freeze, Clone, Thaw, Usage, Admit]
 Reply = Union[
     HelloReply, ReadReply, VersionReply, StatReply, FreeReply, ErrorReply, VerbsConnectReply, LocateReply, ListReply,
-    ChecksumReply, AuthChallenge, GatherReply, UsageReply,
+    ChecksumReply, AuthChallenge, GatherReply, UsageReply, FreezeReply,
 ]
 
 # ---------------------------------------------------------------- the message table
@@ -820,7 +880,29 @@ _Parts = list[bytes | memoryview]
 
 
 def _chain_of(body: memoryview, at: int, flags: int) -> tuple[Chain | None, int]:
-    return Chain.decode(body, at) if flags & FLAG_CHAIN else (None, at)
+    if not flags & FLAG_CHAIN:
+        if flags & FLAG_PART:
+            raise RemoteProtocolError("FLAG_PART without FLAG_CHAIN")
+        return None, at
+    chain, at = Chain.decode(body, at)
+    if flags & FLAG_PART:
+        _need(body[at:], _PART.size, "push part")
+        part = Part(*_PART.unpack_from(body, at))
+        if not part.push_id or part.count < 2 or part.index >= part.count:
+            raise RemoteProtocolError(f"push part {part.index} of {part.count} (push {part.push_id}) is not valid")
+        chain = dataclasses.replace(chain, part=part)
+        at += _PART.size
+    return chain, at
+
+
+def _chain_bytes(chain: Chain | None) -> tuple[bytes, int]:
+    """The wire bytes of an update's chain and its part, and the flags they set."""
+    if chain is None:
+        return b"", 0
+    if chain.part is None:
+        return chain.encode(), FLAG_CHAIN
+    part = chain.part
+    return chain.encode() + _PART.pack(part.push_id, part.index, part.count), FLAG_CHAIN | FLAG_PART
 
 
 def _enc_hello(msg: Hello) -> tuple[_Parts, int]:
@@ -882,10 +964,8 @@ def _rep_read(body: memoryview, flags: int) -> ReadReply:
 def _enc_write(msg: Write) -> tuple[_Parts, int]:
     flags = 0
     opv, optim = _encode_update(msg.op)
-    fixed = _WRITE.pack(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, opv) + optim
-    if msg.chain is not None:
-        fixed += msg.chain.encode()
-        flags |= FLAG_CHAIN
+    chain, flags = _chain_bytes(msg.chain)
+    fixed = _WRITE.pack(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, opv) + optim + chain
     flags |= (FLAG_EXISTING if msg.existing else 0) | (FLAG_REPLACE if msg.replace else 0)
     return ([fixed, msg.data] if len(msg.data) else [fixed]), flags
 
@@ -968,10 +1048,10 @@ def _rep_checksum(body: memoryview, flags: int) -> ChecksumReply:
 
 def _enc_rwrite(msg: RemoteWrite) -> tuple[_Parts, int]:
     opv, optim = _encode_update(msg.op)
+    chain, flags = _chain_bytes(msg.chain)
     parts: _Parts = [_RWRITE.pack(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, opv, int(msg.in_place),
-                                  msg.length, msg.staging_offset, msg.region_offset) + optim
-                     + (msg.chain.encode() if msg.chain is not None else b"")]
-    return parts, (FLAG_EXISTING if msg.existing else 0) | (FLAG_CHAIN if msg.chain is not None else 0)
+                                  msg.length, msg.staging_offset, msg.region_offset) + optim + chain]
+    return parts, (FLAG_EXISTING if msg.existing else 0) | flags
 
 
 def _dec_rwrite(body: memoryview, flags: int) -> RemoteWrite:
@@ -1015,10 +1095,8 @@ def _enc_scatter(msg: Scatter) -> tuple[_Parts, int]:
     flags = 0
     ext = np.ascontiguousarray(msg.extents, dtype=EXTENT)
     opv, optim = _encode_update(msg.op, encodable=False)
-    fixed = _SCATTER.pack(msg.file_id, msg.chunk_size, len(ext), opv, msg.staging_offset) + optim
-    if msg.chain is not None:
-        fixed += msg.chain.encode()
-        flags |= FLAG_CHAIN
+    chain, flags = _chain_bytes(msg.chain)
+    fixed = _SCATTER.pack(msg.file_id, msg.chunk_size, len(ext), opv, msg.staging_offset) + optim + chain
     if not msg.staged and len(msg.data) != msg.length:
         raise LocalProtocolError(f"SCATTER of {len(msg.data)} bytes into extents of {msg.length}")
     parts: _Parts = [fixed, ext.tobytes()]
@@ -1057,6 +1135,33 @@ def _dec_freeze(body: memoryview, flags: int) -> Freeze:
     _exact(body, _FREEZE.size + 8 * n, "FREEZE")
     ids = np.frombuffer(body[_FREEZE.size :], dtype=">u8").tolist()
     return Freeze(token, lease, tuple(int(i) for i in ids))
+
+
+def _rep_freeze(body: memoryview, flags: int) -> FreezeReply:
+    _need(body, _LIST_R.size, "FREEZE reply")
+    (count,) = _LIST_R.unpack_from(body)
+    at = _LIST_R.size + count * _LIST_E.size
+    _need(body, at + _LIST_R.size, "FREEZE reply")
+    (nparts,) = _LIST_R.unpack_from(body, at)
+    at += _LIST_R.size
+    _exact(body, at + nparts * _PART.size, "FREEZE reply")
+    return FreezeReply([ChunkEntry(*_LIST_E.unpack_from(body, _LIST_R.size + i * _LIST_E.size)) for i in range(count)],
+                       [Part(*_PART.unpack_from(body, at + k * _PART.size)) for k in range(nparts)])
+
+
+def _enc_admit(msg: Admit) -> tuple[_Parts, int]:
+    if len(msg.push_ids) > MAX_ADMIT:
+        raise LocalProtocolError(f"ADMIT of {len(msg.push_ids)} pushes: at most {MAX_ADMIT}")
+    return [_ADMIT.pack(msg.token, msg.wait_ms, len(msg.push_ids)), np.asarray(msg.push_ids, dtype=">u8").tobytes()], 0
+
+
+def _dec_admit(body: memoryview, flags: int) -> Admit:
+    _need(body, _ADMIT.size, "ADMIT")
+    token, wait, n = _ADMIT.unpack_from(body)
+    if n > MAX_ADMIT:
+        raise RemoteProtocolError(f"ADMIT of {n} pushes: at most {MAX_ADMIT}")
+    _exact(body, _ADMIT.size + 8 * n, "ADMIT")
+    return Admit(token, wait, tuple(int(i) for i in np.frombuffer(body[_ADMIT.size :], dtype=">u8").tolist()))
 
 
 def _enc_usage(msg: Usage) -> tuple[_Parts, int]:
@@ -1146,10 +1251,11 @@ MESSAGES: dict[Opcode, Message] = {m.opcode: m for m in (
     Message(Opcode.CHECKSUM, Checksum, *_CHECKSUM_CODEC, _rep_checksum),
     Message(Opcode.GATHER, Gather, _enc_gather, _dec_gather, _rep_gather),
     Message(Opcode.SCATTER, Scatter, _enc_scatter, _dec_scatter, _version_reply("SCATTER reply")),
-    Message(Opcode.FREEZE, Freeze, _enc_freeze, _dec_freeze, _rep_list),
+    Message(Opcode.FREEZE, Freeze, _enc_freeze, _dec_freeze, _rep_freeze),
     Message(Opcode.CLONE, Clone, _enc_clone, _dec_clone, _rep_free),
     Message(Opcode.THAW, Thaw, *_THAW_CODEC, _version_reply("THAW reply")),
     Message(Opcode.USAGE, Usage, _enc_usage, _dec_usage, _rep_usage),
+    Message(Opcode.ADMIT, Admit, _enc_admit, _dec_admit, _rep_freeze),
 )}
 _BY_TYPE: dict[type, Message] = {m.request: m for m in MESSAGES.values()}
 _REQUEST_OPCODE: dict[type, Opcode] = {m.request: m.opcode for m in MESSAGES.values()}
@@ -1242,6 +1348,11 @@ _REPLY_ENCODERS: dict[type, Callable[[Any], tuple[_Parts, int]]] = {
     ListReply: lambda m: ([_LIST_R.pack(len(m.entries))
                            + b"".join(_LIST_E.pack(x.file_id, x.chunk_index, x.chunk_size, x.version)
                                       for x in m.entries)], 0),
+    FreezeReply: lambda m: ([_LIST_R.pack(len(m.entries))
+                             + b"".join(_LIST_E.pack(x.file_id, x.chunk_index, x.chunk_size, x.version)
+                                        for x in m.entries)
+                             + _LIST_R.pack(len(m.parts))
+                             + b"".join(_PART.pack(p.push_id, p.index, p.count) for p in m.parts)], 0),
 }
 
 
