@@ -543,6 +543,8 @@ class Dispatcher:
             return P.StatReply(shard.shard_id, shard.capacity, shard.used, shard.chunk_count, self.metrics_address)
         if isinstance(msg, P.Free):
             return P.FreeReply(shard.free(msg.file_id, msg.first_chunk))
+        if isinstance(msg, P.FreeFiles):
+            return P.FreeReply(shard.free_files(msg.file_ids))
         if isinstance(msg, P.Punch):
             return P.VersionReply(shard.punch(msg.file_id, msg.chunk_index, msg.offset))
         if isinstance(msg, P.Locate):
@@ -591,7 +593,8 @@ def _opcode_name(opcode: int) -> str:
 _OP_NAMES = {P.Read: "read", P.Write: "write", P.RemoteWrite: "remote_write", P.Resync: "resync",
              P.Checksum: "checksum", P.List: "list", P.Sync: "sync", P.Stat: "stat", P.Free: "free",
              P.Punch: "punch", P.Locate: "locate", P.Gather: "gather", P.Scatter: "scatter",
-             P.Freeze: "freeze", P.Clone: "clone", P.Thaw: "thaw", P.Usage: "usage", P.Admit: "admit"}
+             P.Freeze: "freeze", P.Clone: "clone", P.Thaw: "thaw", P.Usage: "usage", P.Admit: "admit",
+             P.FreeFiles: "free_files"}
 #: Longest lease a FREEZE may ask, milliseconds.
 FREEZE_MAX_MS = 30_000
 

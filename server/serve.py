@@ -94,11 +94,23 @@ async def _serve_until_signal(server: ShardServer, shard: Shard, host: str, port
                         " every chunk", address)
         if port_file:
             await trio.to_thread.run_sync(_write_port_file, port_file, address)
+        nursery.start_soon(_trim_freed, shard)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 log.info("shard %d stopping on signal %d", shard.shard_id, signum)
                 nursery.cancel_scope.cancel()
                 break
+
+
+async def _trim_freed(shard: Shard) -> None:
+    """Zero, once a second, the extents freed more than :data:`irdma.server.shard.TRIM_DELAY_S` ago that no
+    chunk took since (:meth:`Shard.trim`)."""
+    while True:
+        await trio.sleep(1.0)
+        try:
+            shard.trim()
+        except OSError as exc:  # the bytes stay in a free extent: never read, zeroed before reuse
+            log.warning("shard %d could not zero freed extents: %s", shard.shard_id, exc)
 
 
 def _write_port_file(path: str, address: str) -> None:

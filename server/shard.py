@@ -13,11 +13,14 @@ update bumps the chunk's version by one.
 from __future__ import annotations
 
 import bisect
+import collections
 import heapq
 import logging
 import mmap
 import os
+import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,6 +41,9 @@ log = logging.getLogger("irdma.server")
 PAGE = 4096
 #: Largest chunk a shard accepts (bytes).
 MAX_CHUNK_SIZE = 256 << 20
+#: Seconds a freed extent of a shard with a data directory keeps its pages before it is
+#: zeroed (punched out of the region file) if no chunk took it meanwhile (:meth:`Shard.trim`).
+TRIM_DELAY_S = 10.0
 
 
 class Region:
@@ -102,6 +108,23 @@ class _Allocator:
                     self._sizes[start + size] = have - size
                 return start
         return None
+
+    def free_parts(self, start: int, size: int) -> list[tuple[int, int]]:
+        """The parts of ``[start, start+size)`` that are free now, as ``(start, size)``."""
+        end = start + size
+        out = []
+        i = max(0, bisect.bisect_right(self._starts, start) - 1)
+        while i < len(self._starts) and self._starts[i] < end:
+            s = self._starts[i]
+            e = s + self._sizes[s]
+            lo, hi = max(s, start), min(e, end)
+            if lo < hi:
+                out.append((lo, hi - lo))
+            i += 1
+        return out
+
+    def free_extents(self) -> list[tuple[int, int]]:
+        return [(s, self._sizes[s]) for s in self._starts]
 
     def reserve(self, start: int, size: int) -> None:
         """Mark ``[start, start+size)`` used (reloading a persistent shard's chunks).
@@ -225,6 +248,12 @@ class Shard:
         self._sharers: dict[int, list[ChunkKey]] = {}
         self.used = 0
         self.copies = 0  # copy-on-write copies made (a metric)
+        #: Extents freed on a shard with a data directory, not zeroed yet: ``(time.monotonic()
+        #: when freed, offset, size)``, oldest first (:meth:`trim`).
+        self._freed: collections.deque[tuple[float, int, int]] = collections.deque()
+        #: While set (:meth:`free_files`), the chunk-index rows dropped chunks leave go here
+        #: and are deleted in one transaction at the end.
+        self._unrecord: list[ChunkKey] | None = None
         self.incarnation = (int.from_bytes(os.urandom(8), "big") >> 1) or 1  # 63 bits: fits SQL integers
         if store is not None:
             self.incarnation = store.incarnation
@@ -239,6 +268,8 @@ class Shard:
                     self.used += size
                 self._chunks[key] = Chunk(offset, size)
                 self._by_file.setdefault(file_id, set()).add(index)
+            for offset, size in self._alloc.free_extents():  # what was freed before a restart, not trimmed yet
+                store.zero(offset, size)
 
     def sync(self) -> None:
         """Make every update applied so far durable (a shard with a data directory and
@@ -647,6 +678,13 @@ class Shard:
             self._chunks[k].offset = to
         self.copies += 1
 
+    def _unrecorded(self, file_id: int, chunk_index: int) -> None:
+        assert self.store is not None
+        if self._unrecord is not None:
+            self._unrecord.append((file_id, chunk_index))
+        else:
+            self.store.unrecord_chunks([(file_id, chunk_index)])
+
     def is_shared(self, chunk: Chunk) -> bool:
         return chunk.offset in self._sharers
 
@@ -741,12 +779,51 @@ class Shard:
         Returns:
             How many chunks were freed.
         """
+        if self.store is not None and self._unrecord is None:
+            return self.free_files([file_id], first_chunk)
         indices = [i for i in self._by_file.get(file_id, ()) if first_chunk <= i < optimizers.STATE_BASE]
         for i in indices:
             self._drop(file_id, i)
         for i in [i for i in self._by_file.get(file_id, ()) if i >= optimizers.state_index(first_chunk)]:
             self._drop(file_id, i)  # their optimizer state (orphans of a crash too)
         return len(indices)
+
+    def free_files(self, file_ids: Sequence[int], first_chunk: int = 0) -> int:
+        """:meth:`free` of each of ``file_ids``, with one chunk-index transaction for them all
+        (a snapshot's delete: :class:`irdma.wire.protocol.FreeFiles`). Returns the chunks freed."""
+        if self.store is None:
+            return sum(self.free(f, first_chunk) for f in file_ids)
+        self._unrecord = []
+        try:
+            freed = sum(self.free(f, first_chunk) for f in file_ids)
+        finally:
+            gone, self._unrecord = self._unrecord, None
+            if gone:
+                self.store.unrecord_chunks(gone)
+        return freed
+
+    def trim(self, older_than: float = TRIM_DELAY_S) -> int:
+        """Zero (punch out of the region file) the extents freed more than ``older_than``
+        seconds ago that are still free; returns how many bytes.
+
+        A freed extent is not zeroed at once: a snapshot's delete frees many chunks and the next
+        round's copy-on-write copies take their extents again at once, and an extent punched out
+        of the file would fault its pages in again, page by page (twice the shard's CPU per
+        copied chunk, measured). Nothing reads a free extent, and each one is zeroed when made
+        a chunk again (:meth:`ShardStore.add_chunks`) or overwritten whole (a copy-on-write copy),
+        so the bytes it keeps meanwhile are never seen; it only holds disk until trimmed (the
+        deferred frees of ZFS and the batched discards of SSDs, "fstrim").
+        """
+        if self.store is None:
+            return 0
+        limit = time.monotonic() - older_than
+        done = 0
+        while self._freed and self._freed[0][0] <= limit:
+            _, offset, size = self._freed.popleft()
+            for start, n in self._alloc.free_parts(offset, size):
+                self.store.zero(start, n)
+                done += n
+        return done
 
     def _drop(self, file_id: int, chunk_index: int) -> None:
         if not optimizers.is_state(chunk_index) and (file_id, optimizers.state_index(chunk_index)) in self._chunks:
@@ -762,10 +839,11 @@ class Shard:
             if len(twin) < 2:
                 del self._sharers[chunk.offset]
             if self.store is not None:
-                self.store.unrecord_chunk(file_id, chunk_index)
+                self._unrecorded(file_id, chunk_index)
             return
         if self.store is not None:
-            self.store.drop_chunk(file_id, chunk_index, chunk.offset, chunk.size)
+            self._unrecorded(file_id, chunk_index)
+            self._freed.append((time.monotonic(), chunk.offset, chunk.size))  # zeroed by trim
         else:
             self.region.zero(chunk.offset, chunk.size)
         self.versions[chunk.slot] = 0

@@ -19,9 +19,10 @@ process that dies (SIGKILL) loses nothing, and ``sync`` (``msync(2)`` of both ma
 ``fsync`` of the index) makes them durable against a machine crash. The chunk index changes
 only when a chunk is created or freed (rare next to writes), so it is a small transactional
 table rather than a log to replay. Freed extents are punched out of the file
-(``fallocate(2)`` FALLOC_FL_PUNCH_HOLE), so free space reads as zeros and costs no disk; a
-new chunk's extent is punched again before use, so a crash between the index and the region
-can never leave old bytes in a new chunk. Rejected: a file per chunk (no single region to
+(``fallocate(2)`` FALLOC_FL_PUNCH_HOLE) some seconds after they are freed, if no chunk took them
+meanwhile (:meth:`irdma.server.shard.Shard.trim`; at start for all free space), so free space
+costs no disk for long; a new chunk's extent is punched again before use, so a crash between
+the index and the region can never leave old bytes in a new chunk. Rejected: a file per chunk (no single region to
 register for RDMA, one mmap per chunk), and an append-only log of writes (replay time grows
 with the writes, not with the data).
 
@@ -226,14 +227,22 @@ class ShardStore:
                     self._db.execute("ROLLBACK")
                 raise
 
-    def unrecord_chunk(self, file_id: int, chunk_index: int) -> None:
-        """Forget one chunk key whose extent other keys still hold (its bytes stay)."""
+    def unrecord_chunks(self, keys: Sequence[tuple[int, int]]) -> None:
+        """Forget chunk keys ``(file id, chunk index)``, in one transaction; their bytes stay
+        (the shard zeroes an extent no key holds any more later: :meth:`Shard.trim`)."""
         with self._db_lock:
-            self._db.execute("DELETE FROM chunks WHERE file=? AND idx=?", (file_id, chunk_index))
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany("DELETE FROM chunks WHERE file=? AND idx=?", keys)
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
 
-    def drop_chunk(self, file_id: int, chunk_index: int, offset: int, size: int) -> None:
-        with self._db_lock:
-            self._db.execute("DELETE FROM chunks WHERE file=? AND idx=?", (file_id, chunk_index))
+    def zero(self, offset: int, size: int) -> None:
+        """Make ``[offset, offset+size)`` of the region read as zeros (a hole punched in the
+        region file, or zeros written where holes cannot be punched)."""
         self._zero(offset, size)
 
     def _zero(self, offset: int, size: int) -> None:

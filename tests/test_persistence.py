@@ -145,3 +145,28 @@ def test_a_store_that_cannot_punch_zeroes_freed_extents(tmp_path: object) -> Non
     assert view is not None and bytes(view) == bytes(10) + b"a" + bytes(MB - 11)
     del shard, view
     store.close()
+
+
+def test_a_freed_extent_is_punched_by_trim_and_reads_zeros_when_taken_before(tmp_path: object) -> None:
+    """Freed extents are zeroed (punched) by Shard.trim once old enough, not at once: the next
+    copy-on-write copies take them resident (issue 23's step time). A chunk made on a freed
+    extent before its trim still starts as zeros."""
+    path = os.path.join(str(tmp_path), "s")
+    store = ShardStore(path, 1, 8 * MB)
+    shard = Shard(1, Region(store.capacity, buffer=memoryview(store.region)), memoryview(store.versions), store=store)
+    region = os.path.join(path, "region")
+    shard.write(5, 0, MB, 0, UpdateOp.ASSIGN, b"\xff" * MB)
+    shard.write(5, 1, MB, 0, UpdateOp.ASSIGN, b"\xee" * MB)
+    assert shard.free_files([5]) == 2 and shard.used == 0
+    held = os.stat(region).st_blocks * 512
+    assert held >= 2 * MB  # not punched yet
+    assert shard.trim() == 0  # younger than TRIM_DELAY_S: kept
+    shard.write(6, 0, MB, 10, UpdateOp.ASSIGN, b"a")  # takes the first freed extent at once
+    version, view = shard.read(6, 0, 0, MB)
+    assert view is not None and bytes(view) == bytes(10) + b"a" + bytes(MB - 11)
+    del view
+    assert shard.trim(older_than=0) == MB  # only the extent still free
+    assert os.stat(region).st_blocks * 512 <= held - MB + 64 * 1024
+    assert bytes(store.region[MB : 2 * MB]) == bytes(MB)
+    del shard
+    store.close()

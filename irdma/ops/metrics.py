@@ -505,6 +505,9 @@ class MeteredConnection(ShardConnection):
     async def usage(self, file_ids: Any) -> list[Any]:
         return await self._call("usage", self.conn.usage, file_ids)  # type: ignore[no-any-return]
 
+    async def free_files(self, file_ids: Any) -> int:
+        return await self._call("free_files", self.conn.free_files, file_ids)  # type: ignore[no-any-return]
+
     async def thaw(self, token: int) -> None:
         await self._call("thaw", self.conn.thaw, token)
 

@@ -182,6 +182,10 @@ class ShardConnection(abc.ABC):
         """``(file id, bytes held alone, bytes shared)`` per file on this shard (:class:`irdma.wire.protocol.Usage`)."""
         raise NotImplementedError(f"{type(self).__name__} cannot take snapshots")
 
+    async def free_files(self, file_ids: Sequence[int]) -> int:
+        """Free every chunk of each of ``file_ids`` (:class:`irdma.wire.protocol.FreeFiles`); returns how many."""
+        raise NotImplementedError(f"{type(self).__name__} cannot free files in one request")
+
     async def thaw(self, token: int) -> None:
         """End freeze ``token`` without cloning."""
         raise NotImplementedError(f"{type(self).__name__} cannot take snapshots")

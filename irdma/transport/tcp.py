@@ -320,6 +320,9 @@ class TcpConnection(ShardConnection):
     async def usage(self, file_ids: Sequence[int]) -> list[tuple[int, int, int]]:
         return (await self._call_for(P.Usage(tuple(file_ids)), P.UsageReply)).entries
 
+    async def free_files(self, file_ids: Sequence[int]) -> int:
+        return (await self._call_for(P.FreeFiles(tuple(file_ids)), P.FreeReply)).freed
+
     async def thaw(self, token: int) -> None:
         await self._call_for(P.Thaw(token), P.VersionReply)
 

@@ -1105,6 +1105,10 @@ class VerbsConnection(ShardConnection):
         msg = P.Usage(tuple(file_ids))
         return self._expect(await self._rpc(msg), P.UsageReply, msg).entries
 
+    async def free_files(self, file_ids: Sequence[int]) -> int:
+        msg = P.FreeFiles(tuple(file_ids))
+        return self._expect(await self._rpc(msg), P.FreeReply, msg).freed
+
     async def thaw(self, token: int) -> None:
         msg = P.Thaw(token)
         self._expect(await self._rpc(msg), P.VersionReply, msg)

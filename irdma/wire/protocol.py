@@ -100,7 +100,7 @@ PROTOCOL_VERSION = 9
 #: Oldest protocol version this code speaks (3 added chain replication, 4 authentication, 5 GMAC
 #: frame tags, 6 optimizer update ops, 7 GATHER and SCATTER of extents: sparse rows, 8 encoded
 #: (compressed) gradients in WRITE and REMOTE_WRITE, 9 push parts (FLAG_PART) and ADMIT: a
-#: snapshot keeps a push whole).
+#: snapshot keeps a push whole; FREE_FILES).
 MIN_PROTOCOL_VERSION = 9
 MAGIC = b"IR"
 HEADER = struct.Struct("!2sBBIHHI")
@@ -155,6 +155,7 @@ class Opcode(enum.IntEnum):
     THAW = 19
     USAGE = 20
     ADMIT = 21
+    FREE_FILES = 22
 
 
 class Status(enum.IntEnum):
@@ -689,6 +690,14 @@ class Admit:
 
 
 @dataclass
+class FreeFiles:
+    """FREE of every chunk of each file (a snapshot's delete: all its files on this shard in one
+    request, one chunk-index transaction). Answered with a FREE reply of the chunks freed."""
+
+    file_ids: tuple[int, ...] = ()
+
+
+@dataclass
 class Freeze:
     """Hold the updates clients send to these files until THAW with ``token``, or
     until ``lease_ms`` passed (the snapshot that asked is then void): the first phase of a
@@ -864,7 +873,7 @@ def raise_for_error(reply: Reply, address: str) -> None:
 
 
 Request = Union[Hello, Read, Write, Stat, Free, Punch, VerbsConnect, Locate, RemoteWrite, List, Sync, Resync, Checksum,
-                Auth, Gather, Scatter, Freeze, Clone, Thaw, Usage, Admit]
+                Auth, Gather, Scatter, Freeze, Clone, Thaw, Usage, Admit, FreeFiles]
 Reply = Union[
     HelloReply, ReadReply, VersionReply, StatReply, FreeReply, ErrorReply, VerbsConnectReply, LocateReply, ListReply,
     ChecksumReply, AuthChallenge, GatherReply, UsageReply, FreezeReply,
@@ -1164,6 +1173,21 @@ def _dec_admit(body: memoryview, flags: int) -> Admit:
     return Admit(token, wait, tuple(int(i) for i in np.frombuffer(body[_ADMIT.size :], dtype=">u8").tolist()))
 
 
+def _enc_free_files(msg: FreeFiles) -> tuple[_Parts, int]:
+    if len(msg.file_ids) > MAX_SNAPSHOT_FILES:
+        raise LocalProtocolError(f"FREE_FILES of {len(msg.file_ids)} files: at most {MAX_SNAPSHOT_FILES}")
+    return [_LIST_R.pack(len(msg.file_ids)), np.asarray(msg.file_ids, dtype=">u8").tobytes()], 0
+
+
+def _dec_free_files(body: memoryview, flags: int) -> FreeFiles:
+    _need(body, _LIST_R.size, "FREE_FILES")
+    (n,) = _LIST_R.unpack_from(body)
+    if n > MAX_SNAPSHOT_FILES:
+        raise RemoteProtocolError(f"FREE_FILES of {n} files: at most {MAX_SNAPSHOT_FILES}")
+    _exact(body, _LIST_R.size + 8 * n, "FREE_FILES")
+    return FreeFiles(tuple(int(i) for i in np.frombuffer(body[_LIST_R.size :], dtype=">u8").tolist()))
+
+
 def _enc_usage(msg: Usage) -> tuple[_Parts, int]:
     if len(msg.file_ids) > MAX_SNAPSHOT_FILES:
         raise LocalProtocolError(f"USAGE of {len(msg.file_ids)} files: at most {MAX_SNAPSHOT_FILES}")
@@ -1256,6 +1280,7 @@ MESSAGES: dict[Opcode, Message] = {m.opcode: m for m in (
     Message(Opcode.THAW, Thaw, *_THAW_CODEC, _version_reply("THAW reply")),
     Message(Opcode.USAGE, Usage, _enc_usage, _dec_usage, _rep_usage),
     Message(Opcode.ADMIT, Admit, _enc_admit, _dec_admit, _rep_freeze),
+    Message(Opcode.FREE_FILES, FreeFiles, _enc_free_files, _dec_free_files, _rep_free),
 )}
 _BY_TYPE: dict[type, Message] = {m.request: m for m in MESSAGES.values()}
 _REQUEST_OPCODE: dict[type, Opcode] = {m.request: m.opcode for m in MESSAGES.values()}
