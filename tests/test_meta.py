@@ -554,3 +554,23 @@ def test_clocks_members_barriers_locks_and_counters_work_on_every_engine(store: 
     assert m.counter_add("c", 2) == 0 and m.counter_add("c", 1) == 2
     m.clock_reset(5)
     assert m.clocks(5) == {} and m.members(5) == []
+
+
+def test_a_snapshot_copy_has_the_link_counts_of_its_tree(meta: MetaStore) -> None:
+    """Directories: 2 + subdirectories; files: their names inside the tree (a hard link out
+    of the tree is not in the copy)."""
+    d = meta.create(ROOT_INO, b"job", stat.S_IFDIR | 0o755, 0, 0)
+    sub = meta.create(d.ino, b"sub", stat.S_IFDIR | 0o755, 0, 0)
+    meta.create(sub.ino, b"deeper", stat.S_IFDIR | 0o755, 0, 0)
+    f = meta.create(d.ino, b"w", stat.S_IFREG | 0o644, 0, 0)
+    meta.link(f.ino, sub.ino, b"w2")  # two names in the tree
+    g = meta.create(d.ino, b"g", stat.S_IFREG | 0o644, 0, 0)
+    meta.link(g.ino, ROOT_INO, b"outside")  # one name in the tree, one outside
+    snap, files = meta.snapshot_begin(d.ino, b"s")
+    root = meta.getattr(snap.root)
+    names = dict(meta.readdir(snap.root))
+    assert root.nlink == 3  # ".", its name, "sub"
+    assert names[b"sub"].nlink == 3  # ".", its name, "deeper"
+    assert names[b"w"].nlink == 2 and names[b"g"].nlink == 1
+    assert dict(meta.readdir(names[b"sub"].ino))[b"w2"].ino == names[b"w"].ino  # one copy per inode
+    assert sorted(src.ino for src, _ in files) == sorted([f.ino, g.ino])

@@ -167,9 +167,13 @@ class SqlSnap:
         top = self._get(c, src)
         copies = {src: self._copy_inode(c, src, snap_id)}  # hard links: one copy per inode
         c.execute("INSERT INTO dentries VALUES (?,?,?)", (parent, name, copies[src]))
+        # link counts as the copy has them: a file's, its names in the copy; a directory's,
+        # 2 and one per subdirectory
+        links: dict[int, int] = {copies[src]: 2 if top.is_dir else 1}
         files: list[tuple[Inode, int]] = [] if top.is_dir else [(top, copies[src])]
         todo = [src] if top.is_dir and children else []
         cols = ", ".join("i." + x.strip() for x in COLS.split(","))
+        names: list[tuple[int, bytes, int]] = []
         while todo:
             at = todo.pop()
             for r in c.execute(f"SELECT d.name, {cols} FROM dentries d JOIN inodes i ON i.ino = d.ino"
@@ -180,19 +184,17 @@ class SqlSnap:
                 new = copies.get(child.ino)
                 if new is None:
                     new = copies[child.ino] = self._copy_inode(c, child.ino, snap_id)
+                    links[new] = 2 if child.is_dir else 0
                     if child.is_dir:
                         todo.append(child.ino)
+                        links[copies[at]] += 1
                     elif stat.S_ISREG(child.mode):
                         files.append((child, new))
-                c.execute("INSERT INTO dentries VALUES (?,?,?)", (copies[at], bytes(r[0]), new))
-        for new in copies.values():  # link counts as the copy has them
-            if stat.S_ISDIR(self._get(c, new).mode):
-                sub = c.execute("SELECT COUNT(*) FROM dentries d JOIN inodes i ON i.ino = d.ino WHERE d.parent=?"
-                                " AND i.mode >= ? AND i.mode < ?", (new, stat.S_IFDIR, stat.S_IFDIR + 0o10000)).fetchone()[0]
-                c.execute("UPDATE inodes SET nlink=? WHERE ino=?", (2 + int(sub), new))
-            else:
-                n = c.execute("SELECT COUNT(*) FROM dentries WHERE ino=?", (new,)).fetchone()[0]
-                c.execute("UPDATE inodes SET nlink=? WHERE ino=?", (int(n), new))
+                if not child.is_dir:
+                    links[new] += 1
+                names.append((copies[at], bytes(r[0]), new))
+        c.executemany("INSERT INTO dentries VALUES (?,?,?)", names)
+        c.executemany("UPDATE inodes SET nlink=? WHERE ino=?", [(n, ino) for ino, n in links.items()])
         return copies[src], files
 
     def clone_tree(self, src: int, parent: int, name: bytes) -> tuple[Inode, list[tuple[Inode, int]]]:
