@@ -43,7 +43,7 @@ PAGE = 4096
 MAX_CHUNK_SIZE = 256 << 20
 #: Seconds a freed extent of a shard with a data directory keeps its pages before it is
 #: zeroed (punched out of the region file) if no chunk took it meanwhile (:meth:`Shard.trim`).
-TRIM_DELAY_S = 10.0
+TRIM_DELAY_S = 60.0
 
 
 class Region:
@@ -165,6 +165,9 @@ class _Allocator:
 class Chunk:
     offset: int  # in the region, bytes
     size: int  # bytes
+    #: A client was told where it is (LOCATE: the verbs transport's one-sided READs and
+    #: WRITEs): it never moves while shared (see :meth:`Shard._redirect`).
+    located: bool = False
 
     @property
     def slot(self) -> int:
@@ -432,6 +435,8 @@ class Shard:
             self.versions[state.slot] = version  # the state's version follows its chunk's
             return version
         chunk = self._get_or_create(file_id, chunk_index, chunk_size, existing)
+        if chunk.offset in self._sharers and self._redirect((file_id, chunk_index), chunk, offset, n, kind, data):
+            return self._bump(chunk)
         self._unshare((file_id, chunk_index))
         start = chunk.offset + offset
         if kind == UpdateOp.ASSIGN:
@@ -641,6 +646,59 @@ class Shard:
             self._by_file.setdefault(f, set()).add(i)
         return len(made)
 
+    def _redirect(self, key: ChunkKey, chunk: Chunk, offset: int, n: int, kind: UpdateOp,
+                  data: memoryview | bytes) -> bool:
+        """Copy-on-write by redirection: the update of a shared chunk is written into a new
+        extent (the old bytes with the update applied, one pass: ``add`` reads the old floats and
+        the delta and writes the sum there), and the writer's key moves to it; the snapshot's
+        keys keep the old extent untouched. Half the memory traffic of copying first and
+        updating in place (:meth:`_unshare`), and crash-safe by order: the new extent is
+        written before the chunk index moves the key to it.
+
+        Only for the extent's owner (the live file) and a chunk no client was told the place of
+        (never LOCATEd: a verbs client may have cached it); returns False, having changed
+        nothing, when it does not apply (the caller copies with :meth:`_unshare`).
+
+        Raises:
+            NoSpace: no free extent; nothing changed.
+        """
+        keys = self._sharers[chunk.offset]
+        if key != keys[0] or chunk.located:
+            return False
+        to = self._alloc.alloc(chunk.size)
+        if to is None:
+            raise NoSpace(f"shard {self.shard_id} is full: {self.used} of {self.capacity} bytes used, no room to"
+                          f" copy a {chunk.size}-byte chunk a snapshot shares (delete a snapshot or add a shard)")
+        old, size = chunk.offset, chunk.size
+        view = self.region.view
+        src, dst = view[old : old + size], view[to : to + size]
+        if offset:
+            dst[:offset] = src[:offset]
+        if offset + n < size:
+            dst[offset + n :] = src[offset + n :]
+        if kind == UpdateOp.ASSIGN:
+            dst[offset : offset + n] = data
+        else:
+            np.add(np.frombuffer(src[offset : offset + n], dtype="<f4"), np.frombuffer(data, dtype="<f4"),
+                   out=np.frombuffer(dst[offset : offset + n], dtype="<f4"))
+        self.versions[to // PAGE] = self.versions[chunk.slot]
+        self.used += size
+        if self.store is not None:
+            try:
+                self.store.move_chunks([key], to, size)
+            except BaseException:
+                self._alloc.free(to, size)
+                self.used -= size
+                raise
+        rest = keys[1:]
+        if len(rest) > 1:
+            self._sharers[old] = rest
+        else:
+            del self._sharers[old]
+        chunk.offset = to
+        self.copies += 1
+        return True
+
     def _unshare(self, key: ChunkKey) -> None:
         """Copy-on-write before ``key``'s chunk changes, when its extent is shared: the extent's
         owner stays where it is and the others move to a copy of it (bytes and version), so the
@@ -666,7 +724,7 @@ class Shard:
         self.versions[to // PAGE] = self.versions[chunk.slot]
         self.used += chunk.size
         if self.store is not None:
-            self.store.record_chunks([(f, i, to, chunk.size) for f, i in movers])
+            self.store.move_chunks(movers, to, chunk.size)
         stay = [k for k in keys if k not in movers]
         if len(stay) > 1:
             self._sharers[chunk.offset] = stay
@@ -730,9 +788,11 @@ class Shard:
         Raises:
             BadRequest, NoSpace: as :meth:`write`.
         """
-        if create_size:
-            return self._get_or_create(file_id, chunk_index, create_size)
-        return self._chunks.get((file_id, chunk_index))
+        chunk = self._get_or_create(file_id, chunk_index, create_size) if create_size else \
+            self._chunks.get((file_id, chunk_index))
+        if chunk is not None:
+            chunk.located = True
+        return chunk
 
     def commit_in_place(self, file_id: int, chunk_index: int, region_offset: int, offset: int, length: int) -> int:
         """Account for an assign whose bytes a client wrote into the chunk by RDMA WRITE.

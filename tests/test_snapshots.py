@@ -260,6 +260,48 @@ def test_shard_copy_on_write_rules(tmp_path: str) -> None:
     st.close()
 
 
+def test_shard_redirect_on_write_of_a_chunk_no_client_located(tmp_path: str) -> None:
+    """A chunk no client was told the place of (TCP clients never are) is not copied before its
+    first write after a snapshot: the update is written into a new extent, the live key moves
+    there, the snapshot keeps the old extent untouched; reloaded the same from the directory."""
+    from irdma.server.shard import Region, Shard
+    from irdma.server.store import ShardStore
+
+    from irdma.wire.protocol import UpdateOp
+
+    def open_shard() -> tuple[ShardStore, Shard]:
+        st = ShardStore(str(tmp_path), 1, 1 << 24)
+        return st, Shard(1, Region(st.capacity, memoryview(st.region)), memoryview(st.versions), st)
+
+    def floats(sh: Shard, f: int, i: int) -> np.ndarray:
+        return np.frombuffer(bytes(sh.read(f, i, 0, CHUNK)[1]), "<f4")  # type: ignore[arg-type]
+
+    st, sh = open_shard()
+    base = np.arange(CHUNK // 4, dtype="<f4")
+    sh.write(7, 0, CHUNK, 0, UpdateOp.ASSIGN, base.tobytes())
+    sh.write(7, 1, CHUNK, 0, UpdateOp.ASSIGN, base.tobytes())
+    sh.clone(7, 100)
+    where = sh._chunks[(7, 0)].offset
+    sh.write(7, 0, CHUNK, 8, UpdateOp.ADD, np.ones(4, "<f4").tobytes())  # elements 2..5
+    assert sh._chunks[(7, 0)].offset != where and sh._chunks[(100, 0)].offset == where  # the writer moved
+    want = base.copy()
+    want[2:6] += 1
+    assert np.array_equal(floats(sh, 7, 0), want) and np.array_equal(floats(sh, 100, 0), base)
+    assert sh.version_of(7, 0) == 2 and sh.version_of(100, 0) == 1 and sh.copies == 1
+    sh.write(7, 1, CHUNK, 4, UpdateOp.ASSIGN, np.full(2, 9, "<f4").tobytes())  # assign redirects too
+    assert floats(sh, 7, 1)[1:4].tolist() == [9.0, 9.0, 3.0] and np.array_equal(floats(sh, 100, 1), base)
+    sh.write(7, 0, CHUNK, 0, UpdateOp.ADD, np.ones(CHUNK // 4, "<f4").tobytes())  # not shared now: in place
+    assert sh.copies == 2
+    st.close()
+    st, sh = open_shard()
+    assert np.array_equal(floats(sh, 7, 0), want + 1) and np.array_equal(floats(sh, 100, 0), base)
+    assert np.array_equal(floats(sh, 100, 1), base) and floats(sh, 7, 1)[1] == 9.0
+    sh.free(100, 0)
+    sh.free(7, 0)
+    assert sh.used == 0
+    st.close()
+
+
 def test_restore_and_clone(cl: Cluster) -> None:
     """``restore`` makes a directory (entries swapped at once, its snapshots kept) or a file
     what the snapshot holds; ``clone`` is a writable copy whose writes change neither the

@@ -69,8 +69,10 @@ log = logging.getLogger("irdma.client")
 FREEZE_LEASE_S = 5.0
 #: Seconds a snapshot waits for the last parts of a push its freeze split (:func:`_whole_pushes`).
 ADMIT_WAIT_S = 2.0
-#: Milliseconds a shard waits for a held part on one ADMIT before it answers.
-ADMIT_POLL_MS = 50
+#: Milliseconds a shard waits for a held part on one ADMIT before it answers (every shard is
+#: asked, and one that holds no part of the pushes waits this long: a push's parts are sent at
+#: once, so a missing one is a few milliseconds away).
+ADMIT_POLL_MS = 5
 
 
 @dataclass
@@ -251,14 +253,13 @@ async def _cut(client: Client, snap: Snapshot, files: Sequence[tuple[Inode, int]
                     if sid in want and sid != joining:
                         want[sid].append((fid, idx, v))
                         cloned.append((fid, copies[fid], idx, sid))
-            # sizes at the cut (the metadata copy was made before the freeze)
-            await client.meta.snapshot_sizes(snap.id, [(f.ino, copy) for f, copy in files])
-
             async def clone(sid: int) -> None:
                 with trio.fail_after(client.timeout):
                     await conns[sid].clone(token, by_shard[sid], want[sid])
 
             async with open_nursery() as nursery:
+                # sizes at the cut (the metadata copy was made before the freeze), while the shards clone
+                nursery.start_soon(client.meta.snapshot_sizes, snap.id, [(f.ino, copy) for f, copy in files])
                 for sid in shards:
                     nursery.start_soon(clone, sid)
         finally:  # every shard keeps its freeze until every clone is made (dispatch.Dispatcher._cloned)
