@@ -213,6 +213,8 @@ class Dispatcher:
             if not held.done.is_set():  # never applied: the connection went away
                 held.gone = True
                 self.metrics.end(held.t0, _op_of(held.msg), held.transport, "cancelled")
+            else:  # applied; its answer will not be awaited (a forward goes on in the replicator)
+                _close(held.result)
             raise
         result = held.result
         while isinstance(result, ThreadWork):
@@ -313,7 +315,7 @@ class Dispatcher:
         if msg.token == 0:  # a clone of read-only files (a snapshot's): no cut to wait for
             if msg.expect or any(d in {s for s, _ in msg.pairs} or shard.has_file(d) for _, d in msg.pairs):
                 raise BadRequest("a clone without a freeze names versions, or a file id in use on this shard")
-            return sum(shard.clone(s, d) for s, d in msg.pairs)
+            return shard.clone_files(msg.pairs)
         self._expire()
         cut = self._freezes.get(msg.token)
         if cut is None:
@@ -340,7 +342,7 @@ class Dispatcher:
                 raise BadRequest(f"shard {shard.shard_id} did not reach the cut's versions of {behind} chunks"
                                  " within the freeze's lease: take the snapshot again")
             await trio.sleep(0.001)
-        return sum(shard.clone(s, d) for s, d in msg.pairs)
+        return shard.clone_files(msg.pairs)
 
     def _handle(self, msg: P.Request, staging: memoryview | None, t0: float,
                 transport: str, zero_copy: bool = False) -> P.Reply | Awaitable[P.Reply] | ThreadWork:
@@ -636,6 +638,13 @@ class _PushParts:
 
 #: The requests that may carry a push part.
 _PARTED = (P.Write, P.RemoteWrite, P.Scatter)
+
+
+def _close(result: object) -> None:
+    """Drop a reply that will not be awaited: a ThreadWork gives back what it reserved; a
+    coroutine is closed (no "never awaited" warning)."""
+    if isinstance(result, ThreadWork) or inspect.iscoroutine(result):
+        result.close()
 
 
 def _push_of(msg: P.Request) -> int:

@@ -635,15 +635,32 @@ class Shard:
         Raises:
             BadRequest: ``dst_file`` already has chunks here, or is ``src_file``. Nothing changed.
         """
-        if dst_file == src_file or dst_file in self._by_file:
-            raise BadRequest(f"file {dst_file} already has chunks on shard {self.shard_id}: a clone needs a new file id")
-        made = [(dst_file, i, self._chunks[(src_file, i)]) for i in sorted(self._by_file.get(src_file, ()))]
+        return self.clone_files([(src_file, dst_file)])
+
+    def clone_files(self, pairs: Sequence[tuple[int, int]]) -> int:
+        """:meth:`clone` of each ``(source, clone)`` pair, with one chunk-index transaction for
+        them all (a snapshot's CLONE names every file of its tree). Returns the chunk keys made.
+
+        Raises:
+            BadRequest: a clone's file id already has chunks here, is a source, or comes twice.
+                Nothing changed.
+        """
+        dsts = [d for _, d in pairs]
+        srcs = {s for s, _ in pairs}
+        for src_file, dst_file in pairs:
+            if dst_file == src_file or dst_file in self._by_file or dst_file in srcs:
+                raise BadRequest(f"file {dst_file} already has chunks on shard {self.shard_id}: a clone needs a new"
+                                 " file id")
+        if len(set(dsts)) != len(dsts):
+            raise BadRequest("a clone names the same new file id twice")
+        made = [(src_file, dst_file, i, self._chunks[(src_file, i)]) for src_file, dst_file in pairs
+                for i in sorted(self._by_file.get(src_file, ()))]
         if self.store is not None and made:
-            self.store.record_chunks([(f, i, c.offset, c.size) for f, i, c in made])
-        for f, i, c in made:
-            self._chunks[(f, i)] = Chunk(c.offset, c.size)
-            self._sharers.setdefault(c.offset, [(src_file, i)]).append((f, i))
-            self._by_file.setdefault(f, set()).add(i)
+            self.store.record_chunks([(d, i, c.offset, c.size) for _, d, i, c in made])
+        for src_file, d, i, c in made:
+            self._chunks[(d, i)] = Chunk(c.offset, c.size)
+            self._sharers.setdefault(c.offset, [(src_file, i)]).append((d, i))
+            self._by_file.setdefault(d, set()).add(i)
         return len(made)
 
     def _redirect(self, key: ChunkKey, chunk: Chunk, offset: int, n: int, kind: UpdateOp,
