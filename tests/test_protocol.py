@@ -47,6 +47,7 @@ REQUESTS = [
               chain=P.Chain(8, 1, 0, 10, (), P.Part(13, 2, 3))),
     P.Admit(99, 50, (12, 13, 2**64 - 1)),
     P.FreeFiles((7, 9, 2**64 - 1)),
+    P.Usage((7, 9)),
     P.Freeze(99, 5000, (7, 9)),
     # authentication: an offer (cluster id and nonce) and a proof
     P.Hello(4, 4, "worker-1", bytes(range(48))),

@@ -1173,34 +1173,24 @@ def _dec_admit(body: memoryview, flags: int) -> Admit:
     return Admit(token, wait, tuple(int(i) for i in np.frombuffer(body[_ADMIT.size :], dtype=">u8").tolist()))
 
 
-def _enc_free_files(msg: FreeFiles) -> tuple[_Parts, int]:
-    if len(msg.file_ids) > MAX_SNAPSHOT_FILES:
-        raise LocalProtocolError(f"FREE_FILES of {len(msg.file_ids)} files: at most {MAX_SNAPSHOT_FILES}")
-    return [_LIST_R.pack(len(msg.file_ids)), np.asarray(msg.file_ids, dtype=">u8").tobytes()], 0
+def _file_list(cls: type[_M], what: str) -> tuple[Callable[[Any], tuple[_Parts, int]], Callable[[memoryview, int], _M]]:
+    """The codec of a request that is only a list of file ids (``file_ids``: u32 count, then
+    u64 ids), at most :data:`MAX_SNAPSHOT_FILES`."""
 
+    def encode(msg: Any) -> tuple[_Parts, int]:
+        if len(msg.file_ids) > MAX_SNAPSHOT_FILES:
+            raise LocalProtocolError(f"{what} of {len(msg.file_ids)} files: at most {MAX_SNAPSHOT_FILES}")
+        return [_LIST_R.pack(len(msg.file_ids)), np.asarray(msg.file_ids, dtype=">u8").tobytes()], 0
 
-def _dec_free_files(body: memoryview, flags: int) -> FreeFiles:
-    _need(body, _LIST_R.size, "FREE_FILES")
-    (n,) = _LIST_R.unpack_from(body)
-    if n > MAX_SNAPSHOT_FILES:
-        raise RemoteProtocolError(f"FREE_FILES of {n} files: at most {MAX_SNAPSHOT_FILES}")
-    _exact(body, _LIST_R.size + 8 * n, "FREE_FILES")
-    return FreeFiles(tuple(int(i) for i in np.frombuffer(body[_LIST_R.size :], dtype=">u8").tolist()))
+    def decode(body: memoryview, flags: int) -> _M:
+        _need(body, _LIST_R.size, what)
+        (n,) = _LIST_R.unpack_from(body)
+        if n > MAX_SNAPSHOT_FILES:
+            raise RemoteProtocolError(f"{what} of {n} files: at most {MAX_SNAPSHOT_FILES}")
+        _exact(body, _LIST_R.size + 8 * n, what)
+        return cls(tuple(int(i) for i in np.frombuffer(body[_LIST_R.size :], dtype=">u8").tolist()))  # type: ignore[call-arg]
 
-
-def _enc_usage(msg: Usage) -> tuple[_Parts, int]:
-    if len(msg.file_ids) > MAX_SNAPSHOT_FILES:
-        raise LocalProtocolError(f"USAGE of {len(msg.file_ids)} files: at most {MAX_SNAPSHOT_FILES}")
-    return [_LIST_R.pack(len(msg.file_ids)), np.asarray(msg.file_ids, dtype=">u8").tobytes()], 0
-
-
-def _dec_usage(body: memoryview, flags: int) -> Usage:
-    _need(body, _LIST_R.size, "USAGE")
-    (n,) = _LIST_R.unpack_from(body)
-    if n > MAX_SNAPSHOT_FILES:
-        raise RemoteProtocolError(f"USAGE of {n} files: at most {MAX_SNAPSHOT_FILES}")
-    _exact(body, _LIST_R.size + 8 * n, "USAGE")
-    return Usage(tuple(int(i) for i in np.frombuffer(body[_LIST_R.size :], dtype=">u8").tolist()))
+    return encode, decode
 
 
 def _rep_usage(body: memoryview, flags: int) -> UsageReply:
@@ -1278,9 +1268,9 @@ MESSAGES: dict[Opcode, Message] = {m.opcode: m for m in (
     Message(Opcode.FREEZE, Freeze, _enc_freeze, _dec_freeze, _rep_freeze),
     Message(Opcode.CLONE, Clone, _enc_clone, _dec_clone, _rep_free),
     Message(Opcode.THAW, Thaw, *_THAW_CODEC, _version_reply("THAW reply")),
-    Message(Opcode.USAGE, Usage, _enc_usage, _dec_usage, _rep_usage),
+    Message(Opcode.USAGE, Usage, *_file_list(Usage, "USAGE"), _rep_usage),
     Message(Opcode.ADMIT, Admit, _enc_admit, _dec_admit, _rep_freeze),
-    Message(Opcode.FREE_FILES, FreeFiles, _enc_free_files, _dec_free_files, _rep_free),
+    Message(Opcode.FREE_FILES, FreeFiles, *_file_list(FreeFiles, "FREE_FILES"), _rep_free),
 )}
 _BY_TYPE: dict[type, Message] = {m.request: m for m in MESSAGES.values()}
 _REQUEST_OPCODE: dict[type, Opcode] = {m.request: m.opcode for m in MESSAGES.values()}
