@@ -9,7 +9,9 @@ workers wait on a barrier file before they start, so their rounds overlap.
     python benchmarks/workers.py irdma-mount-unified MOUNTDIR SHAPES ROUNDS RANK START_FILE
     python benchmarks/workers.py redis PORT,PORT SHAPES ROUNDS RANK START_FILE
 
-Prints one JSON line: {"round_s": seconds per round, "bytes": bytes moved per round}.
+Prints one JSON line: {"round_s": seconds per round, "bytes": bytes moved per round}; the
+native workers add "rounds_s", each timed round's seconds in order (a caller may leave out the
+first ones: :mod:`benchmarks.snapshots` measures the steady state).
 """
 
 from __future__ import annotations
@@ -33,14 +35,21 @@ def _wait_for(path: str, timeout: float = 120.0) -> None:
         time.sleep(0.001)
 
 
+#: Each timed round's seconds, in order, of the last :func:`_timed_async` (printed as "rounds_s").
+ROUNDS_S: list[float] = []
+
+
 async def _timed_async(one_round: Callable[[], Awaitable[None]], rounds: int, start: str) -> float:
     """Seconds per round: one warm-up round, untimed (as every system here gets), then the
-    start barrier, then ``rounds`` timed rounds."""
+    start barrier, then ``rounds`` timed rounds (each one's seconds in :data:`ROUNDS_S`)."""
     await one_round()
     _wait_for(start)
+    ROUNDS_S.clear()
     t0 = time.perf_counter()
     for _ in range(rounds):
+        t = time.perf_counter()
         await one_round()
+        ROUNDS_S.append(time.perf_counter() - t)
     return (time.perf_counter() - t0) / rounds
 
 
@@ -214,7 +223,10 @@ def main() -> None:
           "irdma-mount-unified": irdma_mount_unified, "redis": redis_peer}[kind]
     secs = fn(target, shapes, int(rounds), start)
     nbytes = 2 * 4 * sum(int(np.prod(s)) for s in shapes)
-    print(json.dumps({"rank": int(rank), "round_s": secs, "bytes": nbytes}), flush=True)
+    out: dict[str, object] = {"rank": int(rank), "round_s": secs, "bytes": nbytes}
+    if ROUNDS_S:
+        out["rounds_s"] = ROUNDS_S
+    print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -186,6 +186,32 @@ def test_snapshot_with_a_shard_already_dead_fails_cleanly_then_a_retry_is_exact(
     trio.run(retry)
 
 
+def test_a_client_keeps_its_snapshot_connections_and_opens_them_again_after_a_restart(cl: Cluster) -> None:
+    """One client's snapshots share its snapshot connections (one per shard, opened once), and
+    when a shard is SIGKILLed and restarted in between, that client's next snapshot opens a new
+    one to it and is exact, as are the ones before."""
+    w = _model()
+
+    async def go() -> None:
+        async with _open(cl) as c:
+            await c.write("/w", w, chunk_size=CHUNK)
+            await c.snapshot("/", "s1")
+            first = dict(c.pool.snapshot_conns)
+            assert sorted(first) == [1, 2]
+            await c.push("/w", np.ones(N, "<f4"))
+            await c.snapshot("/", "s2")
+            assert all(c.pool.snapshot_conns[sid] is conn for sid, conn in first.items())  # not opened again
+            await _akill(cl, 2)
+            await trio.to_thread.run_sync(_restart, cl)
+            await c.push("/w", np.ones(N, "<f4"))
+            await c.snapshot("/", "s3")
+            assert c.pool.snapshot_conns[2] is not first[2] and c.pool.snapshot_conns[1] is first[1]
+            await _exact(c, {"/w": w + 2, "/.snapshots/s1/w": w, "/.snapshots/s2/w": w + 1, "/.snapshots/s3/w": w + 2})
+            await _clean(c, ["s1", "s2", "s3"])
+
+    trio.run(go)
+
+
 _REAL_CONTROL = snapshots_mod._control
 
 

@@ -80,6 +80,10 @@ class ShardPool:
         # requests on the fast path of run: no cancel scope each, one watchdog for all
         self.deadlines: set[_Deadline] = set()
         self._watchdog = False
+        # snapshot connections (FREEZE, ADMIT, CLONE, THAW): TCP, one per shard, kept
+        # open across snapshots (:meth:`snapshot_connection`)
+        self.snapshot_conns: dict[int, ShardConnection] = {}
+        self._snapshot_transport: Transport | None = None
 
     @property
     def timeout(self) -> float:
@@ -89,7 +93,8 @@ class ShardPool:
     async def aclose(self) -> None:
         """Close every shard connection. Safe to call twice."""
         conns, self.conns = self.conns, {}
-        for conn in conns.values():
+        snaps, self.snapshot_conns = self.snapshot_conns, {}
+        for conn in [*conns.values(), *snaps.values()]:
             with trio.CancelScope(shield=True):
                 await conn.aclose()
 
@@ -141,6 +146,48 @@ class ShardPool:
                 self.pull_limits[shard_id] = comm.PriorityWindow(self.window, max_wait=self.timeout / 4)
                 await self.owner._note_health(shard_id, "up")
         return conn
+
+    async def snapshot_connection(self, shard_id: int) -> ShardConnection:
+        """This client's snapshot connection to shard ``shard_id`` (FREEZE, ADMIT,
+        CLONE, THAW; :mod:`irdma.client.snapshots`): TCP whatever the data transport, apart
+        from the data connection (there a freeze's requests would queue behind this client's own
+        pushes that the freeze holds, and the freeze would outlive its lease). Opened on first
+        use and kept open, so a snapshot every second does not pay a connect and a handshake
+        per shard each time; opened again once broken or dropped (:meth:`drop_snapshot_connection`).
+
+        Raises:
+            ShardUnavailable: the shard is not in the shard map or does not answer in time.
+        """
+        conn = self.snapshot_conns.get(shard_id)
+        if conn is not None and not conn.broken:
+            return conn
+        lock = self.connect_locks.setdefault(-1 - shard_id, trio.Lock())  # negative: apart from the data lock
+        async with lock:
+            conn = self.snapshot_conns.get(shard_id)
+            if conn is not None and conn.broken:
+                await self.drop_snapshot_connection(shard_id)
+                conn = None
+            if conn is None:
+                rec = self.owner._shard_map.get(shard_id)
+                if rec is None:
+                    raise ShardUnavailable(f"shard {shard_id} is not in the shard map of {self.owner.meta.url}")
+                if self._snapshot_transport is None:
+                    from ..transport import make_transport
+
+                    self._snapshot_transport = make_transport("tcp")
+                conn = await self._snapshot_transport.connect(
+                    rec.address, self.nursery, client_name=f"{self.name} (snapshot)",
+                    key=self.keys.ring() if self.keys is not None else None, timeout=self.timeout)
+                self.snapshot_conns[shard_id] = conn
+        return conn
+
+    async def drop_snapshot_connection(self, shard_id: int) -> None:
+        """Close the snapshot connection to ``shard_id`` (a snapshot that failed on it: its
+        requests may be half done); the next :meth:`snapshot_connection` opens a new one."""
+        conn = self.snapshot_conns.pop(shard_id, None)
+        if conn is not None:
+            with trio.CancelScope(shield=True):
+                await conn.aclose()
 
     async def _check_incarnation(self, rec: ShardRecord, conn: ShardConnection) -> None:
         new = conn.info.incarnation

@@ -49,7 +49,7 @@ import os
 import stat
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import trio
 
@@ -169,31 +169,24 @@ async def create_at(client: Client, ino: int, name: bytes, *, keep: int | None =
 
 @contextlib.asynccontextmanager
 async def _control(client: Client, shards: Sequence[int]) -> AsyncIterator[dict[int, ShardConnection]]:
-    """A TCP connection of its own to each shard for FREEZE, CLONE and THAW: on the client's
-    pooled connection they would queue behind this client's own pushes that the freeze holds
-    (a connection's requests are applied in order), and the freeze would outlive its lease."""
-    from ..transport import make_transport
-
-    transport = make_transport("tcp")
-    keys = client.pool.keys
+    """The client's snapshot connection to each shard for FREEZE, CLONE and THAW
+    (:meth:`irdma.client.pool.ShardPool.snapshot_connection`: kept open across snapshots). A snapshot that
+    fails closes them (a request of it may be half done on one); the next opens new ones."""
     conns: dict[int, ShardConnection] = {}
-    async with open_nursery() as nursery:
-        try:
-            async def connect(sid: int) -> None:
-                rec = client._shard_map[sid]
-                conns[sid] = await transport.connect(rec.address, nursery, client_name=f"{client.pool.name} (snapshot)",
-                                                     key=keys.ring() if keys is not None else None,
-                                                     timeout=client.timeout)
 
-            async with open_nursery() as connecting:
-                for sid in shards:
-                    connecting.start_soon(connect, sid)
-            yield conns
-        finally:
-            with trio.CancelScope(shield=True):
-                for conn in conns.values():
-                    await conn.aclose()
-            nursery.cancel_scope.cancel()
+    async def connect(sid: int) -> None:
+        conns[sid] = await client.pool.snapshot_connection(sid)
+
+    try:
+        async with open_nursery() as connecting:
+            for sid in shards:
+                connecting.start_soon(connect, sid)
+        yield conns
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            for sid in shards:
+                await client.pool.drop_snapshot_connection(sid)
+        raise
 
 
 async def _cut(client: Client, snap: Snapshot, files: Sequence[tuple[Inode, int]]) -> list[tuple[int, int, int, int]]:
@@ -461,15 +454,21 @@ async def _info(client: Client, dir_path: str, snap: Snapshot) -> SnapshotInfo:
         if f.stripe:
             for sid in _serving(client, layout_of(f)):
                 by_shard.setdefault(sid, []).append(f.ino)
-    alone = shared = 0
-    for sid, inos in sorted(by_shard.items()):
+    held: dict[int, tuple[int, int]] = {}  # shard: (bytes alone, bytes shared)
+
+    async def usage(sid: int, inos: list[int]) -> None:
         try:
-            for _, a, s in await client._conn_call(sid, "usage", inos):  # type: ignore[attr-defined]
-                alone, shared = alone + a, shared + s
+            entries = cast("list[tuple[int, int, int]]", await client._conn_call(sid, "usage", inos))
+            held[sid] = (sum(a for _, a, _ in entries), sum(s for _, _, s in entries))
         except IrdmaError as exc:
             log.warning("snapshot %s: shard %d did not say what it holds: %s", snap.name.decode(errors="replace"), sid, exc)
-            alone = shared = -1
-            break
+
+    async with trio.open_nursery() as nursery:  # every shard at once
+        for sid, inos in sorted(by_shard.items()):
+            nursery.start_soon(usage, sid, inos)
+    alone = shared = -1
+    if len(held) == len(by_shard):
+        alone, shared = sum(a for a, _ in held.values()), sum(s for _, s in held.values())
     return SnapshotInfo(snap.name.decode(errors="replace"), f"{base}/.snapshots/{snap.name.decode(errors='replace')}",
                         snap.created_ns, len(files), sum(f.size for f in files if stat.S_ISREG(f.mode)), snap.state,
                         alone, shared)
