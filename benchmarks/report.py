@@ -120,7 +120,8 @@ def targets(R: dict[str, Any]) -> list[dict[str, Any]]:
         add("snapshot every second while 2 workers train, step time over none", st["ratio"],
             "the same training, no snapshots", SNAPSHOT_STEP_WANTED,
             f"{st['round_s_every_1s'] * 1e3:.0f} vs {st['round_s_none'] * 1e3:.0f} ms"
-            + (f" from {st['settle_s']:.0f} s on ({st['ratio_all_rounds']:.2f}x over every round)" if "settle_s" in st else "")
+            + (f" from {st['settle_s']:.0f} s into a phase on ({st['ratio_all_rounds']:.2f}x over every round)"
+               if "settle_s" in st else "")
             + f" ({st['snapshots_taken']} taken, {st.get('snapshots_failed', 0)} refused)", lower_is_better=True)
         bh = sn["bytes_held"]
         add(f"snapshots: shard bytes after {bh['snapshots']}, {bh['f']:.0%} rewritten after each, over (1 + N f) x"
@@ -156,12 +157,15 @@ def _snapshots_section(sn: dict[str, Any], date: str | None) -> list[str]:
         if st.get("delete_s_median") is not None else ""
     L += ["", f"Training: 2 worker processes, each round a push (`add`) into each of the {sn['tensors']} tensors then a"
           " pull of each (native client, `benchmarks/workers.py irdma-native`), with a snapshot of the directory every"
-          f" second (the oldest deleted beyond 2) against none; {st['rounds']} rounds a run, the two alternating,"
-          f" {len(st['runs']['none'])} runs each, means: {st['round_s_every_1s'] * 1e3:.0f} ms a round against"
+          f" second (the oldest deleted beyond 2) against none, in one run of {st['rounds']} rounds with phases of"
+          f" {st.get('phase_s', 8):.0f} s of each alternating ({st.get('phases', 0)} phases; the machine drifts as much"
+          f" as the effect between runs); means: {st['round_s_every_1s'] * 1e3:.0f} ms a round against"
           f" {st['round_s_none'] * 1e3:.0f} ms ({st['ratio']:.2f}x)"
-          + (f", the rounds that start {st['settle_s']:.0f} s or more after the first snapshot (the steady state; over"
-             f" every round, the first snapshots' too: {st['ratio_all_rounds']:.2f}x; until the third snapshot the"
-             " copy-on-write copies fault in memory the shards never touched before)" if "settle_s" in st else "")
+          + (f", the rounds that start {st['settle_s']:.0f} s or more into their phase (the steady state:"
+             f" {st['rounds_steady']['every_1s']} and {st['rounds_steady']['none']} rounds; over every round:"
+             f" {st['ratio_all_rounds']:.2f}x: a phase's first snapshots copy onto memory the shards have not"
+             " touched lately, and a phase without starts with the copy-on-write of the last one)"
+             if "rounds_steady" in st else "")
           + f". Snapshots made: {st['snapshots_taken']}"
           f" ({took}{dele}); refused: {st.get('snapshots_failed', 0)}"
           + (f" (first: {st['failures'][0]})" if st.get("failures") else "") + ".",

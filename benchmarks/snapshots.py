@@ -15,17 +15,20 @@ One cluster of 2 shards with 2 replicas (each shard holds a copy of every chunk)
    here); the tensors are copied with ``cp -r`` (1 run: 320 files, each created and flushed).
 2. **Step time** of 2 worker processes training on the tensors (``benchmarks/workers.py
    irdma-native``: each round pushes a gradient into every tensor, update op ``add``, then pulls
-   every tensor, through the native client) while a thread takes a snapshot of the directory
+   every tensor, through the native client) in one run of 150 rounds, while a thread of this
+   process alternates phases of 8 s: none, then one where it takes a snapshot of the directory
    every second (the next at once when one takes longer) and deletes the oldest beyond 2 (as
-   ``tf.train.CheckpointManager(max_to_keep=2)``), against the same training with none; the two
-   alternate 3 times (the machine drifts), 14 rounds a run, each figure the mean of its runs. The
-   target figure is the steady state, as a long training run sees it: the rounds that start
-   :data:`SETTLE_S` seconds or more after the first snapshot, in both kinds of run (until then
-   the copy-on-write copies take memory the shards never touched before, and the kernel, here
-   the hypervisor too, faults its pages in: 38 to 210 ms per 100 MB here, against 9 ms to
-   rewrite touched memory; from the third snapshot on, the copies take the extents the deleted
-   snapshots freed). The ratio over every round, first snapshots included, is given beside it.
-   A snapshot refused ("take the snapshot again") is counted and its messages kept, not retried.
+   ``tf.train.CheckpointManager(max_to_keep=2)``), and so on. Each round counts for the phase
+   it started in (both workers' rounds; the workers log each round's start and end on the
+   machine's monotonic clock). Alternating within one run cancels the machine's drift, which
+   between runs here is as large as the effect (+-15%). The target figure is the steady state,
+   as a long training run sees it: the rounds that start :data:`SETTLE_S` seconds or more into
+   their phase and end in it (the first snapshots of a phase copy onto memory the shards have
+   not touched lately, and the kernel, here the hypervisor too, faults its pages in: 38 to
+   210 ms per 100 MB here, against 9 ms to rewrite touched memory; a phase without snapshots
+   starts with the copy-on-write of the last one). The ratio over every round is given beside
+   it. A snapshot refused ("take the snapshot again") is counted and its messages kept, not
+   retried.
 3. **Bytes held** after N snapshots of the 1 GiB file with a random fraction f of its chunks
    rewritten after each: the shards' ``used`` (STAT) for the file against ZFS's cost model
    (Bonwick et al. 2003: a snapshot costs the blocks written after it), (1 + N f) x the file's
@@ -62,8 +65,9 @@ GiB = 1 << 30
 PY = sys.executable
 SHARDS, REPLICAS = 2, 2
 SNAPSHOTS_N, REWRITE_F = 5, 0.1  # part 3
-#: Part 2: rounds that start this many seconds after the first snapshot or later are the steady state.
-SETTLE_S = 3.0
+#: Part 2: seconds of each phase (none, then a snapshot every second, and so on), and how far
+#: into its phase a round must start to count as the steady state.
+PHASE_S, SETTLE_S = 8.0, 3.0
 CHUNK = 4 * MiB  # the 1 GiB file's chunks
 
 
@@ -176,14 +180,16 @@ def _leaves(e: BaseException) -> list[BaseException]:
     return [e]
 
 
-def _workers(meta: str, shapes_file: str, rounds: int, snapshot_every: float | None,
-             snap_dir: str, keep: int | None = 2) -> dict[str, Any]:
-    """Part 2, one run: 2 ``workers.py irdma-native`` processes, ``rounds`` timed rounds each
-    after their barrier; with ``snapshot_every`` seconds, a thread of this process takes a
-    snapshot of ``snap_dir`` at that period (``keep=2``) from the barrier until both are done.
-    Returns the slower worker's seconds per round (``round_s``: every timed round;
-    ``steady_s``: the rounds that start :data:`SETTLE_S` or more after the barrier) and the
-    snapshots' create times."""
+def _workers(meta: str, shapes_file: str, rounds: int, snap_dir: str, phase_s: float = PHASE_S,
+             every_s: float = 1.0, keep: int = 2, first: str = "none") -> dict[str, Any]:
+    """Part 2: 2 ``workers.py irdma-native`` processes, ``rounds`` timed rounds each after
+    their barrier, while a thread of this process alternates phases of ``phase_s`` seconds from
+    the barrier on: none (no snapshot), then one of a snapshot of ``snap_dir`` every ``every_s``
+    seconds (the next at once when one takes longer; the oldest beyond ``keep`` deleted), and so
+    on until both workers are done (``first="every_1s"``: that phase first).
+
+    Returns the phases (``[kind, start, end]``, ``time.monotonic()`` seconds), every worker's
+    rounds (``[start, end]``), and the snapshots' create and delete times."""
     from run import _cleanup_barrier, _start_together
 
     start = tempfile.mktemp(prefix="irdma-bench-start-")
@@ -191,6 +197,7 @@ def _workers(meta: str, shapes_file: str, rounds: int, snapshot_every: float | N
     procs = [subprocess.Popen([PY, os.path.join(HERE, "workers.py"), "irdma-native", meta, shapes_file, str(rounds),
                                str(r), start], stdout=subprocess.PIPE, text=True, env=env) for r in range(2)]
     stop = threading.Event()
+    phases: list[list[Any]] = []  # [kind, start, end]
     took: list[float] = []  # create, seconds
     dropped: list[float] = []  # delete of the oldest beyond ``keep``, seconds
     failed: list[str] = []  # snapshots refused ("take the snapshot again"): counted, not retried
@@ -199,11 +206,23 @@ def _workers(meta: str, shapes_file: str, rounds: int, snapshot_every: float | N
     def snapshotter() -> None:
         try:
             with irdma.connect(meta, transport="tcp") as c:
-                k, t_next, kept = 0, time.monotonic(), []
-                while not stop.wait(max(0.0, t_next - time.monotonic())):
+                k, kept = 0, []
+                kind, t_end = first, time.monotonic() + phase_s
+                phases.append([kind, time.monotonic(), None])
+                t_next = time.monotonic() if kind == "every_1s" else t_end
+                while not stop.wait(max(0.0, min(t_next, t_end) - time.monotonic())):
+                    now = time.monotonic()
+                    if now >= t_end:  # the next phase
+                        phases[-1][2] = now
+                        kind = "every_1s" if kind == "none" else "none"
+                        phases.append([kind, now, None])
+                        t_end = now + phase_s
+                        t_next = now if kind == "every_1s" else t_end
+                    if kind != "every_1s" or time.monotonic() < t_next:
+                        continue
                     name = f"every-{k:04d}"
                     k += 1
-                    t_next = max(t_next + snapshot_every, time.monotonic())  # type: ignore[operator]
+                    t_next = max(t_next + every_s, time.monotonic())
                     t0 = time.perf_counter()
                     try:
                         c.snapshot(snap_dir, name)
@@ -215,29 +234,29 @@ def _workers(meta: str, shapes_file: str, rounds: int, snapshot_every: float | N
                         continue
                     took.append(time.perf_counter() - t0)
                     kept.append(name)
-                    if keep is not None and len(kept) > keep:  # CheckpointManager's max_to_keep
+                    if len(kept) > keep:  # CheckpointManager's max_to_keep
                         t0 = time.perf_counter()
                         c.delete_snapshot(snap_dir, kept.pop(0))
                         dropped.append(time.perf_counter() - t0)
+                phases[-1][2] = time.monotonic()
                 for s in c.snapshots(snap_dir):  # untimed: the next run starts with none
                     c.delete_snapshot(snap_dir, s.name)
         except BaseException as e:  # noqa: BLE001 - reported after the workers are done
             errors.append(e)
 
-    thread = threading.Thread(target=snapshotter, name="snapshotter") if snapshot_every else None
+    thread = threading.Thread(target=snapshotter, name="snapshotter")
     try:
         _start_together(procs, start)
-        if thread is not None:
-            thread.start()
+        thread.start()
         res = []
         for p in procs:
-            stdout, _ = p.communicate(timeout=600)
+            stdout, _ = p.communicate(timeout=900)
             if p.returncode != 0:
                 raise RuntimeError(f"a training worker failed ({p.returncode})")
             res.append(json.loads(stdout.strip().splitlines()[-1]))
     finally:
         stop.set()
-        if thread is not None and thread.is_alive():
+        if thread.is_alive():
             thread.join(120)
         for p in procs:
             if p.poll() is None:
@@ -246,54 +265,63 @@ def _workers(meta: str, shapes_file: str, rounds: int, snapshot_every: float | N
         _cleanup_barrier(start)
     if errors:
         raise RuntimeError(f"taking snapshots while training failed: {errors[0]!r}") from errors[0]
-    steady = []
-    for r in res:
-        at, late = 0.0, []
-        for t in r["rounds_s"]:
-            if at >= SETTLE_S:
-                late.append(t)
-            at += t
-        if not late:
-            raise RuntimeError(f"no round started {SETTLE_S} s after the barrier: run more rounds")
-        steady.append(statistics.mean(late))
-    return {"round_s": max(r["round_s"] for r in res), "steady_s": max(steady), "snapshot_s": took,
-            "delete_s": dropped, "failed": failed}
+    return {"phases": phases, "rounds_t": [r["rounds_t"] for r in res], "snapshot_s": took, "delete_s": dropped,
+            "failed": failed}
 
 
-def step_times(meta: str, shapes: list[list[int]], rounds: int, alternations: int,
-               say: Callable[[str], None]) -> dict[str, Any]:
-    """Part 2: training with no snapshots and with one every second (keep 2), alternating."""
+def _classify(phases: list[list[Any]], rounds_t: list[list[list[float]]], settle_s: float) -> dict[str, Any]:
+    """Each worker's rounds by the phase they ran in: ``steady`` holds the rounds that start
+    ``settle_s`` or more into their phase and end in it, ``all`` every round that starts in it
+    (seconds per round, per kind of phase)."""
+    out: dict[str, Any] = {"steady": {"none": [], "every_1s": []}, "all": {"none": [], "every_1s": []}}
+    for worker in rounds_t:
+        for t0, t1 in worker:
+            for kind, p0, p1 in phases:
+                if p0 <= t0 < p1:
+                    out["all"][kind].append(t1 - t0)
+                    if t0 >= p0 + settle_s and t1 <= p1:
+                        out["steady"][kind].append(t1 - t0)
+                    break
+    return out
+
+
+def _timeline(phases: list[list[Any]], rounds_t: list[list[list[float]]]) -> dict[str, Any]:
+    """The phases and rounds, seconds from the first phase's start (milliseconds resolution)."""
+    t0 = phases[0][1]
+    return {"phases": [[k, round(a - t0, 3), round(b - t0, 3)] for k, a, b in phases],
+            "rounds": [[[round(a - t0, 3), round(b - a, 3)] for a, b in w] for w in rounds_t]}
+
+
+def step_times(meta: str, shapes: list[list[int]], rounds: int, say: Callable[[str], None],
+               phase_s: float = PHASE_S, settle_s: float = SETTLE_S) -> dict[str, Any]:
+    """Part 2: training through phases of no snapshots and of one every second (keep 2)."""
     shapes_file = tempfile.mktemp(suffix=".json")
     with open(shapes_file, "w") as f:
         json.dump(shapes, f)
-    runs: dict[str, list[float]] = {"none": [], "every_1s": []}  # steady state, seconds per round
-    all_rounds: dict[str, list[float]] = {"none": [], "every_1s": []}  # every round
-    took: list[float] = []
-    dropped: list[float] = []
-    failed: list[str] = []
     try:
-        for _ in range(alternations):
-            say(f"snapshots: training, 2 workers, {rounds} rounds, no snapshots")
-            r = _workers(meta, shapes_file, rounds, None, "/model")
-            runs["none"].append(r["steady_s"])
-            all_rounds["none"].append(r["round_s"])
-            say(f"snapshots: training, 2 workers, {rounds} rounds, a snapshot of /model every second (keep 2)")
-            r = _workers(meta, shapes_file, rounds, 1.0, "/model")
-            runs["every_1s"].append(r["steady_s"])
-            all_rounds["every_1s"].append(r["round_s"])
-            took += r["snapshot_s"]
-            dropped += r["delete_s"]
-            failed += r["failed"]
+        say(f"snapshots: training, 2 workers, {rounds} rounds, in phases of {phase_s:.0f} s: none, then a snapshot of"
+            " /model every second (keep 2), and again")
+        r = _workers(meta, shapes_file, rounds, "/model", phase_s)
     finally:
         os.unlink(shapes_file)
-    none, every = statistics.mean(runs["none"]), statistics.mean(runs["every_1s"])
-    ratio_all = statistics.mean(all_rounds["every_1s"]) / statistics.mean(all_rounds["none"])
+    by = _classify(r["phases"], r["rounds_t"], settle_s)
+    st, al = by["steady"], by["all"]
+    if not st["none"] or not st["every_1s"]:
+        raise RuntimeError(f"too few rounds in the phases' steady state ({len(st['none'])} with none,"
+                           f" {len(st['every_1s'])} with snapshots): run more rounds")
+    none, every = statistics.mean(st["none"]), statistics.mean(st["every_1s"])
+    ratio_all = statistics.mean(al["every_1s"]) / statistics.mean(al["none"])
+    took, dropped, failed = r["snapshot_s"], r["delete_s"], r["failed"]
     say(f"snapshots: round {every * 1e3:.0f} ms with a snapshot every second against {none * 1e3:.0f} ms with none"
-        f" ({every / none:.2f}x from {SETTLE_S:.0f} s on; {ratio_all:.2f}x over every round); {len(took)} made" + (f", median {statistics.median(took) * 1e3:.0f} ms" if took else "")
+        f" ({every / none:.2f}x from {settle_s:.0f} s into a phase on, {len(st['every_1s'])} and {len(st['none'])}"
+        f" rounds; {ratio_all:.2f}x over every round); {len(took)} made"
+        + (f", median {statistics.median(took) * 1e3:.0f} ms" if took else "")
         + (f"; deletes median {statistics.median(dropped) * 1e3:.0f} ms" if dropped else "")
         + f"; {len(failed)} refused" + (f" (first: {failed[0]})" if failed else ""))
-    return {"round_s_none": none, "round_s_every_1s": every, "ratio": every / none, "runs": runs,
-            "settle_s": SETTLE_S, "ratio_all_rounds": ratio_all, "runs_all_rounds": all_rounds,
+    return {"round_s_none": none, "round_s_every_1s": every, "ratio": every / none,
+            "rounds_steady": {k: len(v) for k, v in st.items()}, "rounds_all": {k: len(v) for k, v in al.items()},
+            "phase_s": phase_s, "phases": len(r["phases"]), "settle_s": settle_s, "ratio_all_rounds": ratio_all,
+            "timeline": _timeline(r["phases"], r["rounds_t"]),
             "rounds": rounds, "snapshots_taken": len(took), "snapshots_failed": len(failed), "failures": failed,
             "snapshot_s": took, "delete_s": dropped,
             "snapshot_s_median": statistics.median(took) if took else None,
@@ -343,7 +371,7 @@ def run(quick: bool, say: Callable[[str], None] = print, shapes: list[list[int]]
                 out["create"] = create_times(c, mp, {"file": ("/big", "block", 1 if quick else 2),
                                                      "tensors": ("/model", "cp", 1)}, 1 if quick else 3, say)
             out["used_after_create"] = used(c)  # the copies removed: as before part 1 if unlink frees
-        out["step"] = step_times(meta, shapes, 6 if quick else 14, 1 if quick else 3, say)
+        out["step"] = step_times(meta, shapes, 300, say, 1.0, 0.3) if quick else step_times(meta, shapes, 150, say)
     return out
 
 

@@ -10,8 +10,9 @@ workers wait on a barrier file before they start, so their rounds overlap.
     python benchmarks/workers.py redis PORT,PORT SHAPES ROUNDS RANK START_FILE
 
 Prints one JSON line: {"round_s": seconds per round, "bytes": bytes moved per round}; the
-native workers add "rounds_s", each timed round's seconds in order (a caller may leave out the
-first ones: :mod:`benchmarks.snapshots` measures the steady state).
+native workers add "rounds_s", each timed round's seconds in order, and "rounds_t", each one's
+start and end (``time.monotonic()``: :mod:`benchmarks.snapshots` sorts rounds by what ran
+meanwhile).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def _wait_for(path: str, timeout: float = 120.0) -> None:
 
 #: Each timed round's seconds, in order, of the last :func:`_timed_async` (printed as "rounds_s").
 ROUNDS_S: list[float] = []
+#: Each timed round's start and end, ``time.monotonic()`` seconds (one clock for every process
+#: of the machine), of the last :func:`_timed_async` (printed as "rounds_t").
+ROUNDS_T: list[tuple[float, float]] = []
 
 
 async def _timed_async(one_round: Callable[[], Awaitable[None]], rounds: int, start: str) -> float:
@@ -45,11 +49,13 @@ async def _timed_async(one_round: Callable[[], Awaitable[None]], rounds: int, st
     await one_round()
     _wait_for(start)
     ROUNDS_S.clear()
+    ROUNDS_T.clear()
     t0 = time.perf_counter()
     for _ in range(rounds):
-        t = time.perf_counter()
+        t, m = time.perf_counter(), time.monotonic()
         await one_round()
         ROUNDS_S.append(time.perf_counter() - t)
+        ROUNDS_T.append((m, time.monotonic()))
     return (time.perf_counter() - t0) / rounds
 
 
@@ -226,6 +232,7 @@ def main() -> None:
     out: dict[str, object] = {"rank": int(rank), "round_s": secs, "bytes": nbytes}
     if ROUNDS_S:
         out["rounds_s"] = ROUNDS_S
+        out["rounds_t"] = ROUNDS_T
     print(json.dumps(out), flush=True)
 
 

@@ -149,7 +149,8 @@ class Dispatcher:
 
     # ------------------------------------------------------------ snapshots: the cut
     def _freeze(self, msg: P.Freeze) -> P.ListReply:
-        """FREEZE: hold client updates to the files until CLONE/THAW or the lease ends."""
+        """FREEZE: hold updates to the files (clients', and forwarded ones until the clone) until
+        CLONE or THAW, or until the lease ends."""
         self._expire()
         if msg.token == 0 or msg.token in self._freezes:
             raise BadRequest(f"freeze token {msg.token} is 0 or in use")
@@ -188,8 +189,10 @@ class Dispatcher:
 
     def _hold(self, msg: P.Request, staging: memoryview | None, t0: float,
               transport: str) -> P.Reply | Awaitable[P.Reply] | ThreadWork:
-        """A client update to a frozen file: applied when the freeze ends (THAW, its lease), or
-        at once when its push was admitted into the cut (:meth:`_admit`), and answered then.
+        """An update to a frozen file: a client's is applied when the freeze ends (CLONE, THAW,
+        its lease), or at once when its push was admitted into the cut (:meth:`_admit`); a
+        forwarded one (a replica's) at CLONE, before the clone when the cut has it (its version
+        is not past the cut's), after it otherwise (:meth:`_cloned`). Each is answered then.
         The connection goes on meanwhile (its next requests are read and applied: another
         file's, or queued behind this one if they are this freeze's), so a push's other parts
         sent on it reach the shard."""
@@ -204,9 +207,10 @@ class Dispatcher:
         return self._held_reply(cut, held)
 
     async def _held_reply(self, cut: _Freeze, held: _Held) -> P.Reply:
+        until = min(cut.deadline, cut.forward_deadline) if _is_forward(held.msg) else cut.deadline
         try:
             while not held.done.is_set():
-                with trio.move_on_at(cut.deadline):
+                with trio.move_on_at(until):
                     await held.done.wait()
                 self._expire()
         except BaseException:
@@ -293,9 +297,33 @@ class Dispatcher:
         for cut in [c for c in self._freezes.values() if c.deadline <= now]:
             log.warning("shard %d: a snapshot's freeze %d ended at its lease, not cloned", self.shard.shard_id, cut.token)
             self._release(cut)
+        for cut in [c for c in self._freezes.values() if c.hold_forwards and c.forward_deadline <= now]:
+            # a chain's forwards wait no longer (their sender's deadline): the clone, if it
+            # comes, finds the chunks past the cut and refuses ("take the snapshot again")
+            log.warning("shard %d: a snapshot's freeze %d was not cloned within %.1f s: forwarded updates go on",
+                        self.shard.shard_id, cut.token, FORWARD_HOLD_S)
+            cut.hold_forwards = False
+            self._apply_forwards(cut, lambda key, version: True)
+
+    def _apply_forwards(self, cut: _Freeze, before_cut: Callable[[tuple[int, int], int], bool]) -> int:
+        """Apply, in the order they came, the forwarded updates ``cut`` holds for which
+        ``before_cut(chunk key, version the sender reached)`` is true; returns how many."""
+        take, keep = [], []
+        for held in cut.queue:
+            key = _forward_key(held.msg)
+            chain = getattr(held.msg, "chain", None)
+            if key is not None and chain is not None and before_cut(key, chain.expect):
+                take.append(held)
+            else:
+                keep.append(held)
+        if take:
+            cut.queue = keep
+            for held in take:
+                self._apply_held(held)
+        return len(take)
 
     async def _clone(self, msg: P.Clone, t0: float, transport: str) -> P.Reply:
-        """CLONE: wait until this replica has the cut's versions, clone, release the freeze."""
+        """CLONE: bring this replica to the cut's versions, clone, end the freeze."""
         reply: P.Reply
         try:
             reply = P.FreeReply(await self._cloned(msg))
@@ -308,9 +336,11 @@ class Dispatcher:
         return reply
 
     async def _cloned(self, msg: P.Clone) -> int:
-        """Clone at the cut. The freeze stays until THAW: released here, this shard's client
-        updates would reach its successors in chains before their own CLONE came (they would
-        be past the cut)."""
+        """Clone at the cut, then end the freeze here (protocol 10; THAW ends one that is not
+        cloned). Ending it here is safe before the other shards cloned: a post-cut update this
+        shard then applies and forwards reaches a successor that is frozen too, which holds it
+        until its own clone is made (:func:`_held`: forwards are held while frozen), and the
+        pre-cut forwards it holds (its version not past the cut's) it applies first, here."""
         shard = self.shard
         if msg.token == 0:  # a clone of read-only files (a snapshot's): no cut to wait for
             if msg.expect or any(d in {s for s, _ in msg.pairs} or shard.has_file(d) for _, d in msg.pairs):
@@ -320,15 +350,17 @@ class Dispatcher:
         cut = self._freezes.get(msg.token)
         if cut is None:
             raise BadRequest(f"shard {shard.shard_id}: freeze {msg.token} is over (its lease ended): take the snapshot again")
-        cut.admitted.clear()  # the cut is fixed: a late part of an admitted push waits for THAW
+        cut.admitted.clear()  # the cut is fixed: a late part of an admitted push waits for the release
         srcs = {s for s, _ in msg.pairs}
         if not srcs <= cut.files:
             raise BadRequest("a clone names a file its freeze did not hold")
         if any(d in srcs or shard.has_file(d) for _, d in msg.pairs):
             raise BadRequest("a clone's file id is in use on this shard")
-        while True:  # a replica catches up on the updates forwarded to it before the freeze
+        want = {(f, i): v for f, i, v in msg.expect}
+        while True:  # a replica catches up on the forwards the cut has (held here, or on their way)
+            self._apply_forwards(cut, lambda key, version: version <= want.get(key, 0))
             behind, ahead = 0, []
-            for f, i, v in msg.expect:
+            for (f, i), v in want.items():
                 have = shard.version_of(f, i)
                 behind += have < v
                 if have > v:
@@ -342,7 +374,9 @@ class Dispatcher:
                 raise BadRequest(f"shard {shard.shard_id} did not reach the cut's versions of {behind} chunks"
                                  " within the freeze's lease: take the snapshot again")
             await trio.sleep(0.001)
-        return shard.clone_files(msg.pairs)
+        made = shard.clone_files(msg.pairs)
+        self._release(cut)
+        return made
 
     def _handle(self, msg: P.Request, staging: memoryview | None, t0: float,
                 transport: str, zero_copy: bool = False) -> P.Reply | Awaitable[P.Reply] | ThreadWork:
@@ -599,6 +633,10 @@ _OP_NAMES = {P.Read: "read", P.Write: "write", P.RemoteWrite: "remote_write", P.
              P.FreeFiles: "free_files"}
 #: Longest lease a FREEZE may ask, milliseconds.
 FREEZE_MAX_MS = 30_000
+#: Seconds a frozen shard holds forwarded updates at most (well within a forward's deadline,
+#: :attr:`irdma.wire.protocol.Chain.timeout_ms`): a freeze not cloned by then lets them go on,
+#: and its clone is refused as past the cut.
+FORWARD_HOLD_S = 1.0
 
 
 #: Most pushes a shard remembers the parts of (the oldest are forgotten first).
@@ -606,11 +644,13 @@ MAX_PUSHES_REMEMBERED = 65536
 
 
 class _Freeze:
-    """One snapshot's freeze on this shard: the files whose client updates wait, the updates
-    held (in the order they came) and the pushes admitted into the cut."""
+    """One snapshot's freeze on this shard: the files whose updates wait, the updates held
+    (clients' and forwarded ones, in the order they came) and the pushes admitted into the cut."""
 
     def __init__(self, token: int, deadline: float, files: frozenset[int]) -> None:
         self.token, self.deadline, self.files = token, deadline, files
+        self.forward_deadline = min(deadline, trio.current_time() + FORWARD_HOLD_S)
+        self.hold_forwards = True  # forwarded updates are held too, until the clone (FORWARD_HOLD_S)
         self.released = trio.Event()
         self.queue: list[_Held] = []
         self.admitted: set[int] = set()
@@ -618,7 +658,7 @@ class _Freeze:
 
 
 class _Held:
-    """A client update a freeze holds, and what applying it gave."""
+    """An update a freeze holds (a client's, or a forwarded one), and what applying it gave."""
 
     def __init__(self, msg: P.Request, t0: float, transport: str) -> None:
         self.msg, self.t0, self.transport = msg, t0, transport
@@ -676,11 +716,26 @@ def _file_of(msg: P.Request) -> int:
 
 
 def _held(msg: P.Request, frozen: dict[int, _Freeze]) -> bool:
-    """An update a client sent to a frozen file (a forwarded one, from a replica, goes on)."""
+    """An update to a frozen file: a client's, or a forwarded one while the freeze holds
+    forwards (until its clone, :data:`FORWARD_HOLD_S` at most)."""
     if not isinstance(msg, _UPDATES) or _file_of(msg) not in frozen:
         return False
+    return not _is_forward(msg) or frozen[_file_of(msg)].hold_forwards
+
+
+def _is_forward(msg: P.Request) -> bool:
+    """An update a replica forwarded down a chain (its ``expect`` set, or a REPLACE)."""
     chain = getattr(msg, "chain", None)
-    return chain is None or not (chain.expect or getattr(msg, "replace", False))
+    return chain is not None and bool(chain.expect or getattr(msg, "replace", False))
+
+
+def _forward_key(msg: P.Request) -> tuple[int, int] | None:
+    """The chunk a forwarded update is of (a forward names one chunk), or None for another request."""
+    if not _is_forward(msg):
+        return None
+    if isinstance(msg, P.Scatter):
+        return (msg.file_id, int(msg.extents["chunk"][0])) if len(msg.extents) else None
+    return (int(getattr(msg, "file_id", 0)), int(getattr(msg, "chunk_index", 0)))
 
 
 def _op_of(msg: P.Request) -> str:

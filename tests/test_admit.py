@@ -1,14 +1,18 @@
-"""The shard's side of a cut that keeps pushes whole (issue 23, protocol 9): a push whose first
-part was applied before a FREEZE and whose second part comes after it is admitted whole by
-ADMIT, another push's held update waits for THAW, and a held update does not stop the
-connection's later requests. Driven through the dispatcher, frame by frame, no sockets."""
+"""The shard's side of a snapshot's cut (issue 23): a push whose first part was applied before a
+FREEZE and whose second part comes after it is admitted whole by ADMIT (protocol 9), another
+push's held update waits for the freeze's end, and a held update does not stop the
+connection's later requests; a frozen replica holds forwarded updates and its CLONE takes
+those the cut has before the clone and the rest after, then ends the freeze (protocol 10).
+Driven through the dispatcher, frame by frame, no sockets."""
 
 from __future__ import annotations
 
 import inspect
 
 import numpy as np
+import pytest
 import trio
+from irdma.server import dispatch
 from irdma.server.dispatch import ThreadWork
 from irdma.server.serve import ShardServer
 from irdma.server.shard import Region, Shard
@@ -78,5 +82,73 @@ def test_an_admit_with_no_part_to_apply_answers_within_its_wait() -> None:
         assert isinstance(reply, P.FreezeReply) and reply.parts == [] and trio.current_time() - t0 >= 0.015
         bad = await _reply(server.handle(_frame(P.Admit(6, 0, (123,)), 3)))  # no such freeze
         assert isinstance(bad, P.ErrorReply) and "take the snapshot again" in bad.message
+
+    trio.run(main)
+
+
+def _forward(rid: int, reached: int) -> P.Write:
+    """A predecessor's forward of an ``add`` of 1.0 into chunk 0 of file 7: it reached version ``reached``."""
+    return P.Write(7, 0, 4096, 0, P.UpdateOp.ADD, ONES, chain=P.Chain(rid, 0, reached, 1000, ()))
+
+
+def _first(shard: Shard, file_id: int) -> float:
+    return float(np.frombuffer(shard.read(file_id, 0, 0, 4)[1], "<f4")[0])  # type: ignore[arg-type]
+
+
+def test_a_frozen_replica_holds_forwards_and_its_clone_takes_those_of_the_cut_then_ends_the_freeze() -> None:
+    """Forwards that reach a frozen replica wait; CLONE applies the one the cut has (version 1,
+    what the head answered), clones, then ends the freeze: the forward past the cut (version 2,
+    which the head applied after its own clone) and a client's held update land on the live
+    file only, in the order they came. THAW after it changes nothing."""
+    shard = Shard(2, Region(1 << 20))
+    server = ShardServer(shard)
+
+    async def main() -> None:
+        frozen = await _reply(server.handle(_frame(P.Freeze(99, 5000, (7,)), 1)))
+        assert isinstance(frozen, P.FreezeReply) and frozen.entries == []
+        before = server.handle(_frame(_forward(11, 1), 2))
+        after = server.handle(_frame(_forward(12, 2), 3))
+        client = server.handle(_frame(_add(0, 13, None), 4))
+        assert all(inspect.iscoroutine(x) for x in (before, after, client))  # all held
+        assert shard.version_of(7, 0) == 0
+        with trio.fail_after(5):
+            cloned = await _reply(server.handle(_frame(P.Clone(99, ((7, 8),), ((7, 0, 1),)), 5)))
+        assert cloned == P.FreeReply(1)
+        assert _first(shard, 8) == 1.0 and shard.version_of(8, 0) == 1  # the clone: the cut's forward only
+        assert [await _reply(x) for x in (before, after, client)] == [P.VersionReply(1), P.VersionReply(2),
+                                                                      P.VersionReply(3)]
+        assert _first(shard, 7) == 3.0  # the live file: all three
+        assert await _reply(server.handle(_frame(_add(0, 14, None), 6))) == P.VersionReply(4)  # not held now
+        assert await _reply(server.handle(_frame(P.Thaw(99), 7))) == P.VersionReply(0)
+        assert _first(shard, 8) == 1.0
+
+    trio.run(main)
+
+
+def test_forwards_wait_one_second_at_most_and_the_late_clone_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A freeze whose CLONE does not come in time (FORWARD_HOLD_S) lets the forwards it holds go
+    on, before their senders' deadlines, and then refuses the clone as past the cut; the
+    client's update it holds waits for the freeze's end as before."""
+    monkeypatch.setattr(dispatch, "FORWARD_HOLD_S", 0.05)
+    shard = Shard(2, Region(1 << 20))
+    server = ShardServer(shard)
+
+    async def main() -> None:
+        await _reply(server.handle(_frame(P.Freeze(99, 5000, (7,)), 1)))
+        held = server.handle(_frame(_forward(11, 1), 2))
+        assert inspect.iscoroutine(held)
+        t0 = trio.current_time()
+        with trio.fail_after(2):
+            assert await _reply(held) == P.VersionReply(1)
+        assert trio.current_time() - t0 >= 0.04
+        assert await _reply(server.handle(_frame(_forward(12, 2), 3))) == P.VersionReply(2)  # not held any more
+        client = server.handle(_frame(_add(0, 13, None), 4))
+        assert inspect.iscoroutine(client)  # a client's update still is
+        late = await _reply(server.handle(_frame(P.Clone(99, ((7, 8),), ((7, 0, 1),)), 5)))
+        assert isinstance(late, P.ErrorReply) and "past the cut" in late.message and "again" in late.message
+        assert not shard.has_file(8)
+        assert await _reply(server.handle(_frame(P.Thaw(99), 6))) == P.VersionReply(0)
+        with trio.fail_after(2):
+            assert await _reply(client) == P.VersionReply(3)
 
     trio.run(main)

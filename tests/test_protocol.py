@@ -280,8 +280,17 @@ def test_encoding_assign_or_a_scatter_is_a_local_error() -> None:
         P.decode_request(frame)
 
 
-def test_protocol_9_is_the_only_version_spoken() -> None:
-    assert (P.MIN_PROTOCOL_VERSION, P.PROTOCOL_VERSION) == (9, 9)
+def test_protocol_10_is_spoken_and_9_still_understood() -> None:
+    """Protocol 10 changed no frame (a CLONE ends its freeze; THAW of one that is over is a
+    no-op), so a client of protocol 9 still works with these shards; 8 and older are refused."""
+    assert (P.MIN_PROTOCOL_VERSION, P.PROTOCOL_VERSION) == (9, 10)
+    wire = bytearray(b"".join(P.encode_request(P.Thaw(5), 1)))
+    wire[2] = 9  # the header's version byte (!2sB...)
+    [frame] = _frames(bytes(wire))
+    assert P.decode_request(frame) == P.Thaw(5)
+    wire[2] = 8
+    with pytest.raises(RemoteProtocolError, match="protocol version 8"):
+        _frames(bytes(wire))
 
 
 @pytest.mark.parametrize("part", [(0, 0, 2), (5, 2, 2), (5, 0, 1)], ids=["push id 0", "index past count", "one part"])

@@ -63,12 +63,23 @@ def test_every_snapshot_is_a_prefix_of_every_writer(tmp_path: str) -> None:
             with open(os.path.join(d, f"w{w}.json")) as f:
                 logs.append(json.load(f))
 
-        async def read_all() -> dict[str, np.ndarray]:
+        async def read_all() -> tuple[dict[str, np.ndarray], list[str]]:
             async with irdma.Client.open(cl.meta_url, transport="tcp") as c:
-                return {name: np.stack([await c.pull(f"/d/.snapshots/{name}/f{k}") for k in range(FILES)])
-                        for name, _, _ in snaps}
+                got = {name: np.stack([await c.pull(f"/d/.snapshots/{name}/f{k}") for k in range(FILES)])
+                       for name, _, _ in snaps}
+                # every replica cloned at the same cut: each chunk's version and bytes agree on both shards
+                differ = []
+                for name, _, _ in snaps:
+                    for k in range(FILES):
+                        ino = (await c.stat(f"/d/.snapshots/{name}/f{k}")).ino
+                        for idx in range(SIZE // CHUNK):
+                            seen = {sid: await c._conn_call(sid, "checksum", ino, idx, c._view) for sid in (1, 2)}
+                            if len(set(seen.values())) != 1:
+                                differ.append(f"{name}/f{k} chunk {idx}: (version, checksum) by shard {seen}")
+                return got, differ
 
-        got = trio.run(read_all)
+        got, differ = trio.run(read_all)
+        assert not differ, f"the replicas of snapshot chunks disagree: {differ[:3]}"
     assert len(snaps) >= 10, f"only {len(snaps)} snapshots were taken while the writers ran"
     previous = np.zeros((FILES, len(wheres)))
     for name, t_call, t_return in snaps:

@@ -6,20 +6,25 @@ How a snapshot is made (``irdma snapshot create PATH NAME``, ``mkdir PATH/.snaps
    copied inode by inode (new inode numbers, same attributes and xattrs, read-only) under
    ``DIR/.snapshots/NAME``. O(files), no byte of parameters.
 2. **Freeze** (one round trip per shard, all shards at once): every shard that may hold a chunk
-   of the tree's files holds the updates *clients* send to those files from now on
-   (:class:`irdma.wire.protocol.Freeze`; an update a replica forwards down its chain goes on)
-   and answers each chunk's version. Once every shard answered, no client update to the files
-   is being applied anywhere: that instant is the cut. Every push acknowledged before
-   ``create`` was called was applied on every replica before it, and every push that starts
-   after ``create`` returns is applied after it.
-3. **Clone** (one round trip per shard): each shard waits until its replicas of the chunks
-   reach the highest version any replica answered (the updates already forwarded down a chain
-   when the freeze came), then makes each copy's chunks share the live file's extents
-   (:meth:`irdma.server.shard.Shard.clone`: no byte copied).
-4. **Thaw**: once every shard cloned, each releases the held updates (not before: a head
-   released early would forward updates to a replica whose clone has not come yet, past the
-   cut). Pushes wait about three round trips to the shards; the freeze's lease
-   (:data:`FREEZE_LEASE_S`) bounds it even if this client dies meanwhile.
+   of the tree's files holds the updates to those files from now on, clients' and those a
+   replica forwards down its chain (:class:`irdma.wire.protocol.Freeze`), and answers each
+   chunk's version. Once every shard answered, no update to the files is being applied
+   anywhere: that instant is the cut. Every push acknowledged before ``create`` was called was
+   applied on every replica before it, and every push that starts after ``create`` returns is
+   applied after it.
+3. **Clone** (one round trip per shard, all at once): each shard brings its replicas of the
+   chunks to the highest version any replica answered (it applies the forwards it holds whose
+   version is not past that, and waits for those still on their way), makes each copy's chunks
+   share the live file's extents (:meth:`irdma.server.shard.Shard.clone`: no byte copied),
+   then ends its freeze: the held updates are applied in the order they came. A shard may end
+   its freeze before the others cloned: the post-cut updates it then forwards reach a
+   successor that is still frozen, which holds them until its own clone (a forward is past the
+   cut when its version is). So a push waits one round trip of the creator to the shards
+   (from its FREEZE to its CLONE, plus the catch-up of that shard's replicas), and the
+   freeze's lease (:data:`FREEZE_LEASE_S`) bounds it even if this client dies meanwhile; a
+   shard holds forwards one second at most (their senders' deadlines), then refuses the clone.
+4. **Thaw**: only for a snapshot given up (a shard failed, or this client was cancelled): every
+   shard not cloned yet releases its held updates at once.
 5. **Commit**: the copies' chunk maps (the replicas that cloned) are recorded and the
    snapshot is ``ready``. A failure anywhere before takes it all back (thaw, free the clones,
    drop the metadata) and raises: a snapshot either exists whole or not at all.
@@ -216,6 +221,7 @@ async def _cut(client: Client, snap: Snapshot, files: Sequence[tuple[Inode, int]
     answered: list[tuple[int, int, int]] = []
     parts: dict[int, tuple[int, set[int]]] = {}  # push id: (part count, parts applied)
     cloned: list[tuple[int, int, int, int]] = []
+    ended: set[int] = set()  # shards whose CLONE was made (and ended their freeze)
 
     def note(reply: FreezeReply) -> None:
         answered.extend((e.file_id, e.chunk_index, e.version) for e in reply.entries)
@@ -249,13 +255,14 @@ async def _cut(client: Client, snap: Snapshot, files: Sequence[tuple[Inode, int]
             async def clone(sid: int) -> None:
                 with trio.fail_after(client.timeout):
                     await conns[sid].clone(token, by_shard[sid], want[sid])
+                ended.add(sid)  # its CLONE ended its freeze (protocol 10)
 
             async with open_nursery() as nursery:
                 # sizes at the cut (the metadata copy was made before the freeze), while the shards clone
                 nursery.start_soon(client.meta.snapshot_sizes, snap.id, [(f.ino, copy) for f, copy in files])
                 for sid in shards:
                     nursery.start_soon(clone, sid)
-        finally:  # every shard keeps its freeze until every clone is made (dispatch.Dispatcher._cloned)
+        finally:  # a shard not cloned keeps its freeze until THAW or its lease: end it now
             with trio.CancelScope(shield=True), trio.move_on_after(client.timeout):
                 async def thaw(sid: int) -> None:
                     try:
@@ -264,8 +271,9 @@ async def _cut(client: Client, snap: Snapshot, files: Sequence[tuple[Inode, int]
                         log.warning("snapshot: could not thaw shard %d (its lease ends it): %s", sid, exc)
 
                 async with trio.open_nursery() as nursery:
-                    for sid in conns:  # every one: a freeze cancelled in flight may have landed
-                        nursery.start_soon(thaw, sid)
+                    for sid in conns:  # every one not cloned: a freeze cancelled in flight may have landed
+                        if sid not in ended:
+                            nursery.start_soon(thaw, sid)
     return cloned
 
 

@@ -245,7 +245,7 @@ async def _still_absent(client: Client, absent: set[tuple[int, int, int]]) -> se
     out = set()
     for ino, idx, s in sorted(absent):
         try:
-            version, _ = await client._conn_call(s, "checksum", ino, idx, 0)  # type: ignore[misc]
+            version, _ = await client._conn_call(s, "checksum", ino, idx, client._view)  # type: ignore[misc]
         except ShardUnavailable:
             version = 0  # it answered the listing: count it as it was then
         if version > 0:

@@ -46,7 +46,7 @@ def group(META_OPTION: _Deco, friendly: _Deco, console: Any, out: Any) -> click.
         """Snapshot PATH (a directory, or a file: into its directory's .snapshots) as NAME.
 
         Every push acknowledged before this command started is in the snapshot, no push started
-        after it returned is; pushes wait about three round trips to the shards meanwhile."""
+        after it returned is; pushes wait about one round trip to the shards meanwhile."""
         from ..client.native import Client
 
         ns = _namespace(path)

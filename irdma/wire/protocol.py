@@ -96,11 +96,13 @@ from .._errors import (
     ShardUnavailable,
 )
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 #: Oldest protocol version this code speaks (3 added chain replication, 4 authentication, 5 GMAC
 #: frame tags, 6 optimizer update ops, 7 GATHER and SCATTER of extents: sparse rows, 8 encoded
 #: (compressed) gradients in WRITE and REMOTE_WRITE, 9 push parts (FLAG_PART) and ADMIT: a
-#: snapshot keeps a push whole; FREE_FILES).
+#: snapshot keeps a push whole; FREE_FILES; 10 no new frame: CLONE ends the freeze on its shard,
+#: and a frozen shard holds forwarded updates until its clone, so pushes wait one round trip
+#: of the snapshot's creator, not three; a creator of protocol 9 still sends THAW, a no-op then).
 MIN_PROTOCOL_VERSION = 9
 MAGIC = b"IR"
 HEADER = struct.Struct("!2sBBIHHI")
@@ -699,11 +701,14 @@ class FreeFiles:
 
 @dataclass
 class Freeze:
-    """Hold the updates clients send to these files until THAW with ``token``, or
-    until ``lease_ms`` passed (the snapshot that asked is then void): the first phase of a
-    snapshot's cut (:mod:`irdma.client.snapshots`). Updates a replica forwards down a chain are
-    not held, so every replica reaches the versions the heads had. Answered with a LIST reply
-    of every chunk of those files here (optimizer state left out: it follows its chunk)."""
+    """Hold the updates to these files until CLONE or THAW with ``token``, or until
+    ``lease_ms`` passed (the snapshot that asked is then void): the first phase of a snapshot's
+    cut (:mod:`irdma.client.snapshots`). Clients' updates are held, and so are the updates a
+    replica forwards down a chain (protocol 10), until this shard's CLONE: those the cut has
+    (their version not past it) are applied before the clone, the rest after; a shard not
+    cloned within a second lets forwards go on (their senders' deadlines) and refuses the clone.
+    Answered with a LIST reply of every chunk of those files here (optimizer state left out:
+    it follows its chunk)."""
 
     token: int  # u64, non-zero, chosen by the snapshot's creator
     lease_ms: int
@@ -713,10 +718,11 @@ class Freeze:
 @dataclass
 class Clone:
     """Second phase of a snapshot's cut: once every chunk named in ``expect`` is at that
-    version here (a replica catching up on forwarded updates; waited for up to the freeze's
-    lease), make each pair's clone file share the source's chunks (no byte copied:
-    :meth:`irdma.server.shard.Shard.clone`); the freeze stays until THAW (every shard must
-    have cloned before any releases its held updates). Token 0: no
+    version here (a replica catching up on forwarded updates, held or on their way; waited
+    for up to the freeze's lease), make each pair's clone file share the source's chunks (no
+    byte copied: :meth:`irdma.server.shard.Shard.clone`), then end the freeze here: the held
+    updates are applied in the order they came (protocol 10; before, the freeze stayed until
+    THAW, sent once every shard had cloned). Token 0: no
     freeze, no versions (the sources are read-only: a snapshot's files, cloned back into the
     live namespace). Answered with a FREE reply giving how many chunk keys were made."""
 
@@ -740,8 +746,9 @@ class UsageReply:
 
 @dataclass
 class Thaw:
-    """Release freeze ``token``: the held updates are applied (after every shard's CLONE, or
-    when a snapshot is given up). Answered with a VERSION reply of 0."""
+    """Release freeze ``token``: the held updates are applied (when a snapshot is given up
+    before this shard's CLONE, which ends a freeze itself; a no-op for a freeze that is over).
+    Answered with a VERSION reply of 0."""
 
     token: int
 
