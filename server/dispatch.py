@@ -303,24 +303,31 @@ class Dispatcher:
             log.warning("shard %d: a snapshot's freeze %d was not cloned within %.1f s: forwarded updates go on",
                         self.shard.shard_id, cut.token, FORWARD_HOLD_S)
             cut.hold_forwards = False
-            self._apply_forwards(cut, lambda key, version: True)
+            self._apply_forwards(cut, lambda key, version: True, in_order=False)
 
-    def _apply_forwards(self, cut: _Freeze, before_cut: Callable[[tuple[int, int], int], bool]) -> int:
+    def _apply_forwards(self, cut: _Freeze, before_cut: Callable[[tuple[int, int], int], bool],
+                        in_order: bool = True) -> int:
         """Apply, in the order they came, the forwarded updates ``cut`` holds for which
-        ``before_cut(chunk key, version the sender reached)`` is true; returns how many."""
-        take, keep = [], []
-        for held in cut.queue:
+        ``before_cut(chunk key, version the sender reached)`` is true; returns how many.
+        ``in_order``: a forward of a chunk being made (in a worker thread: a forward before it
+        made it) waits for the next call, so it finds the chunk at the version it follows."""
+        applied, keep = 0, []  # type: int, list[_Held]
+        blocked: set[tuple[int, int]] = set()  # chunks being made: their next forwards wait (in order)
+        queue, cut.queue = cut.queue, keep
+        for held in queue:
             key = _forward_key(held.msg)
             chain = getattr(held.msg, "chain", None)
-            if key is not None and chain is not None and before_cut(key, chain.expect):
-                take.append(held)
-            else:
+            if key is None or chain is None or not before_cut(key, chain.expect) or key in blocked \
+                    or (in_order and key in self._making):
+                if key is not None:
+                    blocked.add(key)  # a later forward of this chunk never overtakes one kept
                 keep.append(held)
-        if take:
-            cut.queue = keep
-            for held in take:
-                self._apply_held(held)
-        return len(take)
+                continue
+            self._apply_held(held)
+            applied += 1
+            if in_order and key in self._making:  # made in a worker thread meanwhile: the next waits for it
+                blocked.add(key)
+        return applied
 
     async def _clone(self, msg: P.Clone, t0: float, transport: str) -> P.Reply:
         """CLONE: bring this replica to the cut's versions, clone, end the freeze."""

@@ -16,6 +16,7 @@ from irdma.server import dispatch
 from irdma.server.dispatch import ThreadWork
 from irdma.server.serve import ShardServer
 from irdma.server.shard import Region, Shard
+from irdma.server.store import ShardStore
 
 from irdma.wire import protocol as P
 
@@ -152,3 +153,34 @@ def test_forwards_wait_one_second_at_most_and_the_late_clone_is_refused(monkeypa
             assert await _reply(client) == P.VersionReply(3)
 
     trio.run(main)
+
+
+def test_a_clone_applies_held_forwards_that_make_a_chunk_in_order(tmp_path: str) -> None:
+    """On a shard with a data directory a new chunk is made in a worker thread: of two held
+    pre-cut forwards, the one that makes the chunk and the one after it, the clone applies the
+    second only once the chunk is made (not STALE against a chunk not yet there)."""
+    store = ShardStore(str(tmp_path), 2, 1 << 20)
+    shard = Shard(2, Region(1 << 20, buffer=memoryview(store.region)), memoryview(store.versions), store=store)
+    server = ShardServer(shard)
+
+    async def main() -> None:
+        await _reply(server.handle(_frame(P.Freeze(99, 5000, (7,)), 1)))
+        first, second = server.handle(_frame(_forward(11, 1), 2)), server.handle(_frame(_forward(12, 2), 3))
+        replies: list[P.Reply] = []
+
+        async def answer(x: object) -> None:
+            replies.append(await _reply(x))
+
+        async with trio.open_nursery() as nursery:  # as the front end: each held request's answer awaited
+            nursery.start_soon(answer, first)
+            nursery.start_soon(answer, second)
+            with trio.fail_after(5):
+                cloned = await _reply(server.handle(_frame(P.Clone(99, ((7, 8),), ((7, 0, 2),)), 4)))
+        assert cloned == P.FreeReply(1), cloned
+        assert sorted(replies, key=str) == [P.VersionReply(1), P.VersionReply(2)]
+        assert _first(shard, 8) == 2.0 and shard.version_of(8, 0) == 2
+
+    try:
+        trio.run(main)
+    finally:
+        store.close()
