@@ -29,6 +29,7 @@ import trio
 
 from irdma._errors import BadRequest, RemoteProtocolError
 from irdma.ops.metrics import shard_metrics
+from irdma.train import optimizers
 from irdma.wire import auth
 from irdma.wire import protocol as P
 from irdma.wire.framing import ServerHandshake
@@ -201,6 +202,8 @@ class Dispatcher:
         part = chain.part if chain is not None else None
         if part is not None and part.push_id in cut.admitted:
             return self._handle(msg, staging, t0, transport)
+        if _is_forward(msg) and chain is not None:  # held well within its sender's deadline (half of it)
+            cut.forward_deadline = min(cut.forward_deadline, trio.current_time() + chain.timeout_ms / 2000)
         held = _Held(_detached(msg, staging), t0, transport)
         cut.queue.append(held)
         cut.arrived.set()
@@ -305,12 +308,18 @@ class Dispatcher:
             cut.hold_forwards = False
             self._apply_forwards(cut, lambda key, version: True, in_order=False)
 
+    def _being_made(self, key: tuple[int, int]) -> bool:
+        """The chunk or its optimizer state chunk is being made (in a worker thread)."""
+        return key in self._making or (key[0], optimizers.state_index(key[1])) in self._making
+
     def _apply_forwards(self, cut: _Freeze, before_cut: Callable[[tuple[int, int], int], bool],
                         in_order: bool = True) -> int:
         """Apply, in the order they came, the forwarded updates ``cut`` holds for which
         ``before_cut(chunk key, version the sender reached)`` is true; returns how many.
         ``in_order``: a forward of a chunk being made (in a worker thread: a forward before it
-        made it) waits for the next call, so it finds the chunk at the version it follows."""
+        made it) waits for the next call, so it finds the chunk at the version it follows;
+        without, every forward taken is applied at once (a later one of a chunk being made
+        may then be answered STALE, and its sender sends the whole chunk)."""
         applied, keep = 0, []  # type: int, list[_Held]
         blocked: set[tuple[int, int]] = set()  # chunks being made: their next forwards wait (in order)
         queue, cut.queue = cut.queue, keep
@@ -318,14 +327,14 @@ class Dispatcher:
             key = _forward_key(held.msg)
             chain = getattr(held.msg, "chain", None)
             if key is None or chain is None or not before_cut(key, chain.expect) or key in blocked \
-                    or (in_order and key in self._making):
+                    or (in_order and self._being_made(key)):
                 if key is not None:
                     blocked.add(key)  # a later forward of this chunk never overtakes one kept
                 keep.append(held)
                 continue
             self._apply_held(held)
             applied += 1
-            if in_order and key in self._making:  # made in a worker thread meanwhile: the next waits for it
+            if in_order and self._being_made(key):  # made in a worker thread meanwhile: the next waits for it
                 blocked.add(key)
         return applied
 
@@ -640,9 +649,10 @@ _OP_NAMES = {P.Read: "read", P.Write: "write", P.RemoteWrite: "remote_write", P.
              P.FreeFiles: "free_files"}
 #: Longest lease a FREEZE may ask, milliseconds.
 FREEZE_MAX_MS = 30_000
-#: Seconds a frozen shard holds forwarded updates at most (well within a forward's deadline,
-#: :attr:`irdma.wire.protocol.Chain.timeout_ms`): a freeze not cloned by then lets them go on,
-#: and its clone is refused as past the cut.
+#: Seconds a frozen shard holds forwarded updates at most, and never past half the deadline of
+#: any forward it holds (:attr:`irdma.wire.protocol.Chain.timeout_ms`, halved at each hop down a
+#: chain): a freeze not cloned by then lets them go on, and its clone is refused if a post-cut
+#: update reached a chunk by then.
 FORWARD_HOLD_S = 1.0
 
 
@@ -737,12 +747,17 @@ def _is_forward(msg: P.Request) -> bool:
 
 
 def _forward_key(msg: P.Request) -> tuple[int, int] | None:
-    """The chunk a forwarded update is of (a forward names one chunk), or None for another request."""
+    """The chunk a forwarded update is of (a forward names one chunk; one of an optimizer state
+    chunk counts as its chunk's: the state's version follows the chunk's, and the two are
+    ordered and cut together), or None for another request."""
     if not _is_forward(msg):
         return None
     if isinstance(msg, P.Scatter):
         return (msg.file_id, int(msg.extents["chunk"][0])) if len(msg.extents) else None
-    return (int(getattr(msg, "file_id", 0)), int(getattr(msg, "chunk_index", 0)))
+    index = int(getattr(msg, "chunk_index", 0))
+    if optimizers.is_state(index):
+        index -= optimizers.STATE_BASE
+    return (int(getattr(msg, "file_id", 0)), index)
 
 
 def _op_of(msg: P.Request) -> str:

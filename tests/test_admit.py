@@ -184,3 +184,27 @@ def test_a_clone_applies_held_forwards_that_make_a_chunk_in_order(tmp_path: str)
         trio.run(main)
     finally:
         store.close()
+
+
+def test_a_held_forward_of_optimizer_state_is_cut_with_its_chunk() -> None:
+    """A forward of a chunk's optimizer state chunk (a REPLACE's second half, or a client's
+    restore of it) counts as its chunk's: held pre-cut, it is in the clone with the chunk."""
+    from irdma.train.optimizers import STATE_BASE
+
+    shard = Shard(2, Region(1 << 20))
+    server = ShardServer(shard)
+    state = np.full(1024, 7.0, "<f4").tobytes()
+
+    async def main() -> None:
+        await _reply(server.handle(_frame(P.Freeze(99, 5000, (7,)), 1)))
+        chunk = server.handle(_frame(_forward(11, 1), 2))
+        moments = server.handle(_frame(P.Write(7, STATE_BASE, 4096, 0, P.UpdateOp.ASSIGN, state,
+                                               chain=P.Chain(12, 0, 1, 1000, ())), 3))
+        assert inspect.iscoroutine(chunk) and inspect.iscoroutine(moments)
+        with trio.fail_after(5):
+            cloned = await _reply(server.handle(_frame(P.Clone(99, ((7, 8),), ((7, 0, 1),)), 4)))
+        assert cloned == P.FreeReply(2)  # the chunk and its state
+        assert np.frombuffer(shard.read(8, STATE_BASE, 0, 4)[1], "<f4")[0] == 7.0  # type: ignore[arg-type]
+        assert [await _reply(x) for x in (chunk, moments)] == [P.VersionReply(1), P.VersionReply(1)]
+
+    trio.run(main)

@@ -434,3 +434,38 @@ def test_one_replica_per_chunk(tmp_path: str) -> None:
                 assert np.array_equal(await cl.pull("/job/.snapshots/s1/w"), w)
 
         trio.run(go)
+
+
+def test_two_snapshots_at_once_through_one_client_are_both_made_and_exact(cl: Cluster) -> None:
+    """Two snapshots of two directories taken at the same time by one client (as two ``mkdir
+    .snapshots/NAME`` through one mount): one cut uses the client's kept snapshot connections,
+    the other connections of its own; both are made, each exact."""
+    a0, b0 = np.arange(4 * CHUNK // 4, dtype="<f4"), np.full(4 * CHUNK // 4, 3.0, "<f4")
+
+    async def go() -> None:
+        async with irdma.Client.open(cl.meta_url, transport="tcp") as c:
+            await c.makedirs("/a")
+            await c.makedirs("/b")
+            await c.write("/a/w", a0, chunk_size=CHUNK)
+            await c.write("/b/w", b0, chunk_size=CHUNK)
+            made = []
+
+            async def snap(d: str) -> None:
+                made.append((await c.snapshot(d, "s")).state)
+
+            for _ in range(3):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(snap, "/a")
+                    nursery.start_soon(snap, "/b")
+                await c.push("/a/w", np.ones_like(a0))
+                await c.push("/b/w", np.ones_like(b0))
+                assert np.array_equal(await c.pull("/a/.snapshots/s/w"), a0)
+                assert np.array_equal(await c.pull("/b/.snapshots/s/w"), b0)
+                await c.delete_snapshot("/a", "s")
+                await c.delete_snapshot("/b", "s")
+                np.add(a0, 1, out=a0)
+                np.add(b0, 1, out=b0)
+            assert made == ["ready"] * 6
+            assert sorted(c.pool.snapshot_conns) == [1, 2] and not c.pool.snapshot_lock.locked()
+
+    trio.run(go)

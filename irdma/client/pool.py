@@ -83,6 +83,7 @@ class ShardPool:
         # snapshot connections (FREEZE, ADMIT, CLONE, THAW): TCP, one per shard, kept
         # open across snapshots (:meth:`snapshot_connection`)
         self.snapshot_conns: dict[int, ShardConnection] = {}
+        self.snapshot_lock = trio.Lock()  # one snapshot's cut at a time on them
         self._snapshot_transport: Transport | None = None
 
     @property

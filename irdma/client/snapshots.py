@@ -22,7 +22,8 @@ How a snapshot is made (``irdma snapshot create PATH NAME``, ``mkdir PATH/.snaps
    cut when its version is). So a push waits one round trip of the creator to the shards
    (from its FREEZE to its CLONE, plus the catch-up of that shard's replicas), and the
    freeze's lease (:data:`FREEZE_LEASE_S`) bounds it even if this client dies meanwhile; a
-   shard holds forwards one second at most (their senders' deadlines), then refuses the clone.
+   shard holds forwards one second at most (less when their senders' deadlines are shorter); a
+   clone that then finds a chunk past the cut is refused.
 4. **Thaw**: only for a snapshot given up (a shard failed, or this client was cancelled): every
    shard not cloned yet releases its held updates at once.
 5. **Commit**: the copies' chunk maps (the replicas that cloned) are recorded and the
@@ -72,8 +73,9 @@ log = logging.getLogger("irdma.client")
 
 #: Seconds a shard holds client updates for a snapshot at most (the freeze's lease).
 FREEZE_LEASE_S = 5.0
-#: Seconds a snapshot waits for the last parts of a push its freeze split (:func:`_whole_pushes`).
-ADMIT_WAIT_S = 2.0
+#: Seconds a snapshot waits for the last parts of a push its freeze split (:func:`_whole_pushes`):
+#: well under the second a frozen shard holds forwards (``server.dispatch.FORWARD_HOLD_S``).
+ADMIT_WAIT_S = 0.5
 #: Milliseconds a shard waits for a held part on one ADMIT before it answers (every shard is
 #: asked, and one that holds no part of the pushes waits this long: a push's parts are sent at
 #: once, so a missing one is a few milliseconds away).
@@ -176,26 +178,66 @@ async def create_at(client: Client, ino: int, name: bytes, *, keep: int | None =
 async def _control(client: Client, shards: Sequence[int]) -> AsyncIterator[dict[int, ShardConnection]]:
     """The client's snapshot connection to each shard for FREEZE, CLONE and THAW
     (:meth:`irdma.client.pool.ShardPool.snapshot_connection`: kept open across snapshots). A snapshot that
-    fails closes them (a request of it may be half done on one); the next opens new ones."""
+    fails closes them (a request of it may be half done on one); the next opens new ones.
+
+    One snapshot of this client at a time uses them. Another made meanwhile (two ``mkdir
+    .snapshots/NAME`` through one mount) gets connections of its own for its cut, closed after:
+    a shard applies one connection's CLONEs in order, and with chains of 3 one snapshot's CLONE
+    may wait for another shard's CLONE of the same snapshot (its pre-cut forwards), so two cuts
+    on shared connections could wait on each other."""
+    pool = client.pool
+    if pool.snapshot_lock.locked():
+        async with _own_connections(client, shards) as own:
+            yield own
+        return
+    async with pool.snapshot_lock:
+        conns: dict[int, ShardConnection] = {}
+
+        async def connect(sid: int) -> None:
+            conns[sid] = await pool.snapshot_connection(sid)
+
+        try:
+            async with open_nursery() as connecting:
+                for sid in shards:
+                    connecting.start_soon(connect, sid)
+            yield conns
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                for sid in shards:
+                    await pool.drop_snapshot_connection(sid)
+            raise
+
+
+@contextlib.asynccontextmanager
+async def _own_connections(client: Client, shards: Sequence[int]) -> AsyncIterator[dict[int, ShardConnection]]:
+    """A TCP connection to each shard for one snapshot's cut, closed after it."""
+    from ..transport import make_transport
+
+    transport = make_transport("tcp")
+    keys = client.pool.keys
     conns: dict[int, ShardConnection] = {}
+    async with open_nursery() as nursery:
+        try:
+            async def connect(sid: int) -> None:
+                conns[sid] = await transport.connect(client._shard_map[sid].address, nursery,
+                                                     client_name=f"{client.pool.name} (snapshot)",
+                                                     key=keys.ring() if keys is not None else None,
+                                                     timeout=client.timeout)
 
-    async def connect(sid: int) -> None:
-        conns[sid] = await client.pool.snapshot_connection(sid)
-
-    try:
-        async with open_nursery() as connecting:
-            for sid in shards:
-                connecting.start_soon(connect, sid)
-        yield conns
-    except BaseException:
-        with trio.CancelScope(shield=True):
-            for sid in shards:
-                await client.pool.drop_snapshot_connection(sid)
-        raise
+            async with open_nursery() as connecting:
+                for sid in shards:
+                    connecting.start_soon(connect, sid)
+            yield conns
+        finally:
+            with trio.CancelScope(shield=True):
+                for conn in conns.values():
+                    await conn.aclose()
+            nursery.cancel_scope.cancel()
 
 
 async def _cut(client: Client, snap: Snapshot, files: Sequence[tuple[Inode, int]]) -> list[tuple[int, int, int, int]]:
-    """Freeze, clone and thaw on every shard that may hold the files' chunks.
+    """Freeze and clone on every shard that may hold the files' chunks (each CLONE ends its
+    shard's freeze; THAW for those that did not clone).
 
     Returns:
         ``(live file, copy, chunk index, shard)`` of every chunk replica the shards cloned: the
@@ -255,14 +297,15 @@ async def _cut(client: Client, snap: Snapshot, files: Sequence[tuple[Inode, int]
             async def clone(sid: int) -> None:
                 with trio.fail_after(client.timeout):
                     await conns[sid].clone(token, by_shard[sid], want[sid])
-                ended.add(sid)  # its CLONE ended its freeze (protocol 10)
+                if conns[sid].info.version >= 10:
+                    ended.add(sid)  # its CLONE ended its freeze (protocol 10; a shard of 9 waits for THAW)
 
             async with open_nursery() as nursery:
                 # sizes at the cut (the metadata copy was made before the freeze), while the shards clone
                 nursery.start_soon(client.meta.snapshot_sizes, snap.id, [(f.ino, copy) for f, copy in files])
                 for sid in shards:
                     nursery.start_soon(clone, sid)
-        finally:  # a shard not cloned keeps its freeze until THAW or its lease: end it now
+        finally:  # a shard not cloned (or of protocol 9) keeps its freeze until THAW or its lease: end it now
             with trio.CancelScope(shield=True), trio.move_on_after(client.timeout):
                 async def thaw(sid: int) -> None:
                     try:

@@ -35,6 +35,7 @@ class ShardInfo:
     capacity: int  # bytes
     max_payload: int  # largest READ/WRITE payload, bytes
     incarnation: int = 0  # random id made with the shard's memory: changes when the shard lost it
+    version: int = 0  # the protocol version its HELLO reply named (0: not known)
 
 
 def parse_address(address: str) -> tuple[str, int]:

@@ -376,5 +376,5 @@ class TcpTransport(Transport):
         except BaseException:
             sock.close()
             raise
-        info = ShardInfo(hello.shard_id, hello.capacity, hello.max_payload, hello.incarnation)
+        info = ShardInfo(hello.shard_id, hello.capacity, hello.max_payload, hello.incarnation, hello.version)
         return TcpConnection(sock, address, info, nursery, macs)

@@ -706,7 +706,8 @@ class Freeze:
     cut (:mod:`irdma.client.snapshots`). Clients' updates are held, and so are the updates a
     replica forwards down a chain (protocol 10), until this shard's CLONE: those the cut has
     (their version not past it) are applied before the clone, the rest after; a shard not
-    cloned within a second lets forwards go on (their senders' deadlines) and refuses the clone.
+    cloned within a second (less when the held forwards' deadlines are shorter) lets forwards go on,
+    and refuses the clone if one reached a chunk past the cut.
     Answered with a LIST reply of every chunk of those files here (optimizer state left out:
     it follows its chunk)."""
 
