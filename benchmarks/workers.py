@@ -10,8 +10,7 @@ workers wait on a barrier file before they start, so their rounds overlap.
     python benchmarks/workers.py redis PORT,PORT SHAPES ROUNDS RANK START_FILE
 
 Prints one JSON line: {"round_s": seconds per round, "bytes": bytes moved per round}; the
-native workers add "rounds_s", each timed round's seconds in order, and "rounds_t", each one's
-start and end (``time.monotonic()``: :mod:`benchmarks.snapshots` sorts rounds by what ran
+native workers add "rounds_t", each timed round's start and end, in order (``time.monotonic()``: :mod:`benchmarks.snapshots` sorts rounds by what ran
 meanwhile).
 """
 
@@ -36,8 +35,6 @@ def _wait_for(path: str, timeout: float = 120.0) -> None:
         time.sleep(0.001)
 
 
-#: Each timed round's seconds, in order, of the last :func:`_timed_async` (printed as "rounds_s").
-ROUNDS_S: list[float] = []
 #: Each timed round's start and end, ``time.monotonic()`` seconds (one clock for every process
 #: of the machine), of the last :func:`_timed_async` (printed as "rounds_t").
 ROUNDS_T: list[tuple[float, float]] = []
@@ -45,16 +42,14 @@ ROUNDS_T: list[tuple[float, float]] = []
 
 async def _timed_async(one_round: Callable[[], Awaitable[None]], rounds: int, start: str) -> float:
     """Seconds per round: one warm-up round, untimed (as every system here gets), then the
-    start barrier, then ``rounds`` timed rounds (each one's seconds in :data:`ROUNDS_S`)."""
+    start barrier, then ``rounds`` timed rounds (each one's start and end in :data:`ROUNDS_T`)."""
     await one_round()
     _wait_for(start)
-    ROUNDS_S.clear()
     ROUNDS_T.clear()
     t0 = time.perf_counter()
     for _ in range(rounds):
-        t, m = time.perf_counter(), time.monotonic()
+        m = time.monotonic()
         await one_round()
-        ROUNDS_S.append(time.perf_counter() - t)
         ROUNDS_T.append((m, time.monotonic()))
     return (time.perf_counter() - t0) / rounds
 
@@ -230,8 +225,7 @@ def main() -> None:
     secs = fn(target, shapes, int(rounds), start)
     nbytes = 2 * 4 * sum(int(np.prod(s)) for s in shapes)
     out: dict[str, object] = {"rank": int(rank), "round_s": secs, "bytes": nbytes}
-    if ROUNDS_S:
-        out["rounds_s"] = ROUNDS_S
+    if ROUNDS_T:
         out["rounds_t"] = ROUNDS_T
     print(json.dumps(out), flush=True)
 

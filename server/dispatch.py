@@ -303,8 +303,8 @@ class Dispatcher:
         for cut in [c for c in self._freezes.values() if c.hold_forwards and c.forward_deadline <= now]:
             # a chain's forwards wait no longer (their sender's deadline): the clone, if it
             # comes, finds the chunks past the cut and refuses ("take the snapshot again")
-            log.warning("shard %d: a snapshot's freeze %d was not cloned within %.1f s: forwarded updates go on",
-                        self.shard.shard_id, cut.token, FORWARD_HOLD_S)
+            log.warning("shard %d: a snapshot's freeze %d was not cloned before its held forwards' deadline"
+                        " (%.1f s at most): forwarded updates go on", self.shard.shard_id, cut.token, FORWARD_HOLD_S)
             cut.hold_forwards = False
             self._apply_forwards(cut, lambda key, version: True, in_order=False)
 
@@ -762,7 +762,7 @@ def _forward_key(msg: P.Request) -> tuple[int, int] | None:
 
 def _op_of(msg: P.Request) -> str:
     """The ``op`` label of a request: ``forward`` for an update another shard forwarded."""
-    if isinstance(msg, (P.Write, P.Scatter)) and msg.chain is not None and (msg.chain.expect or getattr(msg, "replace", False)):
+    if _is_forward(msg):
         return "forward"
     return _OP_NAMES.get(type(msg), type(msg).__name__.lower())
 
