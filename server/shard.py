@@ -739,9 +739,13 @@ class Shard:
                           f" copy a {chunk.size}-byte chunk a snapshot shares (delete a snapshot or add a shard)")
         self.region.view[to : to + chunk.size] = self.region.view[chunk.offset : chunk.offset + chunk.size]
         self.versions[to // PAGE] = self.versions[chunk.slot]
-        self.used += chunk.size
         if self.store is not None:
-            self.store.move_chunks(movers, to, chunk.size)
+            try:
+                self.store.move_chunks(movers, to, chunk.size)
+            except BaseException:
+                self._alloc.free(to, chunk.size)
+                raise
+        self.used += chunk.size
         stay = [k for k in keys if k not in movers]
         if len(stay) > 1:
             self._sharers[chunk.offset] = stay

@@ -11,14 +11,21 @@ Layout of ``--data-dir DIR`` (one directory per shard)::
     chunks.db    the chunk index (SQLite): (file id, chunk index) -> (region offset, size);
                  several keys at one offset share that extent (a snapshot's clone, copied
                  on the next write: :meth:`irdma.server.shard.Shard.clone`)
+    moves.log    the moves journal: the keys moved to a copy-on-write copy since the index's
+                 last transaction, 44-byte records (:data:`MOVE_RECORD`), replayed into the
+                 index when the shard opens the directory; empty after a clean close
 
 Why this layout: the region stays one contiguous mapping of plain memory, so the TCP path
 copies straight into it and RDMA registers it as it did the anonymous region (one-sided
 READs and WRITEs keep working, iRDMA's point); the page cache holds the bytes, so a shard
 process that dies (SIGKILL) loses nothing, and ``sync`` (``msync(2)`` of both mappings,
 ``fsync`` of the index) makes them durable against a machine crash. The chunk index changes
-only when a chunk is created or freed (rare next to writes), so it is a small transactional
-table rather than a log to replay. Freed extents are punched out of the file
+when a chunk is created or freed (rare next to writes), so it is a small transactional
+table rather than a log to replay. It also changes on the first write to each chunk after a
+snapshot (copy-on-write moves the live key to a new extent): one SQLite transaction per move
+cost 40 us of a shard's event loop, a third of the copy itself, so a move is an append to the
+moves journal (one ``write(2)``, no fsync: it survives the process, like the region) that the
+next index transaction folds in (the intent log of ZFS, the ZIL; the journal of ext4). Freed extents are punched out of the file
 (``fallocate(2)`` FALLOC_FL_PUNCH_HOLE) some seconds after they are freed, if no chunk took them
 meanwhile (:meth:`irdma.server.shard.Shard.trim`; at start for all free space), so free space
 costs no disk for long; a new chunk's extent is punched again before use, so a crash between
@@ -38,7 +45,9 @@ import json
 import mmap
 import os
 import sqlite3
+import struct
 import threading
+import zlib
 from collections.abc import Iterator, Sequence
 
 from irdma._errors import IrdmaError
@@ -48,6 +57,15 @@ FORMAT = 1
 #: ``sync`` makes data durable (msync + fsync) in this mode; ``memory`` keeps it in the page
 #: cache only (it survives the shard process, not the machine): for scratch data.
 DURABILITY_MODES = ("fsync", "memory")
+
+#: A moves-journal record: sequence number, file id, chunk index, new region offset, size in
+#: bytes (little-endian u64 each), then the CRC-32 (zlib) of those 40 bytes (u32). Records
+#: whose sequence number is not past the index's ``journal.seq`` are in the index already.
+MOVE_RECORD = struct.Struct("<QQQQQI")
+_MOVE_BODY = struct.Struct("<QQQQQ")
+#: Moves the journal holds before :meth:`ShardStore.move_chunks` folds them into the index
+#: itself (most are folded sooner, by the next clone, free or new chunk).
+JOURNAL_FOLD = 4096
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
@@ -170,6 +188,21 @@ class ShardStore:
         self._db.execute("PRAGMA wal_autocheckpoint=10000")
         self._db.execute("CREATE TABLE IF NOT EXISTS chunks(file INTEGER NOT NULL, idx INTEGER NOT NULL,"
                          " offset INTEGER NOT NULL, size INTEGER NOT NULL, PRIMARY KEY(file, idx))")
+        # the moves journal: the last record folded into the index
+        self._db.execute("CREATE TABLE IF NOT EXISTS journal(seq INTEGER NOT NULL)")
+        row = self._db.execute("SELECT seq FROM journal").fetchone()
+        if row is None:
+            self._db.execute("INSERT INTO journal VALUES (0)")
+        self._seq = int(row[0]) if row is not None else 0
+        self._moves: list[tuple[int, int, int, int]] = []  # in the journal, not yet in the index
+        self._log_path = os.path.join(self.path, "moves.log")
+        try:
+            self._log_fd = os.open(self._log_path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+            self._log_len = os.fstat(self._log_fd).st_size
+            self._replay()
+        except OSError as exc:
+            raise IrdmaError(f"cannot open the moves journal {self._log_path}: {exc.strerror or exc}",
+                             "check the disk has room and the directory is writable") from None
         if self.fresh:  # written last: a directory with shard.json is complete
             self._write_info(meta_path)
 
@@ -221,43 +254,94 @@ class ShardStore:
             sqlite3.Error: the index could not be written; nothing was recorded.
         """
         with self._db_lock:
-            self._db.execute("BEGIN")
-            try:
-                self._db.executemany("INSERT OR REPLACE INTO chunks VALUES (?,?,?,?)", chunks)
-                self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
-                raise
+            self._transact("INSERT OR REPLACE INTO chunks VALUES (?,?,?,?)", chunks)
 
     def move_chunks(self, keys: Sequence[tuple[int, int]], offset: int, size: int) -> None:
         """Record that chunk keys ``(file id, chunk index)`` now live at extent ``offset``
-        (a copy-on-write copy): one UPDATE for the usual single key (a third of a transaction of
-        INSERT OR REPLACE, measured), else :meth:`record_chunks`.
+        (``size`` bytes: a copy-on-write copy, already written): one append to the moves
+        journal, folded into the chunk index by its next transaction. It survives the shard
+        process once this returns (the page cache holds it, as it holds the region); ``sync``
+        makes it durable against a machine crash.
 
         Raises:
-            sqlite3.Error: the index could not be written; nothing was recorded.
+            OSError: the journal could not be written; nothing was recorded.
+            sqlite3.Error: the journal was full and folding it failed; nothing was recorded.
         """
-        if len(keys) == 1:
-            with self._db_lock:
-                cur = self._db.execute("UPDATE chunks SET offset=?, size=? WHERE file=? AND idx=?",
-                                       (offset, size, *keys[0]))
-            if cur.rowcount == 1:
-                return
-        self.record_chunks([(f, i, offset, size) for f, i in keys])
+        with self._db_lock:
+            seq = self._seq
+            recs = bytearray()
+            for f, i in keys:
+                seq += 1
+                body = _MOVE_BODY.pack(seq, f, i, offset, size)
+                recs += body + zlib.crc32(body).to_bytes(4, "little")
+            try:
+                if os.write(self._log_fd, recs) != len(recs):
+                    raise OSError(28, "short write to the moves journal (disk full?)")
+            except BaseException:
+                # none of these records may replay: the caller frees the extent they name
+                os.ftruncate(self._log_fd, self._log_len)
+                raise
+            self._log_len += len(recs)
+            self._seq = seq
+            self._moves.extend((f, i, offset, size) for f, i in keys)
+            if len(self._moves) >= JOURNAL_FOLD:
+                self._transact(None, ())
 
     def unrecord_chunks(self, keys: Sequence[tuple[int, int]]) -> None:
         """Forget chunk keys ``(file id, chunk index)``, in one transaction; their bytes stay
         (the shard zeroes an extent no key holds any more later: :meth:`Shard.trim`)."""
         with self._db_lock:
-            self._db.execute("BEGIN")
-            try:
-                self._db.executemany("DELETE FROM chunks WHERE file=? AND idx=?", keys)
-                self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
-                raise
+            self._transact("DELETE FROM chunks WHERE file=? AND idx=?", keys)
+
+    def _transact(self, sql: str | None, rows: Sequence[tuple[int, ...]]) -> None:
+        """One index transaction (call with ``_db_lock`` held): the journal's moves folded in
+        first (they came before), then ``sql`` for each of ``rows``; the journal is emptied
+        once it commits. Raises sqlite3.Error (nothing changed: the moves stay journaled)."""
+        if sql is None and not self._moves:
+            return
+        self._db.execute("BEGIN")
+        try:
+            if self._moves:
+                self._db.executemany("INSERT OR REPLACE INTO chunks VALUES (?,?,?,?)", self._moves)
+                self._db.execute("UPDATE journal SET seq=?", (self._seq,))
+            if sql is not None:
+                self._db.executemany(sql, rows)
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
+        if self._moves:
+            self._moves.clear()
+            self._truncate_log()
+
+    def _truncate_log(self) -> None:
+        """Empty the journal once the index has its records (a failure is harmless: what is
+        left has sequence numbers the index passed, so it never replays)."""
+        try:
+            os.ftruncate(self._log_fd, 0)
+            self._log_len = 0
+        except OSError:
+            self._log_len = os.fstat(self._log_fd).st_size
+
+    def _replay(self) -> None:
+        """Fold into the index the journal's records past ``journal.seq`` (moves made after the
+        index's last transaction by a shard process that then died), up to the first record
+        that is not whole (a machine crash in mid-append), then empty the journal."""
+        data = os.pread(self._log_fd, self._log_len, 0) if self._log_len else b""
+        moves = []
+        for pos in range(0, len(data) - MOVE_RECORD.size + 1, MOVE_RECORD.size):
+            seq, f_id, idx, offset, size, crc = MOVE_RECORD.unpack_from(data, pos)
+            if zlib.crc32(data[pos : pos + _MOVE_BODY.size]) != crc:
+                break
+            if seq > self._seq:
+                moves.append((f_id, idx, offset, size))
+                self._seq = seq
+        self._moves = moves
+        with self._db_lock:
+            self._transact(None, ())
+        if self._log_len:
+            self._truncate_log()
 
     def zero(self, offset: int, size: int) -> None:
         """Make ``[offset, offset+size)`` of the region read as zeros (a hole punched in the
@@ -279,11 +363,19 @@ class ShardStore:
             self.region.flush()
             self.versions.flush()
             with self._db_lock:
+                self._transact(None, ())  # the moves journal into the index, after their bytes
                 self._db.execute("PRAGMA wal_checkpoint(FULL)")  # the chunk index, fsynced
 
     def close(self) -> None:
-        """Unmap and close (safe twice). Bytes already written stay in the files."""
+        """Unmap and close (safe twice). Bytes already written stay in the files; the moves
+        journal is folded into the chunk index (left for the next open if that fails)."""
         if self._db is not None:
+            try:
+                with self._db_lock:
+                    self._transact(None, ())
+            except sqlite3.Error:
+                pass
+            os.close(self._log_fd)
             self._db.close()
             self._db = None  # type: ignore[assignment]
             for mm, fd in ((self.region, self.region_fd), (self.versions, self.versions_fd)):
