@@ -102,6 +102,15 @@ class Layout:
         first = self.placed_as + chunk_index
         return tuple(self.stripe[(first + k) % n] for k in range(min(self.replicas, n)))
 
+    def read_turn(self, chunk_index: int) -> int:
+        """Which of the chunk's up-to-date replicas serves its reads: an index into them in
+        chain order, taken modulo how many there are. It is the chunk's lap around the stripe
+        (``(placed_as + chunk_index) // len(stripe)``), so consecutive chunks and files read
+        from every replica of every shard in turn. (The chain's own start, ``placed_as +
+        chunk_index``, turns with the chain: with as many replicas as shards every chunk would
+        be read from the same shard, and with 4 shards and 2 replicas from 2 of the 4.)"""
+        return (self.placed_as + chunk_index) // len(self.stripe)
+
     def pieces(self, offset: int, length: int, max_piece: int | None = None) -> Iterator[Piece]:
         """Split ``[offset, offset+length)`` at chunk boundaries and at ``max_piece`` bytes.
 

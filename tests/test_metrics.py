@@ -257,6 +257,32 @@ def test_native_client_bytes_equal_shard_counters(mcluster: MetricsCluster) -> N
     assert total(mine, "irdma_client_inflight_requests") == 0
 
 
+def test_pulls_of_replicated_chunks_spread_over_both_replicas(mcluster: MetricsCluster) -> None:
+    """With 2 shards and 2 replicas each shard holds every chunk; pulls of many small files
+    and of a many-chunk file are served by both, about half each (each shard's read bytes).
+    The replica used to be picked by the chain's own rotation: one shard served them all."""
+    files = {f"/spread/f{i:02d}": np.full(1024 + i, i, "<f4") for i in range(24)}
+    big = np.arange(8 * (1 << 20) // 4, dtype="<f4")  # 8 chunks of 1 MiB
+    addrs = list(mcluster.metrics.values())
+    with irdma.connect(mcluster.meta_url, transport="tcp") as c:
+        c.makedirs("/spread")
+        for path, data in files.items():
+            c.write(path, data, chunk_size=1 << 16)  # (the module's shards hold 128 MiB)
+        c.write("/spread/big", big, chunk_size=1 << 20)
+        c.flush()
+        before = [scrape(a) for a in addrs]
+        for path, data in files.items():
+            assert np.array_equal(c.pull(path, shape=data.shape), data)
+        assert np.array_equal(c.pull("/spread/big", shape=big.shape), big)
+        after = [scrape(a) for a in addrs]
+        for path in [*files, "/spread/big"]:
+            c.unlink(path)
+    served = [total(a, "irdma_shard_bytes_total", op="read", direction="out")
+              - total(b, "irdma_shard_bytes_total", op="read", direction="out") for a, b in zip(after, before)]
+    assert sum(served) == big.nbytes + sum(d.nbytes for d in files.values())
+    assert min(served) >= 0.35 * sum(served), served
+
+
 def test_mount_metrics_count_fuse_requests_and_bytes(mcluster: MetricsCluster, mmnt: str) -> None:
     target = stats.mount_target(mmnt)
     n = 5 * (1 << 20) + 777

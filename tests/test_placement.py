@@ -36,6 +36,20 @@ def test_first_chunks_of_small_files_spread_over_shards() -> None:
     assert firsts == {1, 2, 3}
 
 
+@pytest.mark.parametrize("shards,replicas", [(2, 2), (3, 2), (4, 2), (3, 3), (5, 3), (4, 1)])
+def test_reads_of_replicated_chunks_spread_evenly_over_every_shard(shards: int, replicas: int) -> None:
+    """The replica a pull reads (``replicas_of(c)[read_turn(c) % R]``): over consecutive
+    chunks of a file, and over the first chunks of consecutive files, every shard serves the
+    same share (the chain start alone read from 1 shard of 2, 2 of 4)."""
+    stripe = tuple(range(1, shards + 1))
+    big = Layout(7, 4096, stripe, replicas)
+    by_chunk = collections.Counter(big.replicas_of(c)[big.read_turn(c) % replicas] for c in range(shards * replicas * 10))
+    by_file = collections.Counter(Layout(f, 4096, stripe, replicas).replicas_of(0)[
+        Layout(f, 4096, stripe, replicas).read_turn(0) % replicas] for f in range(1, shards * replicas * 10 + 1))
+    for counts in (by_chunk, by_file):
+        assert set(counts) == set(stripe) and len(set(counts.values())) == 1, counts
+
+
 @pytest.mark.parametrize("offset,length", [(0, 1), (4095, 2), (100, 3 * 4096), (0, 10 * 4096), (12345, 0)])
 def test_pieces_cover_the_range_exactly_once(offset: int, length: int) -> None:
     layout = Layout(1, 4096, (1, 2))

@@ -527,7 +527,7 @@ class Client:
                     raise await self._unreadable(layout, p.chunk_index, rec)
             known = [s for s in cands if rec is None or s in rec] or cands  # replicas written to
             tail = known[-1]
-            pick = known[(layout.file_id + p.chunk_index) % len(known)]  # spread over the replicas
+            pick = known[layout.read_turn(p.chunk_index) % len(known)]  # spread over the replicas
             try:
                 try:
                     await self._read_replica(layout, p, pick, view, rec, pick != tail, versions)
