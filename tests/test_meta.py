@@ -556,6 +556,24 @@ def test_clocks_members_barriers_locks_and_counters_work_on_every_engine(store: 
     assert m.clocks(5) == {} and m.members(5) == []
 
 
+def test_abandoned_snapshots_are_those_still_creating_that_began_before_a_time(meta: MetaStore) -> None:
+    """``irdma gc``'s query on every engine: snapshots of any directory still ``creating`` and
+    begun before the time given; a committed one, or one begun after it, is not."""
+    import time
+
+    a = meta.create(ROOT_INO, b"a", stat.S_IFDIR | 0o755, 0, 0)
+    b = meta.create(ROOT_INO, b"b", stat.S_IFDIR | 0o755, 0, 0)
+    left, _ = meta.snapshot_begin(a.ino, b"left")
+    done, _ = meta.snapshot_begin(b.ino, b"done")
+    meta.snapshot_commit(done.id, [])
+    cut = time.time_ns() + 1
+    later, _ = meta.snapshot_begin(b.ino, b"later")
+    assert [(s.name, s.dir, s.state) for s in meta.abandoned_snapshots(cut)] == [(b"left", a.ino, "creating")]
+    assert {s.name for s in meta.abandoned_snapshots(time.time_ns() + 1)} == {b"left", b"later"}
+    meta.snapshot_drop(left.id)
+    assert [s.name for s in meta.abandoned_snapshots(cut)] == []
+
+
 def test_a_snapshot_copy_has_the_link_counts_of_its_tree(meta: MetaStore) -> None:
     """Directories: 2 + subdirectories; files: their names inside the tree (a hard link out
     of the tree is not in the copy)."""

@@ -278,7 +278,7 @@ def test_pulls_of_replicated_chunks_spread_over_both_replicas(mcluster: MetricsC
         for path in [*files, "/spread/big"]:
             c.unlink(path)
     served = [total(a, "irdma_shard_bytes_total", op="read", direction="out")
-              - total(b, "irdma_shard_bytes_total", op="read", direction="out") for a, b in zip(after, before)]
+              - total(b, "irdma_shard_bytes_total", op="read", direction="out") for a, b in zip(after, before, strict=True)]
     assert sum(served) == big.nbytes + sum(d.nbytes for d in files.values())
     assert min(served) >= 0.35 * sum(served), served
 

@@ -520,3 +520,88 @@ def test_snapshots_keep_two_replicas_through_a_drain_and_removal(tmp_path: str) 
 
             trio.run(alone)
             _restart(c)
+
+
+# ---------------------------------------------------------------- 5. the creator dies
+_DYING_CREATOR = r"""
+import sys, time, trio, irdma
+from irdma.client import snapshots as S
+async def main():
+    async with irdma.Client.open(sys.argv[1], transport="tcp") as c:
+        ino = (await c.meta.resolve("/")).ino
+        snap, files = await c.meta.snapshot_begin(ino, sys.argv[2].encode())
+        await S._cut(c, snap, files)  # the shards cloned: only the metadata commit is left
+        print("cut", flush=True)
+        await trio.sleep(600)  # killed here
+trio.run(main)
+"""
+
+
+def test_a_snapshot_left_creating_by_a_dead_creator_is_deleted_by_gc_and_by_a_create_with_keep(cl: Cluster) -> None:
+    """A creator SIGKILLed after its shards cloned, before its metadata commit, leaves its
+    snapshot ``creating`` (``irdma snapshot list`` shows it) and its clones on the shards.
+    While young it may still be in progress: ``irdma gc`` keeps it. Once older than
+    ABANDONED_S (10 minutes; the test ages its row), ``irdma gc --dry-run`` names it, ``irdma
+    gc`` deletes it and frees its clones (the shards hold the chunks they held before), and
+    another left so is deleted by the next create with ``keep`` in that directory."""
+    import sqlite3
+    import subprocess
+    import sys
+
+    w = _model()
+
+    async def setup() -> int:
+        async with _open(cl) as c:
+            await c.write("/w", w, chunk_size=CHUNK)
+            await c.flush()
+            return sum(st.chunks for _, st, _ in await c.shard_stats() if st is not None)
+
+    before = trio.run(setup)
+
+    def dead_creator(name: str) -> None:
+        p = subprocess.Popen([sys.executable, "-c", _DYING_CREATOR, cl.meta_url, name], stdout=subprocess.PIPE,
+                             text=True)
+        try:
+            assert p.stdout is not None and p.stdout.readline().strip() == "cut"
+        finally:
+            os.kill(p.pid, signal.SIGKILL)  # the pid this test started
+            p.wait(30)
+            if p.stdout is not None:
+                p.stdout.close()
+
+    def age(name: str) -> None:
+        db = sqlite3.connect(cl.meta_url.removeprefix("sqlite://"))
+        with db:
+            db.execute("UPDATE snapshots SET created_ns = created_ns - ? WHERE name = ?",
+                       (int((snapshots_mod.ABANDONED_S + 60) * 1e9), name.encode()))
+        db.close()
+
+    dead_creator("dead")
+    listed = irdma_cli("snapshot", "list", "/", "--meta", cl.meta_url).stdout
+    assert "dead" in listed and "creating" in listed, listed
+    young = irdma_cli("gc", "--meta", cl.meta_url).stdout
+    assert "0 abandoned snapshots" in young, young  # it may still be in progress: kept
+    age("dead")
+    dry = irdma_cli("gc", "--dry-run", "--meta", cl.meta_url).stdout
+    assert "would free:" in dry and "1 abandoned snapshots" in dry and "'dead'" in dry, dry
+    done = irdma_cli("gc", "--meta", cl.meta_url).stdout
+    assert "freed:" in done and "1 abandoned snapshots" in done, done
+    assert "dead" not in irdma_cli("snapshot", "list", "/", "--meta", cl.meta_url).stdout
+
+    async def after_gc() -> None:
+        async with _open(cl) as c:
+            await _clean(c, [])
+            assert sum(st.chunks for _, st, _ in await c.shard_stats() if st is not None) == before
+            await _exact(c, {"/w": w})
+
+    trio.run(after_gc)
+    dead_creator("dead2")
+    age("dead2")
+
+    async def keep() -> None:
+        async with _open(cl) as c:
+            await c.snapshot("/", "kept", keep=2)
+            await _clean(c, ["kept"])
+            await _exact(c, {"/w": w, "/.snapshots/kept/w": w})
+
+    trio.run(keep)

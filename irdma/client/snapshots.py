@@ -53,6 +53,7 @@ import contextlib
 import logging
 import os
 import stat
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -73,6 +74,10 @@ log = logging.getLogger("irdma.client")
 
 #: Seconds a shard holds client updates for a snapshot at most (the freeze's lease).
 FREEZE_LEASE_S = 5.0
+#: Seconds after which a snapshot still ``creating`` counts as abandoned (its creator died:
+#: a create ends within FREEZE_LEASE_S of its cut, or fails and takes its snapshot away).
+#: ``irdma gc`` deletes it, and so does a create with ``keep`` in the same directory.
+ABANDONED_S = 600.0
 #: Seconds a snapshot waits for the last parts of a push its freeze split (:func:`_whole_pushes`):
 #: well under the second a frozen shard holds forwards (``server.dispatch.FORWARD_HOLD_S``).
 ADMIT_WAIT_S = 0.5
@@ -93,7 +98,7 @@ class SnapshotInfo:
         files: regular files in it.
         bytes: the sum of its files' sizes (bytes).
         state: ``ready``, or ``creating`` while being made (or left by a creator that died:
-            ``irdma snapshot delete`` removes it).
+            ``irdma snapshot delete`` removes it, ``irdma gc`` once it is :data:`ABANDONED_S` old).
         held_alone: bytes the shards hold for it alone, every replica counted (what
             ``delete`` frees: the chunks copied since, as the live files changed); -1 when a
             shard did not answer.
@@ -164,14 +169,40 @@ async def create_at(client: Client, ino: int, name: bytes, *, keep: int | None =
             raise
         snap = await client.meta.snapshot_commit(snap.id, cloned)
     except BaseException:
-        with trio.CancelScope(shield=True):
+        with trio.CancelScope(shield=True), contextlib.suppress(NotFound):  # (gone: taken for abandoned)
             await _drop(client, snap)
         raise
     if keep is not None:  # only snapshots of the same file or tree: never one made of something else
-        ready = [s for s in await client.meta.snapshots(snap.dir) if s.state == "ready" and s.src == snap.src]
-        for old in ready[: max(0, len(ready) - keep)]:
-            await _drop(client, old)
+        mine = [s for s in await client.meta.snapshots(snap.dir) if s.src == snap.src]
+        ready = [s for s in mine if s.state == "ready"]
+        dead = [s for s in mine if s.state == "creating" and s.created_ns < time.time_ns() - int(ABANDONED_S * 1e9)]
+        for old in ready[: max(0, len(ready) - keep)] + dead:
+            with contextlib.suppress(NotFound):  # (another create or gc took it first)
+                await _drop(client, old)
     return snap
+
+
+async def drop_abandoned(client: Client, before_ns: int | None = None,
+                         progress: Callable[[str], None] = lambda msg: None) -> list[Snapshot]:
+    """Delete the snapshots left ``creating`` by creators that died (begun more than
+    :data:`ABANDONED_S` ago, or before ``before_ns``, nanoseconds since the Unix epoch): their
+    metadata, and the clones their cut may have made on the shards. ``irdma gc`` calls it.
+
+    Returns:
+        The snapshots deleted (one another client deleted first is left out).
+    """
+    if before_ns is None:
+        before_ns = time.time_ns() - int(ABANDONED_S * 1e9)
+    gone = []
+    for snap in await client.meta.abandoned_snapshots(before_ns):
+        try:
+            await _drop(client, snap)
+        except NotFound:
+            continue
+        progress(f"deleted snapshot {snap.name.decode(errors='replace')!r} of directory inode {snap.dir}, left"
+                 " 'creating' by a creator that died")
+        gone.append(snap)
+    return gone
 
 
 @contextlib.asynccontextmanager

@@ -352,6 +352,14 @@ class SqlSnap:
         return [_snap_row(r) for r in self._db.execute(
             f"SELECT {_SNAP_COLS} FROM snapshots WHERE dir=? ORDER BY created_ns, id", (dir_ino,))]
 
+    def abandoned_snapshots(self, before_ns: int) -> list[Snapshot]:
+        """Snapshots still ``creating`` that were begun before ``before_ns`` (nanoseconds since
+        the Unix epoch), of every directory, oldest first: their creators died (a create ends
+        within its shards' freeze lease, 30 s at most, or fails and takes its snapshot away)."""
+        return [_snap_row(r) for r in self._db.execute(
+            f"SELECT {_SNAP_COLS} FROM snapshots WHERE state='creating' AND created_ns < ? ORDER BY created_ns, id",
+            (before_ns,))]
+
     def snapshot_files(self, snap_id: int) -> list[Inode]:
         """Every regular file of a snapshot's tree."""
         return [inode_row(r) for r in self._db.execute(

@@ -1235,7 +1235,8 @@ def fsck(meta_url: str) -> None:
     out.print(f"unreadable files: {len(rep.damaged) + len(rep.waiting)} ({len(rep.damaged)} lost,"
               f" {len(rep.waiting)} waiting for a shard); replicas missing: {sum(len(x) for _, x in missing)};"
               f" leaked chunks: {len(rep.leaked)} ({format_size(rep.leaked_bytes)}); dead sessions:"
-              f" {len(rep.sessions)}; orphans: {len(rep.orphans)}; shards not checked: {len(rep.unreachable)}",
+              f" {len(rep.sessions)}; orphans: {len(rep.orphans)}; abandoned snapshots: {len(rep.abandoned)};"
+              f" shards not checked: {len(rep.unreachable)}",
               highlight=False, soft_wrap=True)
     for sid, why in rep.unreachable:
         console.print(f"shard {sid} not checked: {why}", highlight=False, soft_wrap=True)
@@ -1245,7 +1246,8 @@ def fsck(meta_url: str) -> None:
         sys.exit(2)
     if rep.garbage or rep.unreachable or missing:
         if rep.garbage:
-            console.print("`irdma gc` frees the leaked chunks, dead sessions and orphans.", highlight=False)
+            console.print("`irdma gc` frees the leaked chunks, dead sessions, orphans and abandoned snapshots.",
+                          highlight=False)
         if rep.unreachable:
             console.print("restart the shards not checked (`irdma shard list` names them), then check again.",
                           highlight=False)
@@ -1389,8 +1391,9 @@ def info_cmd(path: str, meta_url: str, as_json: bool, recursive: bool, max_chunk
 @friendly
 def gc(meta_url: str, dry_run: bool) -> None:
     """Free what no file needs: dead sessions, orphans (files with no name that no live
-    session holds open), and leaked chunks (no file's, or past the end of a file no live
-    session holds open: a crashed writer's). --dry-run reports exactly what a run frees."""
+    session holds open), leaked chunks (no file's, or past the end of a file no live
+    session holds open: a crashed writer's), and snapshots left 'creating' for 10 minutes by
+    a creator that died. --dry-run reports exactly what a run frees."""
     from ..client.native import Client
     from .fsck import collect_garbage
     from .progress import transfer_progress
@@ -1405,8 +1408,11 @@ def gc(meta_url: str, dry_run: bool) -> None:
     rep = trio.run(run)
     verb = "would free" if dry_run else "freed"
     out.print(f"{verb}: {len(rep.sessions)} dead sessions, {len(rep.orphans)} orphaned files"
-              f" ({format_size(rep.orphan_bytes)}), {len(rep.leaked)} leaked chunks ({format_size(rep.leaked_bytes)})",
-              highlight=False)
+              f" ({format_size(rep.orphan_bytes)}), {len(rep.leaked)} leaked chunks ({format_size(rep.leaked_bytes)}),"
+              f" {len(rep.abandoned)} abandoned snapshots", highlight=False)
+    for snap in rep.abandoned:
+        out.print(f"  snapshot {snap.name.decode(errors='replace')!r} of directory inode {snap.dir}: left 'creating'"
+                  " by a creator that died", highlight=False)
     for sid, why in rep.unreachable:
         console.print(f"shard {sid} not collected: {why}", highlight=False, soft_wrap=True)
     if rep.unreachable:

@@ -46,8 +46,9 @@ from typing import Any
 import trio
 
 from .._errors import IrdmaError, NotFound, ShardUnavailable
+from ..client import snapshots
 from ..client.native import Client, layout_of
-from ..meta.base import DamagedFile, Session, ShardRecord
+from ..meta.base import DamagedFile, Session, ShardRecord, Snapshot
 
 #: The incarnation of a chunk-map row out of its chunk's in-sync set
 #: (:data:`irdma.meta.base.OUT_OF_SYNC`).
@@ -89,6 +90,7 @@ class Report:
     leaked: list[tuple[int, int, int, int]] = field(default_factory=list)  # (shard, file, chunk, bytes)
     unreachable: list[tuple[int, str]] = field(default_factory=list)  # (shard, why) in service, not scanned
     retired: list[int] = field(default_factory=list)  # shards drained or removed (not scanned)
+    abandoned: list[Snapshot] = field(default_factory=list)  # left 'creating' by a creator that died
 
     @property
     def leaked_bytes(self) -> int:
@@ -106,7 +108,7 @@ class Report:
 
     @property
     def garbage(self) -> bool:
-        return bool(self.leaked or self.sessions or self.orphans)
+        return bool(self.leaked or self.sessions or self.orphans or self.abandoned)
 
 
 # ---------------------------------------------------------------- metadata read in bulk
@@ -312,6 +314,7 @@ async def scan(client: Client, *, chunks: bool = True, reads: bool = True,
             listed[rec.shard_id] = have
     # the metadata after the listings (see the module's docstring)
     rep.sessions = await meta.dead_sessions()
+    rep.abandoned = await meta.abandoned_snapshots(time.time_ns() - int(snapshots.ABANDONED_S * 1e9))
     held = await _held_open(client, {s.sid for s in rep.sessions})
     files = await meta.file_sizes() if chunks or held is None else {}
     grace_ns = int(await meta.unlink_grace() * 1e9)
@@ -373,6 +376,9 @@ async def collect_garbage(
     for s in rep.sessions:
         await meta.reap_session(s.sid)
         progress(f"reaped session {s.sid} ({s.name}, pid {s.pid} on {s.host})")
+    if rep.abandoned:  # those the scan found (one begun since is not abandoned yet)
+        gone = await snapshots.drop_abandoned(client, max(x.created_ns for x in rep.abandoned) + 1, progress)
+        rep.abandoned = [x for x in gone if x.id in {a.id for a in rep.abandoned}]
     total = [rep.orphan_bytes + rep.leaked_bytes, len(rep.orphans) + len(rep.leaked)]
     done = [0, 0]
 
