@@ -39,6 +39,7 @@ comes back with the same incarnation, so clients see that nothing was lost.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import json
@@ -193,13 +194,19 @@ class ShardStore:
         row = self._db.execute("SELECT seq FROM journal").fetchone()
         if row is None:
             self._db.execute("INSERT INTO journal VALUES (0)")
-        self._seq = int(row[0]) if row is not None else 0
-        self._moves: list[tuple[int, int, int, int]] = []  # in the journal, not yet in the index
+        self._seq = int(row[0]) if row is not None else 0  # the last sequence number spent
+        self._folded = self._seq  # the index's journal.seq: records up to it are in the index
+        # (file id, chunk index, offset, size, sequence number): in the journal, not yet in the index
+        self._moves: list[tuple[int, int, int, int, int]] = []
+        self._direct = False  # the journal failed: moves go to the index, one transaction each
         self._log_path = os.path.join(self.path, "moves.log")
         try:
             self._log_fd = os.open(self._log_path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
             self._log_len = os.fstat(self._log_fd).st_size
             self._replay()
+        except sqlite3.Error as exc:
+            raise IrdmaError(f"cannot replay the moves journal {self._log_path} into {self.path}/chunks.db: {exc}",
+                             "check the disk has room; the journal is kept until it replays") from None
         except OSError as exc:
             raise IrdmaError(f"cannot open the moves journal {self._log_path}: {exc.strerror or exc}",
                              "check the disk has room and the directory is writable") from None
@@ -265,27 +272,36 @@ class ShardStore:
 
         Raises:
             OSError: the journal could not be written; nothing was recorded.
-            sqlite3.Error: the journal was full and folding it failed; nothing was recorded.
+            sqlite3.Error: the journal was full and folding it failed, or the index could not be
+                written; nothing was recorded.
         """
         with self._db_lock:
-            seq = self._seq
+            if self._direct:
+                self._transact("INSERT OR REPLACE INTO chunks VALUES (?,?,?,?)", [(f, i, offset, size) for f, i in keys])
+                return
+            if len(self._moves) >= JOURNAL_FOLD:
+                self._transact(None, ())  # before the append: if it fails, nothing is recorded
+            first = self._seq + 1
+            self._seq += len(keys)  # spent, whatever happens below: a number is never used twice
             recs = bytearray()
-            for f, i in keys:
-                seq += 1
-                body = _MOVE_BODY.pack(seq, f, i, offset, size)
+            for n, (f, i) in enumerate(keys):
+                body = _MOVE_BODY.pack(first + n, f, i, offset, size)
                 recs += body + zlib.crc32(body).to_bytes(4, "little")
             try:
                 if os.write(self._log_fd, recs) != len(recs):
                     raise OSError(28, "short write to the moves journal (disk full?)")
             except BaseException:
                 # none of these records may replay: the caller frees the extent they name
-                os.ftruncate(self._log_fd, self._log_len)
+                try:
+                    os.ftruncate(self._log_fd, self._log_len)
+                except OSError:
+                    # they may stay in the journal: the index passes their numbers now, and
+                    # the journal is not used again by this process
+                    self._direct = True
+                    self._transact(None, ())
                 raise
             self._log_len += len(recs)
-            self._seq = seq
-            self._moves.extend((f, i, offset, size) for f, i in keys)
-            if len(self._moves) >= JOURNAL_FOLD:
-                self._transact(None, ())
+            self._moves.extend((f, i, offset, size, first + n) for n, (f, i) in enumerate(keys))
 
     def unrecord_chunks(self, keys: Sequence[tuple[int, int]]) -> None:
         """Forget chunk keys ``(file id, chunk index)``, in one transaction; their bytes stay
@@ -293,17 +309,22 @@ class ShardStore:
         with self._db_lock:
             self._transact("DELETE FROM chunks WHERE file=? AND idx=?", keys)
 
-    def _transact(self, sql: str | None, rows: Sequence[tuple[int, ...]]) -> None:
+    def _transact(self, sql: str | None, rows: Sequence[tuple[int, ...]], upto: int | None = None) -> None:
         """One index transaction (call with ``_db_lock`` held): the journal's moves folded in
-        first (they came before), then ``sql`` for each of ``rows``; the journal is emptied
-        once it commits. Raises sqlite3.Error (nothing changed: the moves stay journaled)."""
-        if sql is None and not self._moves:
+        first (they came before; those numbered ``upto`` or less only, when given), and
+        ``journal.seq`` past every number spent (or ``upto``), then ``sql`` for each of
+        ``rows``; the journal is emptied once it commits and holds nothing unfolded. Raises
+        sqlite3.Error (nothing changed: the moves stay journaled)."""
+        seq = self._seq if upto is None else upto
+        fold = self._moves if upto is None else [m for m in self._moves if m[4] <= upto]
+        if sql is None and not fold and seq <= self._folded:
             return
         self._db.execute("BEGIN")
         try:
-            if self._moves:
-                self._db.executemany("INSERT OR REPLACE INTO chunks VALUES (?,?,?,?)", self._moves)
-                self._db.execute("UPDATE journal SET seq=?", (self._seq,))
+            if fold:
+                self._db.executemany("INSERT OR REPLACE INTO chunks VALUES (?,?,?,?)", [m[:4] for m in fold])
+            if seq > self._folded:
+                self._db.execute("UPDATE journal SET seq=?", (seq,))
             if sql is not None:
                 self._db.executemany(sql, rows)
             self._db.execute("COMMIT")
@@ -311,18 +332,18 @@ class ShardStore:
             if self._db.in_transaction:
                 self._db.execute("ROLLBACK")
             raise
-        if self._moves:
-            self._moves.clear()
+        self._folded = max(self._folded, seq)
+        del self._moves[: len(fold)]  # (a prefix: numbered in order)
+        if not self._moves and self._log_len:
             self._truncate_log()
 
     def _truncate_log(self) -> None:
         """Empty the journal once the index has its records (a failure is harmless: what is
-        left has sequence numbers the index passed, so it never replays)."""
-        try:
+        left has sequence numbers the index passed, so it never replays; later records go
+        after it)."""
+        with contextlib.suppress(OSError):
             os.ftruncate(self._log_fd, 0)
             self._log_len = 0
-        except OSError:
-            self._log_len = os.fstat(self._log_fd).st_size
 
     def _replay(self) -> None:
         """Fold into the index the journal's records past ``journal.seq`` (moves made after the
@@ -335,7 +356,7 @@ class ShardStore:
             if zlib.crc32(data[pos : pos + _MOVE_BODY.size]) != crc:
                 break
             if seq > self._seq:
-                moves.append((f_id, idx, offset, size))
+                moves.append((f_id, idx, offset, size, seq))
                 self._seq = seq
         self._moves = moves
         with self._db_lock:
@@ -360,10 +381,12 @@ class ShardStore:
     def sync(self) -> None:
         """Make every byte written so far durable (no-op with durability ``memory``)."""
         if self.durability == "fsync":
+            with self._db_lock:
+                upto = self._seq  # the moves whose bytes the flush below has (written before them)
             self.region.flush()
             self.versions.flush()
             with self._db_lock:
-                self._transact(None, ())  # the moves journal into the index, after their bytes
+                self._transact(None, (), upto)  # those moves into the index, after their bytes
                 self._db.execute("PRAGMA wal_checkpoint(FULL)")  # the chunk index, fsynced
 
     def close(self) -> None:

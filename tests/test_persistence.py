@@ -235,30 +235,72 @@ def test_copy_on_write_moves_survive_a_shard_process_that_dies(tmp_path: object)
     store.close()
 
 
+def _as_killed(store: ShardStore, to: str) -> str:
+    """A copy of ``store``'s directory as a SIGKILL now would leave it (no transaction is open:
+    the SQLite file and its WAL are copied whole); ``store`` goes on."""
+    import shutil
+
+    shutil.copytree(store.path, to)
+    return to
+
+
 def test_the_moves_journal_skips_a_torn_record_and_records_the_index_has(tmp_path: object) -> None:
-    """A machine crash may leave half a record at the journal's end: it is ignored. Records
-    the index already has (a journal left unemptied) never replay over later changes."""
+    """A machine crash may leave half a record at the journal's end, or a whole one with
+    garbage (a block written before its data): replay stops there. Records the index already
+    has (a journal left unemptied) never replay over later changes."""
     import struct
     import zlib
 
     from irdma.server.store import MOVE_RECORD
 
     path = os.path.join(str(tmp_path), "s")
-    store = ShardStore(path, 1, 4 * MB)
+    store = ShardStore(path, 1, 8 * MB)
     store.record_chunks([(5, 0, 0, MB), (6, 0, MB, MB)])
     store.move_chunks([(5, 0)], 2 * MB, MB)
     stale = os.pread(store._log_fd, MOVE_RECORD.size, 0)
     store.unrecord_chunks([(5, 0)])  # folds the move, then forgets the key
     store.move_chunks([(6, 0)], 3 * MB, MB)
-    journal = os.path.join(path, "moves.log")
-    store._moves.clear()  # as a process that died: nothing folded at close
+    dead = _as_killed(store, os.path.join(str(tmp_path), "dead"))
     store.close()
+    journal = os.path.join(dead, "moves.log")
     with open(journal, "rb") as f:
         live = f.read()
     assert len(live) == MOVE_RECORD.size
-    body = struct.pack("<QQQQQ", 99, 5, 0, 0, MB)
-    with open(journal, "wb") as f:  # a stale record first, then the live one, then a torn one
-        f.write(stale + live + (body + zlib.crc32(body).to_bytes(4, "little"))[:30])
-    again = ShardStore(path, 1, None)
+
+    def record(seq: int, f: int, i: int, offset: int) -> bytes:
+        body = struct.pack("<QQQQQ", seq, f, i, offset, MB)
+        return body + zlib.crc32(body).to_bytes(4, "little")
+
+    bad = bytearray(record(3, 6, 0, 5 * MB))
+    bad[20] ^= 1  # a whole record, its CRC wrong
+    with open(journal, "wb") as f:  # stale, live, bad, then a good one after it and a torn one
+        f.write(stale + live + bytes(bad) + record(4, 6, 0, 6 * MB) + record(99, 5, 0, 0)[:30])
+    again = ShardStore(dead, 1, None)
     assert sorted(again.chunks()) == [(6, 0, 3 * MB, MB)]
+    again.close()
+
+
+def test_a_move_whose_journal_fold_fails_records_nothing(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the journal is full its moves are folded into the index before the next append: if
+    that fails, the move raises and nothing of it is recorded (its caller frees the extent it
+    names, which another chunk may take), in the process nor after a SIGKILL."""
+    import sqlite3
+
+    from irdma.server import store as store_mod
+
+    monkeypatch.setattr(store_mod, "JOURNAL_FOLD", 1)
+    path = os.path.join(str(tmp_path), "s")
+    store = ShardStore(path, 1, 8 * MB)
+    store.record_chunks([(7, 0, 0, MB)])
+    store.move_chunks([(7, 0)], MB, MB)  # journaled: the journal is full now
+    store._db.execute("CREATE TEMP TRIGGER fail BEFORE UPDATE ON journal BEGIN SELECT RAISE(ABORT, 'disk I/O'); END")
+    with pytest.raises(sqlite3.Error, match="disk I/O"):
+        store.move_chunks([(7, 0)], 2 * MB, MB)
+    dead = _as_killed(store, os.path.join(str(tmp_path), "dead"))
+    store._db.execute("DROP TRIGGER fail")
+    store.record_chunks([(9, 0, 2 * MB, MB)])  # the extent freed by the failed move's caller, taken
+    assert sorted(store.chunks()) == [(7, 0, MB, MB), (9, 0, 2 * MB, MB)]
+    store.close()
+    again = ShardStore(dead, 1, None)
+    assert sorted(again.chunks()) == [(7, 0, MB, MB)]
     again.close()
