@@ -62,8 +62,8 @@ DURABILITY_MODES = ("fsync", "memory")
 #: A moves-journal record: sequence number, file id, chunk index, new region offset, size in
 #: bytes (little-endian u64 each), then the CRC-32 (zlib) of those 40 bytes (u32). Records
 #: whose sequence number is not past the index's ``journal.seq`` are in the index already.
-MOVE_RECORD = struct.Struct("<QQQQQI")
 _MOVE_BODY = struct.Struct("<QQQQQ")
+MOVE_RECORD = struct.Struct(_MOVE_BODY.format + "I")
 #: Moves the journal holds before :meth:`ShardStore.move_chunks` folds them into the index
 #: itself (most are folded sooner, by the next clone, free or new chunk).
 JOURNAL_FOLD = 4096

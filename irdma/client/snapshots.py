@@ -76,7 +76,7 @@ log = logging.getLogger("irdma.client")
 FREEZE_LEASE_S = 5.0
 #: Seconds after which a snapshot still ``creating`` counts as abandoned (its creator died:
 #: a create ends within FREEZE_LEASE_S of its cut, or fails and takes its snapshot away).
-#: ``irdma gc`` deletes it, and so does a create with ``keep`` in the same directory.
+#: ``irdma gc`` deletes it, and so does a create with ``keep`` of the same file or tree.
 ABANDONED_S = 600.0
 #: Seconds a snapshot waits for the last parts of a push its freeze split (:func:`_whole_pushes`):
 #: well under the second a frozen shard holds forwards (``server.dispatch.FORWARD_HOLD_S``).
@@ -175,11 +175,17 @@ async def create_at(client: Client, ino: int, name: bytes, *, keep: int | None =
     if keep is not None:  # only snapshots of the same file or tree: never one made of something else
         mine = [s for s in await client.meta.snapshots(snap.dir) if s.src == snap.src]
         ready = [s for s in mine if s.state == "ready"]
-        dead = [s for s in mine if s.state == "creating" and s.created_ns < time.time_ns() - int(ABANDONED_S * 1e9)]
+        dead = [s for s in mine if s.state == "creating" and s.created_ns < abandoned_before()]
         for old in ready[: max(0, len(ready) - keep)] + dead:
             with contextlib.suppress(NotFound):  # (another create or gc took it first)
                 await _drop(client, old)
     return snap
+
+
+def abandoned_before() -> int:
+    """The time (nanoseconds since the Unix epoch) before which a snapshot still ``creating``
+    was abandoned: :data:`ABANDONED_S` ago."""
+    return time.time_ns() - int(ABANDONED_S * 1e9)
 
 
 async def drop_abandoned(client: Client, before_ns: int | None = None,
@@ -191,10 +197,8 @@ async def drop_abandoned(client: Client, before_ns: int | None = None,
     Returns:
         The snapshots deleted (one another client deleted first is left out).
     """
-    if before_ns is None:
-        before_ns = time.time_ns() - int(ABANDONED_S * 1e9)
     gone = []
-    for snap in await client.meta.abandoned_snapshots(before_ns):
+    for snap in await client.meta.abandoned_snapshots(abandoned_before() if before_ns is None else before_ns):
         try:
             await _drop(client, snap)
         except NotFound:

@@ -314,7 +314,7 @@ async def scan(client: Client, *, chunks: bool = True, reads: bool = True,
             listed[rec.shard_id] = have
     # the metadata after the listings (see the module's docstring)
     rep.sessions = await meta.dead_sessions()
-    rep.abandoned = await meta.abandoned_snapshots(time.time_ns() - int(snapshots.ABANDONED_S * 1e9))
+    rep.abandoned = await meta.abandoned_snapshots(snapshots.abandoned_before())
     held = await _held_open(client, {s.sid for s in rep.sessions})
     files = await meta.file_sizes() if chunks or held is None else {}
     grace_ns = int(await meta.unlink_grace() * 1e9)
@@ -377,8 +377,7 @@ async def collect_garbage(
         await meta.reap_session(s.sid)
         progress(f"reaped session {s.sid} ({s.name}, pid {s.pid} on {s.host})")
     if rep.abandoned:  # those the scan found (one begun since is not abandoned yet)
-        gone = await snapshots.drop_abandoned(client, max(x.created_ns for x in rep.abandoned) + 1, progress)
-        rep.abandoned = [x for x in gone if x.id in {a.id for a in rep.abandoned}]
+        rep.abandoned = await snapshots.drop_abandoned(client, max(x.created_ns for x in rep.abandoned) + 1, progress)
     total = [rep.orphan_bytes + rep.leaked_bytes, len(rep.orphans) + len(rep.leaked)]
     done = [0, 0]
 
