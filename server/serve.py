@@ -11,6 +11,7 @@ import functools
 import logging
 import os
 import signal
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -83,23 +84,38 @@ async def run_server(
 
 async def _serve_until_signal(server: ShardServer, shard: Shard, host: str, port: int, port_file: str | None,
                               keys: auth.KeySource | None, verbs: VerbsShard | None, sock: Any = None) -> None:
-    async with trio.open_nursery() as nursery:
-        bound = await nursery.start(functools.partial(server.serve_tcp, host, port, sock=sock))
-        address = f"{bound[0]}:{bound[1]}"
-        log.info("shard %d serving %d bytes on %s (%s)%s", shard.shard_id, shard.capacity, address,
-                 "tcp and verbs" if verbs is not None else "tcp",
-                 f"; metrics on http://{server.metrics_address}/metrics" if server.metrics_address else "")
-        if keys is None:
-            log.warning("serving WITHOUT authentication (--no-auth): anyone who reaches %s can read and write"
-                        " every chunk", address)
-        if port_file:
-            await trio.to_thread.run_sync(_write_port_file, port_file, address)
-        nursery.start_soon(_trim_freed, shard)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                log.info("shard %d stopping on signal %d", shard.shard_id, signum)
-                nursery.cancel_scope.cancel()
-                break
+    """Serve until SIGTERM or SIGINT, then return (the caller syncs and closes the store).
+
+    The signal handlers go in first: the shard is ready (answers handshakes, writes ``port_file``)
+    only once a signal stops it cleanly, so one sent the moment it is ready (``irdma down``, a test
+    that saw the port file) is a clean stop, never a death by the signal. One that comes while it
+    is still starting stops it as cleanly, as soon as it can (it may never write its port file).
+
+    Raises:
+        OSError: ``host:port`` cannot be bound, or ``port_file`` cannot be written.
+    """
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_stop_on_signal, signals, nursery.cancel_scope, shard.shard_id)
+            bound = await nursery.start(functools.partial(server.serve_tcp, host, port, sock=sock))
+            address = f"{bound[0]}:{bound[1]}"
+            log.info("shard %d serving %d bytes on %s (%s)%s", shard.shard_id, shard.capacity, address,
+                     "tcp and verbs" if verbs is not None else "tcp",
+                     f"; metrics on http://{server.metrics_address}/metrics" if server.metrics_address else "")
+            if keys is None:
+                log.warning("serving WITHOUT authentication (--no-auth): anyone who reaches %s can read and write"
+                            " every chunk", address)
+            nursery.start_soon(_trim_freed, shard)
+            if port_file:
+                await trio.to_thread.run_sync(_write_port_file, port_file, address)
+
+
+async def _stop_on_signal(signals: AsyncIterator[int], scope: trio.CancelScope, shard_id: int) -> None:
+    """Cancel ``scope`` (the shard's serving) at the first signal of ``signals``."""
+    async for signum in signals:
+        log.info("shard %d stopping on signal %d", shard_id, signum)
+        scope.cancel()
+        return
 
 
 async def _trim_freed(shard: Shard) -> None:
