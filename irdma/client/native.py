@@ -1246,6 +1246,11 @@ class Client:
         inode = await self.create(path, chunk_size=chunk_size)
         _writable(inode, path)
         uop = parse_update(op) if isinstance(op, str) else (op if op is not None else parse_update(inode.update_op or "assign"))
+        return await self._write_inode(inode, data, offset, uop, coded, feedback)
+
+    async def _write_inode(self, inode: Inode, data: object, offset: int, uop: UpdateOp | Update,
+                           coded: Compression | None, feedback: np.ndarray | None) -> int:
+        """:meth:`write` of a file already looked up (and checked writable), with its op."""
         view = _as_bytes_view(data)
         layout = layout_of(inode)
         chunks = await self.meta.chunk_map(inode.ino)
@@ -1291,36 +1296,47 @@ class Client:
 
     async def push(self, path: str, delta: np.ndarray, offset: int = 0, *, compress: Compression | str | None = None,
                    residual: np.ndarray | None = None) -> None:
-        """Add ``delta`` (cast to little-endian float32) element-wise into the file's bytes.
+        """Push gradient ``delta`` (cast to little-endian float32) into the file, as a write
+        through the mount does: the file's ``user.irdma.update`` is applied on the shards (an
+        optimizer takes one step, its state included: ``adam``, ``sgd momentum=0.9``, ...;
+        ``add`` adds), and a file under ``assign`` (or a new one) has ``delta`` added
+        element-wise.
 
         ``compress`` (a :class:`irdma.wire.compress.Compression` or a ``user.irdma.compress`` value
         such as ``"topk:0.01"`` or ``"sign"``; None: dense) sends it compressed, decoded and
-        added on the shards. ``residual`` (float32, C-contiguous, as many elements as
+        applied on the shards. ``residual`` (float32, C-contiguous, as many elements as
         ``delta``; zeros at first, then kept by the caller between pushes) is error feedback:
         ``delta + residual`` is pushed and ``residual`` becomes, in place, what the compression
         dropped (zeros for a dense push); its elements in a piece that failed are left as they
-        were. Over pushes, what the shards added plus ``residual`` is the sum of the deltas
+        were. Over pushes, what the shards received plus ``residual`` is the sum of the deltas
         (Karimireddy et al., ICML 2019).
 
         Raises:
-            ValueError: a bad ``compress`` value, or ``residual`` of the wrong size or dtype.
+            ValueError: a bad ``compress`` value, ``residual`` of the wrong size or dtype, or a
+                file's ``user.irdma.update`` that does not parse (nothing changed).
             And what :meth:`write` raises.
         """
         coded = _compression(compress)
         g = np.ascontiguousarray(delta, dtype="<f4").reshape(-1)
-        if residual is None:
-            await self.write(path, g, offset, op=UpdateOp.ADD, compress=coded)
-            return
-        if residual.dtype != np.float32 or residual.size != g.size or not residual.flags.c_contiguous:
+        if residual is not None and (residual.dtype != np.float32 or residual.size != g.size
+                                     or not residual.flags.c_contiguous):
             raise ValueError(f"residual must be C-contiguous float32 of {g.size} elements, not {residual.dtype} of"
                              f" {residual.size}")
+        inode = await self.create(path)
+        _writable(inode, path)
+        uop: UpdateOp | Update = parse_update(inode.update_op or "assign")
+        if as_update(uop).op == UpdateOp.ASSIGN:  # a push never overwrites: the gradient is added
+            uop = UpdateOp.ADD
+        if residual is None:
+            await self._write_inode(inode, g, offset, uop, coded, None)
+            return
         flat = residual.reshape(-1)
         corrected = g + flat
         if not coded:
-            await self.write(path, corrected, offset, op=UpdateOp.ADD)
+            await self._write_inode(inode, corrected, offset, uop, None, None)
             flat[:] = 0
             return
-        await self.write(path, corrected, offset, op=UpdateOp.ADD, compress=coded, feedback=flat)
+        await self._write_inode(inode, corrected, offset, uop, coded, flat)
 
     async def pull(self, path: str, shape: Sequence[int] | None = None, dtype: str = "<f4") -> np.ndarray:
         """Read a whole tensor: the file's bytes as ``dtype`` (little-endian float32 by default).
