@@ -28,9 +28,9 @@ import trio
 from irdma._errors import IrdmaError, NotADirectory, NotFound
 from irdma.client.cache import ChunkCache, make_cache
 from irdma.client.native import DEFAULT_TIMEOUT, Client
-from irdma.meta import ROOT_INO, meta_scheme, redact
+from irdma.meta import ROOT_INO, meta_path, meta_scheme, redact
 from irdma.meta.base import UNLINK_GRACE_S, MetaStore
-from irdma.ops._proc import last_log_line, pid_alive, spawn_detached
+from irdma.ops._proc import forget_mount_record, last_log_line, pid_alive, spawn_detached, write_mount_record
 from irdma.ops.metrics import Exporter, forget_mount, parse_metrics_address, record_mount
 from irdma.ops.metrics import serve as serve_metrics
 from irdma.ops.metrics import set_transport as set_metrics_transport
@@ -58,7 +58,10 @@ async def serve_mount(
     mount's root; nothing above it can be reached. ``attr_cache``, ``entry_cache``: seconds the
     kernel caches attributes and names (:func:`check_cache_seconds`). These are ``juicefs
     mount``'s ``--read-only``, ``--subdir``, ``--attr-cache`` and ``--entry-cache``.
-    ``/proc/mounts`` shows the mount as ``irdma:URL`` (:func:`mount_source`) of type ``fuse.irdma``.
+    ``/proc/mounts`` shows the mount as ``irdma:URL`` (:func:`mount_source`; an SQLite path made
+    absolute) of type ``fuse.irdma``; while it runs, the mount records the directory it shows
+    (:func:`irdma.ops._proc.write_mount_record`), so that ``irdma info`` and ``irdma snapshot``
+    map a path under it to that namespace and directory.
 
     ``metrics``: ``HOST:PORT`` to serve Prometheus metrics on (:mod:`irdma.ops.metrics`: FUSE
     requests, the client's requests to shards; port 0 picks one). The bound address is recorded
@@ -119,14 +122,21 @@ async def _serve_mount(
             options.add("allow_other")
         if view.read_only:
             options.add("ro")
-        options.add("fsname=" + mount_source(meta_url).replace("\\", "\\\\").replace(",", "\\,"))
+        source = mount_source(_absolute(meta_url))
+        options.add("fsname=" + source.replace("\\", "\\\\").replace(",", "\\,"))
         options.add("subtype=irdma")
         if debug:
             options.add("debug")
         fs.after_init = lambda: set_readahead(mountpoint, READAHEAD_KB)
+        try:  # before the mount is up: a command that finds it in the mount table finds the record too
+            await trio.to_thread.run_sync(write_mount_record, mountpoint, source, view.subdir or "/")
+        except OSError as exc:
+            log.warning("cannot record what the mount shows (%s: %s): irdma commands refuse paths under %s"
+                        " (set $IRDMA_RUN_DIR to a writable directory)", exc.filename, exc.strerror, mountpoint)
         try:
             pyfuse3.init(fs, mountpoint, options)
         except RuntimeError as exc:
+            forget_mount_record(mountpoint)
             raise IrdmaError(f"FUSE could not mount {mountpoint}: {exc}",
                              "check that /dev/fuse exists and fuse3 is installed (apt-get install fuse3)") from None
         unmounted = False
@@ -159,6 +169,7 @@ async def _serve_mount(
         finally:
             # after terminate() the kernel mount is still there: take it down ourselves
             pyfuse3.close(unmount=not unmounted or _still_mounted(mountpoint))
+            forget_mount_record(mountpoint)
             await fs.end_session()
 
 
@@ -207,6 +218,12 @@ def resolve_subdir(meta: MetaStore, subdir: str) -> int:
         raise IrdmaError(f"--subdir {subdir}: not a directory in {redact(meta.url)}",
                          "give a directory, a path such as /jobs/x from the namespace's root")
     return inode.ino
+
+
+def _absolute(meta_url: str) -> str:
+    """``meta_url`` with an SQLite path made absolute (``sqlite:///abs/meta.db``): the mount table
+    names the namespace for commands run from any directory."""
+    return f"sqlite://{meta_path(meta_url)}" if meta_scheme(meta_url) == "sqlite" else meta_url
 
 
 def mount_source(meta_url: str) -> str:

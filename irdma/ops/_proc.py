@@ -55,3 +55,62 @@ def last_log_line(path: str) -> str:
     except OSError as exc:
         return f"(cannot read its log: {exc.strerror})"
     return lines[-1] if lines else "(its log is empty)"
+
+
+# ---------------------------------------------------------------- what a mount shows
+def mount_record_file(mountpoint: str) -> str:
+    """The file where the mount on ``mountpoint`` records what it shows while it runs (JSON:
+    ``mountpoint``, ``pid``, ``source`` as the mount table shows it, ``subdir``): beside its
+    metrics record, in :func:`irdma.ops.metrics.run_dir` (per user), keyed by the mountpoint."""
+    from .metrics import mount_state_file
+
+    return mount_state_file(mountpoint).removesuffix(".json") + ".view.json"
+
+
+def write_mount_record(mountpoint: str, source: str, subdir: str) -> str:
+    """Record that this process serves ``mountpoint``, of source ``source`` (``irdma:URL``, the
+    mount table's) showing directory ``subdir`` of its namespace as its root; returns the file.
+
+    Raises:
+        OSError: the run directory cannot be written.
+    """
+    import json
+
+    path = mount_record_file(mountpoint)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"mountpoint": os.path.abspath(mountpoint), "pid": os.getpid(), "source": source,
+                   "subdir": os.path.normpath("/" + subdir.strip("/"))}, f)
+    os.replace(tmp, path)
+    return path
+
+
+def read_mount_record(mountpoint: str) -> dict[str, object] | None:
+    """The record of the live mount on ``mountpoint`` (:func:`write_mount_record`), or None when
+    there is none, it cannot be read, or the process that wrote it is gone."""
+    import json
+
+    try:
+        with open(mount_record_file(mountpoint)) as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rec, dict) or not isinstance(rec.get("pid"), int) or not isinstance(rec.get("subdir"), str) \
+            or not isinstance(rec.get("source"), str) or not pid_alive(rec["pid"]):
+        return None
+    return rec
+
+
+def forget_mount_record(mountpoint: str) -> None:
+    """Remove the record of :func:`write_mount_record` if this process made it (best effort)."""
+    import json
+
+    path = mount_record_file(mountpoint)
+    try:
+        with open(path) as f:
+            if json.load(f).get("pid") != os.getpid():
+                return
+        os.unlink(path)
+    except (OSError, ValueError, AttributeError):
+        pass

@@ -36,6 +36,29 @@ def _meta_default() -> str:
     return os.environ.get("IRDMA_META") or _cluster.meta_url_of(_cluster.default_dir())
 
 
+def _meta_explicit() -> bool:
+    """Whether the user named the namespace (``--meta`` or ``$IRDMA_META``) rather than leaving
+    it to the default cluster's."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context(silent=True)
+    source = ctx.get_parameter_source("meta_url") if ctx is not None else None
+    return source not in (None, ParameterSource.DEFAULT) or bool(os.environ.get("IRDMA_META"))
+
+
+def target(path: str, meta_url: str) -> Any:
+    """The namespace and path that PATH names (:func:`irdma.ops.info.resolve_target`): a path
+    under an irdma mount names that mount's namespace and the directory it shows.
+
+    Raises:
+        InvalidArgument: PATH is under a mount of another namespace than the one --meta or
+            $IRDMA_META names. IrdmaError: which directory the mount shows is unknown.
+    """
+    from . import info as I
+
+    return I.resolve_target(path, meta_url, _meta_explicit())
+
+
 META_OPTION = click.option(
     "--meta", "meta_url", default=_meta_default, show_default="$IRDMA_META or the default cluster's",
     help="Metadata URL of the namespace (sqlite:///PATH/meta.db or postgresql://USER@HOST:PORT/DB).",
@@ -1282,8 +1305,9 @@ def info_cmd(path: str, meta_url: str, as_json: bool, recursive: bool, max_chunk
     the chunk's version on the shard; then each shard's share. For a directory: its files, directories, bytes and chunks, and each
     shard's share (--recursive: its whole tree).
 
-    PATH is a path in the namespace (/jobs/x/w), or a path under an irdma mount of it
-    (/mnt/ps/jobs/x/w). Exits 2 when a chunk under PATH cannot be read (it waits for a shard,
+    PATH is a path in the namespace (/jobs/x/w), or a path under an irdma mount (/mnt/ps/jobs/x/w):
+    then the mount's namespace and the directory it shows (--subdir) are used, and a --meta that
+    names another namespace is an error. Exits 2 when a chunk under PATH cannot be read (it waits for a shard,
     or is lost), 1 when one has fewer replicas than asked, else 0 (as `irdma status`).
     """
     import json
@@ -1293,7 +1317,8 @@ def info_cmd(path: str, meta_url: str, as_json: bool, recursive: bool, max_chunk
     from ..client.native import Client
     from . import info as I
 
-    ns_path, mount = I.namespace_path(path)
+    where_ = target(path, meta_url)
+    ns_path, mount, meta_url = where_.path, where_.mount, where_.meta_url
 
     async def run() -> Any:
         async with Client.open(meta_url, transport="tcp") as client:
@@ -1879,7 +1904,7 @@ def fstab_args(argv: list[str]) -> list[str] | None:
     return mount_args(argv[0], argv[1], ",".join(options))
 
 
-cli.add_command(snapshot_cli.group(META_OPTION, friendly, console, out))
+cli.add_command(snapshot_cli.group(META_OPTION, friendly, console, out, target))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,8 +1,8 @@
 """``irdma info PATH``: where the bytes of a file live, and what a directory holds (as
 ``juicefs info`` does for JuiceFS).
 
-How it works. :func:`path_info` resolves a path in the namespace (:func:`namespace_path` maps a
-path under an irdma mount to one first), asks every shard for its STAT once
+How it works. :func:`path_info` resolves a path in the namespace (:func:`resolve_target` maps a
+path under an irdma mount to the mount's namespace and the path in it first), asks every shard for its STAT once
 (:meth:`Client.shard_stats`, which also records each shard's incarnation and health in the shard
 map, as ``irdma status`` does), then reads the metadata:
 
@@ -47,13 +47,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
 from .._concurrency import open_nursery
-from .._errors import NotADirectory, NotFound, ShardUnavailable
+from .._errors import InvalidArgument, IrdmaError, NotADirectory, NotFound, ShardUnavailable
 from ..client.native import Client, layout_of
 from ..meta.base import OUT_OF_SYNC, XATTR_IO, Inode, ShardRecord
 from ..placement import Layout
@@ -251,12 +252,36 @@ def as_dict(info: FileInfo | DirInfo) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- paths
-def irdma_mounts(mountinfo: str = "/proc/self/mountinfo") -> list[str]:
-    """The mountpoints of irdma mounts (type ``fuse.irdma``) in the mount table, as it writes them.
+@dataclass(frozen=True)
+class IrdmaMount:
+    """One irdma mount in the mount table.
+
+    Attributes:
+        mountpoint: as the table writes it (absolute, resolved).
+        source: ``irdma:META_URL`` (:func:`irdma.fs.mount.mount_source`: a PostgreSQL URL
+            without its password, an SQLite path made absolute).
+    """
+
+    mountpoint: str
+    source: str
+
+    @property
+    def meta_url(self) -> str | None:
+        """The metadata URL of the mount's namespace, or None when the source names none."""
+        url = self.source[len("irdma:"):] if self.source.startswith("irdma:") else ""
+        return url or None
+
+
+def mount_table(mountinfo: str = "/proc/self/mountinfo") -> list[IrdmaMount]:
+    """The irdma mounts (type ``fuse.irdma``) in the mount table, in its order (a mount stacked
+    on another comes after it).
 
     Reads only the table: no request goes to a filesystem. An unreadable table gives none.
     """
     import re
+
+    def unescape(text: str) -> str:
+        return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), text)
 
     out = []
     try:
@@ -270,17 +295,27 @@ def irdma_mounts(mountinfo: str = "/proc/self/mountinfo") -> list[str]:
             continue
         sep = fields.index("-", 6)
         if len(fields) > sep + 1 and fields[sep + 1] == "fuse.irdma":
-            out.append(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4]))
+            source = unescape(fields[sep + 2]) if len(fields) > sep + 2 else ""
+            out.append(IrdmaMount(unescape(fields[4]), source))
     return out
 
 
+def irdma_mounts(mountinfo: str = "/proc/self/mountinfo") -> list[str]:
+    """The mountpoints of irdma mounts (type ``fuse.irdma``) in the mount table, as it writes them.
+
+    Reads only the table: no request goes to a filesystem. An unreadable table gives none.
+    """
+    return [m.mountpoint for m in mount_table(mountinfo)]
+
+
 def namespace_path(path: str, mounts: list[str] | None = None) -> tuple[str, str | None]:
-    """The namespace path ``path`` names, and the irdma mount it lies under (None if none).
+    """The path ``path`` names below the irdma mount it lies under, and that mount (None if none).
 
     A path under an irdma mountpoint (``/mnt/ps/w/kernel``, or a relative one from the current
-    directory) names the path below the mountpoint (``/w/kernel``); the mount's namespace must
-    be the one ``--meta`` opens. Any other path is a path in the namespace already (``w`` and
-    ``/w`` alike). Symbolic links are followed only when the path as written is under no mount.
+    directory) names the path below the mountpoint (``/w/kernel``): a path in the directory the
+    mount shows (:func:`resolve_target` adds a ``--subdir`` mount's directory). Any other path
+    is a path in the namespace already (``w`` and ``/w`` alike). Symbolic links are followed
+    only when the path as written is under no mount.
 
     Args:
         mounts: the irdma mountpoints (default: :func:`irdma_mounts`).
@@ -298,6 +333,99 @@ def namespace_path(path: str, mounts: list[str] | None = None) -> tuple[str, str
             rest = cand[len(best.rstrip("/")):]
             return "/" + rest.strip("/"), best
     return os.path.normpath("/" + path.strip("/")) if path.strip("/") else "/", None
+
+
+def namespace_key(meta_url: str) -> str:
+    """What two metadata URLs of one namespace have in common (no I/O): an SQLite database's
+    resolved path; a PostgreSQL URL without its password (``password=`` parameters too) and
+    with ``postgresql://`` for ``postgres://``. A URL no engine takes is its own key."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from ..meta import meta_path, meta_scheme
+
+    try:
+        if meta_scheme(meta_url) == "sqlite":
+            return "sqlite://" + os.path.realpath(meta_path(meta_url))
+        parts = urlsplit(meta_url)
+        netloc = parts.netloc.rsplit("@", 1)
+        user = netloc[0].split(":", 1)[0] + "@" if len(netloc) == 2 else ""
+        query = "&".join(sorted(q for q in parts.query.split("&") if q and not q.split("=", 1)[0].endswith("password")))
+        return urlunsplit(("postgresql", user + netloc[-1], parts.path, query, ""))
+    except (IrdmaError, ValueError):
+        return meta_url
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a path given to a command names: a path in a namespace.
+
+    Attributes:
+        path: the path in the namespace (a ``--subdir`` mount's directory included).
+        meta_url: the namespace's metadata URL: the mount's, for a path under a mount (as
+            ``--meta`` gives it when it was given), else the URL the command was given.
+        mount: the irdma mountpoint the path lies under, or None.
+        subdir: the directory of the namespace that mount shows as its root (``/``: all of it).
+    """
+
+    path: str
+    meta_url: str
+    mount: str | None = None
+    subdir: str = "/"
+
+
+def resolve_target(path: str, meta_url: str, explicit: bool, *, named_by: str = "--meta (or $IRDMA_META)",
+                   table: list[IrdmaMount] | None = None,
+                   record: Callable[[str], dict[str, object] | None] | None = None) -> Target:
+    """The namespace and the path in it that ``path`` names (see :class:`Target`).
+
+    A path under an irdma mount names the mount's namespace (the metadata URL in the mount
+    table) and a path in the directory the mount shows (the ``--subdir`` its record holds,
+    :func:`irdma.ops._proc.read_mount_record`). Any other path is a path in the namespace of
+    ``meta_url``.
+
+    Args:
+        meta_url: the URL the command was given (``--meta``, ``$IRDMA_META`` or the default).
+        explicit: ``meta_url`` was named by the user (``--meta`` or ``$IRDMA_META``), not the
+            default cluster's: a path under a mount of another namespace is an error then.
+        named_by: what named ``meta_url``, for the error message.
+        table: the irdma mounts (default: :func:`mount_table`).
+        record: the record of a mountpoint (default: :func:`irdma.ops._proc.read_mount_record`).
+
+    Raises:
+        InvalidArgument: ``path`` is under a mount of another namespace than ``meta_url``'s
+            and ``explicit``.
+        IrdmaError: ``path`` is under an irdma mount whose source names no namespace, or
+            whose record is missing (a mount of another user, or of an older irdma): which
+            directory it shows is unknown, so nothing is done.
+    """
+    from ..meta import redact
+    from ._proc import mount_record_file, read_mount_record
+
+    table = mount_table() if table is None else table
+    record = read_mount_record if record is None else record
+    below, mountpoint = namespace_path(path, [m.mountpoint for m in table])
+    if mountpoint is None:
+        return Target(below, meta_url)
+    entry = [m for m in table if m.mountpoint == mountpoint][-1]  # the topmost one there
+    url = entry.meta_url
+    if url is None:
+        raise IrdmaError(f"{path} is under the irdma mount on {mountpoint}, whose source {entry.source!r} names"
+                         " no namespace", "give the path in the namespace, with --meta URL")
+    if explicit and namespace_key(meta_url) != namespace_key(url):
+        raise InvalidArgument(
+            f"{path} is under the mount on {mountpoint} of {url}, but {named_by} names {redact(meta_url)}",
+            "leave --meta out and unset IRDMA_META (a path under a mount names that mount's namespace),"
+            " or give a path of the namespace you named without a mountpoint (/jobs/x)")
+    rec = record(mountpoint)
+    if rec is None or rec.get("source") != entry.source or not isinstance(rec.get("subdir"), str):
+        raise IrdmaError(
+            f"{path} is under the irdma mount on {mountpoint}, but which directory of {url} it shows is"
+            f" unknown: its record {mount_record_file(mountpoint)} is missing (a mount of another user, or"
+            " of an older irdma); nothing done",
+            f"give the path in the namespace instead (such as /jobs/x/w) with --meta {url}, or mount it again")
+    subdir = os.path.normpath("/" + str(rec["subdir"]).strip("/"))
+    inside = os.path.normpath(os.path.join(subdir, below.lstrip("/")))
+    return Target(inside, meta_url if explicit else url, mountpoint, subdir)
 
 
 async def resolve(client: Client, path: str) -> Inode:
@@ -578,5 +706,6 @@ async def path_info(client: Client, path: str, recursive: bool = False, versions
     return await file_info(client, path, inode, shards, versions)
 
 
-__all__ = ["Chunk", "DirInfo", "FileInfo", "Replica", "ShardShare", "Totals", "as_dict", "dir_info",
-           "file_info", "irdma_mounts", "namespace_path", "path_info", "resolve"]
+__all__ = ["Chunk", "DirInfo", "FileInfo", "IrdmaMount", "Replica", "ShardShare", "Target", "Totals", "as_dict",
+           "dir_info", "file_info", "irdma_mounts", "mount_table", "namespace_key", "namespace_path", "path_info",
+           "resolve", "resolve_target"]

@@ -18,21 +18,25 @@ from ..units import format_size
 _Deco = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
-def _namespace(path: str) -> str:
-    from . import info as I
-
-    return I.namespace_path(path)[0]
-
-
-def group(META_OPTION: _Deco, friendly: _Deco, console: Any, out: Any) -> click.Group:  # noqa: N803
+def group(META_OPTION: _Deco, friendly: _Deco, console: Any, out: Any,  # noqa: N803
+          target: Callable[[str, str], Any]) -> click.Group:
     """The ``snapshot`` command group, built with :mod:`irdma.ops.cli`'s option and error
-    handling (passed in: that module imports this one)."""
+    handling, and ``target`` (:func:`irdma.ops.cli.target`: the namespace and path a PATH
+    names; a path under a mount is in that mount's namespace and directory), passed in: that
+    module imports this one."""
+
+    def _namespace(path: str, meta_url: str) -> tuple[str, str]:
+        t = target(path, meta_url)
+        return t.path, t.meta_url
 
     @click.group()
     def snapshot() -> None:
         """Snapshots: a consistent point-in-time copy of a live file or directory, made in O(files)
         (no parameter byte copied: the shards copy a chunk on its next write), read at
-        DIR/.snapshots/NAME (read-only). Through a mount: `mkdir DIR/.snapshots/NAME`, `rmdir` it."""
+        DIR/.snapshots/NAME (read-only). Through a mount: `mkdir DIR/.snapshots/NAME`, `rmdir` it.
+
+        PATH is a path in the namespace (/jobs/x), or a path under an irdma mount: then the
+        mount's namespace and the directory it shows (--subdir) are used."""
 
 
     @snapshot.command("create")
@@ -49,7 +53,7 @@ def group(META_OPTION: _Deco, friendly: _Deco, console: Any, out: Any) -> click.
         after it returned is; pushes wait about one round trip to the shards meanwhile."""
         from ..client.native import Client
 
-        ns = _namespace(path)
+        ns, meta_url = _namespace(path, meta_url)
 
         async def run() -> object:
             async with Client.open(meta_url, transport="tcp") as client:
@@ -69,7 +73,7 @@ def group(META_OPTION: _Deco, friendly: _Deco, console: Any, out: Any) -> click.
         """The snapshots of PATH (a directory, or a file's directory), oldest first."""
         from ..client.native import Client
 
-        ns = _namespace(path)
+        ns, meta_url = _namespace(path, meta_url)
 
         async def run() -> list:  # type: ignore[type-arg]
             async with Client.open(meta_url, transport="tcp") as client:
@@ -104,7 +108,7 @@ def group(META_OPTION: _Deco, friendly: _Deco, console: Any, out: Any) -> click.
         """Delete snapshot NAME of PATH; the chunks only it held are freed on the shards."""
         from ..client.native import Client
 
-        ns = _namespace(path)
+        ns, meta_url = _namespace(path, meta_url)
 
         async def run() -> int:
             async with Client.open(meta_url, transport="tcp") as client:
@@ -124,7 +128,7 @@ def group(META_OPTION: _Deco, friendly: _Deco, console: Any, out: Any) -> click.
         what they had until reopened."""
         from ..client.native import Client
 
-        ns = _namespace(path)
+        ns, meta_url = _namespace(path, meta_url)
 
         async def run() -> None:
             async with Client.open(meta_url, transport="tcp") as client:
@@ -143,8 +147,12 @@ def group(META_OPTION: _Deco, friendly: _Deco, console: Any, out: Any) -> click.
         """A writable copy of snapshot NAME of PATH at NEW_PATH, sharing every chunk with the
         snapshot until written (copy-on-write)."""
         from ..client.native import Client
+        from . import info as I
 
-        ns, dst = _namespace(path), _namespace(new_path)
+        ns, meta_url = _namespace(path, meta_url)
+        # NEW_PATH is in the snapshot's namespace: a plain path, or one under a mount of it
+        there = I.resolve_target(new_path, meta_url, True, named_by=f"the namespace of {path}")
+        dst = there.path
 
         async def run() -> None:
             async with Client.open(meta_url, transport="tcp") as client:
