@@ -9,8 +9,12 @@ writes are pushed in the order they were made, and a read waits for the writes i
 This module translates POSIX requests; the caching of a file's bytes (write-behind, read-ahead,
 the residuals of compressed pushes) lives in :mod:`irdma.fs.cache`.
 
-A file whose update op is ``add`` (xattr ``user.irdma.update``) is opened with direct I/O,
-so the page cache never holds a delta in place of the sum; so is a file whose xattr
+A file whose update op is ``add`` or an optimizer (xattr ``user.irdma.update``) is opened for
+writing with direct I/O, so the page cache never holds a delta in place of the sum (a shared
+mapping of such a handle fails with ENODEV: its pages would be pushed as deltas); opened
+read-only it uses the page cache, which then holds pulled bytes only, never kept from one open to
+the next (pushes may leave its mtime as it was: ``MTIME_LAZY_S``), so ``mmap(MAP_SHARED)`` of
+it (``np.memmap(path, mode="r")``) reads the pulled sum. So is a file whose xattr
 ``user.irdma.io`` is ``direct`` (inherited from its directory), or every file of a mount made
 with ``--direct-io``: reads and writes then reach the mount in requests of up to 1 MiB with no
 page-cache copy, the right choice for parameters streamed in bulk. Other files use the page cache,
@@ -321,7 +325,8 @@ class IrdmaFS(pyfuse3.Operations):
         except NotFound:
             raise Stale(f"inode {ino} was removed") from None
 
-    async def _drain(self, st: _FileState, ino: int, h: _Handle | None = None, advance: bool = True) -> None:
+    async def _drain(self, st: _FileState, ino: int, h: _Handle | None = None, advance: bool = True,
+                     keep_error: bool = False) -> None:
         """Wait for every transfer of the file; persist the size of what the shards
         acknowledged and the chunks created; raise the first error.
 
@@ -338,7 +343,8 @@ class IrdmaFS(pyfuse3.Operations):
         (FUSE_FLUSH, sent at every ``close`` of any descriptor of the open file, also one a
         forked child inherited and closed at exec) it is reported and kept for the next fsync,
         as ``filemap_check_wb_err``: a child's close must not take the error from the
-        writer's fsync.
+        writer's fsync. ``keep_error`` (a setattr of mtime, which drains first): a push's error
+        is neither raised nor forgotten; the writers hear of it at their flush, fsync or close.
 
         Raises:
             IrdmaError: a push's error (see ``h``), the metadata engine's error (the records
@@ -381,6 +387,8 @@ class IrdmaFS(pyfuse3.Operations):
                     h.error = None
                 wb.error = None  # writes go on: this handle was told
                 raise err
+            return
+        if keep_error:
             return
         first = wb.take_error()
         if first is not None:
@@ -532,6 +540,14 @@ class IrdmaFS(pyfuse3.Operations):
                 kw["atime_ns"] = attr.st_atime_ns
             if fields.update_mtime:
                 kw["mtime_ns"] = attr.st_mtime_ns
+                st = self._files.get(inode)
+                if st is not None:
+                    # A time the user sets (tar -x, cp -a, rsync: utimensat before close) outlives
+                    # the writes made before it: they are recorded first, so no later drain of them
+                    # stamps its own time over it (the NFS client flushes before a SETATTR too).
+                    async with st.write_behind.admit:
+                        await self._drain(st, inode, keep_error=True)
+                        return self._entry(await self.meta.setattr(inode, **kw))
             return self._entry(await self.meta.setattr(inode, **kw))
 
     @staticmethod
@@ -764,13 +780,19 @@ class IrdmaFS(pyfuse3.Operations):
         st.invalidate()  # close-to-open: a new open pulls fresh bytes
         st.open_count += 1
         op = parse_update(inode.update_op or "assign")
-        direct = op.op != UpdateOp.ASSIGN or io_mode == b"direct" or self.direct_io or append
+        # a handle that writes a file with an update op pushes deltas: never through the page
+        # cache; one opened read-only holds pulled bytes only, so it may (and maps shared)
+        pushes_deltas = op.op != UpdateOp.ASSIGN and writable
+        direct = pushes_deltas or io_mode == b"direct" or self.direct_io or append
         fh = self._next_fh
         self._next_fh += 1
         self._handles[fh] = _Handle(inode.ino, op, direct, append=append, compress=compress, sched=sched,
                                     writable=writable)
         st.cached_handles += 0 if direct else 1
-        keep = not direct and self._cached.get(inode.ino) == (inode.mtime_ns, inode.size)
+        # a file with an update op changes by pushes that may leave its mtime (MTIME_LAZY_S): its
+        # pages are pulled afresh at every open, never kept
+        keep = (not direct and op.op == UpdateOp.ASSIGN
+                and self._cached.get(inode.ino) == (inode.mtime_ns, inode.size))
         log.debug("open inode %d: keep_cache %s (as last closed %s, now %s)", inode.ino, keep,
                   self._cached.get(inode.ino), (inode.mtime_ns, inode.size))
         return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=keep)
