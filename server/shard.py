@@ -258,6 +258,9 @@ class Shard:
         #: and are deleted in one transaction at the end.
         self._unrecord: list[ChunkKey] | None = None
         self.incarnation = (int.from_bytes(os.urandom(8), "big") >> 1) or 1  # 63 bits: fits SQL integers
+        #: Chunk keys refused to every request (DataLost) until freed or replaced whole: a damaged
+        #: moves-journal record may have moved them (:meth:`ShardStore.lost`); key -> why.
+        self.lost: dict[ChunkKey, str] = {}
         if store is not None:
             self.incarnation = store.incarnation
             first: dict[int, ChunkKey] = {}  # extent -> the first key found at it
@@ -273,6 +276,22 @@ class Shard:
                 self._by_file.setdefault(file_id, set()).add(index)
             for offset, size in self._alloc.free_extents():  # what was freed before a restart, not trimmed yet
                 store.zero(offset, size)
+            self.lost = store.lost()
+            if self.lost:
+                log.error("shard %d refuses %d chunks (file id, chunk index) that a damaged record of its moves"
+                          " journal may have moved: %s. `irdma fsck` names their files (exit status 2); a replicated"
+                          " file's copy comes back with `irdma shard resync %d`; otherwise rewrite, delete or restore"
+                          " those files (a chunk rewritten whole or freed is served again)", shard_id, len(self.lost),
+                          ", ".join(map(str, sorted(self.lost)[:20])) + (" ..." if len(self.lost) > 20 else ""),
+                          shard_id)
+
+    def _refuse_lost(self, file_id: int, chunk_index: int) -> None:
+        """Raise DataLost if the chunk is one of :attr:`lost`."""
+        if self.lost and (file_id, chunk_index) in self.lost:
+            raise DataLost(f"shard {self.shard_id}: chunk ({file_id}, {chunk_index}) cannot be trusted:"
+                           f" {self.lost[(file_id, chunk_index)]}",
+                           "`irdma fsck` names the file; `irdma shard resync` copies a replicated chunk back,"
+                           " else rewrite or restore the file")
 
     def sync(self) -> None:
         """Make every update applied so far durable (a shard with a data directory and
@@ -291,6 +310,7 @@ class Shard:
     def _get_or_create(self, file_id: int, chunk_index: int, chunk_size: int, existing: bool = False) -> Chunk:
         chunk = self._chunks.get((file_id, chunk_index))
         if chunk is not None:
+            self._refuse_lost(file_id, chunk_index)
             if chunk.size != chunk_size:
                 raise BadRequest(
                     f"chunk ({file_id}, {chunk_index}) has size {chunk.size}, request says {chunk_size}"
@@ -353,6 +373,7 @@ class Shard:
         chunk = self._chunks.get((file_id, chunk_index))
         if chunk is None:
             return 0, None
+        self._refuse_lost(file_id, chunk_index)
         if offset + length > chunk.size:
             raise BadRequest(f"range [{offset}, {offset + length}) leaves the {chunk.size}-byte chunk")
         start = chunk.offset + offset
@@ -389,7 +410,8 @@ class Shard:
                 an ``ADD`` is not 4-byte aligned, or an encoded payload is malformed or decodes
                 past the chunk. Nothing changed.
             NoSpace: the chunk is new and the region has no room for it. Nothing changed.
-            DataLost: ``existing`` and the chunk is not here. Nothing changed.
+            DataLost: ``existing`` and the chunk is not here, or the shard refuses the chunk
+                (:attr:`lost`) and this is not an assign of all of it. Nothing changed.
         """
         if isinstance(op, Update) and op.encoding:
             data, op = _decoded(op, data, offset, chunk_size), op.dense
@@ -434,6 +456,10 @@ class Shard:
             version = self._bump(chunk)
             self.versions[state.slot] = version  # the state's version follows its chunk's
             return version
+        if self.lost and kind == UpdateOp.ASSIGN and offset == 0 and n == chunk_size and \
+                (file_id, chunk_index) in self.lost:  # a refused chunk rewritten whole: trusted again
+            was = self._chunks[(file_id, chunk_index)]
+            return self.replace(file_id, chunk_index, chunk_size, data, int(self.versions[was.slot]) + 1)
         chunk = self._get_or_create(file_id, chunk_index, chunk_size, existing)
         if chunk.offset in self._sharers and self._redirect((file_id, chunk_index), chunk, offset, n, kind, data):
             return self._bump(chunk)
@@ -475,6 +501,7 @@ class Shard:
         for k, index in enumerate(names.tolist()):
             c = self._chunks.get((file_id, index))
             if c is not None:
+                self._refuse_lost(file_id, index)
                 base[k], size[k], ver[k] = c.offset, c.size, self.versions[c.slot]
         inv = inv.reshape(-1)
         held = base[inv] >= 0
@@ -586,21 +613,27 @@ class Shard:
         return self.snapshot(file_id, optimizers.state_index(chunk_index))
 
     def version_of(self, file_id: int, chunk_index: int) -> int:
-        """The chunk's version; 0 when the shard has no such chunk."""
+        """The chunk's version; 0 when the shard has no such chunk (or refuses it: :attr:`lost`)."""
         chunk = self._chunks.get((file_id, chunk_index))
-        return 0 if chunk is None else int(self.versions[chunk.slot])
+        return 0 if chunk is None or (file_id, chunk_index) in self.lost else int(self.versions[chunk.slot])
 
     def snapshot(self, file_id: int, chunk_index: int) -> tuple[int, bytes] | None:
-        """``(version, a copy of the whole chunk)``, or None when the shard has no such chunk."""
+        """``(version, a copy of the whole chunk)``, or None when the shard has no such chunk.
+
+        Raises:
+            DataLost: the shard refuses the chunk (:attr:`lost`).
+        """
         chunk = self._chunks.get((file_id, chunk_index))
         if chunk is None:
             return None
+        self._refuse_lost(file_id, chunk_index)
         return int(self.versions[chunk.slot]), bytes(self.region.view[chunk.offset : chunk.offset + chunk.size])
 
     def checksum(self, file_id: int, chunk_index: int) -> tuple[int, int]:
-        """``(version, zlib CRC-32 of the whole chunk)``; ``(0, 0)`` when there is no such chunk."""
+        """``(version, zlib CRC-32 of the whole chunk)``; ``(0, 0)`` when there is no such chunk
+        or the shard refuses it (:attr:`lost`: as absent, so fsck and resync see it missing)."""
         chunk = self._chunks.get((file_id, chunk_index))
-        if chunk is None:
+        if chunk is None or (file_id, chunk_index) in self.lost:
             return 0, 0
         return int(self.versions[chunk.slot]), zlib.crc32(self.region.view[chunk.offset : chunk.offset + chunk.size])
 
@@ -608,19 +641,30 @@ class Shard:
         """Set a whole chunk (creating it if needed) and its version: how a replica that missed
         updates is brought level with its predecessor's copy.
 
+        A chunk the shard refused (:attr:`lost`) is trusted again once its bytes are written.
+
         Raises:
             BadRequest: ``data`` is not ``chunk_size`` bytes, or the version is 0. NoSpace.
         """
         if len(data) != chunk_size or version <= 0:
             raise BadRequest(f"a whole-chunk copy needs {chunk_size} bytes and a version > 0,"
                              f" got {len(data)} bytes at version {version}")
-        chunk = self._chunks.get((file_id, chunk_index))
-        if chunk is not None and chunk.size != chunk_size:
-            self._drop(file_id, chunk_index)
-        chunk = self._get_or_create(file_id, chunk_index, chunk_size)
-        self._unshare((file_id, chunk_index))
+        key = (file_id, chunk_index)
+        why = self.lost.pop(key, None)  # rewritten whole below: trusted again
+        try:
+            chunk = self._chunks.get(key)
+            if chunk is not None and chunk.size != chunk_size:
+                self._drop(file_id, chunk_index)
+            chunk = self._get_or_create(file_id, chunk_index, chunk_size)
+            self._unshare(key)
+        except BaseException:
+            if why is not None and key in self._chunks:
+                self.lost[key] = why
+            raise
         self.region.view[chunk.offset : chunk.offset + chunk_size] = data
         self.versions[chunk.slot] = version
+        if why is not None and self.store is not None:
+            self.store.forget_lost([key])
         return version
 
     # ------------------------------------------------------------ snapshots: shared extents
@@ -653,6 +697,9 @@ class Shard:
                                  " file id")
         if len(set(dsts)) != len(dsts):
             raise BadRequest("a clone names the same new file id twice")
+        for src_file, _ in pairs:  # a clone of bytes the shard cannot vouch for would pass them off
+            for i in self._by_file.get(src_file, ()):
+                self._refuse_lost(src_file, i)
         made = [(src_file, dst_file, i, self._chunks[(src_file, i)]) for src_file, dst_file in pairs
                 for i in sorted(self._by_file.get(src_file, ()))]
         if self.store is not None and made:
@@ -800,7 +847,7 @@ class Shard:
         as ``(file_id, chunk_index, chunk_size in bytes, version)``. File ids are inode numbers
         (never 0), so ``(0, 0)`` starts from the first chunk; pass the last entry to go on."""
         keys = heapq.nsmallest(limit, (k for k in self._chunks if k > (after_file, after_chunk)
-                                       and not optimizers.is_state(k[1])))  # state follows its chunk
+                                       and not optimizers.is_state(k[1]) and k not in self.lost))  # state follows its chunk
         return [(f, i, self._chunks[(f, i)].size, int(self.versions[self._chunks[(f, i)].slot])) for f, i in keys]
 
     def locate(self, file_id: int, chunk_index: int, create_size: int = 0) -> Chunk | None:
@@ -812,6 +859,7 @@ class Shard:
         chunk = self._get_or_create(file_id, chunk_index, create_size) if create_size else \
             self._chunks.get((file_id, chunk_index))
         if chunk is not None:
+            self._refuse_lost(file_id, chunk_index)
             chunk.located = True
         return chunk
 
@@ -828,6 +876,7 @@ class Shard:
         chunk = self._chunks.get((file_id, chunk_index))
         if chunk is None or chunk.offset != region_offset:
             raise BadRequest(f"chunk ({file_id}, {chunk_index}) is not at region offset {region_offset}: locate it again")
+        self._refuse_lost(file_id, chunk_index)
         if offset + length > chunk.size:
             raise BadRequest(f"range [{offset}, {offset + length}) leaves the {chunk.size}-byte chunk")
         if chunk.offset in self._sharers:
@@ -850,6 +899,7 @@ class Shard:
         if offset == 0:
             self._drop(file_id, chunk_index)
             return 0
+        self._refuse_lost(file_id, chunk_index)
         self._unshare((file_id, chunk_index))
         self.region.view[chunk.offset + offset : chunk.offset + chunk.size] = bytes(chunk.size - offset)
         return self._bump(chunk)
@@ -910,6 +960,7 @@ class Shard:
         if not optimizers.is_state(chunk_index) and (file_id, optimizers.state_index(chunk_index)) in self._chunks:
             self._drop(file_id, optimizers.state_index(chunk_index))  # a chunk's state goes with it
         chunk = self._chunks.pop((file_id, chunk_index))
+        self.lost.pop((file_id, chunk_index), None)  # (its row goes with the chunk's: the lost_freed trigger)
         idx = self._by_file[file_id]
         idx.discard(chunk_index)
         if not idx:

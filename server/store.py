@@ -13,7 +13,10 @@ Layout of ``--data-dir DIR`` (one directory per shard)::
                  on the next write: :meth:`irdma.server.shard.Shard.clone`)
     moves.log    the moves journal: the keys moved to a copy-on-write copy since the index's
                  last transaction, 44-byte records (:data:`MOVE_RECORD`), replayed into the
-                 index when the shard opens the directory; empty after a clean close
+                 index when the shard opens the directory; empty after a clean close. A torn
+                 tail (a machine crash in mid-append) is dropped; a damaged record *before*
+                 whole ones is kept as ``moves.log.damaged`` (``.damaged.N``), and the chunks it
+                 may have moved are refused (``lost`` in chunks.db, :meth:`ShardStore.lost`)
 
 Why this layout: the region stays one contiguous mapping of plain memory, so the TCP path
 copies straight into it and RDMA registers it as it did the anonymous region (one-sided
@@ -43,6 +46,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import json
+import logging
 import mmap
 import os
 import sqlite3
@@ -53,6 +57,7 @@ from collections.abc import Iterator, Sequence
 
 from irdma._errors import IrdmaError
 
+log = logging.getLogger("irdma.server")
 PAGE = 4096
 FORMAT = 1
 #: ``sync`` makes data durable (msync + fsync) in this mode; ``memory`` keeps it in the page
@@ -191,6 +196,11 @@ class ShardStore:
                          " offset INTEGER NOT NULL, size INTEGER NOT NULL, PRIMARY KEY(file, idx))")
         # the moves journal: the last record folded into the index
         self._db.execute("CREATE TABLE IF NOT EXISTS journal(seq INTEGER NOT NULL)")
+        # chunks the shard refuses to serve: a damaged moves-journal record may have moved them
+        self._db.execute("CREATE TABLE IF NOT EXISTS lost(file INTEGER NOT NULL, idx INTEGER NOT NULL,"
+                         " why TEXT NOT NULL, PRIMARY KEY(file, idx))")
+        self._db.execute("CREATE TRIGGER IF NOT EXISTS lost_freed AFTER DELETE ON chunks BEGIN"
+                         " DELETE FROM lost WHERE file = OLD.file AND idx = OLD.idx; END")  # a freed key is done
         row = self._db.execute("SELECT seq FROM journal").fetchone()
         if row is None:
             self._db.execute("INSERT INTO journal VALUES (0)")
@@ -200,6 +210,8 @@ class ShardStore:
         self._moves: list[tuple[int, int, int, int, int]] = []
         self._direct = False  # the journal failed: moves go to the index, one transaction each
         self._log_path = os.path.join(self.path, "moves.log")
+        #: Where this open kept a damaged journal (None: the journal replayed whole).
+        self.damaged_journal: str | None = None
         try:
             self._log_fd = os.open(self._log_path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
             self._log_len = os.fstat(self._log_fd).st_size
@@ -309,7 +321,7 @@ class ShardStore:
         with self._db_lock:
             self._transact("DELETE FROM chunks WHERE file=? AND idx=?", keys)
 
-    def _transact(self, sql: str | None, rows: Sequence[tuple[int, ...]], upto: int | None = None) -> None:
+    def _transact(self, sql: str | None, rows: Sequence[tuple[int | str, ...]], upto: int | None = None) -> None:
         """One index transaction (call with ``_db_lock`` held): the journal's moves folded in
         first (they came before; those numbered ``upto`` or less only, when given), and
         ``journal.seq`` past every number spent (or ``upto``), then ``sql`` for each of
@@ -345,24 +357,108 @@ class ShardStore:
             os.ftruncate(self._log_fd, 0)
             self._log_len = 0
 
+    def lost(self) -> dict[tuple[int, int], str]:
+        """The chunk keys ``(file id, chunk index)`` the shard must refuse to serve (a damaged
+        moves-journal record may have moved them: their bytes in the index may be a snapshot's,
+        not theirs), each with why. Kept until the key is freed or replaced whole
+        (:meth:`forget_lost`)."""
+        with self._db_lock:
+            rows = self._db.execute("SELECT l.file, l.idx, l.why FROM lost l JOIN chunks c"
+                                    " ON c.file = l.file AND c.idx = l.idx").fetchall()
+        return {(int(f), int(i)): str(why) for f, i, why in rows}
+
+    def forget_lost(self, keys: Sequence[tuple[int, int]]) -> None:
+        """Serve chunk keys ``(file id, chunk index)`` again (their bytes were replaced whole, or
+        they were freed), in one transaction.
+
+        Raises:
+            sqlite3.Error: the index could not be written; nothing changed.
+        """
+        with self._db_lock:
+            self._transact("DELETE FROM lost WHERE file=? AND idx=?", keys)
+
     def _replay(self) -> None:
         """Fold into the index the journal's records past ``journal.seq`` (moves made after the
-        index's last transaction by a shard process that then died), up to the first record
-        that is not whole (a machine crash in mid-append), then empty the journal."""
+        index's last transaction by a shard process that then died), then empty the journal.
+
+        Whole records with a bad CRC-32 after the last good one, and a record cut short, are a
+        torn tail (a machine crash in mid-append): dropped, with a warning. A bad record
+        *before* a good one is damage (a flipped bit, a bad block): it names a move that cannot
+        be read, so the key it moved would read its old extent (a snapshot's bytes) as if no
+        write had been acknowledged since. Then the good records are folded in, the journal is
+        copied whole to ``moves.log.damaged`` first (the evidence, never truncated), and every
+        key the damaged records may have moved is recorded as lost (:meth:`lost`): the keys
+        that share an extent in the index (a move is always of a key sharing its extent, and
+        the keys it left keep that extent; which one moved cannot be told). A bad record older
+        than ``journal.seq`` (a journal left unemptied) changes nothing.
+
+        Raises:
+            OSError: the damaged journal could not be copied (nothing was changed: the next
+                open tries again). sqlite3.Error: the index could not be written.
+        """
         data = os.pread(self._log_fd, self._log_len, 0) if self._log_len else b""
+        size = MOVE_RECORD.size
+        recs = [MOVE_RECORD.unpack_from(data, pos) for pos in range(0, len(data) - size + 1, size)]
+        good = [zlib.crc32(data[n * size : n * size + _MOVE_BODY.size]) == r[5] for n, r in enumerate(recs)]
+        last = max((n for n, ok in enumerate(good) if ok), default=-1)
+        folded = self._seq
+        damaged: list[int] = []  # record numbers
+        following = None  # the next good record's number, walking back
+        for n in range(last, -1, -1):
+            if good[n]:
+                following = n
+            elif following is not None and recs[following][0] - (following - n) > folded:
+                damaged.append(n)  # its number may be past the index's: a move the index lacks
         moves = []
-        for pos in range(0, len(data) - MOVE_RECORD.size + 1, MOVE_RECORD.size):
-            seq, f_id, idx, offset, size, crc = MOVE_RECORD.unpack_from(data, pos)
-            if zlib.crc32(data[pos : pos + _MOVE_BODY.size]) != crc:
-                break
-            if seq > self._seq:
-                moves.append((f_id, idx, offset, size, seq))
+        for n in range(last + 1):
+            seq, f_id, idx, offset, nbytes, _ = recs[n]
+            if good[n] and seq > self._seq:
+                moves.append((f_id, idx, offset, nbytes, seq))
                 self._seq = seq
+        torn = len(data) - (last + 1) * size
+        if torn:
+            log.warning("%s: dropped a torn tail of %d bytes (a crash in mid-append; the moves it held were"
+                        " never flushed)", self._log_path, torn)
+        lost: list[tuple[int, int, str]] = []
+        if damaged:
+            self.damaged_journal = self._keep_damaged(data)
+            why = (f"record {min(damaged)} of the moves journal is damaged (kept as {self.damaged_journal}):"
+                   " this chunk may have been moved to a copy the index does not know")
+            lost = [(f, i, why) for f, i in self._sharing(moves)]
+            log.error("%s: %d damaged records before good ones (records %s of %d); the journal is kept as %s;"
+                      " %d chunks that a lost move may have left on a snapshot's bytes are refused (DataLost)",
+                      self._log_path, len(damaged), sorted(damaged), len(recs), self.damaged_journal, len(lost))
         self._moves = moves
         with self._db_lock:
-            self._transact(None, ())
+            self._transact("INSERT OR REPLACE INTO lost VALUES (?,?,?)" if lost else None, lost)
         if self._log_len:
             self._truncate_log()
+
+    def _sharing(self, moves: Sequence[tuple[int, int, int, int, int]]) -> list[tuple[int, int]]:
+        """The keys that share an extent in the index with ``moves`` folded in."""
+        where = {(int(f), int(i)): int(o) for f, i, o in self._db.execute("SELECT file, idx, offset FROM chunks")}
+        where.update({(f, i): o for f, i, o, _, _ in moves})
+        at: dict[int, list[tuple[int, int]]] = {}
+        for key, offset in where.items():
+            at.setdefault(offset, []).append(key)
+        return sorted(k for keys in at.values() if len(keys) > 1 for k in keys)
+
+    def _keep_damaged(self, data: bytes) -> str:
+        """Copy a damaged journal beside it (``moves.log.damaged``, or ``.damaged.N`` if that
+        is taken), fsynced; returns its path. Raises OSError."""
+        path, n = self._log_path + ".damaged", 1
+        while os.path.exists(path):
+            with open(path, "rb") as f:
+                if f.read() == data:
+                    return path  # kept by an open that died before the index took the loss
+            path, n = f"{self._log_path}.damaged.{n}", n + 1
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return path
 
     def zero(self, offset: int, size: int) -> None:
         """Make ``[offset, offset+size)`` of the region read as zeros (a hole punched in the
