@@ -16,10 +16,26 @@ the chunk size; computed by the first validation that needs it, never on the rea
 * disk (``directory``, ``size`` bytes; None: off): one file per chunk,
   ``DIR/irdma-<namespace>/<file id>/<chunk index>-<version>``, a 68-byte header
   (:data:`HEADER`: magic, file id, chunk index, version, ctime_ns, length, CRC-32 of the
-  chunk, CRC-32 of the header; little-endian) then the bytes. Written atomically (a
-  ``.tmp`` file, then ``rename(2)``), so a crash leaves either the old entry or the new one,
-  and read back at the next start (it survives a remount). ``<namespace>`` is a hash of the
-  metadata URL: two clusters never share entries. A hit on disk is copied into the memory tier.
+  chunk, CRC-32 of the header; little-endian), then the CRC-32 of each :data:`CRC_BLOCK`
+  bytes of the data (u32, little-endian; the last block may be shorter), then the bytes.
+  Written atomically (a ``.tmp`` file, then ``rename(2)``), so a crash leaves either the old
+  entry or the new one, and read back at the next start (it survives a remount).
+  ``<namespace>`` is a hash of the metadata URL: two clusters never share entries. A hit on
+  disk is copied into the memory tier.
+
+Integrity: every read from disk checks the CRC-32 of each block it reads before a byte is
+served; an entry that fails (a disk error, a flipped bit, an edit) is dropped, logged once,
+and its chunk read from the shards again (and kept anew). An entry whose header does not
+check is dropped when the disk tier is opened.
+
+Privacy: cached chunks are the bytes of files whose modes other users may not pass, so the
+disk tier is this process's user's alone: ``DIR/irdma-<namespace>`` and the directories under
+it are mode 0700 and the entries 0600, owned by the user that runs the mount (or the client).
+Opening the disk tier makes a more open ``irdma-<namespace>`` (or per-file directory, or
+entry) of this user private again, and refuses one owned by another user or that is not a
+directory (a symbolic link). ``DIR`` itself is made 0700 when missing; an existing one must
+belong to this user or to root and, if every user may write in it, have the sticky bit (as
+``/tmp``): else another user could put their own ``irdma-<namespace>`` in its place.
 
 When a kept chunk may be served (the consistency rule; see :meth:`irdma.Client.cache_open`):
 only after it was *validated* at an open of the file (close-to-open, as the mount's page
@@ -45,6 +61,7 @@ import hashlib
 import logging
 import os
 import re
+import stat
 import struct
 import threading
 import zlib
@@ -61,7 +78,12 @@ log = logging.getLogger("irdma.cache")
 #: CRC-32 of the chunk (kept bytes + zeros to the chunk size) with bit 32 set, or 0 when not
 #: computed yet, chunk size, CRC-32 of the header before it; little-endian, 68 bytes.
 HEADER = struct.Struct("<8sQQQqQQQI")
-MAGIC = b"IRDMAC02"
+MAGIC = b"IRDMAC03"
+#: Entries of an older format (no CRC-32 of the data): dropped when the disk tier is opened.
+_OLD_MAGIC = (b"IRDMAC01", b"IRDMAC02")
+#: Bytes of an entry's data under one CRC-32 (a read checks only the blocks it reads).
+CRC_BLOCK = 64 << 10
+_CRC = struct.Struct("<I")
 _KNOWN = 1 << 32
 #: Seconds a ``user.irdma.cache=readonly`` file goes without its versions checked (while its
 #: ctime in the metadata engine does not change).
@@ -101,6 +123,24 @@ class Entry:
     chunk_size: int
 
 
+def _blocks(length: int) -> int:
+    """CRC-32s of an entry of ``length`` bytes (one per :data:`CRC_BLOCK`)."""
+    return -(-length // CRC_BLOCK)
+
+
+def block_crcs(data: bytes | memoryview) -> bytes:
+    """The table of an entry on disk: the CRC-32 of each :data:`CRC_BLOCK` bytes of ``data``
+    (u32 little-endian each)."""
+    mv = memoryview(data)
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    return b"".join(_CRC.pack(zlib.crc32(mv[k : k + CRC_BLOCK])) for k in range(0, len(mv), CRC_BLOCK))
+
+
+class CorruptEntry(Exception):
+    """An entry on disk whose bytes do not match their CRC-32 (dropped and read from the shards)."""
+
+
 def namespace_id(meta_url: str) -> str:
     """The directory name of a namespace's entries: a hash of its metadata URL (normalized)."""
     return hashlib.sha256(meta_url.strip().rstrip("/").encode()).hexdigest()[:16]
@@ -125,20 +165,69 @@ def make_cache(directory: str | None = None, size: int | str | None = None,
 
 
 def check_directory(directory: str) -> None:
-    """Make ``directory`` if missing and check that this user can create files in it.
+    """Make ``directory`` if missing (mode 0700) and check that this user can create files in
+    it and that no other user can replace what this user keeps there: it belongs to this user
+    or to root, and if every user may write in it it has the sticky bit (as ``/tmp``).
 
     Raises:
-        InvalidArgument: it cannot be made or written (the error names why).
+        InvalidArgument: it cannot be made or written, or it is another user's or open to
+            every user to write without the sticky bit (the error names why).
     """
     probe = os.path.join(directory, f".irdma-probe-{os.getpid()}-{threading.get_ident()}")
     try:
-        os.makedirs(directory, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"x")
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        st = os.stat(directory)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
         os.unlink(probe)
     except OSError as exc:
         raise InvalidArgument(f"cache directory {directory} is not writable: {exc.strerror or exc}",
                               "give --cache-dir a directory this user can create files in") from None
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise InvalidArgument(f"cache directory {directory} belongs to uid {st.st_uid}, not to this user (uid {me})"
+                              " or root: that user could read or replace the cached chunks",
+                              "give --cache-dir a directory of this user's (it is made mode 0700 if missing)")
+    if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+        raise InvalidArgument(f"cache directory {directory} is writable by every user (mode"
+                              f" {stat.S_IMODE(st.st_mode):04o}, no sticky bit): they could replace the cached chunks",
+                              f"chmod o-w {directory} (or chmod +t, as /tmp), or give --cache-dir another directory")
+
+
+def private_directory(path: str, quiet: bool = False) -> bool:
+    """Make ``path`` a directory only this user may enter: made mode 0700 if missing; one of
+    this user's with a more open mode is made 0700 (logged unless ``quiet``); never through a
+    symbolic link. Blocking. Returns whether an existing directory's mode was changed.
+
+    Raises:
+        InvalidArgument: ``path`` is not a directory (a file, a symbolic link), belongs to
+            another user, or cannot be made or changed.
+    """
+    fix = "remove it (it is made again, private) or give --cache-dir another directory"
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise InvalidArgument(f"cache directory {path} cannot be opened as a directory: {exc.strerror or exc}",
+                              fix) from None
+    try:
+        st = os.fstat(fd)
+        me = os.geteuid()
+        if st.st_uid != me:
+            raise InvalidArgument(f"cache directory {path} belongs to uid {st.st_uid}, not to this user (uid {me}):"
+                                  " that user could read or replace the cached chunks", fix)
+        if not st.st_mode & 0o077:
+            return False
+        os.fchmod(fd, 0o700)
+        if not quiet:
+            log.warning("cache: %s was mode %04o, others could read cached chunks: now 0700", path,
+                        stat.S_IMODE(st.st_mode))
+        return True
+    except OSError as exc:
+        raise InvalidArgument(f"cache directory {path} cannot be made private: {exc.strerror or exc}", fix) from None
+    finally:
+        os.close(fd)
 
 
 class ChunkCache:
@@ -194,17 +283,23 @@ class ChunkCache:
         size). Blocking: call from a worker thread.
 
         Raises:
-            InvalidArgument: the directory cannot be made or written.
+            InvalidArgument: the directory cannot be made or written, or it or the namespace's
+                directory in it may be read or replaced by another user (see
+                :func:`check_directory`, :func:`private_directory`).
         """
         if not self.directory or not self.disk_limit:
             return
         root = os.path.join(self.directory, "irdma-" + namespace_id(meta_url))
         check_directory(self.directory)
+        private_directory(root)
         check_directory(root)
         found: list[tuple[float, Entry]] = []
+        old_format = opened = 0
+        me = os.geteuid()
         with os.scandir(root) as it:
-            subs = [d for d in it if d.is_dir() and d.name.isdigit()]
+            subs = [d for d in it if d.is_dir(follow_symlinks=False) and d.name.isdigit()]
         for sub in subs:
+            opened += private_directory(sub.path, quiet=True)
             with os.scandir(sub.path) as it:
                 names = list(it)
             for f in names:
@@ -213,13 +308,39 @@ class ChunkCache:
                     with contextlib.suppress(OSError):
                         os.unlink(f.path)
                     continue
-                e = self._read_header(f.path)
-                if e is None or (e.file_id, e.index, e.version) != (int(sub.name), int(m[1]), int(m[2])):
-                    log.warning("cache: dropping %s (bad header)", f.path)
+                try:
+                    st = f.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != me:
+                    log.warning("cache: dropping %s (not a file of this user's)", f.path)
                     with contextlib.suppress(OSError):
                         os.unlink(f.path)
                     continue
-                found.append((f.stat().st_mtime, e))
+                e = self._read_header(f.path)
+                if e is None or (e.file_id, e.index, e.version) != (int(sub.name), int(m[1]), int(m[2])):
+                    if e is None and self._old_format(f.path):
+                        old_format += 1
+                    else:
+                        log.warning("cache: dropping %s (bad header)", f.path)
+                    with contextlib.suppress(OSError):
+                        os.unlink(f.path)
+                    continue
+                if st.st_mode & 0o077:
+                    try:
+                        os.chmod(f.path, 0o600)
+                        opened += 1
+                    except OSError as exc:  # never served open: dropped
+                        log.warning("cache: dropping %s: cannot make it private: %s", f.path, exc)
+                        with contextlib.suppress(OSError):
+                            os.unlink(f.path)
+                        continue
+                found.append((st.st_mtime, e))
+        if opened:
+            log.warning("cache: %d directories and entries in %s were open to other users: now 0700 and 0600",
+                        opened, root)
+        if old_format:
+            log.info("cache: dropped %d entries of an older format in %s", old_format, root)
         with self._lock:
             self._root = root
             for _, e in sorted(found, key=lambda t: t[0]):
@@ -246,6 +367,14 @@ class ChunkCache:
         return head[:-4] + struct.pack("<I", zlib.crc32(head[:-4]))
 
     @staticmethod
+    def _old_format(path: str) -> bool:
+        try:
+            with open(path, "rb") as f:
+                return f.read(len(MAGIC)) in _OLD_MAGIC
+        except OSError:
+            return False
+
+    @staticmethod
     def _read_header(path: str) -> Entry | None:
         try:
             with open(path, "rb") as f:
@@ -256,7 +385,8 @@ class ChunkCache:
         if len(head) != HEADER.size:
             return None
         magic, fid, idx, ver, ctime, length, crc, csize, hcrc = HEADER.unpack(head)
-        if magic != MAGIC or hcrc != zlib.crc32(head[:-4]) or size != HEADER.size + length or ver <= 0:
+        if (magic != MAGIC or hcrc != zlib.crc32(head[:-4]) or size != HEADER.size + 4 * _blocks(length) + length
+                or ver <= 0):
             return None
         return Entry(fid, idx, ver, ctime, length, crc & 0xFFFFFFFF if crc & _KNOWN else None, csize)
 
@@ -319,6 +449,24 @@ class ChunkCache:
             self._unlink(e)
         self._gauges()
 
+    def _drop_corrupt(self, e: Entry, why: str) -> None:
+        """Forget disk entry ``e`` whose bytes failed their CRC-32 (both tiers; logged once:
+        by the reader that took it out of the index)."""
+        with self._lock:
+            cur = self._disk.get((e.file_id, e.index))
+            if cur is None or cur.version != e.version:
+                return  # another reader dropped it (and said so), or a newer entry took its place
+            del self._disk[(e.file_id, e.index)]
+            self.disk_bytes -= e.length
+            got = self._mem.get((e.file_id, e.index))
+            if got is not None and got[0].version == e.version:
+                del self._mem[(e.file_id, e.index)]
+                self.mem_bytes -= got[0].length
+        self._unlink(e)
+        self._gauges()
+        log.warning("cache: dropped %s: %s; chunk %d of file %d is read from the shards again", self._path(e), why,
+                    e.index, e.file_id)
+
     def restamp(self, file_id: int, index: int, ctime_ns: int) -> None:
         """Record that a chunk was validated at the file's ``ctime_ns`` (blocking: the disk
         entry's header is rewritten in place; a torn header drops the entry at the next start)."""
@@ -353,7 +501,11 @@ class ChunkCache:
         if got is not None and got[0].version == e.version:
             crc = chunk_crc(got[1], e.chunk_size)
         elif disk is not None and disk.version == e.version:
-            data = self._read_data(disk, 0, disk.length)
+            try:
+                data = self._read_data(disk, 0, disk.length)
+            except CorruptEntry as exc:
+                self._drop_corrupt(disk, str(exc))
+                return None
             if data is None:
                 return None
             crc = chunk_crc(data, e.chunk_size)
@@ -373,7 +525,9 @@ class ChunkCache:
         """Bytes ``[lo, hi)`` of a chunk kept at ``version``, or None (not kept, another
         version, or fewer bytes kept). From memory, else from disk in a worker thread: the
         whole chunk when there is a memory tier (then kept there), else only the range. Counts
-        a hit by tier; the caller counts the miss when it reads the shards."""
+        a hit by tier; the caller counts the miss when it reads the shards. Bytes read from
+        disk are served only once their blocks' CRC-32 match: an entry that fails is dropped
+        (logged once) and None returned, so the caller reads the chunk from the shards."""
         key = (file_id, index)
         with self._lock:
             got = self._mem.get(key)
@@ -386,7 +540,11 @@ class ChunkCache:
                 return None
             self._disk.move_to_end(key)
         whole = bool(self.memory_limit) and e.length <= self.memory_limit
-        data = await trio.to_thread.run_sync(self._read_data, e, 0 if whole else lo, e.length if whole else hi)
+        try:
+            data = await trio.to_thread.run_sync(self._read_data, e, 0 if whole else lo, e.length if whole else hi)
+        except CorruptEntry as exc:
+            await trio.to_thread.run_sync(self._drop_corrupt, e, str(exc))
+            return None
         if data is None:
             self.drop(file_id, index)
             return None
@@ -397,13 +555,30 @@ class ChunkCache:
         return data
 
     def _read_data(self, e: Entry, lo: int, hi: int) -> bytes | None:
+        """Bytes ``[lo, hi)`` of disk entry ``e``, read whole blocks at a time and checked
+        against their CRC-32 (blocking); None if the file cannot be read (logged).
+
+        Raises:
+            CorruptEntry: a block read does not match its CRC-32, or the file is short.
+        """
+        first, last = lo // CRC_BLOCK, max(lo, hi - 1) // CRC_BLOCK
+        start, end = first * CRC_BLOCK, min(e.length, (last + 1) * CRC_BLOCK)
+        table = HEADER.size + 4 * first
         try:
             with open(self._path(e), "rb") as f:
-                data = os.pread(f.fileno(), hi - lo, HEADER.size + lo)
+                crcs = os.pread(f.fileno(), 4 * (last - first + 1), table)
+                data = os.pread(f.fileno(), end - start, HEADER.size + 4 * _blocks(e.length) + start)
         except OSError as exc:
             log.warning("cache: cannot read %s: %s", self._path(e), exc)
             return None
-        return data if len(data) == hi - lo else None
+        if len(crcs) != 4 * (last - first + 1) or len(data) != end - start:
+            raise CorruptEntry("shorter than its header says")
+        mv = memoryview(data)
+        for k in range(last - first + 1):
+            if zlib.crc32(mv[k * CRC_BLOCK : (k + 1) * CRC_BLOCK]) != _CRC.unpack_from(crcs, 4 * k)[0]:
+                raise CorruptEntry(f"bytes {start + k * CRC_BLOCK} to {min(end, start + (k + 1) * CRC_BLOCK)} do not"
+                                   " match their CRC-32")
+        return data if (start, end) == (lo, hi) else data[lo - start : hi - start]
 
     def _put_mem(self, e: Entry, data: bytes | memoryview) -> bool:
         """Keep a chunk in the memory tier; False when it does not fit there."""
@@ -456,9 +631,13 @@ class ChunkCache:
         path = self._path(e)
         tmp = f"{path}.{threading.get_ident()}.tmp"
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(tmp, "wb") as f:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(os.path.dirname(path), 0o700)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)  # left by a write that failed: made anew, private
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
                 f.write(self._header(e))
+                f.write(block_crcs(data))
                 f.write(data)
             os.rename(tmp, path)
         except OSError as exc:
@@ -486,5 +665,6 @@ class ChunkCache:
         self._gauges()
 
 
-__all__ = ["ChunkCache", "Entry", "make_cache", "check_directory", "chunk_crc", "namespace_id", "HEADER", "READONLY_REVALIDATE_S", "DEFAULT_MEMORY",
+__all__ = ["ChunkCache", "Entry", "make_cache", "check_directory", "private_directory", "block_crcs", "chunk_crc",
+           "CorruptEntry", "CRC_BLOCK", "namespace_id", "HEADER", "READONLY_REVALIDATE_S", "DEFAULT_MEMORY",
            "DEFAULT_DISK"]
