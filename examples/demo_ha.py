@@ -41,6 +41,7 @@ from demo_hosts import step, wait_for_shards  # noqa: E402
 
 
 def main() -> int:
+    from irdma._errors import IrdmaError
     from irdma.ops.patroni import PatroniCluster
     from irdma.ops.testbed import TestBed
 
@@ -158,6 +159,9 @@ def main() -> int:
         print("\ninterrupted: cleaning up", file=sys.stderr)
         rc = 130
     except subprocess.CalledProcessError as exc:
+        print(f"step failed: {exc}", file=sys.stderr)
+        rc = 1
+    except IrdmaError as exc:  # the test bed or the tier could not start: what and why, no traceback
         print(f"step failed: {exc}", file=sys.stderr)
         rc = 1
     finally:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -328,3 +329,56 @@ def test_a_partitioned_primary_is_fenced_and_the_mount_follows_the_new_one(ha_be
     ha.heal(old)
     ha.wait_healthy(120)
     assert "split_brain" not in ha.psql(ha.primary(), "SELECT tablename FROM pg_tables", database="irdma")
+
+
+@pytest.fixture
+def private() -> Iterator[str]:
+    """A directory below a 0700 root-owned one in /tmp (as a checkout in a home directory): the
+    postgres user cannot enter it. Removed afterwards."""
+    import shutil
+    import tempfile
+
+    home = tempfile.mkdtemp(prefix="irdma-home-", dir="/tmp")  # mode 0700
+    try:
+        os.mkdir(os.path.join(home, "checkout"))
+        yield os.path.join(home, "checkout")
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_the_tier_starts_from_a_working_directory_postgres_cannot_enter(private: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make demo-ha` from a checkout in a 0700 directory (issue 36, point 17): Patroni ran as postgres
+    in the caller's directory, its children could not enter it, and every member stayed in
+    "bootstrap in progress" until the 120 s start timeout. Now the tier and a single server
+    start from there."""
+    from pg import PgServer
+
+    monkeypatch.chdir(private)
+    with PgServer() as server:
+        assert server.psql("SELECT 1").strip() == "1"
+    with TestBed(3, rate=None) as bed, patroni.PatroniCluster(bed, bed.hosts) as ha:
+        assert ha.healthy(), ha.members()
+        assert ha.psql(ha.primary(), "SELECT current_user", database="irdma").strip() == "postgres"
+        assert "could not change directory" not in ha.logs(tail=1 << 20)
+
+
+def test_a_temporary_directory_postgres_cannot_enter_is_named_before_anything_starts(
+        private: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A $TMPDIR below a directory the postgres user may not enter: PostgreSQL and the tier refuse
+    at once, naming that directory and what to do, and leave nothing behind (no files, no processes)."""
+    import tempfile
+
+    from pg import PgServer
+
+    from irdma._errors import IrdmaError
+
+    expected = f"postgres user cannot enter {re.escape(os.path.dirname(private))} .*, on the way to {re.escape(private)}/irdma-.*TMPDIR"
+    monkeypatch.setattr(tempfile, "tempdir", private)
+    with pytest.raises(IrdmaError, match=expected):
+        PgServer()
+    with TestBed(3, rate=None) as bed:
+        with pytest.raises(IrdmaError, match=expected):
+            patroni.PatroniCluster(bed, bed.hosts)
+        assert not any(bed.processes().values()), bed.processes()
+    assert os.listdir(private) == []

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._errors import IrdmaError
-from .testbed import PG_BIN, Host, TestBed, _ip, _kill_netns_processes
+from .testbed import PG_BIN, Host, TestBed, _ip, _kill_netns_processes, _unreachable, postgres_cannot_reach
 
 log = logging.getLogger("irdma.patroni")
 
@@ -82,10 +82,16 @@ class PatroniCluster:
         passfile: a 0600 libpq password file for :attr:`url`.
         password: the login role's password.
 
+    Patroni and the postgres user's commands run in the tier's own directory, whatever the
+    caller's working directory (one postgres cannot enter, such as a checkout in a 0700 home,
+    kept every member in "bootstrap in progress").
+
     Raises:
-        IrdmaError: Patroni, etcd or PostgreSQL 15 missing, or the tier did not come up within
-            ``start_timeout`` seconds (the message quotes the members' logs); what was started is
-            stopped and removed first.
+        IrdmaError: Patroni, etcd or PostgreSQL 15 missing; the postgres user cannot reach the
+            tier's temporary directory (``$TMPDIR`` below a directory it may not enter: the
+            message names it, before anything starts); an etcd or Patroni exited; or the tier did
+            not come up within ``start_timeout`` seconds (the message quotes the members' logs);
+            what was started is stopped and removed first.
     """
 
     def __init__(self, bed: TestBed, hosts: Sequence[Host], *, user: str = "irdma", database: str = "irdma",
@@ -114,6 +120,9 @@ class PatroniCluster:
             f.writelines(f"{h.address}:{PG_PORT}:*:{user}:{self.password}\n" for h in self.hosts)
         os.chown(self.passfile, self._pw.pw_uid, self._pw.pw_gid)  # readable by the postgres user too
         try:
+            why = postgres_cannot_reach(self.dir, PG_BIN)
+            if why:
+                raise _unreachable(why)
             for i in range(len(self.hosts)):
                 self._start(i, new=True)
             self.wait_healthy(start_timeout)
@@ -156,8 +165,11 @@ class PatroniCluster:
         try:
             self._procs[i] = [
                 self.bed.popen(h, etcd, stdout=logs[0], stderr=subprocess.STDOUT),
+                # in the member's directory: Patroni's children (initdb, multiprocessing's) enter the
+                # working directory, and the caller's may be one postgres cannot enter (a 0700 home)
                 self.bed.popen(h, ["runuser", "-u", "postgres", "--", "patroni", config], stdout=logs[1],
-                               stderr=subprocess.STDOUT, env={**os.environ, "PGPASSFILE": os.path.join(d, "pgpass")}),
+                               stderr=subprocess.STDOUT, env={**os.environ, "PGPASSFILE": os.path.join(d, "pgpass")},
+                               cwd=d),
             ]
         finally:
             for f in logs:
@@ -249,10 +261,17 @@ class PatroniCluster:
         """Wait (up to ``timeout`` s) for :meth:`healthy`.
 
         Raises:
-            IrdmaError: not healthy in time (quotes the members and the tail of their logs)."""
+            IrdmaError: not healthy in time, or (at once) an etcd or Patroni of a member that is
+                not down exited (quotes the members and the tail of their logs)."""
         end = time.monotonic() + timeout
         delay = 0.2
         while not self.healthy():
+            exited = [f"{name} of host {i} (exit {p.returncode})" for i, procs in self._procs.items()
+                      if i not in self.down for name, p in zip(("etcd", "Patroni"), procs, strict=True)
+                      if p.poll() is not None]
+            if exited:
+                raise IrdmaError(f"the HA metadata tier is not healthy: {', '.join(exited)} exited\n{self.logs()}",
+                                 "see the Patroni and etcd logs above")
             if time.monotonic() > end:
                 raise IrdmaError(f"the HA metadata tier is not healthy after {timeout:.0f} s: members"
                                  f" {self.members()}\n{self.logs()}", "see the Patroni and etcd logs above")
@@ -284,7 +303,7 @@ class PatroniCluster:
         args = [f"{PG_BIN}/psql", "-h", os.path.join(self._member_dir(i), "sock"), "-p", str(PG_PORT), "-U",
                 "postgres", "-d", database, "-v", "ON_ERROR_STOP=1", "-qAt"]
         res = self.bed.run(self.hosts[i], ["runuser", "-u", "postgres", "--", *(args if stdin else [*args, "-c", sql])],
-                           timeout=60, capture_output=True, text=True, input=sql if stdin else None)
+                           timeout=60, capture_output=True, text=True, input=sql if stdin else None, cwd=self.dir)
         if res.returncode != 0:
             raise IrdmaError(f"psql on metadata host {i} failed: {res.stderr.strip()[-600:]}")
         return str(res.stdout)

@@ -280,6 +280,56 @@ def postgres_available() -> str:
     return ""
 
 
+def postgres_cannot_reach(*dirs: str) -> str:
+    """Why the ``postgres`` OS user cannot reach the directories ``dirs`` ("" if it can): the
+    first directory on the way to one of them (itself included) that it may not enter, asked of
+    the system as that user (``runuser``, so ACLs count), not guessed from mode bits.
+
+    PostgreSQL, ``initdb`` and Patroni run as ``postgres``: a data directory, socket directory,
+    config or password file below a directory it cannot enter (a 0700 home directory, a private
+    ``$TMPDIR``) fails inside them, late and obscurely; this names the directory at once.
+
+    Raises:
+        IrdmaError: nothing can run as the postgres user (not root, or ``runuser`` missing).
+    """
+    import pwd
+
+    chain: dict[str, str] = {}  # every directory on the way -> the first of ``dirs`` it leads to
+    for d in dirs:
+        way = [os.path.abspath(d)]
+        while os.path.dirname(way[-1]) != way[-1]:
+            way.append(os.path.dirname(way[-1]))
+        for x in reversed(way):
+            chain.setdefault(x, d)
+    script = 'for d; do [ -x "$d" ] || { printf %s "$d"; exit 1; }; done'
+    try:
+        res = subprocess.run(["runuser", "-u", "postgres", "--", "/bin/sh", "-c", script, "sh", *chain],
+                             capture_output=True, text=True, timeout=30, cwd="/")
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise IrdmaError(f"cannot run a command as the postgres user: {exc}", "run it as root") from None
+    if res.returncode == 0:
+        return ""
+    if not res.stdout:
+        raise IrdmaError(f"cannot run a command as the postgres user: {res.stderr.strip()}", "run it as root")
+    try:
+        st = os.stat(res.stdout)
+    except OSError as exc:
+        return f"{res.stdout}, on the way to {chain[res.stdout]}, cannot be entered: {exc.strerror}"
+    try:
+        owner = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        owner = str(st.st_uid)
+    return (f"the postgres user cannot enter {res.stdout} (mode {st.st_mode & 0o7777:04o}, owner {owner}),"
+            f" on the way to {chain[res.stdout]}")
+
+
+def _unreachable(why: str) -> IrdmaError:
+    """The error for a path :func:`postgres_cannot_reach` found out of the postgres user's reach."""
+    return IrdmaError(f"PostgreSQL cannot start: {why}",
+                      "set TMPDIR to a directory every user can enter (e.g. export TMPDIR=/tmp), or chmod o+x"
+                      " the directory named")
+
+
 class PostgresServer:
     """A throwaway PostgreSQL 15 server (Debian's ``postgresql-15``) in a temporary directory.
 
@@ -304,9 +354,14 @@ class PostgresServer:
             password never appears on a command line.
         password: the role's password.
 
+    The postgres user's commands run in the server's directory, whatever the caller's working
+    directory (which may be one postgres cannot enter, such as a checkout in a 0700 home).
+
     Raises:
-        IrdmaError: PostgreSQL 15 is not installed, or did not start within 60 s (the
-            message quotes its log); whatever was made is removed first.
+        IrdmaError: PostgreSQL 15 is not installed, the postgres user cannot reach its temporary
+            directory (``$TMPDIR`` below a directory it may not enter: the message names it), or
+            it did not start within 60 s (the message quotes its log); whatever was made is
+            removed first.
     """
 
     def __init__(self, listen: str = "127.0.0.1", port: int | None = None, prefix: Sequence[str] = (),
@@ -332,6 +387,9 @@ class PostgresServer:
         try:
             os.chown(self.dir, pw.pw_uid, pw.pw_gid)
             os.chmod(self.dir, 0o700)
+            why = postgres_cannot_reach(self.dir, PG_BIN)
+            if why:
+                raise _unreachable(why)
             self.data, self.sock, self.log = (os.path.join(self.dir, n) for n in ("data", "sock", "log"))
             self.socket_dir = self.sock
             os.mkdir(self.sock)
@@ -357,7 +415,8 @@ class PostgresServer:
 
     def _as_postgres(self, argv: list[str], prefix: bool = False, input: str | None = None) -> str:
         cmd = [*(self.prefix if prefix else []), "runuser", "-u", "postgres", "--", *argv]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=90, input=input)
+        # in its own directory: the caller's may be one postgres cannot enter (a 0700 home)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=90, input=input, cwd=self.dir)
         if res.returncode != 0:
             tail = ""
             with contextlib.suppress(OSError):
@@ -405,7 +464,7 @@ class PostgresServer:
             self._started = False
             try:
                 res = subprocess.run(["runuser", "-u", "postgres", "--", f"{PG_BIN}/pg_ctl", "-D", self.data, "-m",
-                                      "fast", "-w", "-t", "30", "stop"], capture_output=True, timeout=60)
+                                      "fast", "-w", "-t", "30", "stop"], capture_output=True, timeout=60, cwd="/")
                 stopped = res.returncode == 0
             except subprocess.TimeoutExpired:
                 stopped = False
