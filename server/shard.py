@@ -41,6 +41,9 @@ log = logging.getLogger("irdma.server")
 PAGE = 4096
 #: Largest chunk a shard accepts (bytes).
 MAX_CHUNK_SIZE = 256 << 20
+#: Whole-chunk copies (REPLACE) a shard remembers the signature of, so that a later copy of the
+#: same bytes shares that chunk's extent (:meth:`Shard.replace`); the oldest are forgotten first.
+COPIES_REMEMBERED = 65536
 #: Seconds a freed extent of a shard with a data directory keeps its pages before it is
 #: zeroed (punched out of the region file) if no chunk took it meanwhile (:meth:`Shard.trim`).
 TRIM_DELAY_S = 60.0
@@ -251,6 +254,11 @@ class Shard:
         self._sharers: dict[int, list[ChunkKey]] = {}
         self.used = 0
         self.copies = 0  # copy-on-write copies made (a metric)
+        #: Whole-chunk copies received (REPLACE: a resync's, a drain's, a rebalance's): (chunk
+        #: index, size, version, CRC-32 of the bytes) -> the key that took them. A copy of a
+        #: snapshot's or clone's key comes with the bytes and version of the key it shares an
+        #: extent with on the shard it comes from: it shares that key's extent here too.
+        self._received: collections.OrderedDict[tuple[int, int, int, int], ChunkKey] = collections.OrderedDict()
         #: Extents freed on a shard with a data directory, not zeroed yet: ``(time.monotonic()
         #: when freed, offset, size)``, oldest first (:meth:`trim`).
         self._freed: collections.deque[tuple[float, int, int]] = collections.deque()
@@ -642,6 +650,8 @@ class Shard:
         updates is brought level with its predecessor's copy.
 
         A chunk the shard refused (:attr:`lost`) is trusted again once its bytes are written.
+        A new key whose bytes and version equal a chunk copied here before shares its extent
+        (:meth:`_share_copy`): a move copies a shared extent once.
 
         Raises:
             BadRequest: ``data`` is not ``chunk_size`` bytes, or the version is 0. NoSpace.
@@ -650,6 +660,9 @@ class Shard:
             raise BadRequest(f"a whole-chunk copy needs {chunk_size} bytes and a version > 0,"
                              f" got {len(data)} bytes at version {version}")
         key = (file_id, chunk_index)
+        sig = (chunk_index, chunk_size, version, zlib.crc32(data))
+        if key not in self._chunks and key not in self._making and self._share_copy(key, sig, data):
+            return version
         why = self.lost.pop(key, None)  # rewritten whole below: trusted again
         try:
             chunk = self._chunks.get(key)
@@ -665,7 +678,38 @@ class Shard:
         self.versions[chunk.slot] = version
         if why is not None and self.store is not None:
             self.store.forget_lost([key])
+        self._received[sig] = key
+        self._received.move_to_end(sig)
+        if len(self._received) > COPIES_REMEMBERED:
+            self._received.popitem(last=False)
         return version
+
+    def _share_copy(self, key: ChunkKey, sig: tuple[int, int, int, int], data: memoryview | bytes) -> bool:
+        """Make ``key`` (not here yet) share the extent of a chunk copied here before with the
+        same bytes and version (``sig``: :attr:`_received`), instead of taking a new extent: a
+        drain or rebalance moving a file and its snapshots copies each shared extent once and
+        keeps it shared (copy-on-write then parts them on their next write, as on the shard
+        they came from). Only when the bytes are equal, compared whole, and the version too
+        (keys sharing an extent share its version), and the chunk was never LOCATEd (a verbs
+        client may write it in place). Returns whether it did.
+
+        Raises:
+            sqlite3.Error: the chunk index could not be written; nothing changed.
+        """
+        twin_key = self._received.get(sig)
+        twin = self._chunks.get(twin_key) if twin_key is not None else None
+        if twin is None or twin_key is None or twin.located or twin_key in self.lost:
+            return False
+        _, size, version, _ = sig
+        if twin.size != size or int(self.versions[twin.slot]) != version or \
+                self.region.view[twin.offset : twin.offset + size] != memoryview(data).cast("B"):
+            return False
+        if self.store is not None:
+            self.store.record_chunks([(key[0], key[1], twin.offset, size)])
+        self._chunks[key] = Chunk(twin.offset, size)
+        self._sharers.setdefault(twin.offset, [twin_key]).append(key)
+        self._by_file.setdefault(key[0], set()).add(key[1])
+        return True
 
     # ------------------------------------------------------------ snapshots: shared extents
     def clone(self, src_file: int, dst_file: int) -> int:

@@ -380,17 +380,24 @@ class ShardMoves:
         incs: dict[int, int] = {}
         limit = trio.Semaphore(MOVE_COPIES)
 
-        async def one(inode: Inode, idx: int, target: int) -> None:
+        async def one(group: list[tuple[Inode, int, int]]) -> None:
             async with limit:
-                n = await self._copy_to_joining(inode, idx, target, view, incs)
-            copied[0] += n  # (not `+= await`: that reads the total before the await)
-            copied[1] += 1
-            copied[2] += layout_of(inode).chunk_size
-            progress(copied[2], total_bytes, copied[1], len(todo))
+                for inode, idx, target in group:
+                    n = await self._copy_to_joining(inode, idx, target, view, incs)
+                    copied[0] += n  # (not `+= await`: that reads the total before the await)
+                    copied[1] += 1
+                    copied[2] += layout_of(inode).chunk_size
+                    progress(copied[2], total_bytes, copied[1], len(todo))
 
+        # a file's snapshots and clones are placed as it is and share its chunks' extents: the
+        # chunks placed alike are copied one after the other, so the target has the first copy
+        # when the next one comes and shares its extent (Shard.replace) instead of taking one more
+        groups: dict[tuple[int, int, int], list[tuple[Inode, int, int]]] = {}
+        for inode, idx, target in todo:
+            groups.setdefault((layout_of(inode).placed_as, idx, target), []).append((inode, idx, target))
         async with open_nursery() as nursery:
-            for inode, idx, target in todo:
-                nursery.start_soon(one, inode, idx, target)
+            for group in groups.values():
+                nursery.start_soon(one, group)
         moved = [(inode.ino, idx) for inode, idx, _ in todo]
         async with open_nursery() as nursery:  # the copies are durable before the originals go
             for target in {t for _, _, t in todo}:
