@@ -25,7 +25,11 @@ What the launcher does, in order:
    process group (each worker runs in a session of its own, so a terminal's Ctrl-C reaches it
    once, through the launcher, and its own children too; a signal that comes while workers are
    starting stops the starting and reaches those started). Each worker gets SIGKILL if the
-   launcher dies (``PR_SET_PDEATHSIG``, prctl(2)). When a worker exits with a non-zero status,
+   launcher dies (``PR_SET_PDEATHSIG``, prctl(2)). When a worker exits (whatever its status),
+   what is left of its process group (its children: a ``sleep``, data loaders) gets SIGTERM at
+   once and SIGKILL ``--grace`` seconds later, so nothing it started outlives it, re-parented to
+   init; its death is reported as soon as its output ended (its children held its pipes), at
+   most ``READERS_S`` later. When a worker exits with a non-zero status,
    the launcher says which rank and how, stops the others (SIGTERM, then SIGKILL after
    ``--grace`` seconds) and exits with that worker's status (128 + N for a signal N, as a shell
    does). When every worker exits 0, so does the launcher, unless a signal stopped the job:
@@ -83,6 +87,9 @@ RUN_ID_ENV, RESTART_ENV = "IRDMA_RUN_ID", "IRDMA_RESTART"
 JOBS_DIR = "/jobs"
 #: Signals forwarded to the workers.
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: Seconds the launcher waits for the output of a worker that exited (a process outside its
+#: group, such as a daemon it started, may hold its pipes) before it reports the exit.
+READERS_S = 5.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -123,6 +130,8 @@ class Worker:
     proc: subprocess.Popen[bytes]
     readers: list[threading.Thread] = field(default_factory=list)
     restart: int = 0
+    #: set once the worker exited and nothing is left of its process group
+    group_gone: threading.Event = field(default_factory=threading.Event)
 
 
 class _Output:
@@ -364,7 +373,7 @@ def supervise(job: Job, n: int, command: Sequence[str], *, grace: float = 10.0,
             t = threading.Thread(target=out.pump, args=(rank, pipe, fd), daemon=True, name=f"irdma-run-{rank}-{fd}")
             t.start()
             w.readers.append(t)
-        threading.Thread(target=_reap, args=(w, ended), daemon=True, name=f"irdma-run-{rank}").start()
+        threading.Thread(target=_reap, args=(w, ended, grace), daemon=True, name=f"irdma-run-{rank}").start()
         workers.append(w)
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
@@ -380,10 +389,11 @@ def supervise(job: Job, n: int, command: Sequence[str], *, grace: float = 10.0,
         status, restarts, running, finished = 0, 0, len(workers), 0
         while running:
             # no deadline: a job runs as long as it trains; the forwarded signals' handler runs meanwhile
-            w = ended.get()
+            w = ended.get()  # its process group was told to stop: its children close its pipes
             running -= 1
+            deadline = time.monotonic() + READERS_S
             for t in w.readers:
-                t.join(timeout=5.0)  # its last lines before the verdict
+                t.join(timeout=max(0.0, deadline - time.monotonic()))  # its last lines before the verdict
             code = w.proc.returncode
             if code == 0:
                 finished += 1
@@ -423,15 +433,48 @@ def _signal(w: Worker, signum: int) -> None:
             os.killpg(w.proc.pid, signum)
 
 
-def _reap(w: Worker, ended: queue.Queue[Worker]) -> None:
+def _group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` still has a member (one we may not signal counts)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    """``signum`` to what is left of process group ``pgid`` (none left: nothing)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signum)
+
+
+def _reap(w: Worker, ended: queue.Queue[Worker], grace: float) -> None:
+    """Wait for worker ``w`` to exit; SIGTERM what is left of its process group (its children)
+    at once, reap it, hand it to the launcher (``ended``); SIGKILL the group if anything of it
+    is still there ``grace`` s later. The group is signalled while the worker is a zombie, not
+    yet reaped: its pid, the group's id, cannot name another process then, nor later while a
+    member of the group lives."""
+    pgid = w.proc.pid
+    with contextlib.suppress(ChildProcessError):  # reaped already (a poll() of the main thread)
+        os.waitid(os.P_PID, pgid, os.WEXITED | os.WNOWAIT)
+    _signal_group(pgid, signal.SIGTERM)
     w.proc.wait()
     ended.put(w)
+    deadline = time.monotonic() + grace
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # a thread of the launcher, not a test: the group has no exit to wait on
+    if _group_alive(pgid):
+        _signal_group(pgid, signal.SIGKILL)
+    w.group_gone.set()
 
 
 def _stop(workers: list[Worker], grace: float, log: Callable[[str], None] = lambda msg: None) -> None:
     """SIGTERM every worker still running (its process group), SIGKILL those still running
     ``grace`` s later; a worker that does not die within 10 s more (stuck in the kernel) is
-    named and left."""
+    named and left. What is left of the group of a worker that exited (its children, told to
+    stop when it exited) gets SIGKILL by the same deadline: none outlives the launcher."""
     live = [w for w in workers if w.proc.poll() is None]
     for w in live:
         _signal(w, signal.SIGTERM)
@@ -446,3 +489,6 @@ def _stop(workers: list[Worker], grace: float, log: Callable[[str], None] = lamb
             except subprocess.TimeoutExpired:
                 log(f"rank {w.rank} (pid {w.proc.pid}) did not die after SIGKILL: it is stuck in the kernel"
                     " (a dead mount?); `cat /proc/PID/stack` shows where")
+    for w in workers:
+        if w.proc.poll() is not None and not w.group_gone.wait(timeout=max(0.0, deadline - time.monotonic())):
+            _signal_group(w.proc.pid, signal.SIGKILL)
