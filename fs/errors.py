@@ -34,6 +34,7 @@ ERRNO: dict[type[E.IrdmaError], int] = {
     E.BadRequest: errno.EINVAL,
     E.Busy: errno.EBUSY,
     E.ReadOnly: errno.EROFS,
+    E.QuotaExceeded: errno.EDQUOT,
     E.NoSpace: errno.ENOSPC,
     E.ShardUnavailable: errno.EIO,
     E.RemoteProtocolError: errno.EIO,

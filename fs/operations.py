@@ -97,7 +97,7 @@ from irdma.wire.compress import XATTR_COMPRESS, Compression, parse_compress
 from irdma.wire.protocol import Update, UpdateOp
 
 from .cache import ReadAhead, Residuals, WriteBehind
-from .control import CLOCK_PREFIX, CONTROL, STATE_PREFIX, Control
+from .control import CLOCK_PREFIX, CONTROL, STATE_PREFIX, Control, caller_of
 from .errors import fuse_errors
 
 log = logging.getLogger("irdma.fs")
@@ -304,7 +304,8 @@ class IrdmaFS(pyfuse3.Operations):
         e.st_ino = ROOT_INO if inode.ino == self.root else inode.ino
         e.generation = 0
         e.entry_timeout = self.entry_cache
-        e.attr_timeout = self.attr_cache
+        # a .snapshots shows its directory's mode and owner now: the kernel asks again at each check
+        e.attr_timeout = 0 if inode.snap == SNAPSHOTS_DIR_MARK else self.attr_cache
         e.st_mode = inode.mode
         e.st_nlink = max(inode.nlink, 0)
         e.st_uid = inode.uid
@@ -470,7 +471,8 @@ class IrdmaFS(pyfuse3.Operations):
             except NotFound:
                 if name != SNAPSHOTS_DIR:
                     raise
-                return self._entry(await self.meta.snapshots_dir(parent_inode))  # always there, as CephFS's .snap
+                # always there, as CephFS's .snap; a read-only mount writes nothing: only one that exists
+                return self._entry(await self.meta.snapshots_dir(parent_inode, create=not self.read_only))
 
     async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
         with fuse_errors("getattr"):
@@ -561,7 +563,9 @@ class IrdmaFS(pyfuse3.Operations):
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> pyfuse3.EntryAttributes:
         with fuse_errors("mkdir"):
             if (await self._getattr(parent_inode)).snap == SNAPSHOTS_DIR_MARK:  # mkdir D/.snapshots/NAME
-                await snapshots.create_at(self.client, await self.meta.parent_of(parent_inode), name)
+                who = caller_of(ctx)  # its owner; it must read every file the snapshot would keep
+                await snapshots.create_at(self.client, await self.meta.parent_of(parent_inode), name,
+                                          owner=who.uid or None, reader=(who.uid, sorted({who.gid, *who.groups})))
                 return self._entry(await self.meta.lookup(parent_inode, name))
             self._new_name(name)
             inode = await self.meta.create(parent_inode, name, stat.S_IFDIR | (mode & ~ctx.umask & 0o7777), ctx.uid,
@@ -571,7 +575,7 @@ class IrdmaFS(pyfuse3.Operations):
     async def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         with fuse_errors("rmdir"):
             if (await self._getattr(parent_inode)).snap == SNAPSHOTS_DIR_MARK:  # rmdir D/.snapshots/NAME
-                await snapshots.delete_at(self.client, await self.meta.parent_of(parent_inode), name)
+                await snapshots.delete_at(self.client, await self.meta.parent_of(parent_inode), name, uid=ctx.uid)
                 return
             await self.meta.rmdir(parent_inode, name)
 

@@ -83,6 +83,11 @@ class NotPermitted(IrdmaError):
     directory (EPERM)."""
 
 
+class QuotaExceeded(IrdmaError):
+    """A limit the namespace sets was reached, such as a directory's
+    ``user.irdma.max_snapshots`` (EDQUOT); nothing was made."""
+
+
 class ReadOnly(IrdmaError):
     """A change asked of a read-only object: a snapshot's files (EROFS)."""
 

@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, cast
 import trio
 
 from .._concurrency import open_nursery
-from .._errors import InvalidArgument, IrdmaError, NotFound, ShardUnavailable
+from .._errors import InvalidArgument, IrdmaError, NotFound, NotPermitted, ShardUnavailable
 from ..meta.base import Inode, Snapshot
 from ..placement import Layout
 from ..wire.protocol import MAX_ADMIT, FreezeReply
@@ -153,11 +153,30 @@ async def create(client: Client, path: str, name: str, *, keep: int | None = Non
     return await _info(client, dir_path, snap)
 
 
-async def create_at(client: Client, ino: int, name: bytes, *, keep: int | None = None) -> Snapshot:
-    """:func:`create` of inode ``ino`` (the mount's ``mkdir D/.snapshots/NAME``)."""
+async def create_at(client: Client, ino: int, name: bytes, *, keep: int | None = None, owner: int | None = None,
+                    reader: tuple[int, Sequence[int]] | None = None) -> Snapshot:
+    """:func:`create` of inode ``ino`` (the mount's ``mkdir D/.snapshots/NAME``).
+
+    ``owner``: the uid that owns the snapshot (may delete it: :func:`delete_at`); None: the
+    directory's owner. ``reader``: ``(uid, gids)`` of a maker who must be able to read every
+    file of the tree (a mount's user: nobody pins bytes it may not read); None: no check.
+
+    Raises:
+        What :func:`create` raises; NotPermitted: ``reader`` may not read a file of the tree;
+        QuotaExceeded: the directory holds as many snapshots as its ``user.irdma.max_snapshots``
+        allows (those ``keep`` deletes after are not counted). Nothing is kept then.
+    """
     if keep is not None and keep < 1:
         raise InvalidArgument(f"--keep {keep}: keep at least 1 snapshot")
-    snap, files = await client.meta.snapshot_begin(ino, name)
+    spare = 0
+    if keep is not None:  # what keep deletes once this one is made: not counted against the limit
+        top = await client.meta.getattr(ino)
+        mine = [s for s in await client.meta.snapshots(ino if top.is_dir else await client.meta.parent_of(ino))
+                if s.src == ino]
+        ready = [s for s in mine if s.state == "ready"]
+        spare = max(0, len(ready) + 1 - keep) + sum(s.state == "creating" and s.created_ns < abandoned_before()
+                                                    for s in mine)
+    snap, files = await client.meta.snapshot_begin(ino, name, owner=owner, reader=reader, spare=spare)
     try:
         try:
             cloned = await _cut(client, snap, files)
@@ -392,6 +411,33 @@ async def _find(client: Client, path: str, name: str) -> tuple[str, Snapshot]:
     raise NotFound(f"{path} has no snapshot named {name!r}", f"`irdma snapshot list {path}` lists them")
 
 
+async def _find_of(client: Client, path: str, name: str, verb: str) -> tuple[str, Snapshot]:
+    """:func:`_find`, for a tool that acts on what the snapshot holds (restore, clone): the
+    snapshot must be of ``path`` itself, its directory's tree or its one file.
+
+    Raises:
+        NotFound: no such snapshot. InvalidArgument: ``path`` is a file and the snapshot is of
+            its directory's whole tree, or the snapshot is of a file and ``path`` is its
+            directory or another file (nothing done: the message names the right path).
+    """
+    dir_path, snap = await _find(client, path, name)
+    named = path.rstrip("/") or "/"
+    base = dir_path.rstrip("/")
+    target = await client.meta.resolve(path)
+    if snap.src == snap.dir:
+        if target.ino != snap.dir:
+            raise InvalidArgument(f"snapshot {name!r} is of the directory {dir_path}, not of {named}: nothing was done",
+                                  f"`irdma snapshot {verb} {dir_path} {name}` {verb}s the whole directory; to get"
+                                  f" back one file, copy it from {base}/.snapshots/{name}/")
+        return dir_path, snap
+    (held, _), = await client.meta.readdir(snap.root)
+    of = f"{base}/{held.decode(errors='replace')}"
+    if target.is_dir or os.fsencode(named.rsplit("/", 1)[-1]) != held:
+        raise InvalidArgument(f"snapshot {name!r} is of the file {of}, not of {named}: nothing was done",
+                              f"run `irdma snapshot {verb} {of} {name}` to {verb} that file")
+    return dir_path, snap
+
+
 async def _source(client: Client, snap: Snapshot) -> Inode:
     """What a snapshot holds: its tree's root (a directory's snapshot) or its one file."""
     root = await client.meta.getattr(snap.root)
@@ -434,10 +480,11 @@ async def clone(client: Client, path: str, name: str, new_path: str) -> Inode:
     its file), sharing every chunk with the snapshot until written (copy-on-write). O(files).
 
     Raises:
-        NotFound: no such snapshot, or ``new_path``'s directory is missing. Exists: ``new_path``
+        NotFound: no such snapshot, or ``new_path``'s directory is missing. InvalidArgument:
+            the snapshot is not of ``path`` (its directory's, or another file's). Exists: ``new_path``
             exists. ShardUnavailable: a shard holding the snapshot did not answer (nothing made).
     """
-    _, snap = await _find(client, path, name)
+    _, snap = await _find_of(client, path, name, "clone")
     parent = os.path.dirname(new_path.rstrip("/")) or "/"
     base = os.path.basename(new_path.rstrip("/"))
     return await _clone_into(client, await _source(client, snap), (await client.meta.resolve(parent)).ino,
@@ -451,11 +498,16 @@ async def restore(client: Client, path: str, name: str) -> None:
     transaction (the directory keeps its inode and its snapshots). The chunks are shared with
     the snapshot (no byte copied); what only the old files held is freed.
 
+    ``path`` names what the snapshot is of: its directory (a snapshot of the directory's
+    tree), or its file (a snapshot of that file); any other path is refused.
+
     Raises:
-        NotFound: no such snapshot. NotEmpty: a subdirectory holds snapshots of its own
-            (delete them, or restore that subdirectory). ShardUnavailable: nothing changed.
+        NotFound: no such snapshot. InvalidArgument: the snapshot is not of ``path`` (a file
+            of a directory's snapshot, the directory or another file of a file's): nothing
+            changed. NotEmpty: a subdirectory holds snapshots of its own (delete them, or
+            restore that subdirectory). ShardUnavailable: nothing changed.
     """
-    dir_path, snap = await _find(client, path, name)
+    dir_path, snap = await _find_of(client, path, name, "restore")
     src = await _source(client, snap)
     tmp = b".irdma-restore-" + os.urandom(6).hex().encode()
     if snap.src == snap.dir:  # the directory's tree
@@ -522,10 +574,23 @@ async def delete(client: Client, path: str, name: str) -> int:
         raise NotFound(f"{path} has no snapshot named {name!r}", f"`irdma snapshot list {path}` lists them") from None
 
 
-async def delete_at(client: Client, dir_ino: int, name: bytes) -> int:
-    """:func:`delete` of directory inode ``dir_ino``'s snapshot ``name`` (the mount's rmdir)."""
+async def delete_at(client: Client, dir_ino: int, name: bytes, *, uid: int | None = None) -> int:
+    """:func:`delete` of directory inode ``dir_ino``'s snapshot ``name`` (the mount's rmdir).
+
+    ``uid``: the user asking (a mount's); it may delete the snapshot when it owns it (made it:
+    its top directory's owner), owns the directory, or is root. None: anyone (the operator's
+    tools act with the metadata database's rights).
+
+    Raises:
+        NotFound: no such snapshot. NotPermitted: ``uid`` may not delete it (nothing changed).
+    """
     for snap in await client.meta.snapshots(dir_ino):
         if snap.name == name:
+            if uid is not None and uid != 0:
+                owners = {(await client.meta.getattr(dir_ino)).uid, (await client.meta.getattr(snap.root)).uid}
+                if uid not in owners:
+                    raise NotPermitted(f"snapshot {name.decode(errors='replace')!r} is another user's: its maker, the"
+                                       " directory's owner and root may delete it", "ask one of them")
             return await _drop(client, snap)
     raise NotFound(f"no snapshot named {name.decode(errors='replace')!r}")
 

@@ -49,6 +49,23 @@ def parse_shape(value: bytes | str) -> tuple[int, ...]:
     if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
         raise ValueError(f"bad {XATTR_SHAPE.decode()} {text!r}: use positive dimensions such as 1000000,256")
     return tuple(int(p) for p in parts)
+#: The xattr that limits how many snapshots a directory may hold (``D/.snapshots/*``): set on
+#: ``D`` or an ancestor (the smallest of them applies); a create past it fails (EDQUOT).
+XATTR_MAX_SNAPSHOTS = b"user.irdma.max_snapshots"
+
+
+def parse_max_snapshots(value: bytes | str) -> str:
+    """The normalized text of a :data:`XATTR_MAX_SNAPSHOTS` value (``b" 10 "`` -> ``"10"``).
+
+    Raises:
+        ValueError: not a whole number of 0 or more (0: no snapshot may be made there).
+    """
+    text = (value.decode("ascii", "replace") if isinstance(value, bytes) else value).strip()
+    if not text.isdigit():
+        raise ValueError(f"bad {XATTR_MAX_SNAPSHOTS.decode()} {text!r}: use a whole number of snapshots such as 10")
+    return str(int(text))
+
+
 #: The name of a directory's snapshots (``D/.snapshots/NAME``, as CephFS's ``.snap``).
 SNAPSHOTS_DIR = b".snapshots"
 #: :attr:`Inode.snap` of a ``.snapshots`` directory.

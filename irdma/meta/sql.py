@@ -97,10 +97,12 @@ from .base import (
     XATTR_CACHE,
     XATTR_CHUNK_SIZE,
     XATTR_IO,
+    XATTR_MAX_SNAPSHOTS,
     XATTR_SHAPE,
     XATTR_UPDATE,
     Inode,
     MetaStore,
+    parse_max_snapshots,
     parse_shape,
     setid_bits,
 )
@@ -140,6 +142,7 @@ _JOB_XATTRS = {
     coord.XATTR_MAX_LEASE: lambda v: repr(coord.parse_timeout(v)),  # a lock's longest lease (fs/control.py)
     **{name: _invalid_as_einval(parse) for name, parse in comm.XATTRS.items()},  # P3 slicing, layer dropping
     compress.XATTR_COMPRESS: compress.xattr_value,
+    XATTR_MAX_SNAPSHOTS: _invalid_as_einval(parse_max_snapshots),  # a directory's snapshots at most (sql_snap)
 }
 
 
@@ -335,10 +338,10 @@ class SqlMeta(SqlCluster, SqlSync, SqlSnap, MetaStore):
             return self.getattr(parent)
         if name == b"..":
             return self.getattr(self.parent_of(parent))
-        return self._lookup(self._db, parent, name)
+        return self._shown(self._db, self._lookup(self._db, parent, name))
 
     def getattr(self, ino: int) -> Inode:
-        return self._get(self._db, ino)
+        return self._shown(self._db, self._get(self._db, ino))
 
     def getattr_io(self, ino: int) -> tuple[Inode, bytes]:
         got = self._get_io(self._db, ino)

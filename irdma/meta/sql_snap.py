@@ -10,7 +10,18 @@ with the live file on the shards (:meth:`irdma.server.shard.Shard.clone`, copy-o
 chunk map records the replicas that cloned them. ``D/.snapshots`` is a real directory inode
 (``snap`` = :data:`~irdma.meta.base.SNAPSHOTS_DIR_MARK`), hidden from ``readdir`` and never
 counted in ``D``'s link count; while it holds snapshots ``rmdir D`` fails (ENOTEMPTY), as
-CephFS's does. It goes once its last snapshot is deleted.
+CephFS's does. It goes once its last snapshot is deleted. Its mode, owner and group are
+``D``'s at every look (:meth:`SqlSnap._shown`: what ``stat`` shows and the kernel checks for
+``mkdir``/``rmdir`` in it), never a copy taken once; ``chmod`` of it is refused (EROFS: change
+``D``'s).
+
+A snapshot's top directory (``D/.snapshots/N``) is owned by the user who made it through a
+mount (``owner``; by ``D``'s owner when root or the CLI made it), so its maker may delete it in
+a sticky ``D`` as in ``/tmp``; ``D``'s owner and root may delete any
+(:func:`irdma.client.snapshots.delete_at`). A maker who could not read every file of the tree
+is refused (``reader``: the snapshot would keep bytes it may not read), and the
+``user.irdma.max_snapshots`` of ``D`` and its ancestors (the smallest) bounds how many ``D``
+holds (:data:`~irdma.meta.base.XATTR_MAX_SNAPSHOTS`).
 
 A snapshot is made in two steps around the shards' cut (:mod:`irdma.client.snapshots`):
 :meth:`SqlSnap.snapshot_begin` copies the tree (state ``creating``), then
@@ -24,9 +35,26 @@ import stat
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from irdma._errors import Exists, InvalidArgument, NotADirectory, NotEmpty, NotFound, ReadOnly
+from irdma._errors import (
+    Exists,
+    InvalidArgument,
+    NotADirectory,
+    NotEmpty,
+    NotFound,
+    NotPermitted,
+    QuotaExceeded,
+    ReadOnly,
+)
 
-from .base import SNAPSHOTS_DIR, SNAPSHOTS_DIR_MARK, Inode, Snapshot
+from .base import (
+    ROOT_INO,
+    SNAPSHOTS_DIR,
+    SNAPSHOTS_DIR_MARK,
+    XATTR_MAX_SNAPSHOTS,
+    Inode,
+    Snapshot,
+    parse_max_snapshots,
+)
 from .sql_rows import COLS, Cursor, check_name, inode_row, now
 
 _SNAP_COLS = "id, dir, name, root, src, created_ns, state"
@@ -55,9 +83,26 @@ class SqlSnap:
         """Raise ReadOnly when any of ``inos`` belongs to a snapshot (or is a ``.snapshots``)."""
         for ino in inos:
             row = c.execute("SELECT snap FROM inodes WHERE ino=?", (ino,)).fetchone()
+            if row is not None and int(row[0]) == SNAPSHOTS_DIR_MARK:
+                raise ReadOnly(f"inode {ino} is a directory's {SNAPSHOTS_DIR.decode()}: its mode, owner and group are"
+                               " the directory's", "chmod or chown the directory itself; mkdir/rmdir in"
+                               f" {SNAPSHOTS_DIR.decode()} take and delete snapshots")
             if row is not None and int(row[0]):
                 raise ReadOnly(f"inode {ino} is in a snapshot, which is read-only",
                                "write to the live file instead")
+
+    def _shown(self, c: Cursor, inode: Inode) -> Inode:
+        """``inode`` as a lookup or getattr shows it: a ``.snapshots`` takes its directory's
+        mode bits, owner and group now (so ``chmod D`` applies to it at once), the rest as
+        stored."""
+        if inode.snap != SNAPSHOTS_DIR_MARK:
+            return inode
+        row = c.execute("SELECT i.mode, i.uid, i.gid FROM dentries d JOIN inodes i ON i.ino = d.parent"
+                        " WHERE d.ino=? LIMIT 1", (inode.ino,)).fetchone()
+        if row is not None:
+            inode.mode = stat.S_IFDIR | (int(row[0]) & 0o7777)
+            inode.uid, inode.gid = int(row[1]), int(row[2])
+        return inode
 
     def _emptied(self, c: Cursor, ino: int) -> bool:
         """Whether directory ``ino`` is empty to rmdir: no entry but a ``.snapshots`` holding no
@@ -93,20 +138,30 @@ class SqlSnap:
         c.execute("INSERT INTO dentries VALUES (?,?,?)", (d.ino, SNAPSHOTS_DIR, ino))
         return int(ino)
 
-    def snapshots_dir(self, ino: int) -> Inode:
-        """Directory ``ino``'s ``.snapshots`` (made if missing: it is always there to a lookup,
-        as CephFS's ``.snap``; hidden from readdir, and gone with the directory while empty).
+    def snapshots_dir(self, ino: int, create: bool = True) -> Inode:
+        """Directory ``ino``'s ``.snapshots``, made if missing when ``create`` (it is always
+        there to a lookup, as CephFS's ``.snap``; hidden from readdir, and gone with the
+        directory while empty). Without ``create`` (a read-only mount) nothing is written: only
+        one that exists is answered. Its mode, owner and group are the directory's.
 
         Raises:
-            NotFound: ``ino`` is not a live directory (a file, or in a snapshot).
+            NotFound: ``ino`` is not a live directory (a file, or in a snapshot); or, without
+                ``create``, it has no ``.snapshots`` yet (it holds no snapshot).
         """
+        if not create:
+            c = self._db
+            d = self._get(c, ino)
+            holder = self._snapshots_dir(c, d, create=False) if d.is_dir and not d.snap else None
+            if holder is None:
+                raise NotFound(f"inode {ino} has no {SNAPSHOTS_DIR.decode()}: it holds no snapshot")
+            return self._shown(c, self._get(c, holder))
         with self._tx() as c:
             d = self._get(c, ino)
             if not d.is_dir or d.snap:
                 raise NotFound(f"inode {ino} is not a live directory: it has no {SNAPSHOTS_DIR.decode()}")
             holder = self._snapshots_dir(c, d, create=True)
             assert holder is not None
-            return self._get(c, holder)
+            return self._shown(c, self._get(c, holder))
 
     def _copy_inode(self, c: Cursor, ino: int, snap_id: int) -> int:
         # placed as the file it copies (its chunks are that file's, shared: Layout.place_id)
@@ -116,10 +171,19 @@ class SqlSnap:
         c.execute("INSERT INTO xattrs SELECT ?, name, value FROM xattrs WHERE ino=?", (new, ino))
         return int(new)
 
-    def snapshot_begin(self, ino: int, name: bytes) -> tuple[Snapshot, list[tuple[Inode, int]]]:
+    def snapshot_begin(self, ino: int, name: bytes, *, owner: int | None = None,
+                       reader: tuple[int, Sequence[int]] | None = None,
+                       spare: int = 0) -> tuple[Snapshot, list[tuple[Inode, int]]]:
         """Copy the tree of ``ino`` (a directory, or a file: then into a directory of its own)
         as snapshot ``name`` of the directory that holds it (``ino`` itself for a directory),
         in state ``creating``.
+
+        ``owner``: the uid that owns the snapshot's top directory (``D/.snapshots/NAME``: who
+        may delete it besides ``D``'s owner and root); None: ``D``'s owner. ``reader``: ``(uid,
+        gids)`` of a maker who must be able to read every regular file of the tree (by its
+        mode bits, owner and group, as POSIX); None: no check (root, the operator's tools).
+        ``spare``: snapshots of ``D`` the caller deletes once this one is made (``keep``): not
+        counted against ``D``'s :data:`~irdma.meta.base.XATTR_MAX_SNAPSHOTS`.
 
         Returns:
             The snapshot and, for every regular file of the tree, ``(live inode, copy's
@@ -128,6 +192,9 @@ class SqlSnap:
         Raises:
             InvalidArgument: a bad name, or ``ino`` is neither a file nor a directory.
             Exists: that snapshot exists. ReadOnly: ``ino`` is in a snapshot. NotFound.
+            QuotaExceeded: ``D`` holds as many snapshots as its limit allows.
+            NotPermitted: ``reader`` may not read a file of the tree.
+            Nothing is written when any is raised.
         """
         check_name(name)
         if name in (b".", b".."):
@@ -143,6 +210,7 @@ class SqlSnap:
             if c.execute("SELECT 1 FROM snapshots WHERE dir=? AND name=?", (dir_ino, name)).fetchone():
                 raise Exists(f"a snapshot named {name.decode(errors='replace')!r} exists",
                              "choose another name, or delete that one first")
+            self._check_limit(c, dir_ino, spare)
             holder = self._snapshots_dir(c, d, create=True)
             assert holder is not None
             t = now()
@@ -154,6 +222,14 @@ class SqlSnap:
                 root, _ = self._copy_tree(c, dir_ino, holder, name, sid, children=False)
                 _, files = self._copy_tree(c, ino, root, self._name_in(c, dir_ino, ino), sid)
                 c.execute("UPDATE inodes SET nlink=2 WHERE ino=?", (root,))
+            hidden = _unreadable(reader, [f for f, _ in files]) if reader is not None else None
+            if hidden is not None:
+                raise NotPermitted(f"a snapshot of {self._path(c, ino)} would keep {self._path(c, hidden.ino)} (owner"
+                                   f" {hidden.uid}, mode {stat.S_IMODE(hidden.mode):04o}), which you may not read:"
+                                   " no snapshot was taken", "snapshot a directory that holds only files you may"
+                                   " read, or ask the directory's owner to take it")
+            if owner is not None:
+                c.execute("UPDATE inodes SET uid=? WHERE ino=?", (owner, root))
             c.execute("UPDATE inodes SET nlink=nlink+1 WHERE ino=?", (holder,))
             c.execute("UPDATE snapshots SET root=? WHERE id=?", (root, sid))
             return Snapshot(sid, dir_ino, name, root, ino, t, "creating"), files
@@ -308,6 +384,49 @@ class SqlSnap:
             c.execute("UPDATE inodes SET nlink=?, mtime_ns=?, ctime_ns=? WHERE ino=?", (2 + int(sub), t, t, dir_ino))
             return unnamed
 
+    def _path(self, c: Cursor, ino: int) -> str:
+        """One path of inode ``ino`` in the namespace (for messages)."""
+        parts: list[str] = []
+        while ino != ROOT_INO and len(parts) < 4096:
+            row = c.execute("SELECT parent, name FROM dentries WHERE ino=? LIMIT 1", (ino,)).fetchone()
+            if row is None:
+                return f"(inode {ino})/" + "/".join(reversed(parts))
+            parts.append(bytes(row[1]).decode(errors="replace"))
+            ino = int(row[0])
+        return "/" + "/".join(reversed(parts))
+
+    def _check_limit(self, c: Cursor, dir_ino: int, spare: int) -> None:
+        """Raise QuotaExceeded when directory ``dir_ino`` holds (less ``spare``) as many
+        snapshots as the smallest :data:`~irdma.meta.base.XATTR_MAX_SNAPSHOTS` set on it or
+        an ancestor allows."""
+        limit: tuple[int, int] | None = None  # (snapshots at most, the inode that says so)
+        at, hops = dir_ino, 0
+        while hops < 4096:
+            row = c.execute("SELECT value FROM xattrs WHERE ino=? AND name=?", (at, XATTR_MAX_SNAPSHOTS)).fetchone()
+            if row is not None:
+                try:
+                    n = int(parse_max_snapshots(bytes(row[0])))
+                except ValueError:  # (set before it was checked: ignored, as unset)
+                    n = -1
+                if n >= 0 and (limit is None or n < limit[0]):
+                    limit = (n, at)
+            if at == ROOT_INO:
+                break
+            up = c.execute("SELECT parent FROM dentries WHERE ino=? LIMIT 1", (at,)).fetchone()
+            if up is None:
+                break
+            at, hops = int(up[0]), hops + 1
+        if limit is None:
+            return
+        held = int(c.execute("SELECT COUNT(*) FROM snapshots WHERE dir=?", (dir_ino,)).fetchone()[0])
+        if max(held - max(spare, 0), 0) >= limit[0]:  # (0: none may be made)
+            where = self._path(c, dir_ino)
+            setter = "" if limit[1] == dir_ino else f" (set on {self._path(c, limit[1])})"
+            raise QuotaExceeded(f"{where} holds {held} snapshots and its {XATTR_MAX_SNAPSHOTS.decode()} is"
+                                f" {limit[0]}{setter}: no snapshot was taken",
+                                f"delete one first (rmdir {where.rstrip('/')}/{SNAPSHOTS_DIR.decode()}/NAME, or"
+                                " `irdma snapshot delete`), or ask the directory's owner to raise the limit")
+
     def _parent(self, c: Cursor, ino: int) -> int:
         row = c.execute("SELECT parent FROM dentries WHERE ino=? LIMIT 1", (ino,)).fetchone()
         if row is None:
@@ -399,3 +518,19 @@ class SqlSnap:
                     c.execute("DELETE FROM dentries WHERE ino=?", (holder,))
                     c.execute("DELETE FROM inodes WHERE ino=?", (holder,))
             return files
+
+
+def _unreadable(reader: tuple[int, Sequence[int]], files: Sequence[Inode]) -> Inode | None:
+    """The first of ``files`` that ``reader`` (``(uid, gids)``) may not read by its mode bits,
+    owner and group (POSIX's classes; uid 0 reads all), or None."""
+    uid, gids = reader
+    for f in files if uid != 0 else ():
+        if f.uid == uid:
+            bits = f.mode >> 6
+        elif f.gid in gids:
+            bits = f.mode >> 3
+        else:
+            bits = f.mode
+        if not bits & 0o4:
+            return f
+    return None
