@@ -488,9 +488,13 @@ def spawn_mount(
         time.sleep(0.05)
     if pid_alive(pid):
         os.kill(pid, signal.SIGTERM)
+    last = last_log_line(log_file)
+    # an error of irdma's own (a key, the namespace, --subdir) carries its advice; FUSE's does not
+    said = " ERROR irdma.fs: " in last and "FUSE could not mount" not in last
     raise IrdmaError(
-        f"mount of {mountpoint} failed: {last_log_line(log_file)}",
-        f"its log is {log_file}; check that /dev/fuse exists and fuse3 is installed (apt-get install fuse3)",
+        f"mount of {mountpoint} failed: {last.split(' ERROR irdma.fs: ', 1)[-1] if said else last}",
+        f"its log is {log_file}" + ("" if said else
+                                    "; check that /dev/fuse exists and fuse3 is installed (apt-get install fuse3)"),
     )
 
 

@@ -26,9 +26,24 @@ from ..units import format_size, parse_size
 from . import cluster as _cluster
 from . import snapshot_cli
 
-# soft_wrap: a message is one line, however long (paths and commands stay whole for copy and paste;
-# tables still fit the terminal)
-console = Console(stderr=True, soft_wrap=True)
+
+class _Messages(Console):
+    """The console of messages (standard error): at a terminal a line wraps at its width; elsewhere
+    (a pipe, a file, a script's capture) each message stays one line, whole, however long, for
+    grep and for copying the paths and commands it names. Tables fit the width either way."""
+
+    def __init__(self) -> None:
+        super().__init__(stderr=True)
+        self.soft_wrap = not self.is_terminal
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        if self.is_terminal:
+            kwargs.pop("soft_wrap", None)  # wrap at the terminal's width, whatever the caller asked
+        super().print(*objects, **kwargs)
+
+
+console = _Messages()
+# results on standard output: one line each, however long (URLs, JSON); tables fit the terminal
 out = Console(soft_wrap=True)
 
 
@@ -430,47 +445,118 @@ def up(cluster_dir: str, shards: int, capacity: int | None, host: str, transport
     with console.status(f"starting shards in {cluster_dir}") as status:
 
         def progress(msg: str) -> None:
-            console.log(msg)
+            console.print(msg, highlight=False)
             status.update(msg)
 
         missing: _cluster.ShardsNotStarted | None = None
+        already: _cluster.AlreadyUp | None = None
         try:
             url = _cluster.up(cluster_dir, shards, capacity, host=host, transport=transport, fresh=fresh,
                               durability=durability, replicas=replicas, progress=progress, security=security,
                               metrics=metrics_addr)
         except _cluster.ShardsNotStarted as exc:  # the rest runs: resync it, then say what is missing
             missing, url = exc, exc.url
+        except _cluster.AlreadyUp as exc:  # nothing to start: not a failure
+            already, url = exc, exc.url
     trio.run(_resync, url, None)
     out.print(url, highlight=False)
     if missing is not None:
         fail(str(missing), 1)
+    if already is not None:
+        console.print(f"{already}.", highlight=False)
+        return
     console.print(
         f"cluster up. Next: [bold]irdma mount {url} MOUNTPOINT[/], [bold]irdma status --meta {url}[/],"
         f" and [bold]irdma down --dir {cluster_dir}[/] to stop it.", highlight=False,
     )
 
 
+_LOCAL_DIR_OPTION = click.option(
+    "--dir", "cluster_dir", default=None, type=click.Path(file_okay=False),
+    help="Directory of the local cluster. [default: the one --meta or $IRDMA_META names, else $IRDMA_HOME or ~/.irdma]",
+)
+_LOCAL_META_OPTION = click.option(
+    "--meta", "meta_url", default=None, help="The local cluster whose metadata URL this is (sqlite:///DIR/meta.db).")
+
+
+def _local_dir(cluster_dir: str | None, meta_url: str | None) -> str:
+    """The directory of the local cluster a command names: --dir; else the one --meta or
+    $IRDMA_META names (the cluster the other commands act on); else the default one.
+
+    Raises:
+        InvalidArgument: --dir and --meta name different clusters; the URL is no local cluster's.
+    """
+    if cluster_dir is not None:
+        if meta_url is not None and os.path.realpath(_cluster.dir_of(meta_url)) != os.path.realpath(cluster_dir):
+            raise InvalidArgument(f"--dir {cluster_dir} and --meta {_redact(meta_url)} name different clusters",
+                                  "give one of them")
+        return cluster_dir
+    url = meta_url or os.environ.get("IRDMA_META")
+    if url:
+        return _cluster.dir_of(url)
+    return _cluster.default_dir()
+
+
+def _check_mounts(cluster_dir: str, what: str, force: bool) -> None:
+    """Refuse (unless ``force``, or the user says so at a terminal) to stop a cluster that live
+    mounts of this host use: their reads and writes would fail until it is up again.
+
+    Raises:
+        IrdmaError: there are live mounts, no --force, and no terminal to ask at (or the answer was no).
+    """
+    mounts = _cluster.live_mounts(cluster_dir)
+    if not mounts or force:
+        return
+    shown = ", ".join(mounts[:5]) + (" ..." if len(mounts) > 5 else "")
+    said = f"{_count(len(mounts), 'live mount')} of the cluster in {cluster_dir} ({shown})"
+    if sys.stdin.isatty() and click.confirm(f"{said} will fail every read and write (EIO); {what} anyway?",
+                                            err=True):
+        return
+    raise IrdmaError(f"{said} would fail every read and write (EIO): nothing {'stopped' if what == 'stop' else 'removed'}",
+                     f"unmount {'it' if len(mounts) == 1 else 'them'} first (`irdma umount {mounts[0]}`), or pass"
+                     " --force")
+
+
 @cli.command()
-@DIR_OPTION
+@_LOCAL_DIR_OPTION
+@_LOCAL_META_OPTION
+@click.option("--force", is_flag=True, help="Stop it even while mounts of it are live (their I/O fails until `irdma up`).")
 @click.option("--keep", is_flag=True, hidden=True, help="Accepted for compatibility: the data is always kept.")
 @friendly
-def down(cluster_dir: str, keep: bool) -> None:
-    """Stop the local cluster started by `irdma up` (its namespace and data stay)."""
-    n = _cluster.down(cluster_dir, keep=keep, progress=console.log)
+def down(cluster_dir: str | None, meta_url: str | None, force: bool, keep: bool) -> None:
+    """Stop the local cluster started by `irdma up` (its namespace and data stay): the one in
+    --dir, else the one --meta or $IRDMA_META names, else the default one. A cluster with live
+    mounts on this host is stopped only with --force (or when you say so at a terminal)."""
+    cluster_dir = _local_dir(cluster_dir, meta_url)
+    if os.path.exists(os.path.join(cluster_dir, _cluster.STATE_FILE)):
+        _check_mounts(cluster_dir, "stop", force)
+    n = _cluster.down(cluster_dir, keep=keep, progress=lambda m: console.print(m, highlight=False))
     console.print(f"cluster in {cluster_dir} stopped ({n} shard processes); `irdma up --dir {cluster_dir}` starts it"
                   f" again on its data, `irdma destroy --dir {cluster_dir}` removes it.", highlight=False)
 
 
 @cli.command()
-@DIR_OPTION
+@_LOCAL_DIR_OPTION
+@_LOCAL_META_OPTION
 @click.option("--yes", is_flag=True, help="Do not ask.")
+@click.option("--force", is_flag=True, help="Remove it even while mounts of it are live (their files are gone).")
 @friendly
-def destroy(cluster_dir: str, yes: bool) -> None:
-    """Stop the local cluster in --dir and remove its namespace and every shard's data."""
+def destroy(cluster_dir: str | None, meta_url: str | None, yes: bool, force: bool) -> None:
+    """Stop the local cluster and remove its namespace, every shard's data, its logs and its
+    directory (kept, with what else it holds, when it holds files irdma did not make): the
+    cluster in --dir, else the one --meta or $IRDMA_META names, else the default one. A
+    cluster with live mounts on this host is removed only with --force (or when you say so)."""
+    cluster_dir = _local_dir(cluster_dir, meta_url)
+    if any(os.path.exists(os.path.join(cluster_dir, n)) for n in ("meta.db", _cluster.STATE_FILE)):
+        _check_mounts(cluster_dir, "remove it", force)
     if not yes and not click.confirm(f"remove every file of the cluster in {cluster_dir}?", err=True):
         raise IrdmaError("nothing removed", "pass --yes to remove without asking")
-    _cluster.destroy(cluster_dir, progress=console.log)
-    console.print(f"cluster in {cluster_dir} removed.", highlight=False)
+    left = _cluster.destroy(cluster_dir, progress=lambda m: console.print(m, highlight=False))
+    if left:
+        console.print(f"cluster in {cluster_dir} removed; the directory stays: it holds {len(left)} {'entry' if len(left) == 1 else 'entries'}"
+                      f" irdma did not make ({', '.join(left[:5])}{' ...' if len(left) > 5 else ''}).", highlight=False)
+    else:
+        console.print(f"cluster in {cluster_dir} removed, with its directory.", highlight=False)
 
 
 # ---------------------------------------------------------------- training jobs
@@ -545,6 +631,129 @@ def run(workers: int, meta_url: str | None, job: str | None, consistency: str | 
             hosts=where, rsh=rsh)
     if status_code:
         sys.exit(status_code)
+
+
+# ---------------------------------------------------------------- jobs under /jobs
+@cli.group()
+def job() -> None:
+    """The jobs `irdma run` made: their directories /jobs/NAME in the namespace (weights,
+    optimizer state, clocks), kept after a run so that a run again of the job resumes."""
+
+
+async def _jobs(meta_url: str) -> list[dict[str, Any]]:
+    from .._errors import NoAttribute, NotFound
+    from ..client.native import Client
+    from ..train.coord import XATTR_CONSISTENCY, XATTR_ELASTIC, XATTR_WORKERS
+    from .launch import JOBS_DIR
+
+    async with Client.open(meta_url, transport="tcp") as client:
+        try:
+            top = await client.meta.resolve(JOBS_DIR)
+        except NotFound:
+            return []
+        found = []
+        for name, inode in sorted(await client.meta.readdir(top.ino)):
+            if not inode.is_dir:
+                continue
+            got: dict[str, Any] = {"name": name.decode(errors="replace"), "path": f"{JOBS_DIR}/{name.decode()}",
+                                   "mtime_ns": inode.mtime_ns}
+            for key_, xattr in (("workers", XATTR_WORKERS), ("consistency", XATTR_CONSISTENCY),
+                                ("elastic", XATTR_ELASTIC)):
+                try:
+                    got[key_] = (await client.meta.getxattr(inode.ino, xattr)).decode(errors="replace")
+                except NoAttribute:
+                    got[key_] = None
+            files = size = 0
+            todo = [inode.ino]
+            while todo:
+                with contextlib.suppress(NotFound):
+                    for _, child in await client.meta.readdir(todo.pop()):
+                        if child.is_dir:
+                            todo.append(child.ino)
+                        else:
+                            files, size = files + 1, size + child.size
+            got.update(files=files, bytes=size)
+            found.append(got)
+        return found
+
+
+@job.command("list")
+@META_OPTION
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout (sizes in bytes, times in ns).")
+@friendly
+def job_list(meta_url: str, as_json: bool) -> None:
+    """The jobs under /jobs: name, workers, consistency, files, bytes, last change."""
+    import json
+    from datetime import datetime
+
+    jobs = trio.run(_jobs, meta_url)
+    if as_json:
+        out.print_json(json.dumps(jobs))
+        return
+    if not jobs:
+        console.print(f"no jobs in {_redact(meta_url)} (`irdma run --job NAME` makes /jobs/NAME)", highlight=False)
+        return
+    table = Table(title=f"jobs of {_redact(meta_url)}")
+    for col in ("name", "workers", "consistency", "files", "size", "changed"):
+        table.add_column(col, justify="right" if col in ("workers", "files", "size") else "left")
+    for j in jobs:
+        workers = j["workers"] or "-"
+        table.add_row(escape(j["name"]), workers + (f" ({j['elastic']})" if j["elastic"] else ""),
+                      escape(j["consistency"] or "asp"), str(j["files"]), format_size(j["bytes"]),
+                      datetime.fromtimestamp(j["mtime_ns"] / 1e9).strftime("%Y-%m-%d %H:%M:%S"))
+    out.print(table)
+
+
+async def _remove_job(meta_url: str, name: str) -> tuple[int, int]:
+    """Remove /jobs/NAME and everything in it (files' chunks freed now, as `rm -r` through a
+    mount does); returns (files, directories) removed."""
+    from .._errors import NotEmpty
+    from ..client.native import Client
+    from .launch import JOBS_DIR
+
+    async with Client.open(meta_url, transport="tcp") as client:
+        top = await client.meta.resolve(JOBS_DIR)
+        job_dir = await client.meta.resolve(f"{JOBS_DIR}/{name}")
+        if not job_dir.is_dir:
+            raise InvalidArgument(f"{JOBS_DIR}/{name} is no job directory", "`irdma job list` names the jobs")
+        counts = [0, 0]
+
+        async def remove(parent: int, entry: bytes, ino: int) -> None:
+            for child_name, child in await client.meta.readdir(ino):
+                if child.is_dir:
+                    await remove(ino, child_name, child.ino)
+                else:
+                    gone = await client.meta.unlink(ino, child_name)
+                    counts[0] += 1
+                    if gone.nlink <= 0:
+                        await client.destroy_if_unused(gone.ino, grace=False)
+            try:
+                await client.meta.rmdir(parent, entry)
+            except NotEmpty:
+                raise IrdmaError(f"{JOBS_DIR}/{name}: a directory in it is not empty after its entries were removed"
+                                 " (snapshots of it?)", f"`irdma snapshot list {JOBS_DIR}/{name}` lists them; delete"
+                                 " them, then run this again") from None
+            counts[1] += 1
+
+        await remove(top.ino, name.encode(), job_dir.ino)
+        return counts[0], counts[1]
+
+
+@job.command("remove")
+@click.argument("name")
+@META_OPTION
+@click.option("--yes", is_flag=True, help="Do not ask.")
+@friendly
+def job_remove(name: str, meta_url: str, yes: bool) -> None:
+    """Remove job NAME: its directory /jobs/NAME and every file in it (their chunks are freed).
+    Stop its workers first: a run of the job after this starts afresh."""
+    if not name or "/" in name or name in (".", ".."):
+        raise InvalidArgument(f"{name!r} is no job name (one path component)", "`irdma job list` names the jobs")
+    if not yes and not click.confirm(f"remove /jobs/{name} and every file in it?", err=True):
+        raise IrdmaError("nothing removed", "pass --yes to remove without asking")
+    files, dirs = trio.run(_remove_job, meta_url, name)
+    console.print(f"removed job {name}: /jobs/{name}, {_count(files, 'file')} and {dirs} director{'y' if dirs == 1 else 'ies'}",
+                  highlight=False)
 
 
 # ---------------------------------------------------------------- mounts
@@ -1088,10 +1297,14 @@ def cluster_health(stats: list[Any], damaged: list[Any] | None = None, under_rep
                       "the shard map is empty: `irdma shard add HOST:PORT` registers a shard." if not stats else
                       "no shard is in service (all were drained or removed): `irdma shard add HOST:PORT` registers one.")
     draining = [str(rec.shard_id) for rec, _, _ in live if rec.state == "draining"]
-    if any(st is None for _, st, _ in live):
+    dead = [(rec.shard_id, rec.address) for rec, st, _ in live if st is None]
+    if dead:
+        one = len(dead) == 1
         return Health("degraded", "red", 1,
-                      "some shards are down: `irdma shard list` names them; restart them or the cluster"
-                      " (`irdma up --dir D` restarts the dead shards of a local cluster).")
+                      f"shard{'' if one else 's'} {', '.join(f'{sid} at {addr}' for sid, addr in dead)}"
+                      f" {'is' if one else 'are'} down: restart {'it' if one else 'them'} (`irdma up --dir D`"
+                      " restarts the dead shards of a local cluster; else run `irdma server` again on"
+                      f" {'its data directory' if one else 'their data directories'}).")
     # a shard the map records down that answers again is catching up too: it is up to date
     # only once a resync marked it up (a client that reaches it first records it syncing)
     syncing = [str(rec.shard_id) for rec, _, _ in live if rec.health in ("syncing", "down")]

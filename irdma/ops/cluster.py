@@ -151,6 +151,19 @@ class ShardsNotStarted(IrdmaError):
         self.shard_ids = shard_ids
 
 
+class AlreadyUp(IrdmaError):
+    """``up`` found every shard of the cluster running: nothing to start (not a failure).
+
+    Attributes:
+        url: the metadata URL of the cluster. shards: how many shards it has.
+    """
+
+    def __init__(self, url: str, shards: int, message: str, hint: str) -> None:
+        super().__init__(message, hint)
+        self.url = url
+        self.shards = shards
+
+
 def process_of(p: ShardProc) -> psutil.Process | None:
     """The process of shard ``p`` if it still runs and is the one ``up`` started: same pid and
     start time (or, recorded by an older irdma without one, an ``irdma server`` with its
@@ -342,8 +355,8 @@ def up(
         InvalidArgument: see :func:`check_up_args`.
         ShardsNotStarted: shards ``up`` did not start (started by hand) do not answer; every
             other shard runs (the message names the command that starts each of them).
-        IrdmaError: every shard of the cluster in ``cluster_dir`` already runs, or a shard did
-            not start (the message names its log).
+        AlreadyUp: every shard of the cluster in ``cluster_dir`` already runs.
+        IrdmaError: a shard did not start (the message names its log).
     """
     from .metrics import parse_metrics_address
 
@@ -484,8 +497,10 @@ def _restart(cluster_dir: str, given: dict[str, object], progress: Callable[[str
     dead = [r for r in others if r.address not in answering and r.shard_id in ours]
     lost = [r for r in others if r.address not in answering and r.shard_id not in ours]
     if not dead and not lost:
-        raise IrdmaError(f"a cluster already runs in {cluster_dir} (all {len(records)} shards)",
-                         f"irdma status --meta {meta_url}; `irdma down --dir {cluster_dir}` stops it")
+        raise AlreadyUp(meta_url, len(records), f"the cluster in {cluster_dir} already runs ("
+                        + ("its shard answers" if len(records) == 1 else f"all {len(records)} shards answer")
+                        + "): nothing to start",
+                        f"`irdma status --meta {meta_url}` checks it; `irdma down --dir {cluster_dir}` stops it")
     settings = read_settings(cluster_dir)
     new = {r.shard_id: _settings_for(cluster_dir, r.shard_id, settings.get(r.shard_id), given) for r in dead}
     if any(given[k] is not None for k in ("transport", "durability", "metrics")):
@@ -722,8 +737,45 @@ def _note_hand_started_running(cluster_dir: str, ours: set[int]) -> None:
             _note_hand(cluster_dir, hand, r.shard_id, r.address)
 
 
-def destroy(cluster_dir: str, *, progress: Callable[[str], None] = lambda msg: None) -> None:
-    """Stop the cluster in ``cluster_dir`` if it runs, and remove its namespace, data and logs.
+def live_mounts(cluster_dir: str) -> list[str]:
+    """The mountpoints of the irdma mounts of this host (its mount table) whose namespace is the
+    cluster's in ``cluster_dir``; reads only the mount table."""
+    from .info import mount_table, namespace_key
+
+    key = namespace_key(meta_url_of(cluster_dir))
+    return [m.mountpoint for m in mount_table() if m.meta_url is not None and namespace_key(m.meta_url) == key]
+
+
+def dir_of(meta_url: str) -> str:
+    """The directory of the local cluster whose metadata URL is ``meta_url`` (where ``irdma up``
+    made it: the SQLite database's directory).
+
+    Raises:
+        InvalidArgument: ``meta_url`` is no SQLite URL (a PostgreSQL namespace is no local
+            cluster: its shards are stopped where they run), or a malformed URL.
+    """
+    from ..meta import meta_path, meta_scheme, redact
+
+    if meta_scheme(meta_url) != "sqlite":
+        raise InvalidArgument(f"{redact(meta_url)} is no local cluster of `irdma up` (those keep SQLite metadata)",
+                              "stop its shards where they run (`irdma server` processes), or pass --dir of a local"
+                              " cluster")
+    return os.path.dirname(meta_path(meta_url))
+
+
+#: What ``up`` makes in a cluster's directory besides :func:`_remove_namespace`'s files:
+#: directories, and files matched by prefix and suffix (mount logs of ``irdma mount``).
+_MADE_DIRS = ("shards", "logs")
+_MADE_FILES = (("mount-", ".log"), (SETTINGS_FILE + ".", ".tmp"), (STATE_FILE + ".", ".tmp"), (HAND_FILE + ".", ".tmp"))
+
+
+def destroy(cluster_dir: str, *, progress: Callable[[str], None] = lambda msg: None) -> list[str]:
+    """Stop the cluster in ``cluster_dir`` if it runs, and remove its namespace, data and logs,
+    then the directory itself when nothing else is left in it.
+
+    Returns:
+        The names left in ``cluster_dir`` that irdma did not make (the directory is kept for
+        them); empty when the directory is gone.
 
     Raises:
         IrdmaError: no cluster in ``cluster_dir``.
@@ -736,9 +788,23 @@ def destroy(cluster_dir: str, *, progress: Callable[[str], None] = lambda msg: N
     for p in alive:
         progress(f"stopped shard {p.shard_id} (pid {p.pid})")
     _remove_namespace(cluster_dir)
-    shutil.rmtree(os.path.join(cluster_dir, "shards"), ignore_errors=True)
-    shutil.rmtree(os.path.join(cluster_dir, "logs"), ignore_errors=True)
-    progress(f"removed the namespace and the shards' data in {cluster_dir}")
+    for name in _MADE_DIRS:
+        shutil.rmtree(os.path.join(cluster_dir, name), ignore_errors=True)
+    left = []
+    for name in sorted(os.listdir(cluster_dir)):
+        if any(name.startswith(a) and name.endswith(b) for a, b in _MADE_FILES):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(cluster_dir, name))
+        else:
+            left.append(name)
+    if not left:
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(cluster_dir)
+        progress(f"removed {cluster_dir}: the namespace, the shards' data and the logs")
+    else:
+        progress(f"removed the namespace, the shards' data and the logs in {cluster_dir}; kept the directory for"
+                 f" what irdma did not make there: {', '.join(left[:5])}{' ...' if len(left) > 5 else ''}")
+    return left
 
 
 def register_self(meta_url: str, address: str, data_dir: str | None) -> int:

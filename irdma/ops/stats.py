@@ -415,7 +415,7 @@ _COLUMNS: tuple[tuple[str, Any, int], ...] = (
 
 
 def render(rows: Sequence[Row], down: Sequence[str] = (), notes: Sequence[str] = (), interval: float = 1.0,
-           summaries: dict[str, str] | None = None, width: int = 80) -> Group:
+           summaries: dict[str, str] | None = None, width: int = 80, live: bool = True) -> Group:
     """The view of :func:`run` for ``rows``, for a terminal ``width`` columns wide: a title
     line, then per endpoint a line naming it (its ``summaries`` entry: cpu and memory; a
     shard's bytes held, capacity and chunks) and a table with a group of rows per layer
@@ -424,11 +424,13 @@ def render(rows: Sequence[Row], down: Sequence[str] = (), notes: Sequence[str] =
 
     Headers and numbers are short (``ops/s``, ``pull MiB/s``, ``p50 ms``; ``1.2K``, ``35M``)
     so that at 80 columns nothing is cut; from 100 columns on the count of requests since
-    the process started is shown too.
+    the process started is shown too. ``live``: the view runs until Ctrl-C (the title says so);
+    False for a set count of refreshes.
     """
     summaries = summaries or {}
     cols = [(h, f) for h, f, min_width in _COLUMNS if width >= min_width]
-    parts: list[Any] = [Text(f"irdma stats: rates over {interval:g} s (Ctrl-C to stop)", style="bold")]
+    parts: list[Any] = [Text(f"irdma stats: rates over {interval:g} s" + (" (Ctrl-C to stop)" if live else ""),
+                                style="bold")]
     by_endpoint: dict[str, list[Row]] = {}
     for r in rows:
         by_endpoint.setdefault(r.endpoint, []).append(r)
@@ -493,7 +495,8 @@ def run(*, mountpoints: Sequence[str] = (), meta_url: str | None = None, endpoin
     if console.is_terminal:
         from rich.live import Live
 
-        live = Live(render([], interval=interval, width=console.width), console=console, auto_refresh=False)
+        live = Live(render([], interval=interval, width=console.width, live=count is None), console=console,
+                    auto_refresh=False)
         live.start()
     try:
         deadline = time.monotonic()
@@ -510,7 +513,7 @@ def run(*, mountpoints: Sequence[str] = (), meta_url: str | None = None, endpoin
                 elif isinstance(old, Scrape):
                     rows += rows_of(t, old, new)
                     summaries[t.name] = summary_of(old, new)
-            table = render(rows, down, notes, interval, summaries, console.width)
+            table = render(rows, down, notes, interval, summaries, console.width, live=count is None)
             if live is not None:
                 live.update(table, refresh=True)
             else:

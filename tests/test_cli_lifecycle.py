@@ -1,0 +1,169 @@
+"""Starting, stopping and removing clusters, and the small things users meet first (issue 36,
+points 7 and 16): `irdma down` and `destroy` act on the cluster $IRDMA_META names and refuse
+one with live mounts without --force; `up` on a running cluster is no error; `destroy` removes
+the directory; status names a shard that is down; messages wrap at a terminal's width and carry
+no source locations; jobs under /jobs can be listed and removed."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import pty
+import signal
+import struct
+import subprocess
+import sys
+import termios
+from collections.abc import Iterator
+
+import pytest
+from helpers import irdma_cli, wait_until
+from irdma.fs.mount import spawn_mount, unmount
+
+from irdma.ops import cluster
+from irdma.ops._proc import pid_alive
+
+
+def _env(home: str, meta: str | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("IRDMA_META", "IRDMA_KEY_FILE")}
+    env["IRDMA_HOME"] = home
+    if meta is not None:
+        env["IRDMA_META"] = meta
+    return env
+
+
+@contextlib.contextmanager
+def _clusters(*dirs: str) -> Iterator[list[str]]:
+    """Local clusters of one shard each in ``dirs`` (their URLs); removed at the end."""
+    urls = []
+    try:
+        for d in dirs:
+            urls.append(cluster.up(d, 1, 64 << 20, fresh=True))
+        yield urls
+    finally:
+        for d in dirs:
+            with contextlib.suppress(Exception):
+                cluster.destroy(d)
+
+
+def _pids(d: str) -> list[int]:
+    return [p.pid for p in cluster.read_state(d)]
+
+
+@pytest.mark.fuse
+def test_down_and_destroy_act_on_the_cluster_irdma_meta_names(tmp_path: object) -> None:
+    a, b = f"{tmp_path}/a", f"{tmp_path}/b"
+    with _clusters(a, b) as (_, url_b):
+        env = _env(a, meta=url_b)  # the default cluster is A; $IRDMA_META names B
+        pids_a, pids_b = _pids(a), _pids(b)
+        m = f"{tmp_path}/mb"
+        os.makedirs(m)
+        spawn_mount(url_b, m, transport="tcp", log_file=f"{tmp_path}/mb.log")
+        try:
+            res = irdma_cli("down", env=env, check=False)  # B has a live mount: refused, nothing stopped
+            lines = res.stderr.strip().splitlines()
+            assert res.returncode == 1 and len(lines) == 1, res.stderr
+            assert "1 live mount of the cluster in" in lines[0] and m in lines[0] and "--force" in lines[0]
+            assert all(map(pid_alive, pids_a + pids_b))
+            res = irdma_cli("destroy", "--yes", env=env, check=False)
+            assert res.returncode == 1 and "--force" in res.stderr and os.path.exists(f"{b}/meta.db"), res.stderr
+            res = irdma_cli("down", "--force", env=env)
+            assert f"cluster in {b} stopped" in res.stderr, res.stderr
+            wait_until(lambda: not any(map(pid_alive, pids_b)), 20, "B's shards to exit")
+            assert all(map(pid_alive, pids_a))  # the default cluster runs on
+        finally:
+            unmount(m)
+        with open(f"{b}/notes.txt", "w") as f:  # not irdma's: the directory stays for it
+            f.write("mine")
+        res = irdma_cli("destroy", "--yes", env=env)
+        assert "the directory stays" in res.stderr and "notes.txt" in res.stderr, res.stderr
+        assert sorted(os.listdir(b)) == ["notes.txt"]
+        os.unlink(f"{b}/notes.txt")
+        res = irdma_cli("destroy", "--yes", "--dir", a, env=env)  # --dir wins over $IRDMA_META
+        assert "removed, with its directory" in res.stderr and not os.path.exists(a), res.stderr
+        assert not any(map(pid_alive, pids_a))
+        res = irdma_cli("down", env=_env(a, meta="postgresql://u@h/db"), check=False)
+        assert res.returncode == 1 and "no local cluster" in res.stderr, res.stderr
+
+
+def test_up_on_a_running_cluster_says_so_and_exits_0(tmp_path: object) -> None:
+    d = f"{tmp_path}/c"
+    with _clusters(d) as (url,):
+        before = _pids(d)
+        res = irdma_cli("up", "--dir", d, check=False)
+        assert res.returncode == 0 and res.stdout.strip() == url, res.stdout + res.stderr
+        assert "already runs (its shard answers): nothing to start" in res.stderr, res.stderr
+        assert _pids(d) == before and "cli.py:" not in res.stderr
+        res = irdma_cli("stats", "--meta", url, "--count", "1", "--interval", "0.1", check=False)
+        assert "Ctrl-C" not in res.stdout + res.stderr
+
+
+def test_status_names_the_shard_that_is_down(tmp_path: object) -> None:
+    d = f"{tmp_path}/c"
+    with _clusters(d) as (url,):
+        victim = cluster.read_state(d)[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        wait_until(lambda: not pid_alive(victim.pid), 10, "the killed shard to exit")
+        res = irdma_cli("status", "--meta", url, check=False)
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert f"shard {victim.shard_id} at {victim.address} is down: restart it" in res.stderr, res.stderr
+
+
+def test_messages_wrap_at_the_terminals_width(tmp_path: object) -> None:
+    """At an 80-column terminal no line is longer than 80 columns; no rich source location."""
+    d = f"{tmp_path}/" + "a-long-directory-name-" * 3
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "irdma.ops.cli", "up", "--dir", d, "--shards", "1",
+                                 "--capacity", "64MiB"], stdin=secondary, stdout=secondary, stderr=secondary,
+                                env=env, close_fds=True)
+        os.close(secondary)
+        chunks = []
+        while True:
+            try:
+                got = os.read(primary, 4096)
+            except OSError:  # EIO: the child closed its side
+                break
+            if not got:
+                break
+            chunks.append(got)
+        assert proc.wait(120) == 0
+    finally:
+        os.close(primary)
+        with contextlib.suppress(Exception):
+            cluster.destroy(d)
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))
+    lines = [ln.strip() for ln in re.split(r"[\r\n]", text) if ln.strip()]
+    assert any("cluster up" in ln for ln in lines), text
+    # every line of words fits (the URL on stdout is one word: a result, printed whole)
+    assert max(len(ln) for ln in lines if " " in ln) <= 80, text
+    assert "cli.py:" not in text
+
+
+def test_jobs_are_listed_and_removed(tmp_path: object) -> None:
+    import irdma
+
+    d = f"{tmp_path}/c"
+    with _clusters(d) as (url,):
+        irdma_cli("run", "-n", "1", "--meta", url, "--job", "digits", "--", sys.executable, "-c", "pass")
+        with irdma.connect(url, transport="tcp") as cl:
+            cl.write("/jobs/digits/w", b"x" * 5000)
+            cl.makedirs("/jobs/keep")
+            cl.write("/jobs/keep/w", b"y" * 10)
+        jobs = json.loads(irdma_cli("job", "list", "--meta", url, "--json").stdout)
+        assert [(j["name"], j["workers"], j["files"], j["bytes"]) for j in jobs] == [("digits", "1", 1, 5000),
+                                                                                     ("keep", None, 1, 10)]
+        assert "digits" in irdma_cli("job", "list", "--meta", url).stdout
+        res = irdma_cli("job", "remove", "digits", "--meta", url, check=False)  # asks; no answer: nothing removed
+        assert res.returncode == 1
+        res = irdma_cli("job", "remove", "digits", "--meta", url, "--yes")
+        assert "removed job digits: /jobs/digits, 1 file" in res.stderr, res.stderr
+        assert [j["name"] for j in json.loads(irdma_cli("job", "list", "--meta", url, "--json").stdout)] == ["keep"]
+        with irdma.connect(url, transport="tcp") as cl:
+            assert cl.listdir("/jobs") == ["keep"]
