@@ -167,3 +167,15 @@ def test_jobs_are_listed_and_removed(tmp_path: object) -> None:
         assert [j["name"] for j in json.loads(irdma_cli("job", "list", "--meta", url, "--json").stdout)] == ["keep"]
         with irdma.connect(url, transport="tcp") as cl:
             assert cl.listdir("/jobs") == ["keep"]
+
+
+@pytest.mark.fuse
+def test_a_mount_without_its_key_says_so_without_blaming_fuse(tmp_path: object) -> None:
+    d, m = f"{tmp_path}/c", f"{tmp_path}/m"
+    os.makedirs(m)
+    with _clusters(d) as (url,):
+        env = {**_env(d), "IRDMA_KEY_FILE": f"{tmp_path}/no-such-key"}
+        res = irdma_cli("mount", url, m, "--transport", "tcp", env=env, check=False)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 1 and len(lines) == 1, res.stderr
+        assert "no key file" in lines[0] and "/dev/fuse" not in lines[0] and lines[0].count("ERROR") == 0, lines[0]
