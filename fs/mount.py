@@ -128,49 +128,51 @@ async def _serve_mount(
         if debug:
             options.add("debug")
         fs.after_init = lambda: set_readahead(mountpoint, READAHEAD_KB)
-        try:  # before the mount is up: a command that finds it in the mount table finds the record too
-            await trio.to_thread.run_sync(write_mount_record, mountpoint, source, view.subdir or "/")
-        except OSError as exc:
-            log.warning("cannot record what the mount shows (%s: %s): irdma commands refuse paths under %s"
-                        " (set $IRDMA_RUN_DIR to a writable directory)", exc.filename, exc.strerror, mountpoint)
-        try:
-            pyfuse3.init(fs, mountpoint, options)
-        except RuntimeError as exc:
-            forget_mount_record(mountpoint)
-            raise IrdmaError(f"FUSE could not mount {mountpoint}: {exc}",
-                             "check that /dev/fuse exists and fuse3 is installed (apt-get install fuse3)") from None
-        unmounted = False
-        try:
-            async with trio.open_nursery() as nursery:
-                fs.nursery = nursery
+        # the signal receiver is open before the kernel mount exists: SIGTERM at any moment after it
+        # (`irdma umount`, a test that saw the mount) unmounts cleanly instead of killing the process
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            try:  # before the mount is up: a command that finds it in the mount table finds the record too
+                await trio.to_thread.run_sync(write_mount_record, mountpoint, source, view.subdir or "/")
+            except OSError as exc:
+                log.warning("cannot record what the mount shows (%s: %s): irdma commands refuse paths under %s"
+                            " (set $IRDMA_RUN_DIR to a writable directory)", exc.filename, exc.strerror, mountpoint)
+            try:
+                pyfuse3.init(fs, mountpoint, options)
+            except RuntimeError as exc:
+                forget_mount_record(mountpoint)
+                raise IrdmaError(f"FUSE could not mount {mountpoint}: {exc}",
+                                 "check that /dev/fuse exists and fuse3 is installed (apt-get install fuse3)") from None
+            unmounted = False
+            try:
+                async with trio.open_nursery() as nursery:
+                    fs.nursery = nursery
 
-                async def on_signal() -> None:
-                    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                        async for _ in signals:
+                    async def on_signal() -> None:
+                        async for _ in signals:  # one that came before main() ends it as soon as it runs
                             log.info("signal: unmounting %s", mountpoint)
                             pyfuse3.terminate()
                             return
 
-                nursery.start_soon(on_signal)
-                nursery.start_soon(fs.run_heartbeats)
-                log.info("mounted %s on %s (transport %s)", redact(meta_url), mountpoint, client.transport.name)
-                if exporter is not None:
-                    try:
-                        where = record_mount(mountpoint, exporter.address, redact(meta_url))
-                        log.info("metrics on %s (recorded in %s for `irdma stats %s`)", exporter.url, where,
-                                 mountpoint)
-                    except OSError as exc:
-                        log.warning("metrics on %s, but `irdma stats %s` cannot find them: cannot write %s: %s"
-                                    " (set $IRDMA_RUN_DIR to a writable directory)", exporter.url, mountpoint,
-                                    exc.filename, exc.strerror)
-                await pyfuse3.main(min_tasks=FUSE_IDLE_TASKS, max_tasks=FUSE_MAX_TASKS)
-                unmounted = True
-                nursery.cancel_scope.cancel()
-        finally:
-            # after terminate() the kernel mount is still there: take it down ourselves
-            pyfuse3.close(unmount=not unmounted or _still_mounted(mountpoint))
-            forget_mount_record(mountpoint)
-            await fs.end_session()
+                    nursery.start_soon(on_signal)
+                    nursery.start_soon(fs.run_heartbeats)
+                    log.info("mounted %s on %s (transport %s)", redact(meta_url), mountpoint, client.transport.name)
+                    if exporter is not None:
+                        try:
+                            where = record_mount(mountpoint, exporter.address, redact(meta_url))
+                            log.info("metrics on %s (recorded in %s for `irdma stats %s`)", exporter.url, where,
+                                     mountpoint)
+                        except OSError as exc:
+                            log.warning("metrics on %s, but `irdma stats %s` cannot find them: cannot write %s: %s"
+                                        " (set $IRDMA_RUN_DIR to a writable directory)", exporter.url, mountpoint,
+                                        exc.filename, exc.strerror)
+                    await pyfuse3.main(min_tasks=FUSE_IDLE_TASKS, max_tasks=FUSE_MAX_TASKS)
+                    unmounted = True
+                    nursery.cancel_scope.cancel()
+            finally:
+                # after terminate() the kernel mount is still there: take it down ourselves
+                pyfuse3.close(unmount=not unmounted or _still_mounted(mountpoint))
+                forget_mount_record(mountpoint)
+                await fs.end_session()
 
 
 @dataclasses.dataclass(frozen=True)

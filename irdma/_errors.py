@@ -43,7 +43,7 @@ class BadRequest(IrdmaError):
 class NoSpace(IrdmaError):
     """A shard's memory region is full (ENOSPC); nothing was written."""
 
-    hint = "free space (rm files) or add shards / raise --capacity"
+    hint = "free space (rm files, `irdma snapshot delete`, `irdma gc`) or add a shard (`irdma shard add`)"
 
 
 class NotFound(IrdmaError):

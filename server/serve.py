@@ -96,10 +96,10 @@ async def _serve_until_signal(server: ShardServer, shard: Shard, host: str, port
     """
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_stop_on_signal, signals, nursery.cancel_scope, shard.shard_id)
+            nursery.start_soon(_stop_on_signal, signals, nursery.cancel_scope, shard.name)
             bound = await nursery.start(functools.partial(server.serve_tcp, host, port, sock=sock))
             address = f"{bound[0]}:{bound[1]}"
-            log.info("shard %d serving %d bytes on %s (%s)%s", shard.shard_id, shard.capacity, address,
+            log.info("%s serving %d bytes on %s (%s)%s", shard.name, shard.capacity, address,
                      "tcp and verbs" if verbs is not None else "tcp",
                      f"; metrics on http://{server.metrics_address}/metrics" if server.metrics_address else "")
             if keys is None:
@@ -110,10 +110,10 @@ async def _serve_until_signal(server: ShardServer, shard: Shard, host: str, port
                 await trio.to_thread.run_sync(_write_port_file, port_file, address)
 
 
-async def _stop_on_signal(signals: AsyncIterator[int], scope: trio.CancelScope, shard_id: int) -> None:
+async def _stop_on_signal(signals: AsyncIterator[int], scope: trio.CancelScope, name: str) -> None:
     """Cancel ``scope`` (the shard's serving) at the first signal of ``signals``."""
     async for signum in signals:
-        log.info("shard %d stopping on signal %d", shard_id, signum)
+        log.info("%s stopping on signal %d", name, signum)
         scope.cancel()
         return
 
@@ -126,7 +126,7 @@ async def _trim_freed(shard: Shard) -> None:
         try:
             shard.trim()
         except OSError as exc:  # the bytes stay in a free extent: never read, zeroed before reuse
-            log.warning("shard %d could not zero freed extents: %s", shard.shard_id, exc)
+            log.warning("%s could not zero freed extents: %s", shard.name, exc)
 
 
 def _write_port_file(path: str, address: str) -> None:

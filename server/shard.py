@@ -218,6 +218,8 @@ class Shard:
 
     Args:
         shard_id: this shard's id in the shard map.
+        name: how logs name the shard (default ``shard ID``; a shard started by hand with no
+            id, no ``--meta`` and no data directory that holds one says ``unregistered shard``).
         region: the memory region that holds every chunk.
         versions: a writable buffer of ``8 * capacity // 4096`` bytes for the version table,
             or None to allocate one.
@@ -227,8 +229,9 @@ class Shard:
     """
 
     def __init__(self, shard_id: int, region: Region, versions: memoryview | None = None,
-                 store: ShardStore | None = None) -> None:
+                 store: ShardStore | None = None, name: str | None = None) -> None:
         self.shard_id = shard_id
+        self.name = name or f"shard {shard_id}"
         self.region = region
         self.store = store
         n = region.capacity // PAGE
@@ -776,7 +779,7 @@ class Shard:
         to = self._alloc.alloc(chunk.size)
         if to is None:
             raise NoSpace(f"shard {self.shard_id} is full: {self.used} of {self.capacity} bytes used, no room to"
-                          f" copy a {chunk.size}-byte chunk a snapshot shares (delete a snapshot or add a shard)")
+                          f" copy a {chunk.size}-byte chunk a snapshot shares")
         old, size = chunk.offset, chunk.size
         view = self.region.view
         src, dst = view[old : old + size], view[to : to + size]
@@ -827,7 +830,7 @@ class Shard:
         to = self._alloc.alloc(chunk.size)
         if to is None:
             raise NoSpace(f"shard {self.shard_id} is full: {self.used} of {self.capacity} bytes used, no room to"
-                          f" copy a {chunk.size}-byte chunk a snapshot shares (delete a snapshot or add a shard)")
+                          f" copy a {chunk.size}-byte chunk a snapshot shares")
         self.region.view[to : to + chunk.size] = self.region.view[chunk.offset : chunk.offset + chunk.size]
         self.versions[to // PAGE] = self.versions[chunk.slot]
         if self.store is not None:

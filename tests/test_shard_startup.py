@@ -1,4 +1,5 @@
-"""A shard stopped at any moment after it says it is ready shuts down cleanly (issue 36, point 18).
+"""A shard (or a mount) stopped at any moment after it says it is ready shuts down cleanly (issue 36,
+point 18).
 
 The port file is the shard's word that it is ready (``irdma up`` waits for its handshake, scripts
 and tests for the file). A CI run once SIGTERMed a shard the moment its port file appeared, before
@@ -19,7 +20,7 @@ import sys
 import time
 
 import pytest
-from helpers import assert_clean_log
+from helpers import assert_clean_log, running_cluster
 
 from irdma.wire import auth
 
@@ -90,3 +91,47 @@ def test_a_shard_signalled_the_moment_its_port_file_appears_exits_cleanly(tmp_pa
             assert_clean_log(log)
     finally:
         watch.close()
+
+
+def _mounted_at(mountpoint: str) -> bool:
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == mountpoint for line in f)
+
+
+def test_a_mount_signalled_the_moment_it_is_mounted_unmounts_cleanly(tmp_path: object) -> None:
+    """A mount process SIGTERMed (or SIGINTed) the moment the kernel lists its mount (poll(2) on
+    /proc/self/mounts wakes on every change of the mount table) unmounts and exits 0, 6 times:
+    its signal receiver is open before the mount exists (it was opened by a task that first ran
+    inside pyfuse3.main, so a signal in between killed the process and left a dead mount)."""
+    tmp = str(tmp_path)
+    with running_cluster(os.path.join(tmp, "c"), shards=1, capacity=16 << 20) as c:
+        for i in range(6):
+            mnt, log = os.path.join(tmp, f"m{i}"), os.path.join(tmp, f"m{i}.log")
+            os.makedirs(mnt)
+            signum = signal.SIGTERM if i % 2 == 0 else signal.SIGINT
+            table = select.poll()
+            with open("/proc/self/mounts") as mounts:
+                table.register(mounts, select.POLLPRI | select.POLLERR)
+                with open(log, "wb") as out:
+                    proc = subprocess.Popen([sys.executable, "-m", "irdma.fs", c.meta_url, mnt, "--transport", "tcp"],
+                                            stdout=out, stderr=subprocess.STDOUT)
+                try:
+                    deadline = time.monotonic() + 60
+                    while not _mounted_at(mnt):
+                        assert proc.poll() is None and time.monotonic() < deadline, f"start {i}: no mount"
+                        table.poll(500)  # a mount-table change, or a look at the process
+                        mounts.seek(0)
+                        mounts.read()  # the change is seen: the next poll waits for the next one
+                    proc.send_signal(signum)
+                    rc = proc.wait(60)
+                finally:
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.wait(30)
+                    if _mounted_at(mnt):
+                        subprocess.run(["fusermount3", "-uz", mnt], check=False)
+            with open(log, errors="replace") as f:
+                text = f.read()
+            assert rc == 0, f"start {i}: the mount exited {rc} on {signum.name}; its log:\n{text}"
+            assert not _mounted_at(mnt), f"start {i}: {mnt} is still mounted after the mount process exited"
+            assert_clean_log(log)

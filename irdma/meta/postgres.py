@@ -349,9 +349,11 @@ class PostgresMeta(SqlMeta):
         return text
 
     def _unreachable(self, why: object) -> IrdmaError:
+        # libpq's own advice lines ("Is the server running on that host...?") are dropped: the hint says it
+        said = "\n".join(line for line in str(why).splitlines() if not line.strip().startswith("Is the server"))
         return IrdmaError(
             f"cannot connect to the PostgreSQL metadata server at {self.server} (database {self.url}): "
-            f"{self._scrub(why)}",
+            f"{self._scrub(said)}",
             "check that PostgreSQL runs there and accepts this host (listen_addresses, pg_hba.conf), that the"
             " user, password (PGPASSWORD or ~/.pgpass) and database are right, and that no firewall is in the way")
 
@@ -360,7 +362,7 @@ class PostgresMeta(SqlMeta):
         try:
             return psycopg.connect(self.__conninfo, **self._kwargs)
         except psycopg.Error as exc:
-            log.error("metadata: cannot connect to %s: %s", self.server, self._scrub(exc))
+            log.debug("metadata: cannot connect to %s: %s", self.server, self._scrub(exc))  # the error says it
             raise self._unreachable(exc) from None
 
     def _direct(self) -> psycopg.Connection[Any]:

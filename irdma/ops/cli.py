@@ -218,7 +218,9 @@ def cli(verbose: int) -> None:
 @click.option("--listen", default="127.0.0.1:7700", show_default=True, help="HOST:PORT to serve (port 0 picks one).")
 @click.option("--capacity", default=None, callback=lambda ctx, p, v: None if v is None else _size(ctx, p, v),
               help="Size of the memory region [default: 2GiB; with --data-dir, the directory's own].")
-@click.option("--shard-id", type=int, default=0, show_default=True, help="This shard's id in the shard map.")
+@click.option("--shard-id", type=click.IntRange(0), default=None,
+              help="This shard's id in the shard map [default: the one --meta registers, else the one its --data-dir"
+              " holds; a shard with none is an unregistered shard, id 0 in its replies].")
 @click.option("--transport", type=click.Choice(TRANSPORTS), default="auto", show_default=True)
 @click.option("--port-file", type=click.Path(dir_okay=False), help="Write the bound HOST:PORT here when ready.")
 @click.option("--key-file", envvar="IRDMA_KEY_FILE", type=click.Path(dir_okay=False), default=None,
@@ -239,7 +241,7 @@ def cli(verbose: int) -> None:
               help="HOST:PORT clients reach this shard at, registered with --meta [default: --listen].")
 @METRICS_OPTION
 @friendly
-def server(listen: str, capacity: int | None, shard_id: int, transport: str, port_file: str | None,
+def server(listen: str, capacity: int | None, shard_id: int | None, transport: str, port_file: str | None,
            key_file: str | None, no_auth: bool, max_connections: int, max_connections_per_peer: int,
            data_dir: str | None, durability: str, meta_url: str | None, advertise: str | None,
            metrics_addr: str | None = None) -> None:
@@ -291,6 +293,13 @@ def server(listen: str, capacity: int | None, shard_id: int, transport: str, por
     elif advertise is not None:
         raise click.BadParameter("--advertise is the address registered with --meta: pass --meta too",
                                  param_hint="--advertise")
+    elif shard_id is None and data_dir is not None:
+        from irdma.server.store import stored_shard_id
+
+        shard_id = stored_shard_id(data_dir)
+    name = None
+    if shard_id is None:  # started by hand: `irdma shard add` registers it under the id the map gives
+        shard_id, name = 0, "unregistered shard"
     metrics_addr = shard_address(metrics_addr, shard_id)  # also `irdma up --metrics` (its environment)
     store = None
     if data_dir is not None:
@@ -327,6 +336,8 @@ def server(listen: str, capacity: int | None, shard_id: int, transport: str, por
     except OSError as exc:
         raise IrdmaError(f"cannot allocate a memory region of {format_size(capacity)}: {exc.strerror}",
                          "pass a smaller --capacity") from exc
+    if name is not None:
+        shard.name = name
     try:
         trio.run(functools.partial(run_server, shard, host, port, port_file=port_file,
                                    keys=keys, verbs=verbs, max_connections=max_connections,

@@ -851,7 +851,9 @@ def error_reply(exc: Exception, shard_id: int) -> ErrorReply | None:
     exception: a bug, which the caller logs and answers INTERNAL."""
     for status, cls in STATUS_ERRORS:
         if isinstance(exc, cls):
-            return ErrorReply(status, str(exc), getattr(exc, "shard_id", 0) if status in SHARD_STATUSES else 0)
+            # the class's own hint is not sent: the client's exception of the same class says it once
+            said = exc.args[0] if exc.args and isinstance(exc.args[0], str) and getattr(exc, "hint", "") == getattr(type(exc), "hint", "") else str(exc)
+            return ErrorReply(status, said, getattr(exc, "shard_id", 0) if status in SHARD_STATUSES else 0)
     if isinstance(exc, ShardUnavailable):
         return ErrorReply(Status.INTERNAL, f"shard {shard_id}: {exc}")
     return None
