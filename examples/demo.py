@@ -166,7 +166,8 @@ def main() -> int:
                 rc = rc or 1  # the reason and the fix were printed by irdma umount
         if started:
             step("stopping the cluster")
-            if steps.run([sys.executable, "-m", "irdma.ops.cli", "down", "--dir", cluster_dir]) != 0:
+            # --force: stop the shards even when the unmount above failed (down refuses live mounts)
+            if steps.run([sys.executable, "-m", "irdma.ops.cli", "down", "--dir", cluster_dir, "--force"]) != 0:
                 rc = rc or 1
         if os.path.ismount(mnt):
             print(f"{mnt} is still mounted: `irdma umount {mnt}` cleans it", file=sys.stderr)

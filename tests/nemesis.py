@@ -538,9 +538,10 @@ class LocalCluster:
         return res
 
     def down(self) -> subprocess.CompletedProcess[str]:
-        """``irdma down --dir`` (stopped shards are continued first: they could not stop)."""
+        """``irdma down --dir --force`` (stopped shards are continued first: they could not stop;
+        --force: the writers' mounts stay live through the episode, which down refuses without it)."""
         self.cont_all()
-        res = irdma_cli("down", "--dir", self.dir)
+        res = irdma_cli("down", "--dir", self.dir, "--force")
         self.note(f"irdma down: exit {res.returncode}" + _tail(res))
         return res
 
