@@ -111,6 +111,45 @@ def test_status_names_the_shard_that_is_down(tmp_path: object) -> None:
         assert f"shard {victim.shard_id} at {victim.address} is down: restart it" in res.stderr, res.stderr
 
 
+def _read_pty(fd: int, seconds: float) -> list[bytes]:
+    """What the other side of pty ``fd`` writes until it closes it (EIO or EOF).
+
+    Raises:
+        AssertionError: it is still open after ``seconds`` (a hung child), with what came so far.
+    """
+    import select
+    import time
+
+    deadline, chunks = time.monotonic() + seconds, []
+    while True:
+        left = deadline - time.monotonic()
+        ready = select.select([fd], [], [], max(left, 0))[0] if left > 0 else []
+        if not ready:
+            raise AssertionError(f"the pty is still open after {seconds} s; it printed: {b''.join(chunks)!r}")
+        try:
+            got = os.read(fd, 4096)
+        except OSError:  # EIO: the child closed its side
+            return chunks
+        if not got:
+            return chunks
+        chunks.append(got)
+
+
+def test_the_pty_reader_has_a_deadline() -> None:
+    """A child that keeps the pty open (a hung `irdma up`) fails the reader; it does not hang it."""
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen(["sh", "-c", "echo started; exec sleep 600"], stdin=secondary, stdout=secondary,
+                            stderr=secondary, close_fds=True)
+    os.close(secondary)
+    try:
+        with pytest.raises(AssertionError, match="still open after 1 s.*started"):
+            _read_pty(primary, 1)
+    finally:
+        proc.kill()
+        proc.wait(30)
+        os.close(primary)
+
+
 def test_messages_wrap_at_the_terminals_width(tmp_path: object) -> None:
     """At an 80-column terminal no line is longer than 80 columns; no rich source location."""
     d = f"{tmp_path}/" + "a-long-directory-name-" * 3
@@ -122,15 +161,11 @@ def test_messages_wrap_at_the_terminals_width(tmp_path: object) -> None:
                                  "--capacity", "64MiB"], stdin=secondary, stdout=secondary, stderr=secondary,
                                 env=env, close_fds=True)
         os.close(secondary)
-        chunks = []
-        while True:
-            try:
-                got = os.read(primary, 4096)
-            except OSError:  # EIO: the child closed its side
-                break
-            if not got:
-                break
-            chunks.append(got)
+        try:
+            chunks = _read_pty(primary, 120)
+        finally:
+            if proc.poll() is None:  # a hung `irdma up`: stopped, the test fails instead of hanging
+                proc.kill()
         assert proc.wait(120) == 0
     finally:
         os.close(primary)
