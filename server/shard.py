@@ -272,6 +272,9 @@ class Shard:
         #: Chunk keys refused to every request (DataLost) until freed or replaced whole: a damaged
         #: moves-journal record may have moved them (:meth:`ShardStore.lost`); key -> why.
         self.lost: dict[ChunkKey, str] = {}
+        #: Free extents kept out of use while :attr:`lost` is not empty (:meth:`hold`):
+        #: ``(offset, size)``, neither zeroed nor allocated.
+        self.held: list[tuple[int, int]] = []
         if store is not None:
             self.incarnation = store.incarnation
             first: dict[int, ChunkKey] = {}  # extent -> the first key found at it
@@ -285,16 +288,58 @@ class Shard:
                     self.used += size
                 self._chunks[key] = Chunk(offset, size)
                 self._by_file.setdefault(file_id, set()).add(index)
+            self.lost = store.lost()
+            if self.lost:
+                self.hold(store)
             for offset, size in self._alloc.free_extents():  # what was freed before a restart, not trimmed yet
                 store.zero(offset, size)
-            self.lost = store.lost()
             if self.lost:
                 log.error("shard %d refuses %d chunks (file id, chunk index) that a damaged record of its moves"
                           " journal may have moved: %s. `irdma fsck` names their files (exit status 2); a replicated"
-                          " file's copy comes back with `irdma shard resync %d`; otherwise rewrite, delete or restore"
-                          " those files (a chunk rewritten whole or freed is served again)", shard_id, len(self.lost),
+                          " file's chunks come back with `irdma shard resync %d`; otherwise rewrite or delete those"
+                          " files (a chunk rewritten whole or freed is served again; a snapshot restore or clone of"
+                          " them is refused too: their snapshots share the refused extents). Until then %d bytes of"
+                          " free extents that the damaged record may name are kept, neither zeroed nor reused",
+                          shard_id, len(self.lost),
                           ", ".join(map(str, sorted(self.lost)[:20])) + (" ..." if len(self.lost) > 20 else ""),
-                          shard_id)
+                          shard_id, sum(n for _, n in self.held))
+
+    def hold(self, store: ShardStore) -> None:
+        """Keep out of use the free extents a damaged moves-journal record may name (at open,
+        while :attr:`lost` is not empty): a lost move's copy, acknowledged bytes the index does
+        not know, lies in an extent that is free in the index. Zeroing it would wipe what the
+        kept journal points at, and allocating it would hand it to another chunk. Such a copy
+        holds the chunk's bytes, so it is in a free extent with written (non-zero) pages: each
+        free page run of that kind is held, widened by the largest refused chunk's size on both
+        sides (the copy may hold zero pages too), within its free extent. They count as used
+        and are freed (then trimmed) once no chunk is refused (:meth:`_release_held`)."""
+        span = max(self._chunks[k].size for k in self.lost)
+        held: list[tuple[int, int]] = []
+        for lo, size in self._alloc.free_extents():
+            hi = lo + size
+            for start, n in store.written(lo, size):
+                a, b = max(lo, start - span), min(hi, start + n + span)
+                if held and held[-1][0] + held[-1][1] >= a:
+                    a = held.pop()[0]
+                held.append((a, b - a))
+        for start, n in held:
+            self._alloc.reserve(start, n)
+            self.used += n
+        self.held = held
+
+    def _release_held(self) -> None:
+        """Free the extents :meth:`hold` kept once no chunk is refused any more (rewritten whole
+        or freed: the kept journal has nothing left to recover); :meth:`trim` zeroes them."""
+        if self.lost or not self.held:
+            return
+        held, self.held = self.held, []
+        now = time.monotonic()
+        for start, n in held:
+            self._alloc.free(start, n)
+            self.used -= n
+            self._freed.append((now, start, n))
+        log.info("shard %d serves every chunk again: %d bytes of free extents kept for the damaged moves journal"
+                 " are free again", self.shard_id, sum(n for _, n in held))
 
     def _refuse_lost(self, file_id: int, chunk_index: int) -> None:
         """Raise DataLost if the chunk is one of :attr:`lost`."""
@@ -302,7 +347,7 @@ class Shard:
             raise DataLost(f"shard {self.shard_id}: chunk ({file_id}, {chunk_index}) cannot be trusted:"
                            f" {self.lost[(file_id, chunk_index)]}",
                            "`irdma fsck` names the file; `irdma shard resync` copies a replicated chunk back,"
-                           " else rewrite or restore the file")
+                           " else rewrite or delete the file")
 
     def sync(self) -> None:
         """Make every update applied so far durable (a shard with a data directory and
@@ -681,6 +726,7 @@ class Shard:
         self.versions[chunk.slot] = version
         if why is not None and self.store is not None:
             self.store.forget_lost([key])
+            self._release_held()
         self._received[sig] = key
         self._received.move_to_end(sig)
         if len(self._received) > COPIES_REMEMBERED:
@@ -1007,7 +1053,8 @@ class Shard:
         if not optimizers.is_state(chunk_index) and (file_id, optimizers.state_index(chunk_index)) in self._chunks:
             self._drop(file_id, optimizers.state_index(chunk_index))  # a chunk's state goes with it
         chunk = self._chunks.pop((file_id, chunk_index))
-        self.lost.pop((file_id, chunk_index), None)  # (its row goes with the chunk's: the lost_freed trigger)
+        if self.lost.pop((file_id, chunk_index), None) is not None:  # (its row goes with the chunk's: lost_freed)
+            self._release_held()
         idx = self._by_file[file_id]
         idx.discard(chunk_index)
         if not idx:

@@ -14,9 +14,10 @@ Layout of ``--data-dir DIR`` (one directory per shard)::
     moves.log    the moves journal: the keys moved to a copy-on-write copy since the index's
                  last transaction, 44-byte records (:data:`MOVE_RECORD`), replayed into the
                  index when the shard opens the directory; empty after a clean close. A torn
-                 tail (a machine crash in mid-append) is dropped; a damaged record *before*
-                 whole ones is kept as ``moves.log.damaged`` (``.damaged.N``), and the chunks it
-                 may have moved are refused (``lost`` in chunks.db, :meth:`ShardStore.lost`)
+                 tail (a cut record or zero records at the end: a machine crash in mid-append)
+                 is dropped; a journal with any other bad record is kept as
+                 ``moves.log.damaged`` (``.damaged.N``), and the chunks it may have moved are
+                 refused (``lost`` in chunks.db, :meth:`ShardStore.lost`)
 
 Why this layout: the region stays one contiguous mapping of plain memory, so the TCP path
 copies straight into it and RDMA registers it as it did the anonymous region (one-sided
@@ -45,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import json
 import logging
 import mmap
@@ -381,16 +383,20 @@ class ShardStore:
         """Fold into the index the journal's records past ``journal.seq`` (moves made after the
         index's last transaction by a shard process that then died), then empty the journal.
 
-        Whole records with a bad CRC-32 after the last good one, and a record cut short, are a
-        torn tail (a machine crash in mid-append): dropped, with a warning. A bad record
-        *before* a good one is damage (a flipped bit, a bad block): it names a move that cannot
-        be read, so the key it moved would read its old extent (a snapshot's bytes) as if no
-        write had been acknowledged since. Then the good records are folded in, the journal is
-        copied whole to ``moves.log.damaged`` first (the evidence, never truncated), and every
-        key the damaged records may have moved is recorded as lost (:meth:`lost`): the keys
-        that share an extent in the index (a move is always of a key sharing its extent, and
-        the keys it left keep that extent; which one moved cannot be told). A bad record older
-        than ``journal.seq`` (a journal left unemptied) changes nothing.
+        A torn tail is what a machine crash in mid-append leaves: a record cut short, or whole
+        records of zero bytes (the file grew, its data never came) after the last good one;
+        it is dropped, with a warning. A SIGKILL cannot tear one ``write(2)``, so any other
+        record with a bad CRC-32 is damage (a flipped bit, a bad block), wherever it is: the
+        last record and a journal of bad records only too (a zero record before a good one as
+        well). It names a move that cannot be read, so the key it moved would read its old
+        extent (a snapshot's bytes) as if no write had been acknowledged since. Then the good
+        records are folded in, the journal is copied whole to ``moves.log.damaged`` first (the
+        evidence, never truncated), and every key the damaged records may have moved is
+        recorded as lost (:meth:`lost`): the keys that share an extent in the index (a move is
+        always of a key sharing its extent, and the keys it left keep that extent; which one
+        moved cannot be told). A damaged record is taken as past ``journal.seq`` unless a good
+        record after it shows it is not (numbers rise by at least one a record): one older
+        than that (a journal left unemptied) changes nothing.
 
         Raises:
             OSError: the damaged journal could not be copied (nothing was changed: the next
@@ -403,11 +409,14 @@ class ShardStore:
         last = max((n for n, ok in enumerate(good) if ok), default=-1)
         folded = self._seq
         damaged: list[int] = []  # record numbers
+        torn = len(data) - len(recs) * size  # a record cut short
         following = None  # the next good record's number, walking back
-        for n in range(last, -1, -1):
+        for n in range(len(recs) - 1, -1, -1):
             if good[n]:
                 following = n
-            elif following is not None and recs[following][0] - (following - n) > folded:
+            elif following is None and not any(data[n * size : (n + 1) * size]):
+                torn += size  # zeros after the last good record: a crash before the data came
+            elif following is None or recs[following][0] - (following - n) > folded:
                 damaged.append(n)  # its number may be past the index's: a move the index lacks
         moves = []
         for n in range(last + 1):
@@ -415,17 +424,16 @@ class ShardStore:
             if good[n] and seq > self._seq:
                 moves.append((f_id, idx, offset, nbytes, seq))
                 self._seq = seq
-        torn = len(data) - (last + 1) * size
         if torn:
-            log.warning("%s: dropped a torn tail of %d bytes (a crash in mid-append; the moves it held were"
-                        " never flushed)", self._log_path, torn)
+            log.warning("%s: dropped a torn tail of %d bytes (a cut record or zeros after the last good one: a"
+                        " crash in mid-append; the moves it held were never flushed)", self._log_path, torn)
         lost: list[tuple[int, int, str]] = []
         if damaged:
             self.damaged_journal = self._keep_damaged(data)
             why = (f"record {min(damaged)} of the moves journal is damaged (kept as {self.damaged_journal}):"
                    " this chunk may have been moved to a copy the index does not know")
             lost = [(f, i, why) for f, i in self._sharing(moves)]
-            log.error("%s: %d damaged records before good ones (records %s of %d); the journal is kept as %s;"
+            log.error("%s: %d damaged records (records %s of %d, numbered from 0); the journal is kept as %s;"
                       " %d chunks that a lost move may have left on a snapshot's bytes are refused (DataLost)",
                       self._log_path, len(damaged), sorted(damaged), len(recs), self.damaged_journal, len(lost))
         self._moves = moves
@@ -459,6 +467,40 @@ class ShardStore:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         return path
+
+    def written(self, offset: int, size: int) -> list[tuple[int, int]]:
+        """The pages of ``[offset, offset+size)`` of the region (page-aligned) that hold a byte
+        other than zero, as ``(start, size)`` runs, neighbours merged. Holes of the region file
+        are skipped unread (``SEEK_DATA``); a shard reads the rest once, at an open that kept a
+        damaged moves journal (:meth:`irdma.server.shard.Shard.hold`)."""
+        out: list[tuple[int, int]] = []
+        end, pos = offset + size, offset
+        block = 1 << 20
+        zeros = bytes(block)
+        while pos < end:
+            try:
+                start = os.lseek(self.region_fd, pos, os.SEEK_DATA)
+                stop = min(end, os.lseek(self.region_fd, start, os.SEEK_HOLE))
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:
+                    break  # a hole from pos to the end of the file
+                start, stop = pos, end  # no SEEK_DATA on this filesystem: read it all
+            if start >= end:
+                break
+            start -= start % PAGE
+            stop = min(end, stop + -stop % PAGE)
+            for at in range(start, stop, block):
+                n = min(block, stop - at)
+                if self.region[at : at + n] == zeros[:n]:
+                    continue
+                for page in range(at, at + n, PAGE):
+                    if self.region[page : page + PAGE] != zeros[:PAGE]:
+                        if out and sum(out[-1]) == page:
+                            out[-1] = (out[-1][0], out[-1][1] + PAGE)
+                        else:
+                            out.append((page, PAGE))
+            pos = stop
+        return out
 
     def zero(self, offset: int, size: int) -> None:
         """Make ``[offset, offset+size)`` of the region read as zeros (a hole punched in the

@@ -25,7 +25,7 @@ from irdma.server.shard import Region, Shard
 from irdma.server.store import MOVE_RECORD, ShardStore
 
 import irdma
-from irdma._errors import DataLost
+from irdma._errors import DataLost, NoSpace
 from irdma.ops import cluster as cluster_ops
 from irdma.ops._proc import pid_alive
 from irdma.wire.protocol import UpdateOp
@@ -116,12 +116,13 @@ def test_a_damaged_record_before_good_ones_refuses_the_chunks_it_may_have_moved(
 
 def test_a_torn_tail_or_a_damaged_stale_record_refuses_nothing(tmp_path: object,
                                                                caplog: pytest.LogCaptureFixture) -> None:
-    """Bad records after the last good one and a cut record are a torn tail: dropped with a
-    warning, nothing refused, no copy kept. A bad record followed only by records the index
-    already has (a journal left unemptied) changes nothing either."""
+    """Zero records after the last good one and a cut record are a torn tail (what a machine
+    crash in mid-append leaves): dropped with a warning, nothing refused, no copy kept. A bad
+    record followed only by records the index already has (a journal left unemptied) changes
+    nothing either."""
     dead, journal = _three_moves(str(tmp_path))
     bad = bytearray(journal)
-    bad[2 * MOVE_RECORD.size + 20] ^= 1
+    bad[2 * MOVE_RECORD.size :] = bytes(MOVE_RECORD.size)  # the size grew, the data never came
     with open(os.path.join(dead, "moves.log"), "wb") as f:
         f.write(bytes(bad) + _record(4, 7, 0, 9 * MB)[:30])
     store, shard = _open(dead)
@@ -143,6 +144,103 @@ def test_a_torn_tail_or_a_damaged_stale_record_refuses_nothing(tmp_path: object,
     store.close()
 
 
+def test_a_damaged_last_record_or_an_all_bad_journal_is_damage_not_a_torn_tail(tmp_path: object,
+                                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A SIGKILL cannot tear one write(2) of a record, and a machine crash leaves a cut record or
+    zeros: a whole record with a bad CRC-32 that is not all zeros is damage wherever it is, the
+    last one too (the red-team byte inside the last record) and a journal of bad records only.
+    Its number is taken as past the index's, so the keys it may have moved are refused and the
+    journal kept. Zero records after the last good one (and a cut record) stay a torn tail."""
+    dead, journal = _three_moves(str(tmp_path))
+    bad = bytearray(journal)
+    bad[2 * MOVE_RECORD.size + 10] ^= 0xFF  # record 2's file id: no good record follows it
+    with open(os.path.join(dead, "moves.log"), "wb") as f:
+        f.write(bad)
+    store, shard = _open(dead)
+    assert store.damaged_journal == os.path.join(dead, "moves.log.damaged")
+    assert sorted(store.chunks())[:3] == [(7, 0, 4 * MB, MB), (7, 1, 5 * MB, MB), (7, 2, 2 * MB, MB)]
+    assert sorted(shard.lost) == [(7, 2), (100, 2)]
+    with pytest.raises(DataLost, match=r"chunk \(7, 2\)"):
+        shard.read(7, 2, 0, 4)
+    del shard
+    store.close()
+
+    dead, journal = _three_moves(os.path.join(str(tmp_path), "all"))
+    every = bytearray(journal)
+    for n in range(3):
+        every[n * MOVE_RECORD.size + 30] ^= 0x01  # every record's offset
+    with open(os.path.join(dead, "moves.log"), "wb") as f:
+        f.write(bytes(every) + bytes(MOVE_RECORD.size) + b"\x07" * 20)  # then a zero record and a cut one
+    store, shard = _open(dead)
+    assert store.damaged_journal is not None
+    with open(store.damaged_journal, "rb") as kept:
+        assert kept.read() == bytes(every) + bytes(MOVE_RECORD.size) + b"\x07" * 20
+    assert sorted(shard.lost) == sorted([(7, i) for i in range(3)] + [(100, i) for i in range(3)])
+    del shard
+    store.close()
+
+    dead, journal = _three_moves(os.path.join(str(tmp_path), "zeros"))
+    with open(os.path.join(dead, "moves.log"), "wb") as f:  # a crash: the size grew, the data never came
+        f.write(journal + bytes(2 * MOVE_RECORD.size) + bytes(7))
+    store, shard = _open(dead)
+    assert store.damaged_journal is None and shard.lost == {}
+    assert sorted(store.chunks())[:3] == [(7, 0, 4 * MB, MB), (7, 1, 5 * MB, MB), (7, 2, 6 * MB, MB)]
+    assert "torn tail" in caplog.text
+    del shard
+    store.close()
+
+
+def test_a_shard_that_kept_a_damaged_journal_keeps_the_extents_a_lost_move_may_name(
+        tmp_path: object, caplog: pytest.LogCaptureFixture) -> None:
+    """The damaged record 1 moved 7/1 to 5 MiB, written there and acknowledged: in the index
+    that extent is free. While the shard refuses chunks, it neither zeroes nor hands out a free
+    extent such a record may name (the bytes the kept journal points at stay, across restarts
+    and trims, and new chunks go elsewhere); its advice is what works (rewrite or delete, or
+    resync: a restore from a snapshot of the same extent is refused too). Once every refused
+    chunk is rewritten or freed, the extents are free again (trimmed, then reused)."""
+    dead, journal = _three_moves(str(tmp_path))
+    moved = b"\x5a" * MB  # the acknowledged bytes of 7/1's move
+    with open(os.path.join(dead, "region"), "r+b") as f:
+        f.seek(5 * MB)
+        f.write(moved)
+    bad = bytearray(journal)
+    bad[64] = 0xFF
+    with open(os.path.join(dead, "moves.log"), "wb") as f:
+        f.write(bad)
+    store, shard = _open(dead)
+    assert sorted(shard.lost) == [(7, 1), (100, 1)]
+    assert bytes(store.region[5 * MB : 6 * MB]) == moved  # not zeroed at open
+    made = 0
+    with pytest.raises(NoSpace):
+        for i in range(16):  # fill the shard: no new chunk takes the extent
+            shard.write(300, i, MB, 0, UpdateOp.ASSIGN, b"\x01" * MB)
+            made += 1
+    assert made == 10  # 16 MiB: 5 in chunks, 1 kept
+    shard.trim(0)
+    assert bytes(store.region[5 * MB : 6 * MB]) == moved
+    text = caplog.text
+    assert "rewrite or delete those files" in text and "or restore" not in text  # a restore is refused
+    with pytest.raises(DataLost) as refused:
+        shard.read(7, 1, 0, 4)
+    assert "restore" not in str(refused.value) and "rewrite or delete" in str(refused.value)
+    shard.free(300, 0)
+    shard.trim(0)  # (untrimmed, their extents would be held at the next open too: written and free)
+    del shard
+    store.close()
+
+    store, shard = _open(dead)  # a restart keeps them too
+    assert bytes(store.region[5 * MB : 6 * MB]) == moved and shard.held == [(5 * MB, MB)]
+    shard.write(7, 1, MB, 0, UpdateOp.ASSIGN, b"\x02" * MB)  # what works: rewritten whole,
+    shard.free(100, 1)  # and deleted
+    assert shard.lost == {}
+    shard.trim(0)  # free again: zeroed, and taken by a new chunk
+    assert bytes(store.region[5 * MB : 6 * MB]) == bytes(MB)
+    for i in range(10):
+        shard.write(300, i, MB, 0, UpdateOp.ASSIGN, b"\x01" * MB)
+    del shard
+    store.close()
+
+
 def _pid(c: Cluster, shard_id: int) -> int:
     (p,) = [s for s in cluster_ops.read_state(c.dir) if s.shard_id == shard_id]
     assert cluster_ops.shard_running(p)
@@ -150,10 +248,11 @@ def _pid(c: Cluster, shard_id: int) -> int:
 
 
 @pytest.mark.slow
-def test_one_corrupted_byte_in_moves_log_is_refused_not_rolled_back(tmp_path: object) -> None:
+@pytest.mark.parametrize("last", [False, True], ids=["byte 64", "inside the last record"])
+def test_one_corrupted_byte_in_moves_log_is_refused_not_rolled_back(tmp_path: object, last: bool) -> None:
     """The red-team recipe with real shards (``--replicas 1``): 6 chunks of 64 KiB, a snapshot,
-    all 6 pushed to (acknowledged), shard 1 SIGKILLed, one byte of its moves.log overwritten,
-    ``irdma up``. No chunk reads old bytes: the one whose move is damaged raises DataLost
+    all 6 pushed to (acknowledged), shard 1 SIGKILLed, one byte of its moves.log overwritten
+    (at 64, or 10 bytes into the last record: no good record follows it), ``irdma up``. No chunk reads old bytes: the one whose move is damaged raises DataLost
     (the client's EIO), the rest read the new bytes; the journal is kept; the shard's log says
     what happened and what to run; ``irdma fsck`` exits 2 naming the file."""
     d = os.path.join(str(tmp_path), "c")
@@ -174,7 +273,7 @@ def test_one_corrupted_byte_in_moves_log_is_refused_not_rolled_back(tmp_path: ob
         os.kill(pid, signal.SIGKILL)  # the pid this cluster's `irdma up` recorded
         wait_until(lambda: not pid_alive(pid), 10, "shard 1 to die", interval=0.005)
         with open(journal, "r+b") as f:
-            f.seek(64)
+            f.seek(os.path.getsize(journal) - MOVE_RECORD.size + 10 if last else 64)
             f.write(b"\xff")
         with open(journal, "rb") as g:
             damaged = g.read()

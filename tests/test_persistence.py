@@ -245,9 +245,10 @@ def _as_killed(store: ShardStore, to: str) -> str:
 
 
 def test_the_moves_journal_skips_a_torn_record_and_records_the_index_has(tmp_path: object) -> None:
-    """A machine crash may leave half a record at the journal's end, or a whole one with
-    garbage (a block written before its data): replay stops there. Records the index already
-    has (a journal left unemptied) never replay over later changes."""
+    """A machine crash may leave half a record at the journal's end, or whole ones of zeros
+    (the size grew, the data never came): a torn tail, dropped (any other bad record is damage:
+    test_journal_integrity). Records the index already has (a journal left unemptied) never
+    replay over later changes."""
     import struct
     import zlib
 
@@ -271,12 +272,10 @@ def test_the_moves_journal_skips_a_torn_record_and_records_the_index_has(tmp_pat
         body = struct.pack("<QQQQQ", seq, f, i, offset, MB)
         return body + zlib.crc32(body).to_bytes(4, "little")
 
-    bad = bytearray(record(3, 6, 0, 5 * MB))
-    bad[20] ^= 1  # a whole record, its CRC wrong
-    with open(journal, "wb") as f:  # stale, live, bad and a torn one (bad before good: test_journal_integrity)
-        f.write(stale + live + bytes(bad) + record(99, 5, 0, 0)[:30])
+    with open(journal, "wb") as f:  # stale, live, a zero record and a cut one
+        f.write(stale + live + bytes(MOVE_RECORD.size) + record(99, 5, 0, 0)[:30])
     again = ShardStore(dead, 1, None)
-    assert sorted(again.chunks()) == [(6, 0, 3 * MB, MB)]
+    assert sorted(again.chunks()) == [(6, 0, 3 * MB, MB)] and again.damaged_journal is None
     again.close()
 
 
