@@ -27,13 +27,17 @@ What the launcher does, in order:
    starting stops the starting and reaches those started). Each worker gets SIGKILL if the
    launcher dies (``PR_SET_PDEATHSIG``, prctl(2)). When a worker exits (whatever its status),
    what is left of its process group (its children: a ``sleep``, data loaders) gets SIGTERM at
-   once and SIGKILL ``--grace`` seconds later, so nothing it started outlives it, re-parented to
-   init; its death is reported as soon as its output ended (its children held its pipes), at
-   most ``READERS_S`` later. When a worker exits with a non-zero status,
+   once and SIGKILL ``--grace`` seconds later, so nothing it started in its group outlives it,
+   re-parented to init (a process that left the worker's session with setsid(2), a daemon, is
+   its own); its death is reported at once, after every line it wrote (its children may hold
+   its pipes: their lines go on being copied). When a worker exits with a non-zero status,
    the launcher says which rank and how, stops the others (SIGTERM, then SIGKILL after
    ``--grace`` seconds) and exits with that worker's status (128 + N for a signal N, as a shell
    does). When every worker exits 0, so does the launcher, unless a signal stopped the job:
-   then 128 + that signal (a preempted job is not a success).
+   then 128 + that signal (a preempted job is not a success). A signal that comes while the
+   launcher stops the job (a second Ctrl-C, a SIGTERM during ``--grace``) kills whatever is
+   left at once, as does any signal for what is left of a worker that exited: nothing of the
+   workers' groups outlives the launcher.
 5. ``IRDMA_RUN_ID``, new for every launch, names this run's barriers
    (:func:`irdma.keras.init`), so the arrivals of a killed earlier run of the same job never
    count for this one.
@@ -63,13 +67,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import os
 import queue
+import select
 import shlex
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import threading
 import time
 import uuid
@@ -87,9 +95,6 @@ RUN_ID_ENV, RESTART_ENV = "IRDMA_RUN_ID", "IRDMA_RESTART"
 JOBS_DIR = "/jobs"
 #: Signals forwarded to the workers.
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-#: Seconds the launcher waits for the output of a worker that exited (a process outside its
-#: group, such as a daemon it started, may hold its pipes) before it reports the exit.
-READERS_S = 5.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -128,9 +133,14 @@ class Worker:
 
     rank: int
     proc: subprocess.Popen[bytes]
-    readers: list[threading.Thread] = field(default_factory=list)
+    readers: list[_Reader] = field(default_factory=list)
     restart: int = 0
-    #: set once the worker exited and nothing is left of its process group
+    #: set once the worker exited and was reaped (``proc.returncode`` is its status); only its
+    #: reaper thread reaps it, after signalling its group: the pid, the group's id, named only
+    #: them until then. Held while a thread signals its group or reaps it.
+    reaped: threading.Event = field(default_factory=threading.Event)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    #: set once the worker was reaped and nothing is left of its process group
     group_gone: threading.Event = field(default_factory=threading.Event)
 
 
@@ -141,20 +151,80 @@ class _Output:
         self.streams = {1: stdout, 2: stderr}
         self.lock = threading.Lock()
 
-    def pump(self, rank: int, pipe: IO[bytes], fd: int) -> None:
-        """Copy ``pipe`` line by line until the worker closes it. When the launcher's own
-        output breaks (``irdma run ... | head``, a closed terminal) the lines are dropped, but
-        the pipe is still drained: a worker never blocks on a full pipe."""
-        out = self.streams[fd]
-        prefix = f"[{rank}] ".encode()
-        for line in iter(pipe.readline, b""):
-            line = line.replace(b"\r\n", b"\n")  # through ssh -tt's terminal
-            if not line.endswith(b"\n"):
-                line += b"\n"  # the worker's last line, unterminated
-            with self.lock, contextlib.suppress(OSError, ValueError):
-                out.write(prefix + line)
-                out.flush()
-        pipe.close()
+    def write(self, fd: int, data: bytes) -> None:
+        """``data`` (whole lines) to the launcher's stream ``fd``; dropped when that stream is
+        gone (``irdma run ... | head``, a closed terminal)."""
+        with self.lock, contextlib.suppress(OSError, ValueError):
+            self.streams[fd].write(data)
+            self.streams[fd].flush()
+
+
+class _Reader:
+    """One pipe of a worker (its stdout or stderr, which its children may hold too), copied line
+    by line to the launcher's stream, each line prefixed with the rank, by a thread of its own
+    until every writer closed it. When the launcher's own output breaks the lines are dropped,
+    but the pipe is still drained: a worker never blocks on a full pipe.
+
+    :meth:`drain` copies what the pipe holds now: called once the worker exited, every line it
+    wrote is out when it returns (its last words come before the verdict), whoever else still
+    holds the pipe; no deadline is involved."""
+
+    def __init__(self, out: _Output, rank: int, pipe: IO[bytes], fd: int) -> None:
+        self.out, self.pipe, self.fd = out, pipe, fd
+        self.prefix = f"[{rank}] ".encode()
+        self.raw = pipe.fileno()
+        os.set_blocking(self.raw, False)  # read only what is there: drain() must never block
+        self.lock = threading.Lock()  # one reader of the pipe at a time, its lines in order
+        self.partial = b""  # the start of a line whose end has not come yet
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"irdma-run-{rank}-{fd}")
+        self.thread.start()
+
+    def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self.raw, select.POLLIN)
+        eof = False
+        while not eof:
+            poller.poll()  # no deadline: until the pipe has data or its last writer closed it
+            with self.lock:
+                eof = self._read() == 0
+        with self.lock:
+            self._flush()
+            self.closed = True
+            self.pipe.close()
+
+    def drain(self) -> None:
+        """Copy what the pipe holds now, and a last line without its newline (see the class):
+        a bounded amount, however fast the worker's children go on writing."""
+        with self.lock:
+            if self.closed:
+                return
+            pending = struct.unpack("i", fcntl.ioctl(self.raw, termios.FIONREAD, b"\0" * 4))[0]
+            while pending > 0:
+                got = self._read(min(pending, 1 << 16))
+                if got <= 0:
+                    break
+                pending -= got
+            self._flush()
+
+    def _read(self, limit: int = 1 << 16) -> int:
+        """Copy the whole lines of one read of at most ``limit`` bytes; the bytes read (0: every
+        writer closed the pipe; -1: it is empty now). Called with the lock held."""
+        try:
+            data = os.read(self.raw, limit)
+        except BlockingIOError:
+            return -1  # drain() took what the poll saw
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        if lines:
+            self.out.write(self.fd, b"".join(self.prefix + ln.removesuffix(b"\r") + b"\n" for ln in lines))
+        return len(data)
+
+    def _flush(self) -> None:
+        """The partial line, unterminated (a worker's last line), as a whole line."""
+        if self.partial:
+            self.out.write(self.fd, self.prefix + self.partial.removesuffix(b"\r") + b"\n")
+            self.partial = b""
 
 
 #: How a worker starts on another host (``--rsh``).
@@ -344,11 +414,19 @@ def supervise(job: Job, n: int, command: Sequence[str], *, grace: float = 10.0,
     ended: queue.Queue[Worker] = queue.Queue()
     workers: list[Worker] = []
     received: list[tuple[int, int]] = []  # (signal, how many workers it reached)
+    stopping = threading.Event()  # the launcher is stopping the workers: a signal now stops them at once
 
     def forward(signum: int, frame: object) -> None:
+        """The first signal goes to every running worker's group; what is left of the group of
+        a worker that exited (told to stop then) is killed. A signal while the launcher stops
+        the job (a second Ctrl-C, a SIGTERM during --grace) kills whatever is left at once."""
+        now = bool(received) or stopping.is_set()
         received.append((signum, len(workers)))
         for w in list(workers):
-            _signal(w, signum)
+            if now or w.reaped.is_set():
+                _kill(w)
+            else:
+                _signal(w, signum)
 
     where = hosts or ["localhost"] * n
     locals_ = local_ranks(where)
@@ -363,16 +441,14 @@ def supervise(job: Job, n: int, command: Sequence[str], *, grace: float = 10.0,
             proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent)
         except OSError as exc:
+            stopping.set()
             _stop(workers, grace, log)
             raise IrdmaError(f"cannot start {argv[0]!r}: {exc.strerror}",
                              "check the command after `--` (a path, or a program on PATH)"
                              + ("" if argv[0] == command[0] else f", and that {argv[0]} is installed")) from None
         w = Worker(rank, proc, restart=restart)
         assert proc.stdout is not None and proc.stderr is not None
-        for pipe, fd in ((proc.stdout, 1), (proc.stderr, 2)):
-            t = threading.Thread(target=out.pump, args=(rank, pipe, fd), daemon=True, name=f"irdma-run-{rank}-{fd}")
-            t.start()
-            w.readers.append(t)
+        w.readers = [_Reader(out, rank, proc.stdout, 1), _Reader(out, rank, proc.stderr, 2)]
         threading.Thread(target=_reap, args=(w, ended, grace), daemon=True, name=f"irdma-run-{rank}").start()
         workers.append(w)
 
@@ -389,11 +465,10 @@ def supervise(job: Job, n: int, command: Sequence[str], *, grace: float = 10.0,
         status, restarts, running, finished = 0, 0, len(workers), 0
         while running:
             # no deadline: a job runs as long as it trains; the forwarded signals' handler runs meanwhile
-            w = ended.get()  # its process group was told to stop: its children close its pipes
+            w = ended.get()
             running -= 1
-            deadline = time.monotonic() + READERS_S
-            for t in w.readers:
-                t.join(timeout=max(0.0, deadline - time.monotonic()))  # its last lines before the verdict
+            for r in w.readers:  # its last lines before the verdict (its children may hold its pipes)
+                r.drain()
             code = w.proc.returncode
             if code == 0:
                 finished += 1
@@ -415,22 +490,38 @@ def supervise(job: Job, n: int, command: Sequence[str], *, grace: float = 10.0,
                     status = exit_status(code)
                 continue
             status = exit_status(code)
+            stopping.set()
             log(f"rank {w.rank} {describe(code)}; stopping the other workers")
             _stop(workers, grace, log)  # the job cannot go on without it
-        if received and status == 0:
-            status = 128 + received[0][0]  # stopped by a signal: not a success, even if the workers exited 0
-        return status
     finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-        _stop(workers, grace, log)
+        stopping.set()
+        try:  # the handlers stay meanwhile: a signal now kills what is left, none of it outlives the launcher
+            _stop(workers, grace, log)
+            for w in workers:  # the last lines of what ended meanwhile
+                for r in w.readers:
+                    r.drain()
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+    if received and status == 0:
+        status = 128 + received[0][0]  # stopped by a signal: not a success, even if the workers exited 0
+    return status
 
 
 def _signal(w: Worker, signum: int) -> None:
-    """``signum`` to worker ``w``'s process group (its session: its own children too)."""
-    if w.proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(w.proc.pid, signum)
+    """``signum`` to worker ``w``'s process group (its session: its own children too), unless
+    it was reaped: its pid may name another process then."""
+    with w.lock:
+        if not w.reaped.is_set():
+            _signal_group(w.proc.pid, signum)
+
+
+def _kill(w: Worker) -> None:
+    """SIGKILL to whatever is left of worker ``w``'s process group: the worker if it runs, its
+    children if it exited (nothing once that group is gone: its id may name another then)."""
+    with w.lock:
+        if not w.reaped.is_set() or not w.group_gone.is_set():
+            _signal_group(w.proc.pid, signal.SIGKILL)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -453,21 +544,26 @@ def _signal_group(pgid: int, signum: int) -> None:
 def _reap(w: Worker, ended: queue.Queue[Worker], grace: float) -> None:
     """Wait for worker ``w`` to exit; SIGTERM what is left of its process group (its children)
     at once, reap it, hand it to the launcher (``ended``); SIGKILL the group if anything of it
-    is still there ``grace`` s later. The group is signalled while the worker is a zombie, not
-    yet reaped: its pid, the group's id, cannot name another process then, nor later while a
-    member of the group lives."""
+    is still there ``grace`` s later. Only this thread reaps ``w`` (the others wait on
+    ``w.reaped``), and it signals the group while the worker is a zombie, not yet reaped: its
+    pid, the group's id, cannot name another process then, nor later while a member of the
+    group lives. (Left: a group that empties between a check and the SIGKILL, its id taken at
+    that moment by a new group leader: that needs the pids to wrap around within 50 ms.)"""
     pgid = w.proc.pid
-    with contextlib.suppress(ChildProcessError):  # reaped already (a poll() of the main thread)
+    with contextlib.suppress(ChildProcessError):  # reaped already: by nothing of the launcher
         os.waitid(os.P_PID, pgid, os.WEXITED | os.WNOWAIT)
-    _signal_group(pgid, signal.SIGTERM)
-    w.proc.wait()
+    with w.lock:
+        _signal_group(pgid, signal.SIGTERM)
+        w.proc.wait()
+        w.reaped.set()
     ended.put(w)
     deadline = time.monotonic() + grace
     while _group_alive(pgid) and time.monotonic() < deadline:
         time.sleep(0.05)  # a thread of the launcher, not a test: the group has no exit to wait on
-    if _group_alive(pgid):
-        _signal_group(pgid, signal.SIGKILL)
-    w.group_gone.set()
+    with w.lock:
+        if _group_alive(pgid):
+            _signal_group(pgid, signal.SIGKILL)
+        w.group_gone.set()
 
 
 def _stop(workers: list[Worker], grace: float, log: Callable[[str], None] = lambda msg: None) -> None:
@@ -475,20 +571,16 @@ def _stop(workers: list[Worker], grace: float, log: Callable[[str], None] = lamb
     ``grace`` s later; a worker that does not die within 10 s more (stuck in the kernel) is
     named and left. What is left of the group of a worker that exited (its children, told to
     stop when it exited) gets SIGKILL by the same deadline: none outlives the launcher."""
-    live = [w for w in workers if w.proc.poll() is None]
+    live = [w for w in workers if not w.reaped.is_set()]
     for w in live:
         _signal(w, signal.SIGTERM)
     deadline = time.monotonic() + grace
     for w in live:
-        try:
-            w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if not w.reaped.wait(timeout=max(0.0, deadline - time.monotonic())):
             _signal(w, signal.SIGKILL)
-            try:
-                w.proc.wait(timeout=10.0)
-            except subprocess.TimeoutExpired:
+            if not w.reaped.wait(timeout=10.0):
                 log(f"rank {w.rank} (pid {w.proc.pid}) did not die after SIGKILL: it is stuck in the kernel"
                     " (a dead mount?); `cat /proc/PID/stack` shows where")
     for w in workers:
-        if w.proc.poll() is not None and not w.group_gone.wait(timeout=max(0.0, deadline - time.monotonic())):
-            _signal_group(w.proc.pid, signal.SIGKILL)
+        if w.reaped.is_set() and not w.group_gone.wait(timeout=max(0.0, deadline - time.monotonic())):
+            _kill(w)
