@@ -55,6 +55,10 @@ end with a newline, so ``cat .irdma/barrier/epoch1@4`` and ``echo 1 > .irdma/cou
 work from a shell. The state lives in the metadata engine (:mod:`irdma.meta.sql_sync`), waits
 poll it (:mod:`irdma.train.coord`). Inode numbers from :data:`BASE` on are virtual: never in the
 metadata.
+
+The mount's root directory also answers the xattr ``user.irdma.mount`` (:data:`XATTR_MOUNT`,
+:meth:`Control.mount_xattr`): the namespace and directory the mount shows, which ``irdma info``
+and ``irdma snapshot`` read to map a path under the mount, whichever user runs them.
 """
 
 from __future__ import annotations
@@ -81,6 +85,9 @@ log = logging.getLogger("irdma.fs")
 _T = TypeVar("_T")
 
 CONTROL = b".irdma"
+#: The xattr of the mount's root directory that says what the mount shows (:meth:`Control.mount_xattr`):
+#: read by ``irdma info`` and ``irdma snapshot`` for a path under the mount (:func:`irdma.ops.info.ask_mount`)
+XATTR_MOUNT = b"user.irdma.mount"
 #: ``JOB/.irdma-clock@K``: a read advances worker K's clock in job directory JOB and returns once
 #: the job's consistency model lets it pull (:func:`irdma.train.coord.tick`); the text is the new clock
 CLOCK_PREFIX = b".irdma-clock@"
@@ -238,6 +245,10 @@ class Control:
     #: ``tick(job inode, worker) -> clock``: the client's :meth:`irdma.Client.clock_at`
     tick: Any = None
     sync_timeout: float = coord.DEFAULT_SYNC_TIMEOUT
+    #: What the mount shows, set by :func:`irdma.fs.mount.serve_mount`: its source as the mount
+    #: table shows it (``irdma:URL``, no password) and the directory of the namespace that is its
+    #: root (``--subdir``; ``/``); None: the root answers no :data:`XATTR_MOUNT`
+    shows: tuple[str, str] | None = None
     _inos: dict[_Node, int] = field(default_factory=dict)
     _nodes: dict[int, _Node] = field(default_factory=dict)
     _handles: dict[int, _Handle] = field(default_factory=dict)
@@ -262,6 +273,22 @@ class Control:
     @staticmethod
     def owns(ino: int) -> bool:
         return ino >= BASE
+
+    def mount_xattr(self) -> bytes | None:
+        """The value of :data:`XATTR_MOUNT` on the mount's root (None when :attr:`shows` is
+        unset): JSON of ``source`` (the mount table's ``irdma:URL``), ``subdir`` (the directory
+        of the namespace the root is), and the mount's session in the metadata (``session``,
+        ``host``, ``pid``: a command given another spelling of the URL tells by it whether that
+        URL opens this namespace). Nothing secret: the URL is the one ``/proc/mounts`` shows, so
+        every user who may read the root directory may read it (the kernel checks read permission
+        on it). Computed at each read, not stored: not listed, never copied with the tree."""
+        import json
+
+        if self.shows is None:
+            return None
+        source, subdir = self.shows
+        return json.dumps({"source": source, "subdir": subdir, "session": self.session,
+                           "host": socket.gethostname(), "pid": os.getpid()}).encode()
 
     # ------------------------------------------------------------ names
     def scope_dir(self, directory: int) -> int:

@@ -14,6 +14,7 @@ import errno
 import logging
 import math
 import os
+import posixpath
 import re
 import signal
 import stat
@@ -59,9 +60,11 @@ async def serve_mount(
     kernel caches attributes and names (:func:`check_cache_seconds`). These are ``juicefs
     mount``'s ``--read-only``, ``--subdir``, ``--attr-cache`` and ``--entry-cache``.
     ``/proc/mounts`` shows the mount as ``irdma:URL`` (:func:`mount_source`; an SQLite path made
-    absolute) of type ``fuse.irdma``; while it runs, the mount records the directory it shows
-    (:func:`irdma.ops._proc.write_mount_record`), so that ``irdma info`` and ``irdma snapshot``
-    map a path under it to that namespace and directory.
+    absolute) of type ``fuse.irdma``; its root answers the xattr ``user.irdma.mount`` with that
+    source and the directory it shows (:meth:`irdma.fs.control.Control.mount_xattr`, any user
+    who may read the root), and while it runs the mount also records them for its user
+    (:func:`irdma.ops._proc.write_mount_record`, the fallback), so that ``irdma info`` and
+    ``irdma snapshot`` map a path under it to that namespace and directory.
 
     ``metrics``: ``HOST:PORT`` to serve Prometheus metrics on (:mod:`irdma.ops.metrics`: FUSE
     requests, the client's requests to shards; port 0 picks one). The bound address is recorded
@@ -128,14 +131,15 @@ async def _serve_mount(
         if debug:
             options.add("debug")
         fs.after_init = lambda: set_readahead(mountpoint, READAHEAD_KB)
+        fs.control.shows = (source, posixpath.normpath("/" + (view.subdir or "/").strip("/")))  # user.irdma.mount
         # the signal receiver is open before the kernel mount exists: SIGTERM at any moment after it
         # (`irdma umount`, a test that saw the mount) unmounts cleanly instead of killing the process
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             try:  # before the mount is up: a command that finds it in the mount table finds the record too
                 await trio.to_thread.run_sync(write_mount_record, mountpoint, source, view.subdir or "/")
-            except OSError as exc:
-                log.warning("cannot record what the mount shows (%s: %s): irdma commands refuse paths under %s"
-                            " (set $IRDMA_RUN_DIR to a writable directory)", exc.filename, exc.strerror, mountpoint)
+            except OSError as exc:  # a fallback: commands ask the mount first (user.irdma.mount of its root)
+                log.info("cannot record what the mount shows (%s: %s): irdma commands ask the mount itself",
+                         exc.filename, exc.strerror)
             try:
                 pyfuse3.init(fs, mountpoint, options)
             except RuntimeError as exc:

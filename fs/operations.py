@@ -97,7 +97,7 @@ from irdma.wire.compress import XATTR_COMPRESS, Compression, parse_compress
 from irdma.wire.protocol import Update, UpdateOp
 
 from .cache import ReadAhead, Residuals, WriteBehind
-from .control import CLOCK_PREFIX, CONTROL, STATE_PREFIX, Control, caller_of
+from .control import CLOCK_PREFIX, CONTROL, STATE_PREFIX, XATTR_MOUNT, Control, caller_of
 from .errors import fuse_errors
 
 log = logging.getLogger("irdma.fs")
@@ -703,6 +703,10 @@ class IrdmaFS(pyfuse3.Operations):
             if name == coord.XATTR_CLOCKS:
                 clocks = await self.meta.clocks(inode)
                 return " ".join(f"{w}:{c}" for w, c in sorted(clocks.items())).encode()
+            if name == XATTR_MOUNT and inode == self.root:  # what this mount shows (irdma info, irdma snapshot)
+                shown = self.control.mount_xattr()
+                if shown is not None:
+                    return shown
             return await self.meta.getxattr(inode, name)
 
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:

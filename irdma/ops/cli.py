@@ -52,26 +52,33 @@ def _meta_default() -> str:
 
 
 def _meta_explicit() -> bool:
-    """Whether the user named the namespace (``--meta`` or ``$IRDMA_META``) rather than leaving
-    it to the default cluster's."""
+    """Whether ``--meta`` was given on the command line. Only it names the namespace against a
+    path under a mount; ``$IRDMA_META``, a standing default as the default cluster is, yields to
+    the mount's namespace."""
     from click.core import ParameterSource
 
     ctx = click.get_current_context(silent=True)
-    source = ctx.get_parameter_source("meta_url") if ctx is not None else None
-    return source not in (None, ParameterSource.DEFAULT) or bool(os.environ.get("IRDMA_META"))
+    return ctx is not None and ctx.get_parameter_source("meta_url") is ParameterSource.COMMANDLINE
 
 
 def target(path: str, meta_url: str) -> Any:
     """The namespace and path that PATH names (:func:`irdma.ops.info.resolve_target`): a path
-    under an irdma mount names that mount's namespace and the directory it shows.
+    under an irdma mount names that mount's namespace and the directory it shows, whatever
+    ``$IRDMA_META`` or the default cluster is (logged at info when ``$IRDMA_META`` names another).
 
     Raises:
-        InvalidArgument: PATH is under a mount of another namespace than the one --meta or
-            $IRDMA_META names. IrdmaError: which directory the mount shows is unknown.
+        InvalidArgument: PATH is under a mount of another namespace than the one --meta names.
+        IrdmaError: which directory the mount shows is unknown.
     """
     from . import info as I
 
-    return I.resolve_target(path, meta_url, _meta_explicit())
+    explicit = _meta_explicit()
+    where = I.resolve_target(path, meta_url, explicit)
+    env = os.environ.get("IRDMA_META")
+    if where.mount is not None and not explicit and env and I.namespace_key(env) != I.namespace_key(where.meta_url):
+        logging.getLogger("irdma.ops").info("%s is under the mount on %s: its namespace %s, not $IRDMA_META's", path,
+                                            where.mount, where.meta_url)
+    return where
 
 
 META_OPTION = click.option(
@@ -1530,8 +1537,8 @@ def info_cmd(path: str, meta_url: str, as_json: bool, recursive: bool, max_chunk
     shard's share (--recursive: its whole tree).
 
     PATH is a path in the namespace (/jobs/x/w), or a path under an irdma mount (/mnt/ps/jobs/x/w):
-    then the mount's namespace and the directory it shows (--subdir) are used, and a --meta that
-    names another namespace is an error. Exits 2 when a chunk under PATH cannot be read (it waits for a shard,
+    then the mount's namespace and the directory it shows (--subdir) are used ($IRDMA_META yields),
+    and a --meta that names another namespace is an error. Exits 2 when a chunk under PATH cannot be read (it waits for a shard,
     or is lost), 1 when one has fewer replicas than asked, else 0 (as `irdma status`).
     """
     import json
