@@ -12,7 +12,9 @@ mount started with ``--allow-other``, on real shard processes; the tests run as 
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
 import os
 import stat
 import subprocess
@@ -147,6 +149,53 @@ def test_max_snapshots_bounds_a_directorys_snapshots(mnt: str, cluster: Cluster)
     assert as_user(NOBODY, d, "mkdir", ".snapshots/s4") == "ok"
 
 
+def test_the_directorys_owner_snapshots_what_it_holds_and_nobody_reaches_through_a_shut_directory(mnt: str) -> None:
+    """Review of point 10: the read check spares the directory's owner (it may delete the file
+    anyway), and counts the directories on the way: a file of a 0700 directory another user
+    may not enter is not that user's to pin, whatever the file's own mode."""
+    d = f"{mnt}/own6"  # nobody's directory, holding root's 0600 file (left by a sudo job)
+    os.mkdir(d)
+    os.chown(d, NOBODY, NOBODY)
+    with open(f"{d}/roots", "wb") as f:
+        f.write(b"root's" * 100)
+    os.chmod(f"{d}/roots", 0o600)
+    assert as_user(NOBODY, d, "mkdir", ".snapshots/mine") == "ok"  # was EPERM
+    assert os.listdir(f"{d}/.snapshots/mine") == ["roots"]
+    assert as_user(NOBODY, d, "rmdir", ".snapshots/mine") == "ok"
+
+    s = f"{mnt}/shut6"  # a shared directory holding root's 0700 directory with a 0644 file
+    os.mkdir(s)
+    os.chmod(s, 0o1777)
+    os.mkdir(f"{s}/priv")
+    os.chmod(f"{s}/priv", 0o700)
+    with open(f"{s}/priv/f", "wb") as f:
+        f.write(b"root's" * 100)
+    os.chmod(f"{s}/priv/f", 0o644)
+    assert as_user(NOBODY, s, "mkdir", ".snapshots/pin") == "EPERM"  # was ok: it pinned priv/f
+    assert os.listdir(f"{s}/.snapshots") == []
+    os.chmod(f"{s}/priv", 0o711)  # enterable: the file is within its reach
+    assert as_user(NOBODY, s, "mkdir", ".snapshots/pin") == "ok"
+    os.rmdir(f"{s}/.snapshots/pin")
+
+
+def test_a_clone_of_anothers_snapshot_is_the_directorys_owners(mnt: str, cluster: Cluster) -> None:
+    """Review of point 10: the maker is recorded with the snapshot, not as its tree's owner: a
+    clone's top directory has the snapshotted directory's owner (it had the maker's)."""
+    d = f"{mnt}/shared8"  # root's shared directory
+    os.mkdir(d)
+    os.chmod(d, 0o1777)
+    assert as_user(NOBODY, d, "write", "mine") == "ok"
+    assert as_user(NOBODY, d, "mkdir", ".snapshots/nightly") == "ok"
+    assert os.stat(f"{d}/.snapshots/nightly").st_uid == NOBODY  # shown as its maker's
+    irdma_cli("snapshot", "clone", "--meta", cluster.meta_url, "/shared8", "nightly", "/shared8-copy")
+    st = os.stat(f"{mnt}/shared8-copy")
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o1777)  # was nobody's
+    assert os.stat(f"{mnt}/shared8-copy/mine").st_uid == NOBODY
+    listed = json.loads(irdma_cli("snapshot", "list", "--meta", cluster.meta_url, "/shared8", "--json").stdout)
+    assert [(s["name"], s["maker"]) for s in listed] == [("nightly", NOBODY)]
+    assert as_user(NOBODY, d, "rmdir", ".snapshots/nightly") == "ok"  # still its own to delete
+
+
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def meta_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """An empty metadata database of each engine (PostgreSQL: a real server, tests/pg.py)."""
@@ -203,3 +252,70 @@ def test_the_engines_rules_on_sqlite_and_postgresql(meta_url: str) -> None:
             meta.snapshot_begin(d.ino, b"s3", spare=5)
     finally:
         meta.close()
+
+
+def test_the_engines_keep_the_maker_apart_and_check_the_way_to_each_file(meta_url: str) -> None:
+    """Review of point 10, in each engine: the directory's owner is not read-checked; a file
+    only under a directory the maker may not search is refused; the maker is the snapshots
+    row's (shown as the top directory's owner), the tree keeps the directory's owner, so a
+    clone's top directory is the directory's owner's; a database made before the column gets
+    it on open (its snapshots: no maker recorded, shown as the tree's owner)."""
+    meta = open_meta(meta_url, create=True)
+    assert isinstance(meta, SqlMeta)
+    try:
+        meta.add_shard("127.0.0.1:2")  # (the module's database: the test before added :1, and a limit on /)
+        with contextlib.suppress(E.NoAttribute):
+            meta.removexattr(ROOT_INO, XATTR_MAX_SNAPSHOTS)
+        own = meta.create(ROOT_INO, b"own", stat.S_IFDIR | 0o755, 42, 42)
+        meta.create(own.ino, b"roots", stat.S_IFREG | 0o600, 0, 0)
+        mine, _ = meta.snapshot_begin(own.ino, b"s", owner=42, reader=(42, [42]))  # its own directory
+        assert mine.maker == 42
+
+        d = meta.create(ROOT_INO, b"e8", stat.S_IFDIR | 0o1777, 0, 0)
+        meta.create(d.ino, b"f", stat.S_IFREG | 0o644, 42, 42)
+        empty = meta.create(d.ino, b"empty", stat.S_IFDIR | 0o700, 0, 0)  # shut, but holds no file
+        sub = meta.create(d.ino, b"priv", stat.S_IFDIR | 0o700, 0, 0)
+        deep = meta.create(sub.ino, b"deeper", stat.S_IFDIR | 0o755, 0, 0)
+        meta.create(deep.ino, b"g", stat.S_IFREG | 0o644, 0, 0)
+        with pytest.raises(E.NotPermitted, match="/e8/priv/deeper/g.*/e8/priv"):
+            meta.snapshot_begin(d.ino, b"pin", owner=42, reader=(42, [42]))
+        assert meta.snapshots(d.ino) == []
+        meta.setattr(sub.ino, mode=0o750, gid=42)  # its group may enter now
+        snap, files = meta.snapshot_begin(d.ino, b"n", owner=42, reader=(42, [42]))
+        assert len(files) == 2 and snap.maker == 42 and empty.ino
+        holder = meta.snapshots_dir(d.ino)
+        assert meta.getattr(snap.root).uid == 42 and meta.lookup(holder.ino, b"n").uid == 42
+        assert [(n, i.uid) for n, i in meta.readdir(holder.ino)] == [(b"n", 42)]
+        assert [s.maker for s in meta.snapshots(d.ino)] == [42]
+        copy, _ = meta.clone_tree(snap.root, ROOT_INO, b"copy")
+        assert (copy.uid, meta.getattr(copy.ino).uid, meta.getattr(copy.ino).mode) == (0, 0, stat.S_IFDIR | 0o1777)
+        by_root, _ = meta.snapshot_begin(d.ino, b"r")  # root or the CLI: no maker recorded
+        assert by_root.maker is None and meta.getattr(by_root.root).uid == 0
+    finally:
+        meta.close()
+
+    _drop_maker_column(meta_url)  # as a database made before the column
+    meta = open_meta(meta_url)
+    try:
+        assert [(s.name, s.maker) for s in meta.snapshots(d.ino)] == [(b"n", None), (b"r", None)]
+        assert meta.getattr(snap.root).uid == 0  # the tree's owner
+        again, _ = meta.snapshot_begin(d.ino, b"m", owner=42)
+        assert [s.maker for s in meta.snapshots(d.ino)] == [None, None, 42] and again.maker == 42
+    finally:
+        meta.close()
+
+
+def _drop_maker_column(url: str) -> None:
+    """Take the snapshots table back to its shape before ``maker_uid``."""
+    if url.startswith("sqlite://"):
+        import sqlite3
+
+        db = sqlite3.connect(url[len("sqlite://"):])
+        db.execute("ALTER TABLE snapshots DROP COLUMN maker_uid")
+        db.commit()
+        db.close()
+        return
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("ALTER TABLE snapshots DROP COLUMN maker_uid")

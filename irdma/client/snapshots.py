@@ -104,6 +104,8 @@ class SnapshotInfo:
             shard did not answer.
         shared: bytes of its chunks it still shares with the live files or other snapshots
             (every replica counted); -1 when a shard did not answer.
+        maker: the uid whose snapshot it is (:func:`maker_of`: who made it through a mount,
+            else its top directory's owner); it, the directory's owner and root may delete it.
     """
 
     name: str
@@ -114,6 +116,7 @@ class SnapshotInfo:
     state: str
     held_alone: int = 0
     shared: int = 0
+    maker: int = 0
 
 
 def _serving(client: Client, layout: Layout) -> list[int]:
@@ -157,12 +160,14 @@ async def create_at(client: Client, ino: int, name: bytes, *, keep: int | None =
                     reader: tuple[int, Sequence[int]] | None = None) -> Snapshot:
     """:func:`create` of inode ``ino`` (the mount's ``mkdir D/.snapshots/NAME``).
 
-    ``owner``: the uid that owns the snapshot (may delete it: :func:`delete_at`); None: the
-    directory's owner. ``reader``: ``(uid, gids)`` of a maker who must be able to read every
-    file of the tree (a mount's user: nobody pins bytes it may not read); None: no check.
+    ``owner``: the snapshot's maker, recorded with it (may delete it: :func:`delete_at`; shown
+    as its top directory's owner; the tree keeps the directory's owners, and so do its clones);
+    None: none recorded (the directory's owner). ``reader``: ``(uid, gids)`` of a maker who
+    must be able to reach and read every file of the tree (a mount's user: nobody pins bytes
+    it may not read; the directory's owner and root pass); None: no check.
 
     Raises:
-        What :func:`create` raises; NotPermitted: ``reader`` may not read a file of the tree;
+        What :func:`create` raises; NotPermitted: ``reader`` may not reach or read a file of the tree;
         QuotaExceeded: the directory holds as many snapshots as its ``user.irdma.max_snapshots``
         allows (those ``keep`` deletes after are not counted). Nothing is kept then.
     """
@@ -577,9 +582,9 @@ async def delete(client: Client, path: str, name: str) -> int:
 async def delete_at(client: Client, dir_ino: int, name: bytes, *, uid: int | None = None) -> int:
     """:func:`delete` of directory inode ``dir_ino``'s snapshot ``name`` (the mount's rmdir).
 
-    ``uid``: the user asking (a mount's); it may delete the snapshot when it owns it (made it:
-    its top directory's owner), owns the directory, or is root. None: anyone (the operator's
-    tools act with the metadata database's rights).
+    ``uid``: the user asking (a mount's); it may delete the snapshot when it made it (its
+    recorded maker: :func:`maker_of`), owns the directory, or is root. None: anyone (the
+    operator's tools act with the metadata database's rights).
 
     Raises:
         NotFound: no such snapshot. NotPermitted: ``uid`` may not delete it (nothing changed).
@@ -587,12 +592,18 @@ async def delete_at(client: Client, dir_ino: int, name: bytes, *, uid: int | Non
     for snap in await client.meta.snapshots(dir_ino):
         if snap.name == name:
             if uid is not None and uid != 0:
-                owners = {(await client.meta.getattr(dir_ino)).uid, (await client.meta.getattr(snap.root)).uid}
+                owners = {(await client.meta.getattr(dir_ino)).uid, await maker_of(client, snap)}
                 if uid not in owners:
                     raise NotPermitted(f"snapshot {name.decode(errors='replace')!r} is another user's: its maker, the"
                                        " directory's owner and root may delete it", "ask one of them")
             return await _drop(client, snap)
     raise NotFound(f"no snapshot named {name.decode(errors='replace')!r}")
+
+
+async def maker_of(client: Client, snap: Snapshot) -> int:
+    """The uid whose snapshot ``snap`` is: its recorded maker, else (made by root or the
+    operator's tools, or before makers were recorded) its top directory's owner."""
+    return snap.maker if snap.maker is not None else (await client.meta.getattr(snap.root)).uid
 
 
 async def _info(client: Client, dir_path: str, snap: Snapshot) -> SnapshotInfo:
@@ -622,7 +633,7 @@ async def _info(client: Client, dir_path: str, snap: Snapshot) -> SnapshotInfo:
         alone, shared = sum(a for a, _ in held.values()), sum(s for _, s in held.values())
     return SnapshotInfo(snap.name.decode(errors="replace"), f"{base}/.snapshots/{snap.name.decode(errors='replace')}",
                         snap.created_ns, len(files), sum(f.size for f in files if stat.S_ISREG(f.mode)), snap.state,
-                        alone, shared)
+                        alone, shared, await maker_of(client, snap))
 
 
 async def list_snapshots(client: Client, path: str) -> list[SnapshotInfo]:

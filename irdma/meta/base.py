@@ -134,7 +134,10 @@ class ShardRecord:
 class Snapshot:
     """A snapshot (:mod:`irdma.meta.sql_snap`): ``dir``'s ``.snapshots/name``, whose tree
     starts at inode ``root``, a copy of inode ``src`` (``dir`` itself, or a file in it) as it
-    was at ``created_ns`` (nanoseconds since the Unix epoch). ``state``: ``creating`` or ``ready``."""
+    was at ``created_ns`` (nanoseconds since the Unix epoch). ``state``: ``creating`` or ``ready``.
+    ``maker``: the uid of the user who made it through a mount (it may delete it; shown as its
+    top directory's owner), or None (root or the operator's tools made it, or a database from
+    before makers were recorded: its top directory's owner)."""
 
     id: int
     dir: int
@@ -143,6 +146,7 @@ class Snapshot:
     src: int
     created_ns: int
     state: str
+    maker: int | None = None
 
 
 @dataclass

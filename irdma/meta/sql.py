@@ -541,13 +541,16 @@ class SqlMeta(SqlCluster, SqlSync, SqlSnap, MetaStore):
             return inode
 
     def readdir(self, ino: int) -> list[tuple[bytes, Inode]]:
-        if not self.getattr(ino).is_dir:
+        d = self.getattr(ino)
+        if not d.is_dir:
             raise NotADirectory(f"inode {ino} is not a directory")
         rows = self._db.execute(
             f"SELECT d.name, {I_COLS} FROM dentries d"
             " JOIN inodes i ON i.ino = d.ino WHERE d.parent=? AND i.snap <> ? ORDER BY d.name",
             (ino, SNAPSHOTS_DIR_MARK),  # a directory's .snapshots is hidden (as CephFS's .snap)
         ).fetchall()
+        if d.snap == SNAPSHOTS_DIR_MARK:  # the snapshots' top directories: their makers' (as lookup shows them)
+            return [(bytes(r[0]), self._shown(self._db, inode_row(r[1:]))) for r in rows]
         return [(bytes(r[0]), inode_row(r[1:])) for r in rows]
 
     def unlink(self, parent: int, name: bytes) -> Inode:

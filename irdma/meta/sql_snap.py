@@ -15,11 +15,15 @@ CephFS's does. It goes once its last snapshot is deleted. Its mode, owner and gr
 ``mkdir``/``rmdir`` in it), never a copy taken once; ``chmod`` of it is refused (EROFS: change
 ``D``'s).
 
-A snapshot's top directory (``D/.snapshots/N``) is owned by the user who made it through a
-mount (``owner``; by ``D``'s owner when root or the CLI made it), so its maker may delete it in
-a sticky ``D`` as in ``/tmp``; ``D``'s owner and root may delete any
-(:func:`irdma.client.snapshots.delete_at`). A maker who could not read every file of the tree
-is refused (``reader``: the snapshot would keep bytes it may not read), and the
+A snapshot is its maker's: the user who made it through a mount (``owner``) is recorded in
+its row (``snapshots.maker_uid``; NULL when root or the CLI made it) and shown as the owner of
+its top directory (``D/.snapshots/N``, :meth:`SqlSnap._shown`), so its maker may delete it in a
+sticky ``D`` as in ``/tmp``; ``D``'s owner and root may delete any
+(:func:`irdma.client.snapshots.delete_at`). The tree itself keeps its owners as they were (the
+top directory ``D``'s), and so does a clone of it. A maker other than ``D``'s owner who could
+not reach and read every file of the tree (read permission on the file, search permission on
+every directory on its way from ``D``) is refused (``reader``: the snapshot would keep bytes it
+may not read), and the
 ``user.irdma.max_snapshots`` of ``D`` and its ancestors (the smallest) bounds how many ``D``
 holds (:data:`~irdma.meta.base.XATTR_MAX_SNAPSHOTS`).
 
@@ -57,13 +61,14 @@ from .base import (
 )
 from .sql_rows import COLS, Cursor, check_name, inode_row, now
 
-_SNAP_COLS = "id, dir, name, root, src, created_ns, state"
+_SNAP_COLS = "id, dir, name, root, src, created_ns, state, maker_uid"
 #: The inode columns a snapshot copies (all but the number and ``snap``).
 _COPIED = "mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, chunk_size, stripe, update_op, rdev, target, replicas"
 
 
 def _snap_row(row: Sequence[Any]) -> Snapshot:
-    return Snapshot(int(row[0]), int(row[1]), bytes(row[2]), int(row[3]), int(row[4]), int(row[5]), str(row[6]))
+    return Snapshot(int(row[0]), int(row[1]), bytes(row[2]), int(row[3]), int(row[4]), int(row[5]), str(row[6]),
+                    None if row[7] is None else int(row[7]))
 
 
 class SqlSnap:
@@ -92,9 +97,16 @@ class SqlSnap:
                                "write to the live file instead")
 
     def _shown(self, c: Cursor, inode: Inode) -> Inode:
-        """``inode`` as a lookup or getattr shows it: a ``.snapshots`` takes its directory's
-        mode bits, owner and group now (so ``chmod D`` applies to it at once), the rest as
-        stored."""
+        """``inode`` as a lookup, getattr or readdir shows it: a ``.snapshots`` takes its
+        directory's mode bits, owner and group now (so ``chmod D`` applies to it at once); a
+        snapshot's top directory has its maker as owner, when recorded (the kernel lets the
+        maker rmdir it in a sticky ``D``); the rest as stored."""
+        if inode.snap and inode.snap != SNAPSHOTS_DIR_MARK:
+            if inode.is_dir:
+                row = c.execute("SELECT maker_uid FROM snapshots WHERE id=? AND root=?", (inode.snap, inode.ino)).fetchone()
+                if row is not None and row[0] is not None:
+                    inode.uid = int(row[0])
+            return inode
         if inode.snap != SNAPSHOTS_DIR_MARK:
             return inode
         row = c.execute("SELECT i.mode, i.uid, i.gid FROM dentries d JOIN inodes i ON i.ino = d.parent"
@@ -178,10 +190,13 @@ class SqlSnap:
         as snapshot ``name`` of the directory that holds it (``ino`` itself for a directory),
         in state ``creating``.
 
-        ``owner``: the uid that owns the snapshot's top directory (``D/.snapshots/NAME``: who
-        may delete it besides ``D``'s owner and root); None: ``D``'s owner. ``reader``: ``(uid,
-        gids)`` of a maker who must be able to read every regular file of the tree (by its
-        mode bits, owner and group, as POSIX); None: no check (root, the operator's tools).
+        ``owner``: the snapshot's maker (recorded with it, shown as its top directory's owner:
+        who may delete it besides ``D``'s owner and root); None: none recorded (``D``'s owner
+        at the cut shows). The tree's inodes keep their owners, the top directory ``D``'s.
+        ``reader``: ``(uid, gids)`` of a maker who must be able to reach and read every regular
+        file of the tree (read permission on it and search permission on each directory on
+        its way from ``D``, by mode bits, owner and group, as POSIX); root and ``D``'s owner
+        pass; None: no check (the operator's tools).
         ``spare``: snapshots of ``D`` the caller deletes once this one is made (``keep``): not
         counted against ``D``'s :data:`~irdma.meta.base.XATTR_MAX_SNAPSHOTS`.
 
@@ -193,7 +208,7 @@ class SqlSnap:
             InvalidArgument: a bad name, or ``ino`` is neither a file nor a directory.
             Exists: that snapshot exists. ReadOnly: ``ino`` is in a snapshot. NotFound.
             QuotaExceeded: ``D`` holds as many snapshots as its limit allows.
-            NotPermitted: ``reader`` may not read a file of the tree.
+            NotPermitted: ``reader`` may not reach or read a file of the tree.
             Nothing is written when any is raised.
         """
         check_name(name)
@@ -211,28 +226,68 @@ class SqlSnap:
                 raise Exists(f"a snapshot named {name.decode(errors='replace')!r} exists",
                              "choose another name, or delete that one first")
             self._check_limit(c, dir_ino, spare)
+            if reader is not None:
+                self._check_reach(c, src, d, reader)
             holder = self._snapshots_dir(c, d, create=True)
             assert holder is not None
             t = now()
-            sid = int(c.execute("INSERT INTO snapshots(dir, name, root, src, created_ns, state)"
-                                " VALUES (?,?,0,?,?,'creating') RETURNING id", (dir_ino, name, ino, t)).fetchone()[0])
+            sid = int(c.execute("INSERT INTO snapshots(dir, name, root, src, created_ns, state, maker_uid)"
+                                " VALUES (?,?,0,?,?,'creating',?) RETURNING id",
+                                (dir_ino, name, ino, t, owner)).fetchone()[0])
             if src.is_dir:
                 root, files = self._copy_tree(c, dir_ino, holder, name, sid)
             else:
                 root, _ = self._copy_tree(c, dir_ino, holder, name, sid, children=False)
                 _, files = self._copy_tree(c, ino, root, self._name_in(c, dir_ino, ino), sid)
                 c.execute("UPDATE inodes SET nlink=2 WHERE ino=?", (root,))
-            hidden = _unreadable(reader, [f for f, _ in files]) if reader is not None else None
-            if hidden is not None:
-                raise NotPermitted(f"a snapshot of {self._path(c, ino)} would keep {self._path(c, hidden.ino)} (owner"
-                                   f" {hidden.uid}, mode {stat.S_IMODE(hidden.mode):04o}), which you may not read:"
-                                   " no snapshot was taken", "snapshot a directory that holds only files you may"
-                                   " read, or ask the directory's owner to take it")
-            if owner is not None:
-                c.execute("UPDATE inodes SET uid=? WHERE ino=?", (owner, root))
             c.execute("UPDATE inodes SET nlink=nlink+1 WHERE ino=?", (holder,))
             c.execute("UPDATE snapshots SET root=? WHERE id=?", (root, sid))
-            return Snapshot(sid, dir_ino, name, root, ino, t, "creating"), files
+            return Snapshot(sid, dir_ino, name, root, ino, t, "creating", owner), files
+
+    def _check_reach(self, c: Cursor, src: Inode, d: Inode, reader: tuple[int, Sequence[int]]) -> None:
+        """Raise NotPermitted when ``reader`` (``(uid, gids)``; root and ``d``'s owner pass) may
+        not read a regular file a snapshot of ``src`` would keep, or may not reach it: no name
+        of it lies in a directory it may search all the way from ``d`` (a 0700 directory of
+        another user keeps what it holds out of reach, whatever the files' modes)."""
+        if reader[0] in (0, d.uid):
+            return
+        cols = ", ".join("i." + x.strip() for x in COLS.split(","))
+
+        def kept(at: Inode) -> list[Inode]:  # what the snapshot keeps of directory ``at``
+            rows = c.execute(f"SELECT {cols} FROM dentries d JOIN inodes i ON i.ino = d.ino WHERE d.parent=?"
+                             " ORDER BY d.name", (at.ino,)).fetchall()
+            return [x for x in map(inode_row, rows)
+                    if x.snap != SNAPSHOTS_DIR_MARK and (src.is_dir or x.ino == src.ino)]
+
+        reached: set[int] = set()  # regular files with a name in a directory it may search
+        shut: list[Inode] = []  # directories it may not search: what only they hold is out of reach
+        todo = [d] if _may(reader, d, 0o1) else []
+        if not todo:
+            shut.append(d)
+        while todo:
+            for child in kept(todo.pop()):
+                if child.is_dir:
+                    (todo if _may(reader, child, 0o1) else shut).append(child)
+                elif stat.S_ISREG(child.mode):
+                    if not _may(reader, child, 0o4):
+                        raise NotPermitted(f"a snapshot of {self._path(c, src.ino)} would keep"
+                                           f" {self._path(c, child.ino)} (owner {child.uid}, mode"
+                                           f" {stat.S_IMODE(child.mode):04o}), which you may not read: no snapshot"
+                                           " was taken", "snapshot a directory that holds only files you may read,"
+                                           " or ask the directory's owner to take it")
+                    reached.add(child.ino)
+        for top in shut:  # a file named only below a directory it may not enter
+            below = [top]
+            while below:
+                for child in kept(below.pop()):
+                    if child.is_dir:
+                        below.append(child)
+                    elif stat.S_ISREG(child.mode) and child.ino not in reached:
+                        raise NotPermitted(f"a snapshot of {self._path(c, src.ino)} would keep"
+                                           f" {self._path(c, child.ino)}, inside {self._path(c, top.ino)} (owner"
+                                           f" {top.uid}, mode {stat.S_IMODE(top.mode):04o}), a directory you may not"
+                                           " enter: no snapshot was taken", "snapshot a directory whose files you"
+                                           " may reach and read, or ask the directory's owner to take it")
 
     def _copy_tree(self, c: Cursor, src: int, parent: int, name: bytes, snap_id: int,
                    children: bool = True) -> tuple[int, list[tuple[Inode, int]]]:
@@ -520,17 +575,17 @@ class SqlSnap:
             return files
 
 
-def _unreadable(reader: tuple[int, Sequence[int]], files: Sequence[Inode]) -> Inode | None:
-    """The first of ``files`` that ``reader`` (``(uid, gids)``) may not read by its mode bits,
-    owner and group (POSIX's classes; uid 0 reads all), or None."""
+def _may(reader: tuple[int, Sequence[int]], inode: Inode, bit: int) -> bool:
+    """Whether ``reader`` (``(uid, gids)``) has permission ``bit`` (0o4 read, 0o1 search) on
+    ``inode`` by its mode bits, owner and group (POSIX's classes: the owner's bits for its
+    owner, the group's for its group, else the others'; uid 0 has all)."""
     uid, gids = reader
-    for f in files if uid != 0 else ():
-        if f.uid == uid:
-            bits = f.mode >> 6
-        elif f.gid in gids:
-            bits = f.mode >> 3
-        else:
-            bits = f.mode
-        if not bits & 0o4:
-            return f
-    return None
+    if uid == 0:
+        return True
+    if inode.uid == uid:
+        bits = inode.mode >> 6
+    elif inode.gid in gids:
+        bits = inode.mode >> 3
+    else:
+        bits = inode.mode
+    return bool(bits & bit)

@@ -62,7 +62,7 @@ CREATE TABLE IF NOT EXISTS chunks(
     PRIMARY KEY(ino, idx, shard));
 CREATE TABLE IF NOT EXISTS snapshots(
     id INTEGER PRIMARY KEY AUTOINCREMENT, dir INTEGER NOT NULL, name BLOB NOT NULL, root INTEGER NOT NULL DEFAULT 0,
-    src INTEGER NOT NULL, created_ns INTEGER NOT NULL, state TEXT NOT NULL, UNIQUE(dir, name));
+    src INTEGER NOT NULL, created_ns INTEGER NOT NULL, state TEXT NOT NULL, maker_uid INTEGER, UNIQUE(dir, name));
 """ + SYNC_SCHEMA
 #: Columns added to the shards table since the first schema (added on open where missing).
 _SHARD_COLUMNS = {
@@ -78,6 +78,9 @@ _INODE_COLUMNS = {"rdev": "INTEGER NOT NULL DEFAULT 0", "target": "BLOB",
 #: Columns added to the moves table since the first schema: the highest inode number when the
 #: move was recorded (it applies to files up to it; NULL, a move recorded before: to every file).
 _MOVE_COLUMNS = {"last_ino": "INTEGER"}
+#: Columns added to the snapshots table since the first schema: the uid of the user who made it
+#: through a mount (NULL: root or the operator's tools, or made before: its top directory's owner).
+_SNAPSHOT_COLUMNS = {"maker_uid": "INTEGER"}
 
 
 class SqliteMeta(SqlMeta):
@@ -175,7 +178,8 @@ class SqliteMeta(SqlMeta):
             if pk and "shard" not in pk:
                 c.execute("INSERT INTO chunks SELECT ino, idx, shard, incarnation FROM chunks_v1")
                 c.execute("DROP TABLE chunks_v1")
-            for table, columns in (("shards", _SHARD_COLUMNS), ("inodes", _INODE_COLUMNS), ("moves", _MOVE_COLUMNS)):
+            for table, columns in (("shards", _SHARD_COLUMNS), ("inodes", _INODE_COLUMNS), ("moves", _MOVE_COLUMNS),
+                                   ("snapshots", _SNAPSHOT_COLUMNS)):
                 have = {r[1] for r in c.execute(f"PRAGMA table_info({table})")}
                 for col, decl in columns.items():
                     if col not in have:

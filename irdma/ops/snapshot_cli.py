@@ -84,18 +84,28 @@ def group(META_OPTION: _Deco, friendly: _Deco, console: Any, out: Any,  # noqa: 
             out.print_json(json.dumps([vars(s) for s in snaps]))
             return
         table = Table(title=f"snapshots of {escape(ns)}")
-        for col in ("name", "created", "files", "size", "held alone", "shared", "state"):
-            table.add_column(col, justify="left" if col in ("name", "created", "state") else "right")
+        for col in ("name", "created", "maker", "files", "size", "held alone", "shared", "state"):
+            table.add_column(col, justify="left" if col in ("name", "created", "maker", "state") else "right")
 
         def size(n: int) -> str:
             return "?" if n < 0 else format_size(n)
 
+        def user(uid: int) -> str:  # the maker's name where this host knows it, else its uid
+            import pwd
+
+            try:
+                return pwd.getpwuid(uid).pw_name
+            except (KeyError, OverflowError):
+                return str(uid)
+
         for s in snaps:
             table.add_row(escape(s.name), datetime.fromtimestamp(s.created_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S"),
-                          str(s.files), format_size(s.bytes), size(s.held_alone), size(s.shared), s.state)
+                          escape(user(s.maker)), str(s.files), format_size(s.bytes), size(s.held_alone),
+                          size(s.shared), s.state)
         out.print(table)
         out.print("size: the files' bytes; held alone: what the shards keep for the snapshot only (copied since,"
-                  " every replica; `delete` frees it); shared: still shared with the live files (every replica)",
+                  " every replica; `delete` frees it); shared: still shared with the live files (every replica);"
+                  " maker: whose it is (it, the directory's owner and root may delete it through a mount)",
                   highlight=False)
 
 
