@@ -1,4 +1,5 @@
 """The messages of :mod:`irdma.train.hier` host groups, as bytes: pure code, no I/O (as h11 does).
+The leader's side sends and reads them in :mod:`._hier_leader`, a member's in :mod:`._hier_member`.
 
 Every message is one ``SOCK_SEQPACKET`` datagram: the 32-byte header :data:`HDR`, little endian
 (magic ``b"IRHG"``, version u8, kind u8, op u8, one pad byte, rank u32, ndim u32, step u64,
@@ -50,6 +51,11 @@ def pack(kind: Kind, op: Op, rank: int, shape: tuple[int, ...] | None, step: int
     ndim = NONE if shape is None else len(shape)
     dims = b"" if shape is None else struct.pack(f"<{len(shape)}Q", *shape)
     return HDR.pack(MAGIC, VERSION, kind, op, rank, ndim, step, extra) + dims + payload
+
+
+def pack_greeting(kind: Kind, rank: int, size: int, pid: int, nbytes: int) -> bytes:
+    """A HELLO (member) or WELCOME (leader) message: ``rank`` of a group of ``size`` and ``nbytes``."""
+    return pack(kind, Op.JOIN, rank, None, 0, HELLO.pack(size, pid), extra=nbytes)
 
 
 def pack_error(message: str, hint: str, rank: int | None, step: int | None) -> bytes:
