@@ -159,6 +159,7 @@ async def _serve_mount(
 
                     nursery.start_soon(on_signal)
                     nursery.start_soon(fs.run_heartbeats)
+                    nursery.start_soon(fs.refresh_pulled_pages)  # read-only parameter files held open
                     log.info("mounted %s on %s (transport %s)", redact(meta_url), mountpoint, client.transport.name)
                     if exporter is not None:
                         try:

@@ -14,14 +14,21 @@ writing with direct I/O, so the page cache never holds a delta in place of the s
 mapping of such a handle fails with ENODEV: its pages would be pushed as deltas); opened
 read-only it uses the page cache, which then holds pulled bytes only, never kept from one open to
 the next (pushes may leave its mtime as it was: ``MTIME_LAZY_S``), so ``mmap(MAP_SHARED)`` of
-it (``np.memmap(path, mode="r")``) reads the pulled sum. So is a file whose xattr
-``user.irdma.io`` is ``direct`` (inherited from its directory), or every file of a mount made
-with ``--direct-io``: reads and writes then reach the mount in requests of up to 1 MiB with no
-page-cache copy, the right choice for parameters streamed in bulk. Other files use the page cache,
-kept at an open only if the file's mtime and size are what this mount saw when it last
-closed it (close-to-open, as NFS revalidates), so a new open sees other workers' pushes and an
-unchanged file is read again from memory. (The kernel itself drops pages a mount wrote once the
-file's size or mtime changes: libfuse3 turns on auto_inval_data.)
+it (``np.memmap(path, mode="r")``) reads the pulled sum. How stale those pages may get while
+held open is bounded: a drain of this mount's pushes to the file (``flush`` at every ``close``,
+``fsync``) drops them (``pyfuse3.invalidate_inode``, in a worker thread) before it returns, and
+:meth:`IrdmaFS.refresh_pulled_pages` drops them every ``attr_cache`` seconds (1 s by default)
+for pushes made elsewhere; the next read or page fault pulls. A read of such a file that does not
+continue its handle's last one pulls afresh, never from a read-ahead window of an earlier scan.
+A pull at every read: ``O_DIRECT`` (the kernel sends such reads past the page cache), or direct
+I/O, which is what a file whose xattr ``user.irdma.io`` is ``direct`` (inherited from its
+directory), or every file of a mount made with ``--direct-io``, gets: reads and writes then reach
+the mount in requests of up to 1 MiB with no page-cache copy, the right choice for parameters
+streamed in bulk. Other files use the page cache, kept at an open only if the file's mtime and
+size are what this mount saw when it last closed it (close-to-open, as NFS revalidates), so a
+new open sees other workers' pushes and an unchanged file is read again from memory. (The kernel
+itself drops pages a mount wrote once the file's size or mtime changes: libfuse3 turns on
+auto_inval_data.)
 
 Never lies, never dies. Every handler runs inside :func:`fuse_errors`: an unexpected
 exception fails that request with EIO and the mount serves on. A file's size grows only by
@@ -115,6 +122,12 @@ WRITE_OPS = frozenset({"write", "create", "mkdir", "mknod", "symlink", "link", "
 MTIME_LAZY_S = 1.0
 #: Seconds between a mount's session heartbeats (and shard health checks).
 HEARTBEAT_S = 5.0
+#: Shortest period, in seconds, of :meth:`IrdmaFS.refresh_pulled_pages` (it runs every
+#: ``--attr-cache`` seconds, so at this rate with ``--attr-cache 0``).
+PULL_REFRESH_MIN_S = 0.1
+#: Kernel page invalidations (they may block: :meth:`IrdmaFS._drop_pulled_pages`) in worker threads
+#: at once; a limiter of their own, so a blocked one never holds a thread the metadata calls need.
+INVALIDATIONS_IN_THREADS = 4
 
 
 @dataclass
@@ -132,6 +145,10 @@ class _FileState:
     dirty: bool = False  # size/mtime/chunk map not yet persisted
     persisted_size: int = 0  # the size the metadata engine has
     cached_handles: int = 0  # open handles that use the page cache (they need exact mtimes)
+    #: of those, handles of a file whose update op is not assign (read-only: they hold pulled
+    #: bytes that pushes change without moving mtime): IrdmaFS.refresh_pulled_pages drops theirs
+    pulled_handles: int = 0
+    pushed: bool = False  # a write was admitted since the pages of those handles were last dropped
     #: set when this mount could not record the file as open after its session was reaped
     #: (the inode was removed meanwhile): every read, write, flush and fsync fails with it
     lost: IrdmaError | None = None
@@ -153,6 +170,7 @@ class _Handle:
     compress: Compression | None = None  # user.irdma.compress of the file (or its directory) at open
     sched: comm.Scheduling | None = None  # user.irdma.priority/.slice of the file (or its directory) at open
     writable: bool = True  # opened for writing: told of every push of the file that fails while open
+    pulled: bool = False  # a page-cached handle of a file with an update op (see _FileState.pulled_handles)
     error: IrdmaError | None = None  # a push that failed since this handle's last flush/fsync (errseq)
 
 
@@ -211,6 +229,7 @@ class IrdmaFS(pyfuse3.Operations):
         self._residuals = Residuals()
         #: ``.irdma/``: barriers, locks and counters as files (:mod:`irdma.fs.control`)
         self.control = Control(self.meta, 0, tick=client.clock_at)
+        self._invalidations = trio.CapacityLimiter(INVALIDATIONS_IN_THREADS)
 
     def init(self) -> None:
         """FUSE INIT: once the kernel has the reply, run ``after_init`` (it may change settings
@@ -262,6 +281,36 @@ class IrdmaFS(pyfuse3.Operations):
                 await self.client.resync_all()  # shards back after being down catch up
             except IrdmaError as exc:
                 log.warning("shard health check failed: %s", exc)
+
+    async def refresh_pulled_pages(self) -> None:
+        """Bound how stale a parameter file's pages held here may be: every ``attr_cache``
+        seconds (at least :data:`PULL_REFRESH_MIN_S`), drop the kernel's pages and the read-ahead
+        windows of each file open here through a page-cached handle whose update op is not
+        ``assign`` (a read-only open: a read or ``mmap`` of it then pulls afresh). Pushes made
+        elsewhere (another mount, the native client) may leave such a file's mtime as it was
+        (``MTIME_LAZY_S``), so the kernel's revalidation of its attributes would never drop them.
+        Runs in the mount's nursery for the mount's life; costs nothing while no such handle is
+        open."""
+        period = max(self.attr_cache, PULL_REFRESH_MIN_S)
+        while True:
+            await trio.sleep(period)
+            for ino, st in list(self._files.items()):
+                if st.pulled_handles and self._files.get(ino) is st:
+                    await self._drop_pulled_pages(st, ino)
+
+    async def _drop_pulled_pages(self, st: _FileState, ino: int) -> None:
+        """Drop the read-ahead windows of file ``ino`` and the kernel's cached pages (and
+        attributes) of it: its next read, or fault of a mapping, pulls from the shards.
+
+        ``pyfuse3.invalidate_inode`` may block (the kernel locks each cached page, so it waits for
+        a read of that page in flight): it runs in a worker thread while this mount serves on,
+        and is never called from a read request of the file (that would wait for itself)."""
+        st.invalidate()
+        try:
+            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, limiter=self._invalidations,
+                                          abandon_on_cancel=True)
+        except OSError as exc:  # ENOENT: the kernel forgot the inode (nothing cached); ENOSYS
+            log.debug("cannot drop the cached pages of inode %d: %s", ino, exc)
 
     async def _record_open_files(self) -> None:
         """Record, in the session registered again, every file open here. A file removed while
@@ -354,6 +403,10 @@ class IrdmaFS(pyfuse3.Operations):
         """
         wb = st.write_behind
         await wb.wait_all()
+        if st.pushed:
+            st.pushed = False  # a write admitted from here on sets it again for the next drain
+            if st.pulled_handles:  # before fsync/close return: the pages held here show the new sums
+                await self._drop_pulled_pages(st, ino)
         if st.lost is not None:  # removed while the session was reaped: nothing can be recorded
             if st.dirty:
                 raise st.lost
@@ -794,9 +847,11 @@ class IrdmaFS(pyfuse3.Operations):
         direct = pushes_deltas or io_mode == b"direct" or self.direct_io or append
         fh = self._next_fh
         self._next_fh += 1
+        pulled = not direct and op.op != UpdateOp.ASSIGN
         self._handles[fh] = _Handle(inode.ino, op, direct, append=append, compress=compress, sched=sched,
-                                    writable=writable)
+                                    writable=writable, pulled=pulled)
         st.cached_handles += 0 if direct else 1
+        st.pulled_handles += pulled
         # a file with an update op changes by pushes that may leave its mtime (MTIME_LAZY_S): its
         # pages are pulled afresh at every open, never kept
         keep = (not direct and op.op == UpdateOp.ASSIGN
@@ -898,6 +953,10 @@ class IrdmaFS(pyfuse3.Operations):
             h.seq_hits += 1
         else:
             h.seq_hits = 0
+            if h.op.op != UpdateOp.ASSIGN:
+                # pushes change a parameter file in place: a read that does not continue this
+                # handle's scan pulls afresh, and no window of an earlier scan serves the one it starts
+                st.read_ahead.invalidate()
         h.next_read = off + n
         with _scheduled(h):
             if h.seq_hits:
@@ -964,7 +1023,7 @@ class IrdmaFS(pyfuse3.Operations):
                 entry = await wb.admit_push(off, end)
                 st.invalidate()
                 st.size = max(st.size, end)
-                st.dirty = True
+                st.dirty = st.pushed = True
                 assert self.nursery is not None
                 with _scheduled(h):  # the push task inherits the file's P3 priority and slices
                     self.nursery.start_soon(wb.push, entry, off, data, h.op, coded, feedback)
@@ -1011,6 +1070,7 @@ class IrdmaFS(pyfuse3.Operations):
         finally:
             st.open_count -= 1
             st.cached_handles -= 0 if h.direct else 1
+            st.pulled_handles -= h.pulled
             if st.open_count == 0:
                 try:
                     async with self._ino_lock(h.ino):
