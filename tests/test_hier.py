@@ -196,7 +196,10 @@ def test_reduce_to_leader_broadcast_barrier(name: str, run_dir: str) -> None:
 
 
 def test_killed_member_fails_the_others_naming_it(name: str, run_dir: str) -> None:
-    timeout = 5.0
+    # No deadline of the group's can end a call while this test waits for its ranks (a group's
+    # timeout, 2 * RESULT_WAIT_S, is past the test's own wait), so an error naming the dead rank
+    # can only come from the event itself: the kernel closing its socket (end of file).
+    timeout = 2 * RESULT_WAIT_S
     x = np.ones(100, np.float32)
     plans = {0: [("wait_go",), ("allreduce", x)], 1: [("wait_go",), ("allreduce", x)], 2: [("block",)]}
     with spawn_group(name, plans, nbytes=400, run_dir=run_dir, timeout=timeout) as ranks:
@@ -206,32 +209,34 @@ def test_killed_member_fails_the_others_naming_it(name: str, run_dir: str) -> No
         ranks.go.set()
         out = ranks.wait(("done", "error"), [0, 1])
     for r in (0, 1):
-        kind, (etype, msg, bad_rank, elapsed) = out[r][0], _error(out[r][1])
+        kind, (etype, msg, bad_rank, _) = out[r][0], _error(out[r][1])
         assert kind == "error" and etype == "HostGroupError", out[r]
         assert "rank 2 left the group" in msg and bad_rank == 2, msg
-        assert elapsed < timeout, f"rank {r} took {elapsed:.2f} s to notice a dead rank"
     assert _leftovers(name, run_dir) == []
 
 
 def test_stuck_member_times_out_on_every_rank(name: str, run_dir: str) -> None:
-    timeout, margin = 1.5, 0.5  # HostGroup waits min(5, max(0.5, timeout / 4)) more on members
+    timeout = 1.5  # members wait min(5, max(0.5, timeout / 4)) = 0.5 s more for the leader
     x = np.ones(10, np.float32)
     plans = {0: [("allreduce", x)], 1: [("allreduce", x)], 2: [("block",)]}
     with spawn_group(name, plans, nbytes=40, run_dir=run_dir, timeout=timeout) as ranks:
         out = ranks.wait(("done", "error"), [0, 1])
     for r in (0, 1):
-        kind, (etype, msg, bad_rank, elapsed) = out[r][0], _error(out[r][1])
+        kind, (etype, msg, bad_rank, _) = out[r][0], _error(out[r][1])
         assert kind == "error" and etype == "HostGroupError", out[r]
         assert "rank 2 did not arrive at step 0 (allreduce) within 1.5 s" in msg and bad_rank == 2, msg
-        assert elapsed < timeout + margin + 1.0, f"rank {r} took {elapsed:.2f} s"
     assert _error(out[0][1])[3] >= timeout
+    # Rank 1 waits 1.5 + 0.5 s for the leader, then fails on its own ("did not answer"): its error
+    # being the leader's report shows that both ranks stopped within that deadline.
     assert "reported by the leader to rank 1" in _error(out[1][1])[1]
     assert _leftovers(name, run_dir) == []
 
 
 @pytest.mark.parametrize("case", ["shape", "call"])
 def test_disagreeing_ranks_fail_everywhere_without_hanging(name: str, run_dir: str, case: str) -> None:
-    timeout = 10.0
+    # As for a dead rank: no deadline of the group's can end a call within the test's wait, so
+    # every rank failing with the disagreement shows that none waited for a deadline.
+    timeout = 2 * RESULT_WAIT_S
     a, b = np.ones(12, np.float32), np.ones(10, np.float32)
     if case == "shape":
         plans = {0: [("allreduce", a)], 1: [("allreduce", b)], 2: [("allreduce", a)]}
@@ -242,10 +247,9 @@ def test_disagreeing_ranks_fail_everywhere_without_hanging(name: str, run_dir: s
     with spawn_group(name, plans, nbytes=48, run_dir=run_dir, timeout=timeout) as ranks:
         out = ranks.wait(("done", "error"), [0, 1, 2])
     for r in range(3):
-        kind, (etype, msg, bad_rank, elapsed) = out[r][0], _error(out[r][1])
+        kind, (etype, msg, bad_rank, _) = out[r][0], _error(out[r][1])
         assert kind == "error" and etype == "HostGroupError", out[r]
         assert expect in msg and bad_rank == (1 if case == "shape" else 2), msg
-        assert elapsed < timeout / 2, f"rank {r} waited {elapsed:.2f} s"
     assert _leftovers(name, run_dir) == []
 
 
