@@ -1,0 +1,147 @@
+"""Update ops: what a WRITE, REMOTE_WRITE or SCATTER does to the bytes already in a chunk, and
+how its op byte (and an optimizer's arguments) travel.
+
+The update ops and their semantics (applied atomically per chunk by the shard, each bumps the
+chunk's version by one) follow the parameter-server model of ps-lite (Li et al., OSDI 2014)
+and the server-side accumulate of SoftMemoryBox II (Ahn et al., IEEE Access 2020). The op byte
+is ``op | encoding << 4`` (protocol 8); an optimizer op's arguments follow the message's fixed
+part as ``!4dI4x`` (40 bytes: four float64 and the u32 flags), before any chain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import struct
+from dataclasses import dataclass
+
+from ..._errors import LocalProtocolError, RemoteProtocolError
+from ._core import _need
+
+
+class UpdateOp(enum.IntEnum):
+    """What a write does to the bytes already in a chunk.
+
+    ``ASSIGN`` overwrites. ``ADD`` adds element-wise as little-endian float32: offset and
+    length must be multiples of 4. ``SGD``, ``ADAM``, ``ADAGRAD`` and ``RMSPROP`` (protocol 6)
+    take the bytes as a float32 gradient and apply one optimizer step (:class:`Update` carries
+    their arguments; :mod:`irdma.train.optimizers` parses them, :mod:`irdma.server.optim` applies them).
+    """
+
+    ASSIGN = 0
+    ADD = 1
+    SGD = 2
+    ADAM = 3
+    ADAGRAD = 4
+    RMSPROP = 5
+
+    @property
+    def is_optimizer(self) -> bool:
+        """Whether a write of this op is a gradient with state on the shard."""
+        return self >= UpdateOp.SGD
+
+    @property
+    def is_float32(self) -> bool:
+        """Whether writes must be float32-aligned (offset and length multiples of 4)."""
+        return self != UpdateOp.ASSIGN
+
+    @classmethod
+    def parse(cls, name: str | bytes) -> UpdateOp:
+        """Map ``"assign"``/``"add"`` to an op.
+
+        Raises:
+            ValueError: the name is not an update op.
+        """
+        if isinstance(name, bytes):
+            name = name.decode("ascii", "replace")
+        try:
+            return cls[name.strip().upper()]
+        except KeyError:
+            valid = ", ".join(op.name.lower() for op in cls)
+            raise ValueError(f"unknown update op {name!r}: use one of {valid}") from None
+
+
+class Encoding(enum.IntEnum):
+    """How the payload of a WRITE or REMOTE_WRITE is encoded (protocol 8): the high nibble of
+    the op byte. ``TOPK`` and ``SIGN`` carry a compressed float32 gradient that the shard
+    decodes before applying the op (layouts: :mod:`irdma.wire.compress`); never with ``assign``."""
+
+    NONE = 0
+    TOPK = 1
+    SIGN = 2
+
+
+#: Flag bits of an optimizer :class:`Update`.
+OPT_NESTEROV = 0x1
+OPT_CENTERED = 0x2
+
+
+@dataclass(frozen=True)
+class Update:
+    """An update op with its arguments, as a WRITE or REMOTE_WRITE carries it.
+
+    Attributes:
+        op: the op (its byte in the fixed part).
+        args: for an optimizer op, its four float64 arguments in the order of
+            :data:`irdma.train.optimizers.ARGUMENTS` (unused ones 0.0); they follow the fixed part
+            as ``!4dI4x`` (40 bytes) with ``flags``, before any chain.
+        flags: OPT_NESTEROV, OPT_CENTERED.
+        encoding: how the payload is encoded (:class:`Encoding`, protocol 8; the op byte's
+            high nibble): the shard decodes it and applies ``op`` to the decoded gradient.
+            Only with ``add`` and the optimizers.
+    """
+
+    op: UpdateOp
+    args: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    flags: int = 0
+    encoding: Encoding = Encoding.NONE
+
+    @property
+    def dense(self) -> UpdateOp | Update:
+        """The same update with its payload decoded: what the shard applies."""
+        if not self.encoding:
+            return self
+        return dataclasses.replace(self, encoding=Encoding.NONE) if self.op.is_optimizer else self.op
+
+
+def as_update(op: UpdateOp | Update) -> Update:
+    """An :class:`Update` for an op given either way."""
+    return op if isinstance(op, Update) else Update(UpdateOp(op))
+
+
+def op_kind(op: UpdateOp | Update) -> UpdateOp:
+    """The op of an :class:`Update` or op."""
+    return op.op if isinstance(op, Update) else UpdateOp(op)
+
+
+_OPTIM = struct.Struct("!4dI4x")  # an optimizer update's arguments and flags
+
+
+def _encode_update(op: UpdateOp | Update, encodable: bool = True) -> tuple[int, bytes]:
+    """The op byte of an update and the bytes of its optimizer arguments (empty for another op)."""
+    u = as_update(op)
+    enc = Encoding(u.encoding)
+    if enc and (not encodable or not u.op.is_float32):
+        raise LocalProtocolError(f"an encoded ({enc.name.lower()}) payload goes only with add or an optimizer"
+                                 " in WRITE or REMOTE_WRITE")
+    return int(u.op) | int(enc) << 4, (_OPTIM.pack(*u.args, u.flags) if u.op.is_optimizer else b"")
+
+
+def _decode_update(opv: int, body: memoryview, at: int, encodable: bool = True) -> tuple[UpdateOp | Update, int]:
+    """The update of op byte ``opv``, its arguments read at ``body[at:]``; and the offset after them."""
+    try:
+        uop = UpdateOp(opv & 0xF)
+    except ValueError:
+        raise RemoteProtocolError(f"unknown update op {opv & 0xF}") from None
+    try:
+        enc = Encoding(opv >> 4)
+    except ValueError:
+        raise RemoteProtocolError(f"unknown payload encoding {opv >> 4}") from None
+    if enc and (not encodable or not uop.is_float32):
+        raise RemoteProtocolError(f"an encoded ({enc.name.lower()}) payload goes only with add or an optimizer"
+                                  " in WRITE or REMOTE_WRITE")
+    if not uop.is_optimizer:
+        return (Update(uop, encoding=enc) if enc else uop), at
+    _need(body, at + _OPTIM.size, "optimizer arguments")
+    *args, flags = _OPTIM.unpack_from(body, at)
+    return Update(uop, tuple(args), flags, enc), at + _OPTIM.size
