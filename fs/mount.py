@@ -28,7 +28,7 @@ import trio
 
 from irdma._errors import IrdmaError, NotADirectory, NotFound
 from irdma.client.cache import ChunkCache, make_cache
-from irdma.client.native import DEFAULT_TIMEOUT, Client
+from irdma.client.native import Client
 from irdma.meta import ROOT_INO, meta_path, meta_scheme, redact
 from irdma.meta.base import UNLINK_GRACE_S, MetaStore
 from irdma.ops._proc import forget_mount_record, last_log_line, pid_alive, spawn_detached, write_mount_record
@@ -37,19 +37,26 @@ from irdma.ops.metrics import serve as serve_metrics
 from irdma.ops.metrics import set_transport as set_metrics_transport
 from irdma.train.coord import DEFAULT_SYNC_TIMEOUT
 
-from .operations import ATTR_TIMEOUT, ENTRY_TIMEOUT, IrdmaFS
+from .operations import IrdmaFS
+from .options import MountOptions, process_argv
 
 log = logging.getLogger("irdma.fs")
 
 
+#: The mount process's defaults (:class:`irdma.fs.options.MountOptions`): serve_mount's too.
+_DEFAULTS = MountOptions()
+
+
 async def serve_mount(
-    meta_url: str, mountpoint: str, *, transport: str = "auto", debug: bool = False, direct_io: bool = False,
-    timeout: float = DEFAULT_TIMEOUT, allow_other: bool = False, metrics: str | None = None,
-    sync_timeout: float = DEFAULT_SYNC_TIMEOUT, read_only: bool = False, subdir: str | None = None,
-    attr_cache: float = ATTR_TIMEOUT, entry_cache: float = ENTRY_TIMEOUT,
-    cache: ChunkCache | None = None,
+    meta_url: str, mountpoint: str, *, transport: str = _DEFAULTS.transport, debug: bool = _DEFAULTS.debug,
+    direct_io: bool = _DEFAULTS.direct_io, timeout: float = _DEFAULTS.timeout,
+    allow_other: bool = _DEFAULTS.allow_other, metrics: str | None = _DEFAULTS.metrics,
+    sync_timeout: float = _DEFAULTS.sync_timeout, read_only: bool = _DEFAULTS.read_only,
+    subdir: str | None = _DEFAULTS.subdir, attr_cache: float = _DEFAULTS.attr_cache,
+    entry_cache: float = _DEFAULTS.entry_cache, cache: ChunkCache | None = None,
 ) -> None:
-    """Mount the namespace at ``mountpoint`` and serve it until unmounted.
+    """Mount the namespace at ``mountpoint`` and serve it until unmounted (the options and
+    their defaults: :class:`irdma.fs.options.MountOptions`).
 
     ``cache``: the local read cache of hot read-mostly files (``--cache-dir``, ``--cache-size``,
     ``--cache-memory``; :mod:`irdma.client.cache`), or None.
@@ -441,7 +448,7 @@ def check_mountpoint(mountpoint: str, *, nonempty: bool = False) -> str:
 
 def spawn_mount(
     meta_url: str, mountpoint: str, *, transport: str, log_file: str, timeout: float = 30.0, direct_io: bool = False,
-    request_timeout: float = DEFAULT_TIMEOUT, allow_other: bool = False, metrics: str | None = None,
+    request_timeout: float = _DEFAULTS.timeout, allow_other: bool = False, metrics: str | None = None,
     sync_timeout: float | None = None,
     nonempty: bool = False, read_only: bool = False, subdir: str | None = None, attr_cache: float | None = None,
     entry_cache: float | None = None,
@@ -450,7 +457,10 @@ def spawn_mount(
     cache_memory: str | None = None,
 ) -> int:
     """Start a mount process in the background and wait until the mount is up (options as
-    :func:`serve_mount`'s; ``metrics``: ``HOST:PORT`` of its Prometheus exporter, or None;
+    :func:`serve_mount`'s, :class:`irdma.fs.options.MountOptions`; one given as None or False
+    gets the process's default: its command line carries only what was given,
+    :func:`irdma.fs.options.process_argv`; ``request_timeout``: the process's ``timeout``;
+    ``metrics``: ``HOST:PORT`` of its Prometheus exporter, or None;
     ``nonempty``: mount over a directory that holds entries, see :func:`check_mountpoint`;
     ``cache_dir``, ``cache_size``, ``cache_memory``: the local read cache, see
     :func:`irdma.client.cache.make_cache`, checked here before anything starts).
@@ -464,22 +474,19 @@ def spawn_mount(
             carries the last line of its log.
     """
     mountpoint = check_mountpoint(mountpoint, nonempty=nonempty)
-    args = ["-m", "irdma.fs", meta_url, mountpoint, "--transport", transport, "--timeout", str(request_timeout)]
-    args += ["--direct-io"] if direct_io else []
-    args += ["--allow-other"] if allow_other else []
-    args += ["--sync-timeout", repr(float(sync_timeout))] if sync_timeout is not None else []
-    args += ["--read-only"] if read_only else []
-    args += ["--subdir", subdir] if subdir is not None else []
-    args += ["--attr-cache", repr(check_cache_seconds("attr cache", attr_cache))] if attr_cache is not None else []
-    args += ["--entry-cache", repr(check_cache_seconds("entry cache", entry_cache))] if entry_cache is not None else []
+    for what, seconds in (("attr cache", attr_cache), ("entry cache", entry_cache)):
+        if seconds is not None:
+            check_cache_seconds(what, seconds)
     if cache_dir is not None or cache_memory is not None:
         make_cache(cache_dir, cache_size, cache_memory)  # a bad size or directory fails here, before anything starts
-    args += ["--cache-dir", os.path.abspath(cache_dir)] if cache_dir is not None else []
-    args += ["--cache-size", str(cache_size)] if cache_size is not None else []
-    args += ["--cache-memory", str(cache_memory)] if cache_memory is not None else []
     if metrics:
         parse_metrics_address(metrics)  # a malformed address fails here, before anything starts
-        args += ["--metrics", metrics]
+    # only what was given: the process has the defaults (--transport and --timeout always)
+    args = ["-m", "irdma.fs", meta_url, mountpoint, *process_argv({
+        "transport": transport, "timeout": request_timeout, "direct_io": direct_io, "allow_other": allow_other,
+        "sync_timeout": sync_timeout, "read_only": read_only, "subdir": subdir, "attr_cache": attr_cache,
+        "entry_cache": entry_cache, "cache_dir": None if cache_dir is None else os.path.abspath(cache_dir),
+        "cache_size": cache_size, "cache_memory": cache_memory, "metrics": metrics or None})]
     pid = spawn_detached(args, log_file)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

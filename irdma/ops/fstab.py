@@ -10,9 +10,9 @@ it returns once the mount answers, as mount(8) expects. Without the helper, fuse
 ``mount.fuse3`` runs the program ``irdma SOURCE MOUNTPOINT -o OPTIONS`` instead, which
 :func:`irdma.ops.cli.fstab_args` maps the same way.
 
-Options (:data:`OPTIONS`): every ``irdma mount`` option by its name with ``_`` for ``-``
-(``subdir=/jobs/x``, ``attr_cache=5``, ``entry_cache=5``, ``transport=tcp``, ``log_file=``,
-``key_file=``, ``timeout=``, ``sync_timeout=``, ``metrics=``, ``allow_other``, ``nonempty``,
+Options (:data:`OPTIONS`, which is :data:`irdma.fs.options.FSTAB_OPTIONS`): every ``irdma
+mount`` option by its name with ``_`` for ``-`` (``subdir=/jobs/x``, ``attr_cache=5``,
+``entry_cache=5``, ``transport=tcp``, ``log_file=``, ``key_file=``, ``timeout=``, ``sync_timeout=``, ``metrics=``, ``allow_other``, ``nonempty``,
 ``direct_io``, ``read_only``, ``cache_dir=``, ``cache_size=``, ``cache_memory=``), plus ``ro`` (``--read-only``) and ``rw``. mount(8)'s own options
 (``defaults``, ``auto``, ``noauto``, ``user``, ``nouser``, ``users``, ``owner``, ``group``,
 ``_netdev``, ``nofail``, ``comment=``, ``x-*``) are its business and are ignored here, as are
@@ -26,17 +26,14 @@ import os
 import sys
 from typing import NoReturn
 
+from irdma.fs.options import FSTAB_OPTIONS
+
 from .._errors import InvalidArgument
 
 #: ``-o`` option -> ``irdma mount`` flag; True after it: the option takes a value (``name=value``).
-OPTIONS: dict[str, tuple[str, bool]] = {
-    "ro": ("--read-only", False), "read_only": ("--read-only", False), "allow_other": ("--allow-other", False),
-    "nonempty": ("--nonempty", False), "direct_io": ("--direct-io", False), "subdir": ("--subdir", True),
-    "attr_cache": ("--attr-cache", True), "entry_cache": ("--entry-cache", True), "transport": ("--transport", True),
-    "log_file": ("--log-file", True), "key_file": ("--key-file", True), "timeout": ("--timeout", True),
-    "sync_timeout": ("--sync-timeout", True), "metrics": ("--metrics", True),
-    "cache_dir": ("--cache-dir", True), "cache_size": ("--cache-size", True), "cache_memory": ("--cache-memory", True),
-}
+#: The mount's options (:class:`irdma.fs.options.MountOptions`), the ``irdma mount`` options of
+#: no mount process (``nonempty``, ``log_file``, ``key_file``), and ``ro``.
+OPTIONS: dict[str, tuple[str, bool]] = FSTAB_OPTIONS
 #: Options that mount(8) consumes, and the device and set-user-ID flags: every irdma mount is
 #: nosuid,nodev (libfuse's default), and mount.fuse3 adds ``dev,suid`` to what it passes on.
 IGNORED = frozenset({"rw", "defaults", "auto", "noauto", "user", "nouser", "users", "owner", "group", "_netdev",

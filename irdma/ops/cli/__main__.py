@@ -1,0 +1,5 @@
+"""``python -m irdma.ops.cli``: the ``irdma`` command."""
+
+from . import main
+
+main()
