@@ -35,7 +35,8 @@ The rules they follow (Kafka's ISR; 3FS's chain states and LASTSRV):
   the view): an update built on an older view, whose chain skipped the shard being resynced or
   lacked a move's target, can land nowhere after that.
 
-:class:`ShardMoves` holds them; :class:`irdma.Client` keeps methods of the same names that
+:class:`ShardMoves` holds them, over the client's :class:`~irdma.client.pool.ShardPool` and
+:class:`~irdma.client.view.ShardView`; :class:`irdma.Client` keeps methods of the same names that
 call it, so callers (the CLI, the mount, fsck, tests) use the client alone.
 """
 
@@ -46,7 +47,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import trio
 
@@ -56,10 +57,8 @@ from ..meta import Inode, ShardRecord
 from ..meta.base import OUT_OF_SYNC
 from ..placement import MOVE_ALL
 from ..wire.protocol import ChunkEntry, StatReply
-from .native import layout_of
-
-if TYPE_CHECKING:
-    from .native import Client
+from .pool import ShardPool
+from .view import layout_of
 
 #: Chunks a move (drain, rebalance) copies at once.
 MOVE_COPIES = 4
@@ -89,15 +88,17 @@ class _ChunksWaiting(ShardUnavailable):
 class ShardMoves:
     """The admin moves of one client (one per :class:`irdma.Client`, which calls it).
 
-    It acts through the client's shard connections and view (``client.meta``,
-    ``client.refresh_view``, its chains), and keeps what resyncs remember between calls.
+    It acts through the client's shard connections and their view (``pool.view``: the shard map,
+    its chains, the metadata engine), and keeps what resyncs remember between calls.
 
     Args:
-        client: the client whose connections and view the moves use.
+        pool: the client's shard connections, whose view the moves read and refresh.
     """
 
-    def __init__(self, client: Client) -> None:
-        self.client = client
+    def __init__(self, pool: ShardPool) -> None:
+        self.pool = pool
+        self.view = pool.view
+        self.meta = pool.view.meta
         self._resync_said: dict[int, str] = {}  # the last reason each shard's resync gave, logged once
         self._resyncing: set[int] = set()  # shards a resync in progress waits for (no cycles)
 
@@ -109,7 +110,7 @@ class ShardMoves:
         except _ChunksWaiting as exc:
             helped = False
             for sid in sorted(exc.waiting):
-                rec = self.client._shard_map.get(sid)
+                rec = self.view.shard_map.get(sid)
                 if sid in self._resyncing or rec is None or rec.health != "syncing":
                     continue
                 self._resyncing.add(sid)
@@ -153,25 +154,25 @@ class ShardMoves:
                 chunks wait for an in-sync replica that is down (the message names the shards
                 and files); run it again (mounts do at each heartbeat).
         """
-        await self.client.refresh_view()
-        view = self.client._view
+        await self.view.refresh()
+        view = self.view.epoch
         # files striped over it, or over a shard it takes chunks from
-        files = await self.client.meta.replicated_chunks(self.client._feeding(shard_id))
+        files = await self.meta.replicated_chunks(self.view.feeding(shard_id))
         wanted = {(inode.ino, idx) for inode, idxs in files for idx in idxs}
         by_ino = {inode.ino: inode for inode, _ in files}
         async for page in self.list_chunks(shard_id):  # what it kept of chunks freed meanwhile
             wanted.update((e.file_id, e.chunk_index) for e in page if e.file_id in by_ino)
         todo = [(by_ino[ino], idx) for ino, idx in sorted(wanted)
-                if shard_id in self.client.placed(layout_of(by_ino[ino]), idx)[0]]
+                if shard_id in self.view.placed(layout_of(by_ino[ino]), idx)[0]]
         copied = 0
         total_bytes = sum(layout_of(inode).chunk_size for inode, _ in todo)
         done_bytes = 0
         progress(0, total_bytes, 0, len(todo))
-        inc = (await self.client.connection(shard_id)).info.incarnation
+        inc = (await self.pool.connection(shard_id)).info.incarnation
         # every shard up in this view fences older views from now on (file 0 never exists): an
         # update built on a view without this shard in its chains can land nowhere after this
         await self._fence(view, skip=shard_id)
-        incs = {sid: r.incarnation for sid, r in self.client._shard_map.items()}
+        incs = {sid: r.incarnation for sid, r in self.view.shard_map.items()}
         incs[shard_id] = inc
         maps: dict[int, dict[int, dict[int, int]]] = {}  # chunk maps read after the fence
         waiting: dict[int, set[int]] = collections.defaultdict(set)  # in-sync shard -> files
@@ -179,28 +180,28 @@ class ShardMoves:
         for n, (inode, idx) in enumerate(todo, 1):
             layout = layout_of(inode)
             if inode.ino not in maps:
-                maps[inode.ino] = await self.client.meta.chunk_map(inode.ino)
+                maps[inode.ino] = await self.meta.chunk_map(inode.ino)
             row = maps[inode.ino].get(idx, {})
             try:
-                chain: tuple[int, ...] = self.client.chain_of(layout, idx)
+                chain: tuple[int, ...] = self.view.chain_of(layout, idx)
             except ShardUnavailable:
                 chain = ()  # no replica up
             insync = [s for s, i in row.items() if i != OUT_OF_SYNC and i == incs.get(s)]
-            if force and row and shard_id not in insync and not any(self.client._in_view(s) for s in insync):
+            if force and row and shard_id not in insync and not any(self.view.in_view(s) for s in insync):
                 # --force-from: no up-to-date copy is in service (lost, or down): this shard's
                 # copy becomes the truth, and the rest of its chain gets it
-                mine = cast(tuple[int, int], await self.client._conn_call(shard_id, "checksum", inode.ino, idx, view))
+                mine = cast(tuple[int, int], await self.pool.call(shard_id, "checksum", inode.ino, idx, view))
                 if mine[0] and insync:  # the copies it replaces are out (if one comes back, it resyncs)
-                    await self.client.meta.withdraw_replicas(inode.ino, [(idx, s) for s in insync])
-                if mine[0] and await self.client.meta.note_replica(inode.ino, idx, shard_id, inc, view):
+                    await self.meta.withdraw_replicas(inode.ino, [(idx, s) for s in insync])
+                if mine[0] and await self.meta.note_replica(inode.ino, idx, shard_id, inc, view):
                     adopted += 1
                     others = tuple(s for s in chain if s != shard_id)
                     if others:
-                        await self.client._conn_call(shard_id, "resync", inode.ino, idx, layout.chunk_size,
-                                                     self.client._chain(0, others))
+                        await self.pool.call(shard_id, "resync", inode.ino, idx, layout.chunk_size,
+                                                     self.view.chain(0, others))
                         for sid in others:
-                            await self.client.meta.note_replica(inode.ino, idx, sid,
-                                                                await self.client._incarnation(sid), view)
+                            await self.meta.note_replica(inode.ino, idx, sid,
+                                                                await self.pool.incarnation(sid), view)
                         copied += layout.chunk_size
             elif chain and chain[0] != shard_id and (not row or chain[0] in insync or shard_id not in chain):
                 # (a shard heading the chain has nothing to compare with: only the in-sync set says)
@@ -209,23 +210,23 @@ class ShardMoves:
                 head = chain[0]
                 # both name the view: from here on the head fences updates of older views (ones
                 # that skipped this shard), so none lands after the comparison
-                mine = cast(tuple[int, int], await self.client._conn_call(shard_id, "checksum", inode.ino, idx, view))
-                theirs = cast(tuple[int, int], await self.client._conn_call(head, "checksum", inode.ino, idx, view))
+                mine = cast(tuple[int, int], await self.pool.call(shard_id, "checksum", inode.ino, idx, view))
+                theirs = cast(tuple[int, int], await self.pool.call(head, "checksum", inode.ino, idx, view))
                 # equal data, yet out of sync: it missed an optimizer-state write (the state
                 # chunk rides along with a RESYNC)
                 if theirs[0] and (mine != theirs or row.get(shard_id) == OUT_OF_SYNC):
                     rest = chain[chain.index(head) + 1 :]
                     try:
-                        await self.client._conn_call(head, "resync", inode.ino, idx, layout.chunk_size,
-                                                     self.client._chain(0, rest))
+                        await self.pool.call(head, "resync", inode.ino, idx, layout.chunk_size,
+                                                     self.view.chain(0, rest))
                     except DataLost:
                         pass  # freed at the head meanwhile (truncated or removed): nothing to copy
                     else:
                         copied += layout.chunk_size
                 elif mine[0] and not theirs[0] and not row:  # freed (truncated) while this shard was down
-                    await self.client._conn_call(shard_id, "punch", inode.ino, idx, 0)
+                    await self.pool.call(shard_id, "punch", inode.ino, idx, 0)
                 if theirs[0]:
-                    await self.client.meta.note_replica(inode.ino, idx, shard_id, inc, view)
+                    await self.meta.note_replica(inode.ino, idx, shard_id, inc, view)
             elif insync and shard_id not in insync:
                 for s in insync:  # the up-to-date copies are on shards down or catching up
                     waiting[s].add(inode.ino)
@@ -238,16 +239,16 @@ class ShardMoves:
                         " the updates it missed are lost", shard_id, adopted)
         if waiting:
             raise await self._waiting_error(shard_id, waiting)
-        if not await self.client.meta.mark_synced(shard_id, view):
+        if not await self.meta.mark_synced(shard_id, view):
             raise ShardUnavailable(f"the shard map changed while shard {shard_id} was resynced", "run it again")
-        await self.client.refresh_view()
+        await self.view.refresh()
         return copied
 
     async def _waiting_error(self, shard_id: int, waiting: dict[int, set[int]]) -> _ChunksWaiting:
         """The error of a resync whose chunks wait for their in-sync replicas (``waiting``: in-sync
         shard -> files), naming the shards, a few files and the fix."""
         files = sorted(set().union(*waiting.values()))
-        names = [await self.client.meta.path_of(ino) or f"inode {ino}" for ino in files[:3]]
+        names = [await self.meta.path_of(ino) or f"inode {ino}" for ino in files[:3]]
         more = f" and {len(files) - 3} more" if len(files) > 3 else ""
         who = ", ".join(map(str, sorted(waiting)))
         return _ChunksWaiting(
@@ -261,9 +262,9 @@ class ShardMoves:
         """Make every shard up in this view refuse updates of older views from now on (a
         CHECKSUM naming ``view`` of file 0, which never exists)."""
         async with open_nursery() as nursery:
-            for sid in [s for s, r in self.client._shard_map.items()
-                        if s != skip and self.client._in_view(s) and r.state not in ("drained", "removed")]:
-                nursery.start_soon(self.client._conn_call, sid, "checksum", 0, 0, view)
+            for sid in [s for s, r in self.view.shard_map.items()
+                        if s != skip and self.view.in_view(s) and r.state not in ("drained", "removed")]:
+                nursery.start_soon(self.pool.call, sid, "checksum", 0, 0, view)
 
     async def drain_shard(self, shard_id: int, progress: MoveProgress | None = None) -> int:
         """Move every chunk off a shard while updates go on, then take it out of every chain
@@ -287,7 +288,7 @@ class ShardMoves:
             ShardUnavailable: a shard needed failed, or a chain has a shard catching up; run it again.
             DataLost: a chunk recorded on the shard is on no shard that answers.
         """
-        await self.client.meta.drain_shard(shard_id)
+        await self.meta.drain_shard(shard_id)
         return await self.run_move(progress)
 
     async def rebalance(self, progress: MoveProgress | None = None, tolerance: float = 0.1) -> list[tuple[int, int, int]]:
@@ -303,9 +304,9 @@ class ShardMoves:
             ShardUnavailable: a shard in service does not answer, or one needed failed; run it again.
         """
         done: list[tuple[int, int, int]] = []
-        await self.client.refresh_view()
-        if any(not m.done for m in self.client._moves):
-            m = next(m for m in self.client._moves if not m.done)
+        await self.view.refresh()
+        if any(not m.done for m in self.view.moves):
+            m = next(m for m in self.view.moves if not m.done)
             done.append((m.shard_id, await self.run_move(progress), 0))
         stats = [(rec, st) for rec, st, _ in await self.shard_stats() if rec.state == "up"]
         if any(st is None for _, st in stats):
@@ -325,7 +326,7 @@ class ShardMoves:
             unit = min(under.values())
             targets = [s for s in sorted(under) for _ in range(max(1, min(8, round(under[s] / unit))))]
             share = max(1, min(MOVE_ALL, int(MOVE_ALL * (used[sid] - mean) / used[sid])))
-            await self.client.meta.begin_move(sid, targets, share)
+            await self.meta.begin_move(sid, targets, share)
             copied = await self.run_move(progress)
             done.append((sid, copied, 0))
             moved = used[sid] - mean
@@ -341,16 +342,16 @@ class ShardMoves:
 
         ``progress`` (:data:`MoveProgress`) is called with 0 done first, then after each chunk."""
         progress = progress or _no_progress
-        await self.client.refresh_view()
-        move = next((m for m in self.client._moves if not m.done), None)
+        await self.view.refresh()
+        move = next((m for m in self.view.moves if not m.done), None)
         if move is None:
             return 0
         shard_id = move.shard_id
         await self.shard_stats()  # shards back after being down are found (syncing) ...
         await self.resync_all()  # ... and brought level first: a move copies from its chains
-        view = self.client._view
+        view = self.view.epoch
         await self._fence(view)
-        syncing = [s for s, r in self.client._shard_map.items()
+        syncing = [s for s, r in self.view.shard_map.items()
                    if r.health == "syncing" and r.state not in ("drained", "removed")]
         if syncing:
             raise ShardUnavailable(f"shards {syncing} are catching up: moving chunks waits for them",
@@ -358,19 +359,19 @@ class ShardMoves:
         # what to copy: every written chunk of a file that may have one on the shard, and every
         # chunk the shard holds (it may hold one not yet recorded)
         files = {inode.ino: (inode, idxs)
-                 for inode, idxs in await self.client.meta.replicated_chunks(self.client._feeding(shard_id), 1)}
+                 for inode, idxs in await self.meta.replicated_chunks(self.view.feeding(shard_id), 1)}
         wanted = {(ino, idx) for ino, (_, idxs) in files.items() for idx in idxs}
-        if self.client._current(shard_id):
+        if self.view.current(shard_id):
             async for page in self.list_chunks(shard_id):
                 wanted.update((e.file_id, e.chunk_index) for e in page if e.file_id in files)
         todo = []
         for ino, idx in sorted(wanted):
-            chain, joining = self.client.placed(layout_of(files[ino][0]), idx)
+            chain, joining = self.view.placed(layout_of(files[ino][0]), idx)
             if shard_id in chain and joining is not None:
                 todo.append((files[ino][0], idx, joining))
             elif shard_id in chain and move.share >= MOVE_ALL:
-                await self.client.meta.cancel_move(move.seq)  # nothing was copied yet: back as it was
-                await self.client.refresh_view()
+                await self.meta.cancel_move(move.seq)  # nothing was copied yet: back as it was
+                await self.view.refresh()
                 raise InvalidArgument(f"chunk {idx} of file {ino} has a replica on every shard in service:"
                                       f" shard {shard_id} cannot be drained (the drain was cancelled)",
                                       "add a shard first (`irdma shard add`), then drain again")
@@ -401,30 +402,30 @@ class ShardMoves:
         moved = [(inode.ino, idx) for inode, idx, _ in todo]
         async with open_nursery() as nursery:  # the copies are durable before the originals go
             for target in {t for _, _, t in todo}:
-                nursery.start_soon(self.client._conn_call, target, "sync")
-        if not await self.client.meta.finish_move(move.seq, view, moved):
+                nursery.start_soon(self.pool.call, target, "sync")
+        if not await self.meta.finish_move(move.seq, view, moved):
             raise ShardUnavailable(f"the shard map changed while chunks of shard {shard_id} moved", "run it again")
-        await self.client.refresh_view()
-        await self._fence(self.client._view)
-        if self.client._current(shard_id):  # its moved copies are in no chain now: free them
+        await self.view.refresh()
+        await self._fence(self.view.epoch)
+        if self.view.current(shard_id):  # its moved copies are in no chain now: free them
             # the source first refuses updates of the move's view (it is in no chain of the new
             # one, so _fence skipped it): a client that has not seen the new view is told to
             # read the shard map again instead of writing to a copy about to go
-            await self.client._conn_call(shard_id, "checksum", 0, 0, self.client._view)
+            await self.pool.call(shard_id, "checksum", 0, 0, self.view.epoch)
             async with open_nursery() as nursery:
                 if move.share >= MOVE_ALL:
                     for ino in sorted({e.file_id async for page in self.list_chunks(shard_id) for e in page}):
-                        nursery.start_soon(self.client._conn_call, shard_id, "free", ino, 0)
+                        nursery.start_soon(self.pool.call, shard_id, "free", ino, 0)
                 else:
                     for ino, idx in moved:
-                        nursery.start_soon(self.client._conn_call, shard_id, "punch", ino, idx, 0)
+                        nursery.start_soon(self.pool.call, shard_id, "punch", ino, idx, 0)
         return copied[0]
 
     async def _copy_to_joining(self, inode: Inode, idx: int, target: int, view: int, incs: dict[int, int]) -> int:
         """Bring a drain's target level with its predecessor in the chunk's chain (see
         :meth:`drain_shard`) and record its replica; returns the bytes copied."""
         layout = layout_of(inode)
-        chain = self.client.chain_of(layout, idx)
+        chain = self.view.chain_of(layout, idx)
         if target not in chain:
             raise ShardUnavailable(f"shard {target}, where chunk {idx} of file {inode.ino} moves, is down",
                                    "restart it (`irdma up`), then run the drain again")
@@ -432,21 +433,21 @@ class ShardMoves:
         if pos == 0:
             raise DataLost(f"chunk {idx} of file {inode.ino}: no replica but its new one answers")
         pred = chain[pos - 1]
-        mine = cast(tuple[int, int], await self.client._conn_call(target, "checksum", inode.ino, idx, view))
-        theirs = cast(tuple[int, int], await self.client._conn_call(pred, "checksum", inode.ino, idx, view))
+        mine = cast(tuple[int, int], await self.pool.call(target, "checksum", inode.ino, idx, view))
+        theirs = cast(tuple[int, int], await self.pool.call(pred, "checksum", inode.ino, idx, view))
         copied = 0
         if theirs[0] and mine != theirs:
             try:
-                await self.client._conn_call(pred, "resync", inode.ino, idx, layout.chunk_size,
-                                             self.client._chain(0, (target,)))
+                await self.pool.call(pred, "resync", inode.ino, idx, layout.chunk_size,
+                                             self.view.chain(0, (target,)))
             except DataLost:
                 pass  # freed meanwhile (truncated or removed): nothing to copy
             else:
                 copied = layout.chunk_size
         if theirs[0]:
             if target not in incs:
-                incs[target] = await self.client._incarnation(target)
-            await self.client.meta.note_replica(inode.ino, idx, target, incs[target], view)
+                incs[target] = await self.pool.incarnation(target)
+            await self.meta.note_replica(inode.ino, idx, target, incs[target], view)
         return copied
 
     async def remove_shard(self, shard_id: int, force: bool = False) -> list[tuple[int, int]]:
@@ -460,18 +461,18 @@ class ShardMoves:
         Raises:
             InvalidArgument: not drained and not ``force``; NotFound: no such shard.
         """
-        await self.client.refresh_view()
-        rec = self.client._shard_map.get(shard_id)
-        lost = await self.client.meta.remove_shard(shard_id, force)
+        await self.view.refresh()
+        rec = self.view.shard_map.get(shard_id)
+        lost = await self.meta.remove_shard(shard_id, force)
         address = rec.address if rec is not None and rec.state == "drained" else None
         if address is not None:  # what a drained shard still holds (copies it kept while down) is in no chain
             # (a forced removal leaves the shard's bytes alone: they are the only copy of what was lost)
-            with contextlib.suppress(IrdmaError), trio.move_on_after(self.client.timeout):
+            with contextlib.suppress(IrdmaError), trio.move_on_after(self.view.timeout):
                 async with open_nursery() as nursery:
-                    keys = self.client.pool.keys
-                    conn = await self.client.transport.connect(address, nursery, client_name=self.client.pool.name,
+                    keys = self.pool.keys
+                    conn = await self.pool.transport.connect(address, nursery, client_name=self.pool.name,
                                                                key=keys.ring() if keys is not None else None,
-                                                               timeout=self.client.timeout)
+                                                               timeout=self.view.timeout)
                     try:
                         after = (0, 0)
                         while page := await conn.list_chunks(*after):
@@ -480,42 +481,42 @@ class ShardMoves:
                             after = (page[-1].file_id, page[-1].chunk_index)
                     finally:
                         await conn.aclose()
-        await self.client.refresh_view()
-        await self._fence(self.client._view)
-        for sid, rec in sorted(self.client._shard_map.items()):
-            if force and rec.state == "up" and self.client._current(sid):
+        await self.view.refresh()
+        await self._fence(self.view.epoch)
+        for sid, rec in sorted(self.view.shard_map.items()):
+            if force and rec.state == "up" and self.view.current(sid):
                 await self._re_replicate(sid)
         return lost
 
     async def _re_replicate(self, shard_id: int) -> None:
         """Copy to ``shard_id`` the written chunks it is a replica of and lacks (after a forced
         removal gave it chunks it never had), from the head of each chain."""
-        files = await self.client.meta.replicated_chunks(self.client._feeding(shard_id), 2)
-        inc = await self.client._incarnation(shard_id)
+        files = await self.meta.replicated_chunks(self.view.feeding(shard_id), 2)
+        inc = await self.pool.incarnation(shard_id)
         for inode, idxs in files:
             layout = layout_of(inode)
             for idx in idxs:
-                chain = self.client.chain_of(layout, idx)
+                chain = self.view.chain_of(layout, idx)
                 if shard_id not in chain[1:]:
                     continue
-                mine = cast(tuple[int, int], await self.client._conn_call(shard_id, "checksum", inode.ino, idx,
-                                                                          self.client._view))
-                theirs = cast(tuple[int, int], await self.client._conn_call(chain[0], "checksum", inode.ino, idx,
-                                                                            self.client._view))
+                mine = cast(tuple[int, int], await self.pool.call(shard_id, "checksum", inode.ino, idx,
+                                                                          self.view.epoch))
+                theirs = cast(tuple[int, int], await self.pool.call(chain[0], "checksum", inode.ino, idx,
+                                                                            self.view.epoch))
                 if theirs[0] and mine != theirs:
                     with contextlib.suppress(DataLost):
-                        await self.client._conn_call(chain[0], "resync", inode.ino, idx, layout.chunk_size,
-                                                     self.client._chain(0, chain[1:]))
-                        await self.client.meta.note_replica(inode.ino, idx, shard_id, inc, self.client._view)
+                        await self.pool.call(chain[0], "resync", inode.ino, idx, layout.chunk_size,
+                                                     self.view.chain(0, chain[1:]))
+                        await self.meta.note_replica(inode.ino, idx, shard_id, inc, self.view.epoch)
 
     async def resync_all(self, log_progress: Callable[[str], None] = log.info) -> None:
         """Resync every reachable shard that is catching up (what a mount's heartbeat does),
         in passes while a pass brings one up (a shard whose chunks wait for another one catching
         up follows it); each reason a shard stays behind is logged once."""
-        await self.client.refresh_view()
-        for _ in range(len(self.client._shard_map) + 1):
+        await self.view.refresh()
+        for _ in range(len(self.view.shard_map) + 1):
             progressed = False
-            for sid, rec in sorted(self.client._shard_map.items()):
+            for sid, rec in sorted(self.view.shard_map.items()):
                 if rec.health != "syncing":
                     continue
                 try:
@@ -530,7 +531,7 @@ class ShardMoves:
                         log.warning("resync of shard %d did not finish (retried at the next heartbeat): %s", sid, exc)
             if not progressed:
                 return
-            await self.client.refresh_view()
+            await self.view.refresh()
 
     async def shard_stats(self) -> list[tuple[ShardRecord, StatReply | None, str]]:
         """Every registered shard with its STAT reply, or None and the reason it failed.
@@ -538,32 +539,32 @@ class ShardMoves:
         Connecting checks each shard's incarnation (see :meth:`irdma.Client.connection`); the records
         returned are read after that, so they carry what was found.
         """
-        await self.client.refresh_view()
+        await self.view.refresh()
         out: dict[int, tuple[ShardRecord, StatReply | None, str]] = {}
 
         async def one(rec: ShardRecord) -> None:
             try:
-                st = await self.client._conn_call(rec.shard_id, "stat", probe=True)
+                st = await self.pool.call(rec.shard_id, "stat", probe=True)
                 out[rec.shard_id] = (rec, st, "")  # type: ignore[assignment]
-                await self.client._note_health(rec.shard_id, "up")  # back after being down: syncing
+                await self.view.note_health(rec.shard_id, "up")  # back after being down: syncing
             except ShardUnavailable as exc:
                 out[rec.shard_id] = (rec, None, str(exc))
 
         async with open_nursery() as nursery:
-            for rec in list(self.client._shard_map.values()):
+            for rec in list(self.view.shard_map.values()):
                 if rec.state == "removed":
                     out[rec.shard_id] = (rec, None, "removed")
                 else:
                     nursery.start_soon(one, rec)
-        await self.client.refresh_view()
-        fresh = self.client._shard_map
+        await self.view.refresh()
+        fresh = self.view.shard_map
         return [(fresh.get(k, out[k][0]), out[k][1], out[k][2]) for k in sorted(out)]
 
     async def list_chunks(self, shard_id: int) -> AsyncIterator[list[ChunkEntry]]:
         """Every chunk a shard holds, page by page (for gc and fsck)."""
         after = (0, 0)
         while True:
-            page: list[ChunkEntry] = await self.client._conn_call(shard_id, "list_chunks", *after)  # type: ignore[assignment]
+            page: list[ChunkEntry] = await self.pool.call(shard_id, "list_chunks", *after)  # type: ignore[assignment]
             if not page:
                 return
             yield page

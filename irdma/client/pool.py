@@ -1,9 +1,10 @@
 """The shard connections of one client: opened on first use, one window of requests in
 flight per shard and direction, a deadline on every request, shards that missed one held out.
 
-:class:`ShardPool` is the layer under :class:`irdma.client.native.Client` (which reads the shard map
-and builds the replication chains over it): ``run(shard_id, fn)`` runs ``fn(connection)``
-against one shard within the client's deadline. The fast path of nearly every request (an open
+:class:`ShardPool` is the layer under the client's data path and moves; it reads and updates the
+client's :class:`~irdma.client.view.ShardView` (the shard map, health, the shards held out):
+``run(shard_id, fn)`` runs ``fn(connection)`` against one shard within the client's deadline,
+``call(shard_id, name, *args)`` one of the connection's methods. The fast path of nearly every request (an open
 TCP connection with room in its window) has no cancel scope of its own: a watchdog closes a
 connection on which a request outlived its deadline. A connection that fails on its first use
 since it last worked is opened again once (the shard may have restarted); calls are safe to
@@ -13,10 +14,11 @@ data calls at once for the next deadline (probes still try it) and is marked dow
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import NoReturn, TypeVar
 
 import trio
 
@@ -27,9 +29,7 @@ from ..train import comm
 from ..transport import ShardConnection, Transport
 from ..transport.tcp import TcpConnection
 from ..wire import auth
-
-if TYPE_CHECKING:
-    from .native import Client
+from .view import ShardView
 
 log = logging.getLogger("irdma.client")
 _T = TypeVar("_T")
@@ -49,19 +49,20 @@ class _Deadline:
 
 
 class ShardPool:
-    """The connections of ``owner`` (a :class:`~irdma.client.native.Client`, whose shard map, view
-    and health records they read and update) to its shards.
+    """A client's connections to the shards of ``view`` (whose shard map and health records
+    they read and update).
 
     Args:
+        view: the client's view of the shard map.
         transport: how to reach shards. nursery: where connection tasks and the watchdog live.
         keys: the cluster key to prove to shards (None: connect without one).
         name: the client's name in HELLO. window: requests in flight per shard and direction.
-        The deadline of each request (queueing and connecting included) is ``owner.timeout``.
+        The deadline of each request (queueing and connecting included) is ``view.timeout``.
     """
 
-    def __init__(self, owner: Client, transport: Transport, nursery: trio.Nursery, keys: auth.KeySource | None,
+    def __init__(self, view: ShardView, transport: Transport, nursery: trio.Nursery, keys: auth.KeySource | None,
                  name: str, window: int) -> None:
-        self.owner = owner
+        self.view = view
         self.transport = transport
         self.nursery = nursery
         self.keys = keys
@@ -74,9 +75,6 @@ class ShardPool:
         self.limits: dict[int, comm.PriorityWindow] = {}
         self.pull_limits: dict[int, comm.PriorityWindow] = {}
         self.connect_locks: dict[int, trio.Lock] = {}
-        # shards that missed a deadline: data calls fail at once until then (trio time), so a
-        # stopped shard costs each caller one deadline, not one per request; probes still try
-        self.down_until: dict[int, float] = {}
         # requests on the fast path of run: no cancel scope each, one watchdog for all
         self.deadlines: set[_Deadline] = set()
         self._watchdog = False
@@ -87,9 +85,16 @@ class ShardPool:
         self._snapshot_transport: Transport | None = None
 
     @property
+    def down_until(self) -> dict[int, float]:
+        """Shards that missed a deadline: data calls fail at once until then (trio time), so a
+        stopped shard costs each caller one deadline, not one per request; probes still try.
+        The view's (:attr:`ShardView.down_until`: reads consult it too)."""
+        return self.view.down_until
+
+    @property
     def timeout(self) -> float:
-        """Seconds each request may take: the owner's (it may change it)."""
-        return self.owner.timeout
+        """Seconds each request may take: the view's (the client may change it)."""
+        return self.view.timeout
 
     async def aclose(self) -> None:
         """Close every shard connection. Safe to call twice."""
@@ -118,11 +123,11 @@ class ShardPool:
                 await self.drop(shard_id, conn)
                 conn = None
             if conn is None:
-                if shard_id not in self.owner._shard_map:
-                    self.owner._shard_map = {r.shard_id: r for r in await self.owner.meta.shards()}
-                rec = self.owner._shard_map.get(shard_id)
+                if shard_id not in self.view.shard_map:
+                    self.view.shard_map = {r.shard_id: r for r in await self.view.meta.shards()}
+                rec = self.view.shard_map.get(shard_id)
                 if rec is None:
-                    raise ShardUnavailable(f"shard {shard_id} is not in the shard map of {self.owner.meta.url}")
+                    raise ShardUnavailable(f"shard {shard_id} is not in the shard map of {self.view.meta.url}")
                 try:
                     conn = await self.transport.connect(
                         rec.address, self.nursery, client_name=self.name,
@@ -130,22 +135,22 @@ class ShardPool:
                         timeout=self.timeout,
                     )
                 except ShardUnavailable as exc:
-                    if self.owner._in_view(shard_id):
+                    if self.view.in_view(shard_id):
                         log.warning("cannot connect to shard %d: %s; marked down", shard_id, exc.args[0])
-                    await self.owner._note_health(shard_id, "down")
+                    await self.view.note_health(shard_id, "down")
                     raise
                 try:
                     await self._check_incarnation(rec, conn)
                 except BaseException:
                     await conn.aclose()
                     raise
-                self.owner._shard_map[shard_id] = dataclasses.replace(rec, incarnation=conn.info.incarnation)
+                self.view.shard_map[shard_id] = dataclasses.replace(rec, incarnation=conn.info.incarnation)
                 conn = MeteredConnection(conn, self.transport.name)  # irdma_client_* (irdma.ops.metrics)
                 self.conns[shard_id] = conn
                 # aging at a quarter of the deadline: a request never starves behind urgent ones
                 self.limits[shard_id] = comm.PriorityWindow(self.window, max_wait=self.timeout / 4)
                 self.pull_limits[shard_id] = comm.PriorityWindow(self.window, max_wait=self.timeout / 4)
-                await self.owner._note_health(shard_id, "up")
+                await self.view.note_health(shard_id, "up")
         return conn
 
     async def snapshot_connection(self, shard_id: int) -> ShardConnection:
@@ -169,9 +174,9 @@ class ShardPool:
                 await self.drop_snapshot_connection(shard_id)
                 conn = None
             if conn is None:
-                rec = self.owner._shard_map.get(shard_id)
+                rec = self.view.shard_map.get(shard_id)
                 if rec is None:
-                    raise ShardUnavailable(f"shard {shard_id} is not in the shard map of {self.owner.meta.url}")
+                    raise ShardUnavailable(f"shard {shard_id} is not in the shard map of {self.view.meta.url}")
                 if self._snapshot_transport is None:
                     from ..transport import make_transport
 
@@ -196,9 +201,9 @@ class ShardPool:
             # the shard map has it already (a reconnect to the same memory): no metadata write,
             # so a reconnect never waits on the metadata engine's lock
             return
-        old = await self.owner.meta.note_incarnation(rec.shard_id, new)
+        old = await self.view.meta.note_incarnation(rec.shard_id, new)
         if old and old != new:
-            await self.owner.refresh_view()  # it is out of its chains until resynced
+            await self.view.refresh()  # it is out of its chains until resynced
             log.error(
                 "shard %d at %s lost its memory (incarnation %016x -> %016x): every chunk it held is gone;"
                 " reads of them fail with EIO, `irdma status` lists the damaged files",
@@ -223,7 +228,7 @@ class ShardPool:
                 closed: a late reply can never land in a buffer whose call has returned).
         """
         if not probe and self.down_until and trio.current_time() < self.down_until.get(shard_id, 0.0):
-            raise ShardUnavailable(f"{self.owner._where(shard_id)} missed its last deadline of {self.timeout:g} s;"
+            raise ShardUnavailable(f"{self.view.where(shard_id)} missed its last deadline of {self.timeout:g} s;"
                                    " not retried yet", _SHARD_HINT)
         # The fast path, that of nearly every request (a 4 KiB read through the mount is little
         # else): an open TCP connection and room in the window. No cancel scope per request:
@@ -262,6 +267,22 @@ class ShardPool:
                     self.down_until.pop(shard_id, None)
                 return result
         return await self._run_scoped(shard_id, fn, pull, trio.current_time() + self.timeout)
+
+    async def call(self, shard_id: int, fn_name: str, *args: object, probe: bool = False) -> object:
+        """``connection.<fn_name>(*args)`` against a shard within the deadline (:meth:`run`)."""
+        async def fn(conn: ShardConnection) -> object:
+            return await getattr(conn, fn_name)(*args)
+
+        return await self.run(shard_id, fn, probe)
+
+    async def incarnation(self, shard_id: int) -> int:
+        """The incarnation of a shard's memory (connecting to it if this client has not yet; the
+        shard map's when it cannot be reached)."""
+        conn = self.conns.get(shard_id)
+        if conn is None:
+            with contextlib.suppress(ShardUnavailable), trio.move_on_after(self.timeout):
+                conn = await self.connection(shard_id)
+        return conn.info.incarnation if conn is not None else self.view.shard_map[shard_id].incarnation
 
     async def _watch_deadlines(self) -> None:
         """The watchdog of the fast path of :meth:`run`: every eighth of the deadline (at
@@ -335,13 +356,13 @@ class ShardPool:
         Raises:
             ShardUnavailable: always, naming the shard and the deadline.
         """
-        where, hint = self.owner._where(shard_id), _SHARD_HINT
+        where, hint = self.view.where(shard_id), _SHARD_HINT
         self.down_until[shard_id] = trio.current_time() + self.timeout
         if conn is not None:
             await self.drop(shard_id, conn)
-        if self.owner._in_view(shard_id):  # once per failure: every request in flight lands here
+        if self.view.in_view(shard_id):  # once per failure: every request in flight lands here
             log.warning("%s did not answer within %g s: marked down (%s)", where, self.timeout, hint)
-        await self.owner._note_health(shard_id, "down")
+        await self.view.note_health(shard_id, "down")
         raise ShardUnavailable(f"{where} did not answer within {self.timeout:g} s", hint)
 
     def forget_file(self, file_id: int) -> None:

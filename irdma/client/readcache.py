@@ -13,6 +13,8 @@ its validated version is kept (a *hit*, in memory or on disk), else the chunk is
 to the file's size as the open saw it) from the shards (a *miss*), its part copied out, and it
 is kept when every piece of it answered one version (no update landed between pieces) and no
 write of this client to the file started meanwhile. Concurrent misses of one chunk make one read.
+Misses and version queries go through the client's data path, view and shard connections
+(:class:`~irdma.client.datapath.DataPath`: ``read_shards_into``, ``view``, ``pool``).
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from ..meta.base import CACHE_MODES, OUT_OF_SYNC, XATTR_CACHE
 from ..placement import Layout
 from ..wire.protocol import extents as P_extents
 from .cache import READONLY_REVALIDATE_S, ChunkCache, Entry
+from .view import layout_of
 
 if TYPE_CHECKING:
-    from .native import ChunkMap, Client
+    from .datapath import ChunkMap, DataPath
 
 log = logging.getLogger("irdma.cache")
 
@@ -59,8 +62,8 @@ class _File:
 class CachedReads:
     """The cached read path of one client (see the module docstring)."""
 
-    def __init__(self, client: Client, cache: ChunkCache) -> None:
-        self.client = client
+    def __init__(self, data: DataPath, cache: ChunkCache) -> None:
+        self.data = data
         self.cache = cache
         self.files: dict[int, _File] = {}
         self._fetching: dict[tuple[int, int], trio.Event] = {}
@@ -89,7 +92,7 @@ class CachedReads:
 
     async def _mode(self, ino: int) -> bytes:
         try:
-            value = (await self.client.meta.getxattr(ino, XATTR_CACHE)).strip()
+            value = (await self.data.meta.getxattr(ino, XATTR_CACHE)).strip()
         except NoAttribute:
             return b"default"
         return value if value in CACHE_MODES else b"default"
@@ -97,8 +100,6 @@ class CachedReads:
     async def open_file(self, inode: Inode, chunks: ChunkMap | None, mode: bytes | None) -> None:
         """Validate the kept chunks of ``inode`` (see :meth:`irdma.Client.cache_open`). A shard
         that does not answer leaves its chunks unvalidated (read from the shards), never served."""
-        from .native import layout_of
-
         if mode is None:  # the xattr changes the ctime: read it again only when the ctime moved
             known = self._modes.get(inode.ino)
             mode = known[1] if known is not None and known[0] == inode.ctime_ns else await self._mode(inode.ino)
@@ -170,13 +171,13 @@ class CachedReads:
     def _asked(self, layout: Layout, index: int, chunks: ChunkMap | None) -> int | None:
         """The replica a chunk's version is asked of: the tail of its up-to-date replicas (CRAQ:
         what it has is acknowledged), never one out of the chunk's in-sync set; None if none."""
-        c = self.client
-        if layout.replicas == 1 and not c._moves:  # its one copy, where the stripe put it
+        v = self.data.view
+        if layout.replicas == 1 and not v.moves:  # its one copy, where the stripe put it
             sid = layout.shard_of(index)
-            return sid if c._current(sid) else None
-        placed, joining = c.placed(layout, index)
+            return sid if v.current(sid) else None
+        placed, joining = v.placed(layout, index)
         rec = chunks.get(index) if chunks else None
-        cands = [s for s in placed if s != joining and c._current(s) and (rec is None or rec.get(s) != OUT_OF_SYNC)]
+        cands = [s for s in placed if s != joining and v.current(s) and (rec is None or rec.get(s) != OUT_OF_SYNC)]
         return cands[-1] if cands else None
 
     async def _versions(self, layout: Layout, indices: list[int],
@@ -201,7 +202,7 @@ class CachedReads:
                 return await conn.gather(layout.file_id, ext)  # type: ignore[attr-defined, no-any-return]
 
             try:
-                got, _ = await self.client._on_shard(sid, fn, pull=True)
+                got, _ = await self.data.pool.run(sid, fn, pull=True)
             except IrdmaError as exc:
                 log.warning("cache: versions of %d chunks of file %d from shard %d: %s; read from the shards",
                             len(idxs), layout.file_id, sid, exc)
@@ -218,7 +219,7 @@ class CachedReads:
     async def _same_crc(self, layout: Layout, index: int, sid: int, e: Entry) -> bool:
         """Whether the shard's chunk is still the kept one by version and CRC-32 (one CHECKSUM)."""
         try:
-            got = await self.client._conn_call(sid, "checksum", layout.file_id, index, self.client._view)
+            got = await self.data.pool.call(sid, "checksum", layout.file_id, index, self.data.view.epoch)
         except IrdmaError as exc:
             log.warning("cache: checksum of chunk %d of file %d on shard %d: %s", index, layout.file_id, sid, exc)
             return False
@@ -262,7 +263,7 @@ class CachedReads:
         self.cache.metrics.misses.inc()
         st = self.files.get(fid)
         if st is None or key in self._fetching:
-            await self.client.read_shards_into(layout, idx * layout.chunk_size + lo, dst, chunks)
+            await self.data.read_shards_into(layout, idx * layout.chunk_size + lo, dst, chunks)
             return
         done = self._fetching[key] = trio.Event()
         try:
@@ -282,7 +283,7 @@ class CachedReads:
         # never written again (it is what the cache keeps, no copy)
         data = memoryview(np.empty(length, dtype=np.uint8))  # type: ignore[arg-type]
         versions: list[int] = []
-        await self.client.read_shards_into(layout, idx * cs, data, chunks, versions)
+        await self.data.read_shards_into(layout, idx * cs, data, chunks, versions)
         dst[:] = data[lo:hi]
         if not versions or len(set(versions)) != 1 or not versions[0]:
             return  # a hole (nothing to keep), or an update landed between its pieces

@@ -123,7 +123,7 @@ def _serving(client: Client, layout: Layout) -> list[int]:
     """The shards that may hold the file's chunks, less those drained or removed from the cluster."""
     out = []
     for sid in sorted(client.shards_of(layout)):
-        rec = client._shard_map.get(sid)
+        rec = client.view.shard_map.get(sid)
         if rec is not None and rec.state not in ("drained", "removed"):
             out.append(sid)
     return out
@@ -278,7 +278,7 @@ async def _own_connections(client: Client, shards: Sequence[int]) -> AsyncIterat
     async with open_nursery() as nursery:
         try:
             async def connect(sid: int) -> None:
-                conns[sid] = await transport.connect(client._shard_map[sid].address, nursery,
+                conns[sid] = await transport.connect(client.view.shard_map[sid].address, nursery,
                                                      client_name=f"{client.pool.name} (snapshot)",
                                                      key=keys.ring() if keys is not None else None,
                                                      timeout=client.timeout)
@@ -302,7 +302,7 @@ async def _cut(client: Client, snap: Snapshot, files: Sequence[tuple[Inode, int]
         ``(live file, copy, chunk index, shard)`` of every chunk replica the shards cloned: the
         copies' chunk map (the chunk map at the cut, not at commit time).
     """
-    from .native import layout_of
+    from .view import layout_of
 
     await client.refresh_view()
     layouts = {f.ino: layout_of(f) for f, _ in files}
@@ -312,10 +312,10 @@ async def _cut(client: Client, snap: Snapshot, files: Sequence[tuple[Inode, int]
         if f.stripe:
             for sid in _serving(client, layouts[f.ino]):
                 by_shard.setdefault(sid, []).append((f.ino, copy))
-    shards = sorted(sid for sid in by_shard if client._health.get(sid, "up") not in ("down", "syncing"))
+    shards = sorted(sid for sid in by_shard if client.view.health.get(sid, "up") not in ("down", "syncing"))
     missing = sorted(set(by_shard) - set(shards))
     if missing:
-        raise ShardUnavailable(f"shard {missing[0]} holds chunks of these files and is {client._health.get(missing[0])}",
+        raise ShardUnavailable(f"shard {missing[0]} holds chunks of these files and is {client.view.health.get(missing[0])}",
                                "wait until `irdma status` shows it up (resynced), then take the snapshot again")
     token = int.from_bytes(os.urandom(8), "big") >> 1 or 1
     lease_ms = int(FREEZE_LEASE_S * 1000)
@@ -454,7 +454,7 @@ async def _source(client: Client, snap: Snapshot) -> Inode:
 
 async def _clone_into(client: Client, src: Inode, parent: int, name: bytes) -> Inode:
     """Copy ``src`` (a snapshot's tree) as live ``name`` in ``parent``, sharing its chunks."""
-    from .native import layout_of
+    from .view import layout_of
 
     copy, files = await client.meta.clone_tree(src.ino, parent, name)
     try:
@@ -466,7 +466,7 @@ async def _clone_into(client: Client, src: Inode, parent: int, name: bytes) -> I
                     by_shard.setdefault(sid, []).append((f.ino, new))
 
         async def clone(sid: int) -> None:
-            await client._conn_call(sid, "clone", 0, by_shard[sid], [])
+            await client.pool.call(sid, "clone", 0, by_shard[sid], [])
 
         async with open_nursery() as nursery:
             for sid in by_shard:
@@ -540,7 +540,7 @@ async def _drop(client: Client, snap: Snapshot) -> int:
     request per shard for all its files (what cannot be freed now, ``irdma gc`` frees).
     Returns how many files it had."""
     from ..wire.protocol import MAX_SNAPSHOT_FILES
-    from .native import layout_of
+    from .view import layout_of
 
     files = await client.meta.snapshot_drop(snap.id)
     by_shard: dict[int, list[int]] = {}
@@ -554,7 +554,7 @@ async def _drop(client: Client, snap: Snapshot) -> int:
     async def free(sid: int, inos: list[int]) -> None:
         try:
             for at in range(0, len(inos), MAX_SNAPSHOT_FILES):
-                await client._conn_call(sid, "free_files", inos[at : at + MAX_SNAPSHOT_FILES])
+                await client.pool.call(sid, "free_files", inos[at : at + MAX_SNAPSHOT_FILES])
         except IrdmaError as exc:
             log.warning("snapshot %s: its chunks on shard %d stay until `irdma gc` (%s)",
                         snap.name.decode(errors="replace"), sid, exc)
@@ -607,7 +607,7 @@ async def maker_of(client: Client, snap: Snapshot) -> int:
 
 
 async def _info(client: Client, dir_path: str, snap: Snapshot) -> SnapshotInfo:
-    from .native import layout_of
+    from .view import layout_of
 
     files = await client.meta.snapshot_files(snap.id)
     base = dir_path.rstrip("/")
@@ -620,7 +620,7 @@ async def _info(client: Client, dir_path: str, snap: Snapshot) -> SnapshotInfo:
 
     async def usage(sid: int, inos: list[int]) -> None:
         try:
-            entries = cast("list[tuple[int, int, int]]", await client._conn_call(sid, "usage", inos))
+            entries = cast("list[tuple[int, int, int]]", await client.pool.call(sid, "usage", inos))
             held[sid] = (sum(a for _, a, _ in entries), sum(s for _, _, s in entries))
         except IrdmaError as exc:
             log.warning("snapshot %s: shard %d did not say what it holds: %s", snap.name.decode(errors="replace"), sid, exc)
