@@ -1,14 +1,16 @@
 """The shard's dispatcher: a request frame in, its reply out, with no sockets (issue 21).
 
 :meth:`Dispatcher.handle` decodes a frame, applies it to the :class:`~irdma.server.shard.Shard`
-synchronously (so update ops are atomic per chunk) and gives the reply: at once, as an
-awaitable when the update goes down a replication chain (answered once the chain has it), or as
-a :class:`ThreadWork` when the request needs disk I/O first (SYNC; a new chunk's zeroing and
-chunk-index record on a shard with a data directory), which runs in a worker thread so the
-event loop never waits for the disk. A malformed or refused request gets an error reply and
-changes nothing; an exception the request meets becomes its error reply through the one status
-table (:data:`irdma.wire.protocol.STATUS_ERRORS`), a bug is logged with its traceback and answered
-INTERNAL. Every request is counted in the shard's metrics (:mod:`irdma.ops.metrics`).
+synchronously (so update ops are atomic per chunk) with the handler of its message class (the
+table :data:`_HANDLERS`; :mod:`irdma.server.request_kinds` tells what a request is) and gives
+the reply: at once, as an awaitable when the update goes down a replication chain (answered once
+the chain has it), or as a :class:`ThreadWork` when the request needs disk I/O first (SYNC; a
+new chunk's zeroing and chunk-index record on a shard with a data directory), which runs in a
+worker thread so the event loop never waits for the disk. A malformed or refused request gets an
+error reply and changes nothing; an exception the request meets becomes its error reply through
+the one status table (:data:`irdma.wire.protocol.STATUS_ERRORS`), a bug is logged with its
+traceback and answered INTERNAL. Every request is counted in the shard's metrics
+(:mod:`irdma.ops.metrics`).
 
 The front ends only move frames: :mod:`irdma.server.tcp` (pipelined TCP connections) and
 :mod:`irdma.server.verbs` (queue pairs); both take a connection's handshake from
@@ -17,7 +19,6 @@ The front ends only move frames: :mod:`irdma.server.tcp` (pipelined TCP connecti
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 from collections import OrderedDict
@@ -35,6 +36,18 @@ from irdma.wire import protocol as P
 from irdma.wire.framing import ServerHandshake
 
 from .replicate import Replicator
+from .request_kinds import (
+    PARTED,
+    UPDATES,
+    detached,
+    file_of,
+    forward_key,
+    is_forward,
+    op_of,
+    opcode_name,
+    push_of,
+    status_name,
+)
 from .shard import ChunksPending, Shard, split_extents
 
 if TYPE_CHECKING:
@@ -136,7 +149,7 @@ class Dispatcher:
             metrics.end(t0, "unknown", transport, "unknown_opcode")
             return P.ErrorReply(P.Status.UNKNOWN_OPCODE, str(exc))
         except RemoteProtocolError as exc:
-            metrics.end(t0, _opcode_name(frame.opcode), transport, "bad_request")
+            metrics.end(t0, opcode_name(frame.opcode), transport, "bad_request")
             return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
         if isinstance(msg, P.Sync) and self.shard.store is not None:
             return ThreadWork(self._sync(msg, t0, transport))
@@ -197,20 +210,20 @@ class Dispatcher:
         The connection goes on meanwhile (its next requests are read and applied: another
         file's, or queued behind this one if they are this freeze's), so a push's other parts
         sent on it reach the shard."""
-        cut = self._frozen[_file_of(msg)]
+        cut = self._frozen[file_of(msg)]
         chain = getattr(msg, "chain", None)
         part = chain.part if chain is not None else None
         if part is not None and part.push_id in cut.admitted:
             return self._handle(msg, staging, t0, transport)
-        if _is_forward(msg) and chain is not None:  # held well within its sender's deadline (half of it)
+        if is_forward(msg) and chain is not None:  # held well within its sender's deadline (half of it)
             cut.forward_deadline = min(cut.forward_deadline, trio.current_time() + chain.timeout_ms / 2000)
-        held = _Held(_detached(msg, staging), t0, transport)
+        held = _Held(detached(msg, staging), t0, transport)
         cut.queue.append(held)
         cut.arrived.set()
         return self._held_reply(cut, held)
 
     async def _held_reply(self, cut: _Freeze, held: _Held) -> P.Reply:
-        until = min(cut.deadline, cut.forward_deadline) if _is_forward(held.msg) else cut.deadline
+        until = min(cut.deadline, cut.forward_deadline) if is_forward(held.msg) else cut.deadline
         try:
             while not held.done.is_set():
                 with trio.move_on_at(until):
@@ -219,7 +232,7 @@ class Dispatcher:
         except BaseException:
             if not held.done.is_set():  # never applied: the connection went away
                 held.gone = True
-                self.metrics.end(held.t0, _op_of(held.msg), held.transport, "cancelled")
+                self.metrics.end(held.t0, op_of(held.msg), held.transport, "cancelled")
             else:  # applied; its answer will not be awaited (a forward goes on in the replicator)
                 _close(held.result)
             raise
@@ -241,7 +254,7 @@ class Dispatcher:
         if rec is None:
             if len(self._parts) >= MAX_PUSHES_REMEMBERED:
                 self._parts.popitem(last=False)
-            rec = self._parts[part.push_id] = _PushParts(_file_of(msg), part.count)
+            rec = self._parts[part.push_id] = _PushParts(file_of(msg), part.count)
         else:
             self._parts.move_to_end(part.push_id)
         rec.indices.add(part.index)
@@ -288,9 +301,9 @@ class Dispatcher:
 
     def _admit_held(self, cut: _Freeze) -> int:
         """Apply the held updates of ``cut``'s admitted pushes, in the order they came."""
-        take = [h for h in cut.queue if _push_of(h.msg) in cut.admitted]
+        take = [h for h in cut.queue if push_of(h.msg) in cut.admitted]
         if take:
-            cut.queue = [h for h in cut.queue if _push_of(h.msg) not in cut.admitted]
+            cut.queue = [h for h in cut.queue if push_of(h.msg) not in cut.admitted]
             for held in take:
                 self._apply_held(held)
         return len(take)
@@ -324,7 +337,7 @@ class Dispatcher:
         blocked: set[tuple[int, int]] = set()  # chunks being made: their next forwards wait (in order)
         queue, cut.queue = cut.queue, keep
         for held in queue:
-            key = _forward_key(held.msg)
+            key = forward_key(held.msg)
             chain = getattr(held.msg, "chain", None)
             if key is None or chain is None or not before_cut(key, chain.expect) or key in blocked \
                     or (in_order and self._being_made(key)):
@@ -403,7 +416,7 @@ class Dispatcher:
         except Exception as exc:
             reply = self._error(exc, msg)
         else:
-            if isinstance(msg, _PARTED):
+            if isinstance(msg, PARTED):
                 self._note_part(msg)
         if inspect.isawaitable(reply):
             return self._finish(reply, msg, t0, transport)
@@ -472,7 +485,7 @@ class Dispatcher:
                 self._observe(t0, msg, reply, transport)
                 return reply
             except BaseException:
-                self.metrics.end(t0, _op_of(msg), transport, "cancelled")
+                self.metrics.end(t0, op_of(msg), transport, "cancelled")
                 raise
             return self._handle(msg, staging, t0, transport)
 
@@ -485,7 +498,7 @@ class Dispatcher:
         except Exception as exc:
             reply = self._error(exc, msg)
         except BaseException:  # cancelled: the connection went away
-            self.metrics.end(t0, _op_of(msg), transport, "cancelled")
+            self.metrics.end(t0, op_of(msg), transport, "cancelled")
             raise
         self._observe(t0, msg, reply, transport)
         return reply
@@ -493,7 +506,7 @@ class Dispatcher:
     def _observe(self, t0: float, msg: P.Request, reply: P.Reply, transport: str) -> None:
         """Record one answered request in the shard's metrics (never raises)."""
         try:
-            status = "ok" if not isinstance(reply, P.ErrorReply) else _status_name(reply.status)
+            status = "ok" if not isinstance(reply, P.ErrorReply) else status_name(reply.status)
             bytes_in = bytes_out = 0
             if status == "ok":
                 if isinstance(msg, P.Write):
@@ -506,7 +519,7 @@ class Dispatcher:
                     bytes_in = msg.length
                 elif isinstance(reply, P.ReadReply) and not reply.hole:
                     bytes_out = len(reply.data)
-            self.metrics.end(t0, _op_of(msg), transport, status, bytes_in, bytes_out)
+            self.metrics.end(t0, op_of(msg), transport, status, bytes_in, bytes_out)
         except Exception:  # noqa: BLE001 - metrics never fail a request
             log.debug("recording a request's metrics failed", exc_info=True)
 
@@ -521,132 +534,158 @@ class Dispatcher:
 
     def _apply(self, msg: P.Request, staging: memoryview | None = None,
                zero_copy: bool = False) -> P.Reply | Awaitable[int]:
-        shard = self.shard
-        if isinstance(msg, P.Read):
-            if msg.length > self.max_payload:
-                raise BadRequest(f"read of {msg.length} bytes exceeds the payload limit {self.max_payload}")
-            self.replicator.check_read(msg)
-            version, view = shard.read(msg.file_id, msg.chunk_index, msg.offset, msg.length)
-            if view is None:
-                return P.ReadReply(version, hole=True)
-            if zero_copy:  # sent before this task yields, or copied then (see handle)
-                return P.ReadReply(version, view)
-            # a copy: the reply may take a while to send, and an update applied meanwhile must
-            # not tear it (a chunk's updates are atomic to readers; the frame tag covers it)
-            return P.ReadReply(version, bytes(view))
-        if isinstance(msg, P.Write):
-            if msg.chain is not None:
-                out = self.replicator.write(msg, msg.data)
-                return P.VersionReply(out) if isinstance(out, int) else out
-            if msg.replace:
-                raise BadRequest("a whole-chunk copy (FLAG_REPLACE) comes only with a chain")
-            version = shard.write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, msg.data,
-                                  msg.existing)
-            return P.VersionReply(version)
-        if isinstance(msg, P.Gather):
-            chunks = msg.extents["chunk"].astype(np.int64)
-            lengths = msg.extents["length"].astype(np.int64)
-            total = int(lengths.sum())
-            if total + 8 * len(lengths) > self.max_payload:
-                raise BadRequest(f"a gather of {total} bytes in {len(lengths)} extents exceeds the payload limit"
-                                 f" {self.max_payload} (8 bytes of version per extent count)")
-            if msg.clean:
-                self.replicator.check_gather(msg.file_id, chunks)
-            into = memoryview(np.empty(total, dtype=np.uint8))  # type: ignore[arg-type]  # a copy (see READ), filled whole
-            versions = shard.gather(msg.file_id, chunks, msg.extents["offset"].astype(np.int64), lengths, into)
-            return P.GatherReply(versions, into)
-        if isinstance(msg, P.Scatter):
-            data: memoryview | bytes = msg.data
-            if msg.staged:
-                if staging is None:
-                    raise BadRequest("this connection has no staging buffer (a staged SCATTER needs the verbs transport)")
-                n = msg.length
-                if msg.staging_offset + n > len(staging):
-                    raise BadRequest(f"staged range leaves the {len(staging)}-byte staging buffer")
-                data = bytes(staging[msg.staging_offset : msg.staging_offset + n])
-            if msg.chain is not None:
-                out = self.replicator.scatter(msg, data)
-                return P.VersionReply(out) if isinstance(out, int) else out
-            parts = split_extents(msg.extents, msg.chunk_size, msg.op, len(data))
-            return P.VersionReply(max(shard.scatter(msg.file_id, msg.chunk_size, parts, msg.op, data,
-                                                         msg.existing)))
-        if isinstance(msg, P.Resync):
-            out = self.replicator.resync(msg)
-            return P.VersionReply(out) if isinstance(out, int) else out
-        if isinstance(msg, P.Checksum):
-            self.replicator.note_view(msg.view)
-            return P.ChecksumReply(*shard.checksum(msg.file_id, msg.chunk_index))
-        if isinstance(msg, P.List):
-            limit = max(0, min(msg.max_entries, P.MAX_LIST_ENTRIES))
-            return P.ListReply([P.ChunkEntry(*e) for e in shard.list_chunks(msg.after_file, msg.after_chunk, limit)])
-        if isinstance(msg, P.Sync):
-            shard.sync()
-            return P.VersionReply(0)
-        if isinstance(msg, P.Freeze):
-            return self._freeze(msg)
-        if isinstance(msg, P.Usage):
-            return P.UsageReply([(f, *shard.exclusive_bytes(f)) for f in msg.file_ids])
-        if isinstance(msg, P.Thaw):
-            cut = self._freezes.get(msg.token)
-            if cut is not None:
-                self._release(cut)
-            return P.VersionReply(0)
-        if isinstance(msg, P.Stat):
-            return P.StatReply(shard.shard_id, shard.capacity, shard.used, shard.chunk_count, self.metrics_address)
-        if isinstance(msg, P.Free):
-            return P.FreeReply(shard.free(msg.file_id, msg.first_chunk))
-        if isinstance(msg, P.FreeFiles):
-            return P.FreeReply(shard.free_files(msg.file_ids))
-        if isinstance(msg, P.Punch):
-            return P.VersionReply(shard.punch(msg.file_id, msg.chunk_index, msg.offset))
-        if isinstance(msg, P.Locate):
-            chunk = shard.locate(msg.file_id, msg.chunk_index, msg.create_size)
-            if chunk is None:
-                return P.LocateReply(False)
-            return P.LocateReply(True, chunk.offset, chunk.size, chunk.slot, shard.is_shared(chunk))
-        if isinstance(msg, P.RemoteWrite):
-            if msg.in_place:
-                if msg.op != P.UpdateOp.ASSIGN:
-                    raise BadRequest("only assign may be written in place; stage other update ops")
-                done = self.replicator.seen(msg.chain.request_id) if msg.chain is not None else None
-                version = done if done is not None else shard.commit_in_place(
-                    msg.file_id, msg.chunk_index, msg.region_offset, msg.offset, msg.length)
-                if msg.chain is None or not msg.chain.successors:
-                    return P.VersionReply(version)
-                # the bytes are in the chunk already: forward a copy of them (the region changes)
-                snap = shard.read(msg.file_id, msg.chunk_index, msg.offset, msg.length)[1]
-                assert snap is not None
-                fwd = P.Write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, bytes(snap),
-                              chain=msg.chain)
-                out = self.replicator.write(fwd, fwd.data, applied=version)
-                return P.VersionReply(out) if isinstance(out, int) else out
-            if staging is None:
-                raise BadRequest("this connection has no staging buffer (REMOTE_WRITE needs the verbs transport)")
-            if msg.staging_offset + msg.length > len(staging):
-                raise BadRequest(f"staged range leaves the {len(staging)}-byte staging buffer")
-            data = staging[msg.staging_offset : msg.staging_offset + msg.length]
-            if msg.chain is not None:
-                fwd = P.Write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, bytes(data),
-                              msg.existing, msg.chain)
-                out = self.replicator.write(fwd, fwd.data)
-                return P.VersionReply(out) if isinstance(out, int) else out
-            return P.VersionReply(shard.write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, data,
-                                              msg.existing))
+        """Apply a request at once with its handler (:data:`_HANDLERS`, by message class)."""
+        for cls in type(msg).__mro__:
+            handler = _HANDLERS.get(cls)
+            if handler is not None:
+                return handler(self, msg, staging, zero_copy)
         raise BadRequest(f"{type(msg).__name__} is not valid here")
 
+    # ------------------------------------------------------------ one handler per request
+    # (msg, the connection's staging buffer, zero_copy): see :meth:`handle`
 
-def _opcode_name(opcode: int) -> str:
-    try:
-        return P.Opcode(opcode).name.lower()
-    except ValueError:
-        return "unknown"
+    def _on_read(self, msg: P.Read, staging: memoryview | None, zero_copy: bool) -> P.Reply:
+        if msg.length > self.max_payload:
+            raise BadRequest(f"read of {msg.length} bytes exceeds the payload limit {self.max_payload}")
+        self.replicator.check_read(msg)
+        version, view = self.shard.read(msg.file_id, msg.chunk_index, msg.offset, msg.length)
+        if view is None:
+            return P.ReadReply(version, hole=True)
+        if zero_copy:  # sent before this task yields, or copied then (see handle)
+            return P.ReadReply(version, view)
+        # a copy: the reply may take a while to send, and an update applied meanwhile must
+        # not tear it (a chunk's updates are atomic to readers; the frame tag covers it)
+        return P.ReadReply(version, bytes(view))
+
+    def _on_write(self, msg: P.Write, staging: memoryview | None, zero_copy: bool) -> P.Reply | Awaitable[int]:
+        if msg.chain is not None:
+            out = self.replicator.write(msg, msg.data)
+            return P.VersionReply(out) if isinstance(out, int) else out
+        if msg.replace:
+            raise BadRequest("a whole-chunk copy (FLAG_REPLACE) comes only with a chain")
+        version = self.shard.write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, msg.data,
+                                   msg.existing)
+        return P.VersionReply(version)
+
+    def _on_gather(self, msg: P.Gather, staging: memoryview | None, zero_copy: bool) -> P.Reply:
+        chunks = msg.extents["chunk"].astype(np.int64)
+        lengths = msg.extents["length"].astype(np.int64)
+        total = int(lengths.sum())
+        if total + 8 * len(lengths) > self.max_payload:
+            raise BadRequest(f"a gather of {total} bytes in {len(lengths)} extents exceeds the payload limit"
+                             f" {self.max_payload} (8 bytes of version per extent count)")
+        if msg.clean:
+            self.replicator.check_gather(msg.file_id, chunks)
+        into = memoryview(np.empty(total, dtype=np.uint8))  # type: ignore[arg-type]  # a copy (see READ), filled whole
+        versions = self.shard.gather(msg.file_id, chunks, msg.extents["offset"].astype(np.int64), lengths, into)
+        return P.GatherReply(versions, into)
+
+    def _on_scatter(self, msg: P.Scatter, staging: memoryview | None, zero_copy: bool) -> P.Reply | Awaitable[int]:
+        data: memoryview | bytes = msg.data
+        if msg.staged:
+            if staging is None:
+                raise BadRequest("this connection has no staging buffer (a staged SCATTER needs the verbs transport)")
+            n = msg.length
+            if msg.staging_offset + n > len(staging):
+                raise BadRequest(f"staged range leaves the {len(staging)}-byte staging buffer")
+            data = bytes(staging[msg.staging_offset : msg.staging_offset + n])
+        if msg.chain is not None:
+            out = self.replicator.scatter(msg, data)
+            return P.VersionReply(out) if isinstance(out, int) else out
+        parts = split_extents(msg.extents, msg.chunk_size, msg.op, len(data))
+        return P.VersionReply(max(self.shard.scatter(msg.file_id, msg.chunk_size, parts, msg.op, data, msg.existing)))
+
+    def _on_resync(self, msg: P.Resync, staging: memoryview | None, zero_copy: bool) -> P.Reply | Awaitable[int]:
+        out = self.replicator.resync(msg)
+        return P.VersionReply(out) if isinstance(out, int) else out
+
+    def _on_checksum(self, msg: P.Checksum, staging: memoryview | None, zero_copy: bool) -> P.Reply:
+        self.replicator.note_view(msg.view)
+        return P.ChecksumReply(*self.shard.checksum(msg.file_id, msg.chunk_index))
+
+    def _on_list(self, msg: P.List, staging: memoryview | None, zero_copy: bool) -> P.Reply:
+        limit = max(0, min(msg.max_entries, P.MAX_LIST_ENTRIES))
+        return P.ListReply([P.ChunkEntry(*e) for e in self.shard.list_chunks(msg.after_file, msg.after_chunk, limit)])
+
+    def _on_sync(self, msg: P.Sync, staging: memoryview | None, zero_copy: bool) -> P.Reply:
+        self.shard.sync()
+        return P.VersionReply(0)
+
+    def _on_freeze(self, msg: P.Freeze, staging: memoryview | None, zero_copy: bool) -> P.Reply:
+        return self._freeze(msg)
+
+    def _on_usage(self, msg: P.Usage, staging: memoryview | None, zero_copy: bool) -> P.Reply:
+        return P.UsageReply([(f, *self.shard.exclusive_bytes(f)) for f in msg.file_ids])
+
+    def _on_thaw(self, msg: P.Thaw, staging: memoryview | None, zero_copy: bool) -> P.Reply:
+        cut = self._freezes.get(msg.token)
+        if cut is not None:
+            self._release(cut)
+        return P.VersionReply(0)
+
+    def _on_stat(self, msg: P.Stat, staging: memoryview | None, zero_copy: bool) -> P.Reply:
+        shard = self.shard
+        return P.StatReply(shard.shard_id, shard.capacity, shard.used, shard.chunk_count, self.metrics_address)
+
+    def _on_free(self, msg: P.Free, staging: memoryview | None, zero_copy: bool) -> P.Reply:
+        return P.FreeReply(self.shard.free(msg.file_id, msg.first_chunk))
+
+    def _on_free_files(self, msg: P.FreeFiles, staging: memoryview | None, zero_copy: bool) -> P.Reply:
+        return P.FreeReply(self.shard.free_files(msg.file_ids))
+
+    def _on_punch(self, msg: P.Punch, staging: memoryview | None, zero_copy: bool) -> P.Reply:
+        return P.VersionReply(self.shard.punch(msg.file_id, msg.chunk_index, msg.offset))
+
+    def _on_locate(self, msg: P.Locate, staging: memoryview | None, zero_copy: bool) -> P.Reply:
+        chunk = self.shard.locate(msg.file_id, msg.chunk_index, msg.create_size)
+        if chunk is None:
+            return P.LocateReply(False)
+        return P.LocateReply(True, chunk.offset, chunk.size, chunk.slot, self.shard.is_shared(chunk))
+
+    def _on_remote_write(self, msg: P.RemoteWrite, staging: memoryview | None,
+                         zero_copy: bool) -> P.Reply | Awaitable[int]:
+        shard = self.shard
+        if msg.in_place:
+            if msg.op != P.UpdateOp.ASSIGN:
+                raise BadRequest("only assign may be written in place; stage other update ops")
+            done = self.replicator.seen(msg.chain.request_id) if msg.chain is not None else None
+            version = done if done is not None else shard.commit_in_place(
+                msg.file_id, msg.chunk_index, msg.region_offset, msg.offset, msg.length)
+            if msg.chain is None or not msg.chain.successors:
+                return P.VersionReply(version)
+            # the bytes are in the chunk already: forward a copy of them (the region changes)
+            snap = shard.read(msg.file_id, msg.chunk_index, msg.offset, msg.length)[1]
+            assert snap is not None
+            fwd = P.Write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, bytes(snap),
+                          chain=msg.chain)
+            out = self.replicator.write(fwd, fwd.data, applied=version)
+            return P.VersionReply(out) if isinstance(out, int) else out
+        if staging is None:
+            raise BadRequest("this connection has no staging buffer (REMOTE_WRITE needs the verbs transport)")
+        if msg.staging_offset + msg.length > len(staging):
+            raise BadRequest(f"staged range leaves the {len(staging)}-byte staging buffer")
+        data = staging[msg.staging_offset : msg.staging_offset + msg.length]
+        if msg.chain is not None:
+            fwd = P.Write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, bytes(data),
+                          msg.existing, msg.chain)
+            out = self.replicator.write(fwd, fwd.data)
+            return P.VersionReply(out) if isinstance(out, int) else out
+        return P.VersionReply(shard.write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, data,
+                                          msg.existing))
 
 
-_OP_NAMES = {P.Read: "read", P.Write: "write", P.RemoteWrite: "remote_write", P.Resync: "resync",
-             P.Checksum: "checksum", P.List: "list", P.Sync: "sync", P.Stat: "stat", P.Free: "free",
-             P.Punch: "punch", P.Locate: "locate", P.Gather: "gather", P.Scatter: "scatter",
-             P.Freeze: "freeze", P.Clone: "clone", P.Thaw: "thaw", P.Usage: "usage", P.Admit: "admit",
-             P.FreeFiles: "free_files"}
+#: The handler of each request :meth:`Dispatcher._apply` applies at once, by message class
+#: (CLONE and ADMIT go through :meth:`Dispatcher.handle` only; any other message is refused).
+_HANDLERS: dict[type, Callable[[Dispatcher, Any, memoryview | None, bool], P.Reply | Awaitable[int]]] = {
+    P.Read: Dispatcher._on_read, P.Write: Dispatcher._on_write, P.Gather: Dispatcher._on_gather,
+    P.Scatter: Dispatcher._on_scatter, P.Resync: Dispatcher._on_resync, P.Checksum: Dispatcher._on_checksum,
+    P.List: Dispatcher._on_list, P.Sync: Dispatcher._on_sync, P.Freeze: Dispatcher._on_freeze,
+    P.Usage: Dispatcher._on_usage, P.Thaw: Dispatcher._on_thaw, P.Stat: Dispatcher._on_stat,
+    P.Free: Dispatcher._on_free, P.FreeFiles: Dispatcher._on_free_files, P.Punch: Dispatcher._on_punch,
+    P.Locate: Dispatcher._on_locate, P.RemoteWrite: Dispatcher._on_remote_write,
+}
+
+
 #: Longest lease a FREEZE may ask, milliseconds.
 FREEZE_MAX_MS = 30_000
 #: Seconds a frozen shard holds forwarded updates at most, and never past half the deadline of
@@ -693,10 +732,6 @@ class _PushParts:
         self.last = 0.0
 
 
-#: The requests that may carry a push part.
-_PARTED = (P.Write, P.RemoteWrite, P.Scatter)
-
-
 def _close(result: object) -> None:
     """Drop a reply that will not be awaited: a ThreadWork gives back what it reserved; a
     coroutine is closed (no "never awaited" warning)."""
@@ -704,71 +739,9 @@ def _close(result: object) -> None:
         result.close()
 
 
-def _push_of(msg: P.Request) -> int:
-    chain = getattr(msg, "chain", None)
-    return chain.part.push_id if chain is not None and chain.part is not None else 0
-
-
-def _detached(msg: P.Request, staging: memoryview | None) -> P.Request:
-    """``msg`` with its payload copied out of the connection's staging buffer (verbs), so it
-    can wait for a thaw while the connection's next requests reuse the buffer."""
-    if isinstance(msg, P.RemoteWrite) and not msg.in_place:
-        if staging is None or msg.staging_offset + msg.length > len(staging):
-            return msg  # refused when applied, as it would be now
-        data = bytes(staging[msg.staging_offset : msg.staging_offset + msg.length])
-        return P.Write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, data, msg.existing, msg.chain)
-    if isinstance(msg, P.Scatter) and msg.staged:
-        if staging is None or msg.staging_offset + msg.length > len(staging):
-            return msg
-        return dataclasses.replace(msg, data=bytes(staging[msg.staging_offset : msg.staging_offset + msg.length]),
-                                   staged=False)
-    return msg
-
-
-_UPDATES = (P.Write, P.Scatter, P.RemoteWrite, P.Punch, P.Free)
-
-
-def _file_of(msg: P.Request) -> int:
-    return int(getattr(msg, "file_id", 0))
-
-
 def _held(msg: P.Request, frozen: dict[int, _Freeze]) -> bool:
     """An update to a frozen file: a client's, or a forwarded one while the freeze holds
     forwards (until its clone, :data:`FORWARD_HOLD_S` at most)."""
-    if not isinstance(msg, _UPDATES) or _file_of(msg) not in frozen:
+    if not isinstance(msg, UPDATES) or file_of(msg) not in frozen:
         return False
-    return not _is_forward(msg) or frozen[_file_of(msg)].hold_forwards
-
-
-def _is_forward(msg: P.Request) -> bool:
-    """An update a replica forwarded down a chain (its ``expect`` set, or a REPLACE)."""
-    chain = getattr(msg, "chain", None)
-    return chain is not None and bool(chain.expect or getattr(msg, "replace", False))
-
-
-def _forward_key(msg: P.Request) -> tuple[int, int] | None:
-    """The chunk a forwarded update is of (a forward names one chunk; one of an optimizer state
-    chunk counts as its chunk's: the state's version follows the chunk's, and the two are
-    ordered and cut together), or None for another request."""
-    if not _is_forward(msg):
-        return None
-    if isinstance(msg, P.Scatter):
-        return (msg.file_id, int(msg.extents["chunk"][0])) if len(msg.extents) else None
-    index = int(getattr(msg, "chunk_index", 0))
-    if optimizers.is_state(index):
-        index -= optimizers.STATE_BASE
-    return (int(getattr(msg, "file_id", 0)), index)
-
-
-def _op_of(msg: P.Request) -> str:
-    """The ``op`` label of a request: ``forward`` for an update another shard forwarded."""
-    if _is_forward(msg):
-        return "forward"
-    return _OP_NAMES.get(type(msg), type(msg).__name__.lower())
-
-
-def _status_name(status: int) -> str:
-    try:
-        return P.Status(status).name.lower()
-    except ValueError:
-        return "unknown_status"
+    return not is_forward(msg) or frozen[file_of(msg)].hold_forwards

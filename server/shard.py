@@ -8,20 +8,26 @@ one-sided RDMA READ of iRDMA, HPCC 2017). Free space in the region is always zer
 Update ops are applied synchronously, so under trio they are atomic per chunk: no other
 request of any connection runs between the read and the write of an ``add``. Each applied
 update bumps the chunk's version by one.
+
+:class:`Shard` is the chunk table and the operations on it (read, write, update ops, versions,
+free, trim), over its parts, bottom up (each a mixin of the one below it; the attributes are
+the shard's):
+
+* :mod:`.region`: the memory region, its free extents, :class:`Chunk` (re-exported here);
+* :mod:`.lost`: the chunks refused after a damaged moves journal and the free extents held;
+* :mod:`.cow`: the extents snapshots' clones share, and copy-on-write;
+* :mod:`.rows`: GATHER and SCATTER of extents (sparse rows), :func:`split_extents`.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
 import heapq
 import logging
-import mmap
 import os
 import time
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,18 +35,19 @@ import numpy as np
 from irdma._errors import BadRequest, DataLost, NoSpace
 from irdma.train import optimizers  # the optimizer-state layout, shared with the client
 from irdma.wire import compress
-from irdma.wire.extents import fill, move, positions
 from irdma.wire.protocol import Encoding, Update, UpdateOp, op_kind
 
 from . import optim
+from .region import MAX_CHUNK_SIZE, PAGE, Allocator, Chunk, ChunkKey, ChunksPending, Region
+from .rows import SparseRows, split_extents
 
 if TYPE_CHECKING:
     from .store import ShardStore
 
+__all__ = ["COPIES_REMEMBERED", "MAX_CHUNK_SIZE", "PAGE", "TRIM_DELAY_S", "Chunk", "ChunkKey", "ChunksPending",
+           "Region", "Shard", "split_extents"]
+
 log = logging.getLogger("irdma.server")
-PAGE = 4096
-#: Largest chunk a shard accepts (bytes).
-MAX_CHUNK_SIZE = 256 << 20
 #: Whole-chunk copies (REPLACE) a shard remembers the signature of, so that a later copy of the
 #: same bytes shares that chunk's extent (:meth:`Shard.replace`); the oldest are forgotten first.
 COPIES_REMEMBERED = 65536
@@ -49,164 +56,7 @@ COPIES_REMEMBERED = 65536
 TRIM_DELAY_S = 60.0
 
 
-class Region:
-    """A contiguous, writable memory region of ``capacity`` bytes.
-
-    By default an anonymous private ``mmap``: pages cost RAM only once written, and freed
-    ranges are handed back with ``madvise(MADV_DONTNEED)``. A transport may supply its own
-    buffer instead (verbs registers the region with the device).
-
-    Args:
-        capacity: bytes, a multiple of 4096.
-        buffer: an existing writable buffer of at least ``capacity`` bytes, or None.
-    """
-
-    def __init__(self, capacity: int, buffer: memoryview | None = None) -> None:
-        if capacity <= 0 or capacity % PAGE:
-            raise ValueError(f"region capacity {capacity} must be a positive multiple of {PAGE}")
-        self.capacity = capacity
-        self._mmap: mmap.mmap | None = None
-        if buffer is None:
-            self._mmap = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            if hasattr(mmap, "MADV_HUGEPAGE"):  # 512x fewer page faults on first writes
-                try:
-                    self._mmap.madvise(mmap.MADV_HUGEPAGE)
-                except OSError:  # pragma: no cover - THP disabled: fine
-                    pass
-            self.view = memoryview(self._mmap)
-        else:
-            if len(buffer) < capacity or buffer.readonly:
-                raise ValueError("region buffer must be writable and hold the capacity")
-            self.view = buffer[:capacity]
-
-    def zero(self, offset: int, size: int) -> None:
-        """Return ``[offset, offset+size)`` to all zeros (and its pages to the OS if we can)."""
-        if self._mmap is not None and offset % PAGE == 0 and size % PAGE == 0:
-            self._mmap.madvise(mmap.MADV_DONTNEED, offset, size)
-        else:
-            self.view[offset : offset + size] = bytes(size)
-
-    def close(self) -> None:
-        self.view.release()
-        if self._mmap is not None:
-            self._mmap.close()
-            self._mmap = None
-
-
-class _Allocator:
-    """First-fit allocator of page-aligned extents with coalescing of free neighbours."""
-
-    def __init__(self, capacity: int) -> None:
-        self._starts: list[int] = [0]
-        self._sizes: dict[int, int] = {0: capacity}
-
-    def alloc(self, size: int) -> int | None:
-        for start in self._starts:
-            have = self._sizes[start]
-            if have >= size:
-                self._starts.remove(start)
-                del self._sizes[start]
-                if have > size:
-                    bisect.insort(self._starts, start + size)
-                    self._sizes[start + size] = have - size
-                return start
-        return None
-
-    def free_parts(self, start: int, size: int) -> list[tuple[int, int]]:
-        """The parts of ``[start, start+size)`` that are free now, as ``(start, size)``."""
-        end = start + size
-        out = []
-        i = max(0, bisect.bisect_right(self._starts, start) - 1)
-        while i < len(self._starts) and self._starts[i] < end:
-            s = self._starts[i]
-            e = s + self._sizes[s]
-            lo, hi = max(s, start), min(e, end)
-            if lo < hi:
-                out.append((lo, hi - lo))
-            i += 1
-        return out
-
-    def free_extents(self) -> list[tuple[int, int]]:
-        return [(s, self._sizes[s]) for s in self._starts]
-
-    def reserve(self, start: int, size: int) -> None:
-        """Mark ``[start, start+size)`` used (reloading a persistent shard's chunks).
-
-        Raises:
-            ValueError: the range is not inside one free extent (a damaged chunk index).
-        """
-        i = bisect.bisect_right(self._starts, start) - 1
-        if i < 0 or self._starts[i] + self._sizes[self._starts[i]] < start + size:
-            raise ValueError(f"extent [{start}, {start + size}) is not free")
-        ext = self._starts.pop(i)
-        have = self._sizes.pop(ext)
-        if start > ext:
-            bisect.insort(self._starts, ext)
-            self._sizes[ext] = start - ext
-        end = ext + have
-        if end > start + size:
-            bisect.insort(self._starts, start + size)
-            self._sizes[start + size] = end - start - size
-
-    def free(self, start: int, size: int) -> None:
-        i = bisect.bisect_left(self._starts, start)
-        # merge with the next free extent
-        if i < len(self._starts) and self._starts[i] == start + size:
-            nxt = self._starts.pop(i)
-            size += self._sizes.pop(nxt)
-        # merge with the previous one
-        if i > 0:
-            prev = self._starts[i - 1]
-            if prev + self._sizes[prev] == start:
-                self._sizes[prev] += size
-                return
-        self._starts.insert(i, start)
-        self._sizes[start] = size
-
-
-@dataclass
-class Chunk:
-    offset: int  # in the region, bytes
-    size: int  # bytes
-    #: A client was told where it is (LOCATE: the verbs transport's one-sided READs and
-    #: WRITEs): it never moves while shared (see :meth:`Shard._redirect`).
-    located: bool = False
-
-    @property
-    def slot(self) -> int:
-        """Index of this chunk's version in the version table."""
-        return self.offset // PAGE
-
-
-ChunkKey = tuple[int, int]  # (file id, chunk index)
-
-
-class ChunksPending(Exception):
-    """A request needs chunks that are not made yet (deferred creation only: see
-    :attr:`Shard.defer_creation`). Raised before the request changed anything; apply it again
-    once they are made.
-
-    Attributes:
-        new: the chunks this attempt reserved (their extents are taken, their version slots
-            zero): the caller makes them (:meth:`ShardStore.add_chunks` in a worker thread),
-            then :meth:`Shard.install` (or :meth:`Shard.abandon` if that failed).
-        waiting: chunks another request reserved and is making: wait until it is done.
-    """
-
-    def __init__(self, new: list[tuple[ChunkKey, Chunk]] | None = None, waiting: list[ChunkKey] | None = None) -> None:
-        super().__init__("chunks to make first")
-        self.new = new or []
-        self.waiting = waiting or []
-
-    def add(self, other: ChunksPending) -> None:
-        self.new += other.new
-        self.waiting += other.waiting
-
-    def __bool__(self) -> bool:
-        return bool(self.new or self.waiting)
-
-
-class Shard:
+class Shard(SparseRows):
     """The chunks of one shard and the update ops on them.
 
     Chunk versions live in a table of little-endian u64, one slot per 4 KiB page of the
@@ -241,7 +91,7 @@ class Shard:
             self.versions = np.frombuffer(versions, dtype="<u8", count=n)
             if store is None or store.fresh:
                 self.versions[:] = 0
-        self._alloc = _Allocator(region.capacity)
+        self._alloc = Allocator(region.capacity)
         self._chunks: dict[tuple[int, int], Chunk] = {}
         #: Creation with a data directory does I/O (zeroing the extent, recording it in the
         #: chunk index): when True, a request that needs a new chunk reserves it and raises
@@ -294,60 +144,7 @@ class Shard:
             for offset, size in self._alloc.free_extents():  # what was freed before a restart, not trimmed yet
                 store.zero(offset, size)
             if self.lost:
-                log.error("shard %d refuses %d chunks (file id, chunk index) that a damaged record of its moves"
-                          " journal may have moved: %s. `irdma fsck` names their files (exit status 2); a replicated"
-                          " file's chunks come back with `irdma shard resync %d`; otherwise rewrite or delete those"
-                          " files (a chunk rewritten whole or freed is served again; a snapshot restore or clone of"
-                          " them is refused too: their snapshots share the refused extents). Until then %d bytes of"
-                          " free extents that the damaged record may name are kept, neither zeroed nor reused",
-                          shard_id, len(self.lost),
-                          ", ".join(map(str, sorted(self.lost)[:20])) + (" ..." if len(self.lost) > 20 else ""),
-                          shard_id, sum(n for _, n in self.held))
-
-    def hold(self, store: ShardStore) -> None:
-        """Keep out of use the free extents a damaged moves-journal record may name (at open,
-        while :attr:`lost` is not empty): a lost move's copy, acknowledged bytes the index does
-        not know, lies in an extent that is free in the index. Zeroing it would wipe what the
-        kept journal points at, and allocating it would hand it to another chunk. Such a copy
-        holds the chunk's bytes, so it is in a free extent with written (non-zero) pages: each
-        free page run of that kind is held, widened by the largest refused chunk's size on both
-        sides (the copy may hold zero pages too), within its free extent. They count as used
-        and are freed (then trimmed) once no chunk is refused (:meth:`_release_held`)."""
-        span = max(self._chunks[k].size for k in self.lost)
-        held: list[tuple[int, int]] = []
-        for lo, size in self._alloc.free_extents():
-            hi = lo + size
-            for start, n in store.written(lo, size):
-                a, b = max(lo, start - span), min(hi, start + n + span)
-                if held and held[-1][0] + held[-1][1] >= a:
-                    a = held.pop()[0]
-                held.append((a, b - a))
-        for start, n in held:
-            self._alloc.reserve(start, n)
-            self.used += n
-        self.held = held
-
-    def _release_held(self) -> None:
-        """Free the extents :meth:`hold` kept once no chunk is refused any more (rewritten whole
-        or freed: the kept journal has nothing left to recover); :meth:`trim` zeroes them."""
-        if self.lost or not self.held:
-            return
-        held, self.held = self.held, []
-        now = time.monotonic()
-        for start, n in held:
-            self._alloc.free(start, n)
-            self.used -= n
-            self._freed.append((now, start, n))
-        log.info("shard %d serves every chunk again: %d bytes of free extents kept for the damaged moves journal"
-                 " are free again", self.shard_id, sum(n for _, n in held))
-
-    def _refuse_lost(self, file_id: int, chunk_index: int) -> None:
-        """Raise DataLost if the chunk is one of :attr:`lost`."""
-        if self.lost and (file_id, chunk_index) in self.lost:
-            raise DataLost(f"shard {self.shard_id}: chunk ({file_id}, {chunk_index}) cannot be trusted:"
-                           f" {self.lost[(file_id, chunk_index)]}",
-                           "`irdma fsck` names the file; `irdma shard resync` copies a replicated chunk back,"
-                           " else rewrite or delete the file")
+                self._report_lost()
 
     def sync(self) -> None:
         """Make every update applied so far durable (a shard with a data directory and
@@ -528,123 +325,6 @@ class Shard:
             dst += np.frombuffer(data, dtype="<f4")
         return self._bump(chunk)
 
-    # ------------------------------------------------------------ extents (sparse rows)
-    def gather(self, file_id: int, chunk: np.ndarray, offset: np.ndarray, length: np.ndarray,
-               out: memoryview) -> np.ndarray:
-        """Copy extents of a file into ``out``, one after the other (GATHER: sparse rows).
-
-        ``chunk``, ``offset``, ``length``: int64 arrays, one extent each (chunk index, byte
-        offset in the chunk, bytes); ``out`` has room for exactly their total. A missing chunk
-        reads as zeros. A copy, so the caller may send it while updates go on; one fancy-indexed
-        copy per distinct extent length (:func:`irdma.wire.extents.move`).
-
-        Returns:
-            The version of each extent's chunk (uint64; 0 for a hole).
-
-        Raises:
-            BadRequest: an extent leaves its chunk, or ``out`` is not the extents' total.
-        """
-        pos = positions(length)
-        if pos[-1] != len(out):
-            raise BadRequest(f"{len(out)} bytes of room for extents of {pos[-1]}")
-        dst = np.frombuffer(out, dtype=np.uint8)
-        if not len(chunk):
-            return np.zeros(0, dtype=np.uint64)
-        names, inv = np.unique(chunk, return_inverse=True)
-        base = np.full(len(names), -1, dtype=np.int64)
-        size = np.zeros(len(names), dtype=np.int64)
-        ver = np.zeros(len(names), dtype=np.uint64)
-        for k, index in enumerate(names.tolist()):
-            c = self._chunks.get((file_id, index))
-            if c is not None:
-                self._refuse_lost(file_id, index)
-                base[k], size[k], ver[k] = c.offset, c.size, self.versions[c.slot]
-        inv = inv.reshape(-1)
-        held = base[inv] >= 0
-        if bool((held & (offset + length > size[inv])).any()):
-            raise BadRequest(f"an extent leaves its chunk of file {file_id}")
-        at = pos[:-1]
-        move(dst, at[held], np.frombuffer(self.region.view, dtype=np.uint8), (base[inv] + offset)[held], length[held])
-        fill(dst, at[~held], length[~held])
-        return ver[inv]
-
-    def scatter(self, file_id: int, chunk_size: int, parts: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]],
-                op: UpdateOp | Update, data: memoryview | bytes, existing: bool = False) -> list[int]:
-        """Apply an update op to extents of chunks (SCATTER: sparse rows), each chunk with one
-        version bump; every op of :meth:`write`, applied extent by extent.
-
-        ``parts``: per chunk, ``(chunk index, offsets in the chunk, lengths, positions in
-        data)`` as :func:`split_extents` makes them (checked there: in range, aligned, not
-        overlapping). Every chunk (and optimizer state) is found or made first: a NoSpace or
-        DataLost then undoes what this call made and changes nothing; only then are the bytes
-        applied (assign and add in one fancy-indexed operation over the region).
-
-        Returns:
-            Each part's chunk version after the update, in order.
-
-        Raises:
-            BadRequest: an op other than assign on optimizer state, an optimizer without its
-                arguments. NoSpace, DataLost: as :meth:`write`. Nothing changed in each case.
-        """
-        kind = op_kind(op)
-        if kind.is_optimizer and not isinstance(op, Update):
-            raise BadRequest(f"{kind.name.lower()} needs its arguments")
-        if kind != UpdateOp.ASSIGN and any(optimizers.is_state(i) for i, _, _, _ in parts):
-            raise BadRequest("optimizer state chunks take only assign")
-        made: list[tuple[int, int]] = []  # what this call created: dropped again if it fails
-        pending = ChunksPending()  # deferred creation: every new chunk reserved, then made at once
-        chunks: list[Chunk] = []
-        states: list[Chunk] = []
-        try:
-            for index, _, _, _ in parts:
-                if kind.is_optimizer:
-                    assert isinstance(op, Update)
-                    skey = (file_id, optimizers.state_index(index))
-                    had = skey in self._chunks
-                    try:
-                        states.append(self._state_for(file_id, index, chunk_size, op, existing))
-                    except ChunksPending as more:
-                        pending.add(more)
-                    if not had and skey in self._chunks:
-                        made.append(skey)
-                key = (file_id, index)
-                had = key in self._chunks
-                try:
-                    chunks.append(self._get_or_create(file_id, index, chunk_size, existing))
-                except ChunksPending as more:
-                    pending.add(more)
-                if not had and key in self._chunks:
-                    made.append(key)
-        except BaseException:
-            self.abandon(pending.new)
-            for key in reversed(made):
-                if key in self._chunks:
-                    self._drop(*key)
-            raise
-        if pending:
-            raise pending
-        for index, _, _, _ in parts:  # copy-on-write first: nothing applied yet if it finds no room
-            self._unshare((file_id, index))
-            if kind.is_optimizer:
-                self._unshare((file_id, optimizers.state_index(index)))
-        src = np.frombuffer(data, dtype=np.uint8)
-        if kind.is_optimizer:
-            assert isinstance(op, Update)
-            for (_, offs, lens, at), c, st in zip(parts, chunks, states, strict=True):
-                sview = self.region.view[st.offset : st.offset + st.size]
-                for o, n, p in zip(offs.tolist(), lens.tolist(), at.tolist(), strict=True):
-                    optim.apply(op, self.region.view[c.offset + o : c.offset + o + n],
-                                memoryview(src[p : p + n]), sview, chunk_size, o)  # type: ignore[arg-type]
-        else:
-            move(np.frombuffer(self.region.view, dtype=np.uint8),
-                 np.concatenate([c.offset + o for c, (_, o, _, _) in zip(chunks, parts, strict=True)]), src,
-                 np.concatenate([a for _, _, _, a in parts]), np.concatenate([n for _, _, n, _ in parts]),
-                 add=kind == UpdateOp.ADD)
-        versions = [self._bump(c) for c in chunks]
-        for st, v in zip(states, versions, strict=False):
-            self.versions[st.slot] = v  # the state's version follows its chunk's
-        return versions
-
     def _state_for(self, file_id: int, chunk_index: int, chunk_size: int, update: Update, existing: bool) -> Chunk:
         """The state chunk of a chunk, made (or made afresh) for ``update``'s optimizer
         (allocated before the chunk itself; :meth:`write` drops it again if the chunk finds no room)."""
@@ -733,179 +413,12 @@ class Shard:
             self._received.popitem(last=False)
         return version
 
-    def _share_copy(self, key: ChunkKey, sig: tuple[int, int, int, int], data: memoryview | bytes) -> bool:
-        """Make ``key`` (not here yet) share the extent of a chunk copied here before with the
-        same bytes and version (``sig``: :attr:`_received`), instead of taking a new extent: a
-        drain or rebalance moving a file and its snapshots copies each shared extent once and
-        keeps it shared (copy-on-write then parts them on their next write, as on the shard
-        they came from). Only when the bytes are equal, compared whole, and the version too
-        (keys sharing an extent share its version), and the chunk was never LOCATEd (a verbs
-        client may write it in place). Returns whether it did.
-
-        Raises:
-            sqlite3.Error: the chunk index could not be written; nothing changed.
-        """
-        twin_key = self._received.get(sig)
-        twin = self._chunks.get(twin_key) if twin_key is not None else None
-        if twin is None or twin_key is None or twin.located or twin_key in self.lost:
-            return False
-        _, size, version, _ = sig
-        if twin.size != size or int(self.versions[twin.slot]) != version or \
-                self.region.view[twin.offset : twin.offset + size] != memoryview(data).cast("B"):
-            return False
-        if self.store is not None:
-            self.store.record_chunks([(key[0], key[1], twin.offset, size)])
-        self._chunks[key] = Chunk(twin.offset, size)
-        self._sharers.setdefault(twin.offset, [twin_key]).append(key)
-        self._by_file.setdefault(key[0], set()).add(key[1])
-        return True
-
-    # ------------------------------------------------------------ snapshots: shared extents
-    def clone(self, src_file: int, dst_file: int) -> int:
-        """Make every chunk of ``src_file`` here (and its optimizer state) also a chunk of
-        ``dst_file``, sharing the extent: no byte is copied (a snapshot's clone, O(chunks)).
-        The first later update of either key copies the extent (:meth:`_unshare`).
-
-        Returns:
-            How many chunk keys were made (state chunks included).
-
-        Raises:
-            BadRequest: ``dst_file`` already has chunks here, or is ``src_file``. Nothing changed.
-        """
-        return self.clone_files([(src_file, dst_file)])
-
-    def clone_files(self, pairs: Sequence[tuple[int, int]]) -> int:
-        """:meth:`clone` of each ``(source, clone)`` pair, with one chunk-index transaction for
-        them all (a snapshot's CLONE names every file of its tree). Returns the chunk keys made.
-
-        Raises:
-            BadRequest: a clone's file id already has chunks here, is a source, or comes twice.
-                Nothing changed.
-        """
-        dsts = [d for _, d in pairs]
-        srcs = {s for s, _ in pairs}
-        for src_file, dst_file in pairs:
-            if dst_file == src_file or dst_file in self._by_file or dst_file in srcs:
-                raise BadRequest(f"file {dst_file} already has chunks on shard {self.shard_id}: a clone needs a new"
-                                 " file id")
-        if len(set(dsts)) != len(dsts):
-            raise BadRequest("a clone names the same new file id twice")
-        for src_file, _ in pairs:  # a clone of bytes the shard cannot vouch for would pass them off
-            for i in self._by_file.get(src_file, ()):
-                self._refuse_lost(src_file, i)
-        made = [(src_file, dst_file, i, self._chunks[(src_file, i)]) for src_file, dst_file in pairs
-                for i in sorted(self._by_file.get(src_file, ()))]
-        if self.store is not None and made:
-            self.store.record_chunks([(d, i, c.offset, c.size) for _, d, i, c in made])
-        for src_file, d, i, c in made:
-            self._chunks[(d, i)] = Chunk(c.offset, c.size)
-            self._sharers.setdefault(c.offset, [(src_file, i)]).append((d, i))
-            self._by_file.setdefault(d, set()).add(i)
-        return len(made)
-
-    def _redirect(self, key: ChunkKey, chunk: Chunk, offset: int, n: int, kind: UpdateOp,
-                  data: memoryview | bytes) -> bool:
-        """Copy-on-write by redirection: the update of a shared chunk is written into a new
-        extent (the old bytes with the update applied, one pass: ``add`` reads the old floats and
-        the delta and writes the sum there), and the writer's key moves to it; the snapshot's
-        keys keep the old extent untouched. Half the memory traffic of copying first and
-        updating in place (:meth:`_unshare`), and crash-safe by order: the new extent is
-        written before the chunk index moves the key to it.
-
-        Only for the extent's owner (the live file) and a chunk no client was told the place of
-        (never LOCATEd: a verbs client may have cached it); returns False, having changed
-        nothing, when it does not apply (the caller copies with :meth:`_unshare`).
-
-        Raises:
-            NoSpace: no free extent; nothing changed.
-        """
-        keys = self._sharers[chunk.offset]
-        if key != keys[0] or chunk.located:
-            return False
-        to = self._alloc.alloc(chunk.size)
-        if to is None:
-            raise NoSpace(f"shard {self.shard_id} is full: {self.used} of {self.capacity} bytes used, no room to"
-                          f" copy a {chunk.size}-byte chunk a snapshot shares")
-        old, size = chunk.offset, chunk.size
-        view = self.region.view
-        src, dst = view[old : old + size], view[to : to + size]
-        if offset:
-            dst[:offset] = src[:offset]
-        if offset + n < size:
-            dst[offset + n :] = src[offset + n :]
-        if kind == UpdateOp.ASSIGN:
-            dst[offset : offset + n] = data
-        else:
-            np.add(np.frombuffer(src[offset : offset + n], dtype="<f4"), np.frombuffer(data, dtype="<f4"),
-                   out=np.frombuffer(dst[offset : offset + n], dtype="<f4"))
-        self.versions[to // PAGE] = self.versions[chunk.slot]
-        self.used += size
-        if self.store is not None:
-            try:
-                self.store.move_chunks([key], to, size)
-            except BaseException:
-                self._alloc.free(to, size)
-                self.used -= size
-                raise
-        rest = keys[1:]
-        if len(rest) > 1:
-            self._sharers[old] = rest
-        else:
-            del self._sharers[old]
-        chunk.offset = to
-        self.copies += 1
-        return True
-
-    def _unshare(self, key: ChunkKey) -> None:
-        """Copy-on-write before ``key``'s chunk changes, when its extent is shared: the extent's
-        owner stays where it is and the others move to a copy of it (bytes and version), so the
-        update reaches ``key`` alone. Written by its owner (the live file under a snapshot),
-        the other keys move; written by another (a writable clone), that key moves alone. A
-        key that moves was shared, and a shared chunk's place is never cached by a client
-        (:class:`irdma.wire.protocol.LocateReply` ``shared``), so no cached one-sided location
-        ever points at bytes that are no longer its chunk's.
-
-        Raises:
-            NoSpace: no free extent for the copy. Nothing changed.
-        """
-        chunk = self._chunks.get(key)
-        if chunk is None or chunk.offset not in self._sharers:
-            return
-        keys = self._sharers[chunk.offset]
-        movers = [k for k in keys if k != key] if key == keys[0] else [key]
-        to = self._alloc.alloc(chunk.size)
-        if to is None:
-            raise NoSpace(f"shard {self.shard_id} is full: {self.used} of {self.capacity} bytes used, no room to"
-                          f" copy a {chunk.size}-byte chunk a snapshot shares")
-        self.region.view[to : to + chunk.size] = self.region.view[chunk.offset : chunk.offset + chunk.size]
-        self.versions[to // PAGE] = self.versions[chunk.slot]
-        if self.store is not None:
-            try:
-                self.store.move_chunks(movers, to, chunk.size)
-            except BaseException:
-                self._alloc.free(to, chunk.size)
-                raise
-        self.used += chunk.size
-        stay = [k for k in keys if k not in movers]
-        if len(stay) > 1:
-            self._sharers[chunk.offset] = stay
-        else:
-            del self._sharers[chunk.offset]
-        if len(movers) > 1:
-            self._sharers[to] = movers
-        for k in movers:
-            self._chunks[k].offset = to
-        self.copies += 1
-
     def _unrecorded(self, file_id: int, chunk_index: int) -> None:
         assert self.store is not None
         if self._unrecord is not None:
             self._unrecord.append((file_id, chunk_index))
         else:
             self.store.unrecord_chunks([(file_id, chunk_index)])
-
-    def is_shared(self, chunk: Chunk) -> bool:
-        return chunk.offset in self._sharers
 
     def has_file(self, file_id: int) -> bool:
         return file_id in self._by_file
@@ -919,17 +432,6 @@ class Shard:
                 c = self._chunks[(file_id, i)]
                 out.append((file_id, i, c.size, int(self.versions[c.slot])))
         return out
-
-    def exclusive_bytes(self, file_id: int) -> tuple[int, int]:
-        """``(bytes held by file_id alone, bytes it shares with other keys)`` on this shard."""
-        alone = shared = 0
-        for i in self._by_file.get(file_id, ()):
-            c = self._chunks[(file_id, i)]
-            if c.offset in self._sharers:
-                shared += c.size
-            else:
-                alone += c.size
-        return alone, shared
 
     def _bump(self, chunk: Chunk) -> int:
         self.versions[chunk.slot] += 1
@@ -1092,45 +594,3 @@ def _decoded(op: Update, payload: memoryview | bytes, offset: int, chunk_size: i
         what = f"{op.op.name.lower()} with a {Encoding(op.encoding).name.lower()} payload"
         raise BadRequest(f"{what} refused: {exc}") from None
     return memoryview(dense).cast("B")  # type: ignore[arg-type]
-
-
-def _by_chunk(chunk: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """``(chunk index, positions of its extents in request order)`` for each chunk named."""
-    order = np.argsort(chunk, kind="stable")
-    sorted_chunks = chunk[order]
-    cuts = np.flatnonzero(np.diff(sorted_chunks)) + 1
-    return [(int(sorted_chunks[g[0]]), g) for g in np.split(order, cuts) if len(g)] if len(order) else []
-
-
-def split_extents(ext: np.ndarray, chunk_size: int, op: UpdateOp | Update,
-                  payload: int) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
-    """Check a SCATTER's extents and group them by chunk, before anything is applied.
-
-    Returns:
-        ``(chunk index, offsets, lengths, payload positions)`` per chunk, int64 arrays, in
-        chunk order.
-
-    Raises:
-        BadRequest: no extent, an extent leaves its chunk, extents of one chunk overlap, the
-            payload is not the extents' total, or an op other than assign is not aligned to float32.
-    """
-    chunk = ext["chunk"].astype(np.int64)
-    offset = ext["offset"].astype(np.int64)
-    length = ext["length"].astype(np.int64)
-    if not len(chunk):
-        raise BadRequest("a scatter names no extent")
-    if int(length.min()) <= 0:
-        raise BadRequest("an extent of a scatter is empty")
-    pos = positions(length)
-    if pos[-1] != payload:
-        raise BadRequest(f"a scatter carries {payload} bytes for extents of {pos[-1]}")
-    if int((offset + length).max()) > chunk_size:
-        raise BadRequest(f"an extent leaves the {chunk_size}-byte chunk")
-    if op_kind(op).is_float32 and bool(((offset % 4) | (length % 4)).any()):
-        raise BadRequest(f"{op_kind(op).name.lower()} needs float32 alignment: every extent's offset and length"
-                         " must be multiples of 4")
-    order = np.lexsort((offset, chunk))
-    c, o, e = chunk[order], offset[order], (offset + length)[order]
-    if len(order) > 1 and bool(((c[1:] == c[:-1]) & (o[1:] < e[:-1])).any()):
-        raise BadRequest("extents of one chunk overlap: sum duplicate rows into one first")
-    return [(index, offset[sel], length[sel], pos[sel]) for index, sel in _by_chunk(chunk)]
