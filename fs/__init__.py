@@ -6,7 +6,22 @@ beyond the mount's caches: :mod:`irdma.fs.operations` translates the requests,
 the residuals of compressed pushes.
 """
 
-from .errors import ERRNO, to_errno
-from .operations import IrdmaFS
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["IrdmaFS", "ERRNO", "to_errno"]
+
+
+def __getattr__(name: str) -> Any:
+    """The package's names, imported on first use: ``irdma.fs.options`` (what ``irdma`` and the
+    fstab helper read) must not load pyfuse3, which a host without FUSE cannot."""
+    if name == "IrdmaFS":
+        from .operations import IrdmaFS
+
+        return IrdmaFS
+    if name in ("ERRNO", "to_errno"):
+        from . import errors
+
+        return getattr(errors, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

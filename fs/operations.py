@@ -109,6 +109,7 @@ from .control import CLOCK_PREFIX, CONTROL, STATE_PREFIX, XATTR_MOUNT, Control, 
 from .errors import fuse_errors
 from .handles import communication_of, getattr_or_stale, kills_setid
 from .openfile import INVALIDATIONS_IN_THREADS, MTIME_LAZY_S, OpenFiles
+from .options import ATTR_TIMEOUT, ENTRY_TIMEOUT
 from .session import HEARTBEAT_S, CollectGarbage, MountSession
 from .stateimage import StateImages
 
@@ -117,12 +118,6 @@ __all__ = ["ATTR_TIMEOUT", "ENTRY_TIMEOUT", "HEARTBEAT_S", "INVALIDATIONS_IN_THR
 
 log = logging.getLogger("irdma.fs")
 
-#: Seconds the kernel may cache a file's attributes (``irdma mount --attr-cache``'s default).
-ATTR_TIMEOUT = 1.0
-#: Seconds the kernel may cache a name's inode (``irdma mount --entry-cache``'s default). A mount
-#: with a longer one raises the namespace's unlink grace to twice it before it serves
-#: (:meth:`irdma.meta.base.MetaStore.raise_unlink_grace`): a name it cached stays openable.
-ENTRY_TIMEOUT = 1.0
 #: Requests that change the namespace or a file: a read-only mount answers them EROFS.
 WRITE_OPS = frozenset({"write", "create", "mkdir", "mknod", "symlink", "link", "unlink", "rmdir", "rename", "setattr",
                        "setxattr", "removexattr"})

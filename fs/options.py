@@ -22,7 +22,12 @@ from typing import Any
 from irdma.client.native import DEFAULT_TIMEOUT
 from irdma.train.coord import DEFAULT_SYNC_TIMEOUT
 
-from .operations import ATTR_TIMEOUT, ENTRY_TIMEOUT
+#: Seconds the kernel may cache a file's attributes (``irdma mount --attr-cache``'s default).
+ATTR_TIMEOUT = 1.0
+#: Seconds the kernel may cache a name's inode (``irdma mount --entry-cache``'s default). A mount
+#: with a longer one raises the namespace's unlink grace to twice it before it serves
+#: (:meth:`irdma.meta.base.MetaStore.raise_unlink_grace`): a name it cached stays openable.
+ENTRY_TIMEOUT = 1.0
 
 
 def _opt(default: Any, help: str, *, fstab: bool = True, seconds: bool = False) -> Any:
@@ -123,11 +128,12 @@ def process_argv(given: Mapping[str, Any]) -> list[str]:
     argv: list[str] = []
     for f in dataclasses.fields(MountOptions):
         value = given.get(f.name)
-        if value is None or value is False:
+        if value is None:
             continue
         flag = MountOptions.flag(f.name)
-        if value is True:
-            argv.append(flag)
+        if f.type in ("bool", bool):  # a flag: given when true (any truthy value, as the old lists had it)
+            if value:
+                argv.append(flag)
         else:
             argv += [flag, repr(float(value)) if f.metadata["seconds"] else str(value)]
     return argv

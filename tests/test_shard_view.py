@@ -16,6 +16,7 @@ from irdma._errors import Fenced, IsADirectory, ShardUnavailable
 from irdma.client.view import ShardView, layout_of
 from irdma.meta import Inode, ShardRecord
 from irdma.meta.aio import AsyncMeta
+from irdma.meta.sql_rows import NOT_CURRENT
 from irdma.placement import MOVE_ALL, Layout, Move
 
 
@@ -40,9 +41,13 @@ class FakeShardMap:
     async def set_shard_health(self, shard_id: int, health: str) -> tuple[str, int]:
         if self.health_fails:
             raise IrdmaError("the metadata engine is away")
-        if self.records[shard_id].health != health:
+        old = self.records[shard_id].health
+        if health == "up" and old in NOT_CURRENT:
+            health = "syncing"  # the engine's rule (meta/sql_cluster.py): it may have missed updates
+        if health != old:
             self.records[shard_id] = dataclasses.replace(self.records[shard_id], health=health)
-            self.epoch += 1
+            if health in NOT_CURRENT or old in NOT_CURRENT:  # chains change: a new view
+                self.epoch += 1
         return health, self.epoch
 
     async def withdraw_replicas(self, ino: int, replicas: Sequence[tuple[int, int]], epoch: int | None = None) -> bool:

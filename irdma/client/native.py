@@ -135,8 +135,7 @@ class Client:
         #: reads, writes, chained updates, flush and truncate by layout (:mod:`irdma.client.datapath`)
         self.data = DataPath(self.view, self.pool, self.meta)
         #: the local read cache and the files validated at their open (:mod:`irdma.client.readcache`)
-        self.cached = CachedReads(self.data, cache) if cache is not None and cache.enabled else None
-        self.data.cached = self.cached
+        self.data.cached = CachedReads(self.data, cache) if cache is not None and cache.enabled else None
         #: sparse rows (:mod:`irdma.client.sparse`) and optimizer state images (:mod:`irdma.client.optstate`)
         self.rows = SparseRows(self.data)
         self.states = StateImages(self.data)
@@ -195,6 +194,12 @@ class Client:
         await self.pool.aclose()
 
     # ------------------------------------------------------------ shard connections and the view
+    @property
+    def cached(self) -> CachedReads | None:
+        """The local read cache's front (:mod:`irdma.client.readcache`), or None: the data
+        path's, so one object serves reads and takes invalidations."""
+        return self.data.cached
+
     @property
     def timeout(self) -> float:
         """Seconds each request to a shard may take (the view's: chains carry it)."""

@@ -93,7 +93,9 @@ cli.lazy.update((name, _lazy(name)) for name in _LAZY)
 def __getattr__(name: str) -> Any:
     """``mount``, ``umount``, ``warmup``: the commands, made on first use."""
     if name in _LAZY:
-        return cli.load(name)
+        command = cli.load(name)
+        if command is not None:
+            return command
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -197,9 +197,10 @@ class IrdmaCLI(click.Group):
 
     def load(self, name: str) -> click.Command | None:
         """The command ``name``, made now if it is a lazy one; None if there is none."""
-        make = self.lazy.pop(name, None)
+        make = self.lazy.get(name)
         if make is not None:
-            self.add_command(make(), name)
+            self.add_command(make(), name)  # a failed make leaves it lazy: the next use tries again
+            del self.lazy[name]
         return self.commands.get(name)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
