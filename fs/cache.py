@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
-from irdma._errors import IrdmaError
+from irdma._errors import Busy, IrdmaError, MetadataError
 from irdma.client.native import ChunkMap, Client, NewChunk
 from irdma.placement import Layout
 from irdma.wire.compress import Compression
@@ -219,6 +219,14 @@ class WriteBehind:
                 log.warning("push of %d bytes at %d to file %d failed: %s", entry.end - off, off, self.layout.file_id,
                             exc)
                 err = exc
+                if isinstance(exc, Busy):
+                    # a metadata write on the push's path (a replica withdrawn, a shard's
+                    # incarnation noted) found the engine locked: these bytes are lost, not
+                    # kept for a retry. EBUSY from a drain means its records wait for the next
+                    # drain (nothing lost): a caller retries on it, and the fsync after that
+                    # returns 0 (errseq), so a lost push must never be told as EBUSY
+                    err = MetadataError(f"push of {entry.end - off} bytes at {off} to file {self.layout.file_id}"
+                                        f" failed and is lost: {exc}", "write those bytes again")
             else:  # a bug: this push fails, the mount lives on
                 log.exception("push of %d bytes at %d to file %d failed unexpectedly", entry.end - off, off,
                               self.layout.file_id)
