@@ -41,12 +41,14 @@ def cl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 def entries(cache_dir: str) -> list[str]:
-    """The chunk files of the disk tier, sorted (``irdma-*/<file id>/<chunk>-<version>``)."""
-    return sorted(glob.glob(os.path.join(cache_dir, "irdma-*", "*", "*-*")))
+    """The chunk files of the disk tier, sorted (``irdma-*/<file id>/<chunk>-<version>``): whole
+    entries only, not the ``.tmp`` file an entry is written to before its rename (a test that took
+    one for the entry found it gone)."""
+    return sorted(p for p in glob.glob(os.path.join(cache_dir, "irdma-*", "*", "*-*")) if not p.endswith(".tmp"))
 
 
 def entry_of(cache_dir: str, ino: int, index: int) -> str:
-    found = glob.glob(os.path.join(cache_dir, "irdma-*", str(ino), f"{index}-*"))
+    found = [p for p in glob.glob(os.path.join(cache_dir, "irdma-*", str(ino), f"{index}-*")) if not p.endswith(".tmp")]
     assert len(found) == 1, found
     return found[0]
 
