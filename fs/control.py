@@ -86,7 +86,7 @@ _T = TypeVar("_T")
 
 CONTROL = b".irdma"
 #: The xattr of the mount's root directory that says what the mount shows (:meth:`Control.mount_xattr`):
-#: read by ``irdma info`` and ``irdma snapshot`` for a path under the mount (:func:`irdma.ops.info.ask_mount`)
+#: read by ``irdma info`` and ``irdma snapshot`` for a path under the mount (:func:`irdma.ops.mountpath.ask_mount`)
 XATTR_MOUNT = b"user.irdma.mount"
 #: ``JOB/.irdma-clock@K``: a read advances worker K's clock in job directory JOB and returns once
 #: the job's consistency model lets it pull (:func:`irdma.train.coord.tick`); the text is the new clock

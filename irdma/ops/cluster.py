@@ -26,20 +26,25 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import psutil
 import trio
 
-from .._concurrency import open_nursery
 from .._errors import InvalidArgument, IrdmaError, ShardUnavailable
 from ..meta import open_meta
-from ..transport import make_transport
-from ..wire.auth import KEY_FILE_ENV, KEY_FILE_NAME, KeyRing, create_key_file, read_key_file, set_security
-from ._proc import last_log_line, pid_alive, spawn_detached
+from ..wire.auth import KEY_FILE_ENV, KEY_FILE_NAME, create_key_file, read_key_file, set_security
+from ._proc import last_log_line, spawn_detached
+from .probe import (  # noqa: F401  (irdma.ops.cluster's names before the probes had a module)
+    HANDSHAKE_TIMEOUT,
+    _answering,
+    _free_port,
+    _free_ports,
+    check_shard,
+    wait_for_shard,
+)
 
 STATE_FILE = "cluster.json"
 #: How each shard ``irdma up`` started is started again (:class:`ShardSettings`), by shard id.
@@ -51,8 +56,6 @@ DEFAULT_DURABILITY = "fsync"
 DEFAULT_CAPACITY = 1 << 30
 #: Command lines of shards started by hand (not by ``irdma up``) seen running, by shard id.
 HAND_FILE = "hand_started.json"
-#: Seconds ``up`` waits for the handshake of a shard it did not start.
-HANDSHAKE_TIMEOUT = 3.0
 
 
 @dataclass
@@ -199,22 +202,6 @@ def meta_url_of(cluster_dir: str) -> str:
     return f"sqlite://{os.path.abspath(os.path.join(cluster_dir, 'meta.db'))}"
 
 
-def _free_port(host: str) -> int:
-    return _free_ports(host, 1)[0]
-
-
-def _free_ports(host: str, count: int) -> list[int]:
-    """``count`` distinct ports free on ``host`` now: the sockets stay bound until all are chosen,
-    so the kernel cannot hand the same ephemeral port out twice (it did, one CI run in ~40)."""
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            s = stack.enter_context(socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET))
-            s.bind((host, 0))
-            ports.append(int(s.getsockname()[1]))
-        return ports
-
-
 def read_state(cluster_dir: str) -> list[ShardProc]:
     """The shard processes ``irdma up`` started in ``cluster_dir`` (empty when it started none).
 
@@ -230,51 +217,6 @@ def read_state(cluster_dir: str) -> list[ShardProc]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise IrdmaError(f"cannot read the cluster state {path}: {exc}",
                          f"stop its shards by hand and remove {path}, or pick another --dir") from None
-
-
-async def wait_for_shard(address: str, transport: str, deadline: float, pid: int | None = None,
-                         key: KeyRing | None = None) -> None:
-    """Wait until the shard at ``address`` answers the handshake, or raise at ``deadline``.
-
-    Args:
-        pid: the shard's process, if it is ours: stop waiting as soon as it exits.
-
-    Raises:
-        ShardUnavailable: no answer by ``deadline``, or the process ``pid`` exited.
-    """
-    tr = make_transport(transport)
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        if pid is not None and not pid_alive(pid):
-            raise ShardUnavailable(f"the shard process (pid {pid}) exited")
-        try:
-            with trio.move_on_at(trio.current_time() + deadline - time.monotonic()):
-                async with open_nursery() as nursery:
-                    conn = await tr.connect(address, nursery, client_name="irdma up", key=key)
-                    await conn.aclose()
-                return
-        except ShardUnavailable as exc:
-            last = exc
-            await trio.sleep(0.05)
-    raise ShardUnavailable(f"shard at {address} did not answer in time: {last}")
-
-
-async def check_shard(address: str, timeout: float, *, key: KeyRing | None = None) -> None:
-    """Check that an irdma shard answers the handshake at ``address`` within ``timeout`` seconds.
-
-    One try: a refused connection fails at once, an address that does not answer (a firewall,
-    a host that is down, a service that is not irdma) after ``timeout``.
-
-    Raises:
-        ShardUnavailable: no irdma shard answered; the message says why.
-    """
-    tr = make_transport("tcp")
-    with trio.move_on_after(timeout) as scope:
-        async with open_nursery() as nursery:
-            conn = await tr.connect(address, nursery, client_name="irdma shard add", key=key)
-            await conn.aclose()
-    if scope.cancelled_caught:
-        raise ShardUnavailable(f"no answer from {address} in {timeout:g} s")
 
 
 def check_up_args(cluster_dir: str, shards: int, capacity: int, host: str) -> None:
@@ -533,22 +475,6 @@ def _restart(cluster_dir: str, given: dict[str, object], progress: Callable[[str
     return meta_url
 
 
-async def _answering(addresses: Sequence[str], key: KeyRing | None,
-                     timeout: float = HANDSHAKE_TIMEOUT) -> set[str]:
-    """The addresses at which an irdma shard answers the handshake (all tried at once)."""
-    ok: set[str] = set()
-
-    async def one(address: str) -> None:
-        with contextlib.suppress(ShardUnavailable):
-            await check_shard(address, timeout, key=key)
-            ok.add(address)
-
-    async with open_nursery() as nursery:
-        for address in addresses:
-            nursery.start_soon(one, address)
-    return ok
-
-
 def _read_hand(cluster_dir: str) -> dict[str, dict[str, object]]:
     try:
         with open(os.path.join(cluster_dir, HAND_FILE)) as f:
@@ -740,7 +666,7 @@ def _note_hand_started_running(cluster_dir: str, ours: set[int]) -> None:
 def live_mounts(cluster_dir: str) -> list[str]:
     """The mountpoints of the irdma mounts of this host (its mount table) whose namespace is the
     cluster's in ``cluster_dir``; reads only the mount table."""
-    from .info import mount_table, namespace_key
+    from .mountpath import mount_table, namespace_key
 
     key = namespace_key(meta_url_of(cluster_dir))
     return [m.mountpoint for m in mount_table() if m.meta_url is not None and namespace_key(m.meta_url) == key]

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._errors import IrdmaError
-from .cluster import _free_port as free_port
+from .probe import _free_port as free_port
 
 log = logging.getLogger("irdma.testbed")
 

@@ -57,7 +57,7 @@ def _meta_explicit() -> bool:
 
 
 def target(path: str, meta_url: str) -> Any:
-    """The namespace and path that PATH names (:func:`irdma.ops.info.resolve_target`): a path
+    """The namespace and path that PATH names (:func:`irdma.ops.mountpath.resolve_target`): a path
     under an irdma mount names that mount's namespace and the directory it shows, whatever
     ``$IRDMA_META`` or the default cluster is (logged at info when ``$IRDMA_META`` names another).
 

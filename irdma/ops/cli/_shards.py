@@ -255,7 +255,7 @@ def shard_add(address: str, meta_url: str, force: bool, timeout: float) -> None:
     from ..._errors import Exists, ShardUnavailable
     from ...meta import meta_path, meta_scheme, open_meta
     from ...transport import parse_address
-    from ..cluster import check_shard
+    from ..probe import check_shard
 
     try:
         _, port = parse_address(address)

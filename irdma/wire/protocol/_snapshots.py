@@ -34,6 +34,33 @@ def _ids(body: memoryview, at: int) -> tuple[int, ...]:
     return tuple(int(i) for i in np.frombuffer(body[at:], dtype=">u8").tolist())
 
 
+#: FREEZE's and ADMIT's fixed part: token (u64), milliseconds (u32), id count (u32).
+_TOKEN_IDS = struct.Struct("!QII")
+
+
+def _token_ids_bytes(what: str, token: int, ms: int, ids: tuple[int, ...], limit: int, noun: str) -> _Parts:
+    """FREEZE's or ADMIT's body: ``!QII`` (token, milliseconds, count), then the u64 ids.
+
+    Raises:
+        LocalProtocolError: more than ``limit`` ids."""
+    if len(ids) > limit:
+        raise LocalProtocolError(f"{what} of {len(ids)} {noun}: at most {limit}")
+    return [_TOKEN_IDS.pack(token, ms, len(ids)), np.asarray(ids, dtype=">u8").tobytes()]
+
+
+def _token_ids_at(body: memoryview, what: str, limit: int, noun: str) -> tuple[int, int, tuple[int, ...]]:
+    """(token, milliseconds, ids) of a FREEZE or ADMIT body.
+
+    Raises:
+        RemoteProtocolError: a short or long body, or more than ``limit`` ids."""
+    _need(body, _TOKEN_IDS.size, what)
+    token, ms, n = _TOKEN_IDS.unpack_from(body)
+    if n > limit:
+        raise RemoteProtocolError(f"{what} of {n} {noun}: at most {limit}")
+    _exact(body, _TOKEN_IDS.size + 8 * n, what)
+    return token, ms, _ids(body, _TOKEN_IDS.size)
+
+
 @dataclass
 class FreezeReply(ListReply):
     """Reply to FREEZE and ADMIT: ``entries``, the frozen files' chunks here (file id, chunk
@@ -74,26 +101,18 @@ class Freeze:
     u64 file ids."""
 
     OPCODE: ClassVar[Opcode] = Opcode.FREEZE
-    LAYOUT: ClassVar[struct.Struct] = struct.Struct("!QII")
+    LAYOUT: ClassVar[struct.Struct] = _TOKEN_IDS
 
     token: int  # u64, non-zero, chosen by the snapshot's creator
     lease_ms: int
     file_ids: tuple[int, ...] = ()
 
     def encode(self) -> tuple[_Parts, int]:
-        if len(self.file_ids) > MAX_SNAPSHOT_FILES:
-            raise LocalProtocolError(f"FREEZE of {len(self.file_ids)} files: at most {MAX_SNAPSHOT_FILES}")
-        return [self.LAYOUT.pack(self.token, self.lease_ms, len(self.file_ids)),
-                np.asarray(self.file_ids, dtype=">u8").tobytes()], 0
+        return _token_ids_bytes("FREEZE", self.token, self.lease_ms, self.file_ids, MAX_SNAPSHOT_FILES, "files"), 0
 
     @classmethod
     def decode(cls, body: memoryview, flags: int) -> Freeze:
-        _need(body, cls.LAYOUT.size, "FREEZE")
-        token, lease, n = cls.LAYOUT.unpack_from(body)
-        if n > MAX_SNAPSHOT_FILES:
-            raise RemoteProtocolError(f"FREEZE of {n} files: at most {MAX_SNAPSHOT_FILES}")
-        _exact(body, cls.LAYOUT.size + 8 * n, "FREEZE")
-        return cls(token, lease, _ids(body, cls.LAYOUT.size))
+        return cls(*_token_ids_at(body, "FREEZE", MAX_SNAPSHOT_FILES, "files"))
 
     @classmethod
     def decode_reply(cls, body: memoryview, flags: int) -> FreezeReply:
@@ -110,26 +129,18 @@ class Admit:
     Body ``!QII`` (token, wait in milliseconds, push id count), then the u64 push ids."""
 
     OPCODE: ClassVar[Opcode] = Opcode.ADMIT
-    LAYOUT: ClassVar[struct.Struct] = struct.Struct("!QII")
+    LAYOUT: ClassVar[struct.Struct] = _TOKEN_IDS
 
     token: int
     wait_ms: int = 0
     push_ids: tuple[int, ...] = ()
 
     def encode(self) -> tuple[_Parts, int]:
-        if len(self.push_ids) > MAX_ADMIT:
-            raise LocalProtocolError(f"ADMIT of {len(self.push_ids)} pushes: at most {MAX_ADMIT}")
-        return [self.LAYOUT.pack(self.token, self.wait_ms, len(self.push_ids)),
-                np.asarray(self.push_ids, dtype=">u8").tobytes()], 0
+        return _token_ids_bytes("ADMIT", self.token, self.wait_ms, self.push_ids, MAX_ADMIT, "pushes"), 0
 
     @classmethod
     def decode(cls, body: memoryview, flags: int) -> Admit:
-        _need(body, cls.LAYOUT.size, "ADMIT")
-        token, wait, n = cls.LAYOUT.unpack_from(body)
-        if n > MAX_ADMIT:
-            raise RemoteProtocolError(f"ADMIT of {n} pushes: at most {MAX_ADMIT}")
-        _exact(body, cls.LAYOUT.size + 8 * n, "ADMIT")
-        return cls(token, wait, _ids(body, cls.LAYOUT.size))
+        return cls(*_token_ids_at(body, "ADMIT", MAX_ADMIT, "pushes"))
 
     @classmethod
     def decode_reply(cls, body: memoryview, flags: int) -> FreezeReply:
