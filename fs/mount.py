@@ -522,9 +522,13 @@ def unmount(mountpoint: str, timeout: float = 30.0) -> MountState:
         What the mount was: :attr:`MountState.LIVE`, or :attr:`MountState.DEAD` /
         :attr:`MountState.HUNG` for a mount whose process had exited or did not answer.
 
+    A live irdma mount of this host is unmounted once its process has exited (it finishes its
+    local read cache's disk writes after the kernel lets go).
+
     Raises:
         IrdmaError: not mounted, not a FUSE mount, busy (a process still has files open
-            there), or still in the mount table after ``timeout`` seconds.
+            there), still in the mount table, or its process still running, after ``timeout``
+            seconds.
     """
     mountpoint = os.path.abspath(mountpoint)
     state, entry = mount_state(mountpoint)
@@ -533,6 +537,7 @@ def unmount(mountpoint: str, timeout: float = 30.0) -> MountState:
     if not entry.is_fuse:
         raise IrdmaError(f"{mountpoint} is a {entry.fstype} mount, not a FUSE one",
                          f"irdma leaves it alone; `umount {mountpoint}` if you mean it")
+    server = _mount_pid(entry) if state is MountState.LIVE else None
     res = subprocess.run(["fusermount3", "-u", entry.mountpoint], capture_output=True, text=True)
     if res.returncode != 0 and state is not MountState.LIVE:
         # a dead mount that a process still uses (its cwd, say): detach it now, freed when unused
@@ -548,4 +553,39 @@ def unmount(mountpoint: str, timeout: float = 30.0) -> MountState:
             raise IrdmaError(f"{mountpoint} is still mounted {timeout:.0f} s after fusermount3 -u",
                              f"`fusermount3 -uz {mountpoint}` detaches it")
         time.sleep(0.05)
+    # the kernel lets go first; the process then stops its session and finishes its local read
+    # cache's disk writes: the unmount is over when it has exited (a next mount of the same cache
+    # directory, or a look at it, sees every entry)
+    while server is not None and pid_alive(server):
+        if time.monotonic() > deadline:
+            raise IrdmaError(f"{mountpoint} is unmounted but its process {server} still runs {timeout:.0f} s later",
+                             f"its log says what it waits for; `kill {server}` stops it (its pushes were flushed)")
+        time.sleep(0.05)
     return state
+
+
+def _mount_pid(entry: MountEntry, timeout: float = 5.0) -> int | None:
+    """The pid of the live irdma mount ``entry`` when it runs on this host (its root's
+    :data:`irdma.fs.control.XATTR_MOUNT`), else None (another FUSE filesystem, an older irdma,
+    no answer within ``timeout`` seconds, or a mount served from another host's pid namespace)."""
+    import json
+    import socket
+
+    from .control import XATTR_MOUNT
+
+    if not entry.is_irdma:
+        return None
+    got: list[int] = []
+
+    def ask() -> None:
+        try:
+            shown = json.loads(os.getxattr(entry.mountpoint, XATTR_MOUNT))
+        except (OSError, ValueError):
+            return
+        if isinstance(shown, dict) and shown.get("host") == socket.gethostname() and isinstance(shown.get("pid"), int):
+            got.append(shown["pid"])
+
+    thread = threading.Thread(target=ask, name=f"pid of {entry.mountpoint}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return got[0] if got and got[0] != os.getpid() else None

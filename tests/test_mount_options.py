@@ -96,6 +96,31 @@ def test_a_read_only_mount_reads_and_refuses_every_change(cluster: Cluster, tree
     assert sorted(os.listdir(f"{tree}/data")) == ["a.txt", "sub"]
 
 
+def test_an_unmount_returns_once_the_mount_process_has_exited(cluster: Cluster, tree: str, tmp_path: object) -> None:
+    """The kernel lets go before the process has finished (its session, its read cache's disk
+    writes): `irdma umount` and :func:`unmount` return when the process is gone, so a next mount
+    of the same cache directory, or a look at it, sees everything the last one wrote."""
+    from irdma.fs.mount import spawn_mount
+
+    from irdma.ops._proc import pid_alive
+
+    for i, subdir in enumerate((None, "/data")):
+        m = f"{tmp_path}/gone{i}"
+        os.makedirs(m)
+        pid = spawn_mount(cluster.meta_url, m, transport="tcp", log_file=f"{m}.log", subdir=subdir,
+                          cache_dir=f"{tmp_path}/cache{i}")
+        with open(f"{m}/{'data/' if subdir is None else ''}a.txt", "rb") as f:
+            assert f.read() == b"alpha"
+        if i == 0:
+            unmount(m)
+        else:
+            res = CliRunner().invoke(cli, ["umount", m])
+            assert res.exit_code == 0, res.output
+        assert not pid_alive(pid), "unmount returned while the mount process still ran"
+        assert find_mount(m) is None
+        assert_clean_log(f"{m}.log")
+
+
 def test_the_source_shown_has_no_password() -> None:
     assert mount_source("postgresql://u:secret@h:5432/db") == "irdma:postgresql://u@h:5432/db"
     assert mount_source("postgres://u@h/db?password=secret&sslmode=require") == "irdma:postgres://u@h/db?sslmode=require"
