@@ -75,11 +75,20 @@ from typing import Any, TypeVar
 
 import trio
 
+from irdma import xattrs
 from irdma._concurrency import open_nursery
-from irdma._errors import InvalidArgument, IrdmaError, NoAttribute, NotFound, NotPermitted
+from irdma._errors import (
+    InvalidArgument,
+    IrdmaError,
+    NoAttribute,
+    NotFound,
+    NotPermitted,
+    SyncDenied,
+    SyncInterrupted,
+)
+from irdma.client import coord
 from irdma.meta import ROOT_INO
 from irdma.meta.sql_sync import check_sync_name, sync_key
-from irdma.train import coord
 
 log = logging.getLogger("irdma.fs")
 _T = TypeVar("_T")
@@ -244,7 +253,7 @@ class Control:
     session: int
     #: ``tick(job inode, worker) -> clock``: the client's :meth:`irdma.Client.clock_at`
     tick: Any = None
-    sync_timeout: float = coord.DEFAULT_SYNC_TIMEOUT
+    sync_timeout: float = xattrs.DEFAULT_SYNC_TIMEOUT
     #: What the mount shows, set by :func:`irdma.fs.mount.serve_mount`: its source as the mount
     #: table shows it (``irdma:URL``, no password) and the directory of the namespace that is its
     #: root (``--subdir``; ``/``); None: the root answers no :data:`XATTR_MOUNT`
@@ -406,7 +415,7 @@ class Control:
         if not claim:
             return new
         if node.scope != ROOT_INO and not who.may(*await self._dir_bits(node), _W | _X):
-            raise coord.SyncDenied(f"{node.shown}: creating a {node.kind} there needs write permission on the directory",
+            raise SyncDenied(f"{node.shown}: creating a {node.kind} there needs write permission on the directory",
                                    "ask its owner, or use one of your own directory's .irdma/")
         return await self.meta.sync_claim(node.kind, key, *new)  # type: ignore[no-any-return]
 
@@ -457,7 +466,7 @@ class Control:
         if node.what == "clock":
             uid, gid, perm = await self._dir_bits(node)
             if not who.may(uid, gid, perm & 0o666, want | _R | _W):
-                raise coord.SyncDenied(f"clock {node.name} of directory inode {node.scope}: ticking needs read and write"
+                raise SyncDenied(f"clock {node.name} of directory inode {node.scope}: ticking needs read and write"
                                        " permission on the job directory", "ask the job's owner")
         elif node.what == "object":
             uid, gid, perm = await self._owner(node, who, claim=True)
@@ -465,7 +474,7 @@ class Control:
                 want |= _R | _W
             if not who.may(uid, gid, perm, want):
                 does = "waiting at it or taking it" if node.waits else "this open"
-                raise coord.SyncDenied(f"{node.shown} is uid {uid}'s, mode {perm:04o}: {does} needs"
+                raise SyncDenied(f"{node.shown} is uid {uid}'s, mode {perm:04o}: {does} needs"
                                        f" {'read and write' if want == _R | _W else 'read' if want == _R else 'write'}"
                                        " permission", "use your own name, or ask its owner to chmod it")
         holder = f"{who.uid}@{socket.gethostname()}/{self.session}/{who.pid}"
@@ -521,12 +530,12 @@ class Control:
 
     async def _max_lease(self, scope: int) -> float:
         try:
-            return coord.parse_timeout(await self.meta.getxattr(scope, coord.XATTR_MAX_LEASE))
+            return xattrs.parse_timeout(await self.meta.getxattr(scope, xattrs.XATTR_MAX_LEASE))
         except NoAttribute:
-            return coord.DEFAULT_MAX_LEASE
+            return xattrs.DEFAULT_MAX_LEASE
         except InvalidArgument as exc:  # stored before it was checked
-            log.warning("directory inode %d: %s; the default %g s applies", scope, exc, coord.DEFAULT_MAX_LEASE)
-            return coord.DEFAULT_MAX_LEASE
+            log.warning("directory inode %d: %s; the default %g s applies", scope, exc, xattrs.DEFAULT_MAX_LEASE)
+            return xattrs.DEFAULT_MAX_LEASE
 
     async def _wait(self, h: _Handle, wait: Callable[[], Awaitable[_T]]) -> _T:
         """``await wait()``, cancelled (SyncInterrupted) once the caller is signalled."""
@@ -538,7 +547,7 @@ class Control:
                 nursery.cancel_scope.cancel()
         if done:  # it finished as the signal came: the caller gets the answer
             return done[0]
-        raise coord.SyncInterrupted(f"{h.node.shown}: the wait of pid {h.who.pid} was interrupted by a signal")
+        raise SyncInterrupted(f"{h.node.shown}: the wait of pid {h.who.pid} was interrupted by a signal")
 
     @staticmethod
     async def _watch(who: Caller, scope: trio.CancelScope) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pyfuse3
 
 from irdma import _errors as E
-from irdma.train.coord import SyncDenied, SyncInterrupted, SyncTimeout
+from irdma._errors import SyncDenied, SyncInterrupted, SyncTimeout
 
 log = logging.getLogger("irdma.fs")
 

@@ -16,15 +16,16 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
+from irdma import xattrs
 from irdma._errors import InvalidArgument, IrdmaError, NotFound, Stale
+from irdma.client import comm
 from irdma.client.native import ChunkMap
 from irdma.meta import Inode
 from irdma.meta.aio import AsyncMeta
 from irdma.meta.base import setid_bits
 from irdma.placement import Layout
-from irdma.train import comm
-from irdma.train.optimizers import parse_update
 from irdma.wire.compress import XATTR_COMPRESS, Compression, parse_compress
+from irdma.wire.optimizers import parse_update
 from irdma.wire.protocol import Update
 
 from .cache import ReadAhead, WriteBehind
@@ -116,15 +117,15 @@ async def communication_of(meta: AsyncMeta, inode: Inode) -> tuple[Compression |
     """
     if not parse_update(inode.update_op or "assign").op.is_float32:
         return None, None
-    found = await meta.inherited_xattrs(inode.ino, (XATTR_COMPRESS, comm.XATTR_PRIORITY, comm.XATTR_SLICE))
+    found = await meta.inherited_xattrs(inode.ino, (XATTR_COMPRESS, xattrs.XATTR_PRIORITY, xattrs.XATTR_SLICE))
     coded, sched = None, None
     try:
         if XATTR_COMPRESS in found:
             coded = parse_compress(found[XATTR_COMPRESS]) or None
-        if comm.XATTR_PRIORITY in found or comm.XATTR_SLICE in found:
-            level = comm.parse_priority(found[comm.XATTR_PRIORITY]) if comm.XATTR_PRIORITY in found else 0
-            elems = (comm.parse_slice(found[comm.XATTR_SLICE]) if comm.XATTR_SLICE in found
-                     else comm.DEFAULT_SLICE_ELEMS)
+        if xattrs.XATTR_PRIORITY in found or xattrs.XATTR_SLICE in found:
+            level = xattrs.parse_priority(found[xattrs.XATTR_PRIORITY]) if xattrs.XATTR_PRIORITY in found else 0
+            elems = (xattrs.parse_slice(found[xattrs.XATTR_SLICE]) if xattrs.XATTR_SLICE in found
+                     else xattrs.DEFAULT_SLICE_ELEMS)
             sched = comm.Scheduling(level, 4 * elems)
     except ValueError as exc:
         raise InvalidArgument(f"inode {inode.ino}: {exc}") from None

@@ -27,15 +27,15 @@ import pyfuse3
 import trio
 
 from irdma._errors import IrdmaError, NotADirectory, NotFound
+from irdma._proc import forget_mount_record, last_log_line, pid_alive, spawn_detached, write_mount_record
 from irdma.client.cache import ChunkCache, make_cache
 from irdma.client.native import Client
 from irdma.meta import ROOT_INO, meta_path, meta_scheme, redact
 from irdma.meta.base import UNLINK_GRACE_S, MetaStore
-from irdma.ops._proc import forget_mount_record, last_log_line, pid_alive, spawn_detached, write_mount_record
-from irdma.ops.metrics import Exporter, forget_mount, parse_metrics_address, record_mount
-from irdma.ops.metrics import serve as serve_metrics
-from irdma.ops.metrics import set_transport as set_metrics_transport
-from irdma.train.coord import DEFAULT_SYNC_TIMEOUT
+from irdma.metrics import Exporter, forget_mount, parse_metrics_address, record_mount
+from irdma.metrics import serve as serve_metrics
+from irdma.metrics import set_transport as set_metrics_transport
+from irdma.xattrs import DEFAULT_SYNC_TIMEOUT
 
 from .operations import IrdmaFS
 from .options import MountOptions, process_argv
@@ -73,9 +73,9 @@ async def serve_mount(
     (:func:`irdma.ops._proc.write_mount_record`, the fallback), so that ``irdma info`` and
     ``irdma snapshot`` map a path under it to that namespace and directory.
 
-    ``metrics``: ``HOST:PORT`` to serve Prometheus metrics on (:mod:`irdma.ops.metrics`: FUSE
+    ``metrics``: ``HOST:PORT`` to serve Prometheus metrics on (:mod:`irdma.metrics`: FUSE
     requests, the client's requests to shards; port 0 picks one). The bound address is recorded
-    in :func:`irdma.ops.metrics.mount_state_file` while the mount runs, where ``irdma stats MNT``
+    in :func:`irdma.metrics.mount_state_file` while the mount runs, where ``irdma stats MNT``
     finds it.
 
     ``timeout``: seconds each request to a shard, and each wait for the metadata database's

@@ -25,11 +25,11 @@ import pyfuse3
 import trio
 
 from irdma._errors import InvalidArgument, IrdmaError, ReadOnly
+from irdma.client import comm
 from irdma.client.native import ChunkMap, Client, layout_of
 from irdma.meta import Inode
-from irdma.train import comm
-from irdma.train.optimizers import parse_update
 from irdma.wire.compress import Compression
+from irdma.wire.optimizers import parse_update
 from irdma.wire.protocol import Update, UpdateOp
 
 from .cache import ReadAhead, Residuals, WriteBehind

@@ -95,15 +95,15 @@ from typing import Any
 import pyfuse3
 import trio
 
+from irdma import xattrs
 from irdma._errors import InvalidArgument, NoAttribute, NotFound, ReadOnly
 from irdma.client import snapshots
 from irdma.client.native import Client
 from irdma.meta import ROOT_INO, Inode
 from irdma.meta.base import SNAPSHOTS_DIR, SNAPSHOTS_DIR_MARK, XATTR_UPDATE
-from irdma.ops.metrics import fuse_metrics
-from irdma.train import coord
-from irdma.train.optimizers import parse_update
+from irdma.metrics import fuse_metrics
 from irdma.wire.compress import XATTR_COMPRESS, parse_compress
+from irdma.wire.optimizers import parse_update
 
 from .control import CLOCK_PREFIX, CONTROL, STATE_PREFIX, XATTR_MOUNT, Control, caller_of
 from .errors import fuse_errors
@@ -141,7 +141,7 @@ class IrdmaFS(pyfuse3.Operations):
         attr_cache, entry_cache: seconds the kernel may cache attributes and names (FUSE's
             attr_timeout and entry_timeout).
         collect_garbage: what a read-write mount runs at start to reap dead sessions and their
-            orphans (:class:`irdma.fs.session.CollectGarbage`; None: ``irdma.ops.fsck.collect_garbage``).
+            orphans (:class:`irdma.fs.session.CollectGarbage`; None: ``irdma.client.fsck.collect_garbage``).
     """
 
     enable_writeback_cache = False
@@ -460,7 +460,7 @@ class IrdmaFS(pyfuse3.Operations):
         with fuse_errors("getxattr"):
             if self.control.owns(inode):  # sync objects and clock files keep no xattrs
                 raise NoAttribute(f"{name.decode(errors='replace')} is not set on a control file")
-            if name == coord.XATTR_CLOCKS:
+            if name == xattrs.XATTR_CLOCKS:
                 clocks = await self.meta.clocks(inode)
                 return " ".join(f"{w}:{c}" for w, c in sorted(clocks.items())).encode()
             if name == XATTR_MOUNT and inode == self.root:  # what this mount shows (irdma info, irdma snapshot)
@@ -608,7 +608,7 @@ class IrdmaFS(pyfuse3.Operations):
 
 
 def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` inside :func:`fuse_errors`, timed and counted in :class:`irdma.ops.metrics.FuseMetrics`
+    """``fn`` inside :func:`fuse_errors`, timed and counted in :class:`irdma.metrics.FuseMetrics`
     (``irdma_fuse_*``: requests, latency, bytes of read and write, errors by errno)."""
     metrics = fuse_metrics()
     sized = name in ("read", "write")

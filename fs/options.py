@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from irdma.client.native import DEFAULT_TIMEOUT
-from irdma.train.coord import DEFAULT_SYNC_TIMEOUT
+from irdma.xattrs import DEFAULT_SYNC_TIMEOUT
 
 #: Seconds the kernel may cache a file's attributes (``irdma mount --attr-cache``'s default).
 ATTR_TIMEOUT = 1.0

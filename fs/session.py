@@ -9,7 +9,7 @@ meanwhile (its chunks may be freed) is marked lost, and answers ESTALE to every 
 fsync through the handles still open on it, never stale or zeroed bytes.
 
 At start a read-write mount collects the garbage of dead sessions (their sessions, the orphans
-they held open) with the collector it was given (``irdma.ops.fsck.collect_garbage``, passed in by
+they held open) with the collector it was given (``irdma.client.fsck.collect_garbage``, passed in by
 the code that assembles the mount); the heartbeat task also keeps the shard map's health current.
 """
 
@@ -34,7 +34,7 @@ HEARTBEAT_S = 5.0
 
 
 class GarbageReport(Protocol):
-    """What a garbage collection reports (:class:`irdma.ops.fsck.Report`): the dead sessions
+    """What a garbage collection reports (:class:`irdma.client.fsck.Report`): the dead sessions
     reaped and the orphaned files freed."""
 
     @property
@@ -45,16 +45,17 @@ class GarbageReport(Protocol):
 
 
 class CollectGarbage(Protocol):
-    """A garbage collector run at a read-write mount's start (:func:`irdma.ops.fsck.collect_garbage`):
+    """A garbage collector run at a read-write mount's start (:func:`irdma.client.fsck.collect_garbage`):
     reap dead sessions and free their orphans, not the leaked chunks (``leaked_chunks=False``)."""
 
     def __call__(self, client: Client, *, leaked_chunks: bool) -> Awaitable[GarbageReport]: ...
 
 
 def _fsck_collector() -> CollectGarbage:
-    """The collector of a mount given none: the operator's tools' own (:mod:`irdma.ops.fsck`),
+    """The collector of a mount given none: the namespace check's own (:mod:`irdma.client.fsck`, which `irdma
+    fsck` and `irdma gc` run too),
     imported only then (a mount assembled by :mod:`irdma.fs.mount` may pass it in instead)."""
-    from irdma.ops.fsck import collect_garbage
+    from irdma.client.fsck import collect_garbage
 
     return collect_garbage
 
@@ -67,7 +68,7 @@ class MountSession:
         control: the mount's ``.irdma/`` (it names the session as the holder of sync objects).
         files: the files open on the mount (recorded again after the session was reaped).
         read_only: a read-only mount collects no garbage at start (it changes nothing).
-        collect_garbage: the collector run at start (None: :func:`irdma.ops.fsck.collect_garbage`).
+        collect_garbage: the collector run at start (None: :func:`irdma.client.fsck.collect_garbage`).
     """
 
     def __init__(self, client: Client, control: Control, files: OpenFiles, *, read_only: bool = False,

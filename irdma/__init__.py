@@ -35,6 +35,7 @@ from ._errors import (
     TransportUnavailable,
 )
 from ._lazy import exports
+from ._version import __version__ as __version__
 
 if TYPE_CHECKING:
     from .client.native import Client
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
     from .placement import DEFAULT_CHUNK_SIZE, Layout
     from .wire.protocol import UpdateOp
 
-__version__ = "0.1.0"
 
 #: Names loaded on first use (PEP 562), so that ``import irdma.wire.protocol`` in a shard process,
 #: or ``import irdma`` for its errors, does not load the client, trio and the metadata engines.

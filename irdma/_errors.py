@@ -159,3 +159,18 @@ class Dirty(ShardUnavailable):
 class AuthFailed(IrdmaError):
     """A peer did not prove it holds the cluster key, refused ours, belongs to another cluster,
     or a frame's authentication tag did not verify (see :mod:`irdma.wire.auth`)."""
+
+
+# ---------------------------------------------------------------- synchronization (irdma.client.coord)
+class SyncTimeout(IrdmaError):
+    """A barrier, lock or clock wait reached its deadline (ETIMEDOUT through the mount)."""
+
+
+class SyncInterrupted(IrdmaError):
+    """A wait ended because its caller was interrupted: a signal to the process waiting
+    through the mount (EINTR; a barrier arrival is withdrawn first)."""
+
+
+class SyncDenied(IrdmaError):
+    """The caller's uid may not use a sync object: its permission bits, or its directory's,
+    do not let it (EACCES through the mount)."""

@@ -1,4 +1,5 @@
-"""Byte sizes as people write them: ``2GiB``, ``512MiB``, ``4M``, ``65536``."""
+"""Byte sizes, rates, durations and addresses as people write them: ``2GiB``, ``512MiB``, ``4M``,
+``65536``; ``1GB/s``; ``30s``; ``HOST:PORT``."""
 
 from __future__ import annotations
 
@@ -96,3 +97,22 @@ def format_duration(seconds: float) -> str:
         if abs(seconds) >= scale:
             return f"{seconds / scale:.3g} {unit}"
     return "0 s" if seconds == 0 else f"{seconds / 1e-9:.3g} ns"
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split ``"HOST:PORT"`` (``"[::1]:PORT"`` for IPv6).
+
+    Raises:
+        ValueError: not of that form, or the port is not in 0..65535.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"address {address!r} is not HOST:PORT (for example 127.0.0.1:7700)")
+    return host.strip("[]"), int(port)
+
+
+def format_host(address: str) -> str:
+    """``HOST:PORT`` with an IPv6 host in brackets, for a URL."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -10,7 +10,7 @@ worker thread so the event loop never waits for the disk. A malformed or refused
 error reply and changes nothing; an exception the request meets becomes its error reply through
 the one status table (:data:`irdma.wire.protocol.STATUS_ERRORS`), a bug is logged with its
 traceback and answered INTERNAL. Every request is counted in the shard's metrics
-(:mod:`irdma.ops.metrics`).
+(:mod:`irdma.metrics`).
 
 The front ends only move frames: :mod:`irdma.server.tcp` (pipelined TCP connections) and
 :mod:`irdma.server.verbs` (queue pairs); both take a connection's handshake from
@@ -29,9 +29,8 @@ import numpy as np
 import trio
 
 from irdma._errors import BadRequest, RemoteProtocolError
-from irdma.ops.metrics import shard_metrics
-from irdma.train import optimizers
-from irdma.wire import auth
+from irdma.metrics import shard_metrics
+from irdma.wire import auth, optimizers
 from irdma.wire import protocol as P
 from irdma.wire.framing import ServerHandshake
 
@@ -131,7 +130,7 @@ class Dispatcher:
         update this shard forwards along a replication chain is applied now and answered later:
         the reply is then an awaitable, and the request's buffers must stay untouched until it
         is done (the forward reads them). ``transport`` (``tcp`` or ``verbs``) labels the
-        request's metrics (:mod:`irdma.ops.metrics`).
+        request's metrics (:mod:`irdma.metrics`).
 
         ``zero_copy``: a READ's reply data is a view of the shard's memory, valid only until
         this task next yields (an update applied after may change it): the caller sends it at

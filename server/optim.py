@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from irdma.train.optimizers import (  # noqa: F401  (the state layout, shared with the client)
+from irdma.wire.optimizers import (  # noqa: F401  (the state layout, shared with the client)
     HEADER,
     MAGIC,
     SLOT_NAMES,

@@ -50,10 +50,9 @@ from irdma._errors import (
     ReplicaStale,
     ShardUnavailable,
 )
-from irdma.ops.metrics import error_kind
-from irdma.train import optimizers
+from irdma.metrics import error_kind
 from irdma.transport.tcp import TcpConnection, TcpTransport
-from irdma.wire import auth
+from irdma.wire import auth, optimizers
 from irdma.wire import protocol as P
 from irdma.wire.extents import move, positions
 
@@ -183,7 +182,7 @@ class Replicator:
         self._applied: collections.OrderedDict[int | tuple[int, int], int] = collections.OrderedDict()
         self._dirty: collections.Counter[tuple[int, int]] = collections.Counter()
         self._links: dict[str, Link] = {}
-        #: Where forwards are timed (:class:`irdma.ops.metrics.ShardMetrics`; the server sets it).
+        #: Where forwards are timed (:class:`irdma.metrics.ShardMetrics`; the server sets it).
         self.metrics: Any = None
 
     # ------------------------------------------------------------ synchronous part

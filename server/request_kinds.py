@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from irdma.train import optimizers
+from irdma.wire import optimizers
 from irdma.wire import protocol as P
 
 

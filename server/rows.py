@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from irdma._errors import BadRequest
-from irdma.train import optimizers  # the optimizer-state layout, shared with the client
+from irdma.wire import optimizers  # the optimizer-state layout, shared with the client
 from irdma.wire.extents import fill, move, positions
 from irdma.wire.protocol import Update, UpdateOp, op_kind
 

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from irdma._errors import IrdmaError
-from irdma.ops.metrics import Exporter
-from irdma.ops.metrics import serve as serve_metrics
-from irdma.ops.metrics import set_transport as set_metrics_transport
+from irdma.metrics import Exporter
+from irdma.metrics import serve as serve_metrics
+from irdma.metrics import set_transport as set_metrics_transport
 from irdma.wire import auth
 from irdma.wire import protocol as P
 
@@ -60,7 +60,7 @@ async def run_server(
     ``sock``: a stdlib socket already bound and listening on ``host:port`` (see
     :meth:`ShardServer.serve_tcp`).
 
-    ``metrics``: ``HOST:PORT`` to serve Prometheus metrics on (:mod:`irdma.ops.metrics`; port 0
+    ``metrics``: ``HOST:PORT`` to serve Prometheus metrics on (:mod:`irdma.metrics`; port 0
     picks one); the bound address is told in STAT replies, where ``irdma stats --meta`` finds it.
 
     Raises:

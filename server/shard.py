@@ -33,8 +33,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from irdma._errors import BadRequest, DataLost, NoSpace
-from irdma.train import optimizers  # the optimizer-state layout, shared with the client
-from irdma.wire import compress
+from irdma.wire import (
+    compress,
+    optimizers,  # the optimizer-state layout, shared with the client
+)
 from irdma.wire.protocol import Encoding, Update, UpdateOp, op_kind
 
 from . import optim

@@ -9,7 +9,7 @@ import numpy as np
 
 
 class Reference:
-    """One optimizer over a float64 vector; ``spec`` as :func:`irdma.train.optimizers.parse_update`
+    """One optimizer over a float64 vector; ``spec`` as :func:`irdma.wire.optimizers.parse_update`
     takes it, already parsed into ``name`` and ``args`` (Keras names)."""
 
     def __init__(self, name: str, args: dict[str, float | bool], n: int) -> None:

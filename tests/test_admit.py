@@ -189,7 +189,7 @@ def test_a_clone_applies_held_forwards_that_make_a_chunk_in_order(tmp_path: str)
 def test_a_held_forward_of_optimizer_state_is_cut_with_its_chunk() -> None:
     """A forward of a chunk's optimizer state chunk (a REPLACE's second half, or a client's
     restore of it) counts as its chunk's: held pre-cut, it is in the clone with the chunk."""
-    from irdma.train.optimizers import STATE_BASE
+    from irdma.wire.optimizers import STATE_BASE
 
     shard = Shard(2, Region(1 << 20))
     server = ShardServer(shard)

@@ -23,10 +23,10 @@ from helpers import Cluster, mounted, running_cluster
 from test_replication import LossyProxy, _chains, _chunk_on, _start_shard
 
 import irdma
+from irdma import metrics
 from irdma._errors import BadRequest
 from irdma.client.native import layout_of
 from irdma.meta import open_meta
-from irdma.ops import metrics
 from irdma.ops.cluster import key_file_of
 from irdma.transport.tcp import TcpTransport
 from irdma.wire import compress as C

@@ -27,11 +27,11 @@ from irdma.server import optim
 from optim_ref import CONFIGS, Reference, relative_error, spec_text
 
 from irdma._errors import BadRequest, NoSpace, ShardUnavailable
-from irdma.train.optimizers import parse_update
 from irdma.transport import ShardConnection, Transport, make_transport
 from irdma.transport.tcp import recv_exactly, send_parts
 from irdma.wire import compress
 from irdma.wire import protocol as P
+from irdma.wire.optimizers import parse_update
 from irdma.wire.protocol import UpdateOp
 
 CHUNK = 1 << 20

@@ -27,9 +27,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 import irdma
+from irdma import metrics
 from irdma._errors import InvalidArgument, IrdmaError
 from irdma.meta import open_meta
-from irdma.ops import metrics, stats
+from irdma.ops import stats
 from irdma.wire.auth import create_key_file
 
 #: A shard process as ``irdma server --metrics`` runs it (run_server with its metrics address).

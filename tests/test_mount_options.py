@@ -226,7 +226,7 @@ def helper() -> Iterator[None]:
                   if k in os.environ)
     with open(HELPER, "w") as f:
         f.write(f"#!/bin/sh\n{env}exec {shlex.quote(sys.executable)} -c"
-                " 'import sys; from irdma.ops.fstab import helper_main; sys.exit(helper_main())' \"$@\"\n")
+                " 'import sys; from irdma.ops.cli.mount_helper import helper_main; sys.exit(helper_main())' \"$@\"\n")
     os.chmod(HELPER, 0o755)
     try:
         yield

@@ -21,7 +21,7 @@ from optim_ref import CONFIGS, relative_error, spec_text
 
 from irdma.ops import cluster
 from irdma.ops._proc import pid_alive
-from irdma.train.optimizers import format_update, parse_update
+from irdma.wire.optimizers import format_update, parse_update
 from irdma.wire.protocol import OPT_NESTEROV, UpdateOp
 
 MB = 1 << 20

@@ -19,9 +19,10 @@ from irdma.fs.mount import spawn_mount
 from prometheus_client.parser import text_string_to_metric_families
 
 import irdma
+from irdma import metrics
 from irdma._errors import InvalidArgument
 from irdma.client.cache import ChunkCache
-from irdma.ops import metrics, stats
+from irdma.ops import stats
 
 CHUNK = 4 << 20  # the namespace's default chunk size
 

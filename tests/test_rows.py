@@ -171,8 +171,8 @@ def test_a_scatter_the_shard_cannot_hold_changes_nothing(op: str) -> None:
     or left behind (the shard makes every chunk and optimizer state first, then applies)."""
     from irdma.server.shard import Region, Shard, split_extents
 
-    from irdma.train.optimizers import parse_update
     from irdma.wire import protocol as P
+    from irdma.wire.optimizers import parse_update
 
     shard = Shard(1, Region(2 * CHUNK + (64 << 10)))  # room for two chunks and their states
     shard.write(7, 0, CHUNK, 0, P.UpdateOp.ASSIGN, np.ones(CHUNK // 4, "<f4").tobytes())

@@ -28,11 +28,11 @@ from helpers import Cluster, irdma_cli, running_cluster, wait_until
 import irdma
 from irdma._errors import ShardUnavailable
 from irdma.client import snapshots as snapshots_mod
+from irdma.client.fsck import scan
 from irdma.client.native import layout_of
 from irdma.meta import open_meta
 from irdma.ops import cluster as cluster_ops
 from irdma.ops._proc import pid_alive
-from irdma.ops.fsck import scan
 from irdma.wire.auth import read_key_file
 
 pytestmark = [pytest.mark.slow]

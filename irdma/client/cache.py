@@ -264,7 +264,7 @@ class ChunkCache:
         # its readers go on; at most WRITES_BEHIND wait, then a store waits for its own write
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._behind = 0
-        from ..ops.metrics import cache_metrics
+        from ..metrics import cache_metrics
 
         self.metrics = cache_metrics()
 

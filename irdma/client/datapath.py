@@ -44,13 +44,13 @@ from .._errors import (
 from ..meta.aio import AsyncMeta
 from ..meta.base import OUT_OF_SYNC
 from ..placement import Layout, Piece
-from ..train import comm
 from ..transport import ShardConnection
 from ..wire.compress import Compression
 from ..wire.compress import encode as compress_encode
 from ..wire.compress import max_elements as compress_max_elements
 from ..wire.extents import move, positions
 from ..wire.protocol import DEFAULT_MAX_PAYLOAD, Chain, Part, Update, UpdateOp, as_update
+from . import comm
 from .pool import ShardPool
 from .view import ShardView
 

@@ -43,18 +43,19 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import numpy as np
 import trio
 
+from .. import xattrs
 from .._concurrency import open_nursery
 from .._errors import InvalidArgument, IrdmaError, NoAttribute, NotFound
-from ..meta import Inode, MetaStore, ShardRecord, open_meta
+from ..meta import Inode, MetaStore, ShardRecord, default_key_file, open_meta
 from ..meta.aio import AsyncMeta
 from ..meta.base import XATTR_SHAPE, XATTR_UPDATE
 from ..placement import Layout
-from ..train import coord
-from ..train.optimizers import parse_update
 from ..transport import ShardConnection, Transport, make_transport
 from ..wire import auth
 from ..wire.compress import Compression, parse_compress
+from ..wire.optimizers import parse_update
 from ..wire.protocol import ChunkEntry, StatReply, Update, UpdateOp, as_update
+from . import coord
 from . import snapshots as _snaps
 from .cache import ChunkCache
 from .datapath import ENCODE_IN_THREAD as ENCODE_IN_THREAD
@@ -168,7 +169,7 @@ class Client:
         """
         if cache is not None:
             await trio.to_thread.run_sync(cache.attach, meta_url)
-        keys = auth.KeySource(key_file or auth.default_key_file(meta_url))
+        keys = auth.KeySource(key_file or default_key_file(meta_url))
         tr = make_transport(transport) if isinstance(transport, str) else transport
         meta = await trio.to_thread.run_sync(open_meta, meta_url)
         if hasattr(meta, "busy_timeout"):  # a wait for the database's write lock has the same deadline
@@ -395,7 +396,7 @@ class Client:
         """Write a buffer (bytes, numpy array, memoryview) at ``offset``, creating the file.
 
         ``op`` defaults to the file's ``user.irdma.update`` (``assign`` unless set); a string is
-        parsed as that xattr is (:func:`irdma.train.optimizers.parse_update`). The size
+        parsed as that xattr is (:func:`irdma.wire.optimizers.parse_update`). The size
         grows, and the chunks written join the file's chunk map, only once every shard has
         acknowledged its part: a failed write leaves the size of what is stored.
         ``compress`` (a :class:`irdma.wire.compress.Compression` or a ``user.irdma.compress``
@@ -558,7 +559,7 @@ class Client:
 
     async def set_update_op(self, path: str, op: str) -> None:
         """Set what writes to ``path`` do: ``assign``, ``add`` or an optimizer with its
-        arguments, e.g. ``"adam learning_rate=0.001"`` (:mod:`irdma.train.optimizers`); on a
+        arguments, e.g. ``"adam learning_rate=0.001"`` (:mod:`irdma.wire.optimizers`); on a
         directory, the default for files created in it.
 
         Raises:
@@ -600,7 +601,7 @@ class Client:
 
     async def optimizer_state(self, path: str) -> dict[str, np.ndarray]:
         """A file's optimizer state as arrays, one per slot (names:
-        :data:`irdma.train.optimizers.SLOT_NAMES`; :meth:`StateImages.optimizer_state`).
+        :data:`irdma.wire.optimizers.SLOT_NAMES`; :meth:`StateImages.optimizer_state`).
         Raises ShardUnavailable, DataLost."""
         return await self.states.optimizer_state(path)
 
@@ -625,25 +626,25 @@ class Client:
             except NoAttribute:
                 return None
 
-        raw_c, raw_n, raw_t, raw_e = (await xattr(coord.XATTR_CONSISTENCY), await xattr(coord.XATTR_WORKERS),
-                                      await xattr(coord.XATTR_SYNC_TIMEOUT), await xattr(coord.XATTR_ELASTIC))
+        raw_c, raw_n, raw_t, raw_e = (await xattr(xattrs.XATTR_CONSISTENCY), await xattr(xattrs.XATTR_WORKERS),
+                                      await xattr(xattrs.XATTR_SYNC_TIMEOUT), await xattr(xattrs.XATTR_ELASTIC))
         if raw_n is None:
-            raise InvalidArgument(f"inode {job} is not a job directory: set {coord.XATTR_WORKERS.decode()} on it first")
-        consistency = coord.parse_consistency(raw_c or b"asp")
-        timeout = coord.parse_timeout(raw_t) if raw_t else coord.DEFAULT_SYNC_TIMEOUT
-        elastic = coord.parse_elastic(raw_e) if raw_e else None
-        return await coord.tick(self.meta, job, w, coord.parse_workers(raw_n), consistency, timeout, elastic)
+            raise InvalidArgument(f"inode {job} is not a job directory: set {xattrs.XATTR_WORKERS.decode()} on it first")
+        consistency = xattrs.parse_consistency(raw_c or b"asp")
+        timeout = xattrs.parse_timeout(raw_t) if raw_t else xattrs.DEFAULT_SYNC_TIMEOUT
+        elastic = xattrs.parse_elastic(raw_e) if raw_e else None
+        return await coord.tick(self.meta, job, w, xattrs.parse_workers(raw_n), consistency, timeout, elastic)
 
     async def clock(self, job_dir: str, worker: int) -> int:
         """The end of worker ``worker``'s push round in ``job_dir``: see :meth:`clock_at`."""
         return await self.clock_at((await self.meta.resolve(job_dir)).ino, worker)
 
-    async def barrier(self, name: str, n: int, timeout: float = coord.DEFAULT_SYNC_TIMEOUT) -> None:
+    async def barrier(self, name: str, n: int, timeout: float = xattrs.DEFAULT_SYNC_TIMEOUT) -> None:
         """Return once ``n`` callers (any client or mount of the namespace) arrived at barrier
         ``name`` (:func:`irdma.train.coord.barrier`). Raises SyncTimeout, InvalidArgument."""
         await coord.barrier(self.meta, name, n, timeout)
 
-    async def lock(self, name: str, lease: float, timeout: float = coord.DEFAULT_SYNC_TIMEOUT) -> int:
+    async def lock(self, name: str, lease: float, timeout: float = xattrs.DEFAULT_SYNC_TIMEOUT) -> int:
         """Take lock ``name`` for this client with a lease of ``lease`` seconds (again: renew
         it); the expiry (ns since the epoch). Raises SyncTimeout."""
         return await coord.lock(self.meta, name, self._holder, lease, timeout)

@@ -17,8 +17,8 @@ from .._concurrency import open_nursery
 from .._errors import BadRequest, Fenced, InvalidArgument, IrdmaError, ReplicaFailed, ShardUnavailable
 from ..meta import Inode
 from ..placement import Layout
-from ..train.optimizers import HEADER, MAGIC, SLOT_NAMES, SLOTS, parse_update, state_index, state_size
 from ..transport import ShardConnection
+from ..wire.optimizers import HEADER, MAGIC, SLOT_NAMES, SLOTS, parse_update, state_index, state_size
 from ..wire.protocol import UpdateOp
 from .datapath import MAX_ATTEMPTS, ChunkMap, DataPath, as_bytes_view
 from .view import layout_of, writable
@@ -194,7 +194,7 @@ class StateImages:
     async def optimizer_state(self, path: str) -> dict[str, np.ndarray]:
         """A file's optimizer state as arrays, one per slot, each of the file's ``size // 4``
         elements: little-endian float32, Adam's ``step`` u32 (names:
-        :data:`irdma.train.optimizers.SLOT_NAMES`, e.g. ``m``, ``v``, ``step`` for Adam, as Keras names
+        :data:`irdma.wire.optimizers.SLOT_NAMES`, e.g. ``m``, ``v``, ``step`` for Adam, as Keras names
         its variables). Empty for ``assign`` and ``add``; zeros for a chunk never stepped or
         holding another optimizer's state. Raises ShardUnavailable, DataLost."""
         inode = await self.meta.resolve(path)

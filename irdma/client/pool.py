@@ -24,11 +24,11 @@ import trio
 
 from .._errors import Dirty, Fenced, ReplicaError, ShardUnavailable
 from ..meta import ShardRecord
-from ..ops.metrics import MeteredConnection
-from ..train import comm
 from ..transport import ShardConnection, Transport
+from ..transport.metered import MeteredConnection
 from ..transport.tcp import TcpConnection
 from ..wire import auth
+from . import comm
 from .view import ShardView
 
 log = logging.getLogger("irdma.client")
@@ -145,7 +145,7 @@ class ShardPool:
                     await conn.aclose()
                     raise
                 self.view.shard_map[shard_id] = dataclasses.replace(rec, incarnation=conn.info.incarnation)
-                conn = MeteredConnection(conn, self.transport.name)  # irdma_client_* (irdma.ops.metrics)
+                conn = MeteredConnection(conn, self.transport.name)  # irdma_client_* (irdma.metrics)
                 self.conns[shard_id] = conn
                 # aging at a quarter of the deadline: a request never starves behind urgent ones
                 self.limits[shard_id] = comm.PriorityWindow(self.window, max_wait=self.timeout / 4)

@@ -26,9 +26,9 @@ from .._errors import Dirty, InvalidArgument, IrdmaError, NoAttribute, ShardUnav
 from ..meta import Inode
 from ..meta.base import XATTR_SHAPE, parse_shape
 from ..placement import Layout
-from ..train.optimizers import parse_update
 from ..transport import ShardConnection
 from ..wire.extents import move, positions
+from ..wire.optimizers import parse_update
 from ..wire.protocol import DEFAULT_MAX_PAYLOAD, Chain, Part, Update, UpdateOp
 from ..wire.protocol import extents as P_extents
 from .datapath import ChunkMap, DataPath, NewChunk, as_bytes_view, pack

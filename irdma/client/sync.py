@@ -13,9 +13,9 @@ import trio
 
 from .._errors import IrdmaError
 from ..meta import Inode
-from ..train import comm
 from ..wire.compress import Compression
 from ..wire.protocol import UpdateOp
+from . import comm
 from .native import Client
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from irdma._errors import InvalidArgument
+from irdma.wire import auth
 
 from .base import ROOT_INO, XATTR_CHUNK_SIZE, XATTR_UPDATE, Inode, MetaStore, ShardRecord
 from .sql_rows import redact
@@ -95,7 +96,26 @@ def open_meta(url: str, *, create: bool = False) -> MetaStore:
     return SqliteMeta(meta_path(url), create=create)
 
 
+def default_key_file(meta_url: str | None) -> str | None:
+    """The key file of the cluster ``meta_url`` names (:mod:`irdma.wire.auth`): ``$IRDMA_KEY_FILE``,
+    else ``cluster.key`` beside a SQLite namespace when it exists, else None (no I/O beyond a
+    stat: the file is read by :class:`irdma.wire.auth.KeySource`)."""
+    env = os.environ.get(auth.KEY_FILE_ENV)
+    if env:
+        return env
+    if meta_url:
+        try:
+            path = meta_path(meta_url)
+        except InvalidMetaURL:
+            return None
+        candidate = os.path.join(os.path.dirname(os.path.abspath(path)), auth.KEY_FILE_NAME)
+        if os.path.exists(candidate):
+            return candidate
+    return None
+
+
 __all__ = [
+    "default_key_file",
     "open_meta", "meta_path", "meta_scheme", "redact", "InvalidMetaURL", "URL_HINT",
     "MetaStore", "Inode", "ShardRecord", "ROOT_INO", "XATTR_UPDATE", "XATTR_CHUNK_SIZE",
 ]

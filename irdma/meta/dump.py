@@ -277,7 +277,7 @@ def dump(meta: MetaStore, out: IO[bytes], *, source: str | None = None, progress
             a load refuses).
         OSError: ``out`` could not be written.
     """
-    from irdma import __version__
+    from irdma._version import __version__
 
     written = 0
 

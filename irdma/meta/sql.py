@@ -66,6 +66,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, TypeVar
 
+from irdma import xattrs
 from irdma._errors import (
     Busy,
     Exists,
@@ -81,9 +82,8 @@ from irdma._errors import (
     ReadOnly,
 )
 from irdma.placement import DEFAULT_CHUNK_SIZE, check_chunk_size
-from irdma.train import comm, coord
-from irdma.train.optimizers import format_update, parse_update
 from irdma.wire import compress
+from irdma.wire.optimizers import format_update, parse_update
 
 from .base import (
     CACHE_MODES,
@@ -136,11 +136,11 @@ def _invalid_as_einval(parse: Callable[[bytes | str], str]) -> Callable[[bytes |
 
 
 _JOB_XATTRS = {
-    coord.XATTR_CONSISTENCY: lambda v: coord.parse_consistency(v).name,
-    coord.XATTR_WORKERS: lambda v: str(coord.parse_workers(v)),
-    coord.XATTR_SYNC_TIMEOUT: lambda v: repr(coord.parse_timeout(v)),
-    coord.XATTR_MAX_LEASE: lambda v: repr(coord.parse_timeout(v)),  # a lock's longest lease (fs/control.py)
-    **{name: _invalid_as_einval(parse) for name, parse in comm.XATTRS.items()},  # P3 slicing, layer dropping
+    xattrs.XATTR_CONSISTENCY: lambda v: xattrs.parse_consistency(v).name,
+    xattrs.XATTR_WORKERS: lambda v: str(xattrs.parse_workers(v)),
+    xattrs.XATTR_SYNC_TIMEOUT: lambda v: repr(xattrs.parse_timeout(v)),
+    xattrs.XATTR_MAX_LEASE: lambda v: repr(xattrs.parse_timeout(v)),  # a lock's longest lease (fs/control.py)
+    **{name: _invalid_as_einval(parse) for name, parse in xattrs.XATTRS.items()},  # P3 slicing, layer dropping
     compress.XATTR_COMPRESS: compress.xattr_value,
     XATTR_MAX_SNAPSHOTS: _invalid_as_einval(parse_max_snapshots),  # a directory's snapshots at most (sql_snap)
 }

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from irdma._errors import DataLost, Exists, InvalidArgument, NotFound, Stale
+from irdma._proc import pid_alive
 from irdma.placement import MOVE_ALL, Move
 
 from .base import OUT_OF_SYNC, ROOT_INO, UNLINK_GRACE_S, DamagedFile, Inode, Session, ShardRecord
@@ -341,11 +342,10 @@ class SqlCluster:
             "SELECT sid, name, host, pid, started_ns, heartbeat_ns FROM sessions ORDER BY sid")]
 
     def dead_sessions(self) -> list[Session]:
-        from irdma.ops._proc import pid_alive
-
         limit = live_since()
+        # a pid of this host whose process started after the session did is another process
         return [s for s in self.sessions()
-                if s.heartbeat_ns < limit or (s.host == self._host and not pid_alive(s.pid))]
+                if s.heartbeat_ns < limit or (s.host == self._host and not pid_alive(s.pid, s.started_ns))]
 
     def _live_openers(self, c: Cursor, ino: int, exclude: int = 0) -> int:
         limit = live_since()

@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from irdma._errors import InvalidArgument
+from irdma._proc import pid_alive
 
 from .base import MEMBER_EXPIRY_S, Member
 from .sql_rows import Cursor, now
@@ -258,10 +259,8 @@ class SqlSync:
     def _member_live(self, host: str, pid: int, heartbeat_ns: int, gone: int, t: int) -> bool:
         if gone or heartbeat_ns < t - int(MEMBER_EXPIRY_S * 1e9):
             return False
-        if host == self._host:
-            from irdma.ops._proc import pid_alive
-
-            return pid_alive(pid)
+        if host == self._host:  # a process that started after the last heartbeat is another one
+            return pid_alive(pid, heartbeat_ns)
         return True
 
     def members(self, job: int) -> list[Member]:

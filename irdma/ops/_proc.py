@@ -1,116 +1,16 @@
-"""Background processes (shard servers, mounts) that outlive the command that started them."""
+"""The processes of :mod:`irdma._proc` under their earlier import path (scripts and tests that
+import ``irdma.ops._proc``); the code lives in the bottom layer."""
 
-from __future__ import annotations
+from irdma._proc import (
+    START_TIME_SLACK_S,
+    forget_mount_record,
+    last_log_line,
+    mount_record_file,
+    pid_alive,
+    read_mount_record,
+    spawn_detached,
+    write_mount_record,
+)
 
-import os
-import sys
-
-
-def spawn_detached(args: list[str], log_file: str) -> int:
-    """Start ``python ARGS...`` in a new session, stdin from /dev/null, output to ``log_file``.
-
-    Returns:
-        The child's pid. It is not a ``Popen``: nothing warns when this process exits first.
-
-    Raises:
-        OSError: ``log_file`` cannot be opened for appending (its ``filename`` says which).
-    """
-    with open(log_file, "a"):  # here, where the error names the file, rather than in the child
-        pass
-    actions = [
-        (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-        (os.POSIX_SPAWN_OPEN, 1, log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644),
-        (os.POSIX_SPAWN_DUP2, 1, 2),
-    ]
-    return os.posix_spawn(sys.executable, [sys.executable, *args], os.environ, file_actions=actions, setsid=True)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie child of ours is reaped and counts as gone)."""
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done == pid:
-            return False
-    except ChildProcessError:
-        pass  # not our child
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def last_log_line(path: str) -> str:
-    """The last non-blank line of a process log, for a one-line error message that names the log."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
-            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
-    except OSError as exc:
-        return f"(cannot read its log: {exc.strerror})"
-    return lines[-1] if lines else "(its log is empty)"
-
-
-# ---------------------------------------------------------------- what a mount shows
-def mount_record_file(mountpoint: str) -> str:
-    """The file where the mount on ``mountpoint`` records what it shows while it runs (JSON:
-    ``mountpoint``, ``pid``, ``source`` as the mount table shows it, ``subdir``): beside its
-    metrics record, in :func:`irdma.ops.metrics.run_dir` (per user), keyed by the mountpoint."""
-    from .metrics import mount_state_file
-
-    return mount_state_file(mountpoint).removesuffix(".json") + ".view.json"
-
-
-def write_mount_record(mountpoint: str, source: str, subdir: str) -> str:
-    """Record that this process serves ``mountpoint``, of source ``source`` (``irdma:URL``, the
-    mount table's) showing directory ``subdir`` of its namespace as its root; returns the file.
-
-    Raises:
-        OSError: the run directory cannot be written.
-    """
-    import json
-
-    path = mount_record_file(mountpoint)
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"mountpoint": os.path.abspath(mountpoint), "pid": os.getpid(), "source": source,
-                   "subdir": os.path.normpath("/" + subdir.strip("/"))}, f)
-    os.replace(tmp, path)
-    return path
-
-
-def read_mount_record(mountpoint: str) -> dict[str, object] | None:
-    """The record of the live mount on ``mountpoint`` (:func:`write_mount_record`), or None when
-    there is none, it cannot be read, or the process that wrote it is gone."""
-    import json
-
-    try:
-        with open(mount_record_file(mountpoint)) as f:
-            rec = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(rec, dict) or not isinstance(rec.get("pid"), int) or not isinstance(rec.get("subdir"), str) \
-            or not isinstance(rec.get("source"), str) or not pid_alive(rec["pid"]):
-        return None
-    return rec
-
-
-def forget_mount_record(mountpoint: str) -> None:
-    """Remove the record of :func:`write_mount_record` if this process made it (best effort)."""
-    import json
-
-    path = mount_record_file(mountpoint)
-    try:
-        with open(path) as f:
-            if json.load(f).get("pid") != os.getpid():
-                return
-        os.unlink(path)
-    except (OSError, ValueError, AttributeError):
-        pass
+__all__ = ["START_TIME_SLACK_S", "forget_mount_record", "last_log_line", "mount_record_file", "pid_alive",
+           "read_mount_record", "spawn_detached", "write_mount_record"]

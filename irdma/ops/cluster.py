@@ -34,9 +34,9 @@ import psutil
 import trio
 
 from .._errors import InvalidArgument, IrdmaError, ShardUnavailable
+from .._proc import last_log_line, spawn_detached
 from ..meta import open_meta
 from ..wire.auth import KEY_FILE_ENV, KEY_FILE_NAME, create_key_file, read_key_file, set_security
-from ._proc import last_log_line, spawn_detached
 from .probe import (  # noqa: F401  (irdma.ops.cluster's names before the probes had a module)
     HANDSHAKE_TIMEOUT,
     _answering,
@@ -127,7 +127,7 @@ def _metrics_of(base: str | None, shard_id: int) -> str | None:
     Raises:
         InvalidArgument: ``base`` is not HOST:PORT, or PORT+ID is past 65535.
     """
-    from .metrics import format_host, parse_metrics_address
+    from ..metrics import format_host, parse_metrics_address
 
     if base is None or base == "off":
         return None
@@ -300,7 +300,7 @@ def up(
         AlreadyUp: every shard of the cluster in ``cluster_dir`` already runs.
         IrdmaError: a shard did not start (the message names its log).
     """
-    from .metrics import parse_metrics_address
+    from ..metrics import parse_metrics_address
 
     check_up_args(cluster_dir, shards, DEFAULT_CAPACITY if capacity is None else capacity, host)
     if metrics is not None and metrics != "off":

@@ -4,7 +4,7 @@ mount(8) runs an external helper for a filesystem type that has one ("External h
 mount(8)): for type ``fuse.irdma`` it runs ``/sbin/mount.fuse.irdma SOURCE MOUNTPOINT
 [-sfnv] [-N NS] -o OPTIONS [-t fuse.irdma]``, where OPTIONS are the fstab line's fourth field
 (or ``mount -o``) with ``rw``/``ro`` first and mount(8)'s ``noauto`` removed. The console
-script ``mount.fuse.irdma`` (:func:`helper_main`) turns that into ``irdma mount SOURCE
+script ``mount.fuse.irdma`` (:func:`irdma.ops.cli.mount_helper.helper_main`) turns that into ``irdma mount SOURCE
 MOUNTPOINT --option ...`` and runs it: the same checks, the same background mount process, and
 it returns once the mount answers, as mount(8) expects. Without the helper, fuse3's
 ``mount.fuse3`` runs the program ``irdma SOURCE MOUNTPOINT -o OPTIONS`` instead, which
@@ -21,10 +21,6 @@ mount`` option by its name with ``_`` for ``-`` (``subdir=/jobs/x``, ``attr_cach
 """
 
 from __future__ import annotations
-
-import os
-import sys
-from typing import NoReturn
 
 from irdma.fs.options import FSTAB_OPTIONS
 
@@ -78,62 +74,3 @@ def mount_args(source: str, mountpoint: str, options: str, *, sloppy: bool = Fal
             raise MountOptionError(f"mount option {name} takes no value (got {opt!r})", f"write it as {name}")
         args += [flag[0], value] if flag[1] else [flag[0]]
     return args
-
-
-def helper_main(argv: list[str] | None = None) -> None:
-    """``mount.fuse.irdma SOURCE MOUNTPOINT [-sfnv] [-N NS] [-o OPTIONS] [-t TYPE]``: the
-    mount(8) helper of type ``fuse.irdma`` (see the module's docstring). ``-f`` (fake) checks
-    the options and mounts nothing; ``-n``, ``-v`` and ``-t`` are accepted; ``-N`` (another
-    mount namespace) is refused. Exits 0 once the mount answers, 1 for bad arguments, 32 when
-    the mount failed (mount(8)'s codes)."""
-    argv = sys.argv[1:] if argv is None else argv
-    prog = "mount.fuse.irdma"
-    positional: list[str] = []
-    options: list[str] = []
-    flags = ""
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("-o", "-t", "-N") and i + 1 < len(argv):
-            if arg == "-N":
-                _fail(prog, "mounting in another namespace (-N) is not supported",
-                      "run mount(8) inside that namespace instead")
-            if arg == "-o":
-                options.append(argv[i + 1])
-            i += 2
-            continue
-        if arg.startswith("-o") and len(arg) > 2:
-            options.append(arg[2:])
-        elif arg.startswith("-") and len(arg) > 1 and set(arg[1:]) <= set("sfnvrw"):
-            flags += arg[1:]
-        elif arg.startswith("-"):
-            _fail(prog, f"unknown argument {arg!r}", f"usage: {prog} SOURCE MOUNTPOINT [-o OPTIONS]")
-        else:
-            positional.append(arg)
-        i += 1
-    if len(positional) != 2:
-        _fail(prog, f"expected SOURCE and MOUNTPOINT, got {len(positional)} argument(s)",
-              f"usage: {prog} SOURCE MOUNTPOINT [-o OPTIONS] (the way mount -t fuse.irdma runs it)")
-    if "r" in flags:
-        options.append("ro")
-    try:
-        args = mount_args(positional[0], positional[1], ",".join(options), sloppy="s" in flags)
-    except MountOptionError as exc:
-        _fail(prog, str(exc))
-    if "f" in flags:  # mount -f: check everything, change nothing
-        return
-    # mount(8) runs helpers with a bare environment; the mount process may need fusermount3
-    os.environ.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-    from .cli import main
-
-    try:
-        main(args)
-    except SystemExit as exc:
-        if exc.code not in (0, None):
-            sys.exit(EXIT_FAILURE)
-        raise
-
-
-def _fail(prog: str, message: str, hint: str = "") -> NoReturn:
-    print(f"{prog}: {message}" + (f" ({hint})" if hint else ""), file=sys.stderr)
-    sys.exit(EXIT_USAGE)

@@ -17,7 +17,7 @@ map, as ``irdma status`` does), then reads the metadata:
   whole tree), the bytes in its files, their chunks, and each shard's share. No shard is asked
   for versions: the numbers come from the chunk map.
 
-Words (see :mod:`irdma.ops.fsck` for the chunk map's rules):
+Words (see :mod:`irdma.client.fsck` for the chunk map's rules):
 
 * a replica is **in-sync** when its chunk-map row holds its shard's current incarnation,
   **out-of-sync** when the row is 0 (it missed acknowledged updates), **lost** when the row
@@ -504,7 +504,7 @@ async def dir_info(client: Client, path: str, inode: Inode, recursive: bool = Fa
             else:
                 others += 1
     if len(files) > BULK_FILES and hasattr(client.store, "_call"):
-        from .fsck import chunk_rows
+        from ..client.fsck import chunk_rows
 
         every = await chunk_rows(client)
         maps = {ino: every.get(ino, {}) for ino in files}

@@ -249,8 +249,8 @@ def resolve_target(path: str, meta_url: str, explicit: bool, *, named_by: str = 
             that neither says what it shows nor has a record here (an older irdma's mount, of
             another user): which directory it shows is unknown, so nothing is done.
     """
+    from .._proc import mount_record_file, read_mount_record
     from ..meta import redact
-    from ._proc import mount_record_file, read_mount_record
 
     table = mount_table() if table is None else table
     record = read_mount_record if record is None else record

@@ -17,9 +17,9 @@ import trio
 
 from .._concurrency import open_nursery
 from .._errors import ShardUnavailable
+from .._proc import pid_alive
 from ..transport import make_transport
 from ..wire.auth import KeyRing
-from ._proc import pid_alive
 
 #: Seconds ``up`` waits for the handshake of a shard it did not start.
 HANDSHAKE_TIMEOUT = 3.0

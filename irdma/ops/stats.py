@@ -2,7 +2,7 @@
 
 Where the numbers come from: every shard started with ``irdma server --metrics HOST:PORT`` (or
 ``irdma up --metrics HOST:PORT``) and every mount started with ``irdma mount --metrics
-HOST:PORT`` serves Prometheus metrics at ``http://HOST:PORT/metrics`` (:mod:`irdma.ops.metrics`).
+HOST:PORT`` serves Prometheus metrics at ``http://HOST:PORT/metrics`` (:mod:`irdma.metrics`).
 :func:`run` scrapes them every ``interval`` seconds and shows per-second rates computed from the
 difference of two scrapes: requests/s by op, MiB/s pulled and pushed, p50 and p99 latency (from
 the histogram buckets that filled in between, as Prometheus's ``histogram_quantile`` of a
@@ -11,7 +11,7 @@ the histogram buckets that filled in between, as Prometheus's ``histogram_quanti
 Discovery (how ``irdma stats`` finds the endpoints):
 
 * ``irdma stats MNT``: a mount serving metrics records its address in a small JSON file keyed by
-  the mountpoint's absolute path (:func:`irdma.ops.metrics.mount_state_file`: under
+  the mountpoint's absolute path (:func:`irdma.metrics.mount_state_file`: under
   ``$IRDMA_RUN_DIR``, else ``$XDG_RUNTIME_DIR/irdma``, else ``/tmp/irdma-UID``), written once the
   mount is up and removed when it ends. So it works for mounts of the same user on this host.
 * ``irdma stats --meta URL``: each shard tells its metrics address in its STAT reply (the
@@ -44,7 +44,7 @@ from rich.text import Text
 
 from .._errors import InvalidArgument, IrdmaError
 from ..meta import redact
-from .metrics import format_host, mount_state_file, parse_metrics_address
+from ..metrics import format_host, mount_state_file, parse_metrics_address
 
 #: The layers a process may expose, their metric prefixes, and which byte direction is a pull.
 _LAYERS: tuple[tuple[str, str, dict[str, str]], ...] = (
@@ -86,7 +86,7 @@ def mount_target(mountpoint: str) -> Target:
         IrdmaError: no mount with metrics recorded there, or the process that recorded it is
             gone (the message says how to start one with metrics).
     """
-    from ._proc import pid_alive
+    from .._proc import pid_alive
 
     path = mount_state_file(mountpoint)
     where = os.path.abspath(mountpoint)

@@ -24,7 +24,7 @@ compiled train step:
    ICLR 2019) as a push of ``-variable * weight_decay * learning_rate`` with update op ``add``;
 3. a push of the gradients with the wrapped optimizer's update op, *this step's* learning rate
    carried in the request (:class:`irdma.wire.protocol.Update`): the shards apply Keras's
-   arithmetic with the optimizer state beside each chunk (:mod:`irdma.train.optimizers`);
+   arithmetic with the optimizer state beside each chunk (:mod:`irdma.wire.optimizers`);
 4. the end of the worker's round (its clock: under BSP/SSP it waits for the slowest worker to
    be close enough, :mod:`irdma.train.coord`), then a pull of the whole file into the variables.
 
@@ -54,11 +54,11 @@ import numpy as np
 import tensorflow as tf
 
 from .._errors import InvalidArgument, IrdmaError, NoAttribute, NotFound
+from ..wire.optimizers import ARGUMENTS, parse_update
 from ..wire.protocol import Update, UpdateOp
 from . import coord
 from .comm import DEFAULT_SLICE_ELEMS
 from .coord import XATTR_SYNC_TIMEOUT
-from .optimizers import ARGUMENTS, parse_update
 from .world import _host_group, _job_barrier, _member, _need, _wait_for, _world, barrier_name, job_dir, rank, size
 
 PARAMS = "params"
@@ -757,7 +757,7 @@ def _flat(arrays: list[np.ndarray]) -> np.ndarray:
 
 
 def _spec(update: Update) -> str:
-    from .optimizers import format_update
+    from ..wire.optimizers import format_update
 
     return format_update(update)
 

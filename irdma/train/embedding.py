@@ -35,9 +35,9 @@ import numpy as np
 import tensorflow as tf
 
 from .._errors import InvalidArgument, NotFound
+from ..wire.optimizers import format_update
 from . import distributed as D
 from . import world as W
-from .optimizers import format_update
 
 #: Floats per initialization write.
 INIT_SLICE = 4 << 20
@@ -176,7 +176,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]  # Keras ships no typ
 
 def _spec_of(optimizer: Any) -> str:
     if isinstance(optimizer, str):
-        from .optimizers import parse_update
+        from ..wire.optimizers import parse_update
 
         try:
             update = parse_update(optimizer)

@@ -18,7 +18,7 @@ mount*, so ``model.fit``, callbacks, ``model.save`` and checkpoints keep working
 * The model's trainable variables live in one file, ``JOB/params`` (SoftMemoryBox II's
   unified buffer: every tensor at a documented offset, ``JOB/layout.json`` lists name, shape
   and byte offset; little-endian float32, C order), whose ``user.irdma.update`` is the
-  optimizer (:mod:`irdma.train.optimizers`): the shards apply it (Keras's arithmetic, state on the
+  optimizer (:mod:`irdma.wire.optimizers`): the shards apply it (Keras's arithmetic, state on the
   shards, replicated and persisted with the weights).
 * Each training step writes the step's gradients to ``params`` as one buffer (one ``pwrite``
   of the whole model: a push), advances the worker's clock (a read of ``JOB/.irdma-clock@K``,
@@ -51,8 +51,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from ..wire.optimizers import parse_update
 from .coord import XATTR_CONSISTENCY, XATTR_SYNC_TIMEOUT, XATTR_WORKERS, parse_consistency
-from .optimizers import parse_update
 
 PARAMS = "params"
 LAYOUT = "layout.json"
@@ -256,7 +256,7 @@ def keras_optimizer(update: str) -> keras.optimizers.Optimizer:
     Raises:
         ValueError: a bad spec, or ``assign``/``add`` (not optimizers).
     """
-    from .optimizers import ARGUMENTS, FLAGS, argument
+    from ..wire.optimizers import ARGUMENTS, FLAGS, argument
 
     u = parse_update(update)
     if not u.op.is_optimizer:

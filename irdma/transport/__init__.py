@@ -6,7 +6,8 @@ import logging
 
 from irdma._errors import TransportUnavailable
 
-from .base import ShardConnection, ShardInfo, Transport, parse_address
+from ..units import parse_address
+from .base import ShardConnection, ShardInfo, Transport
 from .tcp import TcpTransport
 
 log = logging.getLogger("irdma.transport")

@@ -38,18 +38,6 @@ class ShardInfo:
     version: int = 0  # the protocol version its HELLO reply named (0: not known)
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """Split ``"HOST:PORT"`` (``"[::1]:PORT"`` for IPv6).
-
-    Raises:
-        ValueError: not of that form, or the port is not in 0..65535.
-    """
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"address {address!r} is not HOST:PORT (for example 127.0.0.1:7700)")
-    return host.strip("[]"), int(port)
-
-
 class ShardConnection(abc.ABC):
     """A client's connection to one shard. Close it with :meth:`aclose` (safe twice)."""
 

@@ -41,7 +41,8 @@ from irdma.wire.framing import (  # noqa: F401 - re-exported: the names this mod
 )
 from irdma.wire.protocol import ChunkEntry, StatReply, Update, UpdateOp
 
-from .base import ShardConnection, ShardInfo, Transport, parse_address
+from ..units import parse_address
+from .base import ShardConnection, ShardInfo, Transport
 
 log = logging.getLogger("irdma.transport.tcp")
 

@@ -74,7 +74,8 @@ from irdma.wire.extents import move, positions
 from irdma.wire.framing import Macs, handshake, read_frame, recv_exactly, send_parts, tune_socket
 from irdma.wire.protocol import ChunkEntry, StatReply, UpdateOp, raise_for_error
 
-from .base import ShardConnection, ShardInfo, Transport, parse_address
+from ..units import parse_address
+from .base import ShardConnection, ShardInfo, Transport
 
 # pyverbs.base calls logging.basicConfig(level=INFO) when imported: that would configure the
 # application's root logger behind its back (every INFO line of every library on stderr, as

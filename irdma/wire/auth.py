@@ -353,20 +353,3 @@ class Macs:
         self.recv.check([*_prefix(parts, total - payload), plen], trailer[PAYLOAD_LEN_SIZE:])
 
 
-def default_key_file(meta_url: str | None) -> str | None:
-    """The key file to use: ``$IRDMA_KEY_FILE``, else ``cluster.key`` beside a SQLite namespace
-    when it exists, else None."""
-    env = os.environ.get(KEY_FILE_ENV)
-    if env:
-        return env
-    if meta_url:
-        from irdma.meta import InvalidMetaURL, meta_path
-
-        try:
-            path = meta_path(meta_url)
-        except InvalidMetaURL:
-            return None
-        candidate = os.path.join(os.path.dirname(os.path.abspath(path)), KEY_FILE_NAME)
-        if os.path.exists(candidate):
-            return candidate
-    return None

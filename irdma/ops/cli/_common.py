@@ -238,7 +238,8 @@ def _redact(url: str) -> str:
 
 
 def _key_ring(meta_url: str | None) -> Any:
-    from ...wire.auth import KeySource, default_key_file
+    from ...meta import default_key_file
+    from ...wire.auth import KeySource
 
     return KeySource(default_key_file(meta_url)).ring()
 

@@ -49,7 +49,7 @@ def up(cluster_dir: str, shards: int, capacity: int | None, host: str, transport
     --transport, kept in --dir/settings.json); an option given here replaces the shard's
     setting and is kept for the next restarts."""
     if metrics_addr and metrics_addr != "off":
-        from ..metrics import parse_metrics_address
+        from ...metrics import parse_metrics_address
 
         parse_metrics_address(metrics_addr)
     if transport is None and (fresh or not os.path.exists(os.path.join(cluster_dir, "meta.db"))):

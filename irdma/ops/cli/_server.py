@@ -74,7 +74,7 @@ def server(listen: str, capacity: int | None, shard_id: int | None, transport: s
                               " trusted test bed")
     if key_file is not None and no_auth:
         raise click.BadParameter("--no-auth and --key-file exclude each other", param_hint="--no-auth")
-    from ..metrics import parse_metrics_address, shard_address
+    from ...metrics import parse_metrics_address, shard_address
 
     if metrics_addr:
         parse_metrics_address(metrics_addr)  # a bad address fails before anything is registered

@@ -61,8 +61,8 @@ async def _resync(meta_url: str, only: list[int] | None) -> int:
 
 async def _adoptable(meta_url: str, shard_id: int) -> list[Any]:
     """The files with chunks waiting for a shard of which ``shard_id`` holds an older copy."""
+    from ...client.fsck import readability
     from ...client.native import Client
-    from ..fsck import readability
 
     async with Client.open(meta_url, transport="tcp") as client:
         stats = await client.shard_stats()

@@ -31,8 +31,8 @@ class _StatusView:
 
 
 async def _status(meta_url: str) -> _StatusView:
+    from ...client.fsck import readability
     from ...client.native import Client
-    from ..fsck import readability
 
     async with Client.open(meta_url, transport="tcp") as client:
         stats = await client.shard_stats()  # notes each shard's incarnation first
@@ -167,8 +167,8 @@ def fsck(meta_url: str) -> None:
     there is garbage, a replica is missing or a shard in service could not be checked, 2 when
     a file cannot be read.
     """
+    from ...client.fsck import scan
     from ...client.native import Client
-    from ..fsck import scan
 
     async def run() -> Any:
         async with Client.open(meta_url, transport="tcp") as client:
@@ -220,8 +220,8 @@ def gc(meta_url: str, dry_run: bool) -> None:
     session holds open), leaked chunks (no file's, or past the end of a file no live
     session holds open: a crashed writer's), and snapshots left 'creating' for 10 minutes by
     a creator that died. --dry-run reports exactly what a run frees."""
+    from ...client.fsck import collect_garbage
     from ...client.native import Client
-    from ..fsck import collect_garbage
     from ..progress import transfer_progress
 
     async def run() -> Any:

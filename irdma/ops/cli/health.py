@@ -1,6 +1,6 @@
 """How ``irdma status`` (and ``fsck``) sum a cluster up: healthy, degraded, or a file that cannot
 be read, with the exit code and the advice (:func:`cluster_health`). No I/O: it reads what
-:meth:`irdma.client.native.Client.shard_stats` and :mod:`irdma.ops.fsck` found."""
+:meth:`irdma.client.native.Client.shard_stats` and :mod:`irdma.client.fsck` found."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def cluster_health(stats: list[Any], damaged: list[Any] | None = None, under_rep
                    moving: list[Any] | None = None, waiting: list[Any] | None = None) -> Health:
     """The cluster's health from :meth:`Client.shard_stats` (``(record, stats or None, why)`` each),
     the files with chunks lost (``damaged``, :class:`~irdma.meta.DamagedFile`) or waiting for a
-    shard that does not answer (``waiting``, :class:`irdma.ops.fsck.Unreadable`), the count of
+    shard that does not answer (``waiting``, :class:`irdma.client.fsck.Unreadable`), the count of
     under-replicated chunks and the moves in progress.
 
     The exit codes of ``irdma status``: 0 healthy (every shard in service answers and is up to

@@ -25,7 +25,7 @@ class UpdateOp(enum.IntEnum):
     ``ASSIGN`` overwrites. ``ADD`` adds element-wise as little-endian float32: offset and
     length must be multiples of 4. ``SGD``, ``ADAM``, ``ADAGRAD`` and ``RMSPROP`` (protocol 6)
     take the bytes as a float32 gradient and apply one optimizer step (:class:`Update` carries
-    their arguments; :mod:`irdma.train.optimizers` parses them, :mod:`irdma.server.optim` applies them).
+    their arguments; :mod:`irdma.wire.optimizers` parses them, :mod:`irdma.server.optim` applies them).
     """
 
     ASSIGN = 0
@@ -83,7 +83,7 @@ class Update:
     Attributes:
         op: the op (its byte in the fixed part).
         args: for an optimizer op, its four float64 arguments in the order of
-            :data:`irdma.train.optimizers.ARGUMENTS` (unused ones 0.0); they follow the fixed part
+            :data:`irdma.wire.optimizers.ARGUMENTS` (unused ones 0.0); they follow the fixed part
             as ``!4dI4x`` (40 bytes) with ``flags``, before any chain.
         flags: OPT_NESTEROV, OPT_CENTERED.
         encoding: how the payload is encoded (:class:`Encoding`, protocol 8; the op byte's

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 
-from ..wire.protocol import OPT_CENTERED, OPT_NESTEROV, Update, UpdateOp
+from .protocol import OPT_CENTERED, OPT_NESTEROV, Update, UpdateOp
 
 #: Each optimizer's arguments in wire order, with Keras 3's defaults (float) or flag bits (bool).
 ARGUMENTS: dict[UpdateOp, tuple[tuple[str, float], ...]] = {

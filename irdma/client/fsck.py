@@ -46,9 +46,9 @@ from typing import Any
 import trio
 
 from .._errors import IrdmaError, NotFound, ShardUnavailable
-from ..client import snapshots
-from ..client.native import Client, layout_of
 from ..meta.base import DamagedFile, Session, ShardRecord, Snapshot
+from . import snapshots
+from .native import Client, layout_of
 
 #: The incarnation of a chunk-map row out of its chunk's in-sync set
 #: (:data:`irdma.meta.base.OUT_OF_SYNC`).
