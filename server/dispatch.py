@@ -2,11 +2,11 @@
 
 :meth:`Dispatcher.handle` decodes a frame, applies it to the :class:`~irdma.server.shard.Shard`
 synchronously (so update ops are atomic per chunk) with the handler of its message class (the
-table :data:`_HANDLERS`; :mod:`irdma.server.request_kinds` tells what a request is) and gives
-the reply: at once, as an awaitable when the update goes down a replication chain (answered once
-the chain has it), or as a :class:`ThreadWork` when the request needs disk I/O first (SYNC; a
-new chunk's zeroing and chunk-index record on a shard with a data directory), which runs in a
-worker thread so the event loop never waits for the disk. A malformed or refused request gets an
+table :attr:`Dispatcher._HANDLERS`; :mod:`irdma.server.request_kinds` tells what a request is)
+and gives the reply: at once, as an awaitable when the update goes down a replication chain
+(answered once the chain has it), or as a :class:`ThreadWork` when the request needs disk I/O
+first (SYNC; a new chunk's zeroing and chunk-index record on a shard with a data directory),
+which runs in a worker thread so the event loop never waits for the disk. A malformed or refused request gets an
 error reply and changes nothing; an exception the request meets becomes its error reply through
 the one status table (:data:`irdma.wire.protocol.STATUS_ERRORS`), a bug is logged with its
 traceback and answered INTERNAL. Every request is counted in the shard's metrics
@@ -23,7 +23,7 @@ import inspect
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Generator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import trio
@@ -533,9 +533,9 @@ class Dispatcher:
 
     def _apply(self, msg: P.Request, staging: memoryview | None = None,
                zero_copy: bool = False) -> P.Reply | Awaitable[int]:
-        """Apply a request at once with its handler (:data:`_HANDLERS`, by message class)."""
+        """Apply a request at once with its handler (:attr:`_HANDLERS`, by message class)."""
         for cls in type(msg).__mro__:
-            handler = _HANDLERS.get(cls)
+            handler = self._HANDLERS.get(cls)
             if handler is not None:
                 return handler(self, msg, staging, zero_copy)
         raise BadRequest(f"{type(msg).__name__} is not valid here")
@@ -672,17 +672,17 @@ class Dispatcher:
         return P.VersionReply(shard.write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, data,
                                           msg.existing))
 
-
-#: The handler of each request :meth:`Dispatcher._apply` applies at once, by message class
-#: (CLONE and ADMIT go through :meth:`Dispatcher.handle` only; any other message is refused).
-_HANDLERS: dict[type, Callable[[Dispatcher, Any, memoryview | None, bool], P.Reply | Awaitable[int]]] = {
-    P.Read: Dispatcher._on_read, P.Write: Dispatcher._on_write, P.Gather: Dispatcher._on_gather,
-    P.Scatter: Dispatcher._on_scatter, P.Resync: Dispatcher._on_resync, P.Checksum: Dispatcher._on_checksum,
-    P.List: Dispatcher._on_list, P.Sync: Dispatcher._on_sync, P.Freeze: Dispatcher._on_freeze,
-    P.Usage: Dispatcher._on_usage, P.Thaw: Dispatcher._on_thaw, P.Stat: Dispatcher._on_stat,
-    P.Free: Dispatcher._on_free, P.FreeFiles: Dispatcher._on_free_files, P.Punch: Dispatcher._on_punch,
-    P.Locate: Dispatcher._on_locate, P.RemoteWrite: Dispatcher._on_remote_write,
-}
+    #: The handler of each request :meth:`Dispatcher._apply` applies at once, by message class
+    #: (CLONE and ADMIT go through :meth:`Dispatcher.handle` only; any other message is refused).
+    _HANDLERS: ClassVar[dict[type, Callable[[Dispatcher, Any, memoryview | None, bool],
+                                            P.Reply | Awaitable[int]]]] = {
+        P.Read: _on_read, P.Write: _on_write, P.Gather: _on_gather,
+        P.Scatter: _on_scatter, P.Resync: _on_resync, P.Checksum: _on_checksum,
+        P.List: _on_list, P.Sync: _on_sync, P.Freeze: _on_freeze,
+        P.Usage: _on_usage, P.Thaw: _on_thaw, P.Stat: _on_stat,
+        P.Free: _on_free, P.FreeFiles: _on_free_files, P.Punch: _on_punch,
+        P.Locate: _on_locate, P.RemoteWrite: _on_remote_write,
+    }
 
 
 #: Longest lease a FREEZE may ask, milliseconds.
