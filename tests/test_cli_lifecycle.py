@@ -1,29 +1,39 @@
-"""Starting, stopping and removing clusters, and the small things users meet first (issue 36,
-points 7 and 16): `irdma down` and `destroy` act on the cluster $IRDMA_META names and refuse
-one with live mounts without --force; `up` on a running cluster is no error; `destroy` removes
-the directory; status names a shard that is down; messages wrap at a terminal's width and carry
-no source locations; jobs under /jobs can be listed and removed."""
+"""Starting, stopping and removing clusters, and the small things users meet first: `irdma down`
+and `destroy` act on the cluster $IRDMA_META names and refuse one with live mounts without
+--force; `up` on a running cluster is no error; `up` leaves a shard started by hand alone and
+names the exact command that starts it again; `down` never signals a process it did not start;
+`destroy` removes the directory; status names a shard that is down; messages wrap at a
+terminal's width and carry no source locations; jobs under /jobs can be listed and removed."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import pty
+import re
 import signal
 import struct
 import subprocess
 import sys
 import termios
+import time
 from collections.abc import Iterator
 
 import pytest
-from helpers import irdma_cli, wait_until
+import trio
+from helpers import irdma_cli, running_cluster, wait_until
 from irdma.fs.mount import spawn_mount, unmount
 
+import irdma
 from irdma.ops import cluster
 from irdma.ops._proc import pid_alive
+from irdma.ops.cluster import key_file_of
+from irdma.wire.auth import read_key_file
+
+MB = 1 << 20
 
 
 def _env(home: str, meta: str | None = None) -> dict[str, str]:
@@ -118,7 +128,6 @@ def _read_pty(fd: int, seconds: float) -> list[bytes]:
         AssertionError: it is still open after ``seconds`` (a hung child), with what came so far.
     """
     import select
-    import time
 
     deadline, chunks = time.monotonic() + seconds, []
     while True:
@@ -171,8 +180,6 @@ def test_messages_wrap_at_the_terminals_width(tmp_path: object) -> None:
         os.close(primary)
         with contextlib.suppress(Exception):
             cluster.destroy(d)
-    import re
-
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))
     lines = [ln.strip() for ln in re.split(r"[\r\n]", text) if ln.strip()]
     assert any("cluster up" in ln for ln in lines), text
@@ -182,8 +189,6 @@ def test_messages_wrap_at_the_terminals_width(tmp_path: object) -> None:
 
 
 def test_jobs_are_listed_and_removed(tmp_path: object) -> None:
-    import irdma
-
     d = f"{tmp_path}/c"
     with _clusters(d) as (url,):
         irdma_cli("run", "-n", "1", "--meta", url, "--job", "digits", "--", sys.executable, "-c", "pass")
@@ -214,3 +219,120 @@ def test_a_mount_without_its_key_says_so_without_blaming_fuse(tmp_path: object) 
         lines = res.stderr.strip().splitlines()
         assert res.returncode == 1 and len(lines) == 1, res.stderr
         assert "no key file" in lines[0] and "/dev/fuse" not in lines[0] and lines[0].count("ERROR") == 0, lines[0]
+
+
+# ---------------------------------------------------------------- processes `up` and `down` did not start
+def _out(res: subprocess.CompletedProcess[str]) -> str:
+    text = res.stdout + res.stderr
+    assert "Traceback" not in text, text
+    return text
+
+
+def _start_hand_shard(tmp: str, key_file: str, port_file: str) -> subprocess.Popen[bytes]:
+    if os.path.exists(port_file):
+        os.unlink(port_file)
+    log = open(os.path.join(tmp, "hand.log"), "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "irdma.ops.cli", "server", "--listen", "127.0.0.1:0", "--capacity",
+                             "64MiB", "--port-file", port_file, "--transport", "tcp", "--key-file", key_file,
+                             "--data-dir", os.path.join(tmp, "hand")], stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    wait_until(lambda: os.path.exists(port_file) or proc.poll() is not None, 30, "the hand-started shard to listen")
+    assert proc.poll() is None, "the hand-started shard exited"
+    return proc
+
+
+def test_up_leaves_a_hand_added_shard_alone_and_names_the_command_for_it(tmp_path: object) -> None:
+    """The README's own steps: `irdma up`, a shard started by hand and `irdma shard add`ed,
+    files on it, `irdma down` (the hand-started shard keeps running), `irdma up`: it restarts
+    its own shards, leaves shard 3 alone, and every file reads back. Once shard 3 is stopped
+    too, `up` starts its own, never mentions --fresh, exits 1 naming the exact command that
+    starts shard 3 again, and that command brings it back with its data."""
+    tmp = str(tmp_path)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        with running_cluster(os.path.join(tmp, "c"), shards=2, replicas=1, capacity=64 * MB) as c:
+            port_file = os.path.join(tmp, "hand.port")
+            procs.append(_start_hand_shard(tmp, key_file_of(c.dir), port_file))
+            with open(port_file) as f:
+                address = f.read().strip()
+            irdma_cli("shard", "add", address, "--meta", c.meta_url)
+            files = {f"/f{k}": os.urandom(300_000) for k in range(6)}  # small files start on every shard
+            with irdma.connect(c.meta_url, transport="tcp") as cl:
+                for path, data in files.items():
+                    cl.write(path, data)
+                firsts = {irdma.Layout(st.ino, st.chunk_size or 0, st.stripe).shard_of(0)
+                          for st in map(cl.stat, files)}
+            assert 3 in firsts, firsts  # shard 3 holds files
+            irdma_cli("down", "--dir", c.dir)
+            assert procs[0].poll() is None  # not ours to stop
+
+            res = irdma_cli("up", "--dir", c.dir, check=False)
+            text = _out(res)
+            assert res.returncode == 0, text
+            assert "restarted shard 1" in text and "restarted shard 2" in text, text
+            assert "shard 3" in text and "left alone" in text and "--fresh" not in text, text
+            c.shards = cluster.read_state(c.dir)
+            with irdma.connect(c.meta_url, transport="tcp") as cl:
+                for path, data in files.items():
+                    assert bytes(cl.read(path)) == data, path
+
+            irdma_cli("down", "--dir", c.dir)
+            procs[0].terminate()
+            procs[0].wait(10)
+            res = irdma_cli("up", "--dir", c.dir, check=False)
+            text = _out(res)
+            assert res.returncode == 1 and "--fresh" not in text, text
+            assert "restarted shard 1" in text and "restarted shard 2" in text, text
+            c.shards = cluster.read_state(c.dir)
+            command = re.search(r"shard 3: `([^`]+)`", text)
+            assert command, text
+            line = command.group(1)
+            assert f"--listen {address}" in line and os.path.join(tmp, "hand") in line, line
+            assert line.startswith("irdma server ")
+            argv = [sys.executable, "-m", "irdma.ops.cli", *line.split()[1:]]
+            procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            key = read_key_file(key_file_of(c.dir))
+
+            def answers() -> bool:
+                try:
+                    trio.run(functools.partial(cluster.check_shard, address, 1.0, key=key))
+                    return True
+                except irdma.ShardUnavailable:
+                    return False
+
+            wait_until(answers, 60, "shard 3 to answer again", interval=0.1)
+            assert "3 of 3" in irdma_cli("status", "--meta", c.meta_url, check=False).stdout
+            with irdma.connect(c.meta_url, transport="tcp") as cl:
+                for path, data in files.items():
+                    assert bytes(cl.read(path)) == data, path
+            res = irdma_cli("up", "--dir", c.dir, check=False)
+            assert res.returncode == 0 and "already runs" in res.stderr, _out(res)  # nothing to start: no error
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(10)
+
+
+def test_down_never_signals_a_pid_another_process_took(tmp_path: object) -> None:
+    """cluster.json names a pid that now belongs to another process (its start time differs):
+    `irdma down` leaves that process alone."""
+    d = os.path.join(str(tmp_path), "c")
+    os.makedirs(d)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with open(os.path.join(d, cluster.STATE_FILE), "w") as f:
+            json.dump({"meta_url": "", "shards": [{"shard_id": 1, "address": "127.0.0.1:1", "pid": other.pid,
+                                                   "log": "x", "create_time": time.time() - 3600}]}, f)
+        res = irdma_cli("down", "--dir", d)
+        assert "0 shard processes" in res.stderr, _out(res)
+        assert other.poll() is None
+        # nor one recorded by an older irdma (no start time) that is not an irdma shard
+        with open(os.path.join(d, cluster.STATE_FILE), "w") as f:
+            json.dump({"meta_url": "", "shards": [{"shard_id": 1, "address": "127.0.0.1:1", "pid": other.pid,
+                                                   "log": "x"}]}, f)
+        irdma_cli("down", "--dir", d)
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait(10)

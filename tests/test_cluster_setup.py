@@ -1,5 +1,7 @@
-"""Hand-made clusters: `irdma format URL`, `irdma server --meta` (a shard registers itself, and
-keeps its id across restarts), mounts from an fstab line (type ``fuse.irdma``).
+"""A cluster set up by hand, command by command, as on hosts of one's own: `irdma format URL`
+makes the namespace and its key file (and refuses an existing one), `irdma server --meta` starts
+a shard that registers itself and keeps its id across restarts (and refuses what it cannot
+register), and a mount comes from an fstab line (type ``fuse.irdma``).
 
 Real shard processes and a real FUSE mount; the metadata is SQLite here and PostgreSQL in
 tests/test_hosts.py (the same commands across hosts).

@@ -1,11 +1,14 @@
-"""The filesystem through a real FUSE mount, with plain ``os`` calls (as a user would)."""
+"""The filesystem through a real FUSE mount, with plain ``os`` calls (as a user would), and the
+tools a user runs (``ls``, ``find``)."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import os
 import stat
+import subprocess
 
 import numpy as np
 import pytest
@@ -264,3 +267,91 @@ def test_close_to_open_a_reopen_sees_the_other_mounts_new_bytes(mnt: str, mnt2: 
         f.write(second)
     with open(b, "rb") as f:
         assert f.read() == second
+
+
+# ---------------------------------------------------------------- . and .. in readdir
+class _Dirent(ctypes.Structure):
+    _fields_ = [("d_ino", ctypes.c_uint64), ("d_off", ctypes.c_int64), ("d_reclen", ctypes.c_ushort),
+                ("d_type", ctypes.c_ubyte), ("d_name", ctypes.c_char * 256)]
+
+
+DT_DIR = 4
+
+
+def dirents(path: str) -> dict[bytes, tuple[int, int]]:
+    """Every entry readdir(3) gives, ``.`` and ``..`` included: name -> (d_ino, d_type)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.opendir.restype = ctypes.c_void_p
+    libc.opendir.argtypes = [ctypes.c_char_p]
+    libc.readdir.restype = ctypes.POINTER(_Dirent)
+    libc.readdir.argtypes = [ctypes.c_void_p]
+    libc.closedir.argtypes = [ctypes.c_void_p]
+    d = libc.opendir(os.fsencode(path))
+    if not d:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), path)
+    out = {}
+    try:
+        while True:
+            ent = libc.readdir(d)
+            if not ent:
+                break
+            out[ent.contents.d_name] = (ent.contents.d_ino, ent.contents.d_type)
+    finally:
+        libc.closedir(d)
+    return out
+
+
+def test_readdir_lists_dot_and_dotdot(mnt: str) -> None:
+    top = os.path.join(mnt, "dots")
+    sub = os.path.join(top, "sub")
+    os.makedirs(sub)
+    with open(os.path.join(sub, "f"), "w") as f:
+        f.write("x")
+    root_ino = os.stat(mnt).st_ino
+    got = dirents(mnt)
+    assert got[b"."] == (root_ino, DT_DIR) and got[b".."] == (root_ino, DT_DIR)  # the root is its own parent
+    got = dirents(top)
+    assert got[b"."] == (os.stat(top).st_ino, DT_DIR)
+    assert got[b".."] == (root_ino, DT_DIR)
+    assert got[b"sub"][0] == os.stat(sub).st_ino
+    got = dirents(sub)
+    assert set(got) == {b".", b"..", b"f"}
+    assert got[b"."][0] == os.stat(sub).st_ino and got[b".."][0] == os.stat(top).st_ino
+    # the control tree too
+    ctl = os.path.join(mnt, ".irdma")
+    got = dirents(os.path.join(ctl, "barrier"))
+    assert got[b".."][0] == os.stat(ctl).st_ino and got[b"."][0] == os.stat(os.path.join(ctl, "barrier")).st_ino
+    assert dirents(ctl)[b".."][0] == root_ino
+    assert dirents(os.path.join(top, ".irdma"))[b".."][0] == os.stat(top).st_ino  # a directory's own
+    # tools: os.listdir and find hide them, ls -a shows them once each
+    assert os.listdir(sub) == ["f"]
+    assert sorted(os.listdir(top)) == ["sub"]
+    ls = subprocess.run(["ls", "-a1", sub], capture_output=True, text=True, check=True).stdout.split()
+    assert ls == [".", "..", "f"]
+    found = subprocess.run(["find", top], capture_output=True, text=True, check=True).stdout.split()
+    assert sorted(found) == sorted([top, sub, os.path.join(sub, "f")])
+    # a listing longer than one reply keeps every name once, the dots first
+    many = os.path.join(mnt, "dots-many")
+    os.mkdir(many)
+    for i in range(300):
+        os.close(os.open(os.path.join(many, f"file-with-a-longish-name-{i:04d}"), os.O_CREAT | os.O_WRONLY, 0o644))
+    ls = subprocess.run(["ls", "-a1f", many], capture_output=True, text=True, check=True).stdout.split()
+    assert ls[:2] == [".", ".."] and len(ls) == 302 and len(set(ls)) == 302
+    subprocess.run(["rm", "-rf", top, many], check=True)
+    assert not os.path.exists(top) and not os.path.exists(many)
+
+
+# ---------------------------------------------------------------- xattrs of control files
+def test_xattrs_of_control_files_are_enodata_not_enoent(mnt: str) -> None:
+    """A control directory or sync object exists: asking it for an xattr it lacks is ENODATA
+    (what `getfattr`, `cp -a` and the kernel's security.capability probe expect), never ENOENT."""
+    for path in (os.path.join(mnt, ".irdma"), os.path.join(mnt, ".irdma", "barrier"),
+                 os.path.join(mnt, ".irdma", "counter", "xattr-probe")):
+        os.stat(path)  # it exists
+        with pytest.raises(OSError) as info:
+            os.getxattr(path, "user.irdma.update")
+        assert info.value.errno == errno.ENODATA, path
+        with pytest.raises(OSError) as info:
+            os.getxattr(path, "security.capability")
+        assert info.value.errno == errno.ENODATA, path
+        assert os.listxattr(path) == []
