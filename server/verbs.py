@@ -22,17 +22,9 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from irdma._errors import IrdmaError, ShardUnavailable
-from irdma.transport.verbs import (
-    LOCAL_ACCESS,
-    POOL_BUFFER_SIZE,
-    RECV_SLOTS,
-    REMOTE_ACCESS,
-    SLOT_SIZE,
-    STAGING_SLOTS,
-    Endpoint,
-    VerbsDevice,
-    view_of,
-)
+from irdma.transport.verbs_device import LOCAL_ACCESS, REMOTE_ACCESS, VerbsDevice, view_of
+from irdma.transport.verbs_endpoint import RECV_SLOTS, SLOT_SIZE, Endpoint
+from irdma.transport.verbs_lending import POOL_BUFFER_SIZE, STAGING_SLOTS
 from irdma.wire import protocol as P
 
 from .dispatch import ThreadWork
