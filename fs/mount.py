@@ -70,7 +70,7 @@ async def serve_mount(
     absolute) of type ``fuse.irdma``; its root answers the xattr ``user.irdma.mount`` with that
     source and the directory it shows (:meth:`irdma.fs.control.Control.mount_xattr`, any user
     who may read the root), and while it runs the mount also records them for its user
-    (:func:`irdma.ops._proc.write_mount_record`, the fallback), so that ``irdma info`` and
+    (:func:`irdma._proc.write_mount_record`, the fallback), so that ``irdma info`` and
     ``irdma snapshot`` map a path under it to that namespace and directory.
 
     ``metrics``: ``HOST:PORT`` to serve Prometheus metrics on (:mod:`irdma.metrics`: FUSE

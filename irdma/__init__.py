@@ -3,16 +3,20 @@
 Public names are re-exported here from the modules that define them (as trio does); the heavy
 ones are loaded on first use. The packages, bottom up:
 
-* :mod:`irdma.wire`: the protocol's bytes, authentication, gradient encodings, framing.
+* the shared vocabulary: :mod:`irdma._errors`, :mod:`irdma.units`, :mod:`irdma.placement`
+  (chunks to shards), :mod:`irdma.xattrs` (the job and communication xattrs),
+  :mod:`irdma.metrics` (the Prometheus collectors), :mod:`irdma._proc` (process identity).
+* :mod:`irdma.wire`: the protocol's bytes, authentication, gradient encodings, framing, the
+  optimizer-state layout.
 * :mod:`irdma.transport`: how a client reaches shards (TCP, RDMA verbs).
 * :mod:`irdma.meta`: the metadata engines (namespace, inodes, xattrs, chunk and shard maps).
-* :mod:`irdma.client`: the native client (shard pool, chains, pull and push, moves).
-* :mod:`irdma.train`: optimizers, consistency models, priorities, Keras.
-* :mod:`irdma.ops`: the ``irdma`` command, clusters, fsck, metrics, benchmarks.
-* ``irdma.fs`` (``fs/``): the FUSE mount; ``irdma.server`` (``server/``): the shards.
+* :mod:`irdma.client`: the native client (shard pool, chains, pull and push, moves,
+  consistency models and clocks, priorities, fsck).
+* :mod:`irdma.train` (distributed training, Keras) beside ``irdma.fs`` (``fs/``: the FUSE
+  mount) and ``irdma.server`` (``server/``: the shards): none of the three imports another.
+* :mod:`irdma.ops`: the ``irdma`` command, clusters, benchmarks; :mod:`irdma.keras` on top.
 
-Beside them, shared by all: :mod:`irdma._errors`, :mod:`irdma.placement` (chunks to shards)
-and :mod:`irdma.units`.
+An import never runs up this list (``tests/test_layers.py``).
 """
 
 from __future__ import annotations

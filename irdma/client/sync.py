@@ -74,13 +74,26 @@ class SyncClient:
                 "open a new one with irdma.connect()",
             ) from cause
 
+    def run(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
+        """Run ``await fn(*args, **kwargs)`` on the client's loop and wait for its result: any
+        async call of :attr:`client` (or one taking it) made from this thread.
+
+        Returns:
+            What ``fn`` returns.
+
+        Raises:
+            IrdmaError: the client is closed, or its loop ended on an error after it started
+                (that error is the cause); else what ``fn`` raises.
+        """
+        return self._run(fn, *args, **kwargs)
+
     def submit(self, fn: Callable[[Client], Awaitable[Any]], *, priority: int = 0,
                slice_bytes: int = 0, timeout: float | None = None) -> concurrent.futures.Future[Any]:
         """Start ``await fn(client)`` on the client's loop and return at once (overlapped
         transfers: P3's pushes during back-propagation, pulls ahead of the forward pass).
 
         Its requests go at ``priority`` (0 = most urgent) in slices of at most ``slice_bytes``
-        bytes (0: none): :func:`irdma.train.comm.priority`. A buffer handed to ``fn`` must not be
+        bytes (0: none): :func:`irdma.client.comm.priority`. A buffer handed to ``fn`` must not be
         touched until the future is done. ``timeout`` (seconds) cancels ``fn`` when it runs
         longer: the future then fails with TimeoutError and nothing of ``fn`` runs after (a
         ``result(timeout=...)`` that gives up does not stop it; this does). Cancelling the

@@ -164,7 +164,7 @@ class Session:
 @dataclass
 class Member:
     """A worker of a training job as the job's membership records it
-    (:mod:`irdma.train.coord`): its process, its last heartbeat, the epoch it last began, and
+    (:mod:`irdma.client.coord`): its process, its last heartbeat, the epoch it last began, and
     the barrier it waits at (``parked``; None while it trains) or ``left`` once it finished."""
 
     worker: int

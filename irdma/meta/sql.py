@@ -702,7 +702,7 @@ class SqlMeta(SqlCluster, SqlSync, SqlSnap, MetaStore):
                 except ValueError as exc:
                     raise InvalidArgument(str(exc)) from None
                 c.execute("UPDATE inodes SET update_op=?, ctime_ns=? WHERE ino=?", (op, now(), ino))
-            elif name in _JOB_XATTRS:  # a training job's settings (irdma.train.coord), normalized
+            elif name in _JOB_XATTRS:  # a training job's settings (irdma.client.coord), normalized
                 text = _JOB_XATTRS[name](value)  # InvalidArgument: nothing stored
                 c.execute("INSERT INTO xattrs VALUES (?,?,?) ON CONFLICT (ino, name) DO UPDATE SET value=excluded.value",
                           (ino, name, text.encode()))

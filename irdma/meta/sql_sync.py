@@ -5,7 +5,7 @@ locks and counters (a mixin of :class:`~irdma.meta.sql.SqlMeta`, which supplies 
 Every call is one short transaction (SERIALIZABLE on PostgreSQL, the write lock on SQLite), so
 the state is shared by every mount and native client of the namespace, on any host; the waits
 (a barrier's generation, a lock held by another, a worker clock too far ahead) poll these rows
-from :mod:`irdma.train.coord` with a deadline. Times are the metadata host's clients' wall clocks
+from :mod:`irdma.client.coord` with a deadline. Times are the metadata host's clients' wall clocks
 (``time.time_ns``): leases assume clocks synchronised to well under a lease (NTP). On PostgreSQL
 each of these transactions carries its call's transaction id (:mod:`irdma.meta.sql`), so a clock
 tick, a barrier arrival, a lock, a counter add or a join whose COMMIT got no answer (a restart,

@@ -2,14 +2,14 @@
 
 * :mod:`.cli`: the ``irdma`` command (click, rich); :mod:`.launch`: ``irdma run``, the launcher of training jobs.
 * :mod:`.cluster`: starting, registering and stopping shard processes (``irdma up``/``down``).
-* :mod:`.fsck`: checking the chunk map against the shards.
 * :mod:`.info`: ``irdma info PATH``: a file's chunks and replicas, a directory's summary.
-* :mod:`.stats` and :mod:`.metrics`: Prometheus metrics of shards and mounts, and ``irdma stats``.
+* :mod:`.stats`: ``irdma stats`` (the collectors are :mod:`irdma.metrics`).
 * :mod:`.bench` and :mod:`.testbed`: ``irdma bench`` and multi-host test beds.
-* :mod:`._proc`: child processes with deadlines.
+* :mod:`.fstab` and :mod:`.cli.mount_helper`: ``mount -t fuse.irdma`` and fstab lines.
 
-The top layer: it may import every other one, and none imports it but :mod:`.metrics`
-(counted in the client, the mount and the shards). Names are re-exported lazily.
+The top layer: it may import every other one (it assembles mounts and shards), and none
+imports it (``tests/test_layers.py``); the namespace check is :mod:`irdma.client.fsck`, the
+processes :mod:`irdma._proc`. Names are re-exported lazily.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A path under an irdma mount (the kernel's mount table, ``/proc/self/mountinfo``) names that
 mount's namespace (its source, ``irdma:URL``) and the directory the mount shows: the mount's
 root answers the xattr :data:`MOUNT_XATTR` (its source and ``--subdir``), and the record the
-mount keeps while it runs (:func:`irdma.ops._proc.read_mount_record`) is the fallback. Any other
+mount keeps while it runs (:func:`irdma._proc.read_mount_record`) is the fallback. Any other
 path is a path of the namespace ``--meta`` or ``$IRDMA_META`` names. A ``--meta`` given on the
 command line that names another namespace than the mount's is an error (:func:`resolve_target`);
 two URLs of one namespace (another spelling of a PostgreSQL host, a path through a bind mount)
@@ -228,7 +228,7 @@ def resolve_target(path: str, meta_url: str, explicit: bool, *, named_by: str = 
     A path under an irdma mount names the mount's namespace (the metadata URL in the mount
     table) and a path in the directory the mount shows (``--subdir``): what the mount itself
     says (:func:`ask_mount`: any user who may read its root), else what its record says
-    (:func:`irdma.ops._proc.read_mount_record`: the mount's user's own). Any other path is a
+    (:func:`irdma._proc.read_mount_record`: the mount's user's own). Any other path is a
     path in the namespace of ``meta_url``.
 
     Args:
@@ -238,7 +238,7 @@ def resolve_target(path: str, meta_url: str, explicit: bool, *, named_by: str = 
             the mount's namespace is used.
         named_by: what named ``meta_url``, for the error message.
         table: the irdma mounts (default: :func:`mount_table`).
-        record: the record of a mountpoint (default: :func:`irdma.ops._proc.read_mount_record`).
+        record: the record of a mountpoint (default: :func:`irdma._proc.read_mount_record`).
         ask: what a mountpoint says it shows (default: :func:`ask_mount`).
 
     Raises:

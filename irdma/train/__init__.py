@@ -1,9 +1,10 @@
 """Training on irdma: what a data-parallel job needs beyond pull and push.
 
-* :mod:`.optimizers`: the server-side optimizer update ops (SGD, momentum, Adam, ...) and
-  their state layout, equal to Keras's.
-* :mod:`.coord`: consistency models (BSP, SSP, ASP), per-worker clocks, barriers, locks.
-* :mod:`.comm`: P3 priorities and layer dropping (which slices go first, which are skipped).
+* :mod:`.coord` and :mod:`.comm`: consistency models (BSP, SSP, ASP), per-worker clocks,
+  barriers, locks; P3 priorities and layer dropping. The code is the client's
+  (:mod:`irdma.client.coord`, :mod:`irdma.client.comm`; the mount uses them too), re-exported
+  here under the names training code knows. The server-side optimizer update ops and their
+  state layout are :mod:`irdma.wire.optimizers` (the shards, the mount and the client share them).
 * :mod:`.hier` (with :mod:`._hier_wire`): hierarchical aggregation inside a host before the shards.
 * :mod:`.costmodel`: the model that picks shard counts and placements for a job.
 * :mod:`.distributed`: the Horovod-shaped Keras API (``import irdma.keras as hvd``):
@@ -12,8 +13,8 @@
   compression, the host hierarchy and DASO's global step every K steps.
 * :mod:`.keras`: ``ShardOptimizer`` (the step through a FUSE mount).
 
-Built on :mod:`irdma.client`; the shards import only :mod:`.optimizers`' layout. Names are
-re-exported lazily.
+Built on :mod:`irdma.client`; nothing below imports it, nor the mount or the shards
+(``tests/test_layers.py``). Names are re-exported lazily.
 """
 
 from __future__ import annotations
