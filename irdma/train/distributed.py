@@ -90,10 +90,21 @@ def update_of(optimizer: keras.optimizers.Optimizer) -> Update:
                       ("loss_scale_factor", "unscale the gradient before the optimizer")):
         if cfg.get(name):
             raise InvalidArgument(f"{type(optimizer).__name__}({name}={cfg[name]!r}) cannot run on the shards", why)
-    words = [kind, f"learning_rate={_lr_at(optimizer._learning_rate, 0)!r}"]
+    words = [kind, f"learning_rate={_lr_at(learning_rate_of(optimizer), 0)!r}"]
     words += [f"{k}={float(cfg[k])!r}" for k, _ in ARGUMENTS[parse_update(kind).op][1:] if k in cfg]
     words += [f"{k}={'true' if cfg[k] else 'false'}" for k in ("nesterov", "centered") if k in cfg]
     return parse_update(" ".join(words))
+
+
+def learning_rate_of(optimizer: keras.optimizers.Optimizer) -> Any:
+    """``optimizer``'s learning rate as it was given: its
+    :class:`keras.optimizers.schedules.LearningRateSchedule`, else its variable (or value).
+
+    Keras's public ``optimizer.learning_rate`` evaluates a schedule at the current step, and Keras
+    has no public name for the schedule itself: this is the one place that reads the optimizer's
+    ``_learning_rate``.
+    """
+    return optimizer._learning_rate  # Keras keeps the schedule only here (see above)
 
 
 def _lr_at(lr: Any, step: int) -> float:
@@ -205,7 +216,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
                 raise InvalidArgument(f"sync_every={sync_every} moves whole models every {sync_every} steps",
                                       "pass overlap='none' and no compress or drop with it")
         cfg = inner.get_config()
-        lr = inner._learning_rate
+        lr = learning_rate_of(inner)
         if not isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
             lr = _lr_at(lr, 0)
         for key in ("learning_rate", "weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "name"):
@@ -231,6 +242,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
     def inner(self) -> keras.optimizers.Optimizer:
         """The wrapped Keras optimizer (its config; it never steps)."""
         return self._job.inner
+
+    @property
+    def joined(self) -> bool:
+        """Whether this worker joined the job already (:meth:`join`): its weights came from the
+        shards."""
+        return self._job.joined
 
     def get_config(self) -> dict[str, Any]:
         inner = self.inner.get_config()
@@ -342,7 +359,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
             _wait_for(lambda: client.stat(params).update_op, f"the job's parameters {params}")
 
             def live() -> int:
-                return sum(m.live for m in client._run(client.client.meta.members, job_ino))
+                return sum(m.live for m in client.run(client.client.meta.members, job_ino))
 
             try:
                 _wait_for(lambda: live() >= n, f"{n} live workers", self.sync_timeout, coord.SyncTimeout)
@@ -351,7 +368,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
                           coord.SyncTimeout)
                 log.warning("rank %d starts with %d of %d workers (the elastic minimum is %d)", me, live(), n, low)
         else:
-            client._run(client.client.barrier, barrier_name("start"), n, self.sync_timeout)
+            client.run(client.client.barrier, barrier_name("start"), n, self.sync_timeout)
 
         async def locate(cl: Any) -> tuple[Any, Any]:
             from ..client.native import layout_of
@@ -359,7 +376,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
             inode = await cl.meta.resolve(params)
             return layout_of(inode), await cl.meta.chunk_map(inode.ino)
 
-        self._job.layout, self._job.chunks = client._run(locate, client.client)
+        self._job.layout, self._job.chunks = client.run(locate, client.client)
         self._job.joined = True
         step = _world["clock"] * self.sync_every  # a clock tick is a round: K steps under sync_every
         if _world["rejoin"] and step > int(self._iterations.numpy()):
@@ -391,7 +408,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         params = f"{job}/{PARAMS}"
         client.write(params, _flat([np.asarray(v.numpy()) for v in self._job.vars]), op="assign")
         if image:
-            client._run(client.client.write_state, params, image)
+            client.run(client.client.write_state, params, image)
 
     def _restore_now(self) -> None:
         """A checkpoint restored after the job was joined: written to the job, unless this
@@ -407,7 +424,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         if not self._job.joined:
             return self._job.restore or b""
         self.flush()  # the model's weights are saved too: the pulls in flight first
-        return bytes(_need("client")._run(_need("client").client.read_state, f"{_need('job')}/{PARAMS}"))
+        return bytes(_need("client").run(_need("client").client.read_state, f"{_need('job')}/{PARAMS}"))
 
     def save_own_variables(self, store: Any) -> None:
         """Keras saving (``model.save``, ``save_weights``, ``ModelCheckpoint``,
@@ -472,7 +489,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         if group is not None:  # the host's sum goes in one push, by its local rank 0
             total = group.reduce_to_leader(data)
             if total is None:
-                client._run(client.client.clock, job, me)
+                client.run(client.client.clock, job, me)
                 self.rounds += 1
                 return self._split(group.broadcast(None))
             data = np.ascontiguousarray(total, dtype="<f4")
@@ -503,7 +520,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         from .overlap import payload_bytes
 
         self.pushed_bytes += payload_bytes(data.size, codec) + (decay.nbytes if decay is not None else 0)
-        client._run(client.client.clock, job, me)  # the round's end: the job's sync timeout bounds its wait
+        client.run(client.client.clock, job, me)  # the round's end: the job's sync timeout bounds its wait
         self.rounds += 1
         self.pushes += 1
         if group is not None:
@@ -561,7 +578,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
 
             client.submit(push, timeout=self.sync_timeout).result()
             self.pushed_bytes += delta.nbytes
-        client._run(client.client.clock, job, me)  # BSP/SSP: every pusher's change is in before the pull
+        client.run(client.client.clock, job, me)  # BSP/SSP: every pusher's change is in before the pull
         self.rounds += 1
         self.pushes += 1 if group is None or group.is_leader else 0
         if group is not None:
@@ -638,7 +655,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         client = _need("client")
         rounds.started = False
         rounds.wait_pushes()
-        client._run(client.client.clock, _need("job"), _need("rank"))
+        client.run(client.client.clock, _need("job"), _need("rank"))
         self.rounds += 1
         rounds.start_pulls(client, self._job.layout, self._job.chunks, self.sync_timeout)
         for g in range(len(rounds.groups)):
@@ -673,7 +690,7 @@ class BroadcastInitialWeights(keras.callbacks.Callback):  # type: ignore[misc]
         live worker's)."""
         client = _need("client")
         try:
-            client._run(client.client.meta.member_beat, _member(), _need("rank"), epoch)
+            client.run(client.client.meta.member_beat, _member(), _need("rank"), epoch)
         except IrdmaError as exc:  # only a rejoining worker's first epoch depends on it
             log.warning("could not record epoch %d of rank %d (%s)", epoch, _need("rank"), exc)
 
@@ -744,7 +761,7 @@ class MetricAverageCallback(keras.callbacks.Callback):  # type: ignore[misc]
         client.write(f"{job}/metrics/{run}-e{epoch}-r{rank()}.json", json.dumps(mine).encode(), op="assign",
                      chunk_size=MIN_CHUNK)
         key = _job_barrier(f"metrics-{epoch}", self.timeout)
-        arrived = client._run(client.client.meta.arrivals, _member(), key)
+        arrived = client.run(client.client.meta.arrivals, _member(), key)
         every = [json.loads(bytes(client.read(f"{job}/metrics/{run}-e{epoch}-r{r}.json"))) for r in arrived]
         for key in mine:
             values = [d[key] for d in every if key in d]

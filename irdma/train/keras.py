@@ -417,6 +417,7 @@ def restore_snapshot(name: str, path: str | None = None, model: Any = None, time
     import io
 
     from .._errors import InvalidArgument, NotFound
+    from .distributed import learning_rate_of
     from .world import _job_barrier, _need, job_dir, rank, size
 
     client, job = _need("client"), job_dir()
@@ -424,7 +425,7 @@ def restore_snapshot(name: str, path: str | None = None, model: Any = None, time
     opt = None
     if model is not None:
         opt = _distributed_optimizer(model, "restore_snapshot(model=...)")
-        if opt._job.joined:
+        if opt.joined:
             raise InvalidArgument("the model's optimizer has joined the job already: its weights came from the"
                                   " shards before the restore", "call restore_snapshot before model.fit, in a new process")
     found = [s for s in client.snapshots(path) if s.name == name and s.state == "ready"]
@@ -453,7 +454,7 @@ def restore_snapshot(name: str, path: str | None = None, model: Any = None, time
         _job_barrier(f"restore-{name}", timeout)
     if opt is not None and state:
         opt.iterations.assign(int(state["iterations"]))
-        if "learning_rate" in state and not isinstance(opt._learning_rate,
+        if "learning_rate" in state and not isinstance(learning_rate_of(opt),
                                                        keras.optimizers.schedules.LearningRateSchedule):
             opt.learning_rate = float(state["learning_rate"])
         for i, v in enumerate(variables):
@@ -479,13 +480,14 @@ def _save_worker_state(client: Any, job: str, model: Any, epoch: int) -> None:
     """Write ``JOB/keras-state.npz`` (see :class:`SnapshotCallback`)."""
     import io
 
-    from .distributed import MIN_CHUNK
+    from .distributed import MIN_CHUNK, learning_rate_of
 
     opt = model.optimizer
     arrays: dict[str, np.ndarray] = {"epoch": np.asarray(epoch, dtype=np.int64),
                                      "iterations": np.asarray(int(opt.iterations.numpy()), dtype=np.int64)}
-    if not isinstance(opt._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
-        arrays["learning_rate"] = np.asarray(keras.ops.convert_to_numpy(opt._learning_rate), dtype=np.float32)
+    lr = learning_rate_of(opt)
+    if not isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
+        arrays["learning_rate"] = np.asarray(keras.ops.convert_to_numpy(lr), dtype=np.float32)
     for i, v in enumerate(model.non_trainable_variables):
         arrays[f"v{i}"] = np.asarray(keras.ops.convert_to_numpy(v))
     buf = io.BytesIO()

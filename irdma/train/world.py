@@ -92,7 +92,7 @@ def shutdown(leave: bool = True) -> None:
         return
     try:
         if ino is not None and leave:
-            client._run(client.client.meta.member_leave, ino, me)
+            client.run(client.client.meta.member_leave, ino, me)
     except Exception as exc:  # noqa: BLE001 - closing goes on: the others see it as dead instead
         log.warning("could not leave the job cleanly (%s): the other workers will see this one as dead", exc)
     finally:
@@ -122,14 +122,14 @@ def _member() -> int:
     except NoAttribute:
         elastic = None
     meta = client.client.meta
-    others = [m for m in client._run(meta.members, ino) if m.worker != me and not m.left]
-    clocks = client._run(meta.clocks, ino)
+    others = [m for m in client.run(meta.members, ino) if m.worker != me and not m.left]
+    clocks = client.run(meta.clocks, ino)
     # a job in progress (another worker that has not finished has stepped; `irdma run` resets
     # the membership and clocks of a job it starts): this worker rejoins it, in the epoch of the
     # slowest live worker (of the furthest one when none is live)
     rejoin = any(clocks.get(m.worker, 0) > 0 for m in others)
     live = [m.epoch for m in others if m.live]
-    clock = client._run(coord.join, meta, ino, me)
+    clock = client.run(coord.join, meta, ino, me)
     stop = threading.Event()
     _world.update(job_ino=ino, elastic=elastic, rejoin=rejoin, clock=clock, beat_stop=stop,
                   rejoin_epoch=(min(live) if live else max(m.epoch for m in others)) if rejoin else 0,
@@ -186,7 +186,7 @@ def _job_barrier(name: str, timeout: float) -> str:
     uses = _world.setdefault("uses", {})
     key = barrier_name(f"{name}#{uses.get(name, 0)}")
     uses[name] = uses.get(name, 0) + 1
-    client._run(coord.job_barrier, client.client.meta, ino, key, _need("rank"), _need("size"),
+    client.run(coord.job_barrier, client.client.meta, ino, key, _need("rank"), _need("size"),
                 _world.get("elastic"), timeout)
     return key
 
