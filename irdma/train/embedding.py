@@ -38,6 +38,7 @@ from .._errors import InvalidArgument, NotFound
 from ..wire.optimizers import format_update
 from . import distributed as D
 from . import world as W
+from .world import _need, _wait_for
 
 #: Floats per initialization write.
 INIT_SLICE = 4 << 20
@@ -93,7 +94,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]  # Keras ships no typ
         update op, its last step (no barrier: one rank may use the table alone)."""
         if self._ready:
             return
-        client = W._need("client")
+        client = _need("client")
         row = 4 * self.output_dim
         if W.rank() == 0:
             client.makedirs(W.job_dir())
@@ -123,31 +124,31 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]  # Keras ships no typ
                                       f" {self.optimizer_spec!r}", "name the layer (name=...) as before, pass a"
                                       " new job name, or remove the job's directory")
         else:
-            W._wait_for(lambda: (client.stat(self.path).update_op or "") == self.optimizer_spec,
-                        f"rank 0's table {self.path}")
+            _wait_for(lambda: (client.stat(self.path).update_op or "") == self.optimizer_spec,
+                      f"rank 0's table {self.path}")
         self._ready = True
 
     def write_table(self, table: np.ndarray, first_row: int = 0) -> None:
         """Assign rows ``first_row ..`` of the table (float32, shape ``(n, output_dim)``),
         e.g. a pretrained one (creates the table first if needed)."""
         self._ensure_table()
-        W._need("client").write(self.path, np.ascontiguousarray(table, dtype="<f4"), 4 * first_row * self.output_dim,
-                                op="assign")
+        _need("client").write(self.path, np.ascontiguousarray(table, dtype="<f4"), 4 * first_row * self.output_dim,
+                              op="assign")
 
     def read_table(self, ids: Any = None) -> np.ndarray:
         """Rows ``ids`` of the table (all of it by default), float32 ``(len(ids), output_dim)``."""
         self._ensure_table()
         ids = np.arange(self.input_dim) if ids is None else np.asarray(ids, dtype=np.int64)
-        return np.asarray(W._need("client").pull_rows(self.path, ids, row_len=self.output_dim))
+        return np.asarray(_need("client").pull_rows(self.path, ids, row_len=self.output_dim))
 
     # ------------------------------------------------------------ the step
     def _pull(self, ids: Any) -> np.ndarray:
         self._ensure_table()
-        return np.asarray(W._need("client").pull_rows(self.path, ids.numpy(), row_len=self.output_dim),
+        return np.asarray(_need("client").pull_rows(self.path, ids.numpy(), row_len=self.output_dim),
                           dtype=np.float32)
 
     def _push(self, ids: Any, grad: Any) -> np.ndarray:
-        W._need("client").push_rows(self.path, ids.numpy(), grad.numpy(), row_len=self.output_dim)
+        _need("client").push_rows(self.path, ids.numpy(), grad.numpy(), row_len=self.output_dim)
         return np.zeros(1, dtype=np.float32)
 
     def call(self, inputs: Any) -> Any:
