@@ -92,7 +92,7 @@ class Transfer:
         if self._bar is not None and self._task is not None:
             self._bar.update(self._task, completed=done_bytes, total=total_bytes, items=self._items())
         elif time.monotonic() - self._last_line >= self.interval:
-            self._print_line()
+            self.print_line()
 
     def describe(self, text: str) -> None:
         """Change the label shown before the numbers (a new phase of the work)."""
@@ -115,9 +115,19 @@ class Transfer:
             parts.append(f"{(self.total_bytes - self.done_bytes) / rate:.0f} s left")
         return f"{self.label}: {', '.join(parts)}"
 
-    def _print_line(self) -> None:
+    def print_line(self) -> None:
+        """Print :meth:`line` now (off a terminal; the next one comes ``interval`` seconds later)."""
         self._last_line = time.monotonic()
         self.console.print(self.line(), highlight=False, markup=False, soft_wrap=True)
+
+    def attach_bar(self, bar: Progress) -> None:
+        """Draw on ``bar`` from now on (a task of its own, labelled :attr:`label`), not in lines."""
+        self._bar = bar
+        self._task = bar.add_task(self.label, total=None, items=self._items())
+
+    def detach_bar(self) -> None:
+        """Stop drawing on the bar given to :meth:`attach_bar` (it is being closed)."""
+        self._bar = None
 
 
 @contextlib.contextmanager
@@ -144,7 +154,7 @@ def transfer_progress(label: str, *, unit: str = "chunks", console: Console | No
             yield t
         finally:
             if final_line and (t.done_items or t.done_bytes):
-                t._print_line()
+                t.print_line()
         return
     # the numbers keep their width; the bar takes what is left (at most 40 columns), and a label
     # too long for an 80-column terminal is shortened
@@ -157,12 +167,11 @@ def transfer_progress(label: str, *, unit: str = "chunks", console: Console | No
                           TimeRemainingColumn(table_column=Column(no_wrap=True)),
                           TextColumn("{task.fields[items]}", table_column=Column(no_wrap=True))]
     with Progress(*columns, console=console, transient=True, expand=not wide) as bar:
-        t._bar = bar
-        t._task = bar.add_task(label, total=None, items=t._items())
+        t.attach_bar(bar)
         try:
             yield t
         finally:
-            t._bar = None
+            t.detach_bar()
 
 
 __all__ = ["Transfer", "transfer_progress", "LINE_INTERVAL"]
