@@ -537,7 +537,7 @@ class DataPath:
 
     async def _sync_one(self, shard_id: int, only_copy: bool) -> None:
         try:
-            await self.pool.call(shard_id, "sync")
+            await self.pool.call(shard_id, ShardConnection.sync)
         except ShardUnavailable:
             if only_copy:
                 raise
@@ -561,7 +561,7 @@ class DataPath:
         if self.cached is not None:
             self.cached.invalidate(layout.file_id, size=new_size)
 
-        async def one(shard_id: int, fn: str, *args: object) -> None:
+        async def one(shard_id: int, fn: Callable[..., Awaitable[int]], *args: int) -> None:
             if layout.replicas > 1 and self.view.health.get(shard_id) == "down":
                 skipped.add(shard_id)
                 return  # its resync drops what the others no longer have
@@ -570,7 +570,7 @@ class DataPath:
             except ShardUnavailable as exc:
                 if layout.replicas == 1:
                     raise
-                log.warning("shard %d failed to %s file %d: %s; marked down", shard_id, fn, layout.file_id, exc)
+                log.warning("shard %d failed to %s file %d: %s; marked down", shard_id, fn.__name__, layout.file_id, exc)
                 skipped.add(shard_id)
                 await self.view.mark_down(shard_id)
 
@@ -578,11 +578,12 @@ class DataPath:
             for shard_id in self.view.shards_of(layout):
                 if self.view.shard_map.get(shard_id) is not None and self.view.shard_map[shard_id].state in ("drained", "removed"):
                     continue
-                nursery.start_soon(one, shard_id, "free", layout.file_id, first_free)
+                nursery.start_soon(one, shard_id, ShardConnection.free, layout.file_id, first_free)
             if new_size % layout.chunk_size:
                 index = new_size // layout.chunk_size
                 for shard_id in self.view.placed(layout, index)[0]:
-                    nursery.start_soon(one, shard_id, "punch", layout.file_id, index, new_size % layout.chunk_size)
+                    nursery.start_soon(one, shard_id, ShardConnection.punch, layout.file_id, index,
+                                       new_size % layout.chunk_size)
         if layout.replicas > 1 and not any(self.view.current(s) for s in self.view.shards_of(layout)):
             raise ShardUnavailable(f"no shard of file {layout.file_id} is up", "restart the shards (`irdma up`)")
         if skipped and new_size % layout.chunk_size:  # the cut chunk's copy there kept its old tail

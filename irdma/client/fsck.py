@@ -47,6 +47,7 @@ import trio
 
 from .._errors import IrdmaError, NotFound, ShardUnavailable
 from ..meta.base import DamagedFile, Session, ShardRecord, Snapshot
+from ..transport import ShardConnection
 from . import snapshots
 from .native import Client, layout_of
 
@@ -247,7 +248,7 @@ async def _still_absent(client: Client, absent: set[tuple[int, int, int]]) -> se
     out = set()
     for ino, idx, s in sorted(absent):
         try:
-            version, _ = await client._conn_call(s, "checksum", ino, idx, client._view)  # type: ignore[misc]
+            version, _ = await client.shard_call(s, ShardConnection.checksum, ino, idx, client.view.epoch)
         except ShardUnavailable:
             version = 0  # it answered the listing: count it as it was then
         if version > 0:
@@ -428,7 +429,7 @@ async def _free_leaked(client: Client, leaked: Iterable[tuple[int, int, int, int
                 did(sum(x[3] for x in items), len(items))
                 continue
         try:
-            await client._conn_call(shard_id, "free", file_id, first)
+            await client.shard_call(shard_id, ShardConnection.free, file_id, first)
         except IrdmaError as exc:
             progress(f"cannot free leaked chunks of file {file_id} on shard {shard_id}: {exc}")
             did(sum(x[3] for x in items), len(items))

@@ -56,6 +56,7 @@ from .._errors import DataLost, InvalidArgument, IrdmaError, ShardUnavailable
 from ..meta import Inode, ShardRecord
 from ..meta.base import OUT_OF_SYNC
 from ..placement import MOVE_ALL
+from ..transport import ShardConnection
 from ..wire.protocol import ChunkEntry, StatReply
 from .pool import ShardPool
 from .view import layout_of
@@ -190,14 +191,14 @@ class ShardMoves:
             if force and row and shard_id not in insync and not any(self.view.in_view(s) for s in insync):
                 # --force-from: no up-to-date copy is in service (lost, or down): this shard's
                 # copy becomes the truth, and the rest of its chain gets it
-                mine = cast(tuple[int, int], await self.pool.call(shard_id, "checksum", inode.ino, idx, view))
+                mine = await self.pool.call(shard_id, ShardConnection.checksum, inode.ino, idx, view)
                 if mine[0] and insync:  # the copies it replaces are out (if one comes back, it resyncs)
                     await self.meta.withdraw_replicas(inode.ino, [(idx, s) for s in insync])
                 if mine[0] and await self.meta.note_replica(inode.ino, idx, shard_id, inc, view):
                     adopted += 1
                     others = tuple(s for s in chain if s != shard_id)
                     if others:
-                        await self.pool.call(shard_id, "resync", inode.ino, idx, layout.chunk_size,
+                        await self.pool.call(shard_id, ShardConnection.resync, inode.ino, idx, layout.chunk_size,
                                                      self.view.chain(0, others))
                         for sid in others:
                             await self.meta.note_replica(inode.ino, idx, sid,
@@ -210,21 +211,21 @@ class ShardMoves:
                 head = chain[0]
                 # both name the view: from here on the head fences updates of older views (ones
                 # that skipped this shard), so none lands after the comparison
-                mine = cast(tuple[int, int], await self.pool.call(shard_id, "checksum", inode.ino, idx, view))
-                theirs = cast(tuple[int, int], await self.pool.call(head, "checksum", inode.ino, idx, view))
+                mine = await self.pool.call(shard_id, ShardConnection.checksum, inode.ino, idx, view)
+                theirs = await self.pool.call(head, ShardConnection.checksum, inode.ino, idx, view)
                 # equal data, yet out of sync: it missed an optimizer-state write (the state
                 # chunk rides along with a RESYNC)
                 if theirs[0] and (mine != theirs or row.get(shard_id) == OUT_OF_SYNC):
                     rest = chain[chain.index(head) + 1 :]
                     try:
-                        await self.pool.call(head, "resync", inode.ino, idx, layout.chunk_size,
+                        await self.pool.call(head, ShardConnection.resync, inode.ino, idx, layout.chunk_size,
                                                      self.view.chain(0, rest))
                     except DataLost:
                         pass  # freed at the head meanwhile (truncated or removed): nothing to copy
                     else:
                         copied += layout.chunk_size
                 elif mine[0] and not theirs[0] and not row:  # freed (truncated) while this shard was down
-                    await self.pool.call(shard_id, "punch", inode.ino, idx, 0)
+                    await self.pool.call(shard_id, ShardConnection.punch, inode.ino, idx, 0)
                 if theirs[0]:
                     await self.meta.note_replica(inode.ino, idx, shard_id, inc, view)
             elif insync and shard_id not in insync:
@@ -264,7 +265,7 @@ class ShardMoves:
         async with open_nursery() as nursery:
             for sid in [s for s, r in self.view.shard_map.items()
                         if s != skip and self.view.in_view(s) and r.state not in ("drained", "removed")]:
-                nursery.start_soon(self.pool.call, sid, "checksum", 0, 0, view)
+                nursery.start_soon(self.pool.call, sid, ShardConnection.checksum, 0, 0, view)
 
     async def drain_shard(self, shard_id: int, progress: MoveProgress | None = None) -> int:
         """Move every chunk off a shard while updates go on, then take it out of every chain
@@ -402,7 +403,7 @@ class ShardMoves:
         moved = [(inode.ino, idx) for inode, idx, _ in todo]
         async with open_nursery() as nursery:  # the copies are durable before the originals go
             for target in {t for _, _, t in todo}:
-                nursery.start_soon(self.pool.call, target, "sync")
+                nursery.start_soon(self.pool.call, target, ShardConnection.sync)
         if not await self.meta.finish_move(move.seq, view, moved):
             raise ShardUnavailable(f"the shard map changed while chunks of shard {shard_id} moved", "run it again")
         await self.view.refresh()
@@ -411,14 +412,14 @@ class ShardMoves:
             # the source first refuses updates of the move's view (it is in no chain of the new
             # one, so _fence skipped it): a client that has not seen the new view is told to
             # read the shard map again instead of writing to a copy about to go
-            await self.pool.call(shard_id, "checksum", 0, 0, self.view.epoch)
+            await self.pool.call(shard_id, ShardConnection.checksum, 0, 0, self.view.epoch)
             async with open_nursery() as nursery:
                 if move.share >= MOVE_ALL:
                     for ino in sorted({e.file_id async for page in self.list_chunks(shard_id) for e in page}):
-                        nursery.start_soon(self.pool.call, shard_id, "free", ino, 0)
+                        nursery.start_soon(self.pool.call, shard_id, ShardConnection.free, ino, 0)
                 else:
                     for ino, idx in moved:
-                        nursery.start_soon(self.pool.call, shard_id, "punch", ino, idx, 0)
+                        nursery.start_soon(self.pool.call, shard_id, ShardConnection.punch, ino, idx, 0)
         return copied[0]
 
     async def _copy_to_joining(self, inode: Inode, idx: int, target: int, view: int, incs: dict[int, int]) -> int:
@@ -433,12 +434,12 @@ class ShardMoves:
         if pos == 0:
             raise DataLost(f"chunk {idx} of file {inode.ino}: no replica but its new one answers")
         pred = chain[pos - 1]
-        mine = cast(tuple[int, int], await self.pool.call(target, "checksum", inode.ino, idx, view))
-        theirs = cast(tuple[int, int], await self.pool.call(pred, "checksum", inode.ino, idx, view))
+        mine = await self.pool.call(target, ShardConnection.checksum, inode.ino, idx, view)
+        theirs = await self.pool.call(pred, ShardConnection.checksum, inode.ino, idx, view)
         copied = 0
         if theirs[0] and mine != theirs:
             try:
-                await self.pool.call(pred, "resync", inode.ino, idx, layout.chunk_size,
+                await self.pool.call(pred, ShardConnection.resync, inode.ino, idx, layout.chunk_size,
                                              self.view.chain(0, (target,)))
             except DataLost:
                 pass  # freed meanwhile (truncated or removed): nothing to copy
@@ -499,13 +500,11 @@ class ShardMoves:
                 chain = self.view.chain_of(layout, idx)
                 if shard_id not in chain[1:]:
                     continue
-                mine = cast(tuple[int, int], await self.pool.call(shard_id, "checksum", inode.ino, idx,
-                                                                          self.view.epoch))
-                theirs = cast(tuple[int, int], await self.pool.call(chain[0], "checksum", inode.ino, idx,
-                                                                            self.view.epoch))
+                mine = await self.pool.call(shard_id, ShardConnection.checksum, inode.ino, idx, self.view.epoch)
+                theirs = await self.pool.call(chain[0], ShardConnection.checksum, inode.ino, idx, self.view.epoch)
                 if theirs[0] and mine != theirs:
                     with contextlib.suppress(DataLost):
-                        await self.pool.call(chain[0], "resync", inode.ino, idx, layout.chunk_size,
+                        await self.pool.call(chain[0], ShardConnection.resync, inode.ino, idx, layout.chunk_size,
                                                      self.view.chain(0, chain[1:]))
                         await self.meta.note_replica(inode.ino, idx, shard_id, inc, self.view.epoch)
 
@@ -544,8 +543,8 @@ class ShardMoves:
 
         async def one(rec: ShardRecord) -> None:
             try:
-                st = await self.pool.call(rec.shard_id, "stat", probe=True)
-                out[rec.shard_id] = (rec, st, "")  # type: ignore[assignment]
+                st = await self.pool.call(rec.shard_id, ShardConnection.stat, probe=True)
+                out[rec.shard_id] = (rec, st, "")
                 await self.view.note_health(rec.shard_id, "up")  # back after being down: syncing
             except ShardUnavailable as exc:
                 out[rec.shard_id] = (rec, None, str(exc))
@@ -564,7 +563,7 @@ class ShardMoves:
         """Every chunk a shard holds, page by page (for gc and fsck)."""
         after = (0, 0)
         while True:
-            page: list[ChunkEntry] = await self.pool.call(shard_id, "list_chunks", *after)  # type: ignore[assignment]
+            page = await self.pool.call(shard_id, ShardConnection.list_chunks, *after)
             if not page:
                 return
             yield page

@@ -38,7 +38,8 @@ import os
 import socket
 import stat
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar, TypeVarTuple
 
 import numpy as np
 import trio
@@ -80,6 +81,8 @@ DEFAULT_WINDOW = 16
 DEFAULT_TIMEOUT = 10.0
 
 log = logging.getLogger("irdma.client")
+_T = TypeVar("_T")
+_Ts = TypeVarTuple("_Ts")
 
 
 def _compression(value: Compression | str | bytes | None) -> Compression | None:
@@ -214,8 +217,19 @@ class Client:
         """The connection to shard ``shard_id`` (:meth:`ShardPool.connection`)."""
         return await self.pool.connection(shard_id)
 
+    async def shard_call(self, shard_id: int, method: Callable[[ShardConnection, *_Ts], Awaitable[_T]], *args: *_Ts,
+                         probe: bool = False) -> _T:
+        """``connection.method(*args)`` against one shard within the client's deadline, e.g.
+        ``await client.shard_call(sid, ShardConnection.checksum, ino, idx, client.view.epoch)``
+        (:meth:`ShardPool.call`: typed; a dead or late shard is marked as the data path does).
+
+        Raises:
+            ShardUnavailable: the shard failed or missed the deadline; and what the method raises.
+        """
+        return await self.pool.call(shard_id, method, *args, probe=probe)
+
     async def _conn_call(self, shard_id: int, fn_name: str, *args: object, probe: bool = False) -> object:
-        """:meth:`ShardPool.call` (kept for the callers of this name: fsck, info)."""
+        """:meth:`ShardPool.call` by the method's name, untyped (kept for tests; use :meth:`shard_call`)."""
         return await self.pool.call(shard_id, fn_name, *args, probe=probe)
 
     @property

@@ -4,7 +4,8 @@ flight per shard and direction, a deadline on every request, shards that missed 
 :class:`ShardPool` is the layer under the client's data path and moves; it reads and updates the
 client's :class:`~irdma.client.view.ShardView` (the shard map, health, the shards held out):
 ``run(shard_id, fn)`` runs ``fn(connection)`` against one shard within the client's deadline,
-``call(shard_id, name, *args)`` one of the connection's methods. The fast path of nearly every request (an open
+``call(shard_id, ShardConnection.method, *args)`` one of the connection's methods (typed: mypy
+checks the arguments against the method and sees its result type). The fast path of nearly every request (an open
 TCP connection with room in its window) has no cancel scope of its own: a watchdog closes a
 connection on which a request outlived its deadline. A connection that fails on its first use
 since it last worked is opened again once (the shard may have restarted); calls are safe to
@@ -18,7 +19,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
-from typing import NoReturn, TypeVar
+from typing import NoReturn, TypeVar, TypeVarTuple, overload
 
 import trio
 
@@ -33,6 +34,7 @@ from .view import ShardView
 
 log = logging.getLogger("irdma.client")
 _T = TypeVar("_T")
+_Ts = TypeVarTuple("_Ts")
 _SHARD_HINT = "is the shard process stopped or overloaded? `irdma shard list` shows its state"
 
 
@@ -268,10 +270,31 @@ class ShardPool:
                 return result
         return await self._run_scoped(shard_id, fn, pull, trio.current_time() + self.timeout)
 
-    async def call(self, shard_id: int, fn_name: str, *args: object, probe: bool = False) -> object:
-        """``connection.<fn_name>(*args)`` against a shard within the deadline (:meth:`run`)."""
+    @overload
+    async def call(self, shard_id: int, method: Callable[[ShardConnection, *_Ts], Awaitable[_T]], *args: *_Ts,
+                   probe: bool = False) -> _T: ...
+
+    @overload
+    async def call(self, shard_id: int, method: str, *args: object, probe: bool = False) -> object: ...
+
+    async def call(self, shard_id: int, method: Callable[..., Awaitable[object]] | str, *args: object,
+                   probe: bool = False) -> object:
+        """``connection.method(*args)`` against a shard within the deadline (:meth:`run`).
+
+        ``method`` is a method of :class:`ShardConnection` (``ShardConnection.checksum``): the
+        connection's own implementation of it is called (a transport's, or the metrics wrapper's),
+        and mypy checks ``args`` against it and types the result. The arguments are taken as
+        they are now, once: a retry on a fresh connection sends the same ones. A method's name
+        (a string; the result is then ``object``) is still taken for the callers not moved yet
+        (irdma/client/readcache.py, and ``Client._conn_call`` for tests).
+
+        Raises:
+            ShardUnavailable: as :meth:`run`; and whatever the method raises.
+        """
+        name = method if isinstance(method, str) else method.__name__
+
         async def fn(conn: ShardConnection) -> object:
-            return await getattr(conn, fn_name)(*args)
+            return await getattr(conn, name)(*args)
 
         return await self.run(shard_id, fn, probe)
 

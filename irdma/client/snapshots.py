@@ -56,7 +56,7 @@ import stat
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -64,10 +64,10 @@ from .._concurrency import open_nursery
 from .._errors import InvalidArgument, IrdmaError, NotFound, NotPermitted, ShardUnavailable
 from ..meta.base import Inode, Snapshot
 from ..placement import Layout
+from ..transport import ShardConnection
 from ..wire.protocol import MAX_ADMIT, FreezeReply
 
 if TYPE_CHECKING:
-    from ..transport.base import ShardConnection
     from .native import Client
 
 log = logging.getLogger("irdma.client")
@@ -466,7 +466,7 @@ async def _clone_into(client: Client, src: Inode, parent: int, name: bytes) -> I
                     by_shard.setdefault(sid, []).append((f.ino, new))
 
         async def clone(sid: int) -> None:
-            await client.pool.call(sid, "clone", 0, by_shard[sid], [])
+            await client.pool.call(sid, ShardConnection.clone, 0, by_shard[sid], [])
 
         async with open_nursery() as nursery:
             for sid in by_shard:
@@ -554,7 +554,7 @@ async def _drop(client: Client, snap: Snapshot) -> int:
     async def free(sid: int, inos: list[int]) -> None:
         try:
             for at in range(0, len(inos), MAX_SNAPSHOT_FILES):
-                await client.pool.call(sid, "free_files", inos[at : at + MAX_SNAPSHOT_FILES])
+                await client.pool.call(sid, ShardConnection.free_files, inos[at : at + MAX_SNAPSHOT_FILES])
         except IrdmaError as exc:
             log.warning("snapshot %s: its chunks on shard %d stay until `irdma gc` (%s)",
                         snap.name.decode(errors="replace"), sid, exc)
@@ -620,7 +620,7 @@ async def _info(client: Client, dir_path: str, snap: Snapshot) -> SnapshotInfo:
 
     async def usage(sid: int, inos: list[int]) -> None:
         try:
-            entries = cast("list[tuple[int, int, int]]", await client.pool.call(sid, "usage", inos))
+            entries = await client.pool.call(sid, ShardConnection.usage, inos)
             held[sid] = (sum(a for _, a, _ in entries), sum(s for _, _, s in entries))
         except IrdmaError as exc:
             log.warning("snapshot %s: shard %d did not say what it holds: %s", snap.name.decode(errors="replace"), sid, exc)

@@ -56,6 +56,7 @@ from .._errors import NotADirectory, NotFound, ShardUnavailable
 from ..client.native import Client, layout_of
 from ..meta.base import OUT_OF_SYNC, XATTR_IO, Inode, ShardRecord
 from ..placement import Layout
+from ..transport import ShardConnection
 from .mountpath import (  # noqa: F401  (irdma.ops.info's names before the paths had a module)
     ASK_MOUNT_S,
     MOUNT_XATTR,
@@ -391,8 +392,7 @@ async def _versions(client: Client, ino: int, shard_ids: set[int]) -> dict[int, 
         after = (ino - 1, _LAST_INDEX)
         try:
             while True:
-                page = await client._conn_call(sid, "list_chunks", *after)
-                assert isinstance(page, list)
+                page = await client.shard_call(sid, ShardConnection.list_chunks, *after)
                 for e in page:
                     if e.file_id == ino:
                         got[e.chunk_index] = e.version
