@@ -245,15 +245,5 @@ def engine_side(meta: MetaStore) -> Iterator[Side]:
     if not isinstance(meta, SqlMeta):
         raise InvalidArgument(f"{type(meta).__name__} cannot be dumped or loaded",
                               "pass an sqlite:// or postgresql:// metadata URL")
-    meta._acquire()
-    ok = False
-    meta._local.depth = 1  # engine calls made meanwhile run on this connection
-    try:
-        if isinstance(meta, SqliteMeta):
-            yield SqliteSide(meta._db)
-        else:
-            yield PostgresSide(meta._local.conn)
-        ok = True
-    finally:
-        meta._local.depth = 0
-        meta._release(ok)
+    with meta.held() as conn:  # engine calls made meanwhile run on this connection
+        yield SqliteSide(conn) if isinstance(meta, SqliteMeta) else PostgresSide(conn)

@@ -440,6 +440,11 @@ class PostgresMeta(SqlMeta):
             raise RuntimeError("PostgresMeta: a statement outside an engine call")
         return _Cursor(conn.cursor())
 
+    @property
+    def connection(self) -> Any:
+        """The psycopg connection this thread's call holds (see :attr:`SqlMeta.connection`)."""
+        return self._local.conn
+
     def _acquire(self, fresh: bool = False) -> None:
         if self._pool is None:
             raise IrdmaError(f"the metadata engine of {self.url} is closed")

@@ -189,6 +189,26 @@ class SqlMeta(SqlCluster, SqlSync, SqlSnap, MetaStore):
     def _release(self, ok: bool = False) -> None:
         """Give back the connection :meth:`_acquire` took; ``ok``: the call succeeded on it."""
 
+    @property
+    def connection(self) -> Any:
+        """This thread's call's driver connection (see :meth:`held`): sqlite3's or psycopg's."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[Any]:
+        """Hold one connection for the block, outside the per-call retries (a dump or load, which
+        cannot run again once written halfway): engine calls in the block run on it as inside one
+        call. Yields :attr:`connection`; given back when the block ends (failed if it raised)."""
+        self._acquire()
+        ok = False
+        self._local.depth = 1  # engine calls made meanwhile run on this connection
+        try:
+            yield self.connection
+            ok = True
+        finally:
+            self._local.depth = 0
+            self._release(ok)
+
     def _connection_lost(self, exc: Exception) -> bool:
         """Whether ``exc`` (of ``_DB_ERROR``) means the connection to the server is gone, so
         the call may run again on a new one (the driver notes the loss)."""

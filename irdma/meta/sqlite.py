@@ -162,6 +162,11 @@ class SqliteMeta(SqlMeta):
             self._local.busy = self.busy_timeout
         return db
 
+    @property
+    def connection(self) -> sqlite3.Connection:
+        """This thread's connection (see :attr:`SqlMeta.connection`)."""
+        return self._db
+
     def _init_schema(self, create: bool, hint: str) -> None:
         # only our own tables may be created here: never turn someone else's file into a namespace
         tables = {r[0] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
