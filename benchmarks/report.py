@@ -1,4 +1,8 @@
-"""Turn one benchmark run into docs/benchmarks.md, docs/benchmarks.json and PNG plots."""
+"""Turn one benchmark run into docs/benchmarks.md, docs/benchmarks.json and PNG plots.
+
+The targets and what they are wanted at come from benchmarks/targets.py, the "Regression check"
+section from benchmarks/guard.py (neither imports this module).
+"""
 
 from __future__ import annotations
 
@@ -6,24 +10,8 @@ import json
 import os
 from typing import Any
 
-MiB = 1 << 20
-
-
-def _fmt_size(n: int) -> str:
-    n = int(n)
-    if n >= 1 << 30:
-        return f"{n / (1 << 30):g} GiB"
-    if n >= MiB:
-        return f"{n / MiB:g} MiB"
-    return f"{n / 1024:g} KiB"
-
-
-# what each replication and authentication ratio is wanted at (the tables below, and the guard)
-SNAPSHOT_CREATE_WANTED = 100.0  # a snapshot at least this many times faster than a copy through the mount
-SNAPSHOT_STEP_WANTED = 1.1  # a training step with a snapshot every second, over none, at most
-SNAPSHOT_BYTES_WANTED = 1.05  # shard bytes over (1 + N f) x bytes x replicas, at most
-REPLICATION_WANTED = (("pull", 0.95), ("push-assign", 0.5), ("push-add", 0.5))
-AUTHENTICATION_WANTED = 0.9
+from guard import markdown
+from targets import AUTHENTICATION_WANTED, REPLICATION_WANTED, fmt_size, targets
 
 
 def _at(commit: dict[str, Any] | None) -> str:
@@ -31,103 +19,6 @@ def _at(commit: dict[str, Any] | None) -> str:
     if not commit:
         return ""
     return f" at commit {commit['hash'][:7]}" + (" with uncommitted changes" if commit.get("dirty") else "")
-
-
-def _section(what: str) -> str:
-    """The ``--only`` section a target's figures come from ("main": only a full run measures it)."""
-    for prefix, section in (("model round", "rounds"), ("fio ", "fio"), ("sparse rows", "rows"),
-                            ("snapshot", "snapshots")):
-        if what.startswith(prefix):
-            return section
-    return "main"
-
-
-def targets(R: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every target of the issue: what, ratio, baseline, target, met, figures, lower_is_better
-    (a "<=" target: smaller is better) and section (what ``--only`` measures it again)."""
-    out: list[dict[str, Any]] = []
-    tcp, nat, mnt = R["tcp"], R["native"], R["mount"]
-
-    def add(what: str, ratio: float, base: str, target: float, figures: str, lower_is_better: bool = False) -> None:
-        met = ratio <= target if lower_is_better else ratio >= target
-        out.append({"what": what, "ratio": ratio, "baseline": base, "target": target, "met": met, "figures": figures,
-                    "lower_is_better": lower_is_better, "section": _section(what)})
-
-    add("native pull", nat["pull"] / tcp["pull"], "loopback TCP, 4 streams", 0.8,
-        f"{nat['pull']:.0f} vs {tcp['pull']:.0f} MB/s")
-    add("native push (assign)", nat["push-assign"] / tcp["push"], "loopback TCP, 4 streams", 0.7,
-        f"{nat['push-assign']:.0f} vs {tcp['push']:.0f} MB/s")
-    add("native push (add)", nat["push-add"] / tcp["push"], "loopback TCP, 4 streams", 0.5,
-        f"{nat['push-add']:.0f} vs {tcp['push']:.0f} MB/s")
-    add("mount sequential read", mnt["pull"] / nat["pull"], "native client pull", 0.7,
-        f"{mnt['pull']:.0f} vs {nat['pull']:.0f} MB/s")
-    add("mount sequential write", mnt["push-assign"] / nat["push-assign"], "native client push (assign)", 0.5,
-        f"{mnt['push-assign']:.0f} vs {nat['push-assign']:.0f} MB/s")
-    r = R["rounds"]
-    nat_u = r.get("irdma-native-unified", r["irdma-native"])
-    mnt_u = r.get("irdma-mount-unified", r["irdma-mount"])
-    add("model round, native (unified buffer) vs ParameterServerStrategy", r["tf-ps"] / nat_u,
-        "TF PS round time (x faster)", 2.0, f"{nat_u * 1e3:.0f} vs {r['tf-ps'] * 1e3:.0f} ms")
-    add("model round, native (unified buffer) vs Redis", r["redis"] / nat_u, "Redis round time (x faster)", 3.0,
-        f"{nat_u * 1e3:.0f} vs {r['redis'] * 1e3:.0f} ms")
-    add("model round, mount (unified buffer) vs ParameterServerStrategy", r["tf-ps"] / mnt_u,
-        "TF PS round time (x faster)", 1.0, f"{mnt_u * 1e3:.0f} vs {r['tf-ps'] * 1e3:.0f} ms")
-    worst = max(((rss - 100e6) / held if held else 0.0) for held, rss in
-                ((int(k), v) for k, v in R["shard_rss"].items()) if held)
-    rows = ", ".join(f"{_fmt_size(int(k))} held: {v / 1e6:.0f} MB" for k, v in R["shard_rss"].items())
-    add("shard RSS - 100 MB, over bytes held (worst point)", worst, "bytes held", 1.1, rows, lower_is_better=True)
-    add("FUSE process peak RSS streaming 1 GiB, MB", R["fuse_rss_peak"] / 1e6, "absolute", 300.0,
-        f"{R['fuse_rss_peak'] / 1e6:.0f} MB", lower_is_better=True)
-    ck = R["ckpt"]
-    add("checkpoint save, mount over tmpfs", ck["mount_save_s"] / ck["tmpfs_save_s"], "tmpfs", 1.5,
-        f"{ck['mount_save_s']:.2f} vs {ck['tmpfs_save_s']:.2f} s", lower_is_better=True)
-    add("checkpoint restore, mount over tmpfs", ck["mount_restore_s"] / ck["tmpfs_restore_s"], "tmpfs", 1.5,
-        f"{ck['mount_restore_s']:.2f} vs {ck['tmpfs_restore_s']:.2f} s", lower_is_better=True)
-    fio = R.get("fio")
-    if fio:
-        pt, mn = fio["pyfuse3 passthrough of tmpfs"], fio["irdma mount"]
-        for what, key, field, want in (("fio seq read 1 MiB, 4 jobs, mount over passthrough", "seq read 1 MiB x4", "mb_s", 0.6),
-                                       ("fio seq write 1 MiB, 4 jobs, mount over passthrough", "seq write 1 MiB x4", "mb_s", 0.6),
-                                       ("fio rand read 4 KiB, 16 jobs, mount over passthrough", "rand read 4 KiB x16", "iops",
-                                        0.5)):
-            if key in mn and key in pt:
-                unit = "MB/s" if field == "mb_s" else "IOPS"
-                add(what, mn[key][field] / pt[key][field], "minimal pyfuse3 passthrough of tmpfs", want,
-                    f"{mn[key][field]:.0f} vs {pt[key][field]:.0f} {unit}")
-    rt = R.get("round_trip")
-    if rt:
-        add("4 KiB native read p50, over a Python socket ping-pong", rt["irdma_p50_us"] / rt["socket_p50_us"],
-            "Python socket ping-pong p50 (4 KiB answer)", 3.0,
-            f"{rt['irdma_p50_us']:.0f} vs {rt['socket_p50_us']:.0f} us (p99 {rt['irdma_p99_us']:.0f} vs"
-            f" {rt['socket_p99_us']:.0f} us)", lower_is_better=True)
-    rw = R.get("rows")
-    if rw:
-        add("sparse rows pull, 10,000 of 256 float32, native", rw["pull_ratio"], "contiguous pull of the same bytes",
-            0.5, f"{rw['rows-pull']['mb_s']:.0f} vs {rw['contig-pull']['mb_s']:.0f} MB/s")
-        add("sparse rows push (add), 10,000 of 256 float32, native", rw["add_ratio"],
-            "contiguous push (add) of the same bytes", 0.4,
-            f"{rw['rows-add']['mb_s']:.0f} vs {rw['contig-add']['mb_s']:.0f} MB/s")
-    sn = R.get("snapshots")
-    if sn:
-        for key, what in (("file", f"a {_fmt_size(sn['create']['file']['bytes'])} file"),
-                          ("tensors", f"ResNet-50's {sn['create']['tensors']['files']} tensors")):
-            c = sn["create"][key]
-            snap = max(c["snapshot_native"], c["snapshot_mount"])  # the slower of the two ways
-            add(f"snapshot of {what}, x faster than a copy through the mount", c["copy_mount"] / snap,
-                f"{c['copy_mount_how']} through the mount", SNAPSHOT_CREATE_WANTED,
-                f"{snap * 1e3:.0f} ms vs {c['copy_mount']:.1f} s")
-        st = sn["step"]
-        add("snapshot every second while 2 workers train, step time over none", st["ratio"],
-            "the same training, no snapshots", SNAPSHOT_STEP_WANTED,
-            f"{st['round_s_every_1s'] * 1e3:.0f} vs {st['round_s_none'] * 1e3:.0f} ms"
-            + (f" from {st['settle_s']:.0f} s into a phase on ({st['ratio_all_rounds']:.2f}x over every round)"
-               if "settle_s" in st else "")
-            + f" ({st['snapshots_taken']} taken, {st.get('snapshots_failed', 0)} refused)", lower_is_better=True)
-        bh = sn["bytes_held"]
-        add(f"snapshots: shard bytes after {bh['snapshots']}, {bh['f']:.0%} rewritten after each, over (1 + N f) x"
-            " bytes x replicas", bh["ratio"], "ZFS's cost model", SNAPSHOT_BYTES_WANTED,
-            f"{bh['file_used'] / 1e6:.0f} vs {bh['expected'] / 1e6:.0f} MB", lower_is_better=True)
-    return out
 
 
 def _snapshots_section(sn: dict[str, Any], date: str | None) -> list[str]:
@@ -169,7 +60,7 @@ def _snapshots_section(sn: dict[str, Any], date: str | None) -> list[str]:
           + f". Snapshots made: {st['snapshots_taken']}"
           f" ({took}{dele}); refused: {st.get('snapshots_failed', 0)}"
           + (f" (first: {st['failures'][0]})" if st.get("failures") else "") + ".",
-          "", f"Bytes held: {bh['snapshots']} snapshots of the {_fmt_size(bh['file_bytes'])} file, {bh['f']:.0%} of its"
+          "", f"Bytes held: {bh['snapshots']} snapshots of the {fmt_size(bh['file_bytes'])} file, {bh['f']:.0%} of its"
           f" {bh['chunks']} chunks rewritten (assign) after each: the shards hold {bh['file_used'] / 1e6:.0f} MB for"
           f" the file against (1 + N f) x bytes x replicas = {bh['expected'] / 1e6:.0f} MB ({bh['ratio']:.3f}x);"
           f" {bh['used_after_delete'] / 1e6:.0f} MB after deleting the snapshots ({bh['used_before'] / 1e6:.0f} MB"
@@ -187,8 +78,8 @@ def plots(R: dict[str, Any], out: str) -> list[str]:
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     for ax, key, xlabel, fmt in (
         (axes[0][0], "by_shards", "shards", str),
-        (axes[0][1], "by_chunk", "chunk size", lambda k: _fmt_size(int(k))),
-        (axes[1][0], "by_size", "file size", lambda k: _fmt_size(int(k))),
+        (axes[0][1], "by_chunk", "chunk size", lambda k: fmt_size(int(k))),
+        (axes[1][0], "by_size", "file size", lambda k: fmt_size(int(k))),
         (axes[1][1], "by_workers", "concurrent client processes", str),
     ):
         data = R[key]
@@ -279,8 +170,6 @@ def write_report(R: dict[str, Any], out: str) -> None:
         L.append(f"| {t['what']} | {t['ratio']:.2f} | {t['baseline']} | {wanted} | {'yes' if t['met'] else '**no**'}"
                  f" | {t['figures']} |")
     if R.get("regression_check"):
-        from guard import markdown  # benchmarks/ is on the path (run.py puts it there)
-
         L += ["", *markdown(R["regression_check"])]
     runs = R.get("tcp_runs", [])
     L += ["", "## Bandwidth, 1 GiB, 4 MiB requests, 4 in flight", "",
@@ -324,8 +213,8 @@ def write_report(R: dict[str, Any], out: str) -> None:
             L.append(f"| {label} | {r[name] * 1e3:.0f} | {r['tf-ps'] / r[name]:.2f} |")
     L += ["", "## How cost grows (native client, MB/s)", ""]
     for key, title, fmt in (("by_shards", "shards (256 MiB file)", str),
-                            ("by_chunk", "chunk size (4 shards, 256 MiB file)", lambda k: _fmt_size(int(k))),
-                            ("by_size", "file size (4 shards, 4 MiB chunks)", lambda k: _fmt_size(int(k))),
+                            ("by_chunk", "chunk size (4 shards, 256 MiB file)", lambda k: fmt_size(int(k))),
+                            ("by_size", "file size (4 shards, 4 MiB chunks)", lambda k: fmt_size(int(k))),
                             ("by_workers", "concurrent client processes (aggregate, 4 shards)", str)):
         L += [f"| {title} | pull | push (assign) |", "|---|---|---|"]
         first = None
@@ -408,7 +297,7 @@ def write_report(R: dict[str, Any], out: str) -> None:
         L += _snapshots_section(sn, R.get("snapshots_date"))
     L += ["## Memory", "", "| shard holding | shard RSS |", "|---|---|"]
     for k, v in R["shard_rss"].items():
-        L.append(f"| {_fmt_size(int(k)) if int(k) else '0'} | {v / 1e6:.0f} MB |")
+        L.append(f"| {fmt_size(int(k)) if int(k) else '0'} | {v / 1e6:.0f} MB |")
     L += ["", f"FUSE mount process, peak RSS while streaming 1 GiB through it: {R['fuse_rss_peak'] / 1e6:.0f} MB.", "",
           "## Checkpoints: tf.train.CheckpointManager, 100 MB model, median of 3 alternating runs", "",
           "| where | save | restore |", "|---|---|---|",

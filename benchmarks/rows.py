@@ -28,6 +28,9 @@ import trio
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from harness import cluster, mounted  # noqa: E402
 
 from irdma import Client, UpdateOp  # noqa: E402
 from irdma.client.native import layout_of  # noqa: E402
@@ -123,9 +126,6 @@ def measure(meta: str, mountpoint: str | None, nrows: int, repeats: int = 7,
 
 def run(quick: bool, say: Callable[[str], None] = print) -> dict[str, Any]:
     """A 4-shard cluster and a mount (direct I/O), the file of 1M rows (64K in quick mode)."""
-    sys.path.insert(0, HERE)
-    from run import cluster, mounted
-
     nrows = 1 << 16 if quick else 1 << 20
     with cluster(4, nrows * ROW + 256 * MiB) as (meta, _), mounted(meta, direct_io=True) as (mp, _pid):
         return measure(meta, mp, nrows, 3 if quick else 7, say)

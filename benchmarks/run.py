@@ -10,6 +10,11 @@ same run), ``docs/benchmarks.json`` and PNG plots under ``docs/``. Bandwidth is 
 It ends with the regression check (benchmarks/guard.py): every target ratio beside the last
 committed docs/benchmarks.json, FELL where one got worse by more than 15%; the exit status stays 0.
 
+The clusters, mounts, model shapes and worker barrier every section uses are in
+benchmarks/harness.py; the sections that also run on their own are modules beside this one
+(rows.py, fio.py, snapshots.py, readcache.py), as are the report (report.py, its targets in
+targets.py) and the regression check (guard.py). None of them imports this script.
+
     make bench                 # or: .venv/bin/python benchmarks/run.py [--quick]
 """
 
@@ -36,8 +41,9 @@ import trio
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
+sys.path.insert(0, HERE)  # the other benchmark modules: harness, guard, report, the sections
 
-from irdma.fs.mount import spawn_mount, unmount  # noqa: E402
+from harness import PY, cleanup_barrier, cluster, model_shapes, mounted, pow2_chunk, start_together  # noqa: E402
 
 from irdma.client.native import Client  # noqa: E402
 from irdma.ops import bench as B  # noqa: E402
@@ -45,7 +51,6 @@ from irdma.ops import cluster as C  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
-PY = sys.executable
 RESULTS: dict[str, Any] = {}
 
 
@@ -60,38 +65,6 @@ def rss(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-@contextlib.contextmanager
-def cluster(shards: int, capacity: int, replicas: int = 1, durability: str = "fsync",
-            dirs: list[str] | None = None, security: str | None = None) -> Iterator[tuple[str, list[C.ShardProc]]]:
-    """A local cluster; one replica unless asked (the replication section compares); the
-    security level of its key file (None: the default, integrity)."""
-    d = tempfile.mkdtemp(prefix="irdma-bench-")
-    if dirs is not None:
-        dirs.append(d)
-    try:
-        url = C.up(d, shards, capacity, transport="tcp", fresh=True, replicas=replicas, durability=durability,
-                   security=security)
-        yield url, C.read_state(d)
-    finally:
-        with contextlib.suppress(Exception):
-            C.down(d)
-        shutil.rmtree(d, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def mounted(meta: str, direct_io: bool = False) -> Iterator[tuple[str, int]]:
-    d = tempfile.mkdtemp(prefix="irdma-bench-mnt-")
-    mp = os.path.join(d, "m")
-    os.makedirs(mp)
-    pid = spawn_mount(meta, mp, transport="tcp", log_file=os.path.join(d, "mount.log"), direct_io=direct_io)
-    try:
-        yield mp, pid
-    finally:
-        with contextlib.suppress(Exception):
-            unmount(mp)
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def native(meta: str, size: int, chunk: int, concurrency: int = 4, tests: tuple[str, ...] = ("push-assign", "pull", "push-add"),
@@ -363,55 +336,20 @@ def tmpfs_ceiling(size: int, block: int = 4 * MiB) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------- the model round (peers)
-def model_shapes() -> list[list[int]]:
-    """ResNet-50's variables (25.6 million float32), from Keras with no weights downloaded."""
-    code = ("import os, json; os.environ['TF_CPP_MIN_LOG_LEVEL']='3'\nimport keras\n"
-            "print(json.dumps([list(v.shape) for v in keras.applications.ResNet50(weights=None).weights]))")
-    res = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=True)
-    return json.loads(res.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
-
-
-def _start_together(procs: list[subprocess.Popen[str]], start: str, timeout: float = 120.0) -> None:
-    """Wait until every worker said it is ready, then give the start signal (a barrier)."""
-    import glob
-
-    deadline = time.monotonic() + timeout
-    while len(glob.glob(start + ".ready.*")) < len(procs):
-        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-            raise RuntimeError("workers did not get ready")
-        time.sleep(0.01)
-    open(start, "w").close()
-
-
-def _cleanup_barrier(start: str) -> None:
-    import glob
-
-    for f in [start, *glob.glob(start + ".ready.*")]:
-        with contextlib.suppress(OSError):
-            os.unlink(f)
-
-
 def _run_workers(kind: str, target: str, shapes_file: str, rounds: int, n: int = 2) -> float:
     start = tempfile.mktemp(prefix="irdma-bench-start-")
     procs = [subprocess.Popen([PY, os.path.join(HERE, "workers.py"), kind, target, shapes_file, str(rounds), str(r),
                                start], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
              for r in range(n)]
-    _start_together(procs, start)
+    start_together(procs, start)
     outs = []
     for p in procs:
         stdout, _ = p.communicate(timeout=600)
         if p.returncode != 0:
             raise RuntimeError(f"{kind} worker failed ({p.returncode})")
         outs.append(json.loads(stdout.strip().splitlines()[-1]))
-    _cleanup_barrier(start)
+    cleanup_barrier(start)
     return max(o["round_s"] for o in outs)
-
-
-def _pow2_chunk(nbytes: int) -> int:
-    c = 64 * 1024
-    while c < nbytes and c < 4 * MiB:
-        c *= 2
-    return c
 
 
 def model_rounds(shapes: list[list[int]], rounds: int) -> dict[str, float]:
@@ -426,7 +364,7 @@ def model_rounds(shapes: list[list[int]], rounds: int) -> dict[str, float]:
         with irdma.connect(meta, transport="tcp") as c:
             c.makedirs("/model")
             for i, n in enumerate(nbytes):
-                c.write(f"/model/l{i:03d}", np.zeros(n // 4, "<f4"), chunk_size=_pow2_chunk(n))
+                c.write(f"/model/l{i:03d}", np.zeros(n // 4, "<f4"), chunk_size=pow2_chunk(n))
                 c.set_update_op(f"/model/l{i:03d}", "add")
             # SoftMemoryBox II's unified buffer: every tensor at its offset in one file
             c.write("/model/params", np.zeros(sum(nbytes) // 4, "<f4"), chunk_size=4 * MiB)
@@ -438,9 +376,9 @@ def model_rounds(shapes: list[list[int]], rounds: int) -> dict[str, float]:
                 procs = [subprocess.Popen([PY, os.path.join(HERE, "workers.py"), kind, mp, shapes_file,
                                            str(rounds), str(r), start], stdout=subprocess.PIPE, text=True)
                          for r, mp in enumerate((mp1, mp2))]
-                _start_together(procs, start)
+                start_together(procs, start)
                 res = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
-                _cleanup_barrier(start)
+                cleanup_barrier(start)
                 return max(r["round_s"] for r in res)
 
         say("model round: irdma through the mount, a file per tensor (2 workers, one mount each)")
@@ -556,7 +494,6 @@ def main() -> int:
     ap.add_argument("--cache-file-size", default="1GiB",
                     help="--only cache: bytes of the hot file 4 readers read (benchmarks/readcache.py)")
     args = ap.parse_args()
-    sys.path.insert(0, HERE)
     import guard
 
     # the run to compare with, read before anything is overwritten: docs/benchmarks.json as committed

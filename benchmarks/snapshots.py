@@ -57,6 +57,9 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
+sys.path.insert(0, HERE)
+
+from harness import cleanup_barrier, cluster, model_shapes, mounted, pow2_chunk, start_together  # noqa: E402
 
 import irdma  # noqa: E402
 
@@ -190,8 +193,6 @@ def _workers(meta: str, shapes_file: str, rounds: int, snap_dir: str, phase_s: f
 
     Returns the phases (``[kind, start, end]``, ``time.monotonic()`` seconds), every worker's
     rounds (``[start, end]``), and the snapshots' create and delete times."""
-    from run import _cleanup_barrier, _start_together
-
     start = tempfile.mktemp(prefix="irdma-bench-start-")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), REPO) if p)}
     procs = [subprocess.Popen([PY, os.path.join(HERE, "workers.py"), "irdma-native", meta, shapes_file, str(rounds),
@@ -246,7 +247,7 @@ def _workers(meta: str, shapes_file: str, rounds: int, snap_dir: str, phase_s: f
 
     thread = threading.Thread(target=snapshotter, name="snapshotter")
     try:
-        _start_together(procs, start)
+        start_together(procs, start)
         thread.start()
         res = []
         for p in procs:
@@ -262,7 +263,7 @@ def _workers(meta: str, shapes_file: str, rounds: int, snap_dir: str, phase_s: f
             if p.poll() is None:
                 p.kill()
                 p.wait(30)
-        _cleanup_barrier(start)
+        cleanup_barrier(start)
     if errors:
         raise RuntimeError(f"taking snapshots while training failed: {errors[0]!r}") from errors[0]
     return {"phases": phases, "rounds_t": [r["rounds_t"] for r in res], "snapshot_s": took, "delete_s": dropped,
@@ -332,9 +333,6 @@ def step_times(meta: str, shapes: list[list[int]], rounds: int, say: Callable[[s
 def run(quick: bool, say: Callable[[str], None] = print, shapes: list[list[int]] | None = None) -> dict[str, Any]:
     """The three parts on one cluster (2 shards, 2 replicas, 3 GiB of region each; 512 MiB in
     quick mode) and one mount. Quick mode: a 64 MiB file, the first 40 tensors, 1 repeat."""
-    sys.path.insert(0, HERE)
-    from run import _pow2_chunk, cluster, model_shapes, mounted
-
     if shapes is None:
         shapes = model_shapes()
     if quick:
@@ -356,7 +354,7 @@ def run(quick: bool, say: Callable[[str], None] = print, shapes: list[list[int]]
             c.makedirs("/model")
             for i, s in enumerate(shapes):
                 n = 4 * int(np.prod(s))
-                c.write(f"/model/l{i:03d}", np.zeros(n // 4, "<f4"), chunk_size=_pow2_chunk(n))
+                c.write(f"/model/l{i:03d}", np.zeros(n // 4, "<f4"), chunk_size=pow2_chunk(n))
                 c.set_update_op(f"/model/l{i:03d}", "add")
             c.flush()
 
