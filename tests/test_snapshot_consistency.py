@@ -20,6 +20,7 @@ import trio
 from helpers import mounted, running_cluster
 
 import irdma
+from irdma.transport.base import ShardConnection
 
 FILES, PUSHES, CHUNK = 3, 150, 4096
 SIZE = 2 * CHUNK  # a push is two requests, one per chunk (on the two shards): taken whole or not at all
@@ -73,7 +74,7 @@ def test_every_snapshot_is_a_prefix_of_every_writer(tmp_path: str) -> None:
                     for k in range(FILES):
                         ino = (await c.stat(f"/d/.snapshots/{name}/f{k}")).ino
                         for idx in range(SIZE // CHUNK):
-                            seen = {sid: await c._conn_call(sid, "checksum", ino, idx, c._view) for sid in (1, 2)}
+                            seen = {sid: await c.shard_call(sid, ShardConnection.checksum, ino, idx, c.view.epoch) for sid in (1, 2)}
                             if len(set(seen.values())) != 1:
                                 differ.append(f"{name}/f{k} chunk {idx}: (version, checksum) by shard {seen}")
                 return got, differ

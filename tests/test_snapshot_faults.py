@@ -18,7 +18,6 @@ import signal
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import cast
 
 import numpy as np
 import pytest
@@ -33,6 +32,7 @@ from irdma.client.native import layout_of
 from irdma.meta import open_meta
 from irdma.ops import cluster as cluster_ops
 from irdma.ops._proc import pid_alive
+from irdma.transport.base import ShardConnection
 from irdma.wire.auth import read_key_file
 
 pytestmark = [pytest.mark.slow]
@@ -349,8 +349,8 @@ def test_shard_killed_during_the_first_copy_on_write(cl: Cluster) -> None:
                 await watcher.refresh_view()
                 with trio.fail_after(10):  # shard 1 applied its chunks (and copied them on write)
                     while True:
-                        versions = [cast(tuple[int, int], await watcher._conn_call(
-                            1, "checksum", inode.ino, i, watcher._view))[0] for i in heads1]
+                        versions = [(await watcher.shard_call(
+                            1, ShardConnection.checksum, inode.ino, i, watcher.view.epoch))[0] for i in heads1]
                         if all(v == 2 for v in versions):
                             break
                         await trio.sleep(0.01)

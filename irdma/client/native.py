@@ -228,10 +228,6 @@ class Client:
         """
         return await self.pool.call(shard_id, method, *args, probe=probe)
 
-    async def _conn_call(self, shard_id: int, fn_name: str, *args: object, probe: bool = False) -> object:
-        """:meth:`ShardPool.call` by the method's name, untyped (kept for tests; use :meth:`shard_call`)."""
-        return await self.pool.call(shard_id, fn_name, *args, probe=probe)
-
     @property
     def _view(self) -> int:
         """The view's epoch (:attr:`ShardView.epoch`; kept for the callers of this name)."""

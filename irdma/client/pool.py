@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
-from typing import NoReturn, TypeVar, TypeVarTuple, overload
+from typing import NoReturn, TypeVar, TypeVarTuple
 
 import trio
 
@@ -270,31 +270,23 @@ class ShardPool:
                 return result
         return await self._run_scoped(shard_id, fn, pull, trio.current_time() + self.timeout)
 
-    @overload
     async def call(self, shard_id: int, method: Callable[[ShardConnection, *_Ts], Awaitable[_T]], *args: *_Ts,
-                   probe: bool = False) -> _T: ...
-
-    @overload
-    async def call(self, shard_id: int, method: str, *args: object, probe: bool = False) -> object: ...
-
-    async def call(self, shard_id: int, method: Callable[..., Awaitable[object]] | str, *args: object,
-                   probe: bool = False) -> object:
+                   probe: bool = False) -> _T:
         """``connection.method(*args)`` against a shard within the deadline (:meth:`run`).
 
         ``method`` is a method of :class:`ShardConnection` (``ShardConnection.checksum``): the
         connection's own implementation of it is called (a transport's, or the metrics wrapper's),
         and mypy checks ``args`` against it and types the result. The arguments are taken as
-        they are now, once: a retry on a fresh connection sends the same ones. A method's name
-        (a string; the result is then ``object``) is still taken for the callers not moved yet
-        (irdma/client/readcache.py, and ``Client._conn_call`` for tests).
+        they are now, once: a retry on a fresh connection sends the same ones.
 
         Raises:
             ShardUnavailable: as :meth:`run`; and whatever the method raises.
         """
-        name = method if isinstance(method, str) else method.__name__
+        name = method.__name__
 
-        async def fn(conn: ShardConnection) -> object:
-            return await getattr(conn, name)(*args)
+        async def fn(conn: ShardConnection) -> _T:
+            result: _T = await getattr(conn, name)(*args)
+            return result
 
         return await self.run(shard_id, fn, probe)
 

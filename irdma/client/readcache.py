@@ -31,6 +31,7 @@ from .._errors import IrdmaError, NoAttribute
 from ..meta import Inode
 from ..meta.base import CACHE_MODES, OUT_OF_SYNC, XATTR_CACHE
 from ..placement import Layout
+from ..transport.base import ShardConnection
 from ..wire.protocol import extents as P_extents
 from .cache import READONLY_REVALIDATE_S, ChunkCache, Entry
 from .view import layout_of
@@ -219,7 +220,7 @@ class CachedReads:
     async def _same_crc(self, layout: Layout, index: int, sid: int, e: Entry) -> bool:
         """Whether the shard's chunk is still the kept one by version and CRC-32 (one CHECKSUM)."""
         try:
-            got = await self.data.pool.call(sid, "checksum", layout.file_id, index, self.data.view.epoch)
+            got = await self.data.pool.call(sid, ShardConnection.checksum, layout.file_id, index, self.data.view.epoch)
         except IrdmaError as exc:
             log.warning("cache: checksum of chunk %d of file %d on shard %d: %s", index, layout.file_id, sid, exc)
             return False
