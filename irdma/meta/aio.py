@@ -49,6 +49,11 @@ class AsyncMeta:
         return call
 
 
+#: Public names of the SQL engines that are no engine call: :meth:`SqlMeta.held` holds a connection
+#: for a block of calls on one thread (a dump or a load), which a call sent to a worker thread cannot.
+NOT_CALLS = frozenset({"held"})
+
+
 def stub() -> str:
     """The text of ``aio.pyi``: :class:`AsyncMeta` as the type checker sees it, one ``async
     def`` per public method of the SQL engines with the engine's own signature, so every
@@ -77,7 +82,7 @@ def stub() -> str:
     ]
     for name in sorted(dir(SqlMeta)):
         fn = inspect.getattr_static(SqlMeta, name)
-        if name.startswith("_") or not inspect.isfunction(fn):
+        if name.startswith("_") or not inspect.isfunction(fn) or name in NOT_CALLS:
             continue
         sig = inspect.signature(fn)
         params = []
