@@ -11,6 +11,13 @@ caller's buffer, declares the connection broken and closes it, so no byte lands 
 caller's buffer after the call returned and no half frame is ever followed by another. A
 broken connection fails every later call with ShardUnavailable; the client reconnects.
 
+A transport implements the data path (:meth:`~ShardConnection.read`, ``write``, ``gather``,
+``scatter``: requests that carry bulk bytes) and one typed request method,
+:meth:`~ShardConnection.call` (a message of :mod:`irdma.wire.protocol` in, its reply out); the
+control methods (``stat``, ``free``, ``checksum``, the snapshot requests...) are written once,
+here, over ``call``. A transport with more to do for one request (verbs drops cached chunk
+places on FREE and PUNCH) does it in its ``call``.
+
 The interface follows ps-lite's ``Van`` (transports behind one interface chosen by name).
 """
 
@@ -19,12 +26,16 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import trio
 
+from irdma.wire import protocol as P
 from irdma.wire.auth import KeyRing
-from irdma.wire.protocol import Chain, ChunkEntry, FreezeReply, StatReply, Update, UpdateOp
+from irdma.wire.protocol import Call, Chain, ChunkEntry, FreezeReply, StatReply, Update, UpdateOp
+
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
@@ -124,65 +135,83 @@ class ShardConnection(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot scatter")
 
+    @abc.abstractmethod
+    async def call(self, request: Call[_R]) -> _R:
+        """Send one control request (a message of :mod:`irdma.wire.protocol`: ``Stat()``,
+        ``Free(...)``...) and return its OK reply, of the class its ``decode_reply`` names
+        (:func:`irdma.wire.protocol.reply_kind`). The one request method a transport implements
+        beside the data path (:meth:`read`, :meth:`write`, :meth:`gather`, :meth:`scatter`, whose
+        requests carry bulk bytes); the methods below build their request, call it and unpack
+        its reply.
+
+        Raises:
+            IrdmaError: the shard answered an error status: its exception (BadRequest, Fenced...;
+                the table of :func:`irdma.wire.protocol.raise_for_error`).
+            UnexpectedReply: the shard answered with another kind of reply; the connection is
+                broken (a shard that mixes up replies is not trusted with the next one).
+            ShardUnavailable: the connection failed.
+        """
+
     async def resync(self, file_id: int, chunk_index: int, chunk_size: int, chain: Chain) -> int:
         """Send this shard's copy of a chunk down ``chain`` (ordered after every update it
         applied); returns its version. Raises as :meth:`write`."""
-        raise NotImplementedError(f"{type(self).__name__} cannot resync replicas")
+        return (await self.call(P.Resync(file_id, chunk_index, chunk_size, chain))).version
 
     async def checksum(self, file_id: int, chunk_index: int, view: int = 0) -> tuple[int, int]:
         """``(version, CRC-32)`` of a chunk's bytes; ``(0, 0)`` when the shard has no such chunk.
         ``view`` (a shard-map epoch, 0 for none) is fenced as a chained update's is: raises
         Fenced when the shard has seen a newer one."""
-        raise NotImplementedError(f"{type(self).__name__} cannot checksum chunks")
+        reply = await self.call(P.Checksum(file_id, chunk_index, view))
+        return reply.version, reply.crc
 
-    @abc.abstractmethod
     async def stat(self) -> StatReply:
         """The shard's capacity, bytes used and chunk count."""
+        return await self.call(P.Stat())
 
-    @abc.abstractmethod
     async def free(self, file_id: int, first_chunk: int) -> int:
         """Free every chunk of ``file_id`` from index ``first_chunk`` on; returns how many."""
+        return (await self.call(P.Free(file_id, first_chunk))).freed
 
-    @abc.abstractmethod
     async def punch(self, file_id: int, chunk_index: int, offset: int) -> int:
         """Zero a chunk from ``offset`` to its end; returns its version."""
+        return (await self.call(P.Punch(file_id, chunk_index, offset))).version
 
-    @abc.abstractmethod
     async def sync(self) -> None:
         """Return once every update this shard applied before the call is durable."""
+        await self.call(P.Sync())
 
     async def freeze(self, token: int, lease_ms: int, file_ids: Sequence[int]) -> FreezeReply:
         """Hold client updates to ``file_ids`` on this shard (a snapshot's first phase:
         :class:`irdma.wire.protocol.Freeze`); returns every chunk of them with its version, and
         the push parts applied of late."""
-        raise NotImplementedError(f"{type(self).__name__} cannot take snapshots")
+        return await self.call(P.Freeze(token, lease_ms, tuple(file_ids)))
 
     async def admit(self, token: int, push_ids: Sequence[int], wait_ms: int = 0) -> FreezeReply:
         """Take pushes ``push_ids`` whole into freeze ``token``'s cut (:class:`irdma.wire.protocol.Admit`)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot take snapshots")
+        return await self.call(P.Admit(token, wait_ms, tuple(push_ids)))
 
     async def clone(self, token: int, pairs: Sequence[tuple[int, int]],
                     expect: Sequence[tuple[int, int, int]]) -> int:
         """Clone each ``(source, clone)`` file at the cut's versions and end freeze ``token``
         (:class:`irdma.wire.protocol.Clone`); returns the chunk keys made."""
-        raise NotImplementedError(f"{type(self).__name__} cannot take snapshots")
+        return (await self.call(P.Clone(token, tuple(pairs), tuple(expect)))).freed
 
     async def usage(self, file_ids: Sequence[int]) -> list[tuple[int, int, int]]:
         """``(file id, bytes held alone, bytes shared)`` per file on this shard (:class:`irdma.wire.protocol.Usage`)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot take snapshots")
+        return (await self.call(P.Usage(tuple(file_ids)))).entries
 
     async def free_files(self, file_ids: Sequence[int]) -> int:
         """Free every chunk of each of ``file_ids`` (:class:`irdma.wire.protocol.FreeFiles`); returns how many."""
-        raise NotImplementedError(f"{type(self).__name__} cannot free files in one request")
+        return (await self.call(P.FreeFiles(tuple(file_ids)))).freed
 
     async def thaw(self, token: int) -> None:
         """End freeze ``token`` without cloning."""
-        raise NotImplementedError(f"{type(self).__name__} cannot take snapshots")
+        await self.call(P.Thaw(token))
 
-    @abc.abstractmethod
     async def list_chunks(self, after_file: int = 0, after_chunk: int = 0) -> list[ChunkEntry]:
         """One page of the shard's chunks after ``(after_file, after_chunk)``, in order (for gc
         and fsck); an empty list at the end."""
+        return (await self.call(P.List(after_file, after_chunk))).entries
 
     @property
     def broken(self) -> bool:

@@ -1,13 +1,32 @@
 """A :class:`~irdma.transport.base.ShardConnection` that records every call in the client's
-metrics (:class:`irdma.metrics.ClientMetrics`): the one wrapper over any transport."""
+metrics (:class:`irdma.metrics.ClientMetrics`): the one wrapper over any transport.
+
+It wraps what a transport implements: the data path (``read``, ``write``, ``gather``,
+``scatter``, whose bytes it counts) and :meth:`~irdma.transport.base.ShardConnection.call`;
+the control methods (``stat``, ``free``, ``checksum``...) are the base class's, over ``call``,
+so each is recorded once, under its request's ``op`` label.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from ..metrics import client_metrics, error_kind
+from ..wire.protocol import Call
 from .base import ShardConnection
+
+_R = TypeVar("_R")
+#: The ``op`` label of each control request class: its opcode's name in lower case (``stat``,
+#: ``free_files``, ``list`` for LIST: what :meth:`ShardConnection.list_chunks` sends).
+_OPS: dict[type, str] = {}
+
+
+def _op(cls: type[Call[Any]]) -> str:
+    op = _OPS.get(cls)
+    if op is None:
+        op = _OPS[cls] = cls.OPCODE.name.lower()
+    return op
 
 
 class MeteredConnection(ShardConnection):
@@ -56,44 +75,9 @@ class MeteredConnection(ShardConnection):
         return await self._call("scatter", self.conn.scatter, file_id, chunk_size, extents, op,  # type: ignore[no-any-return]
                                 data, existing, chain, nbytes=len(data), direction="out")
 
-    async def resync(self, file_id: int, chunk_index: int, chunk_size: int, chain: Any) -> int:
-        return await self._call("resync", self.conn.resync, file_id, chunk_index, chunk_size, chain)  # type: ignore[no-any-return]
-
-    async def checksum(self, file_id: int, chunk_index: int, view: int = 0) -> tuple[int, int]:
-        return await self._call("checksum", self.conn.checksum, file_id, chunk_index, view)  # type: ignore[no-any-return]
-
-    async def stat(self) -> Any:
-        return await self._call("stat", self.conn.stat)
-
-    async def free(self, file_id: int, first_chunk: int) -> int:
-        return await self._call("free", self.conn.free, file_id, first_chunk)  # type: ignore[no-any-return]
-
-    async def punch(self, file_id: int, chunk_index: int, offset: int) -> int:
-        return await self._call("punch", self.conn.punch, file_id, chunk_index, offset)  # type: ignore[no-any-return]
-
-    async def sync(self) -> None:
-        await self._call("sync", self.conn.sync)
-
-    async def freeze(self, token: int, lease_ms: int, file_ids: Any) -> Any:
-        return await self._call("freeze", self.conn.freeze, token, lease_ms, file_ids)
-
-    async def admit(self, token: int, push_ids: Any, wait_ms: int = 0) -> Any:
-        return await self._call("admit", self.conn.admit, token, push_ids, wait_ms)
-
-    async def clone(self, token: int, pairs: Any, expect: Any) -> int:
-        return await self._call("clone", self.conn.clone, token, pairs, expect)  # type: ignore[no-any-return]
-
-    async def usage(self, file_ids: Any) -> list[Any]:
-        return await self._call("usage", self.conn.usage, file_ids)  # type: ignore[no-any-return]
-
-    async def free_files(self, file_ids: Any) -> int:
-        return await self._call("free_files", self.conn.free_files, file_ids)  # type: ignore[no-any-return]
-
-    async def thaw(self, token: int) -> None:
-        await self._call("thaw", self.conn.thaw, token)
-
-    async def list_chunks(self, after_file: int = 0, after_chunk: int = 0) -> list[Any]:
-        return await self._call("list", self.conn.list_chunks, after_file, after_chunk)  # type: ignore[no-any-return]
+    async def call(self, request: Call[_R]) -> _R:
+        # every control method of ShardConnection (stat, free_files, list_chunks...) comes here
+        return await self._call(_op(type(request)), self.conn.call, request)  # type: ignore[no-any-return]
 
     @property
     def broken(self) -> bool:

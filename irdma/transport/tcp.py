@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -39,7 +38,7 @@ from irdma.wire.framing import (  # noqa: F401 - re-exported: the names this mod
     send_parts,
     tune_socket,
 )
-from irdma.wire.protocol import ChunkEntry, StatReply, Update, UpdateOp
+from irdma.wire.protocol import Update, UpdateOp
 
 from ..units import parse_address
 from .base import ShardConnection, ShardInfo, Transport
@@ -184,11 +183,15 @@ class TcpConnection(ShardConnection):
     def broken(self) -> bool:
         return self._broken is not None
 
-    async def _call(self, msg: P.Request, into: memoryview | None = None) -> P.Reply:
+    async def _call(self, msg: P.Call[Any], into: memoryview | None = None) -> P.Reply:
         return await self.finish(await self.start(msg, into))
 
-    async def _call_for(self, msg: P.Request, kind: type[_R], into: memoryview | None = None) -> _R:
-        """:meth:`_call`, and the reply must be a ``kind``.
+    async def call(self, request: P.Call[_R]) -> _R:
+        """See :meth:`ShardConnection.call`."""
+        return await self._call_for(request)
+
+    async def _call_for(self, msg: P.Call[_R], into: memoryview | None = None) -> _R:
+        """:meth:`_call`, and the reply must be the kind that answers ``msg`` (:func:`P.reply_kind`).
 
         Raises:
             UnexpectedReply: the shard answered with another kind of reply; the connection is
@@ -197,12 +200,12 @@ class TcpConnection(ShardConnection):
         """
         reply = await self._call(msg, into)
         try:
-            return P.expect_reply(reply, kind, P._REQUEST_OPCODE[type(msg)].name, f"shard at {self.address}")
+            return P.expect_reply(reply, P.reply_kind(msg), P._REQUEST_OPCODE[type(msg)].name, f"shard at {self.address}")
         except P.UnexpectedReply as exc:
             self._break(str(exc))
             raise
 
-    async def start(self, msg: P.Request, into: memoryview | None = None) -> _Pending:
+    async def start(self, msg: P.Call[Any], into: memoryview | None = None) -> _Pending:
         """Send a request; :meth:`finish` waits for its reply. Requests started one after the
         other from one task reach the shard in that order (a shard forwarding a chain's updates
         relies on it)."""
@@ -246,7 +249,7 @@ class TcpConnection(ShardConnection):
         return pend.reply
 
     async def read(self, file_id: int, chunk_index: int, offset: int, into: memoryview, clean: bool = False) -> int:
-        reply = await self._call_for(P.Read(file_id, chunk_index, offset, len(into), clean), P.ReadReply, into)
+        reply = await self._call_for(P.Read(file_id, chunk_index, offset, len(into), clean), into)
         if reply.hole:
             into[:] = bytes(len(into))
         elif reply.data is not into:
@@ -266,15 +269,14 @@ class TcpConnection(ShardConnection):
         existing: bool = False,
         chain: P.Chain | None = None,
     ) -> int:
-        reply = await self._call_for(P.Write(file_id, chunk_index, chunk_size, offset, op, data, existing, chain),
-                                     P.VersionReply)
+        reply = await self._call_for(P.Write(file_id, chunk_index, chunk_size, offset, op, data, existing, chain))
         return reply.version
 
     async def gather(self, file_id: int, extents: np.ndarray, clean: bool = False) -> tuple[np.ndarray, memoryview]:
         # the reply's body lands whole in one buffer (count, versions, bytes), not zeroed first
         n = int(extents["length"].sum(dtype=np.int64))
         body = memoryview(np.empty(P.GATHER_REPLY_FIXED + 8 * len(extents) + n, dtype=np.uint8))  # type: ignore[arg-type]
-        reply = await self._call_for(P.Gather(file_id, extents, clean), P.GatherReply, body)
+        reply = await self._call_for(P.Gather(file_id, extents, clean), body)
         if len(reply.versions) != len(extents) or len(reply.data) != n:
             raise ShardUnavailable(f"shard at {self.address} answered a gather of {len(extents)} extents,"
                                    f" {n} bytes, with {len(reply.versions)} and {len(reply.data)}")
@@ -282,54 +284,8 @@ class TcpConnection(ShardConnection):
 
     async def scatter(self, file_id: int, chunk_size: int, extents: np.ndarray, op: UpdateOp | Update,
                       data: memoryview | bytes, existing: bool = False, chain: P.Chain | None = None) -> int:
-        reply = await self._call_for(P.Scatter(file_id, chunk_size, extents, op, data, existing, chain), P.VersionReply)
+        reply = await self._call_for(P.Scatter(file_id, chunk_size, extents, op, data, existing, chain))
         return reply.version
-
-    async def resync(self, file_id: int, chunk_index: int, chunk_size: int, chain: P.Chain) -> int:
-        reply = await self._call_for(P.Resync(file_id, chunk_index, chunk_size, chain), P.VersionReply)
-        return reply.version
-
-    async def checksum(self, file_id: int, chunk_index: int, view: int = 0) -> tuple[int, int]:
-        reply = await self._call_for(P.Checksum(file_id, chunk_index, view), P.ChecksumReply)
-        return reply.version, reply.crc
-
-    async def stat(self) -> StatReply:
-        reply = await self._call_for(P.Stat(), StatReply)
-        return reply
-
-    async def free(self, file_id: int, first_chunk: int) -> int:
-        reply = await self._call_for(P.Free(file_id, first_chunk), P.FreeReply)
-        return reply.freed
-
-    async def punch(self, file_id: int, chunk_index: int, offset: int) -> int:
-        reply = await self._call_for(P.Punch(file_id, chunk_index, offset), P.VersionReply)
-        return reply.version
-
-    async def sync(self) -> None:
-        await self._call_for(P.Sync(), P.VersionReply)
-
-    async def freeze(self, token: int, lease_ms: int, file_ids: Sequence[int]) -> P.FreezeReply:
-        return await self._call_for(P.Freeze(token, lease_ms, tuple(file_ids)), P.FreezeReply)
-
-    async def admit(self, token: int, push_ids: Sequence[int], wait_ms: int = 0) -> P.FreezeReply:
-        return await self._call_for(P.Admit(token, wait_ms, tuple(push_ids)), P.FreezeReply)
-
-    async def clone(self, token: int, pairs: Sequence[tuple[int, int]],
-                    expect: Sequence[tuple[int, int, int]]) -> int:
-        return (await self._call_for(P.Clone(token, tuple(pairs), tuple(expect)), P.FreeReply)).freed
-
-    async def usage(self, file_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-        return (await self._call_for(P.Usage(tuple(file_ids)), P.UsageReply)).entries
-
-    async def free_files(self, file_ids: Sequence[int]) -> int:
-        return (await self._call_for(P.FreeFiles(tuple(file_ids)), P.FreeReply)).freed
-
-    async def thaw(self, token: int) -> None:
-        await self._call_for(P.Thaw(token), P.VersionReply)
-
-    async def list_chunks(self, after_file: int = 0, after_chunk: int = 0) -> list[ChunkEntry]:
-        reply = await self._call_for(P.List(after_file, after_chunk), P.ListReply)
-        return reply.entries
 
     async def aclose(self) -> None:
         if self._broken is None:

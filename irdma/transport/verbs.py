@@ -20,7 +20,8 @@ pair to the shard. After the exchange every request goes over the queue pair:
   off): a chunk a snapshot shares must be copied before it changes (copy-on-write), and only
   the shard, applying the update, can do that first; a byte written into the chunk by a client's
   cached one-sided location would change the snapshot. The cost is one copy on the shard.
-* STAT, FREE, PUNCH, LIST and LOCATE: protocol frames carried in ``SEND``/``RECV`` messages.
+* STAT, FREE, PUNCH, LIST, LOCATE and every other control request (:meth:`VerbsConnection.call`):
+  protocol frames carried in ``SEND``/``RECV`` messages.
 
 Client buffers are registered once (a pool) and reused; requests larger than the device's
 ``max_msg_sz`` or the pool's buffers are split; up to ``SEND_DEPTH`` work requests are kept in
@@ -62,7 +63,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -74,7 +74,7 @@ from irdma.wire import protocol as P
 from irdma.wire.auth import AuthFailed, KeyRing
 from irdma.wire.extents import move, positions
 from irdma.wire.framing import Macs, handshake, read_frame, recv_exactly, send_parts, tune_socket
-from irdma.wire.protocol import ChunkEntry, StatReply, UpdateOp, raise_for_error
+from irdma.wire.protocol import UpdateOp, raise_for_error
 
 from ..units import parse_address
 from ._pyverbs import (
@@ -259,7 +259,7 @@ class VerbsConnection(ShardConnection):
         for call in calls.values():
             call.done.set()  # no reply: ShardUnavailable
 
-    async def _rpc(self, msg: P.Request, wrs: list[Wr] | None = None, hold: _Hold | None = None,
+    async def _rpc(self, msg: P.Call[Any], wrs: list[Wr] | None = None, hold: _Hold | None = None,
                    staging: int | None = None) -> P.Reply:
         """Send ``msg`` (after the RDMA WRITEs ``wrs`` from ``hold``'s buffer, posted first) and
         wait for its reply. Takes over ``staging`` (a staging slot the request uses): it goes
@@ -290,7 +290,7 @@ class VerbsConnection(ShardConnection):
         raise_for_error(call.reply, self.address)
         return call.reply
 
-    def _expect(self, reply: P.Reply, kind: type[_R], msg: P.Request | type[P.Request]) -> _R:
+    def _expect(self, reply: P.Reply, kind: type[_R], msg: P.Call[Any] | type[P.Call[Any]]) -> _R:
         """``reply`` when it is the ``kind`` that answers ``msg`` (a request or its class).
 
         Raises:
@@ -559,63 +559,15 @@ class VerbsConnection(ShardConnection):
         finally:
             hold.drop()  # back to the pool once the WRITE is done too
 
-    async def stat(self) -> StatReply:
-        msg = P.Stat()
-        return self._expect(await self._rpc(msg), StatReply, msg)
-
-    async def free(self, file_id: int, first_chunk: int) -> int:
-        for key in [k for k in self._locs if k[0] == file_id and k[1] >= first_chunk]:
-            del self._locs[key]
-        msg = P.Free(file_id, first_chunk)
-        return self._expect(await self._rpc(msg), P.FreeReply, msg).freed
-
-    async def punch(self, file_id: int, chunk_index: int, offset: int) -> int:
-        if offset == 0:
-            self._locs.pop((file_id, chunk_index), None)
-        msg = P.Punch(file_id, chunk_index, offset)
-        return self._expect(await self._rpc(msg), P.VersionReply, msg).version
-
-    async def sync(self) -> None:
-        msg = P.Sync()
-        self._expect(await self._rpc(msg), P.VersionReply, msg)
-
-    async def resync(self, file_id: int, chunk_index: int, chunk_size: int, chain: P.Chain) -> int:
-        msg = P.Resync(file_id, chunk_index, chunk_size, chain)
-        return self._expect(await self._rpc(msg), P.VersionReply, msg).version
-
-    async def checksum(self, file_id: int, chunk_index: int, view: int = 0) -> tuple[int, int]:
-        msg = P.Checksum(file_id, chunk_index, view)
-        reply = self._expect(await self._rpc(msg), P.ChecksumReply, msg)
-        return reply.version, reply.crc
-
-    async def freeze(self, token: int, lease_ms: int, file_ids: Sequence[int]) -> P.FreezeReply:
-        msg = P.Freeze(token, lease_ms, tuple(file_ids))
-        return self._expect(await self._rpc(msg), P.FreezeReply, msg)
-
-    async def admit(self, token: int, push_ids: Sequence[int], wait_ms: int = 0) -> P.FreezeReply:
-        msg = P.Admit(token, wait_ms, tuple(push_ids))
-        return self._expect(await self._rpc(msg), P.FreezeReply, msg)
-
-    async def clone(self, token: int, pairs: Sequence[tuple[int, int]],
-                    expect: Sequence[tuple[int, int, int]]) -> int:
-        msg = P.Clone(token, tuple(pairs), tuple(expect))
-        return self._expect(await self._rpc(msg), P.FreeReply, msg).freed
-
-    async def usage(self, file_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-        msg = P.Usage(tuple(file_ids))
-        return self._expect(await self._rpc(msg), P.UsageReply, msg).entries
-
-    async def free_files(self, file_ids: Sequence[int]) -> int:
-        msg = P.FreeFiles(tuple(file_ids))
-        return self._expect(await self._rpc(msg), P.FreeReply, msg).freed
-
-    async def thaw(self, token: int) -> None:
-        msg = P.Thaw(token)
-        self._expect(await self._rpc(msg), P.VersionReply, msg)
-
-    async def list_chunks(self, after_file: int = 0, after_chunk: int = 0) -> list[ChunkEntry]:
-        msg = P.List(after_file, after_chunk)
-        return self._expect(await self._rpc(msg), P.ListReply, msg).entries
+    async def call(self, request: P.Call[_R]) -> _R:
+        """See :meth:`ShardConnection.call`: a protocol frame carried in ``SEND``/``RECV``.
+        FREE and PUNCH from offset 0 first drop the cached places of the chunks they free."""
+        if isinstance(request, P.Free):
+            for key in [k for k in self._locs if k[0] == request.file_id and k[1] >= request.first_chunk]:
+                del self._locs[key]
+        elif isinstance(request, P.Punch) and request.offset == 0:
+            self._locs.pop((request.file_id, request.chunk_index), None)
+        return self._expect(await self._rpc(request), P.reply_kind(request), request)
 
     async def aclose(self) -> None:
         """Close the connection: pending calls fail with ShardUnavailable at once; returns once

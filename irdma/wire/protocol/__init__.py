@@ -84,7 +84,8 @@ fields) and its codec (``encode()``, ``decode(body, flags)``, ``decode_reply(bod
 * :mod:`._handshake`: HELLO, AUTH.
 * :mod:`._verbs`: VERBS_CONNECT, LOCATE, REMOTE_WRITE (the verbs transport).
 * :mod:`._errors`: error replies and the status<->exception table.
-* :mod:`._table`: :data:`MESSAGES`, built from the request classes.
+* :mod:`._table`: :data:`MESSAGES`, built from the request classes; :class:`Call` and
+  :func:`reply_kind` (a request's reply class, from its ``decode_reply``).
 * :mod:`._frames`: frames, their encoding and decoding.
 
 Every name is re-exported here; import them from :mod:`irdma.wire.protocol`.
@@ -162,12 +163,12 @@ from ._snapshots import (
     UsageReply,
 )
 from ._table import _REQUEST_OPCODE as _REQUEST_OPCODE  # the opcode of a request class, by class
-from ._table import MESSAGES, Message, Reply, Request
+from ._table import MESSAGES, Call, Message, Reply, Request, reply_kind
 from ._update import OPT_CENTERED, OPT_NESTEROV, Encoding, Update, UpdateOp, as_update, op_kind
 from ._verbs import Locate, LocateReply, RemoteWrite, VerbsConnect, VerbsConnectReply
 
 __all__ = [
-    "AUTH_PROOF_SIZE", "Admit", "Auth", "AuthChallenge", "BODY_SLACK", "Chain", "Checksum", "ChecksumReply",
+    "AUTH_PROOF_SIZE", "Admit", "Auth", "AuthChallenge", "BODY_SLACK", "Call", "Chain", "Checksum", "ChecksumReply",
     "ChunkEntry", "Clone", "DEFAULT_MAX_PAYLOAD", "EXTENT", "EXTENT_SIZE", "Encoding", "ErrorReply", "FLAG_CHAIN",
     "FLAG_CHALLENGE", "FLAG_CLEAN", "FLAG_EXISTING", "FLAG_HOLE", "FLAG_PART", "FLAG_REPLACE", "FLAG_REPLY",
     "FLAG_STAGED", "Frame", "FrameDecoder", "FrameTooLarge", "Free", "FreeFiles", "FreeReply", "Freeze",
@@ -179,5 +180,5 @@ __all__ = [
     "Status", "Sync", "Thaw", "UnexpectedReply", "UnknownOpcode", "Update", "UpdateOp", "Usage", "UsageReply",
     "VerbsConnect", "VerbsConnectReply", "VersionReply", "WRITE_FIXED", "Write", "as_update", "decode_reply",
     "decode_request", "encode_reply", "encode_request", "error_reply", "expect_reply", "extents", "op_kind",
-    "parse_header", "raise_for_error",
+    "parse_header", "raise_for_error", "reply_kind",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..._errors import LocalProtocolError, RemoteProtocolError, ShardUnavailable
 from ._core import (
@@ -24,7 +24,7 @@ from ._core import (
 )
 from ._data import GatherReply, ReadReply, Scatter, Write
 from ._errors import ErrorReply
-from ._table import _BY_TYPE, _REPLIES, MESSAGES, Reply, Request
+from ._table import _BY_TYPE, _REPLIES, MESSAGES, Call, Reply, Request
 
 
 @dataclass
@@ -68,7 +68,7 @@ def _header(opcode: int, request_id: int, body_len: int, status: int = 0, flags:
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, opcode, request_id, status, flags, body_len)
 
 
-def encode_request(msg: Request, request_id: int) -> Parts:
+def encode_request(msg: Request | Call[Any], request_id: int) -> Parts:
     """Encode a request as a list of buffers to send in order (the payload is not copied).
 
     Raises:

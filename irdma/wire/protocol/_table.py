@@ -5,6 +5,10 @@ codec (how it is encoded: the parts after the header and the header's flags; how
 decoded; how the body of its OK reply is decoded). :func:`~irdma.wire.protocol.encode_request`,
 ``decode_request`` and ``decode_reply`` only look rows up; a new request is a class with its
 codec and one name in :data:`_REQUEST_CLASSES` (and its handling in :mod:`irdma.server.dispatch`).
+
+A request class names its reply class once, as the return type of its ``decode_reply``: mypy
+reads it there (:class:`Call`, so ``ShardConnection.call(Stat())`` is typed ``StatReply``) and
+so does :func:`reply_kind` (the class a transport checks the reply against).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, Union
+from typing import Any, ClassVar, Protocol, TypeVar, Union, cast
 
 from ._chain import Resync
 from ._core import Opcode, VersionReply, _Parts
@@ -72,6 +76,22 @@ class _RequestClass(Protocol):
     def decode_reply(cls, body: memoryview, flags: int) -> Any: ...
 
 
+_R_co = TypeVar("_R_co", covariant=True)
+_R = TypeVar("_R")
+
+
+class Call(Protocol[_R_co]):
+    """A request whose OK reply is a ``_R_co``: every request class of this package is one, its
+    ``decode_reply`` names which (``Stat`` is a ``Call[StatReply]``)."""
+
+    OPCODE: ClassVar[Opcode]
+
+    def encode(self) -> tuple[_Parts, int]: ...
+
+    @classmethod
+    def decode_reply(cls, body: memoryview, flags: int) -> _R_co: ...
+
+
 def _row(cls: type[_RequestClass]) -> Message:
     return Message(cls.OPCODE, cls, cls.encode, cls.decode, cls.decode_reply)
 
@@ -87,3 +107,18 @@ _BY_TYPE: dict[type, Message] = {m.request: m for m in MESSAGES.values()}
 _REQUEST_OPCODE: dict[type, Opcode] = {m.request: m.opcode for m in MESSAGES.values()}
 #: Every reply class (each owns its ``encode()``); an instance of another is not a reply.
 _REPLIES: frozenset[type] = frozenset(typing.get_args(Reply))
+#: The reply class of each request class: the return type of its ``decode_reply`` (a request
+#: answered with one of several kinds, HELLO and AUTH, has none here).
+_REPLY_KIND: dict[type, type] = {
+    cls: kind for cls in _REQUEST_CLASSES
+    if isinstance(kind := typing.get_type_hints(cls.decode_reply)["return"], type)
+}
+
+
+def reply_kind(request: Call[_R]) -> type[_R]:
+    """The class of the OK reply that answers ``request`` (``StatReply`` for a ``Stat``).
+
+    Raises:
+        KeyError: ``request`` is not a request answered with one kind of reply (HELLO, AUTH).
+    """
+    return cast("type[_R]", _REPLY_KIND[type(request)])
