@@ -402,6 +402,23 @@ def model_rounds(shapes: list[list[int]], rounds: int) -> dict[str, float]:
             runs["tf-ps"].append(json.loads(res_ps.stdout.strip().splitlines()[-1])["round_s"])
             say("model round: Redis (2 redis-server, 2 workers, WATCH/MULTI read-modify-write)")
             runs["redis"].append(redis_round(shapes, shapes_file, rounds))
+        # BSP rounds (issue 38): one optimizer step per worker's push against one step per round on
+        # the shards' sum of the pushes, alternately, each in a job of its own (its clocks from 0)
+        with irdma.connect(meta, transport="tcp") as c:
+            c.write("/model/bsp", np.zeros(sum(nbytes) // 4, "<f4"), chunk_size=4 * MiB)
+            c.set_update_op("/model/bsp", "sgd learning_rate=0.01 momentum=0.9")
+        bsp_rounds = max(rounds, 10)
+        for i in range(2):
+            for mode in ("push", "round"):
+                job = f"/jobs/bench-bsp-{mode}-{i}"
+                with irdma.connect(meta, transport="tcp") as c:
+                    ino = c.makedirs(job).ino
+                    c.client.store.setxattr(ino, b"user.irdma.workers", b"2")
+                    c.client.store.setxattr(ino, b"user.irdma.consistency", b"bsp")
+                how = "a step per push" if mode == "push" else "one step per round on the summed pushes"
+                say(f"model round: BSP, one unified buffer under SGD momentum, {how} (2 workers, 2 shards)")
+                runs.setdefault(f"bsp-{mode}", []).append(
+                    _run_workers("irdma-native-bsp", f"{meta}|{job}|{mode}", shapes_file, bsp_rounds))
         for k, v in runs.items():
             out[k] = sum(v) / len(v)
         out["runs"] = runs  # type: ignore[assignment]

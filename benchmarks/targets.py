@@ -72,6 +72,10 @@ def targets(R: dict[str, Any]) -> list[dict[str, Any]]:
         f"{nat_u * 1e3:.0f} vs {r['redis'] * 1e3:.0f} ms")
     add("model round, mount (unified buffer) vs ParameterServerStrategy", r["tf-ps"] / mnt_u,
         "TF PS round time (x faster)", 1.0, f"{mnt_u * 1e3:.0f} vs {r['tf-ps'] * 1e3:.0f} ms")
+    if "bsp-round" in r:  # issue 38: BSP's one step per round costs at most 1.1x a step per push
+        add("model round, BSP: one step per round on the summed pushes, over a step per push", r["bsp-round"] /
+            r["bsp-push"], "BSP round, a step per worker's push", 1.1,
+            f"{r['bsp-round'] * 1e3:.0f} vs {r['bsp-push'] * 1e3:.0f} ms", lower_is_better=True)
     worst = max(((rss - 100e6) / held if held else 0.0) for held, rss in
                 ((int(k), v) for k, v in R["shard_rss"].items()) if held)
     rows = ", ".join(f"{fmt_size(int(k))} held: {v / 1e6:.0f} MB" for k, v in R["shard_rss"].items())

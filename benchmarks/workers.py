@@ -6,6 +6,7 @@ workers wait on a barrier file before they start, so their rounds overlap.
     python benchmarks/workers.py irdma-native META SHAPES ROUNDS RANK START_FILE
     python benchmarks/workers.py irdma-mount MOUNTDIR SHAPES ROUNDS RANK START_FILE
     python benchmarks/workers.py irdma-native-unified META SHAPES ROUNDS RANK START_FILE
+    python benchmarks/workers.py irdma-native-bsp 'META|JOB|push' SHAPES ROUNDS RANK START_FILE  (or |round)
     python benchmarks/workers.py irdma-mount-unified MOUNTDIR SHAPES ROUNDS RANK START_FILE
     python benchmarks/workers.py redis PORT,PORT SHAPES ROUNDS RANK START_FILE
 
@@ -216,12 +217,51 @@ def redis_peer(ports: str, shapes: list[tuple[int, ...]], rounds: int, start: st
         return (time.perf_counter() - t0) / rounds
 
 
+def irdma_native_bsp(target: str, shapes: list[tuple[int, ...]], rounds: int, start: str) -> float:
+    """A BSP round of the unified buffer ``/model/bsp`` (update op SGD with momentum): one push of
+    all gradients, the worker's clock in job ``JOB`` (both workers' pushes are in), one pull of all
+    weights. ``target`` is ``META|JOB|MODE``: MODE ``push`` takes one optimizer step per worker's
+    push (SSP/ASP's, and BSP's before issue 38), ``round`` sums the workers' pushes on the shards
+    and takes one step on their mean (:mod:`irdma.server.rounds`)."""
+    import dataclasses
+
+    import trio
+
+    import irdma
+    from irdma.client.native import layout_of
+    from irdma.wire.optimizers import parse_update
+    from irdma.wire.protocol import Round, as_update
+
+    meta, job, mode = target.split("|")
+    rank = int(sys.argv[5])
+    total = sum(int(np.prod(s)) for s in shapes)
+    grads = np.full(total, 1e-3, "<f4")
+    out = np.empty(total, "<f4")
+
+    async def main() -> float:
+        async with irdma.Client.open(meta, transport="tcp") as c:
+            inode = c.store.resolve("/model/bsp")
+            layout, job_ino = layout_of(inode), c.store.resolve(job).ino
+            update = as_update(parse_update(inode.update_op))
+            clock = [0]
+
+            async def one_round() -> None:
+                op = update if mode == "push" else dataclasses.replace(update, round=Round(job_ino, clock[0], rank, 2))
+                await c.write_from(layout, 0, memoryview(grads).cast("B"), op)
+                clock[0] = await c.clock_at(job_ino, rank)
+                await c.read_into(layout, 0, memoryview(out).cast("B"))
+
+            return await _timed_async(one_round, rounds, start)
+
+    return trio.run(main)
+
+
 def main() -> None:
     kind, target, shapes_file, rounds, rank, start = sys.argv[1:7]
     with open(shapes_file) as f:
         shapes = [tuple(s) for s in json.load(f)]
     fn = {"irdma-native": irdma_native, "irdma-mount": irdma_mount, "irdma-native-unified": irdma_native_unified,
-          "irdma-mount-unified": irdma_mount_unified, "redis": redis_peer}[kind]
+          "irdma-mount-unified": irdma_mount_unified, "redis": redis_peer, "irdma-native-bsp": irdma_native_bsp}[kind]
     secs = fn(target, shapes, int(rounds), start)
     nbytes = 2 * 4 * sum(int(np.prod(s)) for s in shapes)
     out: dict[str, object] = {"rank": int(rank), "round_s": secs, "bytes": nbytes}

@@ -4,8 +4,9 @@ The names (loaded with TensorFlow on first use of this module):
 
 * :func:`init`, :func:`shutdown`, :func:`rank`, :func:`size`, :func:`local_rank`,
   :func:`job_dir`, :func:`shard_dataset`, :func:`barrier`: :mod:`irdma.train.world`;
-  :class:`DistributedOptimizer`, :class:`BroadcastInitialWeights`, :class:`MetricAverageCallback`:
-  :mod:`irdma.train.distributed` (run the script with ``irdma run -n N -- python train.py``).
+  :class:`DistributedOptimizer`, :class:`BroadcastInitialWeights`, :class:`MetricAverageCallback`,
+  ``Average`` and ``Sum`` (``op=`` of a BSP round): :mod:`irdma.train.distributed` (run the
+  script with ``irdma run -n N -- python train.py``).
 * :class:`Embedding`: an embedding layer whose table lives on the shards
   (:mod:`irdma.train.embedding`).
 * :class:`ShardOptimizer` (the optimizer step through a FUSE mount): :mod:`irdma.train.keras`.
@@ -19,11 +20,11 @@ The names (loaded with TensorFlow on first use of this module):
 
 from __future__ import annotations
 
-from .train.distributed import BroadcastInitialWeights, DistributedOptimizer, MetricAverageCallback
+from .train.distributed import Average, BroadcastInitialWeights, DistributedOptimizer, MetricAverageCallback, Sum
 from .train.embedding import Embedding
 from .train.keras import ShardOptimizer, SnapshotCallback, restore_snapshot
 from .train.world import barrier, init, job_dir, local_rank, rank, shard_dataset, shutdown, size
 
-__all__ = ["BroadcastInitialWeights", "DistributedOptimizer", "Embedding", "MetricAverageCallback",
+__all__ = ["Average", "Sum", "BroadcastInitialWeights", "DistributedOptimizer", "Embedding", "MetricAverageCallback",
            "ShardOptimizer", "SnapshotCallback", "barrier", "init", "job_dir", "local_rank", "rank",
            "restore_snapshot", "shard_dataset", "shutdown", "size"]

@@ -10,6 +10,7 @@ The layers, bottom up (each imports only those below it):
   store's.
 * :mod:`.replicate`: chain replication (apply, forward to the successor, answer when the rest
   of the chain did; CRAQ's clean reads; resync).
+* :mod:`.rounds`: synchronous rounds, the members' pushes of a range summed and applied once.
 * :mod:`.dispatch`: a request frame in, its reply out (:class:`~.dispatch.Dispatcher`); disk
   I/O in worker threads; the one status table of :mod:`irdma.wire.protocol` for errors; metrics.
 * Front ends that only move frames: :mod:`.tcp` (pipelined connections) and :mod:`.verbs`

@@ -47,6 +47,7 @@ from .request_kinds import (
     push_of,
     status_name,
 )
+from .rounds import Rounds
 from .shard import ChunksPending, Shard, split_extents
 
 if TYPE_CHECKING:
@@ -101,6 +102,8 @@ class Dispatcher:
         self.metrics = shard_metrics()
         self.metrics.watch(self)
         self.replicator.metrics = self.metrics
+        #: Synchronous rounds being summed (:mod:`.rounds`).
+        self.rounds = Rounds(shard.shard_id, shard.version_of)
         #: ``HOST:PORT`` of this shard's metrics exporter, if it has one (told in STAT replies).
         self.metrics_address = ""
         #: Snapshot freezes in force, by token, and the frozen files (:meth:`_freeze`).
@@ -557,14 +560,23 @@ class Dispatcher:
         return P.ReadReply(version, bytes(view))
 
     def _on_write(self, msg: P.Write, staging: memoryview | None, zero_copy: bool) -> P.Reply | Awaitable[int]:
+        out = self._write(msg)
+        return P.VersionReply(out) if isinstance(out, int) else out
+
+    def _write(self, msg: P.Write) -> int | Awaitable[int]:
+        """A WRITE applied: a contribution to a synchronous round summed (:mod:`.rounds`; its
+        round's update applied by this method again when it is the last), else applied now and
+        chained down the replicas."""
+        if isinstance(msg.op, P.Update) and msg.op.round is not None:
+            if msg.replace:
+                raise BadRequest("a whole-chunk copy (FLAG_REPLACE) is never a round's contribution")
+            return self.rounds.contribute(msg, msg.data, self._write)
         if msg.chain is not None:
-            out = self.replicator.write(msg, msg.data)
-            return P.VersionReply(out) if isinstance(out, int) else out
+            return self.replicator.write(msg, msg.data)
         if msg.replace:
             raise BadRequest("a whole-chunk copy (FLAG_REPLACE) comes only with a chain")
-        version = self.shard.write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, msg.data,
-                                   msg.existing)
-        return P.VersionReply(version)
+        return self.shard.write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, msg.data,
+                                msg.existing)
 
     def _on_gather(self, msg: P.Gather, staging: memoryview | None, zero_copy: bool) -> P.Reply:
         chunks = msg.extents["chunk"].astype(np.int64)
@@ -580,6 +592,8 @@ class Dispatcher:
         return P.GatherReply(versions, into)
 
     def _on_scatter(self, msg: P.Scatter, staging: memoryview | None, zero_copy: bool) -> P.Reply | Awaitable[int]:
+        if isinstance(msg.op, P.Update) and msg.op.round is not None:
+            raise BadRequest("sparse rows (SCATTER) are not summed in rounds yet: push them without a round")
         data: memoryview | bytes = msg.data
         if msg.staged:
             if staging is None:
@@ -664,6 +678,10 @@ class Dispatcher:
         if msg.staging_offset + msg.length > len(staging):
             raise BadRequest(f"staged range leaves the {len(staging)}-byte staging buffer")
         data = staging[msg.staging_offset : msg.staging_offset + msg.length]
+        if isinstance(msg.op, P.Update) and msg.op.round is not None:  # summed now: the staging buffer is reused
+            out = self._write(P.Write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, data,
+                                      msg.existing, msg.chain))
+            return P.VersionReply(out) if isinstance(out, int) else out
         if msg.chain is not None:
             fwd = P.Write(msg.file_id, msg.chunk_index, msg.chunk_size, msg.offset, msg.op, bytes(data),
                           msg.existing, msg.chain)

@@ -268,6 +268,8 @@ class Shard(SparseRows):
             DataLost: ``existing`` and the chunk is not here, or the shard refuses the chunk
                 (:attr:`lost`) and this is not an assign of all of it. Nothing changed.
         """
+        if isinstance(op, Update) and op.round is not None:  # summed by the dispatcher's rounds, never as is
+            raise BadRequest("a round's contribution reaches the shard only as its round's update")
         if isinstance(op, Update) and op.encoding:
             data, op = _decoded(op, data, offset, chunk_size), op.dense
         n = len(data)

@@ -39,6 +39,13 @@ REQUESTS = [
             chain=P.Chain(5, 9, 42, 2500)),
     P.RemoteWrite(9, 4, 1 << 20, 8, P.Update(P.UpdateOp.ADD, encoding=P.Encoding.SIGN), False, 4096, 65536, 0,
                   chain=P.Chain(6, 1, 0, 10, ((4, "h:1"),))),
+    # rounds (protocol 11): a push that is one member's contribution to a synchronous round
+    P.Write(7, 3, 4 << 20, 12, P.Update(P.UpdateOp.ADAM, (0.01, 0.9, 0.999, 1e-7), round=P.Round(2**64 - 1, 41, 2, 3)),
+            b"\x03" * 16, chain=P.Chain(5, 9, 0, 2500, part=P.Part(7, 0, 2))),
+    P.Write(7, 3, 4 << 20, 12, P.Update(P.UpdateOp.ADD, encoding=P.Encoding.TOPK, round=P.Round(1, 0, 0, 1, P.ROUND_SUM)),
+            b"\x01" * 16),
+    P.RemoteWrite(9, 4, 1 << 20, 8, P.Update(P.UpdateOp.SGD, (0.1, 0.0, 0.0, 0.0), round=P.Round(3, 5, 1, 2)), False,
+                  4096, 65536, 0),
     # push parts (protocol 9): a snapshot's cut takes a push of several requests whole
     P.Write(7, 3, 8192, 0, P.UpdateOp.ADD, b"abcd", chain=P.Chain(5, 9, 0, 2500, part=P.Part(2**64 - 1, 1, 2))),
     P.RemoteWrite(9, 4, 1 << 20, 8, P.UpdateOp.ADD, False, 4096, 65536, 0,
@@ -280,10 +287,11 @@ def test_encoding_assign_or_a_scatter_is_a_local_error() -> None:
         P.decode_request(frame)
 
 
-def test_protocol_10_is_spoken_and_9_still_understood() -> None:
+def test_protocol_11_is_spoken_and_9_still_understood() -> None:
     """Protocol 10 changed no frame (a CLONE ends its freeze; THAW of one that is over is a
-    no-op), so a client of protocol 9 still works with these shards; 8 and older are refused."""
-    assert (P.MIN_PROTOCOL_VERSION, P.PROTOCOL_VERSION) == (9, 10)
+    no-op) and 11 only added the round bit of the op byte, so a client of protocol 9 still works
+    with these shards; 8 and older are refused."""
+    assert (P.MIN_PROTOCOL_VERSION, P.PROTOCOL_VERSION) == (9, 11)
     wire = bytearray(b"".join(P.encode_request(P.Thaw(5), 1)))
     wire[2] = 9  # the header's version byte (!2sB...)
     [frame] = _frames(bytes(wire))

@@ -33,6 +33,7 @@ the methods that call them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -55,7 +56,7 @@ from ..transport import ShardConnection, Transport, make_transport
 from ..wire import auth
 from ..wire.compress import Compression, parse_compress
 from ..wire.optimizers import parse_update
-from ..wire.protocol import ChunkEntry, StatReply, Update, UpdateOp, as_update
+from ..wire.protocol import ChunkEntry, Round, StatReply, Update, UpdateOp, as_update
 from . import coord
 from . import snapshots as _snaps
 from .cache import ChunkCache
@@ -471,7 +472,7 @@ class Client:
             await self.cached.open_file(inode, chunks, mode)
 
     async def push(self, path: str, delta: np.ndarray, offset: int = 0, *, compress: Compression | str | None = None,
-                   residual: np.ndarray | None = None) -> None:
+                   residual: np.ndarray | None = None, round: Round | None = None) -> None:
         """Push gradient ``delta`` (cast to little-endian float32) into the file, as a write
         through the mount does: the file's ``user.irdma.update`` is applied on the shards (an
         optimizer takes one step, its state included: ``adam``, ``sgd momentum=0.9``, ...;
@@ -487,9 +488,16 @@ class Client:
         were. Over pushes, what the shards received plus ``residual`` is the sum of the deltas
         (Karimireddy et al., ICML 2019).
 
+        ``round`` (:class:`irdma.wire.protocol.Round`: the run, the round, this member and how many
+        there are) makes the push one member's contribution to a synchronous round: the shards sum
+        the members' pushes of the same bytes and apply the update once, to their mean (Horovod's
+        average; the sum with ``ROUND_SUM``), when the last one is in (:mod:`irdma.server.rounds`).
+        Every member pushes the same ranges (``delta``'s length and ``offset``) with the same update.
+
         Raises:
             ValueError: a bad ``compress`` value, ``residual`` of the wrong size or dtype, or a
                 file's ``user.irdma.update`` that does not parse (nothing changed).
+            BadRequest: a round's push that disagrees with the round's others (nothing changed).
             And what :meth:`write` raises.
         """
         coded = _compression(compress)
@@ -503,6 +511,8 @@ class Client:
         uop: UpdateOp | Update = parse_update(inode.update_op or "assign")
         if as_update(uop).op == UpdateOp.ASSIGN:  # a push never overwrites: the gradient is added
             uop = UpdateOp.ADD
+        if round is not None:
+            uop = dataclasses.replace(as_update(uop), round=round)
         if residual is None:
             await self._write_inode(inode, g, offset, uop, coded, None)
             return

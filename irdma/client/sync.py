@@ -14,7 +14,7 @@ import trio
 from .._errors import IrdmaError
 from ..meta import Inode
 from ..wire.compress import Compression
-from ..wire.protocol import UpdateOp
+from ..wire.protocol import Round, UpdateOp
 from . import comm
 from .native import Client
 
@@ -162,9 +162,10 @@ class SyncClient:
         return self._run(self.client.read, path, offset, length)  # type: ignore[no-any-return]
 
     def push(self, path: str, delta: np.ndarray, offset: int = 0, *, compress: Compression | str | None = None,
-             residual: np.ndarray | None = None) -> None:
-        """Add ``delta`` into the file, compressed with error feedback if asked (see Client.push)."""
-        self._run(self.client.push, path, delta, offset, compress=compress, residual=residual)
+             residual: np.ndarray | None = None, round: Round | None = None) -> None:
+        """Push ``delta`` into the file, compressed with error feedback if asked, as a
+        contribution to a synchronous round if given one (see Client.push)."""
+        self._run(self.client.push, path, delta, offset, compress=compress, residual=residual, round=round)
 
     def pull(self, path: str, shape: Sequence[int] | None = None, dtype: str = "<f4") -> np.ndarray:
         return self._run(self.client.pull, path, shape, dtype)  # type: ignore[no-any-return]

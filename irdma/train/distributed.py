@@ -28,6 +28,11 @@ compiled train step:
 4. the end of the worker's round (its clock: under BSP/SSP it waits for the slowest worker to
    be close enough, :mod:`irdma.train.coord`), then a pull of the whole file into the variables.
 
+Under BSP the pushes of steps 2 and 3 carry the job's round (:class:`irdma.wire.protocol.Round`:
+the run, this worker's clock, its rank, the job's size): the shards sum the workers' pushes and
+apply each once, to their mean (:mod:`irdma.server.rounds`), Horovod's averaging allreduce and
+one optimizer step.
+
 With one worker, every step equals the wrapped Keras optimizer's (float32, to rounding).
 
 Joining the job: rank 0 writes the initial weights (op ``assign``) unless the job already holds
@@ -55,11 +60,16 @@ import tensorflow as tf
 
 from .._errors import InvalidArgument, IrdmaError, NoAttribute, NotFound
 from ..wire.optimizers import ARGUMENTS, parse_update
-from ..wire.protocol import Update, UpdateOp
+from ..wire.protocol import ROUND_SUM, Round, Update, UpdateOp
 from . import coord
 from .comm import DEFAULT_SLICE_ELEMS
 from .coord import XATTR_SYNC_TIMEOUT
 from .world import _host_group, _job_barrier, _member, _need, _wait_for, _world, barrier_name, job_dir, rank, size
+
+#: ``op=`` of :class:`DistributedOptimizer` (Horovod's ``hvd.Average`` and ``hvd.Sum``): what a BSP
+#: round applies, the mean of the workers' gradients or their sum.
+Average = "average"
+Sum = "sum"
 
 PARAMS = "params"
 LAYOUT = "layout.json"
@@ -113,6 +123,16 @@ def _lr_at(lr: Any, step: int) -> float:
     return float(keras.ops.convert_to_numpy(lr)) if not isinstance(lr, float | int) else float(lr)
 
 
+def series_of(job_ino: int) -> int:
+    """The :class:`irdma.wire.protocol.Round` series of this run of job ``job_ino``: the same for
+    every worker of one ``irdma run`` launch (``$IRDMA_RUN_ID``), another for the next launch, so
+    a new run never adds into a round a dead one left on the shards. A u64 (BLAKE2b)."""
+    import hashlib
+
+    run = str(_world.get("run", ""))
+    return int.from_bytes(hashlib.blake2b(f"{run}:{job_ino}".encode(), digest_size=8).digest(), "big")
+
+
 def chunk_size_for(nbytes: int, shards: int) -> int:
     """The chunk size of a job whose parameters are ``nbytes`` over ``shards`` shards (see the
     module docstring)."""
@@ -141,6 +161,8 @@ class _JobState:
     group: Any = None  # hierarchy: this host's workers (irdma.train.hier.HostGroup)
     anchor: np.ndarray | None = None  # sync_every > 1: the weights at the last global step (float32, flat)
     since_sync: int = 0  # sync_every > 1: local steps since the last global step
+    series: int | None = None  # BSP: the run's rounds (Round.series): pushes are summed on the shards
+    clock: int = 0  # this worker's clock: the round its next push belongs to
 
 
 @keras.saving.register_keras_serializable(package="irdma")
@@ -172,6 +194,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
             local rank 0 pushes the sum once (its weight decay times the host's workers) and
             pulls once for all of them; every worker still ticks its clock. With
             ``overlap="none"`` only.
+        op: what a BSP round applies (:data:`Average`, Horovod's ``hvd.Average``: the mean of the
+            workers' gradients; :data:`Sum`: their sum). Under ``--consistency bsp`` each step's
+            pushes of the job's workers are summed on the shards and the wrapped optimizer takes
+            one step on their mean (:mod:`irdma.server.rounds`), so N workers with batch B train
+            as one process with batch N B; under SSP and ASP each push is a step of its own. Not
+            yet with ``drop``, ``hierarchy``, ``sync_every`` > 1 or ``--elastic``: those keep one
+            step per push (logged by rank 0).
         sync_every: DASO's global step every K steps (Coquelin et al., "Accelerating neural
             network training with distributed asynchronous and selective optimization (DASO)",
             J. Big Data 2022; local SGD, Stich, ICLR 2019). With K > 1 each step is a local step
@@ -195,10 +224,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
     def __init__(self, optimizer: keras.optimizers.Optimizer | str | dict[str, Any], sync_timeout: float = 60.0,
                  name: str | None = None, compress: str | None = None, overlap: str = "none",
                  slice_elems: int = DEFAULT_SLICE_ELEMS, drop: float = 0.0, hierarchy: bool = False,
-                 sync_every: int = 1, **kwargs: Any) -> None:
+                 sync_every: int = 1, op: str = "average", **kwargs: Any) -> None:
         from . import overlap as _overlap
 
         _overlap.check(overlap, slice_elems, float(drop))
+        if op not in (Average, Sum):
+            raise InvalidArgument(f"op={op!r}", f"pass op={Average!r} (hvd.Average, the default) or {Sum!r} (hvd.Sum)")
         if hierarchy and overlap != "none":
             raise InvalidArgument("hierarchy=True sums a whole step's gradients on the host first",
                                   "pass overlap='none' with it")
@@ -233,6 +264,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         self.overlap, self.slice_elems, self.drop = overlap, int(slice_elems), float(drop)
         self.hierarchy = bool(hierarchy)
         self.sync_every = int(sync_every)
+        self.reduce_op = op
         self._job = _JobState(inner, codec=_codec(compress))
         self.rounds = 0
         self.pushes = 0  # whole-model pushes this worker made (overlap "none")
@@ -256,7 +288,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         return {"optimizer": keras.optimizers.serialize(type(self.inner).from_config(inner)),
                 "sync_timeout": self.sync_timeout, "name": self.name, "compress": self.compress,
                 "overlap": self.overlap, "slice_elems": self.slice_elems, "drop": self.drop,
-                "hierarchy": self.hierarchy, "sync_every": self.sync_every}
+                "hierarchy": self.hierarchy, "sync_every": self.sync_every, "op": self.reduce_op}
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> DistributedOptimizer:
@@ -312,12 +344,22 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
                   for i, v in enumerate(self._job.vars)]
         total = 4 * sum(self._job.sizes)
         job_ino = _member()
+        try:
+            staleness = coord.parse_consistency(client.client.store.getxattr(job_ino, coord.XATTR_CONSISTENCY)).staleness
+        except NoAttribute:
+            staleness = None  # ASP
         if self._job.rounds is not None:  # ASP: no clock wait between a layer's push and its pull
-            try:
-                consistency = client.client.store.getxattr(job_ino, coord.XATTR_CONSISTENCY)
-            except NoAttribute:
-                consistency = b"asp"
-            self._job.rounds.asp = coord.parse_consistency(consistency).staleness is None
+            self._job.rounds.asp = staleness is None
+        if staleness == 0 and self.sync_every == 1 and not self.hierarchy:
+            # a round sums a fixed set of members' pushes of every range: an elastic job's members
+            # change, and drop= skips pushes; those keep a step per push for now (logged)
+            why = ("the job is elastic" if _world.get("elastic") is not None else
+                   "drop= skips a layer's push" if self.drop else None)
+            if why is None:
+                self._job.series = series_of(job_ino)
+            elif me == 0:
+                log.warning("BSP job %s: %s, so each worker's push is a step of its own (not one step per round on the"
+                            " workers' mean)", job, why)
         if self.hierarchy and self._job.group is None:
             if _world.get("elastic") is not None:
                 raise InvalidArgument("hierarchy=True cannot follow an elastic job's membership (a host group has"
@@ -377,6 +419,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
             return layout_of(inode), await cl.meta.chunk_map(inode.ino)
 
         self._job.layout, self._job.chunks = client.run(locate, client.client)
+        self._job.clock = int(_world["clock"])
         self._job.joined = True
         step = _world["clock"] * self.sync_every  # a clock tick is a round: K steps under sync_every
         if _world["rejoin"] and step > int(self._iterations.numpy()):
@@ -472,6 +515,17 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
             start += n
         return out
 
+    def _in_round(self, update: Update | UpdateOp) -> Update | UpdateOp:
+        """``update`` as this worker's contribution to the job's round (BSP: the shards apply
+        the mean, or with ``op="sum"`` the sum, of every worker's push once; :mod:`irdma.server.rounds`),
+        else as it is (SSP, ASP: each push is a step)."""
+        series = self._job.series
+        if series is None:
+            return update
+        u = update if isinstance(update, Update) else Update(UpdateOp(update))
+        return dataclasses.replace(u, round=Round(series, self._job.clock, _need("rank"), _need("size"),
+                                                  ROUND_SUM if self.reduce_op == Sum else 0))
+
     def _step(self, lr: Any, *tensors: Any) -> list[np.ndarray]:
         """Eager (inside ``tf.py_function``): push the decay (if any) and the gradients, end the
         round, pull the weights."""
@@ -482,7 +536,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         decays, grads = tensors[:-k], tensors[-k:]
         if self.sync_every > 1:
             return self._local_step(float(lr.numpy()), decays, grads)
-        update = _with_learning_rate(self.update, float(lr.numpy()))
+        update = self._in_round(_with_learning_rate(self.update, float(lr.numpy())))
         data = _flat([g.numpy() for g in grads])
         client, job, me = _need("client"), _need("job"), _need("rank")
         group = self._job.group
@@ -508,7 +562,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         async def step(cl: Any) -> None:
             created: list[Any] = []
             if decay is not None:
-                created += await cl.write_from(layout, 0, decay, UpdateOp.ADD, chunks)
+                created += await cl.write_from(layout, 0, decay, self._in_round(UpdateOp.ADD), chunks)
             created += await cl.write_from(layout, 0, data, update, chunks, compress=codec,
                                            feedback=self._job.residual if codec is not None else None)
             if created:  # chunks the file had not stored (a replica back from a failure): record them
@@ -520,7 +574,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         from .overlap import payload_bytes
 
         self.pushed_bytes += payload_bytes(data.size, codec) + (decay.nbytes if decay is not None else 0)
-        client.run(client.client.clock, job, me)  # the round's end: the job's sync timeout bounds its wait
+        self._job.clock = client.run(client.client.clock, job, me)  # the round's end: the job's sync timeout bounds its wait
         self.rounds += 1
         self.pushes += 1
         if group is not None:
@@ -643,8 +697,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         rate = float(lr.numpy())
         decay = rounds.flat(g, [-d.numpy() for d in decays]) if decays else None
         rounds.push(_need("client"), g, self._job.layout, self._job.chunks, sum(self._job.sizes),
-                    _with_learning_rate(self.update, rate), rounds.flat(g, [t.numpy() for t in grads]), decay,
-                    self._job.codec, rate, self.sync_timeout)
+                    self._in_round(_with_learning_rate(self.update, rate)), rounds.flat(g, [t.numpy() for t in grads]),
+                    decay, self._job.codec, rate, self.sync_timeout, self._in_round(UpdateOp.ADD))
         return 0
 
     def _end_round(self, *tokens: Any) -> int:
@@ -655,7 +709,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         client = _need("client")
         rounds.started = False
         rounds.wait_pushes()
-        client.run(client.client.clock, _need("job"), _need("rank"))
+        self._job.clock = client.run(client.client.clock, _need("job"), _need("rank"))
         self.rounds += 1
         rounds.start_pulls(client, self._job.layout, self._job.chunks, self.sync_timeout)
         for g in range(len(rounds.groups)):

@@ -158,8 +158,9 @@ class Rounds:
 
     # ------------------------------------------------------------ transfers
     def push(self, client: Any, g: int, layout: Any, chunks: Any, total: int, update: Any, data: np.ndarray,
-             decay: np.ndarray | None, codec: Any, lr: float, timeout: float) -> None:
-        """Start group ``g``'s push (after dropping and error feedback); returns at once."""
+             decay: np.ndarray | None, codec: Any, lr: float, timeout: float, decay_op: Any = UpdateOp.ADD) -> None:
+        """Start group ``g``'s push (after dropping and error feedback); returns at once.
+        ``decay_op``: the update of the weight decay's push (``add``; in a BSP round, with it)."""
         import time
 
         push: np.ndarray | None = data
@@ -183,7 +184,7 @@ class Rounds:
         async def piece(cl: Any, a: int, at: int, n: int) -> list[Any]:
             created: list[Any] = []
             if decay is not None:
-                created += await cl.write_from(layout, 4 * a, decay[at : at + n], UpdateOp.ADD, chunks)
+                created += await cl.write_from(layout, 4 * a, decay[at : at + n], decay_op, chunks)
             if push is not None:
                 created += await cl.write_from(layout, 4 * a, push[at : at + n], update, chunks, compress=codec,
                                                feedback=None if fb is None else fb[at : at + n])

@@ -164,7 +164,18 @@ from ._snapshots import (
 )
 from ._table import _REQUEST_OPCODE as _REQUEST_OPCODE  # the opcode of a request class, by class
 from ._table import MESSAGES, Call, Message, Reply, Request, reply_kind
-from ._update import OPT_CENTERED, OPT_NESTEROV, Encoding, Update, UpdateOp, as_update, op_kind
+from ._update import (
+    OPT_CENTERED,
+    OPT_NESTEROV,
+    ROUND_BIT,
+    ROUND_SUM,
+    Encoding,
+    Round,
+    Update,
+    UpdateOp,
+    as_update,
+    op_kind,
+)
 from ._verbs import Locate, LocateReply, RemoteWrite, VerbsConnect, VerbsConnectReply
 
 __all__ = [
@@ -177,7 +188,7 @@ __all__ = [
     "MESSAGES", "MIN_PROTOCOL_VERSION", "Message", "OPT_CENTERED", "OPT_NESTEROV", "Opcode", "PART_MEMORY_S",
     "PROTOCOL_VERSION", "Part", "Parts", "Punch", "READ_REPLY_FIXED", "REFUSED_STATUSES", "Read", "ReadReply",
     "RemoteWrite", "Reply", "Request", "Resync", "SHARD_STATUSES", "STATUS_ERRORS", "Scatter", "Stat", "StatReply",
-    "Status", "Sync", "Thaw", "UnexpectedReply", "UnknownOpcode", "Update", "UpdateOp", "Usage", "UsageReply",
+    "Status", "Sync", "Thaw", "UnexpectedReply", "UnknownOpcode", "Update", "UpdateOp", "Round", "ROUND_BIT", "ROUND_SUM", "Usage", "UsageReply",
     "VerbsConnect", "VerbsConnectReply", "VersionReply", "WRITE_FIXED", "Write", "as_update", "decode_reply",
     "decode_request", "encode_reply", "encode_request", "error_reply", "expect_reply", "extents", "op_kind",
     "parse_header", "raise_for_error", "reply_kind",

@@ -4,8 +4,15 @@ how its op byte (and an optimizer's arguments) travel.
 The update ops and their semantics (applied atomically per chunk by the shard, each bumps the
 chunk's version by one) follow the parameter-server model of ps-lite (Li et al., OSDI 2014)
 and the server-side accumulate of SoftMemoryBox II (Ahn et al., IEEE Access 2020). The op byte
-is ``op | encoding << 4`` (protocol 8); an optimizer op's arguments follow the message's fixed
-part as ``!4dI4x`` (40 bytes: four float64 and the u32 flags), before any chain.
+is ``op | encoding << 4 | ROUND_BIT`` (protocol 8; the round bit, 0x80, protocol 11); an
+optimizer op's arguments follow the message's fixed part as ``!4dI4x`` (40 bytes: four float64
+and the u32 flags), then, with the round bit, the :class:`Round` as ``!QQIIB3x`` (32 bytes),
+before any chain.
+
+A push with a :class:`Round` is one worker's contribution to a synchronous (BSP) round: the
+shard sums the contributions of the round's members to the same bytes and applies the update
+op once, to their mean (or their sum), when the last one arrives (:mod:`irdma.server.rounds`;
+Horovod's averaging allreduce, ps-lite's server-side merge as BytePS does it).
 """
 
 from __future__ import annotations
@@ -74,6 +81,40 @@ class Encoding(enum.IntEnum):
 #: Flag bits of an optimizer :class:`Update`.
 OPT_NESTEROV = 0x1
 OPT_CENTERED = 0x2
+#: The op byte's bit that says a :class:`Round` follows the optimizer arguments (protocol 11).
+ROUND_BIT = 0x80
+#: Flag bits of a :class:`Round`: apply the sum of the contributions, not their mean (``hvd.Sum``).
+ROUND_SUM = 0x1
+_ROUND = struct.Struct("!QQIIB3x")  # series, round, member, members, flags
+
+
+@dataclass(frozen=True)
+class Round:
+    """What makes a push one member's contribution to a synchronous round (protocol 11).
+
+    Attributes:
+        series: u64 naming the run the rounds belong to (a job run: every member of one run
+            sends the same; a new run, the same job directory again, another).
+        round: u64, the round (the job's clock: the rounds its members finished).
+        member: u32, this contribution's member (the worker's rank), ``member < members``.
+        members: u32, how many contributions make the round (at least 1): the shard applies
+            the update once the contributions of every member to the same bytes are in.
+        flags: :data:`ROUND_SUM` (apply the sum; else the mean, the sum divided by ``members``).
+    """
+
+    series: int
+    round: int
+    member: int
+    members: int
+    flags: int = 0
+
+    def encode(self) -> bytes:
+        return _ROUND.pack(self.series, self.round, self.member, self.members, self.flags)
+
+    @property
+    def total(self) -> bool:
+        """Whether the round applies the sum of its contributions (:data:`ROUND_SUM`), not the mean."""
+        return bool(self.flags & ROUND_SUM)
 
 
 @dataclass(frozen=True)
@@ -89,12 +130,15 @@ class Update:
         encoding: how the payload is encoded (:class:`Encoding`, protocol 8; the op byte's
             high nibble): the shard decodes it and applies ``op`` to the decoded gradient.
             Only with ``add`` and the optimizers.
+        round: the synchronous round this push contributes to (:class:`Round`, protocol 11),
+            or None: applied as it comes. Only with ``add`` and the optimizers.
     """
 
     op: UpdateOp
     args: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     flags: int = 0
     encoding: Encoding = Encoding.NONE
+    round: Round | None = None
 
     @property
     def dense(self) -> UpdateOp | Update:
@@ -118,13 +162,21 @@ _OPTIM = struct.Struct("!4dI4x")  # an optimizer update's arguments and flags
 
 
 def _encode_update(op: UpdateOp | Update, encodable: bool = True) -> tuple[int, bytes]:
-    """The op byte of an update and the bytes of its optimizer arguments (empty for another op)."""
+    """The op byte of an update and the bytes of its optimizer arguments and round (empty for
+    another op without a round)."""
     u = as_update(op)
     enc = Encoding(u.encoding)
     if enc and (not encodable or not u.op.is_float32):
         raise LocalProtocolError(f"an encoded ({enc.name.lower()}) payload goes only with add or an optimizer"
                                  " in WRITE or REMOTE_WRITE")
-    return int(u.op) | int(enc) << 4, (_OPTIM.pack(*u.args, u.flags) if u.op.is_optimizer else b"")
+    after = _OPTIM.pack(*u.args, u.flags) if u.op.is_optimizer else b""
+    if u.round is None:
+        return int(u.op) | int(enc) << 4, after
+    if not u.op.is_float32:
+        raise LocalProtocolError("a round (a synchronous push) goes only with add or an optimizer")
+    if not 0 <= u.round.member < u.round.members:
+        raise LocalProtocolError(f"round member {u.round.member} of {u.round.members}: use 0 <= member < members")
+    return int(u.op) | int(enc) << 4 | ROUND_BIT, after + u.round.encode()
 
 
 def _decode_update(opv: int, body: memoryview, at: int, encodable: bool = True) -> tuple[UpdateOp | Update, int]:
@@ -134,14 +186,28 @@ def _decode_update(opv: int, body: memoryview, at: int, encodable: bool = True) 
     except ValueError:
         raise RemoteProtocolError(f"unknown update op {opv & 0xF}") from None
     try:
-        enc = Encoding(opv >> 4)
+        enc = Encoding((opv & ~ROUND_BIT) >> 4)
     except ValueError:
-        raise RemoteProtocolError(f"unknown payload encoding {opv >> 4}") from None
+        raise RemoteProtocolError(f"unknown payload encoding {(opv & ~ROUND_BIT) >> 4}") from None
     if enc and (not encodable or not uop.is_float32):
         raise RemoteProtocolError(f"an encoded ({enc.name.lower()}) payload goes only with add or an optimizer"
                                   " in WRITE or REMOTE_WRITE")
-    if not uop.is_optimizer:
+    args: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    flags = 0
+    if uop.is_optimizer:
+        _need(body, at + _OPTIM.size, "optimizer arguments")
+        *got, flags = _OPTIM.unpack_from(body, at)
+        args = (got[0], got[1], got[2], got[3])
+        at += _OPTIM.size
+    rnd = None
+    if opv & ROUND_BIT:
+        if not uop.is_float32:
+            raise RemoteProtocolError("a round (a synchronous push) goes only with add or an optimizer")
+        _need(body, at + _ROUND.size, "round")
+        rnd = Round(*_ROUND.unpack_from(body, at))
+        at += _ROUND.size
+        if not 0 <= rnd.member < rnd.members:
+            raise RemoteProtocolError(f"round member {rnd.member} of {rnd.members}: use 0 <= member < members")
+    if not uop.is_optimizer and rnd is None:
         return (Update(uop, encoding=enc) if enc else uop), at
-    _need(body, at + _OPTIM.size, "optimizer arguments")
-    *args, flags = _OPTIM.unpack_from(body, at)
-    return Update(uop, tuple(args), flags, enc), at + _OPTIM.size
+    return Update(uop, args, flags, enc, rnd), at

@@ -1,0 +1,74 @@
+"""A worker of ``tests/test_bsp.py`` (run by ``irdma run -n N --consistency bsp``): trains the same
+small model once per optimizer given on the command line, each in a job of its own (``$IRDMA_JOB``
+``-KIND``, BSP, N workers), for ``STEPS`` steps of ``BATCH`` rows per worker through plain
+``model.fit``; worker r's batch k is rows ``[(k N + r) B, (k N + r + 1) B)``, so the N workers of
+a step together see what one process sees with batch ``N B``. Rank 0 saves each model
+(``model.save``) to ``OUT/KIND.keras`` and prints ``{"kind": ..., "rounds": ...}`` lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import keras
+import numpy as np
+
+import irdma
+import irdma.keras as hvd
+from irdma.xattrs import XATTR_CONSISTENCY, XATTR_WORKERS
+
+STEPS, BATCH = 20, 8
+
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.005, momentum=0.5, centered=True),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
+}
+
+
+def data(workers: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((STEPS * workers * BATCH, 6)).astype("float32")
+    return x, (x[:, 0] + x[:, 1] > 0).astype("int64") + (x[:, 2] > 1).astype("int64")
+
+
+def model() -> keras.Model:
+    keras.utils.set_random_seed(7)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(12, activation="relu"),
+                             keras.layers.Dense(3, activation="softmax")])
+
+
+def main() -> None:
+    out, kinds = sys.argv[1], sys.argv[2:]
+    rank, n = int(os.environ["IRDMA_RANK"]), int(os.environ["IRDMA_SIZE"])
+    job, run = os.environ["IRDMA_JOB"], os.environ.get("IRDMA_RUN_ID", "")
+    with irdma.connect(os.environ["IRDMA_META"]) as c:
+        if rank == 0:  # the jobs, BSP over n workers, before any worker joins one
+            for kind in kinds:
+                ino = c.makedirs(f"{job}-{kind}").ino
+                c.client.store.setxattr(ino, XATTR_WORKERS, str(n).encode())
+                c.client.store.setxattr(ino, XATTR_CONSISTENCY, b"bsp")
+        c.run(c.client.barrier, f"{run}-{job.strip('/').replace('/', '-')}-setup", n, 120.0)
+    x, y = data(n)
+    mine = np.concatenate([np.arange((k * n + rank) * BATCH, (k * n + rank + 1) * BATCH) for k in range(STEPS)])
+    for kind in kinds:
+        hvd.init(job=f"{job}-{kind}")
+        m = model()
+        opt = hvd.DistributedOptimizer(OPTIMIZERS[kind]())
+        m.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+        m.fit(x[mine], y[mine], batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[hvd.BroadcastInitialWeights(0)])
+        if rank == 0:
+            m.save(os.path.join(out, f"{kind}.keras"))
+            print(json.dumps({"kind": kind, "rounds": opt.rounds}), flush=True)
+        hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
