@@ -1,13 +1,15 @@
 """Horovod's Keras example, ported to irdma.
 
-Horovod's ``examples/tensorflow2/tensorflow2_keras_mnist.py`` with three lines changed (marked
-``# irdma:``) and MNIST replaced by scikit-learn's digits (shipped with the package: no
-download). Run it with the launcher, as ``horovodrun -np 2 python ...`` would::
+Horovod's ``examples/tensorflow2/tensorflow2_keras_mnist.py`` with its import line changed
+(marked ``# irdma:``), its ``MetricAverageCallback`` left out for now (see docs/keras.md), MNIST replaced by scikit-learn's digits (shipped with the package: no
+download), each rank given its shard of them (``hvd.shard_dataset``; Horovod's example gives every
+rank the whole data) and an evaluation at the end. Run it with the launcher, as ``horovodrun -np 2 python ...`` would::
 
-    irdma run -n 2 -- python examples/horovod_style.py --epochs 12
+    irdma run -n 2 --consistency bsp -- python examples/horovod_style.py --epochs 12
 
-Each worker trains on its shard of the data with Adam on the parameter servers; rank 0 saves a
-checkpoint every epoch and prints the test accuracy at the end (``accuracy: 0.9xxx``).
+Each step the shards average the workers' gradients and take one Adam step, as Horovod's
+allreduce does, so the learning rate is Horovod's (scaled by the workers) with its warm-up;
+rank 0 saves a checkpoint every epoch and prints the test accuracy at the end (``accuracy: 0.9xxx``).
 """
 
 from __future__ import annotations
@@ -46,13 +48,20 @@ def main() -> None:
         keras.layers.Dropout(0.1),
         keras.layers.Dense(10, activation="softmax"),
     ])
-    # Horovod scales the learning rate by the number of workers (their gradients are averaged);
-    # here every worker's push is a step of its own, so the rate stays that of one process.
-    opt = keras.optimizers.Adam(0.003)  # irdma: was `tf.optimizers.Adam(0.001 * hvd.size())`
-    opt = hvd.DistributedOptimizer(opt)
+    # Horovod: scale the learning rate by the number of workers (their gradients are averaged)
+    scaled_lr = 0.001 * hvd.size()
+    opt = keras.optimizers.Adam(scaled_lr)
+    opt = hvd.DistributedOptimizer(opt, backward_passes_per_step=1, average_aggregated_gradients=True)
     model.compile(loss="sparse_categorical_crossentropy", optimizer=opt, metrics=["accuracy"])
 
-    callbacks = [hvd.BroadcastInitialWeights(0)]  # irdma: was `hvd.callbacks.BroadcastGlobalVariablesCallback(0)`
+    callbacks = [
+        # every rank starts from rank 0's weights
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+        # Horovod's example also averages the epoch's metrics here, hvd.callbacks.MetricAverageCallback();
+        # left out until a stall it can meet under --consistency bsp is fixed (docs/keras.md)
+        # scaled_lr / size() ramped to scaled_lr over the first three epochs (Goyal et al.)
+        hvd.callbacks.LearningRateWarmupCallback(initial_lr=scaled_lr, warmup_epochs=3, verbose=1),
+    ]
     if hvd.rank() == 0 and args.checkpoint_dir:
         os.makedirs(args.checkpoint_dir, exist_ok=True)
         callbacks.append(keras.callbacks.ModelCheckpoint(os.path.join(args.checkpoint_dir, "checkpoint-{epoch}.keras")))

@@ -7,6 +7,11 @@ The names (loaded with TensorFlow on first use of this module):
   :class:`DistributedOptimizer`, :class:`BroadcastInitialWeights`, :class:`MetricAverageCallback`,
   ``Average`` and ``Sum`` (``op=`` of a BSP round): :mod:`irdma.train.distributed` (run the
   script with ``irdma run -n N -- python train.py``).
+* ``callbacks`` (Horovod's ``hvd.callbacks``: ``BroadcastGlobalVariablesCallback``,
+  ``MetricAverageCallback``, ``LearningRateWarmupCallback``, ``LearningRateScheduleCallback``):
+  :mod:`irdma.train.callbacks`; :func:`allreduce`, :func:`allgather`, :func:`broadcast` of small
+  values through the shards: :mod:`irdma.train.collectives`; ``Compression``, ``local_size``,
+  ``cross_rank``, ``cross_size``, ``is_initialized`` as Horovod has them.
 * :class:`Embedding`: an embedding layer whose table lives on the shards
   (:mod:`irdma.train.embedding`).
 * :class:`ShardOptimizer` (the optimizer step through a FUSE mount): :mod:`irdma.train.keras`.
@@ -20,11 +25,34 @@ The names (loaded with TensorFlow on first use of this module):
 
 from __future__ import annotations
 
-from .train.distributed import Average, BroadcastInitialWeights, DistributedOptimizer, MetricAverageCallback, Sum
+from .train import callbacks
+from .train.collectives import allgather, allreduce, broadcast
+from .train.distributed import (
+    Average,
+    BroadcastInitialWeights,
+    Compression,
+    DistributedOptimizer,
+    MetricAverageCallback,
+    Sum,
+)
 from .train.embedding import Embedding
 from .train.keras import ShardOptimizer, SnapshotCallback, restore_snapshot
-from .train.world import barrier, init, job_dir, local_rank, rank, shard_dataset, shutdown, size
+from .train.world import (
+    barrier,
+    cross_rank,
+    cross_size,
+    init,
+    is_initialized,
+    job_dir,
+    local_rank,
+    local_size,
+    rank,
+    shard_dataset,
+    shutdown,
+    size,
+)
 
-__all__ = ["Average", "Sum", "BroadcastInitialWeights", "DistributedOptimizer", "Embedding", "MetricAverageCallback",
-           "ShardOptimizer", "SnapshotCallback", "barrier", "init", "job_dir", "local_rank", "rank",
-           "restore_snapshot", "shard_dataset", "shutdown", "size"]
+__all__ = ["Average", "Sum", "Compression", "BroadcastInitialWeights", "DistributedOptimizer", "Embedding",
+           "MetricAverageCallback", "ShardOptimizer", "SnapshotCallback", "allgather", "allreduce", "barrier",
+           "broadcast", "callbacks", "cross_rank", "cross_size", "init", "is_initialized", "job_dir", "local_rank",
+           "local_size", "rank", "restore_snapshot", "shard_dataset", "shutdown", "size"]

@@ -29,7 +29,11 @@ OPTIMIZERS = {
     "adagrad": lambda: keras.optimizers.Adagrad(0.1),
     "rmsprop": lambda: keras.optimizers.RMSprop(0.005, momentum=0.5, centered=True),
     "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
+    "adam-bpps2": lambda: keras.optimizers.Adam(0.01),
 }
+#: Horovod's backward_passes_per_step of a kind (its gradients added up over that many steps,
+#: averaged, before one push): one process then takes a step per that many batches of every worker.
+PASSES = {"adam-bpps2": 2}
 
 
 def data(workers: int) -> tuple[np.ndarray, np.ndarray]:
@@ -60,7 +64,9 @@ def main() -> None:
     for kind in kinds:
         hvd.init(job=f"{job}-{kind}")
         m = model()
-        opt = hvd.DistributedOptimizer(OPTIMIZERS[kind]())
+        passes = PASSES.get(kind, 1)
+        opt = hvd.DistributedOptimizer(OPTIMIZERS[kind](), backward_passes_per_step=passes,
+                                       average_aggregated_gradients=passes > 1)
         m.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
         m.fit(x[mine], y[mine], batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
               callbacks=[hvd.BroadcastInitialWeights(0)])

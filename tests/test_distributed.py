@@ -212,15 +212,16 @@ def test_a_checkpoint_holds_the_shards_optimizer_state_and_resuming_is_bit_ident
 
 @pytest.mark.slow
 def test_the_horovod_style_example_trains_two_workers_under_irdma_run(tmp_path: Any) -> None:
-    """examples/horovod_style.py (Horovod's Keras example with three lines changed) under
-    ``irdma run -n 2``: both ranks train, rank 0 checkpoints and reports the test accuracy."""
+    """examples/horovod_style.py (Horovod's Keras example with its import line changed) under
+    ``irdma run -n 2 --consistency bsp``: both ranks train, rank 0 checkpoints and reports the
+    test accuracy."""
     import subprocess
     import sys
 
     from helpers import REPO
 
     ckpt = os.path.join(str(tmp_path), "ckpt")
-    res = subprocess.run([sys.executable, "-m", "irdma.ops.cli", "run", "-n", "2", "--consistency", "ssp:2", "--",
+    res = subprocess.run([sys.executable, "-m", "irdma.ops.cli", "run", "-n", "2", "--consistency", "bsp", "--",
                           sys.executable, os.path.join(REPO, "examples", "horovod_style.py"), "--epochs", "10",
                           "--checkpoint-dir", ckpt], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -71,6 +71,18 @@ from .world import _host_group, _job_barrier, _member, _need, _wait_for, _world,
 Average = "average"
 Sum = "sum"
 
+
+
+class Compression:
+    """Horovod's ``hvd.Compression`` for ``DistributedOptimizer(compression=...)``: ``none``
+    (dense float32 pushes, the default). Horovod's ``fp16`` has no counterpart on the wire (a
+    push is float32 or an encoded gradient) and is refused with the alternatives: irdma's own
+    encodings, ``compress="topk:F"`` or ``"sign"`` with error feedback."""
+
+    none = "none"
+    fp16 = "fp16"
+
+
 PARAMS = "params"
 LAYOUT = "layout.json"
 #: Bounds of a job's chunk size (bytes).
@@ -163,6 +175,8 @@ class _JobState:
     since_sync: int = 0  # sync_every > 1: local steps since the last global step
     series: int | None = None  # BSP: the run's rounds (Round.series): pushes are summed on the shards
     clock: int = 0  # this worker's clock: the round its next push belongs to
+    accumulated: list[np.ndarray] | None = None  # backward_passes_per_step > 1: the gradients so far
+    passes: int = 0  # backward_passes_per_step > 1: the steps added into them
 
 
 @keras.saving.register_keras_serializable(package="irdma")
@@ -201,6 +215,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
             as one process with batch N B; under SSP and ASP each push is a step of its own. Not
             yet with ``drop``, ``hierarchy``, ``sync_every`` > 1 or ``--elastic``: those keep one
             step per push (logged by rank 0).
+        compression: Horovod's ``hvd.Compression.none`` (``fp16`` is refused; ``compress`` is irdma's).
+        backward_passes_per_step: Horovod's local gradient aggregation: the gradients of this many
+            steps are added up on the worker (divided by their count with
+            ``average_aggregated_gradients``) and pushed once, the weights unchanged between.
+            With ``overlap="none"`` only. ``gradient_predivide_factor`` must stay 1.0;
+            ``sparse_as_dense``, ``device_dense`` and ``device_sparse`` are accepted (every
+            gradient is pushed dense, from the host).
         sync_every: DASO's global step every K steps (Coquelin et al., "Accelerating neural
             network training with distributed asynchronous and selective optimization (DASO)",
             J. Big Data 2022; local SGD, Stich, ICLR 2019). With K > 1 each step is a local step
@@ -224,8 +245,28 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
     def __init__(self, optimizer: keras.optimizers.Optimizer | str | dict[str, Any], sync_timeout: float = 60.0,
                  name: str | None = None, compress: str | None = None, overlap: str = "none",
                  slice_elems: int = DEFAULT_SLICE_ELEMS, drop: float = 0.0, hierarchy: bool = False,
-                 sync_every: int = 1, op: str = "average", **kwargs: Any) -> None:
+                 sync_every: int = 1, op: str = "average", compression: str = Compression.none,
+                 backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                 gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False, device_dense: str = "",
+                 device_sparse: str = "", **kwargs: Any) -> None:
         from . import overlap as _overlap
+
+        if compression == Compression.fp16:
+            raise InvalidArgument("compression=hvd.Compression.fp16: pushes are float32 or an encoded gradient",
+                                  "use hvd.Compression.none, or compress='topk:0.01' or compress='sign' (with error"
+                                  " feedback)")
+        if compression != Compression.none:
+            raise InvalidArgument(f"compression={compression!r}", "pass hvd.Compression.none, or compress='topk:F'/'sign'")
+        if float(gradient_predivide_factor) != 1.0:
+            raise InvalidArgument(f"gradient_predivide_factor={gradient_predivide_factor!r}: the shards divide the"
+                                  " round's sum by the workers once", "leave it at 1.0")
+        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+                or backward_passes_per_step < 1:
+            raise InvalidArgument(f"backward_passes_per_step={backward_passes_per_step!r}",
+                                  "steps whose gradients are added up before a push: 1 or more")
+        if backward_passes_per_step > 1 and (overlap != "none" or sync_every > 1 or hierarchy):
+            raise InvalidArgument(f"backward_passes_per_step={backward_passes_per_step} adds up whole steps'"
+                                  " gradients on the worker", "pass overlap='none', no hierarchy and sync_every=1")
 
         _overlap.check(overlap, slice_elems, float(drop))
         if op not in (Average, Sum):
@@ -265,6 +306,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         self.hierarchy = bool(hierarchy)
         self.sync_every = int(sync_every)
         self.reduce_op = op
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self.average_aggregated_gradients = bool(average_aggregated_gradients)
+        self.sparse_as_dense = bool(sparse_as_dense)  # every gradient is pushed dense
         self._job = _JobState(inner, codec=_codec(compress))
         self.rounds = 0
         self.pushes = 0  # whole-model pushes this worker made (overlap "none")
@@ -288,7 +332,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         return {"optimizer": keras.optimizers.serialize(type(self.inner).from_config(inner)),
                 "sync_timeout": self.sync_timeout, "name": self.name, "compress": self.compress,
                 "overlap": self.overlap, "slice_elems": self.slice_elems, "drop": self.drop,
-                "hierarchy": self.hierarchy, "sync_every": self.sync_every, "op": self.reduce_op}
+                "hierarchy": self.hierarchy, "sync_every": self.sync_every, "op": self.reduce_op,
+                "backward_passes_per_step": self.backward_passes_per_step,
+                "average_aggregated_gradients": self.average_aggregated_gradients}
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> DistributedOptimizer:
@@ -536,6 +582,16 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         decays, grads = tensors[:-k], tensors[-k:]
         if self.sync_every > 1:
             return self._local_step(float(lr.numpy()), decays, grads)
+        if self.backward_passes_per_step > 1:  # Horovod's local gradient aggregation
+            job = self._job
+            now = [np.asarray(g.numpy(), dtype=np.float32) for g in grads]
+            job.accumulated = now if job.accumulated is None else [a + g for a, g in zip(job.accumulated, now, strict=True)]
+            job.passes += 1
+            if job.passes < self.backward_passes_per_step:
+                return [np.asarray(v.numpy()) for v in job.vars]  # no push: the weights stay
+            scale = np.float32(1.0 / job.passes) if self.average_aggregated_gradients else np.float32(1.0)
+            grads = tuple(_Eager(a * scale) for a in job.accumulated)
+            job.accumulated, job.passes = None, 0
         update = self._in_round(_with_learning_rate(self.update, float(lr.numpy())))
         data = _flat([g.numpy() for g in grads])
         client, job, me = _need("client"), _need("job"), _need("rank")
@@ -820,6 +876,16 @@ class MetricAverageCallback(keras.callbacks.Callback):  # type: ignore[misc]
         for key in mine:
             values = [d[key] for d in every if key in d]
             logs[key] = float(np.mean(values))
+
+
+class _Eager:
+    """A NumPy array where the step expects an eager tensor (``.numpy()``)."""
+
+    def __init__(self, value: np.ndarray) -> None:
+        self.value = value
+
+    def numpy(self) -> np.ndarray:
+        return self.value
 
 
 def _flat(arrays: list[np.ndarray]) -> np.ndarray:

@@ -160,6 +160,26 @@ def local_rank() -> int:
     return int(os.environ.get("IRDMA_LOCAL_RANK", rank()))
 
 
+def local_size() -> int:
+    """How many workers run on this host (``IRDMA_LOCAL_SIZE``; :func:`size` when unset)."""
+    return int(os.environ.get("IRDMA_LOCAL_SIZE", size()))
+
+
+def cross_size() -> int:
+    """How many hosts the job's workers run on (Horovod's ``cross_size``: ``size() // local_size()``)."""
+    return max(1, size() // max(1, local_size()))
+
+
+def cross_rank() -> int:
+    """This worker's host among :func:`cross_size` (ranks of a host are consecutive, as ``irdma run -H`` gives them)."""
+    return rank() // max(1, local_size())
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init` was called (and not :func:`shutdown` since)."""
+    return "client" in _world
+
+
 def job_dir() -> str:
     """The job directory's path in the namespace (``IRDMA_JOB``)."""
     return str(_need("job"))

@@ -1,0 +1,101 @@
+"""``hvd.callbacks``: Horovod's Keras callbacks under Horovod's names, for scripts that port by
+their import line (``import irdma.keras as hvd``).
+
+* :class:`BroadcastGlobalVariablesCallback`: every rank starts from rank ``root_rank``'s weights
+  (:class:`irdma.train.distributed.BroadcastInitialWeights`: the job's weights on the shards).
+* :class:`MetricAverageCallback`: each epoch's logs averaged over the ranks.
+* :class:`LearningRateWarmupCallback` and :class:`LearningRateScheduleCallback`: Horovod's
+  learning-rate warm-up (Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1
+  Hour", 2017: from ``initial_lr / size()`` to ``initial_lr`` over the first epochs) and
+  multiplier schedule, set on the optimizer per batch as Horovod does; the shards take each
+  step's learning rate from it. Horovod's ``momentum_correction`` (for a momentum optimizer, scale
+  the momentum by the learning rate's change for one step) is not done: the momentum lives on the
+  shards, where the step with the new learning rate uses it as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+
+from .distributed import BroadcastInitialWeights, MetricAverageCallback
+from .world import size
+
+
+class BroadcastGlobalVariablesCallback(BroadcastInitialWeights):
+    """Horovod's ``BroadcastGlobalVariablesCallback(root_rank)``: every rank begins with the
+    weights rank ``root_rank`` wrote to the shards (``device`` is accepted and unused)."""
+
+    def __init__(self, root_rank: int = 0, device: str = "") -> None:
+        super().__init__(root_rank)
+
+
+class _LearningRateCallback(keras.callbacks.Callback):  # type: ignore[misc]
+    """Sets the optimizer's learning rate at each batch from :meth:`rate` (epoch, as a fraction)."""
+
+    def __init__(self, initial_lr: float, start_epoch: int, end_epoch: int | None, staircase: bool,
+                 steps_per_epoch: int | None, verbose: int) -> None:
+        super().__init__()
+        self.initial_lr = float(initial_lr)
+        self.start_epoch, self.end_epoch = int(start_epoch), end_epoch
+        self.staircase = bool(staircase)
+        self.steps_per_epoch = steps_per_epoch
+        self.verbose = int(verbose)
+        self.current_epoch = 0
+
+    def rate(self, epoch: float) -> float:
+        raise NotImplementedError
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.current_epoch = epoch
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if self.current_epoch < self.start_epoch or (self.end_epoch is not None and self.current_epoch >= self.end_epoch):
+            return
+        steps = self.steps_per_epoch or (self.params or {}).get("steps") or 1
+        epoch = float(self.current_epoch) if self.staircase else self.current_epoch + batch / steps
+        self.model.optimizer.learning_rate = self.rate(epoch)
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if logs is not None:
+            logs["lr"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+        if self.verbose and epoch + 1 == self.end_epoch:
+            print(f"\nEpoch {epoch + 1}: finished learning rate adjustment, lr {logs and logs.get('lr')}")
+
+
+class LearningRateWarmupCallback(_LearningRateCallback):
+    """Horovod's warm-up: over the first ``warmup_epochs`` epochs the learning rate goes from
+    ``initial_lr / size()`` to ``initial_lr`` (linearly, per batch), for scripts that scale
+    ``initial_lr`` by ``size()``; Goyal et al. 2017. ``momentum_correction`` is accepted and not
+    done (see the module docstring)."""
+
+    def __init__(self, initial_lr: float, warmup_epochs: int = 5, momentum_correction: bool = True,
+                 steps_per_epoch: int | None = None, verbose: int = 0) -> None:
+        super().__init__(initial_lr, 0, warmup_epochs, False, steps_per_epoch, verbose)
+        self.warmup_epochs = int(warmup_epochs)
+
+    def rate(self, epoch: float) -> float:
+        n = size()
+        return self.initial_lr / n * (epoch * (n - 1) / max(1, self.warmup_epochs) + 1)
+
+
+class LearningRateScheduleCallback(_LearningRateCallback):
+    """Horovod's schedule: from ``start_epoch`` to ``end_epoch`` (excluded; None: to the end) the
+    learning rate is ``initial_lr * multiplier`` (a number, or a function of the epoch: whole
+    epochs with ``staircase``, else fractional per batch)."""
+
+    def __init__(self, initial_lr: float, multiplier: float | Callable[[float], float], start_epoch: int = 0,
+                 end_epoch: int | None = None, staircase: bool = True, momentum_correction: bool = True,
+                 steps_per_epoch: int | None = None, verbose: int = 0) -> None:
+        super().__init__(initial_lr, start_epoch, end_epoch, staircase, steps_per_epoch, verbose)
+        self.multiplier = multiplier
+
+    def rate(self, epoch: float) -> float:
+        m = self.multiplier(epoch) if callable(self.multiplier) else self.multiplier
+        return self.initial_lr * float(m)
+
+
+__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
+           "LearningRateScheduleCallback"]
