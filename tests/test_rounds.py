@@ -164,3 +164,19 @@ def test_a_round_goes_only_with_float32_updates_and_a_member_inside_it() -> None
     assert frame is not None
     with pytest.raises(RemoteProtocolError, match="only with add or an optimizer"):
         P.decode_request(frame)
+
+
+def test_compressed_contributions_are_decoded_then_summed(cl: Cluster) -> None:
+    """Members' encoded pushes (topk keeping every element: the decoded gradient is the pushed
+    one) are decoded on the shard and their mean applied once."""
+    rng = np.random.default_rng(8)
+    w0 = rng.standard_normal(N).astype("<f4")
+    gs = [rng.standard_normal(N).astype("<f4") for _ in range(2)]
+    with irdma.connect(cl.meta_url, transport="tcp") as c:
+        c.write("/r-topk", w0, chunk_size=CHUNK)
+        c.set_update_op("/r-topk", "sgd learning_rate=0.5")
+        c.push("/r-topk", gs[0], compress="topk:1.0", round=Round(SERIES, 0, 0, 2))
+        assert np.array_equal(c.pull("/r-topk"), w0)
+        c.push("/r-topk", gs[1], compress="topk:1.0", round=Round(SERIES, 0, 1, 2))
+        want = w0.astype(np.float64) - 0.5 * (gs[0].astype(np.float64) + gs[1]) / 2
+        assert relative_error(c.pull("/r-topk"), want) <= 1e-6
