@@ -4,8 +4,9 @@ The names (loaded with TensorFlow on first use of this module):
 
 * :func:`init`, :func:`shutdown`, :func:`rank`, :func:`size`, :func:`local_rank`,
   :func:`job_dir`, :func:`shard_dataset`, :func:`barrier`: :mod:`irdma.train.world`;
-  :class:`DistributedOptimizer`, :class:`BroadcastInitialWeights`, :class:`MetricAverageCallback`,
-  ``Average`` and ``Sum`` (``op=`` of a BSP round): :mod:`irdma.train.distributed` (run the
+  :class:`DistributedOptimizer`, ``Average`` and ``Sum`` (``op=`` of a BSP round):
+  :mod:`irdma.train.distributed`; :class:`BroadcastInitialWeights`, :class:`MetricAverageCallback`:
+  :mod:`irdma.train.callbacks` (run the
   script with ``irdma run -n N -- python train.py``).
 * ``callbacks`` (Horovod's ``hvd.callbacks``: ``BroadcastGlobalVariablesCallback``,
   ``MetricAverageCallback``, ``LearningRateWarmupCallback``, ``LearningRateScheduleCallback``):
@@ -26,15 +27,9 @@ The names (loaded with TensorFlow on first use of this module):
 from __future__ import annotations
 
 from .train import callbacks
+from .train.callbacks import BroadcastInitialWeights, MetricAverageCallback
 from .train.collectives import allgather, allreduce, broadcast
-from .train.distributed import (
-    Average,
-    BroadcastInitialWeights,
-    Compression,
-    DistributedOptimizer,
-    MetricAverageCallback,
-    Sum,
-)
+from .train.distributed import Average, Compression, DistributedOptimizer, Sum
 from .train.embedding import Embedding
 from .train.keras import ShardOptimizer, SnapshotCallback, restore_snapshot
 from .train.world import (

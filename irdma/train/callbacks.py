@@ -1,8 +1,8 @@
 """``hvd.callbacks``: Horovod's Keras callbacks under Horovod's names, for scripts that port by
 their import line (``import irdma.keras as hvd``).
 
-* :class:`BroadcastGlobalVariablesCallback`: every rank starts from rank ``root_rank``'s weights
-  (:class:`irdma.train.distributed.BroadcastInitialWeights`: the job's weights on the shards).
+* :class:`BroadcastInitialWeights` (Horovod's name: :class:`BroadcastGlobalVariablesCallback`):
+  every rank starts from rank ``root_rank``'s weights, the job's weights on the shards.
 * :class:`MetricAverageCallback`: each epoch's logs averaged over the ranks.
 * :class:`LearningRateWarmupCallback` and :class:`LearningRateScheduleCallback`: Horovod's
   learning-rate warm-up (Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1
@@ -15,13 +15,95 @@ their import line (``import irdma.keras as hvd``).
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import keras
+import numpy as np
 
-from .distributed import BroadcastInitialWeights, MetricAverageCallback
-from .world import size
+from .._errors import InvalidArgument, IrdmaError
+from .distributed import MIN_CHUNK, DistributedOptimizer
+from .world import _job_barrier, _member, _need, _world, job_dir, rank, size
+
+log = logging.getLogger("irdma.keras")
+
+
+class BroadcastInitialWeights(keras.callbacks.Callback):  # type: ignore[misc]
+    """Join the job when training begins: rank ``root_rank`` (0) writes the model's initial
+    weights, every rank takes them (Horovod's ``BroadcastGlobalVariablesCallback``)."""
+
+    def __init__(self, root_rank: int = 0) -> None:
+        super().__init__()
+        if root_rank != 0:
+            raise InvalidArgument(f"root_rank {root_rank}: rank 0 writes the initial weights", "pass 0")
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        opt = self.model.optimizer
+        if not isinstance(opt, DistributedOptimizer):
+            raise InvalidArgument("BroadcastInitialWeights needs a model compiled with irdma.keras.DistributedOptimizer",
+                                  "compile with optimizer=irdma.keras.DistributedOptimizer(...)")
+        opt.build(self.model.trainable_variables)
+        opt.attach(self.model)
+        opt.join()
+        if _world.get("rejoin") and _world.get("rejoin_epoch", 0) > (self.model._initial_epoch or 0):
+            # a restarted worker goes on in the epoch the job is in, as BackupAndRestore does
+            self.model._initial_epoch = _world["rejoin_epoch"]
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        """Record the epoch this worker began (a worker that rejoins starts at the slowest
+        live worker's)."""
+        client = _need("client")
+        try:
+            client.run(client.client.meta.member_beat, _member(), _need("rank"), epoch)
+        except IrdmaError as exc:  # only a rejoining worker's first epoch depends on it
+            log.warning("could not record epoch %d of rank %d (%s)", epoch, _need("rank"), exc)
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        """Apply the pulls in flight (per-layer rounds), and with ``sync_every`` > 1 take the
+        epoch's last global step, so that the callbacks after this one (checkpoints) see the
+        job's weights."""
+        self.model.optimizer.synchronize()
+        self.model.optimizer.flush()
+
+    def on_train_end(self, logs: Any = None) -> None:
+        self.model.optimizer.synchronize()
+        self.model.optimizer.flush()
+
+
+class MetricAverageCallback(keras.callbacks.Callback):  # type: ignore[misc]
+    """At each epoch's end, replace every number in ``logs`` by its mean over the job's
+    workers (Horovod's callback of this name), so that callbacks after it (put it first:
+    ``ModelCheckpoint``, ``ReduceLROnPlateau``, ``EarlyStopping``) decide alike on every rank.
+
+    Each rank writes its numbers to ``JOB/metrics/RUN-eEPOCH-rRANK.json`` in the namespace,
+    passes a barrier, and reads every rank's.
+
+    Raises:
+        irdma.train.coord.SyncTimeout: a rank did not reach the epoch's end within
+            ``timeout`` seconds (it says which barrier).
+    """
+
+    def __init__(self, timeout: float = 600.0) -> None:
+        super().__init__()
+        self.timeout = float(timeout)
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if logs is None or size() == 1:
+            return
+        client, job, run = _need("client"), job_dir(), _world.get("run", "") or "run"
+        mine = {k: float(v) for k, v in logs.items() if isinstance(v, int | float | np.number)
+                or (hasattr(v, "shape") and np.ndim(v) == 0)}
+        client.makedirs(f"{job}/metrics")
+        client.write(f"{job}/metrics/{run}-e{epoch}-r{rank()}.json", json.dumps(mine).encode(), op="assign",
+                     chunk_size=MIN_CHUNK)
+        key = _job_barrier(f"metrics-{epoch}", self.timeout)
+        arrived = client.run(client.client.meta.arrivals, _member(), key)
+        every = [json.loads(bytes(client.read(f"{job}/metrics/{run}-e{epoch}-r{r}.json"))) for r in arrived]
+        for key in mine:
+            values = [d[key] for d in every if key in d]
+            logs[key] = float(np.mean(values))
 
 
 class BroadcastGlobalVariablesCallback(BroadcastInitialWeights):
@@ -97,5 +179,5 @@ class LearningRateScheduleCallback(_LearningRateCallback):
         return self.initial_lr * float(m)
 
 
-__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
+__all__ = ["BroadcastInitialWeights", "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
            "LearningRateScheduleCallback"]

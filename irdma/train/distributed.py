@@ -58,13 +58,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from .._errors import InvalidArgument, IrdmaError, NoAttribute, NotFound
-from ..wire.optimizers import ARGUMENTS, parse_update
+from .._errors import InvalidArgument, NoAttribute, NotFound
 from ..wire.protocol import ROUND_SUM, Round, Update, UpdateOp
 from . import coord
 from .comm import DEFAULT_SLICE_ELEMS
 from .coord import XATTR_SYNC_TIMEOUT
-from .world import _host_group, _job_barrier, _member, _need, _wait_for, _world, barrier_name, job_dir, rank, size
+from .keras_updates import _lr_at, _spec, _with_learning_rate, learning_rate_of, update_of
+from .world import _host_group, _member, _need, _wait_for, _world, barrier_name
 
 #: ``op=`` of :class:`DistributedOptimizer` (Horovod's ``hvd.Average`` and ``hvd.Sum``): what a BSP
 #: round applies, the mean of the workers' gradients or their sum.
@@ -89,50 +89,6 @@ LAYOUT = "layout.json"
 MIN_CHUNK, MAX_CHUNK = 4096, 4 << 20
 
 log = logging.getLogger("irdma.keras")
-
-
-def update_of(optimizer: keras.optimizers.Optimizer) -> Update:
-    """The shard update op that applies ``optimizer``'s step, with its arguments at its initial
-    learning rate (a schedule: at step 0).
-
-    Raises:
-        InvalidArgument: an optimizer the shards do not apply (SGD with momentum and Nesterov,
-            Adam, AdamW, Adagrad, RMSprop are), or one that uses what they cannot do
-            (``amsgrad``, ``use_ema``, gradient accumulation, a loss scale).
-    """
-    cfg = optimizer.get_config()
-    kinds = {keras.optimizers.SGD: "sgd", keras.optimizers.Adam: "adam", keras.optimizers.AdamW: "adam",
-             keras.optimizers.Adagrad: "adagrad", keras.optimizers.RMSprop: "rmsprop"}
-    kind = kinds.get(type(optimizer))
-    if kind is None:
-        raise InvalidArgument(f"the shards do not apply {type(optimizer).__name__}",
-                              "wrap SGD, Adam, AdamW, Adagrad or RMSprop")
-    for name, why in (("amsgrad", "use Adam without amsgrad"), ("use_ema", "keep an EMA on the worker"),
-                      ("gradient_accumulation_steps", "accumulate on the worker"),
-                      ("loss_scale_factor", "unscale the gradient before the optimizer")):
-        if cfg.get(name):
-            raise InvalidArgument(f"{type(optimizer).__name__}({name}={cfg[name]!r}) cannot run on the shards", why)
-    words = [kind, f"learning_rate={_lr_at(learning_rate_of(optimizer), 0)!r}"]
-    words += [f"{k}={float(cfg[k])!r}" for k, _ in ARGUMENTS[parse_update(kind).op][1:] if k in cfg]
-    words += [f"{k}={'true' if cfg[k] else 'false'}" for k in ("nesterov", "centered") if k in cfg]
-    return parse_update(" ".join(words))
-
-
-def learning_rate_of(optimizer: keras.optimizers.Optimizer) -> Any:
-    """``optimizer``'s learning rate as it was given: its
-    :class:`keras.optimizers.schedules.LearningRateSchedule`, else its variable (or value).
-
-    Keras's public ``optimizer.learning_rate`` evaluates a schedule at the current step, and Keras
-    has no public name for the schedule itself: this is the one place that reads the optimizer's
-    ``_learning_rate``.
-    """
-    return optimizer._learning_rate  # Keras keeps the schedule only here (see above)
-
-
-def _lr_at(lr: Any, step: int) -> float:
-    if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
-        return float(lr(step))
-    return float(keras.ops.convert_to_numpy(lr)) if not isinstance(lr, float | int) else float(lr)
 
 
 def series_of(job_ino: int) -> int:
@@ -774,48 +730,6 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         return 0
 
 
-class BroadcastInitialWeights(keras.callbacks.Callback):  # type: ignore[misc]
-    """Join the job when training begins: rank ``root_rank`` (0) writes the model's initial
-    weights, every rank takes them (Horovod's ``BroadcastGlobalVariablesCallback``)."""
-
-    def __init__(self, root_rank: int = 0) -> None:
-        super().__init__()
-        if root_rank != 0:
-            raise InvalidArgument(f"root_rank {root_rank}: rank 0 writes the initial weights", "pass 0")
-
-    def on_train_begin(self, logs: Any = None) -> None:
-        opt = self.model.optimizer
-        if not isinstance(opt, DistributedOptimizer):
-            raise InvalidArgument("BroadcastInitialWeights needs a model compiled with irdma.keras.DistributedOptimizer",
-                                  "compile with optimizer=irdma.keras.DistributedOptimizer(...)")
-        opt.build(self.model.trainable_variables)
-        opt.attach(self.model)
-        opt.join()
-        if _world.get("rejoin") and _world.get("rejoin_epoch", 0) > (self.model._initial_epoch or 0):
-            # a restarted worker goes on in the epoch the job is in, as BackupAndRestore does
-            self.model._initial_epoch = _world["rejoin_epoch"]
-
-    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        """Record the epoch this worker began (a worker that rejoins starts at the slowest
-        live worker's)."""
-        client = _need("client")
-        try:
-            client.run(client.client.meta.member_beat, _member(), _need("rank"), epoch)
-        except IrdmaError as exc:  # only a rejoining worker's first epoch depends on it
-            log.warning("could not record epoch %d of rank %d (%s)", epoch, _need("rank"), exc)
-
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        """Apply the pulls in flight (per-layer rounds), and with ``sync_every`` > 1 take the
-        epoch's last global step, so that the callbacks after this one (checkpoints) see the
-        job's weights."""
-        self.model.optimizer.synchronize()
-        self.model.optimizer.flush()
-
-    def on_train_end(self, logs: Any = None) -> None:
-        self.model.optimizer.synchronize()
-        self.model.optimizer.flush()
-
-
 def _codec(compress: str | None) -> Any:
     """The parsed ``compress`` option (None for none).
 
@@ -844,40 +758,6 @@ def _in_xla() -> bool:
         return False
 
 
-class MetricAverageCallback(keras.callbacks.Callback):  # type: ignore[misc]
-    """At each epoch's end, replace every number in ``logs`` by its mean over the job's
-    workers (Horovod's callback of this name), so that callbacks after it (put it first:
-    ``ModelCheckpoint``, ``ReduceLROnPlateau``, ``EarlyStopping``) decide alike on every rank.
-
-    Each rank writes its numbers to ``JOB/metrics/RUN-eEPOCH-rRANK.json`` in the namespace,
-    passes a barrier, and reads every rank's.
-
-    Raises:
-        irdma.train.coord.SyncTimeout: a rank did not reach the epoch's end within
-            ``timeout`` seconds (it says which barrier).
-    """
-
-    def __init__(self, timeout: float = 600.0) -> None:
-        super().__init__()
-        self.timeout = float(timeout)
-
-    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        if logs is None or size() == 1:
-            return
-        client, job, run = _need("client"), job_dir(), _world.get("run", "") or "run"
-        mine = {k: float(v) for k, v in logs.items() if isinstance(v, int | float | np.number)
-                or (hasattr(v, "shape") and np.ndim(v) == 0)}
-        client.makedirs(f"{job}/metrics")
-        client.write(f"{job}/metrics/{run}-e{epoch}-r{rank()}.json", json.dumps(mine).encode(), op="assign",
-                     chunk_size=MIN_CHUNK)
-        key = _job_barrier(f"metrics-{epoch}", self.timeout)
-        arrived = client.run(client.client.meta.arrivals, _member(), key)
-        every = [json.loads(bytes(client.read(f"{job}/metrics/{run}-e{epoch}-r{r}.json"))) for r in arrived]
-        for key in mine:
-            values = [d[key] for d in every if key in d]
-            logs[key] = float(np.mean(values))
-
-
 class _Eager:
     """A NumPy array where the step expects an eager tensor (``.numpy()``)."""
 
@@ -891,13 +771,3 @@ class _Eager:
 def _flat(arrays: list[np.ndarray]) -> np.ndarray:
     """Every tensor in layout order as one little-endian float32 buffer (one copy)."""
     return np.concatenate([np.asarray(a, dtype="<f4").ravel() for a in arrays])
-
-
-def _spec(update: Update) -> str:
-    from ..wire.optimizers import format_update
-
-    return format_update(update)
-
-
-def _with_learning_rate(update: Update, lr: float) -> Update:
-    return dataclasses.replace(update, args=(lr, *update.args[1:]))

@@ -38,6 +38,7 @@ from .._errors import InvalidArgument, NotFound
 from ..wire.optimizers import format_update
 from . import distributed as D
 from . import world as W
+from .keras_updates import update_of
 from .world import _need, _wait_for
 
 #: Floats per initialization write.
@@ -193,4 +194,4 @@ def _spec_of(optimizer: Any) -> str:
     if isinstance(optimizer.learning_rate, keras.optimizers.schedules.LearningRateSchedule) or isinstance(
             getattr(optimizer, "_learning_rate", None), keras.optimizers.schedules.LearningRateSchedule):
         raise InvalidArgument("an embedding's optimizer takes a constant learning rate", "pass a number")
-    return format_update(D.update_of(optimizer))
+    return format_update(update_of(optimizer))

@@ -279,7 +279,7 @@ class SnapshotCallback(keras.callbacks.Callback):  # type: ignore[misc]
     parameter directory (:meth:`irdma.Client.snapshot`), read-only at
     ``PATH/.snapshots/NAME``, keeping the newest ``keep``. Needs :func:`irdma.keras.init` and a
     model compiled with :class:`irdma.train.distributed.DistributedOptimizer`; put it after
-    :class:`irdma.train.distributed.BroadcastInitialWeights` in ``callbacks`` (that one applies
+    :class:`irdma.train.callbacks.BroadcastInitialWeights` in ``callbacks`` (that one applies
     the pulls in flight and, with ``sync_every`` > 1, takes the epoch's last global step, so
     the shards hold the epoch's result). Resume from one with :func:`restore_snapshot`.
 
@@ -397,7 +397,7 @@ def restore_snapshot(name: str, path: str | None = None, model: Any = None, time
     entries swapped for copy-on-write copies of the snapshot's in one metadata transaction, no
     byte copied; the snapshots stay); with more than one worker every rank then passes the
     job barrier ``restore-NAME``. ``model.fit``'s join then pulls the snapshot's weights
-    (:class:`irdma.train.distributed.BroadcastInitialWeights`), and the shards step on from
+    (:class:`irdma.train.callbacks.BroadcastInitialWeights`), and the shards step on from
     the snapshot's optimizer state. With ``model``, its optimizer's ``iterations`` and
     ``learning_rate`` and the model's non-trainable variables are set from the snapshot's
     ``keras-state.npz`` (see :class:`SnapshotCallback`): with one worker, data in the same
@@ -417,7 +417,7 @@ def restore_snapshot(name: str, path: str | None = None, model: Any = None, time
     import io
 
     from .._errors import InvalidArgument, NotFound
-    from .distributed import learning_rate_of
+    from .keras_updates import learning_rate_of
     from .world import _job_barrier, _need, job_dir, rank, size
 
     client, job = _need("client"), job_dir()
@@ -480,7 +480,8 @@ def _save_worker_state(client: Any, job: str, model: Any, epoch: int) -> None:
     """Write ``JOB/keras-state.npz`` (see :class:`SnapshotCallback`)."""
     import io
 
-    from .distributed import MIN_CHUNK, learning_rate_of
+    from .distributed import MIN_CHUNK
+    from .keras_updates import learning_rate_of
 
     opt = model.optimizer
     arrays: dict[str, np.ndarray] = {"epoch": np.asarray(epoch, dtype=np.int64),
