@@ -150,8 +150,9 @@ class Rounds:
 
     def _apply(self, key: Key, acc: _Open, msg: P.Write, apply: Apply) -> int | Awaitable[int]:
         mean = acc.sum if acc.total else acc.sum / np.float32(acc.members)
-        push = dataclasses.replace(msg, op=acc.update if acc.update.op.is_optimizer else acc.update.op,
-                                   data=np.ascontiguousarray(mean, dtype="<f4").tobytes())
+        # the mean is a new array nobody writes again: its bytes are the push's, no copy
+        data = memoryview(np.ascontiguousarray(mean, dtype="<f4")).cast("B")  # type: ignore[arg-type]
+        push = dataclasses.replace(msg, op=acc.update if acc.update.op.is_optimizer else acc.update.op, data=data)
         out = apply(push)  # raises: the round stays complete and is applied again when asked
         del self._open[key]
         if isinstance(out, int):
