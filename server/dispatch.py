@@ -592,8 +592,6 @@ class Dispatcher:
         return P.GatherReply(versions, into)
 
     def _on_scatter(self, msg: P.Scatter, staging: memoryview | None, zero_copy: bool) -> P.Reply | Awaitable[int]:
-        if isinstance(msg.op, P.Update) and msg.op.round is not None:
-            raise BadRequest("sparse rows (SCATTER) are not summed in rounds yet: push them without a round")
         data: memoryview | bytes = msg.data
         if msg.staged:
             if staging is None:
@@ -602,11 +600,18 @@ class Dispatcher:
             if msg.staging_offset + n > len(staging):
                 raise BadRequest(f"staged range leaves the {len(staging)}-byte staging buffer")
             data = bytes(staging[msg.staging_offset : msg.staging_offset + n])
+        if isinstance(msg.op, P.Update) and msg.op.round is not None:  # summed now: the frame is reused
+            out = self.rounds.contribute_rows(msg, data, lambda push: self._scatter(push, push.data))
+        else:
+            out = self._scatter(msg, data)
+        return P.VersionReply(out) if isinstance(out, int) else out
+
+    def _scatter(self, msg: P.Scatter, data: memoryview | bytes) -> int | Awaitable[int]:
+        """A SCATTER applied now and chained down the replicas (a round's rows: when complete)."""
         if msg.chain is not None:
-            out = self.replicator.scatter(msg, data)
-            return P.VersionReply(out) if isinstance(out, int) else out
+            return self.replicator.scatter(msg, data)
         parts = split_extents(msg.extents, msg.chunk_size, msg.op, len(data))
-        return P.VersionReply(max(self.shard.scatter(msg.file_id, msg.chunk_size, parts, msg.op, data, msg.existing)))
+        return max(self.shard.scatter(msg.file_id, msg.chunk_size, parts, msg.op, data, msg.existing))
 
     def _on_resync(self, msg: P.Resync, staging: memoryview | None, zero_copy: bool) -> P.Reply | Awaitable[int]:
         out = self.replicator.resync(msg)

@@ -44,7 +44,10 @@ import numpy as np
 from irdma._errors import BadRequest
 from irdma.wire import compress
 from irdma.wire import protocol as P
+from irdma.wire.extents import positions
 from irdma.wire.protocol import Encoding, Update, as_update
+
+from .rows import split_extents
 
 log = logging.getLogger("irdma.server")
 
@@ -58,6 +61,10 @@ DONE_REMEMBERED = 1 << 16
 Key = tuple[int, int, int, int, int]
 #: What applies a push: the dispatcher's write path (chain or not); a version or its awaitable.
 Apply = Callable[[P.Write], int | Awaitable[int]]
+#: What applies a round's sparse rows: the dispatcher's SCATTER path (chain or not).
+ApplyRows = Callable[[P.Scatter], int | Awaitable[int]]
+#: The offset field of a :data:`Key` that names a chunk's sparse rows (a SCATTER's round).
+ROWS = -1
 
 
 @dataclass
@@ -73,6 +80,9 @@ class _Open:
     started: float  # time.monotonic()
     contributed: set[int] = field(default_factory=set)
     complete: bool = False
+    #: Sparse rows (a SCATTER's round): the float32 positions in the chunk summed so far (int64,
+    #: ascending, distinct); ``sum`` holds their sums, in that order.
+    where: np.ndarray | None = None
 
 
 class Rounds:
@@ -166,6 +176,131 @@ class Rounds:
 
         return applied()
 
+    def contribute_rows(self, msg: P.Scatter, data: memoryview | bytes, apply: ApplyRows) -> int | Awaitable[int]:
+        """Add ``msg`` (a SCATTER whose update has a round: one member's sparse rows; ``data``
+        its payload) to its round, chunk by chunk; apply the rounds it completes with ``apply``,
+        as one SCATTER of their rows.
+
+        A chunk's round sums the rows its members pushed: the float32 elements any member named,
+        each the sum of the members' values for it (a row no member pushed is not in the round;
+        one pushed by some members counts zero for the others, as Horovod's average of sparse
+        gradients does). The round completes when every member ``0 .. members - 1`` contributed to
+        the chunk: a member with no rows in a chunk this round sends an extent of length 0 in
+        it (its empty contribution), so a round never waits for rows that do not come. The
+        update op is then applied once to the mean (or sum) of the rows, state included: the
+        lazy update of TensorFlow's sparse ``apply`` on the rows the round touched.
+
+        Returns:
+            The highest version of the request's chunks (the applied round's, if it completed one).
+
+        Raises:
+            BadRequest: extents that leave their chunk, overlap, are not float32 aligned or do not
+                match the payload; a contribution that disagrees with its round's others. Nothing
+                changed. And what ``apply`` raises (the rounds stay complete, applied again when the
+                last contribution is sent again).
+        """
+        u = as_update(msg.op)
+        r = u.round
+        assert r is not None
+        if not u.op.is_float32:
+            raise BadRequest("a round sums float32 gradients: its update op is add or an optimizer, not assign")
+        chunk = msg.extents["chunk"].astype(np.int64)
+        length = msg.extents["length"].astype(np.int64)
+        if not len(chunk):
+            raise BadRequest("a scatter names no extent")
+        if int(positions(length)[-1]) != len(data) or len(data) % 4:
+            raise BadRequest(f"a round's scatter carries {len(data)} bytes for extents of {int(length.sum())}")
+        rows = length > 0
+        parts = split_extents(msg.extents[rows], msg.chunk_size, u.op, len(data)) if rows.any() else []
+        mine = {index: (offs, lens, at) for index, offs, lens, at in parts}
+        values = np.frombuffer(data, dtype="<f4")
+        want = dataclasses.replace(u, round=None, encoding=Encoding.NONE)
+        names = sorted(set(chunk.tolist()))
+        for index in names:  # every check first: a contribution that disagrees changes nothing
+            acc = self._open.get((msg.file_id, index, ROWS, 0, int(u.op)))
+            if acc is not None and (acc.series, acc.round) == (r.series, r.round) and (
+                    acc.members != r.members or acc.update != want or acc.total != r.total):
+                raise BadRequest(f"round {r.round}: member {r.member}'s rows of chunk ({msg.file_id}, {index})"
+                                 f" disagree with the round's others ({r.members} members, {want} against"
+                                 f" {acc.members} members, {acc.update}): every member pushes the same update")
+        self._expire()
+        versions: list[int] = [0]
+        ready: list[tuple[Key, _Open]] = []
+        for index in names:
+            key: Key = (msg.file_id, index, ROWS, 0, int(u.op))
+            done = self._done.get(key)
+            if done is not None and done[:2] == (r.series, r.round):
+                versions.append(done[2])  # sent again after its round was applied
+                continue
+            acc = self._open.get(key)
+            if acc is not None and (acc.series, acc.round) != (r.series, r.round):
+                self._drop(key, acc, f"a contribution to round {r.round} of run {r.series:#x} came")
+                acc = None
+            if acc is None:
+                acc = _Open(r.series, r.round, r.members, want, r.total, np.zeros(0, np.float32), time.monotonic(),
+                            where=np.zeros(0, np.int64))
+                self._open[key] = acc
+            if r.member in acc.contributed:
+                if acc.complete:  # its update failed: applied again
+                    ready.append((key, acc))
+                else:
+                    versions.append(self._version_of(msg.file_id, index))
+                continue
+            if index in mine:
+                offs, lens, at = mine[index]
+                _add_rows(acc, _elements(offs // 4, lens // 4), values[_elements(at // 4, lens // 4)])
+            acc.contributed.add(r.member)
+            if len(acc.contributed) < acc.members:
+                versions.append(self._version_of(msg.file_id, index))
+                continue
+            acc.complete = True
+            ready.append((key, acc))
+        if not ready:
+            return max(versions)
+        return self._apply_rows(msg, ready, apply, max(versions))
+
+    def _apply_rows(self, msg: P.Scatter, ready: list[tuple[Key, _Open]], apply: ApplyRows,
+                    version: int) -> int | Awaitable[int]:
+        """One SCATTER of the rows of the completed rounds ``ready`` (contiguous elements in one
+        extent), their mean (or sum)."""
+        chunks, offsets, lengths, means = [], [], [], []
+        for key, acc in ready:
+            where = acc.where
+            assert where is not None
+            if not len(where):
+                continue
+            cuts = np.flatnonzero(np.diff(where) != 1) + 1
+            starts, ends = np.r_[0, cuts], np.r_[cuts, len(where)]
+            chunks.append(np.full(len(starts), key[1], dtype=np.int64))
+            offsets.append(4 * where[starts])
+            lengths.append(4 * (ends - starts))
+            means.append(acc.sum if acc.total else acc.sum / np.float32(acc.members))
+        if not chunks:  # every member's contribution was empty: nothing to apply
+            for key, acc in ready:
+                del self._open[key]
+                self._finished(key, acc, max(version, self._version_of(key[0], key[1])))
+            return max([version] + [self._version_of(key[0], key[1]) for key, _ in ready])
+        update = ready[0][1].update
+        data = memoryview(np.ascontiguousarray(np.concatenate(means), dtype="<f4")).cast("B")  # type: ignore[arg-type]
+        push = dataclasses.replace(msg, op=update if update.op.is_optimizer else update.op, data=data,
+                                   extents=P.extents(np.concatenate(chunks), np.concatenate(offsets),
+                                                     np.concatenate(lengths)), staged=False, staging_offset=0)
+        out = apply(push)  # raises: the rounds stay complete and are applied again when asked
+        for key, _ in ready:
+            del self._open[key]
+        if isinstance(out, int):
+            for key, acc in ready:
+                self._finished(key, acc, out)
+            return max(out, version)
+
+        async def applied() -> int:
+            got = await out
+            for key, acc in ready:
+                self._finished(key, acc, got)
+            return max(got, version)
+
+        return applied()
+
     def _finished(self, key: Key, acc: _Open, version: int) -> None:
         self._done[key] = (acc.series, acc.round, version)
         self._done.move_to_end(key)
@@ -195,9 +330,29 @@ class Rounds:
     def _drop(self, key: Key, acc: _Open, why: str) -> None:
         del self._open[key]
         missing = sorted(set(range(acc.members)) - acc.contributed)
-        log.warning("shard %d: round %d of run %#x for chunk (%d, %d) at offset %d dropped incomplete (%s): members"
+        log.warning("shard %d: round %d of run %#x for chunk (%d, %d) %s dropped incomplete (%s): members"
                     " %s pushed, %s did not; its step was not applied", self.shard_id, acc.round, acc.series, key[0],
-                    key[1], key[2], why, sorted(acc.contributed), missing)
+                    key[1], "(its rows)" if key[2] == ROWS else f"at offset {key[2]}", why, sorted(acc.contributed),
+                    missing)
 
 
-__all__ = ["Rounds", "ROUND_HOLD_S", "DONE_REMEMBERED"]
+def _elements(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The positions ``starts[k] .. starts[k] + counts[k] - 1`` of every run, one after the other
+    (int64)."""
+    before = np.cumsum(counts) - counts
+    return np.repeat(starts - before, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+
+
+def _add_rows(acc: _Open, where: np.ndarray, values: np.ndarray) -> None:
+    """Add ``values`` (float32) at float32 positions ``where`` (distinct) to a round's sparse sum."""
+    if acc.where is None or not len(acc.where):
+        order = np.argsort(where, kind="stable")
+        acc.where, acc.sum = where[order], values[order].astype(np.float32)
+        return
+    union, inverse = np.unique(np.concatenate([acc.where, where]), return_inverse=True)
+    total = np.zeros(len(union), dtype=np.float32)
+    np.add.at(total, inverse.reshape(-1), np.concatenate([acc.sum, values]))  # the sum so far, then this member's
+    acc.where, acc.sum = union, total
+
+
+__all__ = ["Rounds", "ROUND_HOLD_S", "DONE_REMEMBERED", "ROWS"]

@@ -30,20 +30,47 @@ OPTIMIZERS = {
     "rmsprop": lambda: keras.optimizers.RMSprop(0.005, momentum=0.5, centered=True),
     "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
     "adam-bpps2": lambda: keras.optimizers.Adam(0.01),
+    "adam-p3": lambda: keras.optimizers.Adam(0.01),
+    "embedding-sgd": lambda: keras.optimizers.SGD(0.5),
+    "embedding-adagrad": lambda: keras.optimizers.Adagrad(0.3),
 }
 #: Horovod's backward_passes_per_step of a kind (its gradients added up over that many steps,
 #: averaged, before one push): one process then takes a step per that many batches of every worker.
 PASSES = {"adam-bpps2": 2}
+#: Kinds with per-layer pushes in P3's priority slices (of this many float32: a layer is several).
+P3_SLICE = {"adam-p3": 16}
+#: The embedding kinds' table: rows of DIM floats (three chunks over two shards), IDS ids an example.
+ROWS, DIM, IDS = 5000, 4, 5
 
 
-def data(workers: int) -> tuple[np.ndarray, np.ndarray]:
+def data(workers: int, kind: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """The kind's examples in step order: ``STEPS * workers * BATCH`` of them. An embedding
+    kind's are IDS ids each: SGD's repeat ids within and across examples; Adagrad's hold every
+    id at most once a step (Keras squares a repeated id's gradients apart, one step's sum on the
+    shards: the same for distinct ids)."""
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((STEPS * workers * BATCH, 6)).astype("float32")
+    n = STEPS * workers * BATCH
+    if kind.startswith("embedding"):
+        if kind == "embedding-sgd":
+            ids = rng.integers(0, ROWS, (n, IDS))
+            ids[:, 1] = ids[:, 0]
+            ids[1::2, 2] = ids[::2, 2]  # across the workers of a step too
+        else:
+            ids = np.concatenate([rng.permutation(ROWS)[: workers * BATCH * IDS].reshape(-1, IDS)
+                                  for _ in range(STEPS)])
+        return ids.astype("int64"), (ids.sum(axis=1) % 3).astype("int64")
+    x = rng.standard_normal((n, 6)).astype("float32")
     return x, (x[:, 0] + x[:, 1] > 0).astype("int64") + (x[:, 2] > 1).astype("int64")
 
 
-def model() -> keras.Model:
+def model(kind: str = "", embedding: object = None) -> keras.Model:
+    """The kind's model; an embedding kind's with ``embedding`` (a layer of ROWS x DIM,
+    initialized to zeros) under a mean over the example's ids."""
     keras.utils.set_random_seed(7)
+    if kind.startswith("embedding"):
+        inp = keras.Input((IDS,), dtype="int64")
+        pooled = keras.layers.GlobalAveragePooling1D()(embedding(inp))  # type: ignore[operator]
+        return keras.Model(inp, keras.layers.Dense(3, activation="softmax")(pooled))
     return keras.Sequential([keras.Input((6,)), keras.layers.Dense(12, activation="relu"),
                              keras.layers.Dense(3, activation="softmax")])
 
@@ -59,19 +86,24 @@ def main() -> None:
                 c.client.store.setxattr(ino, XATTR_WORKERS, str(n).encode())
                 c.client.store.setxattr(ino, XATTR_CONSISTENCY, b"bsp")
         c.run(c.client.barrier, f"{run}-{job.strip('/').replace('/', '-')}-setup", n, 120.0)
-    x, y = data(n)
     mine = np.concatenate([np.arange((k * n + rank) * BATCH, (k * n + rank + 1) * BATCH) for k in range(STEPS)])
     for kind in kinds:
+        x, y = data(n, kind)
         hvd.init(job=f"{job}-{kind}")
-        m = model()
+        table = hvd.Embedding(ROWS, DIM, optimizer=OPTIMIZERS[kind](), embeddings_initializer="zeros",
+                              name="table") if kind.startswith("embedding") else None
+        m = model(kind, table)
         passes = PASSES.get(kind, 1)
+        extra = {"overlap": "p3", "slice_elems": P3_SLICE[kind]} if kind in P3_SLICE else {}
         opt = hvd.DistributedOptimizer(OPTIMIZERS[kind](), backward_passes_per_step=passes,
-                                       average_aggregated_gradients=passes > 1)
+                                       average_aggregated_gradients=passes > 1, **extra)
         m.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
         m.fit(x[mine], y[mine], batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
               callbacks=[hvd.BroadcastInitialWeights(0)])
         if rank == 0:
             m.save(os.path.join(out, f"{kind}.keras"))
+            if table is not None:  # the table lives on the shards, not in the model's file
+                np.save(os.path.join(out, f"{kind}-table.npy"), table.read_table())
             print(json.dumps({"kind": kind, "rounds": opt.rounds}), flush=True)
         hvd.shutdown()
 

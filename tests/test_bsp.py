@@ -25,18 +25,29 @@ keras = pytest.importorskip("keras")
 sys.path.insert(0, os.path.join(REPO, "tests"))
 import bsp_worker  # noqa: E402  (the workers' script: its model, data and optimizers)
 
-KINDS = ["sgd", "momentum", "nesterov", "adam", "adagrad", "rmsprop", "adamw", "adam-bpps2"]
+KINDS = ["sgd", "momentum", "nesterov", "adam", "adagrad", "rmsprop", "adamw", "adam-bpps2", "adam-p3",
+         "embedding-sgd", "embedding-adagrad"]
 
 
 def one_process(kind: str, workers: int) -> list[np.ndarray]:
     """The model after the same steps in one process with batch ``workers * BATCH`` (times the
-    kind's backward passes per step)."""
-    x, y = bsp_worker.data(workers)
-    m = bsp_worker.model()
+    kind's backward passes per step); an embedding kind's with ``keras.layers.Embedding``."""
+    x, y = bsp_worker.data(workers, kind)
+    table = keras.layers.Embedding(bsp_worker.ROWS, bsp_worker.DIM, embeddings_initializer="zeros")
+    m = bsp_worker.model(kind, table)
     m.compile(optimizer=bsp_worker.OPTIMIZERS[kind](), loss="sparse_categorical_crossentropy")
     batch = workers * bsp_worker.BATCH * bsp_worker.PASSES.get(kind, 1)
     m.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
     return [np.array(w) for w in m.get_weights()]
+
+
+def trained(out: Any, kind: str) -> list[np.ndarray]:
+    """What rank 0 saved of a kind: the weights of its ``.keras`` file (an embedding kind's
+    table, which lives on the shards, from the file beside it in place of the layer's hook)."""
+    got = [np.array(w) for w in keras.models.load_model(out / f"{kind}.keras", compile=False).get_weights()]
+    if kind.startswith("embedding"):
+        got[0] = np.load(out / f"{kind}-table.npy")
+    return got
 
 
 def max_relative_error(got: list[np.ndarray], want: list[np.ndarray]) -> float:
@@ -60,9 +71,10 @@ def test_n_workers_with_batch_b_train_as_one_process_with_batch_n_b(tmp_path: An
     assert all(d["rounds"] == bsp_worker.STEPS // bsp_worker.PASSES.get(k, 1) for k, d in done.items()), done
     errors = {}
     for kind in KINDS:
-        got = [np.array(w) for w in keras.models.load_model(out / f"{kind}.keras", compile=False).get_weights()]
+        got = trained(out, kind)
         want = one_process(kind, workers)
-        start = [np.array(w) for w in bsp_worker.model().get_weights()]
+        start = [np.array(w) for w in bsp_worker.model(kind, keras.layers.Embedding(
+            bsp_worker.ROWS, bsp_worker.DIM, embeddings_initializer="zeros")).get_weights()]
         assert max_relative_error(start, want) > 1e-2, "the steps moved the weights"
         errors[kind] = max_relative_error(got, want)
     assert all(e <= 1e-4 for e in errors.values()), errors

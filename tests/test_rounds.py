@@ -53,7 +53,7 @@ def replicas_agree(c: Any, path: str) -> bool:
     async def check(cl: Any) -> bool:
         inode = await cl.meta.resolve(path)
         seen = []
-        for idx in range(-(-4 * N // CHUNK)):
+        for idx in range(-(-(await cl.meta.resolve(path)).size // CHUNK)):
             seen.append({await cl.shard_call(sid, ShardConnection.checksum, inode.ino, idx, cl.view.epoch)
                          for sid in (1, 2)})
         return all(len(s) == 1 for s in seen)
@@ -180,3 +180,89 @@ def test_compressed_contributions_are_decoded_then_summed(cl: Cluster) -> None:
         c.push("/r-topk", gs[1], compress="topk:1.0", round=Round(SERIES, 0, 1, 2))
         want = w0.astype(np.float64) - 0.5 * (gs[0].astype(np.float64) + gs[1]) / 2
         assert relative_error(c.pull("/r-topk"), want) <= 1e-6
+
+
+ROWS, DIM = 2048, 32  # a table of four 64 KiB chunks
+
+
+def rows_round(c: Any, path: str, ids: np.ndarray, grad: np.ndarray, rnd: Round, lr: float | None = None) -> None:
+    """Push rows ``ids`` of ``path`` as a contribution to ``rnd`` with the file's update op."""
+    u = as_update(parse_update(c.stat(path).update_op))
+    if lr is not None:
+        u = dataclasses.replace(u, args=(lr, *u.args[1:]))
+    c.push_rows(path, ids, grad, op=dataclasses.replace(u, round=rnd))
+
+
+def step_rows(ref: Reference, want: np.ndarray, grad: np.ndarray, rows: np.ndarray) -> None:
+    """The reference's lazy step on ``rows`` (distinct) of the flat table ``want``."""
+    for r in np.unique(rows).tolist():
+        sl = slice(r * DIM, (r + 1) * DIM)
+        ref.step(want, grad[sl], sl)
+
+
+@pytest.mark.parametrize(("name", "args"), [CONFIGS[1], CONFIGS[2], CONFIGS[3]],
+                         ids=[spec_text(*CONFIGS[k]) for k in (1, 2, 3)])
+def test_a_round_of_sparse_rows_applies_one_step_to_the_mean_of_the_rows_pushed(
+        cl: Cluster, name: str, args: dict[str, float | bool]) -> None:
+    """Two members push rows of a table (hvd.Embedding's SCATTER): a row both push is their sum
+    over two, a row one pushes its value over two, rows nobody pushed (a whole chunk of them)
+    keep weights and state; duplicates within a push are summed first. One step per round on
+    every replica; a push sent again counts once; a member with no rows still ends the round."""
+    rng = np.random.default_rng(9)
+    w0 = rng.standard_normal(ROWS * DIM).astype("<f4")
+    path = f"/rows-{name}-{len(args)}"
+    ref = Reference(name, args, ROWS * DIM)
+    want = w0.astype(np.float64)
+    with irdma.connect(cl.meta_url, transport="tcp") as a, irdma.connect(cl.meta_url, transport="tcp") as b:
+        a.write(path, w0, chunk_size=CHUNK)
+        a.set_shape(path, [ROWS, DIM])
+        a.set_update_op(path, spec_text(name, args))
+        now = w0
+        for k in range(3):
+            ids_a = np.r_[rng.integers(0, 1024, 40), [5, 5]]  # chunks 0 and 1, a duplicate
+            ids_b = np.r_[ids_a[:10], rng.integers(1536, 2048, 30)]  # ten rows shared, chunk 3; chunk 2 untouched
+            ga = rng.standard_normal((len(ids_a), DIM)).astype("<f4")
+            gb = rng.standard_normal((len(ids_b), DIM)).astype("<f4")
+            rows_round(a, path, ids_a, ga, Round(SERIES, k, 0, 2))
+            assert np.array_equal(b.pull(path), now), "a round's first rows changed the table"
+            rows_round(a, path, ids_a, ga, Round(SERIES, k, 0, 2))  # sent again: counts once
+            rows_round(b, path, ids_b, gb, Round(SERIES, k, 1, 2))
+            mean = np.zeros(ROWS * DIM)
+            for ids, g in ((ids_a, ga), (ids_b, gb)):
+                for r, row in zip(ids.tolist(), g.astype(np.float64), strict=True):
+                    mean[r * DIM : (r + 1) * DIM] += row / 2
+            step_rows(ref, want, mean, np.r_[ids_a, ids_b])
+            got = a.pull(path)
+            assert relative_error(got, want) <= 1e-5, (k, relative_error(got, want))
+            assert np.array_equal(got[2 * CHUNK // 4 : 3 * CHUNK // 4], w0[2 * CHUNK // 4 : 3 * CHUNK // 4])
+            now = got
+        # a member with no rows this round: its empty contribution ends the round
+        ids = np.array([3, 700])
+        g = rng.standard_normal((2, DIM)).astype("<f4")
+        rows_round(b, path, ids, g, Round(SERIES, 3, 1, 2))
+        rows_round(a, path, np.zeros(0, np.int64), np.zeros((0, DIM), "<f4"), Round(SERIES, 3, 0, 2))
+        mean = np.zeros(ROWS * DIM)
+        for r, row in zip(ids.tolist(), g.astype(np.float64), strict=True):
+            mean[r * DIM : (r + 1) * DIM] = row / 2
+        step_rows(ref, want, mean, ids)
+        assert relative_error(a.pull(path), want) <= 1e-5
+        assert replicas_agree(a, path), "the replicas hold other bytes than the head"
+
+
+def test_sparse_rows_that_disagree_with_their_round_are_refused_and_change_nothing(cl: Cluster) -> None:
+    rng = np.random.default_rng(10)
+    w0 = rng.standard_normal(ROWS * DIM).astype("<f4")
+    g = rng.standard_normal((3, DIM)).astype("<f4")
+    with irdma.connect(cl.meta_url, transport="tcp") as c:
+        c.write("/rows-bad", w0, chunk_size=CHUNK)
+        c.set_shape("/rows-bad", [ROWS, DIM])
+        c.set_update_op("/rows-bad", "sgd learning_rate=0.5")
+        rows_round(c, "/rows-bad", np.array([1, 2, 3]), g, Round(SERIES, 0, 0, 2))
+        with pytest.raises(irdma.IrdmaError, match="disagree with the round"):
+            rows_round(c, "/rows-bad", np.array([1, 2, 3]), g, Round(SERIES, 0, 1, 2), lr=0.1)
+        assert np.array_equal(c.pull("/rows-bad"), w0)
+        rows_round(c, "/rows-bad", np.array([2]), g[:1], Round(SERIES, 0, 1, 2))
+        want = w0.astype(np.float64)
+        want[DIM : 4 * DIM] -= 0.5 * g.reshape(-1).astype(np.float64) / 2
+        want[2 * DIM : 3 * DIM] -= 0.5 * g[0].astype(np.float64) / 2
+        assert relative_error(c.pull("/rows-bad"), want) <= 1e-6

@@ -65,6 +65,8 @@ class SparseRows:
             (row ``ids[k]`` at ``k * row_bytes``).
         """
         cs = layout.chunk_size
+        if not len(ids):
+            return tuple(np.zeros(0, dtype=np.int64) for _ in range(4))
         cur = ids.astype(np.int64) * row_bytes
         end = cur + row_bytes
         at = np.arange(len(ids), dtype=np.int64) * row_bytes
@@ -79,22 +81,34 @@ class SparseRows:
         order = np.lexsort((offset, chunk))  # ascending within each chunk: the shard walks its memory in order
         return chunk[order], offset[order], length[order], at[order]
 
-    def _batches(self, chunk: np.ndarray, length: np.ndarray, sel: np.ndarray, limit: int) -> list[np.ndarray]:
-        """``sel`` (extent positions) cut into requests whose bytes plus 24 per extent fit
-        ``limit``, of at most MAX_EXTENTS extents each.
+    def _batches(self, chunk: np.ndarray, length: np.ndarray, sel: np.ndarray, limit: int,
+                 whole_chunks: bool = False) -> list[np.ndarray]:
+        """``sel`` (extent positions, sorted by chunk) cut into requests whose bytes plus 24 per
+        extent fit ``limit``, of at most MAX_EXTENTS extents each; with ``whole_chunks`` (a
+        round's rows: each chunk's contribution is one) cut only between chunks.
 
         Raises:
             InvalidArgument: one extent alone does not fit a request (a row larger than the
-                shards' payload limit: pull or push it with ``read``/``write``).
+                shards' payload limit: pull or push it with ``read``/``write``), or with
+                ``whole_chunks`` one chunk's rows do not.
         """
         if len(sel) and int(length[sel].max()) + 24 > limit:
             raise InvalidArgument(f"a row piece of {int(length[sel].max())} bytes exceeds the shards' payload limit"
                                   f" of {limit} bytes: use read/write (or pull/push) for rows this large")
         cost = np.cumsum(length[sel] + 24)
+        if whole_chunks and len(sel):
+            cuts = np.r_[np.flatnonzero(np.diff(chunk[sel])) + 1, len(sel)]  # where each chunk's extents end
+            before = np.r_[0, cuts[:-1]]
+            if bool((np.diff(np.r_[0, cost[cuts - 1]]) > limit).any()) or bool((cuts - before > MAX_EXTENTS).any()):
+                raise InvalidArgument(f"one chunk's rows of this synchronous push exceed a request ({limit} bytes,"
+                                      f" {MAX_EXTENTS} extents)", "push fewer rows per step, or use a smaller chunk size")
         out, start, base = [], 0, 0
         while start < len(sel):
             stop = int(np.searchsorted(cost, base + limit, side="right"))
             stop = min(max(stop, start + 1), start + MAX_EXTENTS)
+            if whole_chunks and stop < len(sel):
+                ends = cuts[(cuts > start) & (cuts <= stop)]
+                stop = int(ends[-1]) if len(ends) else int(cuts[cuts > start][0])
             out.append(sel[start:stop])
             base, start = int(cost[stop - 1]), stop
         return out
@@ -223,29 +237,48 @@ class SparseRows:
         return lost, "ok"
 
     async def write_rows_from(self, layout: Layout, ids: np.ndarray, row_bytes: int, data: memoryview | bytes,
-                              op: UpdateOp | Update, chunks: ChunkMap | None = None) -> list[NewChunk]:
+                              op: UpdateOp | Update, chunks: ChunkMap | None = None,
+                              table_bytes: int = 0) -> list[NewChunk]:
         """Push rows ``ids`` (distinct, in-range, int64; row ``ids[k]`` at byte ``k * row_bytes``
         of ``data``) with update op ``op`` applied per row on the shards: one SCATTER per chunk
         chain (one per shard for files of one replica; more when the bytes exceed a request's
         payload limit). Each chunk's rows are applied atomically with one version bump, exactly
         once (request ids, as :meth:`DataPath.write_from`).
 
+        An ``op`` with a :class:`~irdma.wire.protocol.Round` makes the push this member's
+        contribution to a synchronous round of every chunk of the table (``table_bytes`` long):
+        a chunk without rows in ``ids`` gets an empty extent (the member's empty contribution,
+        so the round does not wait for it), and each chunk's rows travel in one request
+        (:meth:`irdma.server.rounds.Rounds.contribute_rows`).
+
         Returns:
             The chunk replicas created, for the chunk map (see :meth:`DataPath.write_from`).
 
         Raises:
             As :meth:`DataPath.write_from`. Other chunks' rows may have been applied.
+            InvalidArgument: a round's rows of one chunk exceed a request.
         """
-        if not len(ids):
+        in_round = isinstance(op, Update) and op.round is not None
+        if not len(ids) and not in_round:
             return []
         if self.data.cached is not None:
             self.data.cached.invalidate(layout.file_id)
         src = np.frombuffer(as_bytes_view(data), dtype=np.uint8)
         chunk, offset, length, at = self.row_extents(layout, ids, row_bytes)
         created: list[NewChunk] = []
-        limit = self.data.max_piece(layout) or DEFAULT_MAX_PAYLOAD
+        if in_round:  # every chunk of the table hears from this member: an empty extent where it has no rows
+            none = np.setdiff1d(np.arange(layout.chunk_count(table_bytes), dtype=np.int64), chunk)
+            zeros = np.zeros(len(none), dtype=np.int64)
+            chunk, offset, length, at = (np.concatenate(v) for v in ((chunk, none), (offset, zeros), (length, zeros),
+                                                                    (at, zeros)))
+            order = np.lexsort((offset, chunk))
+            chunk, offset, length, at = chunk[order], offset[order], length[order], at[order]
+            sizes = [c.info.max_payload for c in self.pool.conns.values()]
+            limit = min(sizes) if sizes else DEFAULT_MAX_PAYLOAD  # a chunk's rows in one request: not P3's slices
+        else:
+            limit = self.data.max_piece(layout) or DEFAULT_MAX_PAYLOAD
         units = self._scatter_units(layout, chunk, chunks)
-        batches = [b for sel in units for b in self._batches(chunk, length, sel, limit)]
+        batches = [b for sel in units for b in self._batches(chunk, length, sel, limit, whole_chunks=in_round)]
         push_id = self.data.request_id() if len(batches) > 1 else 0  # a snapshot takes all the requests or none
         async with open_nursery() as nursery:
             for k, b in enumerate(batches):
@@ -392,27 +425,26 @@ class SparseRows:
         if data.size != len(ids_arr) * (rb // 4):
             raise InvalidArgument(f"{len(ids_arr)} row ids need {len(ids_arr)} x {rb // 4} values, got an array of"
                                   f" shape {data.shape}")
-        if not len(ids_arr):
+        uop = parse_update(op) if isinstance(op, str) else (op if op is not None else parse_update(inode.update_op or "assign"))
+        in_round = isinstance(uop, Update) and uop.round is not None
+        if not len(ids_arr) and not in_round:
             return
         limit = inode.size // rb if nrows is None else min(nrows, inode.size // rb)
-        if int(ids_arr.max()) >= limit:
+        if len(ids_arr) and int(ids_arr.max()) >= limit:
             raise InvalidArgument(f"row {int(ids_arr.max())} is past the last row of {path} ({limit} rows;"
                                   f" set_shape sizes a table)")
         data = data.reshape(len(ids_arr), rb // 4)
         order = np.argsort(ids_arr, kind="stable")
         sorted_ids = ids_arr[order]
-        starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+        starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]]) if len(ids_arr) else order
         if len(starts) < len(ids_arr):  # duplicates: summed (in the order given) into one row each
             uniq, summed = sorted_ids[starts], np.add.reduceat(data[order], starts, axis=0)
         else:
             uniq, summed = ids_arr, data
-        uop = parse_update(op) if isinstance(op, str) else (op if op is not None else parse_update(inode.update_op or "assign"))
         layout = layout_of(inode)
-        end = (int(sorted_ids[-1]) + 1) * rb  # inside the file: a sparse push never changes its size
-        created = await self.write_rows_from(layout, uniq, rb,
-                                             memoryview(np.ascontiguousarray(summed, dtype="<f4")),  # type: ignore[arg-type]
-                                             uop,
-                                             await self.meta.chunk_map(inode.ino))
+        end = (int(sorted_ids[-1]) + 1) * rb if len(ids_arr) else 0  # inside the file: never changes its size
+        payload = memoryview(np.ascontiguousarray(summed, dtype="<f4")) if summed.size else b""  # type: ignore[arg-type]
+        created = await self.write_rows_from(layout, uniq, rb, payload, uop, await self.meta.chunk_map(inode.ino), table_bytes=limit * rb)
         # mtime is refreshed at most once a second by pushes that neither grow the file nor make
         # chunks (as a mount's direct-I/O pushes, and lazytime): no metadata transaction per push
         now = time.monotonic()

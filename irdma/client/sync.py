@@ -14,7 +14,7 @@ import trio
 from .._errors import IrdmaError
 from ..meta import Inode
 from ..wire.compress import Compression
-from ..wire.protocol import Round, UpdateOp
+from ..wire.protocol import Round, Update, UpdateOp
 from . import comm
 from .native import Client
 
@@ -175,8 +175,8 @@ class SyncClient:
         """Sparse pull (see Client.pull_rows)."""
         return self._run(self.client.pull_rows, path, ids, row_len=row_len, out=out)  # type: ignore[no-any-return]
 
-    def push_rows(self, path: str, ids: Sequence[int] | np.ndarray, rows: np.ndarray, *, op: str | None = None,
-                  row_len: int | None = None) -> None:
+    def push_rows(self, path: str, ids: Sequence[int] | np.ndarray, rows: np.ndarray, *,
+                  op: UpdateOp | Update | str | None = None, row_len: int | None = None) -> None:
         """Sparse push (see Client.push_rows)."""
         self._run(self.client.push_rows, path, ids, rows, op=op, row_len=row_len)
 

@@ -359,6 +359,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
                    "drop= skips a layer's push" if self.drop else None)
             if why is None:
                 self._job.series = series_of(job_ino)
+                if self.backward_passes_per_step == 1:  # hvd.Embedding's rows join the round (a push per step)
+                    _world["in_round"] = self._in_round
             elif me == 0:
                 log.warning("BSP job %s: %s, so each worker's push is a step of its own (not one step per round on the"
                             " workers' mean)", job, why)

@@ -10,7 +10,12 @@ update op is the layer's optimizer, applied on the shards row by row.
 * Backward: the gradient of each distinct row (duplicates summed, as TensorFlow sums a
   gather's gradient) is pushed (:meth:`irdma.Client.push_rows`) and the shards apply the
   optimizer to those rows only: a *lazy* update, as TensorFlow's sparse ``apply`` and
-  LazyAdam do (rows not in the batch keep their weights and optimizer state). With SGD this
+  LazyAdam do (rows not in the batch keep their weights and optimizer state). Under BSP with
+  a :class:`~irdma.train.distributed.DistributedOptimizer` (one push per step) the rows are the
+  worker's contribution to the job's round: the shards sum every worker's rows (a row some
+  workers did not push counts zero for them) and apply the optimizer once to their mean, on
+  the rows any worker pushed (:meth:`irdma.server.rounds.Rounds.contribute_rows`), so N
+  workers with batch B train the table as one process with batch N B. With SGD this
   is what ``keras.layers.Embedding`` does; with Adagrad too when a batch holds each id once
   (Keras's sparse Adagrad squares a repeated id's gradients apart, the shards their sum).
 
@@ -35,7 +40,7 @@ import numpy as np
 import tensorflow as tf
 
 from .._errors import InvalidArgument, NotFound
-from ..wire.optimizers import format_update
+from ..wire.optimizers import format_update, parse_update
 from . import distributed as D
 from . import world as W
 from .keras_updates import update_of
@@ -73,6 +78,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]  # Keras ships no typ
         self.optimizer_spec = _spec_of(optimizer if optimizer is not None else keras.optimizers.Adagrad(0.05))
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self._ready = False
+        self._update: Any = None  # the table's update op, parsed (BSP rounds)
         self.supports_jit = False  # tf.py_function: a model holding this layer is never XLA-compiled
 
     def get_config(self) -> dict[str, Any]:
@@ -149,7 +155,13 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]  # Keras ships no typ
                           dtype=np.float32)
 
     def _push(self, ids: Any, grad: Any) -> np.ndarray:
-        _need("client").push_rows(self.path, ids.numpy(), grad.numpy(), row_len=self.output_dim)
+        in_round = W._world.get("in_round")  # BSP: this worker's contribution to the job's round
+        op = None
+        if in_round is not None:
+            if self._update is None:
+                self._update = parse_update(self.optimizer_spec)
+            op = in_round(self._update)
+        _need("client").push_rows(self.path, ids.numpy(), grad.numpy(), row_len=self.output_dim, op=op)
         return np.zeros(1, dtype=np.float32)
 
     def call(self, inputs: Any) -> Any:
@@ -178,8 +190,6 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]  # Keras ships no typ
 
 def _spec_of(optimizer: Any) -> str:
     if isinstance(optimizer, str):
-        from ..wire.optimizers import parse_update
-
         try:
             update = parse_update(optimizer)
         except ValueError as exc:
