@@ -10,6 +10,7 @@ Real shard processes, the real CLI in subprocesses, a real mount SIGKILLed mid-w
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -87,6 +88,13 @@ def test_fsck_and_status_name_a_file_whose_only_in_sync_replica_is_on_a_down_sha
         assert res.returncode == 2, text
         assert "unreadable" in text and "/after" in text and "/before" not in text, text
         assert "shard 3" in text and "--force-from 2" in text and "catching up" not in text, text
+        res = irdma_cli("status", "--json", "--meta", c.meta_url, check=False)
+        doc = json.loads(res.stdout)  # stdout is the document alone; the advice is on stderr
+        assert (res.returncode, doc["exit_code"], doc["health"], doc["shards_up"]) == (2, 2, "unreadable", 2), doc
+        assert [(f["path"], f["waits_for"], f["stale"]) for f in doc["waiting_files"]] == [("/after", [3], [2])], doc
+        down = next(s for s in doc["shards"] if s["shard_id"] == 3)
+        assert (down["health"], down["answering"], down["bytes_held"]) == ("down", False, None) and down["error"], doc
+        assert "--force-from 2" in doc["advice"][0] and "--force-from 2" in res.stderr, doc
         # the operator's way out warns, names what it would adopt, and asks (no answer: nothing changes)
         res = irdma_cli("shard", "resync", "--force-from", "2", "--meta", c.meta_url, check=False)
         text = _out(res)
@@ -137,6 +145,39 @@ def test_fsck_and_status_name_a_file_whose_only_in_sync_replica_is_on_a_down_sha
         assert res.returncode == 1 and "replicas missing: 1" in text and "unreadable files: 0" in text, text
         with irdma.connect(c.meta_url, transport="tcp") as cl:
             assert bytes(cl.read("/before")) == data
+
+
+def test_status_and_info_json_say_what_was_written(tmp_path: object) -> None:
+    """`irdma status --json` and `irdma info --json` are one JSON document on stdout each: the
+    bytes in files are the sizes written, each shard's bytes held is what it reports (the
+    table shows both); with a shard removed, `status --json` lists it as history."""
+    sizes = {"/a": 1000, "/b": 70_000, "/c": MB + 5}
+    with running_cluster(str(tmp_path), shards=3, replicas=2, capacity=64 * MB) as c:
+        with irdma.connect(c.meta_url, transport="tcp") as cl:
+            for path, n in sizes.items():
+                cl.write(path, os.urandom(n))
+            held = {rec.shard_id: st.used for rec, st, _ in cl.shard_stats()}
+        res = irdma_cli("status", "--json", "--meta", c.meta_url)
+        doc = json.loads(res.stdout)
+        assert (doc["health"], doc["exit_code"], doc["shards_up"], doc["replicas"]) == ("healthy", 0, 3, 2), doc
+        assert doc["bytes_in_files"] == sum(sizes.values()) and doc["inodes"] == 4, doc
+        assert {s["shard_id"]: s["bytes_held"] for s in doc["shards"]} == held, doc
+        assert doc["bytes_held"] == sum(held.values()) >= 2 * sum(sizes.values()), doc  # 2 replicas at least
+        assert all(s["bytes_held"] > 0 and s["state"] == "up" and s["answering"] for s in doc["shards"]), doc
+        assert doc["capacity_bytes"] == 3 * 64 * MB and doc["chunks"] == 2 * 3, doc
+        text = irdma_cli("status", "--meta", c.meta_url).stdout
+        assert "bytes held" in text and f"({sum(sizes.values())} bytes; the shards hold" in text, text
+        info = json.loads(irdma_cli("info", "/", "--json", "--meta", c.meta_url).stdout)
+        assert info["totals"]["bytes_in_files"] == sum(sizes.values()), info
+        assert info["totals"]["bytes_held"] == sum(s["allocated_bytes"] for s in info["totals"]["shards"]) > 0, info
+        assert "bytes held" in irdma_cli("info", "/c", "--meta", c.meta_url).stdout
+
+        irdma_cli("shard", "drain", "3", "--meta", c.meta_url)
+        irdma_cli("shard", "remove", "3", "--meta", c.meta_url)
+        doc = json.loads(irdma_cli("status", "--json", "--meta", c.meta_url).stdout)
+        assert (doc["exit_code"], doc["shards_up"], doc["shards_in_service"], doc["shards_retired"]) == (0, 2, 2, 1)
+        assert [s["state"] for s in doc["shards"] if s["shard_id"] == 3] == ["removed"], doc
+        assert doc["bytes_in_files"] == sum(sizes.values()), doc
 
 
 def test_removed_shards_are_history_not_failures(tmp_path: object) -> None:

@@ -63,8 +63,9 @@ def test_enospc_when_full_changes_nothing(tmp_path: object) -> None:
             c.write("/b", b"b" * 100, chunk_size=1 << 20)
             c.write("/c", b"c" * 100, chunk_size=1 << 20)
             c.write("/d", b"d" * 100, chunk_size=1 << 20)
-            with pytest.raises(irdma.NoSpace):
+            with pytest.raises(irdma.NoSpace) as full:
                 c.write("/e", b"e" * 100, chunk_size=1 << 20)
+            assert str(full.value).count(irdma.NoSpace.hint) == 1, str(full.value)  # the advice, once
             assert c.stat("/e").size == 0  # the failed write did not grow the file
             assert c.read("/a") == b"a" * 100 and c.read("/d") == b"d" * 100
             c.unlink("/a")

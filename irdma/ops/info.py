@@ -174,6 +174,12 @@ class Totals:
     shards: list[ShardShare] = field(default_factory=list)
 
     @property
+    def bytes_held(self) -> int:
+        """The shards' memory given to the in-sync replicas (``allocated_bytes`` of every shard
+        together: whole chunks), in bytes."""
+        return sum(s.allocated_bytes for s in self.shards)
+
+    @property
     def unavailable(self) -> int:
         """Chunks no read can get now: waiting and lost."""
         return self.waiting + self.lost
@@ -254,13 +260,24 @@ def as_dict(info: FileInfo | DirInfo) -> dict[str, Any]:
     """The JSON document of ``irdma info --json``: the dataclass's fields (sizes in bytes,
     times in ns), ``type`` (``file`` or ``directory``; a file's ``kind`` says which sort),
     ``version`` (:data:`JSON_VERSION`), ``mode`` also as ``mode_text`` (``-rw-r--r--``), and
-    in ``totals`` also ``unavailable`` and ``exit_code`` (the CLI adds ``mount``: the irdma
-    mountpoint PATH was under, or null)."""
+    in ``totals`` also ``unavailable``, ``exit_code``, ``bytes_held`` (:attr:`Totals.bytes_held`)
+    and ``bytes_in_files`` (the size of a file, the sizes of a directory's files together; 0 for
+    anything else) (the CLI adds ``mount``: the irdma mountpoint PATH was under, or null)."""
     doc = dataclasses.asdict(info)
+    doc["totals"]["bytes_held"] = info.totals.bytes_held
+    doc["totals"]["bytes_in_files"] = bytes_in_files(info)
     doc["totals"]["unavailable"] = info.totals.unavailable
     doc["totals"]["exit_code"] = info.totals.exit_code
     doc["mode_text"] = stat.filemode(info.mode)
     return {"version": JSON_VERSION, "type": "directory" if isinstance(info, DirInfo) else "file", **doc}
+
+
+def bytes_in_files(info: FileInfo | DirInfo) -> int:
+    """The bytes of the files ``info`` covers, as their sizes say: a file's size, the sizes of a
+    directory's files together, 0 for a symbolic link or device."""
+    if isinstance(info, DirInfo):
+        return info.bytes
+    return info.size if info.kind == "file" else 0
 
 
 async def resolve(client: Client, path: str) -> Inode:
@@ -541,5 +558,5 @@ async def path_info(client: Client, path: str, recursive: bool = False, versions
 
 
 __all__ = ["Chunk", "DirInfo", "FileInfo", "IrdmaMount", "Replica", "ShardShare", "Target", "Totals", "as_dict",
-           "ask_mount", "dir_info", "file_info", "irdma_mounts", "mount_table", "namespace_key", "namespace_path",
-           "path_info", "resolve", "resolve_target", "same_namespace"]
+           "ask_mount", "bytes_in_files", "dir_info", "file_info", "irdma_mounts", "mount_table", "namespace_key",
+           "namespace_path", "path_info", "resolve", "resolve_target", "same_namespace"]

@@ -230,6 +230,15 @@ class IrdmaCLI(click.Group):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
+def times_in_files(held: int, in_files: int) -> str:
+    """How many times the bytes in files the bytes held on the shards are (replicas, whole
+    chunks, snapshots' copies), as ``2.0x`` or ``2,048x``; "" when no file holds a byte."""
+    if not in_files:
+        return ""
+    r = held / in_files
+    return f"{r:.1f}x" if r < 100 else f"{r:,.0f}x"
+
+
 def _redact(url: str) -> str:
     """``url`` with any password in it shown as ``***``."""
     from ...meta import redact

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ...units import format_size
-from ._common import META_OPTION, _meta_default, console, friendly, out, target
+from ._common import META_OPTION, _meta_default, console, friendly, out, target, times_in_files
 from .health import _count
 
 #: How `irdma info` shows a shard's health and a chunk's state.
@@ -98,6 +98,9 @@ def info_cmd(path: str, meta_url: str, as_json: bool, recursive: bool, max_chunk
         if name not in own_rows:
             table.add_row(escape(name), escape(value))
     table.add_row("chunks", f"{t.chunks} ({t.written} written, {t.holes} holes); {t.replicas_held} in-sync replicas")
+    times = times_in_files(t.bytes_held, I.bytes_in_files(got))
+    table.add_row("bytes held", f"{format_size(t.bytes_held)} (whole chunks"
+                  + (f"; {times} the bytes in files)" if times else ")"))
     health = ("[green]ok[/]" if not t.exit_code else
               ", ".join(f"[{'bold red' if n != 'under-replicated' else 'yellow'}]{c} {n}[/]"
                         for c, n in ((t.under_replicated, "under-replicated"), (t.waiting, "waiting for a shard"),

@@ -4,6 +4,7 @@ and ``irdma gc``."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from typing import Any
 
@@ -13,8 +14,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from ...units import format_size
-from ._common import META_OPTION, _redact, console, friendly, out
+from ._common import META_OPTION, _redact, console, friendly, out, times_in_files
 from .health import RETIRED, cluster_health
+
+#: The ``irdma status --json`` document's version: bumped when a key changes meaning or goes away.
+STATUS_JSON_VERSION = 1
 
 
 @dataclasses.dataclass
@@ -28,6 +32,7 @@ class _StatusView:
     waiting: list[Any]
     under_replicated: int
     moving: list[Any]
+    replicas: int
 
 
 async def _status(meta_url: str) -> _StatusView:
@@ -39,19 +44,82 @@ async def _status(meta_url: str) -> _StatusView:
         _, _, moves = await client.meta.shard_view()
         damaged, waiting, _ = await readability(client, stats)
         return _StatusView(stats, await client.meta.usage(), await client.meta.epoch(), damaged, waiting,
-                           await client.meta.under_replicated(), [m for m in moves if not m.done])
+                           await client.meta.under_replicated(), [m for m in moves if not m.done],
+                           await client.meta.replicas())
+
+
+def _shard_doc(rec: Any, st: Any, why: str) -> dict[str, Any]:
+    """One shard of ``irdma status --json``: its record in the shard map and what its STAT said
+    (``answering`` false, and the sizes null, when it did not answer; ``error`` says why)."""
+    return {"shard_id": rec.shard_id, "address": rec.address, "state": rec.state,
+            "health": rec.health if st is not None or rec.state in RETIRED else "down",
+            "answering": st is not None, "incarnation": rec.incarnation,
+            "capacity_bytes": None if st is None else st.capacity, "bytes_held": None if st is None else st.used,
+            "chunks": None if st is None else st.chunks, "error": "" if st is not None else str(why or "")}
+
+
+def status_doc(v: _StatusView, meta_url: str, health: str, tier: list[Any], advice: list[str],
+               exit_code: int) -> dict[str, Any]:
+    """The JSON document of ``irdma status --json``: the facts of the table, keys in snake_case
+    with their unit (sizes ``_bytes``, in bytes), documented in docs/operations.md. ``health``:
+    the word the table shows (``healthy``, ``degraded``, ``unreadable``, ``data lost``).
+
+    ``capacity_bytes``, ``bytes_held`` and ``chunks`` sum the shards in service that answer (as
+    the table); ``bytes_in_files`` is the sum of the files' sizes in the metadata (every inode,
+    snapshots' included); ``shards`` lists every shard of the map, drained and removed ones too
+    (``state`` says which); ``metadata_servers`` is empty but for a PostgreSQL URL."""
+    live = [(rec, st) for rec, st, _ in v.stats if rec.state not in RETIRED]
+    up_ = [st for _, st in live if st is not None]
+    return {
+        "version": STATUS_JSON_VERSION,
+        "metadata": _redact(meta_url),
+        "health": health,
+        "exit_code": exit_code,
+        "advice": advice,
+        "shard_map_epoch": v.epoch,
+        "shards_up": len(up_),
+        "shards_in_service": len(live),
+        "shards_retired": len(v.stats) - len(live),
+        "capacity_bytes": sum(st.capacity for st in up_),
+        "bytes_held": sum(st.used for st in up_),
+        "bytes_in_files": v.usage[1],
+        "chunks": sum(st.chunks for st in up_),
+        "under_replicated_chunks": v.under_replicated,
+        "replicas": v.replicas,
+        "inodes": v.usage[0],
+        "moves": [{"seq": m.seq, "shard_id": m.shard_id, "targets": list(m.targets), "share": m.share}
+                  for m in v.moving],
+        "shards": [_shard_doc(rec, st, why) for rec, st, why in v.stats],
+        "lost_files": [{"ino": d.ino, "path": d.path, "chunks": list(d.lost_chunks), "shards": list(d.shards)}
+                       for d in v.damaged],
+        "waiting_files": [{"ino": u.ino, "path": u.path, "chunks": list(u.chunks), "waits_for": list(u.waits_for),
+                           "stale": list(u.stale), "catching_up": list(u.catching_up)} for u in v.waiting],
+        "metadata_servers": [dataclasses.asdict(m) for m in tier],
+    }
+
+
+def _in_files(used: int, in_files: int) -> str:
+    """The "bytes in files" row: the files' bytes, and how many times that the shards hold
+    (replicas, whole chunks and snapshots' copies: the overhead)."""
+    times = times_in_files(used, in_files)
+    return f"{format_size(in_files)} ({in_files} bytes" + (f"; the shards hold {times})" if times else ")")
 
 
 @click.command()
 @META_OPTION
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON document on stdout (sizes in bytes; keys in docs/operations.md).")
 @friendly
-def status(meta_url: str) -> None:
-    """The cluster at a glance: shards up, capacity, used, files.
+def status(meta_url: str, as_json: bool) -> None:
+    """The cluster at a glance: shards up, capacity, bytes held on the shards and bytes in
+    files, chunks, files that cannot be read.
 
     Exits 0 when the cluster is healthy, 1 when it is degraded (a shard is down or catching
     up), 2 when a file cannot be read: its chunks are lost, or their in-sync replicas are all
     on shards that do not answer (the files, and the shards they wait for, are listed).
-    Drained and removed shards are history: they are not counted.
+    Drained and removed shards are history: they are not counted. --json prints the same
+    facts, and every shard, as one JSON document on stdout (advice still goes to stderr) and
+    exits the same way.
     """
     v = trio.run(_status, meta_url)
     live = [(rec, st, why) for rec, st, why in v.stats if rec.state not in RETIRED]
@@ -61,25 +129,37 @@ def status(meta_url: str) -> None:
     used = sum(st.used for st in up_)
     chunks = sum(st.chunks for st in up_)
     health = cluster_health(v.stats, v.damaged, v.under_replicated, v.moving, v.waiting)
+    tier: list[Any] = []
+    tier_code, tier_advice = 0, []  # type: tuple[int, list[str]]
+    if meta_url.startswith(("postgresql://", "postgres://")):
+        tier, tier_code, tier_advice = _metadata_tier(meta_url)
+    advice = ([health.advice] if health.advice else []) + tier_advice
+    code = max(health.exit_code, tier_code)
+    if as_json:
+        word = health.word if not tier_code or health.exit_code else "degraded"
+        out.print_json(json.dumps(status_doc(v, meta_url, word, tier, advice, code)))
+        for line in advice:
+            console.print(line, highlight=False, soft_wrap=True)
+        sys.exit(code)
     table = Table(title="irdma status", show_header=False)
     table.add_column("what")
     table.add_column("value")
     table.add_row("metadata", _redact(meta_url))
-    tier_code, tier_advice = 0, []  # type: tuple[int, list[str]]
-    if meta_url.startswith(("postgresql://", "postgres://")):
-        tier_code, tier_advice = _metadata_tier(table, meta_url)
+    for server, what in _tier_rows(tier):
+        table.add_row(server, what)
     table.add_row("health", f"[{health.style}]{health.word}[/]" if not tier_code or health.exit_code
                   else "[yellow]degraded[/] (the metadata tier)")
     table.add_row("shards up", f"{len(up_)} of {len(live)} (shard map epoch {v.epoch}"
                   + (f"; {len(retired)} drained or removed, not counted" if retired else "") + ")")
     table.add_row("capacity", format_size(cap))
-    table.add_row("used", f"{format_size(used)} ({100 * used / cap:.1f}%)" if cap else "-")
+    table.add_row("bytes held", f"{format_size(used)} ({100 * used / cap:.1f}% of capacity)" if cap else "-")
+    table.add_row("bytes in files", _in_files(used, v.usage[1]))
     table.add_row("chunks", str(chunks))
+    table.add_row("replicas", f"{v.replicas} (of each chunk of a new file)")
     syncing = [str(rec.shard_id) for rec, st, _ in live if st is not None and rec.health in ("syncing", "down")]
     table.add_row("under-replicated chunks",
                   str(v.under_replicated) + (f" (shards {', '.join(syncing)} syncing)" if syncing else ""))
     table.add_row("inodes", str(v.usage[0]))
-    table.add_row("bytes in files", format_size(v.usage[1]))
     if v.damaged or v.waiting:
         table.add_row("unreadable files", f"{len(v.damaged) + len(v.waiting)} ({len(v.damaged)} lost,"
                       f" {len(v.waiting)} waiting for a shard)")
@@ -88,34 +168,24 @@ def status(meta_url: str) -> None:
         _print_damaged(v.damaged)
     if v.waiting:
         _print_waiting(v.waiting)
-    if health.advice:
-        console.print(health.advice, highlight=False, soft_wrap=True)
-    for line in tier_advice:
+    for line in advice:
         console.print(line, highlight=False, soft_wrap=True)
-    sys.exit(max(health.exit_code, tier_code))
+    sys.exit(code)
 
 
-def _metadata_tier(table: Any, meta_url: str) -> tuple[int, list[str]]:
-    """Rows for the PostgreSQL servers of ``meta_url`` (each host of a multi-host URL: role,
-    sync state, replay lag); returns (1 if a server is down or no standby is synchronous, else
-    0; the advice for each problem)."""
+def _metadata_tier(meta_url: str) -> tuple[list[Any], int, list[str]]:
+    """The PostgreSQL servers of ``meta_url`` (each host of a multi-host URL: role, sync state,
+    replay lag: :class:`irdma.meta.postgres.TierMember`); 1 if a server is down or no standby
+    is synchronous, else 0; the advice for each problem."""
     from ...meta.postgres import tier_status
 
     members = tier_status(meta_url)
     advice: list[str] = []
     for m in members:
-        if m.role == "standby":
-            lag = "lag unknown (grant pg_monitor to the irdma role to see it)" if m.lag_bytes is None \
-                else f"lag {format_size(m.lag_bytes)}"
-            what = f"standby, {m.sync or 'not replicating from the primary'}, {lag}"
-        elif m.role == "down":
-            what = f"[red]down[/]: {escape(m.error)}"
+        if m.role == "down":
             advice.append(f"metadata server {m.server} does not answer: bring its host back (Patroni rejoins it as a"
                           " standby, rewinding an old primary); `patronictl -c /etc/patroni/config.yml list` shows"
                           " the members, `patronictl reinit SCOPE MEMBER` rebuilds one that cannot rejoin")
-        else:
-            what = "[green]primary[/]"
-        table.add_row("metadata server" if len(members) == 1 else f"metadata {m.server}", what)
     up = [m for m in members if m.role != "down"]
     primaries = [m for m in up if m.role == "primary"]
     if len(members) > 1 and not primaries:
@@ -124,7 +194,23 @@ def _metadata_tier(table: Any, meta_url: str) -> tuple[int, list[str]]:
     if len(members) > 1 and primaries and not any(m.sync in ("sync", "quorum") for m in up):
         advice.append("no standby is synchronous: a commit is not on a second server until one is (Patroni's"
                       " synchronous_mode names one when a standby streams); check the standbys' logs")
-    return (1 if advice else 0), advice
+    return members, (1 if advice else 0), advice
+
+
+def _tier_rows(members: list[Any]) -> list[tuple[str, str]]:
+    """The status table's rows for the metadata servers :func:`_metadata_tier` found."""
+    rows = []
+    for m in members:
+        if m.role == "standby":
+            lag = "lag unknown (grant pg_monitor to the irdma role to see it)" if m.lag_bytes is None \
+                else f"lag {format_size(m.lag_bytes)}"
+            what = f"standby, {m.sync or 'not replicating from the primary'}, {lag}"
+        elif m.role == "down":
+            what = f"[red]down[/]: {escape(m.error)}"
+        else:
+            what = "[green]primary[/]"
+        rows.append(("metadata server" if len(members) == 1 else f"metadata {m.server}", what))
+    return rows
 
 
 def _print_damaged(damaged: list[Any], limit: int = 50) -> None:
