@@ -570,6 +570,9 @@ class Dispatcher:
         if isinstance(msg.op, P.Update) and msg.op.round is not None:
             if msg.replace:
                 raise BadRequest("a whole-chunk copy (FLAG_REPLACE) is never a round's contribution")
+            if msg.op.round.close:  # an elastic job's member: every round of the run up to this one applied
+                return self.rounds.close(msg.op.round.series, msg.op.round.round, self._write,
+                                         lambda push: self._scatter(push, push.data))
             return self.rounds.contribute(msg, msg.data, self._write)
         if msg.chain is not None:
             return self.replicator.write(msg, msg.data)

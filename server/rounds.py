@@ -40,6 +40,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import trio
 
 from irdma._errors import BadRequest
 from irdma.wire import compress
@@ -47,6 +48,7 @@ from irdma.wire import protocol as P
 from irdma.wire.extents import positions
 from irdma.wire.protocol import Encoding, Update, as_update
 
+from .region import ChunksPending
 from .rows import split_extents
 
 log = logging.getLogger("irdma.server")
@@ -83,6 +85,10 @@ class _Open:
     #: Sparse rows (a SCATTER's round): the float32 positions in the chunk summed so far (int64,
     #: ascending, distinct); ``sum`` holds their sums, in that order.
     where: np.ndarray | None = None
+    #: The last contribution's message without its payload: what a close applies the round with.
+    msg: P.Write | P.Scatter | None = None
+    #: Closed with fewer members than expected (:meth:`Rounds.close`).
+    short: bool = False
 
 
 class Rounds:
@@ -99,6 +105,12 @@ class Rounds:
         self._open: OrderedDict[Key, _Open] = OrderedDict()
         #: Completed rounds per range: (series, round) -> the version their update reached.
         self._done: OrderedDict[Key, tuple[int, int, int]] = OrderedDict()
+        #: Rounds' updates being applied (chained down the replicas): (series, round) and the
+        #: event set when that ends; a close waits for those of its run.
+        self._inflight: dict[trio.Event, tuple[int, int]] = {}
+        #: A close's updates under way when it met chunks to make: awaited by the next close.
+        self._deferred: list[Awaitable[int]] = []
+        self._short = 0  # and how many of its ranges were short
 
     @property
     def open_rounds(self) -> int:
@@ -124,6 +136,8 @@ class Rounds:
         assert r is not None
         if not u.op.is_float32:
             raise BadRequest("a round sums float32 gradients: its update op is add or an optimizer, not assign")
+        if r.members < 1:
+            raise BadRequest("a round has at least one member")
         grad = self._dense(msg, u, data)
         key: Key = (msg.file_id, msg.chunk_index, msg.offset, 4 * len(grad), int(u.op))
         done = self._done.get(key)
@@ -143,7 +157,7 @@ class Rounds:
                 log.warning("shard %d: round %d of chunk (%d, %d) at offset %d follows round %d: the rounds between"
                             " were summed elsewhere (another head of the chain) or lost with it", self.shard_id,
                             r.round, msg.file_id, msg.chunk_index, msg.offset, done[1])
-        elif acc.members != r.members or acc.update != want or acc.total != r.total:
+        elif (acc.members != r.members and not r.elastic) or acc.update != want or acc.total != r.total:
             raise BadRequest(f"round {r.round}: member {r.member}'s push of chunk ({msg.file_id}, {msg.chunk_index})"
                              f" disagrees with the round's others ({r.members} members, {want} against"
                              f" {acc.members} members, {acc.update}): every member pushes the same update")
@@ -151,6 +165,8 @@ class Rounds:
             if acc.complete:  # its update failed or waits for a new chunk: applied again
                 return self._apply(key, acc, msg, apply)
             return self._version_of(msg.file_id, msg.chunk_index)
+        acc.members = max(acc.members, r.members)  # an elastic round's: the largest expected
+        acc.msg = dataclasses.replace(msg, data=b"")
         acc.sum += grad
         acc.contributed.add(r.member)
         if len(acc.contributed) < acc.members:
@@ -168,10 +184,21 @@ class Rounds:
         if isinstance(out, int):
             self._finished(key, acc, out)
             return out
+        return self._track(acc, out, lambda version: self._finished(key, acc, version))
+
+    def _track(self, acc: _Open, out: Awaitable[int], then: Callable[[int], None]) -> Awaitable[int]:
+        """``out`` (a round's update being applied) awaited, then ``then(version)``; a close of
+        the round's run meanwhile waits for it (:meth:`close`)."""
+        ended = trio.Event()
+        self._inflight[ended] = (acc.series, acc.round)
 
         async def applied() -> int:
-            version = await out
-            self._finished(key, acc, version)
+            try:
+                version = await out
+            finally:
+                del self._inflight[ended]
+                ended.set()
+            then(version)
             return version
 
         return applied()
@@ -204,6 +231,8 @@ class Rounds:
         assert r is not None
         if not u.op.is_float32:
             raise BadRequest("a round sums float32 gradients: its update op is add or an optimizer, not assign")
+        if r.members < 1:
+            raise BadRequest("a round has at least one member")
         chunk = msg.extents["chunk"].astype(np.int64)
         length = msg.extents["length"].astype(np.int64)
         if not len(chunk):
@@ -219,7 +248,7 @@ class Rounds:
         for index in names:  # every check first: a contribution that disagrees changes nothing
             acc = self._open.get((msg.file_id, index, ROWS, 0, int(u.op)))
             if acc is not None and (acc.series, acc.round) == (r.series, r.round) and (
-                    acc.members != r.members or acc.update != want or acc.total != r.total):
+                    (acc.members != r.members and not r.elastic) or acc.update != want or acc.total != r.total):
                 raise BadRequest(f"round {r.round}: member {r.member}'s rows of chunk ({msg.file_id}, {index})"
                                  f" disagree with the round's others ({r.members} members, {want} against"
                                  f" {acc.members} members, {acc.update}): every member pushes the same update")
@@ -246,6 +275,8 @@ class Rounds:
                 else:
                     versions.append(self._version_of(msg.file_id, index))
                 continue
+            acc.members = max(acc.members, r.members)  # an elastic round's: the largest expected
+            acc.msg = dataclasses.replace(msg, data=b"", extents=msg.extents[:0])
             if index in mine:
                 offs, lens, at = mine[index]
                 _add_rows(acc, _elements(offs // 4, lens // 4), values[_elements(at // 4, lens // 4)])
@@ -288,18 +319,77 @@ class Rounds:
         out = apply(push)  # raises: the rounds stay complete and are applied again when asked
         for key, _ in ready:
             del self._open[key]
-        if isinstance(out, int):
-            for key, acc in ready:
-                self._finished(key, acc, out)
-            return max(out, version)
 
-        async def applied() -> int:
-            got = await out
+        def finished(got: int) -> None:
             for key, acc in ready:
                 self._finished(key, acc, got)
-            return max(got, version)
+
+        if isinstance(out, int):
+            finished(out)
+            return max(out, version)
+        tracked = self._track(ready[0][1], out, finished)
+
+        async def applied() -> int:
+            return max(await tracked, version)
 
         return applied()
+
+    def close(self, series: int, round: int, apply: Apply, apply_rows: ApplyRows) -> int | Awaitable[int]:
+        """Apply every open round of run ``series`` up to ``round`` with the contributions it has:
+        the mean over the members that contributed (an elastic job's round whose member died,
+        :data:`irdma.wire.protocol.ROUND_CLOSE`), logged when fewer than expected; and wait for
+        those of the run being applied.
+
+        Returns:
+            How many ranges were applied with fewer members than expected (or its awaitable).
+
+        Raises:
+            What ``apply`` raises (the rounds left open are applied by the next close).
+        """
+        short = 0
+        pending: ChunksPending | None = None
+        for key, acc in list(self._open.items()):
+            if acc.series != series or acc.round > round or acc.msg is None:
+                continue
+            if len(acc.contributed) < acc.members:
+                log.warning("shard %d: round %d of run %#x for chunk (%d, %d) %s closed by a member: %d of %d"
+                            " members pushed (%s; not %s), so its step is on their mean", self.shard_id, acc.round,
+                            acc.series, key[0], key[1], "(its rows)" if key[2] == ROWS else f"at offset {key[2]}",
+                            len(acc.contributed), acc.members, sorted(acc.contributed),
+                            sorted(set(range(acc.members)) - acc.contributed))
+                acc.members, acc.short = len(acc.contributed), True
+            acc.complete = True
+            try:
+                if isinstance(acc.msg, P.Scatter):
+                    out = self._apply_rows(acc.msg, [(key, acc)], apply_rows, 0)
+                else:
+                    out = self._apply(key, acc, acc.msg, apply)
+            except ChunksPending as more:  # made by the dispatcher, then this close is applied again
+                if pending is None:
+                    pending = more
+                else:
+                    pending.add(more)
+                continue
+            short += acc.short
+            if not isinstance(out, int):
+                self._deferred.append(out)
+        short += self._short
+        if pending is not None:
+            self._short = short  # said by the close applied again
+            raise pending  # the updates under way are awaited by the close applied again
+        outs, self._deferred, self._short = self._deferred, [], 0
+        waits = [e for e, (s_, r_) in self._inflight.items() if s_ == series and r_ <= round]
+        if not outs and not waits:
+            return short
+
+        async def closed() -> int:
+            for o in outs:
+                await o
+            for e in waits:
+                await e.wait()
+            return short
+
+        return closed()
 
     def _finished(self, key: Key, acc: _Open, version: int) -> None:
         self._done[key] = (acc.series, acc.round, version)

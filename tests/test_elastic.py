@@ -150,7 +150,9 @@ def _accuracy(out: str) -> float:
 def test_a_worker_killed_mid_epoch_is_restarted_and_the_elastic_job_finishes_within_a_point(tmp_path: Any) -> None:
     """Rank 1 SIGKILLs itself in epoch 3 of 40 on its first run; ``irdma run --elastic 2:2``
     restarts it while rank 0 waits for the job's minimum of live workers (never fewer than
-    MIN); it rejoins at the job's clock, epoch and weights, and rank 0's test accuracy is within
+    MIN); the round it died in completes with rank 0's push alone (the shards' sum of a round:
+    rank 0 closes it once the job's clock passed it, and says so); rank 1 rejoins at the job's
+    clock, epoch and weights, and rank 0's test accuracy is within
     1 point of one process training alone. (Going on below MIN's count without the dead worker
     is test_a_survivor_names_the_dead_worker_and_the_fix_and_an_elastic_job_goes_on's.)"""
     env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="3")
@@ -165,6 +167,8 @@ def test_a_worker_killed_mid_epoch_is_restarted_and_the_elastic_job_finishes_wit
     assert both.returncode == 0, out[-4000:]
     assert re.search(r"rank 1 was killed by SIGKILL; restarting it \(restart 1 of 3\)", out), out[-4000:]
     assert re.search(r"rank 1 rejoins job \S+ at its current clock and epoch 3\b", out), out[-4000:]
+    # the round rank 1 died in (rank 0 had pushed) completed with rank 0 alone
+    assert re.search(r"\[0\].*BSP job \S+: round \d+ completed with the workers that pushed", out), out[-4000:]
     assert abs(_accuracy(out) - _accuracy(alone.stdout)) <= 0.01, (alone.stdout[-500:], out[-2000:])
 
 

@@ -266,3 +266,41 @@ def test_sparse_rows_that_disagree_with_their_round_are_refused_and_change_nothi
         want[DIM : 4 * DIM] -= 0.5 * g.reshape(-1).astype(np.float64) / 2
         want[2 * DIM : 3 * DIM] -= 0.5 * g[0].astype(np.float64) / 2
         assert relative_error(c.pull("/rows-bad"), want) <= 1e-6
+
+
+def test_an_elastic_round_whose_member_died_completes_with_those_that_pushed_when_closed(cl: Cluster) -> None:
+    """An elastic job's round of 3 expected members: members 0 and 2 push (dense and rows), 1 died.
+    Nothing is applied until a member closes the run's rounds; then each range takes one step on
+    the mean over the 2 that pushed, on every replica, and the close says ranges were short. A second close and the dead member's late push change nothing."""
+    rng = np.random.default_rng(11)
+    w0 = rng.standard_normal(N).astype("<f4")
+    t0 = rng.standard_normal(ROWS * DIM).astype("<f4")
+    gs = [rng.standard_normal(N).astype("<f4") for _ in range(3)]
+    rows = [rng.standard_normal((2, DIM)).astype("<f4") for _ in range(3)]
+    ids = np.array([7, 1500])  # chunks 0 and 2 of the table
+    with irdma.connect(cl.meta_url, transport="tcp") as c:
+        c.write("/e-dense", w0, chunk_size=CHUNK)
+        c.set_update_op("/e-dense", "sgd learning_rate=0.5")
+        c.write("/e-rows", t0, chunk_size=CHUNK)
+        c.set_shape("/e-rows", [ROWS, DIM])
+        c.set_update_op("/e-rows", "sgd learning_rate=0.5")
+        for m in (0, 2):
+            contribute(c, "/e-dense", gs[m], Round(SERIES, 5, m, 3, P.ROUND_ELASTIC))
+            rows_round(c, "/e-rows", ids, rows[m], Round(SERIES, 5, m, 3, P.ROUND_ELASTIC))
+        assert np.array_equal(c.pull("/e-dense"), w0) and np.array_equal(c.pull("/e-rows"), t0)
+        short = c.run(c.client.close_round, Round(SERIES, 5, 0, 1, P.ROUND_ELASTIC))
+        assert short > 0, "the close says rounds were short of members"
+        want = w0.astype(np.float64) - 0.5 * (gs[0].astype(np.float64) + gs[2]) / 2
+        assert relative_error(c.pull("/e-dense"), want) <= 1e-6
+        table = t0.astype(np.float64).reshape(ROWS, DIM)
+        table[ids] -= 0.5 * (rows[0].astype(np.float64) + rows[2]) / 2
+        assert relative_error(c.pull("/e-rows"), table.reshape(-1)) <= 1e-6
+        assert c.run(c.client.close_round, Round(SERIES, 5, 2, 1, P.ROUND_ELASTIC)) == 0
+        contribute(c, "/e-dense", gs[1], Round(SERIES, 5, 1, 3, P.ROUND_ELASTIC))  # the dead member's, late
+        assert relative_error(c.pull("/e-dense"), want) <= 1e-6
+        assert replicas_agree(c, "/e-dense"), "the replicas hold other bytes than the head"
+        # all members in: the round completes at once, no close needed
+        for m in range(3):
+            contribute(c, "/e-dense", gs[m], Round(SERIES, 6, m, 3, P.ROUND_ELASTIC))
+        want -= 0.5 * (gs[0].astype(np.float64) + gs[1] + gs[2]) / 3
+        assert relative_error(c.pull("/e-dense"), want) <= 1e-6

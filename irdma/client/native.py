@@ -56,7 +56,7 @@ from ..transport import ShardConnection, Transport, make_transport
 from ..wire import auth
 from ..wire.compress import Compression, parse_compress
 from ..wire.optimizers import parse_update
-from ..wire.protocol import ChunkEntry, Round, StatReply, Update, UpdateOp, as_update
+from ..wire.protocol import ROUND_CLOSE, ROUND_ELASTIC, ChunkEntry, Round, StatReply, Update, UpdateOp, as_update
 from . import coord
 from . import snapshots as _snaps
 from .cache import ChunkCache
@@ -523,6 +523,33 @@ class Client:
             flat[:] = 0
             return
         await self._write_inode(inode, corrected, offset, uop, coded, flat)
+
+    async def close_round(self, round: Round) -> int:
+        """Close the synchronous rounds of run ``round.series`` up to ``round.round`` on every
+        shard in service (:data:`irdma.wire.protocol.ROUND_CLOSE`): each applies the rounds it
+        sums with the contributions they have, the mean over the members that pushed, and
+        answers once applied. An elastic job's members send it after the job's clock passed the
+        round, before they pull: a member that died mid-round no longer holds the round back.
+        A shard that is down is left out (what it summed is lost with it).
+
+        Returns:
+            How many ranges were applied with fewer members than expected, over the shards.
+
+        Raises:
+            ShardUnavailable, BadRequest: a shard failed the close (it may be retried).
+        """
+        close = Update(UpdateOp.ADD, round=dataclasses.replace(round, flags=round.flags | ROUND_CLOSE | ROUND_ELASTIC))
+        shards = [sid for sid, rec in self.view.shard_map.items()
+                  if rec.state not in ("drained", "removed") and self.view.in_view(sid)]
+        short = [0]
+
+        async def one(sid: int) -> None:
+            short[0] += await self.pool.run(sid, lambda conn: conn.write(0, 0, 4096, 0, close, b""))
+
+        async with open_nursery() as nursery:
+            for sid in shards:
+                nursery.start_soon(one, sid)
+        return short[0]
 
     async def pull(self, path: str, shape: Sequence[int] | None = None, dtype: str = "<f4") -> np.ndarray:
         """Read a whole tensor: the file's bytes as ``dtype`` (little-endian float32 by default).

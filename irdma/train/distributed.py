@@ -59,7 +59,7 @@ import numpy as np
 import tensorflow as tf
 
 from .._errors import InvalidArgument, NoAttribute, NotFound
-from ..wire.protocol import ROUND_SUM, Round, Update, UpdateOp
+from ..wire.protocol import ROUND_ELASTIC, ROUND_SUM, Round, Update, UpdateOp
 from . import coord
 from .comm import DEFAULT_SLICE_ELEMS
 from .coord import XATTR_SYNC_TIMEOUT
@@ -168,9 +168,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
             workers' gradients; :data:`Sum`: their sum). Under ``--consistency bsp`` each step's
             pushes of the job's workers are summed on the shards and the wrapped optimizer takes
             one step on their mean (:mod:`irdma.server.rounds`), so N workers with batch B train
-            as one process with batch N B; under SSP and ASP each push is a step of its own. Not
-            yet with ``drop``, ``hierarchy``, ``sync_every`` > 1 or ``--elastic``: those keep one
-            step per push (logged by rank 0).
+            as one process with batch N B; under SSP and ASP each push is a step of its own. In
+            an elastic job (``--elastic``) a round whose worker died mid-round completes with the
+            workers that pushed, its step on their mean (logged). Not yet with ``drop``,
+            ``hierarchy`` or ``sync_every`` > 1: those keep one step per push (logged by rank 0).
         compression: Horovod's ``hvd.Compression.none`` (``fp16`` is refused; ``compress`` is irdma's).
         backward_passes_per_step: Horovod's local gradient aggregation: the gradients of this many
             steps are added up on the worker (divided by their count with
@@ -353,10 +354,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         if self._job.rounds is not None:  # ASP: no clock wait between a layer's push and its pull
             self._job.rounds.asp = staleness is None
         if staleness == 0 and self.sync_every == 1 and not self.hierarchy:
-            # a round sums a fixed set of members' pushes of every range: an elastic job's members
-            # change, and drop= skips pushes; those keep a step per push for now (logged)
-            why = ("the job is elastic" if _world.get("elastic") is not None else
-                   "drop= skips a layer's push" if self.drop else None)
+            # a round sums every member's push of each range: drop= skips pushes, so it keeps a
+            # step per push for now (logged). An elastic job's rounds are closed after each clock.
+            why = "drop= skips a layer's push" if self.drop else None
             if why is None:
                 self._job.series = series_of(job_ino)
                 if self.backward_passes_per_step == 1:  # hvd.Embedding's rows join the round (a push per step)
@@ -527,8 +527,24 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         if series is None:
             return update
         u = update if isinstance(update, Update) else Update(UpdateOp(update))
-        return dataclasses.replace(u, round=Round(series, self._job.clock, _need("rank"), _need("size"),
-                                                  ROUND_SUM if self.reduce_op == Sum else 0))
+        me = _need("rank")
+        flags = ROUND_SUM if self.reduce_op == Sum else 0
+        if _world.get("elastic") is not None:  # members may die mid-round: closed by _close_round
+            return dataclasses.replace(u, round=Round(series, self._job.clock, me, max(_need("size"), me + 1),
+                                                      flags | ROUND_ELASTIC))
+        return dataclasses.replace(u, round=Round(series, self._job.clock, me, _need("size"), flags))
+
+    def _close_round(self, done: int) -> None:
+        """An elastic BSP job, once the job's clock passed round ``done``: the shards apply every
+        round up to it with the contributions they have (a member that died mid-round pushed
+        none), before this worker pulls (:meth:`irdma.Client.close_round`)."""
+        if self._job.series is None or _world.get("elastic") is None:
+            return
+        client = _need("client")
+        short = client.run(client.client.close_round, Round(self._job.series, done, _need("rank"), 1, ROUND_ELASTIC))
+        if short:
+            log.warning("BSP job %s: round %d completed with the workers that pushed (%d ranges had a member"
+                        " missing: it died mid-round), its step on their mean", _need("job"), done, short)
 
     def _step(self, lr: Any, *tensors: Any) -> list[np.ndarray]:
         """Eager (inside ``tf.py_function``): push the decay (if any) and the gradients, end the
@@ -588,7 +604,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         from .overlap import payload_bytes
 
         self.pushed_bytes += payload_bytes(data.size, codec) + (decay.nbytes if decay is not None else 0)
+        done = self._job.clock
         self._job.clock = client.run(client.client.clock, job, me)  # the round's end: the job's sync timeout bounds its wait
+        self._close_round(done)
         self.rounds += 1
         self.pushes += 1
         if group is not None:
@@ -723,7 +741,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         client = _need("client")
         rounds.started = False
         rounds.wait_pushes()
+        done = self._job.clock
         self._job.clock = client.run(client.client.clock, _need("job"), _need("rank"))
+        self._close_round(done)
         self.rounds += 1
         rounds.start_pulls(client, self._job.layout, self._job.chunks, self.sync_timeout)
         for g in range(len(rounds.groups)):

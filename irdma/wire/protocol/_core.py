@@ -20,14 +20,15 @@ from typing import ClassVar, Self
 
 from ..._errors import RemoteProtocolError
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 #: Oldest protocol version this code speaks (3 added chain replication, 4 authentication, 5 GMAC
 #: frame tags, 6 optimizer update ops, 7 GATHER and SCATTER of extents: sparse rows, 8 encoded
 #: (compressed) gradients in WRITE and REMOTE_WRITE, 9 push parts (FLAG_PART) and ADMIT: a
 #: snapshot keeps a push whole; FREE_FILES; 10 no new frame: CLONE ends the freeze on its shard,
 #: and a frozen shard holds forwarded updates until its clone, so pushes wait one round trip
 #: of the snapshot's creator, not three; a creator of protocol 9 still sends THAW, a no-op then;
-#: 11 rounds: a push may be one member's contribution to a synchronous round, ROUND_BIT).
+#: 11 rounds: a push may be one member's contribution to a synchronous round, ROUND_BIT;
+#: 12 elastic rounds: ROUND_ELASTIC and ROUND_CLOSE, and a SCATTER's rounds with empty extents).
 MIN_PROTOCOL_VERSION = 9
 MAGIC = b"IR"
 HEADER = struct.Struct("!2sBBIHHI")

@@ -85,6 +85,15 @@ OPT_CENTERED = 0x2
 ROUND_BIT = 0x80
 #: Flag bits of a :class:`Round`: apply the sum of the contributions, not their mean (``hvd.Sum``).
 ROUND_SUM = 0x1
+#: An elastic job's round (protocol 12): ``members`` is what the member expects (its job's size);
+#: contributions may disagree on it (the largest counts), and a round whose members did not all
+#: push completes when a member closes it (:data:`ROUND_CLOSE`), its divisor those that pushed.
+ROUND_ELASTIC = 0x2
+#: Close (protocol 12): a WRITE without payload that applies, on the shard it is sent to, every
+#: open round of its run up to ``round`` with the contributions it has (an elastic job's members
+#: send it once the job's clock passed the round: every live member's contribution is in). Its
+#: reply's version is the number of ranges applied with fewer members than expected.
+ROUND_CLOSE = 0x4
 _ROUND = struct.Struct("!QQIIB3x")  # series, round, member, members, flags
 
 
@@ -96,10 +105,12 @@ class Round:
         series: u64 naming the run the rounds belong to (a job run: every member of one run
             sends the same; a new run, the same job directory again, another).
         round: u64, the round (the job's clock: the rounds its members finished).
-        member: u32, this contribution's member (the worker's rank), ``member < members``.
+        member: u32, this contribution's member (the worker's rank), ``member < members``
+            (any worker id in an elastic round).
         members: u32, how many contributions make the round (at least 1): the shard applies
             the update once the contributions of every member to the same bytes are in.
-        flags: :data:`ROUND_SUM` (apply the sum; else the mean, the sum divided by ``members``).
+        flags: :data:`ROUND_SUM` (apply the sum; else the mean, the sum divided by ``members``),
+            :data:`ROUND_ELASTIC`, :data:`ROUND_CLOSE` (protocol 12).
     """
 
     series: int
@@ -115,6 +126,16 @@ class Round:
     def total(self) -> bool:
         """Whether the round applies the sum of its contributions (:data:`ROUND_SUM`), not the mean."""
         return bool(self.flags & ROUND_SUM)
+
+    @property
+    def elastic(self) -> bool:
+        """An elastic job's round (:data:`ROUND_ELASTIC`)."""
+        return bool(self.flags & ROUND_ELASTIC)
+
+    @property
+    def close(self) -> bool:
+        """A close of the run's rounds up to this one (:data:`ROUND_CLOSE`), not a contribution."""
+        return bool(self.flags & ROUND_CLOSE)
 
 
 @dataclass(frozen=True)
@@ -174,7 +195,7 @@ def _encode_update(op: UpdateOp | Update, encodable: bool = True) -> tuple[int, 
         return int(u.op) | int(enc) << 4, after
     if not u.op.is_float32:
         raise LocalProtocolError("a round (a synchronous push) goes only with add or an optimizer")
-    if not 0 <= u.round.member < u.round.members:
+    if not 0 <= u.round.member < u.round.members and not u.round.elastic:
         raise LocalProtocolError(f"round member {u.round.member} of {u.round.members}: use 0 <= member < members")
     return int(u.op) | int(enc) << 4 | ROUND_BIT, after + u.round.encode()
 
@@ -206,7 +227,7 @@ def _decode_update(opv: int, body: memoryview, at: int, encodable: bool = True) 
         _need(body, at + _ROUND.size, "round")
         rnd = Round(*_ROUND.unpack_from(body, at))
         at += _ROUND.size
-        if not 0 <= rnd.member < rnd.members:
+        if not 0 <= rnd.member < rnd.members and not rnd.elastic:
             raise RemoteProtocolError(f"round member {rnd.member} of {rnd.members}: use 0 <= member < members")
     if not uop.is_optimizer and rnd is None:
         return (Update(uop, encoding=enc) if enc else uop), at
