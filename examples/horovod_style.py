@@ -1,7 +1,7 @@
 """Horovod's Keras example, ported to irdma.
 
 Horovod's ``examples/tensorflow2/tensorflow2_keras_mnist.py`` with its import line changed
-(marked ``# irdma:``), its ``MetricAverageCallback`` left out for now (see docs/keras.md), MNIST replaced by scikit-learn's digits (shipped with the package: no
+(marked ``# irdma:``), MNIST replaced by scikit-learn's digits (shipped with the package: no
 download), each rank given its shard of them (``hvd.shard_dataset``; Horovod's example gives every
 rank the whole data) and an evaluation at the end. Run it with the launcher, as ``horovodrun -np 2 python ...`` would::
 
@@ -57,8 +57,9 @@ def main() -> None:
     callbacks = [
         # every rank starts from rank 0's weights
         hvd.callbacks.BroadcastGlobalVariablesCallback(0),
-        # Horovod's example also averages the epoch's metrics here, hvd.callbacks.MetricAverageCallback();
-        # left out until a stall it can meet under --consistency bsp is fixed (docs/keras.md)
+        # the epoch's metrics averaged over the ranks at each epoch's end (before any callback that
+        # reads them: ReduceLROnPlateau, TensorBoard, ModelCheckpoint)
+        hvd.callbacks.MetricAverageCallback(),
         # scaled_lr / size() ramped to scaled_lr over the first three epochs (Goyal et al.)
         hvd.callbacks.LearningRateWarmupCallback(initial_lr=scaled_lr, warmup_epochs=3, verbose=1),
     ]

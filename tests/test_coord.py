@@ -460,3 +460,43 @@ def test_a_cancelled_barrier_wait_withdraws_its_arrival(cluster: Cluster) -> Non
         trio.run(main)
     finally:
         meta.store.close()
+
+
+def test_bsp_workers_pass_many_job_barriers_with_their_clocks_at_the_steps_they_took(cluster: Cluster) -> None:
+    """Two workers (a metadata client each, as two processes have) take a few BSP steps and pass
+    a job barrier, epoch after epoch, as ``MetricAverageCallback`` does at each epoch's end.
+    The worker that passes a barrier first takes its next step before the other has left the
+    barrier: leaving it must not move the other's clock up to that step (it would count a step
+    it never took, and at the next barrier each waits for the other until the deadline)."""
+    from irdma.meta import open_meta
+    from irdma.meta.aio import AsyncMeta
+    from irdma.meta.base import ROOT_INO
+
+    epochs, steps, deadline = 25, 3, 20.0
+    bsp = coord.parse_consistency("bsp")
+    metas = [AsyncMeta(open_meta(cluster.meta_url)) for _ in range(2)]
+    job = metas[0].store.create(ROOT_INO, b"many-barriers", stat.S_IFDIR | 0o755, os.getuid(), os.getgid()).ino
+    after: dict[int, list[int]] = {0: [], 1: []}  # each worker's clock after each barrier
+
+    async def worker(w: int) -> None:
+        meta = metas[w]
+        for epoch in range(epochs):
+            for _ in range(steps):
+                await coord.tick(meta, job, w, 2, bsp, deadline)
+            await coord.job_barrier(meta, job, f"metrics-{epoch}", w, 2, None, deadline)
+            after[w].append((await meta.clocks(job))[w])
+
+    async def main() -> None:
+        for w in (0, 1):  # both join before either steps (irdma.keras.init, then the start barrier)
+            await coord.join(metas[w], job, w)
+        async with trio.open_nursery() as nursery:
+            for w in (0, 1):
+                nursery.start_soon(worker, w)
+
+    try:
+        trio.run(main)
+    finally:
+        for m in metas:
+            m.store.close()
+    every = [steps * (e + 1) for e in range(epochs)]
+    assert after == {0: every, 1: every}

@@ -2,8 +2,8 @@
 names, ``hvd.DistributedOptimizer`` with Horovod's keyword arguments, ``hvd.allreduce`` /
 ``allgather`` / ``broadcast`` of small values through the shards, ``hvd.Average``/``hvd.Sum``,
 ``hvd.Compression``, ``local_size``. A Horovod-style script (Keras, Adam with the learning rate
-scaled by ``hvd.size()``, the warm-up callback) under ``irdma run -n 2 --consistency bsp``, and
-the refusals a user meets in one process.
+scaled by ``hvd.size()``, the metric-averaging and warm-up callbacks) under ``irdma run -n 2
+--consistency bsp``, and the refusals a user meets in one process.
 """
 
 from __future__ import annotations
@@ -42,12 +42,13 @@ opt = keras.optimizers.Adam(0.001 * hvd.size())
 opt = hvd.DistributedOptimizer(opt, backward_passes_per_step=1, average_aggregated_gradients=True,
                                compression=hvd.Compression.none, op=hvd.Average)
 model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
              hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.001 * hvd.size(), warmup_epochs=2, verbose=0)]
 xs, ys = hvd.shard_dataset((x, y))
 hist = model.fit(xs, ys, batch_size=16, epochs=3, verbose=0, callbacks=callbacks)
 out["lr"] = [float(v) for v in hist.history["lr"]]
 out["loss"] = [float(v) for v in hist.history["loss"]]
+out["accuracy"] = [float(v) for v in hist.history["accuracy"]]
 weights = np.concatenate([w.ravel() for w in model.get_weights()])
 out["checksum"] = float(weights.sum())
 print(json.dumps(out), flush=True)
@@ -77,6 +78,9 @@ def test_a_horovod_keras_script_runs_with_only_its_import_changed(tmp_path: obje
         assert d["lr"][0] < d["lr"][1] <= d["lr"][2] == pytest.approx(0.002, rel=0.05), d["lr"]
         assert d["loss"][-1] < d["loss"][0]
     assert got[0]["checksum"] == got[1]["checksum"], "the ranks ended with different weights"
+    # MetricAverageCallback: each epoch's metrics are the ranks' mean, the same on both (each
+    # rank trains on its own half of the data, so its own numbers differ)
+    assert (got[0]["loss"], got[0]["accuracy"]) == (got[1]["loss"], got[1]["accuracy"])
 
 
 def test_what_cannot_be_ported_is_refused_with_the_alternative() -> None:

@@ -41,7 +41,11 @@ not hold that one back either), and waits while fewer than MIN are live; worker 
 0 to MAX - 1. Without it every worker ``0 .. N-1`` that has not left counts, live or not.
 *Job barriers* (:func:`job_barrier`) are passed once every live member arrived (elastic) or
 every worker that has not left (otherwise); arrivals are kept, so a worker that rejoins and
-reaches a barrier the others passed goes through.
+reaches a barrier the others passed goes through. Each arrival records the worker's clock, and
+a worker leaving the barrier moves its clock up to the largest of those (a worker that arrived
+early, not counted meanwhile, catches up): never to a clock a worker that passed first reached
+since, which under BSP would count a step the slower one never took and leave the two waiting
+for each other at the next barrier.
 
 Synchronization functions (SoftMemoryBox II, Ahn et al., IEEE Access 2020)
 --------------------------------------------------------------------------
@@ -193,11 +197,12 @@ def whoami() -> tuple[str, int]:
     return socket.gethostname(), os.getpid()
 
 
-async def join(meta: AsyncMeta, job: int, worker: int) -> int:
-    """Join job ``job`` as ``worker`` (again: after a restart, a lapse or a job barrier); its
-    clock, moved up to the job's current clock."""
+async def join(meta: AsyncMeta, job: int, worker: int, barrier: str | None = None) -> int:
+    """Join job ``job`` as ``worker`` (again: after a restart, a lapse, or leaving job barrier
+    ``barrier``); its clock, moved up to the job's current clock (from a barrier: to the
+    barrier's, see the module docstring)."""
     host, pid = whoami()
-    return int(await meta.member_join(job, worker, host, pid))
+    return int(await meta.member_join(job, worker, host, pid, barrier))
 
 
 async def heartbeat(meta: AsyncMeta, job: int, worker: int, stop: Any = None) -> None:
@@ -228,7 +233,8 @@ async def job_barrier(meta: AsyncMeta, job: int, name: str, worker: int, workers
                       elastic: tuple[int, int] | None, timeout: float) -> None:
     """Wait at job barrier ``name``, at most ``timeout`` seconds, until the members it waits for
     arrived (see the module docstring), parked meanwhile; then join again (the clock moves up
-    to the job's). Barrier names are for one use: :func:`irdma.keras.barrier` numbers its calls.
+    to the largest clock the arrivals had when they arrived). Barrier names are for one use:
+    :func:`irdma.keras.barrier` numbers its calls.
 
     Raises:
         SyncTimeout: not all arrived by the deadline (it names the missing ones).
@@ -256,7 +262,7 @@ async def job_barrier(meta: AsyncMeta, job: int, name: str, worker: int, workers
             raise SyncTimeout(f"{exc.args[0]}: {describe_workers(state['missing'], state['members'], clocks)}"
                               " did not arrive", exc.hint) from None
         raise
-    await join(meta, job, worker)
+    await join(meta, job, worker, name)
 
 
 async def barrier(meta: AsyncMeta, name: str, n: int, timeout: float) -> None:

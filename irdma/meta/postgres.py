@@ -106,7 +106,7 @@ from irdma._errors import Busy, InvalidArgument, IrdmaError, MetadataError
 from .base import ROOT_INO
 from .sql import FAILOVER_TIMEOUT_S, SqlMeta, log
 from .sql_rows import Result, now, redact
-from .sql_sync import SYNC_SCHEMA
+from .sql_sync import SYNC_COLUMNS, SYNC_SCHEMA
 
 #: The schema (what SQLite's is, in PostgreSQL's types: BIGINT, BYTEA, identity columns).
 SCHEMA = """
@@ -148,7 +148,8 @@ CREATE TABLE IF NOT EXISTS snapshots(
 ALTER TABLE snapshots ADD COLUMN IF NOT EXISTS maker_uid BIGINT;
 CREATE TABLE IF NOT EXISTS txids(id UUID PRIMARY KEY, at TIMESTAMPTZ NOT NULL DEFAULT now());
 CREATE INDEX IF NOT EXISTS txids_at ON txids USING brin(at);
-""" + SYNC_SCHEMA
+""" + SYNC_SCHEMA + "".join(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {col} {decl};\n"
+                            for table, columns in SYNC_COLUMNS.items() for col, decl in columns.items())
 #: Serializes schema creation of several processes formatting one database at once.
 _SCHEMA_LOCK = 0x1D3A_0001
 #: SQLSTATEs after which the whole call runs again: nothing it did was committed.

@@ -17,7 +17,8 @@ Tables (both engines)::
     sync_owners(kind, name, uid, gid, mode)               a sync object's owner and permission bits
     clocks(job, worker, clock)                            job: the job directory's inode
     members(job, worker, host, pid, heartbeat_ns, epoch, parked, gone)   a job's membership
-    arrivals(job, name, worker)                           a job barrier's arrivals (members)
+    arrivals(job, name, worker, clock)                    a job barrier's arrivals (members), each with
+                                                          the worker's clock when it arrived
 
 A sync object's *key* is its name (1 to :data:`MAX_SYNC_NAME` bytes, no '/') for the objects of
 a mount's root ``.irdma/`` and of native clients, or ``DIR/NAME`` (``DIR`` a directory's inode
@@ -51,8 +52,12 @@ CREATE TABLE IF NOT EXISTS members(
     heartbeat_ns BIGINT NOT NULL, epoch BIGINT NOT NULL DEFAULT 0, parked TEXT, gone BIGINT NOT NULL DEFAULT 0,
     PRIMARY KEY(job, worker));
 CREATE TABLE IF NOT EXISTS arrivals(
-    job BIGINT NOT NULL, name TEXT NOT NULL, worker BIGINT NOT NULL, PRIMARY KEY(job, name, worker));
+    job BIGINT NOT NULL, name TEXT NOT NULL, worker BIGINT NOT NULL, clock BIGINT NOT NULL DEFAULT 0,
+    PRIMARY KEY(job, name, worker));
 """
+#: Columns added to the sync tables since their first schema (each engine adds them on open where
+#: missing): the clock a worker had when it arrived at a job barrier (0 for arrivals made before).
+SYNC_COLUMNS = {"arrivals": {"clock": "BIGINT NOT NULL DEFAULT 0"}}
 #: Longest name of a barrier, lock or counter (bytes of UTF-8).
 MAX_SYNC_NAME = 200
 
@@ -272,12 +277,19 @@ class SqlSync:
                     "SELECT worker, host, pid, heartbeat_ns, epoch, parked, gone FROM members WHERE job=?"
                     " ORDER BY worker", (job,))]
 
-    def member_join(self, job: int, worker: int, host: str, pid: int) -> int:
+    def member_join(self, job: int, worker: int, host: str, pid: int, barrier: str | None = None) -> int:
         """Make ``worker`` (process ``pid`` on ``host``) a live member of job ``job``: a
-        heartbeat now, not parked, not gone; and move its clock up to the largest clock of the
-        job's other live members, so that a worker that joins late, comes back after a crash or
-        leaves a job barrier goes on at the job's current clock (a clock never goes down).
+        heartbeat now, not parked, not gone; and move its clock up (a clock never goes down).
         Returns its clock.
+
+        Without ``barrier`` (a worker that joins late, or comes back after a crash or a lapse)
+        the clock moves up to the largest clock of the job's other live members, so that it goes
+        on at the job's current clock. With ``barrier`` (a worker leaving job barrier
+        ``barrier``, :func:`irdma.client.coord.job_barrier`) it moves up to the largest clock the
+        barrier's arrivals had when they arrived, the same for every worker that passes it: not
+        to a clock a worker that passed first has reached since (its first step after the
+        barrier), which would count a step the slower one never took, and under BSP leave the
+        two waiting for each other at the next barrier.
 
         Raises:
             InvalidArgument: a worker id outside 0 .. 2^20 - 1."""
@@ -285,11 +297,16 @@ class SqlSync:
             raise InvalidArgument(f"worker ids are 0 to {(1 << 20) - 1}, not {worker}")
         with self._tx() as c:
             t = now()
-            live = {int(w) for w, h, p, hb, g in c.execute(
-                "SELECT worker, host, pid, heartbeat_ns, gone FROM members WHERE job=? AND worker<>?", (job, worker))
-                if self._member_live(str(h), int(p), int(hb), int(g), t)}
             clocks = {int(w): int(k) for w, k in c.execute("SELECT worker, clock FROM clocks WHERE job=?", (job,))}
-            clock = max([clocks.get(worker, 0), *(clocks.get(w, 0) for w in live)])
+            if barrier is None:
+                live = {int(w) for w, h, p, hb, g in c.execute(
+                    "SELECT worker, host, pid, heartbeat_ns, gone FROM members WHERE job=? AND worker<>?",
+                    (job, worker)) if self._member_live(str(h), int(p), int(hb), int(g), t)}
+                others = [clocks.get(w, 0) for w in live]
+            else:
+                others = [int(k) for (k,) in c.execute("SELECT clock FROM arrivals WHERE job=? AND name=?",
+                                                        (job, barrier))]
+            clock = max([clocks.get(worker, 0), *others])
             c.execute("INSERT INTO clocks VALUES (?,?,?) ON CONFLICT (job, worker) DO UPDATE SET clock=excluded.clock",
                       (job, worker, clock))
             c.execute("INSERT INTO members(job, worker, host, pid, heartbeat_ns) VALUES (?,?,?,?,?)"
@@ -318,18 +335,20 @@ class SqlSync:
             c.execute("UPDATE members SET gone=1, parked=NULL WHERE job=? AND worker=?", (job, worker))
 
     def member_park(self, job: int, worker: int, name: str, arrived: bool = True) -> None:
-        """``worker`` arrived at job barrier ``name``: recorded (for good: a member that comes to
-        it later finds the arrivals before it) and parked there (clock waits do not wait for a
-        parked member) until it joins again. ``arrived=False`` takes the arrival back (a wait
-        that gave up) and unparks it.
+        """``worker`` arrived at job barrier ``name``: recorded with its clock now (for good: a
+        member that comes to it later finds the arrivals before it; arriving again keeps the
+        first record) and parked there (elastic clock waits do not wait for a parked member)
+        until it joins again. ``arrived=False`` takes the arrival back (a wait that gave up) and
+        unparks it.
 
         Raises:
             InvalidArgument: a bad barrier name (see :func:`check_sync_name`)."""
         check_sync_name(name)
         with self._tx() as c:
             if arrived:
-                c.execute("INSERT INTO arrivals VALUES (?,?,?) ON CONFLICT (job, name, worker) DO NOTHING",
-                          (job, name, worker))
+                row = c.execute("SELECT clock FROM clocks WHERE job=? AND worker=?", (job, worker)).fetchone()
+                c.execute("INSERT INTO arrivals(job, name, worker, clock) VALUES (?,?,?,?)"
+                          " ON CONFLICT (job, name, worker) DO NOTHING", (job, name, worker, int(row[0]) if row else 0))
             else:
                 c.execute("DELETE FROM arrivals WHERE job=? AND name=? AND worker=?", (job, name, worker))
             c.execute("UPDATE members SET parked=? WHERE job=? AND worker=?", (name if arrived else None, job, worker))

@@ -29,7 +29,7 @@ from irdma._errors import Busy, InvalidArgument, IrdmaError, MetadataError, NotF
 from .base import ROOT_INO
 from .sql import SqlMeta, log
 from .sql_rows import now
-from .sql_sync import SYNC_SCHEMA
+from .sql_sync import SYNC_COLUMNS, SYNC_SCHEMA
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS inodes(
@@ -184,7 +184,7 @@ class SqliteMeta(SqlMeta):
                 c.execute("INSERT INTO chunks SELECT ino, idx, shard, incarnation FROM chunks_v1")
                 c.execute("DROP TABLE chunks_v1")
             for table, columns in (("shards", _SHARD_COLUMNS), ("inodes", _INODE_COLUMNS), ("moves", _MOVE_COLUMNS),
-                                   ("snapshots", _SNAPSHOT_COLUMNS)):
+                                   ("snapshots", _SNAPSHOT_COLUMNS), *SYNC_COLUMNS.items()):
                 have = {r[1] for r in c.execute(f"PRAGMA table_info({table})")}
                 for col, decl in columns.items():
                     if col not in have:
