@@ -562,6 +562,10 @@ def test_clocks_members_barriers_locks_and_counters_work_on_every_engine(store: 
     assert [(x.worker, x.live, x.epoch) for x in m.members(5)] == [(0, True, 3), (1, True, 0)]
     m.member_park(5, 1, "e0")
     assert m.arrivals(5, "e0") == [1]
+    # leaving a job barrier: up to the clock its arrivals had, not to one reached since
+    m.member_park(5, 0, "e0")
+    assert m.member_join(5, 0, host, pid, barrier="e0") == 2 and m.clock_tick(5, 0) == 3
+    assert m.member_join(5, 1, host, pid, barrier="e0") == 2  # not worker 0's 3: a step it never took
     m.member_leave(5, 1)
     assert not m.member_beat(5, 1) and m.members(5)[1].left
     assert m.barrier_arrive("b", 2) == (0, False) and m.barrier_arrive("b", 2) == (0, True)
