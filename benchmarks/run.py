@@ -335,6 +335,42 @@ def tmpfs_ceiling(size: int, block: int = 4 * MiB) -> dict[str, float]:
     return {"write": w, "read": r}
 
 
+def dd_into_mount(size: int, repeats: int = 3) -> dict[str, Any]:
+    """``dd bs=4k`` and ``dd bs=1M`` of ``size`` bytes (``conv=fsync``: the time includes every
+    push) into a mount (page cache, as a user's dd gets; 4 shards, 1 replica) and into
+    benchmarks/passthrough.py over tmpfs (the FUSE ceiling: a 4 KiB write there is one FUSE round
+    trip and nothing else), alternately ``repeats`` times each from a file of random bytes on
+    tmpfs. MB/s, the median of each: ``{"mount": {"4k": ..., "1M": ...}, "passthrough": {...}}``."""
+    import statistics
+
+    import fio
+
+    src = f"/dev/shm/irdma-bench-dd-{os.getpid()}"
+    with open(src, "wb") as f:
+        f.write(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
+
+    def dd(directory: str) -> dict[str, float]:
+        runs: dict[str, list[float]] = {"4k": [], "1M": []}
+        for i in range(repeats):
+            for bs, block in (("4k", 4096), ("1M", MiB)):
+                dst = os.path.join(directory, f"dd-{bs}-{i}")
+                t0 = time.perf_counter()
+                subprocess.run(["dd", f"if={src}", f"of={dst}", f"bs={bs}", f"count={size // block}", "conv=fsync"],
+                               check=True, capture_output=True, timeout=600)
+                runs[bs].append(size / (time.perf_counter() - t0) / 1e6)
+                os.unlink(dst)
+        return {bs: statistics.median(v) for bs, v in runs.items()}
+
+    try:
+        with cluster(4, 256 * MiB) as (meta, _), mounted(meta) as (mp, _):
+            out = {"mount": dd(mp)}
+        with fio.passthrough() as pt:
+            out["passthrough"] = dd(pt)
+    finally:
+        os.unlink(src)
+    return {**out, "size": size}
+
+
 # ---------------------------------------------------------------- the model round (peers)
 def _run_workers(kind: str, target: str, shapes_file: str, rounds: int, n: int = 2) -> float:
     start = tempfile.mktemp(prefix="irdma-bench-start-")
@@ -506,7 +542,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the suite, not figures")
     ap.add_argument("--out", default=os.path.join(REPO, "docs"))
-    ap.add_argument("--only", choices=["replication", "authentication", "rounds", "fio", "rows", "cache", "snapshots"],
+    ap.add_argument("--only", choices=["replication", "authentication", "rounds", "fio", "rows", "cache", "snapshots",
+                                       "dd"],
                     help="run one section, print its figures as JSON and compare only its ratios")
     ap.add_argument("--cache-file-size", default="1GiB",
                     help="--only cache: bytes of the hot file 4 readers read (benchmarks/readcache.py)")
@@ -529,9 +566,11 @@ def main() -> int:
         print(json.dumps(part, indent=1))
         regression_check({args.only: part}, previous, against, [args.only], args.quick)
         return 0
-    if args.only in ("rounds", "fio", "rows", "snapshots"):  # measure one section again into the last report
+    if args.only in ("rounds", "fio", "rows", "snapshots", "dd"):  # measure one section again into the last report
         if args.only == "rounds":
             part = model_rounds(model_shapes(), 1 if args.quick else 3)
+        elif args.only == "dd":
+            part = dd_into_mount((8 if args.quick else 64) * MiB)
         elif args.only == "rows":
             import rows
 
@@ -659,6 +698,9 @@ def main() -> int:
 
     say("fio: sequential 1 MiB and random 4 KiB, read and write, on tmpfs, a pyfuse3 passthrough and the mount")
     R["fio"] = fio.run_all(args.quick, say)
+
+    say("dd: bs=4k against bs=1M, 64 MiB into the mount and into a pyfuse3 passthrough of tmpfs")
+    R["dd"] = dd_into_mount((8 if args.quick else 64) * MiB)
 
     import snapshots
 

@@ -36,7 +36,7 @@ AUTHENTICATION_WANTED = 0.9
 def _section(what: str) -> str:
     """The ``--only`` section a target's figures come from ("main": only a full run measures it)."""
     for prefix, section in (("model round", "rounds"), ("fio ", "fio"), ("sparse rows", "rows"),
-                            ("snapshot", "snapshots")):
+                            ("snapshot", "snapshots"), ("dd ", "dd")):
         if what.startswith(prefix):
             return section
     return "main"
@@ -98,6 +98,12 @@ def targets(R: dict[str, Any]) -> list[dict[str, Any]]:
                 unit = "MB/s" if field == "mb_s" else "IOPS"
                 add(what, mn[key][field] / pt[key][field], "minimal pyfuse3 passthrough of tmpfs", want,
                     f"{mn[key][field]:.0f} vs {pt[key][field]:.0f} {unit}")
+    dd = R.get("dd")
+    if dd:  # issue 39: small writes gathered into chunk-sized pushes
+        m, p = dd["mount"], dd["passthrough"]
+        add(f"dd bs=4k / dd bs=1M into the mount, {fmt_size(dd['size'])}", m["4k"] / m["1M"], "dd bs=1M into the mount",
+            0.5, f"{m['4k']:.0f} vs {m['1M']:.0f} MB/s (the FUSE ceiling, a pyfuse3 passthrough of tmpfs:"
+            f" {p['4k']:.0f} vs {p['1M']:.0f} MB/s, {p['4k'] / p['1M']:.2f})")
     rt = R.get("round_trip")
     if rt:
         add("4 KiB native read p50, over a Python socket ping-pong", rt["irdma_p50_us"] / rt["socket_p50_us"],

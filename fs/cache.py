@@ -8,7 +8,19 @@ records in the metadata engine, and the bytes the shards acknowledged, are that.
 
 * Write-behind (:class:`WriteBehind`): a ``write`` hands its bytes to a task that pushes them to
   the shards (:meth:`WriteBehind.push`) and returns at once; at most ``MAX_INFLIGHT_WRITES``
-  pushes per file are in flight, then a write waits for a slot. A push is a :class:`Pending`
+  pushes per file are in flight, then a write waits for a slot. Writes of ``assign`` smaller
+  than ``GATHER_WRITE_MAX`` are first *gathered* (:class:`Gather`, as the kernel's page cache gathers dirty pages): a write that
+  starts inside or at the end of a gathered byte range of its file joins it (overwriting in place
+  what it covers), and the range is pushed as one request once it reaches the end of its aligned
+  block of ``GATHER_BYTES`` (the chunk size when smaller), so ``dd bs=4k`` sends 4 MiB pushes,
+  several in flight together. A gathered range is also pushed when a write that cannot join it
+  overlaps it, when its file starts a ``GATHERS_PER_FILE``-th one (the oldest goes), when a read
+  through any handle of this mount (or a read-ahead fetch) overlaps it, at every drain, when it
+  is ``GATHER_AGE_S`` old (:meth:`WriteBehind.flush_older_than`), and when the mount's gathered
+  and gathered-in-flight bytes would pass ``MOUNT_WRITE_BYTES`` (:class:`WriteBudget`: a write
+  waits for pushes to end, pushing the oldest gathered ranges first when none is in flight). A
+  gathered write is acknowledged at once, like any write-behind write, and its errors come as a
+  push's do (below). A push is a :class:`Pending`
   byte range ``[start, end)`` of the file until its shards acknowledged it or it failed, and it
   leaves its record for the next *drain* (``flush`` at every ``close``, ``fsync``, the last
   ``release``, a truncate): the end of an acknowledged push, the chunks it created, the offset of
@@ -41,10 +53,14 @@ Invariants.
   residual it started from) until it ends; a read-ahead window is a new buffer that ``read_into``
   fills and that is never written after its fetch (read replies slice it: pyfuse3 copies a reply
   at once); an exact read pulls into a new buffer of its own.
-* Overlapping writes stay in order: a write waits for every push in flight that overlaps it
-  before it is admitted (under the file's ``admit`` lock, which also orders writes against the
-  clearing of a gap), so its residual and its bytes land after theirs. A read waits for the
-  pushes it overlaps, and a window's fetch for those in its window: this mount reads its writes.
+* Overlapping writes stay in order: a write that is not gathered first pushes the gathered
+  ranges it overlaps and waits for every push in flight that overlaps it before it is admitted
+  (under the file's ``admit`` lock, which also orders writes against the clearing of a gap), so
+  its residual and its bytes land after theirs. A gathered write pushes every other gathered range
+  it overlaps (gathered ranges of a file never overlap), and a gathered range's push waits for
+  every push admitted before it that it overlaps, so a newer byte never lands first. A read
+  pushes the gathered ranges it overlaps and waits for the pushes it overlaps, and a window's
+  fetch does so for its window: this mount reads its writes, through any handle.
 * No window outlives a write: every write, truncate and open invalidates the file's windows and
   its fetches in flight (:meth:`ReadAhead.invalidate`), so a read issued after a write never
   joins a fetch that may have read the shards before the write landed.
@@ -76,6 +92,20 @@ log = logging.getLogger("irdma.fs")
 
 #: Write requests in flight per file before a write waits.
 MAX_INFLIGHT_WRITES = 64
+#: Bytes of the aligned block one gathered range of adjacent writes fills before it is pushed as
+#: one request (a file's chunk size when smaller: a gathered push is one chunk's part).
+GATHER_BYTES = 4 << 20
+#: Bytes from which a write is pushed alone, never gathered: its request's cost is small beside
+#: its bytes, and pushes of its size in flight together beat one larger push (FUSE's largest
+#: request is 1 MiB: ``--direct-io`` and O_DIRECT writers send that).
+GATHER_WRITE_MAX = 256 << 10
+#: Gathered ranges one file holds at once (one per stream of writes): a write that starts another
+#: pushes the oldest. With GATHER_BYTES, at most about 4 x (4 MiB + one write) gathered per file.
+GATHERS_PER_FILE = 4
+#: Seconds a gathered range waits for more writes before it is pushed anyway.
+GATHER_AGE_S = 1.0
+#: Bytes gathered, or being pushed from gathered ranges, on one mount (all files together).
+MOUNT_WRITE_BYTES = 64 << 20
 #: Bytes of the first read-ahead window of a sequential read (it doubles with every hit).
 READAHEAD_MIN = 128 << 10
 #: Bytes of the largest read-ahead window.
@@ -133,6 +163,81 @@ class Pending:
     done: trio.Event = field(default_factory=trio.Event)
 
 
+@dataclass(eq=False)
+class Gather:
+    """Adjacent writes of ``assign`` gathered into one push: bytes ``[start, start + len(buf))``
+    of the file, pushed with ``op`` once they reach ``limit`` (the end of the aligned block of
+    ``GATHER_BYTES``, or of the chunk, that ``start`` is in). ``born``: :func:`trio.current_time`
+    of its first write."""
+
+    start: int
+    limit: int
+    op: Update
+    born: float
+    buf: bytearray = field(default_factory=bytearray)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.buf)
+
+
+class WriteBudget:
+    """The bytes one mount's gathered writes hold, gathered or being pushed, all files together,
+    at most ``limit`` (``MOUNT_WRITE_BYTES``): a write that would pass it waits (see
+    :meth:`take`).
+
+    Args:
+        limit: bytes.
+    """
+
+    def __init__(self, limit: int = MOUNT_WRITE_BYTES) -> None:
+        self.limit = limit
+        self.used = 0  # bytes gathered or in flight from gathered ranges
+        self.gathered = 0  # of those, bytes gathered and not yet pushed
+        #: the write-behinds holding gathered ranges, the one that began gathering first first
+        self.holders: dict[WriteBehind, None] = {}
+        self._freed = trio.Event()
+
+    async def take(self, n: int) -> None:
+        """Count ``n`` more bytes (a write about to be gathered), once they fit: while they do
+        not, wait for a gathered push to end, pushing every gathered range of the oldest holder
+        first when nothing is in flight (else nothing would end). Every push has the client's
+        request deadline, so the wait ends."""
+        while self.used and self.used + n > self.limit:
+            if self.used == self.gathered and self.holders:
+                next(iter(self.holders)).flush_gathers()
+                continue
+            freed = self._freed
+            await freed.wait()
+        self.used += n
+        self.gathered += n
+
+    def take_nowait(self, n: int) -> bool:
+        """Count ``n`` more bytes if they fit now (True), else nothing (False)."""
+        if self.used and self.used + n > self.limit:
+            return False
+        self.used += n
+        self.gathered += n
+        return True
+
+    def untake(self, n: int) -> None:
+        """Give back ``n`` bytes :meth:`take` counted that no gathered range holds (a write
+        that overwrote gathered bytes in place)."""
+        self.used -= n
+        self.gathered -= n
+
+    def pushing(self, n: int) -> None:
+        """``n`` gathered bytes are being pushed now."""
+        self.gathered -= n
+
+    def pushed(self, n: int) -> None:
+        """The push of ``n`` gathered bytes ended (acknowledged or failed): wake the writers
+        waiting for room."""
+        self.used -= n
+        self._freed.set()
+        self._freed = trio.Event()
+
+
 @dataclass(frozen=True)
 class Seen:
     """What a drain saw of a file's write-behind records (:meth:`WriteBehind.seen`): the
@@ -160,10 +265,14 @@ class WriteBehind:
         residuals: the mount's residuals (a compressed push keeps what its compression dropped).
         tell_writers: called with ``(inode, error)`` when a push fails: every handle of the
             file open for writing hears of it (errseq).
+        budget: the mount's :class:`WriteBudget` (None: gathered bytes are not counted).
+        nursery: the nursery that runs the pushes of gathered ranges (the mount's), looked up
+            at each push.
     """
 
     def __init__(self, client: Client, layout: Layout, chunks: ChunkMap, residuals: Residuals,
-                 tell_writers: Callable[[int, IrdmaError], None]) -> None:
+                 tell_writers: Callable[[int, IrdmaError], None], budget: WriteBudget | None = None,
+                 nursery: Callable[[], trio.Nursery | None] = lambda: None) -> None:
         self.client = client
         self.layout = layout
         self.chunks = chunks
@@ -178,11 +287,108 @@ class WriteBehind:
         self.persist = trio.Lock()  # one drain records the size and chunks at a time
         self.slots = trio.Semaphore(MAX_INFLIGHT_WRITES)
         self.admit = trio.Lock()  # orders writes against gap clearing
+        self.gathers: list[Gather] = []  # gathered ranges not pushed yet, disjoint, oldest first
+        self.gather_bytes = min(GATHER_BYTES, layout.chunk_size)
+        self.budget = budget
+        self._nursery = nursery
 
     async def wait_all(self) -> None:
-        """Wait until no push of the file is in flight (those admitted meanwhile too)."""
+        """Push every gathered range, then wait until no push of the file is in flight (those
+        admitted meanwhile too)."""
+        self.flush_gathers()
         while self.pending:
             await self.pending[0].done.wait()
+
+    async def settle(self, start: int, end: int) -> None:
+        """Make bytes ``[start, end)`` readable from the shards as this mount wrote them: push
+        the gathered ranges that overlap them, then wait for every push that does."""
+        for g in [g for g in self.gathers if g.start < end and start < g.end]:
+            self._push_gather(g)
+        await self.wait_overlapping(start, end)
+
+    async def gather(self, off: int, buf: bytes, op: Update) -> None:
+        """Gather a write of ``buf`` at ``off`` with update op ``op`` (``assign``): into the
+        gathered range it starts inside or at the end of, else a new one (see the module
+        docstring); push what it fills. Waits only for room in the mount's budget."""
+        if self.budget is not None:
+            await self.budget.take(len(buf))
+        self._gather(off, buf, op)
+
+    def gather_nowait(self, off: int, buf: bytes, op: Update) -> bool:
+        """:meth:`gather` if the mount's budget has room now (True), else nothing (False)."""
+        if self.budget is not None:
+            if not self.budget.take_nowait(len(buf)):
+                return False
+        self._gather(off, buf, op)
+        return True
+
+    def _gather(self, off: int, buf: bytes, op: Update) -> None:
+        """Gather a write whose bytes the budget counted already (see :meth:`gather`)."""
+        n = len(buf)
+        end = off + n
+        into = None
+        for g in list(self.gathers):
+            if into is None and g.start <= off <= g.end and off < g.limit and g.op == op:
+                into = g
+            elif g.start < end and off < g.end:  # overlapped: its bytes are older, pushed first
+                self._push_gather(g)
+        if into is None:
+            if len(self.gathers) >= GATHERS_PER_FILE:
+                self._push_gather(self.gathers[0])
+            into = Gather(off, off - off % self.gather_bytes + self.gather_bytes, op, trio.current_time())
+            if not self.gathers and self.budget is not None:
+                self.budget.holders[self] = None
+            self.gathers.append(into)
+        before = len(into.buf)
+        rel = off - into.start
+        into.buf[rel : rel + n] = buf  # in place where it overlaps, the rest appended
+        if self.budget is not None:
+            self.budget.untake(n - (len(into.buf) - before))
+        self.writes += 1
+        if into.end >= into.limit:
+            self._push_gather(into)
+
+    def flush_gathers(self) -> None:
+        """Push every gathered range of the file now (the pushes run in the mount's nursery)."""
+        for g in list(self.gathers):
+            self._push_gather(g)
+
+    def flush_older_than(self, born: float) -> None:
+        """Push the gathered ranges whose first write came before ``born`` (trio time)."""
+        for g in [g for g in self.gathers if g.born < born]:
+            self._push_gather(g)
+
+    def _push_gather(self, g: Gather) -> None:
+        """Admit the push of gathered range ``g`` (a :class:`Pending` at once: reads and drains
+        wait for it) and start it in the mount's nursery."""
+        nursery = self._nursery()
+        assert nursery is not None, "gathered writes need the mount's nursery"
+        self.gathers.remove(g)
+        if not self.gathers and self.budget is not None:
+            self.budget.holders.pop(self, None)
+        entry = Pending(g.start, g.end)
+        self.pending.append(entry)
+        if self.budget is not None:
+            self.budget.pushing(len(g.buf))
+        nursery.start_soon(self._push_gathered, entry, g)
+
+    async def _push_gathered(self, entry: Pending, g: Gather) -> None:
+        """Push gathered range ``g`` (``entry``) after every push admitted before it that it
+        overlaps (its bytes are newer), in a slot; :meth:`push` records how it ended."""
+        started = False
+        try:
+            for p in self.pending[: self.pending.index(entry)]:
+                if p.start < entry.end and entry.start < p.end:
+                    await p.done.wait()
+            await self.slots.acquire()
+            started = True
+            await self.push(entry, g.start, memoryview(g.buf), g.op)
+        finally:
+            if not started:  # cancelled before it was sent (the mount ends): nothing to record
+                self.pending.remove(entry)
+                entry.done.set()
+            if self.budget is not None:
+                self.budget.pushed(len(g.buf))
 
     async def wait_overlapping(self, start: int, end: int) -> None:
         """Wait for every push in flight now that overlaps bytes ``[start, end)``."""
@@ -199,7 +405,7 @@ class WriteBehind:
         self.writes += 1
         return entry
 
-    async def push(self, entry: Pending, off: int, buf: bytes | np.ndarray, op: Update,
+    async def push(self, entry: Pending, off: int, buf: bytes | memoryview | np.ndarray, op: Update,
                    coded: Compression | None = None, feedback: np.ndarray | None = None) -> None:
         """Push one write (``entry``, admitted by :meth:`admit_push`; bytes ``buf`` at ``off``)
         with update op ``op``, then record how it ended. ``coded``: compressed, what its
@@ -261,8 +467,8 @@ class WriteBehind:
         del self.acked_ends[: seen.acked]
         del self.new_chunks[: seen.new]
         del self.failed_starts[: seen.failed]
-        return self.writes != seen.writes or bool(self.pending or self.acked_ends or self.new_chunks
-                                                  or self.failed_starts)
+        return self.writes != seen.writes or bool(self.pending or self.gathers or self.acked_ends
+                                                  or self.new_chunks or self.failed_starts)
 
     def take_error(self) -> IrdmaError | None:
         """The first error a push met since the last drain, forgotten (a drain for no handle)."""
@@ -416,8 +622,8 @@ class ReadAhead:
         the file changed meanwhile. Never raises: the error goes to ``fetch``'s waiters."""
         start = key[0]
         gen = self.generation
-        # this mount's pushes into the window land before it is pulled
-        await self.write_behind.wait_overlapping(start, start + length)
+        # this mount's writes into the window (gathered or in flight) land before it is pulled
+        await self.write_behind.settle(start, start + length)
         # not zeroed first: read_into fills every byte (zeros for holes) or raises, and a
         # failed fetch's buffer is never served
         buf = memoryview(np.empty(length, dtype=np.uint8))  # type: ignore[arg-type]

@@ -53,6 +53,10 @@ class FileState:
     #: set when this mount could not record the file as open after its session was reaped
     #: (the inode was removed meanwhile): every read, write, flush and fsync fails with it
     lost: IrdmaError | None = None
+    #: ``security.capability`` of the file as last read (None: not set) and until when (monotonic
+    #: seconds) it answers the kernel's ``getxattr`` of it before each write (OpenFiles.capability)
+    caps: bytes | None = None
+    caps_until: float = 0.0
 
     def invalidate(self) -> None:
         """Drop the read-ahead windows: every write, truncate and open (close-to-open)."""

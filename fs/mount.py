@@ -126,6 +126,10 @@ async def _serve_mount(
                      entry_cache=view.entry_cache)
         fs.control.sync_timeout = sync_timeout
         await fs.start_session(f"mount {mountpoint}")
+        # No max_write: libfuse3 (3.14) already asks the kernel for its largest requests, 1 MiB
+        # (max_pages 256, the kernel's fs.fuse.max_pages_limit), big writes are always on in
+        # FUSE 3, and its session refuses max_write, max_pages and big_writes as options; small
+        # writes are gathered by the mount instead (irdma.fs.cache).
         options = set(pyfuse3.default_options)
         options.add("default_permissions")  # the kernel checks modes, owners and the sticky bit
         if allow_other:
@@ -167,6 +171,7 @@ async def _serve_mount(
                     nursery.start_soon(on_signal)
                     nursery.start_soon(fs.run_heartbeats)
                     nursery.start_soon(fs.refresh_pulled_pages)  # read-only parameter files held open
+                    nursery.start_soon(fs.expire_gathered_writes)  # a slow writer's bytes go out anyway
                     log.info("mounted %s on %s (transport %s)", redact(meta_url), mountpoint, client.transport.name)
                     if exporter is not None:
                         try:

@@ -24,7 +24,7 @@ import numpy as np
 import pyfuse3
 import trio
 
-from irdma._errors import InvalidArgument, IrdmaError, ReadOnly
+from irdma._errors import InvalidArgument, IrdmaError, NoAttribute, ReadOnly
 from irdma.client import comm
 from irdma.client.native import ChunkMap, Client, layout_of
 from irdma.meta import Inode
@@ -32,12 +32,15 @@ from irdma.wire.compress import Compression
 from irdma.wire.optimizers import parse_update
 from irdma.wire.protocol import Update, UpdateOp
 
-from .cache import ReadAhead, Residuals, WriteBehind
+from .cache import GATHER_AGE_S, GATHER_WRITE_MAX, ReadAhead, Residuals, WriteBehind, WriteBudget
 from .errors import fuse_errors
 from .handles import FileState, Handle, getattr_or_stale, scheduled
 
 log = logging.getLogger("irdma.fs")
 
+#: The extended attribute the kernel reads before every write to a file (file capabilities,
+#: which a write clears: ``file_remove_privs``).
+XATTR_CAPS = b"security.capability"
 #: Seconds between mtime updates of a file written only through direct I/O without growing.
 MTIME_LAZY_S = 1.0
 #: Kernel page invalidations (they may block: :meth:`OpenFiles.drop_pulled_pages`) in worker threads
@@ -71,6 +74,10 @@ class OpenFiles:
         #: error feedback of compressed writes: per inode, float32, element i is bytes [4i, 4i+4)
         self.residuals = Residuals()
         self._invalidations = trio.CapacityLimiter(INVALIDATIONS_IN_THREADS)
+        #: the bytes of this mount's gathered writes, all files together (MOUNT_WRITE_BYTES)
+        self.budget = WriteBudget()
+        #: the mount's nursery: the pushes of gathered writes run in it (set before serving)
+        self.nursery: trio.Nursery | None = None
 
     def new_fh(self) -> int:
         """A new file handle number (the mount's one counter: files, directories, control files)."""
@@ -96,7 +103,8 @@ class OpenFiles:
         """The state of a file at its first open here: its size as the metadata has it, its
         chunk map ``chunks`` (shared with its write-behind and read-ahead)."""
         layout = layout_of(inode)
-        wb = WriteBehind(self.client, layout, chunks, self.residuals, self.tell_writers)
+        wb = WriteBehind(self.client, layout, chunks, self.residuals, self.tell_writers, self.budget,
+                         lambda: self.nursery)
         return FileState(layout, chunks, wb, ReadAhead(self.client, layout, chunks, wb), size=inode.size,
                          persisted_size=inode.size)
 
@@ -149,6 +157,28 @@ class OpenFiles:
             if h.ino == ino:
                 h.compress = coded
 
+    async def capability(self, st: FileState, ino: int, ttl: float) -> bytes | None:
+        """``security.capability`` of file ``ino``, open here (state ``st``): None when it has
+        none. The kernel asks for it before every write (``file_remove_privs``: a write clears
+        file capabilities), so it is read from the metadata engine once per ``ttl`` seconds (the
+        mount's attribute cache: how long the kernel trusts a file's mode, setuid bits included)
+        and kept in ``st``; a ``setxattr`` or ``removexattr`` of it through this mount drops it
+        (:meth:`forget_capability`). Without this, each 4 KiB write cost a metadata call."""
+        now = time.monotonic()
+        if now >= st.caps_until:
+            try:
+                caps: bytes | None = await self.meta.getxattr(ino, XATTR_CAPS)
+            except NoAttribute:
+                caps = None
+            st.caps, st.caps_until = caps, now + ttl
+        return st.caps
+
+    def forget_capability(self, ino: int) -> None:
+        """``security.capability`` of ``ino`` changed through this mount: read it again."""
+        st = self.files.get(ino)
+        if st is not None:
+            st.caps_until = 0.0
+
     # ------------------------------------------------------------ reads and writes
     async def read(self, h: Handle, off: int, size: int,
                    nursery: trio.Nursery | None) -> bytes | bytearray | memoryview:
@@ -158,8 +188,8 @@ class OpenFiles:
         st = self.files[h.ino]
         if st.lost is not None:
             raise st.lost
-        if st.write_behind.pending:
-            await st.write_behind.wait_overlapping(off, off + size)
+        if st.write_behind.pending or st.write_behind.gathers:  # read your writes, any handle's
+            await st.write_behind.settle(off, off + size)
         file_size = st.size  # as of open, plus this mount's writes (close-to-open)
         n = max(0, min(size, file_size - off))
         if n == 0:
@@ -180,8 +210,11 @@ class OpenFiles:
             return await st.read_ahead.read_exact(off, n)
 
     async def write(self, h: Handle, off: int, buf: bytes, nursery: trio.Nursery | None) -> int:
-        """Admit a write of ``buf`` at ``off`` (O_APPEND: at the file's end) through ``h``: its
-        push runs in ``nursery``; returns ``len(buf)`` at once.
+        """Admit a write of ``buf`` at ``off`` (O_APPEND: at the file's end) through ``h``: a
+        small write of ``assign`` is gathered with the adjacent ones into chunk-sized pushes, any
+        other is pushed alone (see :mod:`irdma.fs.cache`); pushes run in ``nursery``; returns
+        ``len(buf)`` at once (after a wait for room: at most ``MAX_INFLIGHT_WRITES`` pushes per
+        file, ``MOUNT_WRITE_BYTES`` gathered on the mount).
 
         Raises:
             IrdmaError: the file's last failed push (kept for the next fsync or close); Stale: the
@@ -203,12 +236,26 @@ class OpenFiles:
         if h.op.op.is_float32 and (off % 4 or len(buf) % 4):
             raise InvalidArgument(f"a write to an {h.op.op.name.lower()} file must be float32 aligned:"
                                   f" offset {off}, {len(buf)} bytes")
+        # adjacent small writes of assign are gathered into one push
+        gathered = h.op.op == UpdateOp.ASSIGN and len(buf) < GATHER_WRITE_MAX
+        if gathered and off <= st.size and not wb.admit.locked() and wb.gather_nowait(off, buf, h.op):
+            # the common case, with no wait at all: a sequential dd bs=4k costs its FUSE round trip
+            st.invalidate()
+            st.size = max(st.size, end)
+            st.dirty = st.pushed = True
+            return len(buf)
         async with wb.admit:
             if off > st.size:
                 # a gap: it must read as zeros, whatever a failed writer left there
                 await wb.wait_all()
                 await self.client.truncate_data(st.layout, st.size)
-            await wb.wait_overlapping(off, end)  # keep overlapping writes in order
+            if gathered:
+                await wb.gather(off, buf, h.op)
+                st.invalidate()
+                st.size = max(st.size, end)
+                st.dirty = st.pushed = True
+                return len(buf)
+            await wb.settle(off, end)  # keep overlapping writes in order
             coded = h.compress if h.op.op.is_float32 and buf else None
             data: bytes | np.ndarray = buf
             feedback = None
@@ -279,7 +326,8 @@ class OpenFiles:
                 seen = wb.seen(st.persisted_size)
                 new_size, chunks = seen.size, seen.chunks
                 # bytes past a failed push are not the file's (writes admitted meanwhile still are)
-                st.size = max(new_size, st.persisted_size, *(p.end for p in wb.pending))
+                st.size = max(new_size, st.persisted_size, *(p.end for p in wb.pending),
+                              *(g.end for g in wb.gathers))
                 # A push that does not grow a file opened only with direct I/O (a gradient to an
                 # add file) refreshes mtime at most once a second, as lazytime does: one metadata
                 # transaction per close of every parameter file would cost more than the push.
@@ -314,6 +362,17 @@ class OpenFiles:
             for ino, st in list(self.files.items()):
                 if st.pulled_handles and self.files.get(ino) is st:
                     await self.drop_pulled_pages(st, ino)
+
+    async def expire_gathers(self, age: float = GATHER_AGE_S) -> None:
+        """Every ``age / 2`` seconds, push the gathered writes of every file open here that
+        have waited ``age`` seconds for more (a slow writer's bytes reach the shards without a
+        close). Runs until cancelled."""
+        while True:
+            await trio.sleep(age / 2)
+            born = trio.current_time() - age
+            for st in list(self.files.values()):
+                if st.write_behind.gathers:
+                    st.write_behind.flush_older_than(born)
 
     async def drop_pulled_pages(self, st: FileState, ino: int) -> None:
         """Drop the read-ahead windows of file ``ino`` and the kernel's cached pages (and

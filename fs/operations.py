@@ -1,7 +1,9 @@
 """pyfuse3 operations for an irdma namespace.
 
 Reads are pulls, writes are pushes. Writes are asynchronous transfers (write-behind): a
-``write`` hands its bytes to a task that pushes them to the shards and returns at once;
+``write`` hands its bytes to a task that pushes them to the shards and returns at once (small
+adjacent writes of ``assign`` are first gathered into chunk-sized pushes, and the kernel's
+``getxattr security.capability`` before each write is answered from memory);
 ``flush`` (every ``close``) and ``fsync`` wait until every transfer of the file has been
 acknowledged by its shard, persist the file size, and report the first error a transfer met
 (as NFS does). So an ``fsync`` that returned means the bytes are on the shards. Overlapping
@@ -108,7 +110,7 @@ from irdma.wire.optimizers import parse_update
 from .control import CLOCK_PREFIX, CONTROL, STATE_PREFIX, XATTR_MOUNT, Control, caller_of
 from .errors import fuse_errors
 from .handles import communication_of, getattr_or_stale, kills_setid
-from .openfile import INVALIDATIONS_IN_THREADS, MTIME_LAZY_S, OpenFiles
+from .openfile import INVALIDATIONS_IN_THREADS, MTIME_LAZY_S, XATTR_CAPS, OpenFiles
 from .options import ATTR_TIMEOUT, ENTRY_TIMEOUT
 from .session import HEARTBEAT_S, CollectGarbage, MountSession
 from .stateimage import StateImages
@@ -155,7 +157,6 @@ class IrdmaFS(pyfuse3.Operations):
         self.direct_io = direct_io  # every file with direct I/O (else per file: user.irdma.io)
         self.read_only, self.root, self.attr_cache, self.entry_cache = read_only, root, attr_cache, entry_cache
         self.meta = client.meta
-        self.nursery: trio.Nursery | None = None
         self.after_init: Callable[[], object] | None = None
         #: the files and handles open here (their state, reads, writes and drains)
         self.files = OpenFiles(client, lambda: self.sid)
@@ -169,6 +170,15 @@ class IrdmaFS(pyfuse3.Operations):
         #: this mount's session in the metadata (:mod:`irdma.fs.session`)
         self.session = MountSession(client, self.control, self.files, read_only=read_only,
                                     collect_garbage=collect_garbage)
+
+    @property
+    def nursery(self) -> trio.Nursery | None:
+        """The mount's nursery: pushes, read-ahead fetches and background work run in it."""
+        return self.files.nursery
+
+    @nursery.setter
+    def nursery(self, nursery: trio.Nursery | None) -> None:
+        self.files.nursery = nursery
 
     @property
     def sid(self) -> int:
@@ -205,6 +215,11 @@ class IrdmaFS(pyfuse3.Operations):
         Runs in the mount's nursery for the mount's life; costs nothing while no such handle is
         open."""
         await self.files.refresh_pulled_pages(max(self.attr_cache, PULL_REFRESH_MIN_S))
+
+    async def expire_gathered_writes(self) -> None:
+        """Push gathered writes that waited ``GATHER_AGE_S`` for more (:mod:`irdma.fs.cache`),
+        for the mount's life."""
+        await self.files.expire_gathers()
 
     async def end_session(self) -> None:
         await self.session.end()
@@ -467,6 +482,12 @@ class IrdmaFS(pyfuse3.Operations):
                 shown = self.control.mount_xattr()
                 if shown is not None:
                     return shown
+            st = self.files.files.get(inode)
+            if name == XATTR_CAPS and st is not None:  # the kernel's question before every write
+                caps = await self.files.capability(st, inode, self.attr_cache)
+                if caps is None:
+                    raise pyfuse3.FUSEError(errno.ENODATA)
+                return caps
             return await self.meta.getxattr(inode, name)
 
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
@@ -477,7 +498,9 @@ class IrdmaFS(pyfuse3.Operations):
                 log.warning("setxattr %s=%r on inode %d refused: %s", name.decode(errors="replace"), value[:200],
                             inode, exc)
                 raise
-            if name == XATTR_UPDATE:  # this mount's open handles push with the new op at once
+            if name == XATTR_CAPS:
+                self.files.forget_capability(inode)
+            elif name == XATTR_UPDATE:  # this mount's open handles push with the new op at once
                 self.files.set_op(inode, parse_update(value))
             elif name == XATTR_COMPRESS:  # this inode's open handles compress as told at once
                 self.files.set_compress(inode, parse_compress(value) or None)
@@ -491,7 +514,9 @@ class IrdmaFS(pyfuse3.Operations):
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
         with fuse_errors("removexattr"):
             await self.meta.removexattr(inode, name)
-            if name == XATTR_COMPRESS:  # this inode's open handles push dense from now on
+            if name == XATTR_CAPS:
+                self.files.forget_capability(inode)
+            elif name == XATTR_COMPRESS:  # this inode's open handles push dense from now on
                 self.files.set_compress(inode, None)
 
     # ------------------------------------------------------------ files
