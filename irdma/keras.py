@@ -5,7 +5,7 @@ The names (loaded with TensorFlow on first use of this module):
 * :func:`init`, :func:`shutdown`, :func:`rank`, :func:`size`, :func:`local_rank`,
   :func:`job_dir`, :func:`shard_dataset`, :func:`barrier`: :mod:`irdma.train.world`;
   :class:`DistributedOptimizer`, ``Average`` and ``Sum`` (``op=`` of a BSP round):
-  :mod:`irdma.train.distributed`, with :func:`load_model` (Horovod's ``hvd.load_model``);
+  :mod:`irdma.train.distributed`, with :func:`load_model` (:mod:`irdma.train.callbacks`; Horovod's ``hvd.load_model``);
   :class:`BroadcastInitialWeights`, :class:`MetricAverageCallback`: :mod:`irdma.train.callbacks` (run the
   script with ``irdma run -n N -- python train.py``).
 * ``callbacks`` (Horovod's ``hvd.callbacks``: ``BroadcastGlobalVariablesCallback``,
@@ -27,9 +27,9 @@ The names (loaded with TensorFlow on first use of this module):
 from __future__ import annotations
 
 from .train import callbacks
-from .train.callbacks import BroadcastInitialWeights, MetricAverageCallback
+from .train.callbacks import BroadcastInitialWeights, MetricAverageCallback, load_model
 from .train.collectives import allgather, allreduce, broadcast
-from .train.distributed import Average, Compression, DistributedOptimizer, Sum, load_model
+from .train.distributed import Average, Compression, DistributedOptimizer, Sum
 from .train.embedding import Embedding
 from .train.keras import ShardOptimizer, SnapshotCallback, restore_snapshot
 from .train.world import (

@@ -97,7 +97,7 @@ class SavedAsKeras:
     """What Keras saves of a :class:`irdma.train.distributed.DistributedOptimizer` (mixed into it):
     the wrapped optimizer's stock Keras class with its config and variables, its slots holding
     the shards' state, so that any Keras loads the file (without irdma: an Adam that predicts and
-    trains on as the job's); :func:`irdma.train.distributed.load_model` wraps it again (Horovod's
+    trains on as the job's); :func:`irdma.train.callbacks.load_model` wraps it again (Horovod's
     ``hvd.load_model``). Keras names a saved object by ``obj.__class__`` (``serialize_keras_object``,
     the legacy ``.h5`` format's ``model_metadata``) and walks what ``dir(obj)`` lists (which
     follows ``__class__``).
