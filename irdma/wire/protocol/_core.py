@@ -20,15 +20,20 @@ from typing import ClassVar, Self
 
 from ..._errors import RemoteProtocolError
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 #: Oldest protocol version this code speaks (3 added chain replication, 4 authentication, 5 GMAC
 #: frame tags, 6 optimizer update ops, 7 GATHER and SCATTER of extents: sparse rows, 8 encoded
 #: (compressed) gradients in WRITE and REMOTE_WRITE, 9 push parts (FLAG_PART) and ADMIT: a
 #: snapshot keeps a push whole; FREE_FILES; 10 no new frame: CLONE ends the freeze on its shard,
 #: and a frozen shard holds forwarded updates until its clone, so pushes wait one round trip
 #: of the snapshot's creator, not three; a creator of protocol 9 still sends THAW, a no-op then;
-#: 11 rounds: a push may be one member's contribution to a synchronous round, ROUND_BIT).
+#: 11 rounds: a push may be one member's contribution to a synchronous round, ROUND_BIT;
+#: 12 no new frame: a whole-chunk copy, FLAG_REPLACE, may carry the chunk's first bytes only,
+#: zeros after them, as a shard holds a chunk in an extent sized to its bytes: a shard sends
+#: such a copy only to a successor of protocol 12, :data:`SHORT_COPIES`).
 MIN_PROTOCOL_VERSION = 9
+#: The protocol version from which a whole-chunk copy (FLAG_REPLACE) may be shorter than its chunk.
+SHORT_COPIES = 12
 MAGIC = b"IR"
 HEADER = struct.Struct("!2sBBIHHI")
 HEADER_SIZE = HEADER.size  # 16
