@@ -28,8 +28,13 @@ PROTOCOL_VERSION = 12
 #: and a frozen shard holds forwarded updates until its clone, so pushes wait one round trip
 #: of the snapshot's creator, not three; a creator of protocol 9 still sends THAW, a no-op then;
 #: 11 rounds: a push may be one member's contribution to a synchronous round, ROUND_BIT;
-#: 12 elastic rounds: ROUND_ELASTIC and ROUND_CLOSE, and a SCATTER's rounds with empty extents).
+#: 12 elastic rounds: ROUND_ELASTIC and ROUND_CLOSE, and a SCATTER's rounds with empty extents;
+#: and a whole-chunk copy, FLAG_REPLACE, may carry the chunk's first bytes only, zeros after
+#: them, as a shard holds a chunk in an extent sized to its bytes: a shard sends such a copy
+#: only to a successor of protocol 12, :data:`SHORT_COPIES`).
 MIN_PROTOCOL_VERSION = 9
+#: The protocol version from which a whole-chunk copy (FLAG_REPLACE) may be shorter than its chunk.
+SHORT_COPIES = 12
 MAGIC = b"IR"
 HEADER = struct.Struct("!2sBBIHHI")
 HEADER_SIZE = HEADER.size  # 16

@@ -142,7 +142,9 @@ class Write:
     data: memoryview | bytes = b""  # with an encoded op (protocol 8): the encoded gradient
     existing: bool = False  # FLAG_EXISTING: never create the chunk
     chain: Chain | None = None  # FLAG_CHAIN: replicate along this chain
-    replace: bool = False  # FLAG_REPLACE (forwards only): data is the whole chunk
+    #: FLAG_REPLACE (forwards only): a whole-chunk copy, ``data`` its first bytes and zeros
+    #: after them up to ``chunk_size`` (protocol 12; the whole chunk before)
+    replace: bool = False
 
     def encode(self) -> tuple[_Parts, int]:
         flags = 0
