@@ -9,6 +9,7 @@ cluster, and the place a LOCATE (the verbs transport's one-sided path) gives out
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -93,8 +94,8 @@ def test_a_thousand_4k_files_on_two_replicas_hold_8_mib_not_8_gib(tmp_path: obje
 
         used = trio.run(run)
         assert sum(used.values()) == 1000 * PAGE * 2 <= 64 * MB, used
-        res = irdma_cli("status", "--meta", c.meta_url)
-        assert "used" in res.stdout
+        status = json.loads(irdma_cli("status", "--json", "--meta", c.meta_url).stdout)  # what an operator reads
+        assert (status["bytes_held"], status["bytes_in_files"]) == (1000 * PAGE * 2, 1000 * PAGE), status
 
 
 def test_a_file_grown_in_small_appends_reads_back_exact_from_each_replica(tmp_path: object) -> None:
