@@ -153,6 +153,12 @@ class Dispatcher:
         except RemoteProtocolError as exc:
             metrics.end(t0, opcode_name(frame.opcode), transport, "bad_request")
             return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
+        if isinstance(msg, P.Scatter) and msg.staged_extents:  # verbs: its extents out of the staging buffer (copied)
+            try:
+                msg = msg.unstaged(staging)
+            except RemoteProtocolError as exc:
+                metrics.end(t0, op_of(msg), transport, "bad_request")
+                return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
         if isinstance(msg, P.Sync) and self.shard.store is not None:
             return ThreadWork(self._sync(msg, t0, transport))
         if isinstance(msg, P.Clone):
