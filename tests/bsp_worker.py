@@ -31,6 +31,8 @@ OPTIMIZERS = {
     "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
     "adam-bpps2": lambda: keras.optimizers.Adam(0.01),
     "adam-p3": lambda: keras.optimizers.Adam(0.01),
+    "adam-p3-drop": lambda: keras.optimizers.Adam(0.01),
+    "adam-p3-drops": lambda: keras.optimizers.Adam(0.01),
     "embedding-sgd": lambda: keras.optimizers.SGD(0.5),
     "embedding-adagrad": lambda: keras.optimizers.Adagrad(0.3),
 }
@@ -38,7 +40,10 @@ OPTIMIZERS = {
 #: averaged, before one push): one process then takes a step per that many batches of every worker.
 PASSES = {"adam-bpps2": 2}
 #: Kinds with per-layer pushes in P3's priority slices (of this many float32: a layer is several).
-P3_SLICE = {"adam-p3": 16}
+P3_SLICE = {"adam-p3": 16, "adam-p3-drop": 16, "adam-p3-drops": 16}
+#: Kinds with layer dropping: a threshold no layer meets (every push goes: one process's steps),
+#: and one the kernels meet for a while (dropped pushes: zero contributions to the rounds).
+DROP = {"adam-p3-drop": 1e-12, "adam-p3-drops": 0.05}
 #: The embedding kinds' table: rows of DIM floats (three chunks over two shards), IDS ids an example.
 ROWS, DIM, IDS = 5000, 4, 5
 
@@ -94,7 +99,9 @@ def main() -> None:
                               name="table") if kind.startswith("embedding") else None
         m = model(kind, table)
         passes = PASSES.get(kind, 1)
-        extra = {"overlap": "p3", "slice_elems": P3_SLICE[kind]} if kind in P3_SLICE else {}
+        extra: dict[str, object] = {"overlap": "p3", "slice_elems": P3_SLICE[kind]} if kind in P3_SLICE else {}
+        if kind in DROP:
+            extra["drop"] = DROP[kind]
         opt = hvd.DistributedOptimizer(OPTIMIZERS[kind](), backward_passes_per_step=passes,
                                        average_aggregated_gradients=passes > 1, **extra)
         m.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
@@ -104,7 +111,8 @@ def main() -> None:
             m.save(os.path.join(out, f"{kind}.keras"))
             if table is not None:  # the table lives on the shards, not in the model's file
                 np.save(os.path.join(out, f"{kind}-table.npy"), table.read_table())
-            print(json.dumps({"kind": kind, "rounds": opt.rounds}), flush=True)
+            skipped = opt._job.rounds.skipped if opt._job.rounds is not None else 0  # noqa: SLF001
+            print(json.dumps({"kind": kind, "rounds": opt.rounds, "skipped": skipped}), flush=True)
         hvd.shutdown()
 
 

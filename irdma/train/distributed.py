@@ -185,8 +185,9 @@ class DistributedOptimizer(SavedAsKeras, keras.optimizers.Optimizer):  # type: i
             one step on their mean (:mod:`irdma.server.rounds`), so N workers with batch B train
             as one process with batch N B; under SSP and ASP each push is a step of its own. In
             an elastic job (``--elastic``) a round whose worker died mid-round completes with the
-            workers that pushed, its step on their mean (logged). Not yet with ``drop``,
-            ``hierarchy`` or ``sync_every`` > 1: those keep one step per push (logged by rank 0).
+            workers that pushed, its step on their mean (logged); a layer ``drop`` skips is a zero
+            contribution. Not yet with ``hierarchy`` or ``sync_every`` > 1: those keep one step
+            per push.
         compression: Horovod's ``hvd.Compression.none`` (``fp16`` is refused; ``compress`` is irdma's).
         backward_passes_per_step: Horovod's local gradient aggregation: the gradients of this many
             steps are added up on the worker (divided by their count with
@@ -359,16 +360,11 @@ class DistributedOptimizer(SavedAsKeras, keras.optimizers.Optimizer):  # type: i
         if self._job.rounds is not None:  # ASP: no clock wait between a layer's push and its pull
             self._job.rounds.asp = staleness is None
         if staleness == 0 and self.sync_every == 1 and not self.hierarchy:
-            # a round sums every member's push of each range: drop= skips pushes, so it keeps a
-            # step per push for now (logged). An elastic job's rounds are closed after each clock.
-            why = "drop= skips a layer's push" if self.drop else None
-            if why is None:
-                self._job.series = series_of(job_ino)
-                if self.backward_passes_per_step == 1:  # hvd.Embedding's rows join the round (a push per step)
-                    _world["in_round"] = self._in_round
-            elif me == 0:
-                log.warning("BSP job %s: %s, so each worker's push is a step of its own (not one step per round on the"
-                            " workers' mean)", job, why)
+            # a round sums every member's push of each range (a layer drop= skips pushes zero; an
+            # elastic job's rounds are closed after each clock)
+            self._job.series = series_of(job_ino)
+            if self.backward_passes_per_step == 1:  # hvd.Embedding's rows join the round (a push per step)
+                _world["in_round"] = self._in_round
         if self.hierarchy and self._job.group is None:
             if _world.get("elastic") is not None:
                 raise InvalidArgument("hierarchy=True cannot follow an elastic job's membership (a host group has"

@@ -26,6 +26,9 @@ Layer dropping (the seed paper, Applied Sciences 2020) with ``drop=T``: a layer'
 skipped while ``learning_rate * ||accumulated gradient||_1 < T * ||weights||_1``; the gradient
 waits in a :class:`irdma.train.comm.ResidualCache` on the worker and goes with the layer's next
 push (nothing computed is lost). A skipped layer is still pulled (the other workers' updates).
+Under BSP a skipped layer's push is a zero contribution to the job's round (a top-k payload of
+one zero element), so the round, which sums every worker's contribution to each range, never
+waits for it.
 """
 
 from __future__ import annotations
@@ -39,11 +42,16 @@ import tensorflow as tf
 
 from .._concurrency import open_nursery
 from .._errors import InvalidArgument
-from ..wire.protocol import UpdateOp
+from ..wire.compress import Compression
+from ..wire.protocol import Encoding, UpdateOp
 from . import comm
 
 #: What ``overlap=`` takes.
 OVERLAPS = ("none", "fifo", "p3")
+
+
+#: A dropped layer's zero contribution to a BSP round: top-k keeping one element (of zero).
+EMPTY = Compression(Encoding.TOPK, fraction=1e-12)
 
 
 def check(overlap: str, slice_elems: int, drop: float) -> None:
@@ -164,17 +172,24 @@ class Rounds:
         import time
 
         push: np.ndarray | None = data
+        empty = False  # a BSP round's zero contribution of a dropped layer
         if self.cache is not None:
             self.cache.scale = max(float(lr), 1e-12)
             push = self.cache.offer(g, data, self.flat(g, [self.vars[i].numpy() for i in self.groups[g]]))
             if push is None:
                 self.skipped += 1
-                if decay is None:
+                if getattr(update, "round", None) is not None:
+                    # the round waits for every worker's contribution to each range: a dropped
+                    # layer's is zero (one top-k element: a few bytes), its gradient kept here
+                    push, empty = np.zeros(data.size, np.float32), True
+                elif decay is None:
                     if self.asp:  # the other workers' updates still come in
                         self._start_pull(client, g, layout, chunks, timeout)
                     return
+        if empty:
+            codec = EMPTY
         fb = None
-        if codec is not None and push is not None:  # error feedback: what earlier pushes left out goes now
+        if codec is not None and push is not None and not empty:  # error feedback: what earlier pushes left out goes now
             fb = self.residuals.setdefault(g, np.zeros(data.size, np.float32))
             push = push + fb
         # An ASP job pulls each slice as soon as its push is acknowledged:
@@ -212,7 +227,7 @@ class Rounds:
             return out
 
         if push is not None:
-            self.pushed += 1
+            self.pushed += not empty
             self.pushed_bytes += sum(payload_bytes(n, codec) for _, _, n in pieces)
         if decay is not None:
             self.pushed_bytes += 4 * data.size
