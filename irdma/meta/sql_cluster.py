@@ -50,6 +50,8 @@ class SqlCluster:
 
         def resolve(self, path: str) -> Inode: ...
 
+        def _shown(self, c: Cursor, inode: Inode) -> Inode: ...
+
         def lookup(self, parent: int, name: bytes) -> Inode: ...
 
         def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int, *,
@@ -403,7 +405,8 @@ class SqlCluster:
             assert got is not None
             if sid:
                 c.execute("INSERT INTO open_files VALUES (?,?)", (sid, ino))
-            return Opened(got[0], got[1], {}, self._open_xattrs(c, ino, (), inherited), self._get(c, parent))
+            xattrs = self._open_xattrs(c, ino, (), inherited)
+            return Opened(got[0], got[1], {}, xattrs, self._shown(c, self._get(c, parent)))
 
     @staticmethod
     def _open_xattrs(c: Cursor, ino: int, own: Sequence[bytes], inherited: Sequence[bytes]) -> dict[bytes, bytes]:
