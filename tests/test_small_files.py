@@ -5,7 +5,8 @@ The calls are counted as a user could: the mount's own Prometheus counter
 ``irdma_meta_calls_total`` (one per metadata engine call, by method). A 4 KiB file's
 create + write + close is its lookup, one ``create_open`` and one ``extend``, plus its share of
 a ``close_inodes`` batch; an open + read + close of it is one ``open_file`` (and the lookup,
-when the kernel's entry cache expired). With the attribute and entry caches on (1 s), a file
+when the kernel's entry cache expired). The native client's ``write`` of a new small file is two
+calls, its ``read`` one. With the attribute and entry caches on (1 s), a file
 written and closed on one mount reads back byte for byte, at its new size, from an open on
 another mount every time, also when that mount read an older version of it just before.
 """
@@ -21,7 +22,9 @@ import pytest
 from helpers import Cluster, mounted, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+import irdma
 from irdma.meta import open_meta
+from irdma.metrics import meta_metrics
 from irdma.ops import stats
 
 pytestmark = pytest.mark.fuse
@@ -120,3 +123,27 @@ def test_close_to_open_across_mounts_with_caching_on(mnt: str, mnt2: str) -> Non
             f.write(data[::-1])
         with open(os.path.join(mnt, d, f"f{k}"), "rb") as f:
             assert f.read() == data[::-1]
+
+
+def test_the_native_client_writes_a_small_file_in_two_calls_and_reads_it_in_one(cluster: Cluster) -> None:
+    """``Client.write`` of a new 4 KiB file: one call to resolve or create it with its chunk map,
+    one to record its size and chunks (the old code made 5: resolve, lookup, create, chunk_map,
+    extend); ``Client.read``: one (was 2: resolve, chunk_map). Counted by this process's
+    ``irdma_meta_calls_total``."""
+    counter = meta_metrics().calls
+
+    def calls() -> dict[str, float]:
+        return {s.labels["call"]: s.value for fam in counter.collect() for s in fam.samples
+                if s.name == "irdma_meta_calls_total"}
+
+    data = random.Random(2).randbytes(4 * KiB)
+    with irdma.connect(cluster.meta_url, transport="tcp") as c:
+        c.makedirs("/native-small")
+        for i in range(5):
+            before = calls()
+            assert c.write(f"/native-small/f{i}", data, chunk_size=65536) == len(data)
+            mid = calls()
+            assert bytes(c.read(f"/native-small/f{i}")) == data
+            after = calls()
+            assert _spent(before, mid) == {"resolve_chunks": 1, "extend": 1}
+            assert _spent(mid, after) == {"resolve_chunks": 1}
