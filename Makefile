@@ -30,8 +30,9 @@ demo: install
 bench: install
 	$(PY) benchmarks/run.py
 
-# The accuracy table of docs/training.md (about 15 minutes): train_keras.py under ASP, BSP and
-# SSP:2 at 2 and 4 workers with SGD+momentum and Adam on the shards, against one process.
+# The accuracy table of docs/training.md (about 25 minutes on 2 quiet cores, 3 seeds a row):
+# examples/keras_digits.py under ASP, BSP and SSP:2 at 2 and 4 workers with SGD+momentum and Adam
+# on the shards, against one process (batch N x 32 for BSP, 32 for ASP/SSP).
 train-table: install
 	$(PY) benchmarks/train_table.py
 

@@ -1,16 +1,22 @@
 """Data-parallel Keras on irdma as a Horovod user writes it, and the same training in one process.
 
     irdma run -n 4 --consistency ssp:2 -- python examples/keras_digits.py --optimizer adam --epochs 20
-    python examples/keras_digits.py --single --optimizer adam --epochs 20      # the baseline
+    python examples/keras_digits.py --single --optimizer adam --epochs 20      # ASP/SSP's baseline
+    python examples/keras_digits.py --single --batch-size 128 --epochs 20      # BSP at 4 workers
 
 Every worker trains a 64-64-10 MLP with plain ``model.fit`` on its share of scikit-learn's
 digits (shipped inside the package: no download; 1347 training and 450 test images), with
 :class:`irdma.keras.DistributedOptimizer` wrapping the Keras optimizer: the shards apply it
 under the job's consistency model. ``--single`` trains the same model with the same Keras
-optimizer, batch size (32) and epochs on the whole training set in this process: both take the
-same number of gradient steps in all. Rank 0 (or the single process) evaluates the test set at
-each epoch's end and prints ``accuracy: 0.xxxx``; ``--json FILE`` writes the figures (final
-accuracy, seconds, the per-epoch curve, clock rounds).
+optimizer and epochs on the whole training set in this process. Each worker takes
+``1347 // (N * B)`` steps of batch B (``--batch-size``, 32) per epoch, and so does one process
+with batch ``N * B``: under BSP a round is one step on the mean of the N workers' gradients,
+what ``--single --batch-size N*B`` computes; under ASP and SSP every push is a step, and
+``--single`` with batch B takes as many steps over as many examples. ``--seed S`` (0) seeds the
+model's initial weights (rank 0's, broadcast), the shuffling and each rank's own shuffle
+(``1000 * S + rank``); the train/test split is fixed. Rank 0 (or the single process) evaluates
+the test set at each epoch's end and prints ``accuracy: 0.xxxx``; ``--json FILE`` writes the
+figures (final accuracy, seconds, the per-epoch curve, clock rounds).
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds the initial weights and the shuffles (1000 * SEED + rank); the split is fixed")
     parser.add_argument("--single", action="store_true", help="train in this process with Keras alone (the baseline)")
     parser.add_argument("--overlap", default="none", help="DistributedOptimizer's overlap: none, fifo or p3")
     parser.add_argument("--json", default=None, help="write the figures to this file (rank 0)")
@@ -57,15 +65,18 @@ def main() -> None:
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
         optimizer = hvd.DistributedOptimizer(optimizer, overlap=args.overlap)
-    keras.utils.set_random_seed(rank)
+    seed = 1000 * args.seed + rank  # rank 0's weights (broadcast) are the single process's
+    keras.utils.set_random_seed(seed)
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
                               keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10, activation="softmax")])
     model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    steps = len(x_train) // args.batch_size // size  # every worker the same number of steps (BSP)
+    # every worker the same number of steps (BSP); len // B // N == len // (N * B): as many as one
+    # process with batch N * B takes over as many examples
+    steps = len(x_train) // args.batch_size // size
     data = tf.data.Dataset.from_tensor_slices((x_train, y_train))
     if not args.single:
         data = hvd.shard_dataset(data)
-    data = data.repeat().shuffle(2048, seed=rank).batch(args.batch_size)
+    data = data.repeat().shuffle(2048, seed=seed).batch(args.batch_size)
 
     curve: list[tuple[int, float, float]] = []
     t0 = time.monotonic()
@@ -89,7 +100,8 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"accuracy": accuracy, "seconds": seconds, "curve": curve, "rounds": rounds,
-                           "workers": size, "optimizer": args.optimizer}, f)
+                           "workers": size, "optimizer": args.optimizer, "batch_size": args.batch_size,
+                           "seed": args.seed, "steps_per_epoch": steps}, f)
     if not args.single:
         hvd.shutdown()
 

@@ -5,8 +5,8 @@ The names (loaded with TensorFlow on first use of this module):
 * :func:`init`, :func:`shutdown`, :func:`rank`, :func:`size`, :func:`local_rank`,
   :func:`job_dir`, :func:`shard_dataset`, :func:`barrier`: :mod:`irdma.train.world`;
   :class:`DistributedOptimizer`, ``Average`` and ``Sum`` (``op=`` of a BSP round):
-  :mod:`irdma.train.distributed`; :class:`BroadcastInitialWeights`, :class:`MetricAverageCallback`:
-  :mod:`irdma.train.callbacks` (run the
+  :mod:`irdma.train.distributed`, with :func:`load_model` (:mod:`irdma.train.callbacks`; Horovod's ``hvd.load_model``);
+  :class:`BroadcastInitialWeights`, :class:`MetricAverageCallback`: :mod:`irdma.train.callbacks` (run the
   script with ``irdma run -n N -- python train.py``).
 * ``callbacks`` (Horovod's ``hvd.callbacks``: ``BroadcastGlobalVariablesCallback``,
   ``MetricAverageCallback``, ``LearningRateWarmupCallback``, ``LearningRateScheduleCallback``):
@@ -27,7 +27,7 @@ The names (loaded with TensorFlow on first use of this module):
 from __future__ import annotations
 
 from .train import callbacks
-from .train.callbacks import BroadcastInitialWeights, MetricAverageCallback
+from .train.callbacks import BroadcastInitialWeights, MetricAverageCallback, load_model
 from .train.collectives import allgather, allreduce, broadcast
 from .train.distributed import Average, Compression, DistributedOptimizer, Sum
 from .train.embedding import Embedding
@@ -50,4 +50,4 @@ from .train.world import (
 __all__ = ["Average", "Sum", "Compression", "BroadcastInitialWeights", "DistributedOptimizer", "Embedding",
            "MetricAverageCallback", "ShardOptimizer", "SnapshotCallback", "allgather", "allreduce", "barrier",
            "broadcast", "callbacks", "cross_rank", "cross_size", "init", "is_initialized", "job_dir", "local_rank",
-           "local_size", "rank", "restore_snapshot", "shard_dataset", "shutdown", "size"]
+           "load_model", "local_size", "rank", "restore_snapshot", "shard_dataset", "shutdown", "size"]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from irdma._errors import BadRequest, NoSpace
+from irdma._errors import BadRequest
 from irdma.wire.protocol import UpdateOp
 
 from .lost import RefusedChunks
@@ -42,9 +42,12 @@ class SharedExtents(RefusedChunks):
         @property
         def capacity(self) -> int: ...
 
+        def _alloc_extent(self, size: int, what: str) -> int: ...
+
     def _share_copy(self, key: ChunkKey, sig: tuple[int, int, int, int], data: memoryview | bytes) -> bool:
         """Make ``key`` (not here yet) share the extent of a chunk copied here before with the
-        same bytes and version (``sig``: :attr:`_received`), instead of taking a new extent: a
+        same bytes and version (``sig``: :attr:`_received`; ``data``: the chunk's bytes up to
+        its extent, zeros after them), instead of taking a new extent: a
         drain or rebalance moving a file and its snapshots copies each shared extent once and
         keeps it shared (copy-on-write then parts them on their next write, as on the shard
         they came from). Only when the bytes are equal, compared whole, and the version too
@@ -59,12 +62,15 @@ class SharedExtents(RefusedChunks):
         if twin is None or twin_key is None or twin.located or twin_key in self.lost:
             return False
         _, size, version, _ = sig
-        if twin.size != size or int(self.versions[twin.slot]) != version or \
-                self.region.view[twin.offset : twin.offset + size] != memoryview(data).cast("B"):
+        n = len(data)
+        view = self.region.view
+        if twin.size != size or twin.extent < n or int(self.versions[twin.slot]) != version or \
+                view[twin.offset : twin.offset + n] != memoryview(data).cast("B") or \
+                view[twin.offset + n : twin.offset + twin.extent] != bytes(twin.extent - n):
             return False
         if self.store is not None:
-            self.store.record_chunks([(key[0], key[1], twin.offset, size)])
-        self._chunks[key] = Chunk(twin.offset, size)
+            self.store.record_chunks([(key[0], key[1], twin.offset, size, twin.extent)])
+        self._chunks[key] = Chunk(twin.offset, size, twin.extent)
         self._sharers.setdefault(twin.offset, [twin_key]).append(key)
         self._by_file.setdefault(key[0], set()).add(key[1])
         return True
@@ -104,9 +110,9 @@ class SharedExtents(RefusedChunks):
         made = [(src_file, dst_file, i, self._chunks[(src_file, i)]) for src_file, dst_file in pairs
                 for i in sorted(self._by_file.get(src_file, ()))]
         if self.store is not None and made:
-            self.store.record_chunks([(d, i, c.offset, c.size) for _, d, i, c in made])
+            self.store.record_chunks([(d, i, c.offset, c.size, c.extent) for _, d, i, c in made])
         for src_file, d, i, c in made:
-            self._chunks[(d, i)] = Chunk(c.offset, c.size)
+            self._chunks[(d, i)] = Chunk(c.offset, c.size, c.extent)
             self._sharers.setdefault(c.offset, [(src_file, i)]).append((d, i))
             self._by_file.setdefault(d, set()).add(i)
         return len(made)
@@ -120,21 +126,19 @@ class SharedExtents(RefusedChunks):
         updating in place (:meth:`_unshare`), and crash-safe by order: the new extent is
         written before the chunk index moves the key to it.
 
-        Only for the extent's owner (the live file) and a chunk no client was told the place of
-        (never LOCATEd: a verbs client may have cached it); returns False, having changed
-        nothing, when it does not apply (the caller copies with :meth:`_unshare`).
+        Only for the extent's owner (the live file), a chunk no client was told the place of
+        (never LOCATEd: a verbs client may have cached it) and an update inside the extent (the
+        caller grows it otherwise); returns False, having changed nothing, when it does not
+        apply (the caller copies with :meth:`_unshare`).
 
         Raises:
             NoSpace: no free extent; nothing changed.
         """
         keys = self._sharers[chunk.offset]
-        if key != keys[0] or chunk.located:
+        if key != keys[0] or chunk.located or offset + n > chunk.extent:
             return False
-        to = self._alloc.alloc(chunk.size)
-        if to is None:
-            raise NoSpace(f"shard {self.shard_id} is full: {self.used} of {self.capacity} bytes used, no room to"
-                          f" copy a {chunk.size}-byte chunk a snapshot shares")
-        old, size = chunk.offset, chunk.size
+        to = self._alloc_extent(chunk.extent, "to copy a chunk a snapshot shares into")
+        old, size = chunk.offset, chunk.extent
         view = self.region.view
         src, dst = view[old : old + size], view[to : to + size]
         if offset:
@@ -150,7 +154,7 @@ class SharedExtents(RefusedChunks):
         self.used += size
         if self.store is not None:
             try:
-                self.store.move_chunks([key], to, size)
+                self.store.move_chunks([key], to, chunk.size, size)
             except BaseException:
                 self._alloc.free(to, size)
                 self.used -= size
@@ -181,19 +185,17 @@ class SharedExtents(RefusedChunks):
             return
         keys = self._sharers[chunk.offset]
         movers = [k for k in keys if k != key] if key == keys[0] else [key]
-        to = self._alloc.alloc(chunk.size)
-        if to is None:
-            raise NoSpace(f"shard {self.shard_id} is full: {self.used} of {self.capacity} bytes used, no room to"
-                          f" copy a {chunk.size}-byte chunk a snapshot shares")
-        self.region.view[to : to + chunk.size] = self.region.view[chunk.offset : chunk.offset + chunk.size]
+        size = chunk.extent
+        to = self._alloc_extent(size, "to copy a chunk a snapshot shares into")
+        self.region.view[to : to + size] = self.region.view[chunk.offset : chunk.offset + size]
         self.versions[to // PAGE] = self.versions[chunk.slot]
         if self.store is not None:
             try:
-                self.store.move_chunks(movers, to, chunk.size)
+                self.store.move_chunks(movers, to, chunk.size, size)
             except BaseException:
-                self._alloc.free(to, chunk.size)
+                self._alloc.free(to, size)
                 raise
-        self.used += chunk.size
+        self.used += size
         stay = [k for k in keys if k not in movers]
         if len(stay) > 1:
             self._sharers[chunk.offset] = stay
@@ -209,12 +211,13 @@ class SharedExtents(RefusedChunks):
         return chunk.offset in self._sharers
 
     def exclusive_bytes(self, file_id: int) -> tuple[int, int]:
-        """``(bytes held by file_id alone, bytes it shares with other keys)`` on this shard."""
+        """``(bytes held by file_id alone, bytes it shares with other keys)`` on this shard
+        (its chunks' extents)."""
         alone = shared = 0
         for i in self._by_file.get(file_id, ()):
             c = self._chunks[(file_id, i)]
             if c.offset in self._sharers:
-                shared += c.size
+                shared += c.extent
             else:
-                alone += c.size
+                alone += c.extent
         return alone, shared

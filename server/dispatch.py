@@ -153,6 +153,12 @@ class Dispatcher:
         except RemoteProtocolError as exc:
             metrics.end(t0, opcode_name(frame.opcode), transport, "bad_request")
             return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
+        if isinstance(msg, P.Scatter) and msg.staged_extents:  # verbs: its extents out of the staging buffer (copied)
+            try:
+                msg = msg.unstaged(staging)
+            except RemoteProtocolError as exc:
+                metrics.end(t0, op_of(msg), transport, "bad_request")
+                return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
         if isinstance(msg, P.Sync) and self.shard.store is not None:
             return ThreadWork(self._sync(msg, t0, transport))
         if isinstance(msg, P.Clone):
@@ -431,6 +437,7 @@ class Dispatcher:
         reply: P.Reply
         try:
             await trio.to_thread.run_sync(self.shard.sync)
+            self.shard.reclaim()  # the extents chunks grew out of before it: free before the reply
             reply = P.VersionReply(0)
         except Exception as exc:  # OSError, sqlite3.Error: this request fails, the shard goes on
             log.error("sync failed: %s", exc)
@@ -471,7 +478,7 @@ class Dispatcher:
                     made = False
                     try:
                         await trio.to_thread.run_sync(store.add_chunks,
-                                                      [(f, i, c.offset, c.size) for (f, i), c in pending.new])
+                                                      [(f, i, c.offset, c.size, c.extent) for (f, i), c in pending.new])
                         made = True
                     finally:
                         release(made)
@@ -630,6 +637,7 @@ class Dispatcher:
 
     def _on_sync(self, msg: P.Sync, staging: memoryview | None, zero_copy: bool) -> P.Reply:
         self.shard.sync()
+        self.shard.reclaim()
         return P.VersionReply(0)
 
     def _on_freeze(self, msg: P.Freeze, staging: memoryview | None, zero_copy: bool) -> P.Reply:

@@ -4,6 +4,18 @@
 its page-aligned extents (first fit, free neighbours coalesced); :class:`Chunk` is one chunk's
 extent in it, named by a :data:`ChunkKey` ``(file_id, chunk_index)``. No I/O; the chunk table
 and the operations on it are :class:`irdma.server.shard.Shard`'s.
+
+A chunk's *extent* holds its bytes from 0 up to the extent's size; the rest of the chunk, up to
+its size, reads as zeros and holds no memory. Extents come in size classes
+(:func:`extent_for`): 4 KiB (one page, one slot of the version table) doubling up to the chunk
+size, so a 4 KiB file holds one page per replica, and a chunk that grows moves to the next class
+(:meth:`irdma.server.shard.Shard._grow`): log2(chunk size / 4 KiB) moves at most, each byte
+copied fewer times in all than its final extent holds, and no extent more than twice the bytes
+written (or one page). Chosen over packing small tails into shared pages (3FS, JuiceFS do it for
+small files): a packed tail would put several files' bytes in one page, where a page is the
+unit of the version table, of copy-on-write sharing with snapshots, of RDMA registration and of
+hole punching; a size class keeps one chunk per extent, so none of those change, and the
+allocator stays the first-fit one it was.
 """
 
 from __future__ import annotations
@@ -15,6 +27,14 @@ from dataclasses import dataclass
 PAGE = 4096
 #: Largest chunk a shard accepts (bytes).
 MAX_CHUNK_SIZE = 256 << 20
+
+
+def extent_for(end: int, chunk_size: int) -> int:
+    """The size class of an extent that holds bytes ``[0, end)`` of a ``chunk_size``-byte chunk:
+    the smallest 4096 * 2**k >= ``end``, one page at least, ``chunk_size`` at most (bytes)."""
+    if end >= chunk_size:
+        return chunk_size
+    return min(chunk_size, max(PAGE, 1 << (end - 1).bit_length()))
 
 
 class Region:
@@ -134,11 +154,19 @@ class Allocator:
 
 @dataclass
 class Chunk:
-    offset: int  # in the region, bytes
-    size: int  # bytes
+    offset: int  # of its extent in the region, bytes
+    size: int  # of the chunk, bytes (what requests name)
+    #: Bytes of the region its extent holds (:func:`extent_for`); the chunk's bytes past it are
+    #: zeros. 0: the whole chunk.
+    extent: int = 0
     #: A client was told where it is (LOCATE: the verbs transport's one-sided READs and
-    #: WRITEs): it never moves while shared (see :meth:`Shard._redirect`).
+    #: WRITEs): its extent is the whole chunk, so it never grows (:meth:`Shard.locate`), and it
+    #: never moves while shared (see :meth:`Shard._redirect`).
     located: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.extent:
+            self.extent = self.size
 
     @property
     def slot(self) -> int:

@@ -121,7 +121,11 @@ class Link:
                 continue
             try:
                 fw.conn = await self._connection()
-                fw.pend = await fw.conn.start(fw.msg)
+                msg = fw.msg
+                if isinstance(msg, P.Write) and msg.replace and len(msg.data) < msg.chunk_size and \
+                        fw.conn.info.version < P.SHORT_COPIES:  # it takes a whole chunk only
+                    msg = dataclasses.replace(msg, data=bytes(msg.data) + bytes(msg.chunk_size - len(msg.data)))
+                fw.pend = await fw.conn.start(msg)
             except IrdmaError as exc:
                 fw.error = exc
             fw.sent.set()
@@ -342,14 +346,14 @@ class Replicator:
     def resync(self, msg: P.Resync) -> int | Awaitable[int]:
         """Send this shard's copy of a chunk down the chain (RESYNC); see :meth:`write`."""
         self._check_view(msg.chain)
-        snap = self.shard.snapshot(msg.file_id, msg.chunk_index)
+        snap = self.shard.copy_of(msg.file_id, msg.chunk_index)
         if snap is None:
             raise DataLost(f"shard {self.shard.shard_id} has no chunk ({msg.file_id}, {msg.chunk_index})")
-        version, data = snap
+        version, chunk_size, data = snap
         if not msg.chain.successors:
             return version
         link = self._link(msg.chain)
-        fw = self._submit_replace(link, msg.file_id, msg.chunk_index, data, version, msg.chain)
+        fw = self._submit_replace(link, msg.file_id, msg.chunk_index, chunk_size, data, version, msg.chain)
         return self._await_replace(link, (msg.file_id, msg.chunk_index), fw, version,
                                    trio.current_time() + msg.chain.timeout_ms / 1000)
 
@@ -367,17 +371,20 @@ class Replicator:
                                                self.keys)
         return link
 
-    def _submit_replace(self, link: Link, file_id: int, chunk_index: int, data: bytes, version: int,
-                        chain: P.Chain) -> _Forward:
-        msg = P.Write(file_id, chunk_index, len(data), 0, P.UpdateOp.ASSIGN, data,
+    def _submit_replace(self, link: Link, file_id: int, chunk_index: int, chunk_size: int, data: bytes,
+                        version: int, chain: P.Chain) -> _Forward:
+        """Queue a whole-chunk copy (REPLACE: ``data``, the bytes the chunk's extent holds, zeros
+        after them; padded to the whole chunk for a successor older than protocol 12), its
+        optimizer state right behind it."""
+        msg = P.Write(file_id, chunk_index, chunk_size, 0, P.UpdateOp.ASSIGN, data,
                       chain=P.Chain(0, chain.view, version, max(1, chain.timeout_ms // 2), chain.successors[1:]),
                       replace=True)
         fw = link.submit(msg)
         link.replaced[(file_id, chunk_index)] = fw
-        state = self.shard.state_snapshot(file_id, chunk_index)
+        state = self.shard.copy_of(file_id, optimizers.state_index(chunk_index))
         if state is not None:  # the chunk's optimizer state goes with it, right behind it
-            sv, sdata = state
-            smsg = P.Write(file_id, optimizers.state_index(chunk_index), len(sdata), 0, P.UpdateOp.ASSIGN, sdata,
+            sv, ssize, sdata = state
+            smsg = P.Write(file_id, optimizers.state_index(chunk_index), ssize, 0, P.UpdateOp.ASSIGN, sdata,
                            chain=P.Chain(0, chain.view, max(sv, 1), max(1, chain.timeout_ms // 2),
                                          chain.successors[1:]), replace=True)
             sfw = link.submit(smsg)
@@ -416,11 +423,11 @@ class Replicator:
                     # after everything applied here; one REPLACE covers every forward before it
                     last = link.replaced.get(key)
                     if last is None or last.seq < fw.seq:
-                        snap = self.shard.snapshot(file_id, chunk_index)
+                        snap = self.shard.copy_of(file_id, chunk_index)
                         if snap is None:  # freed here since: nothing left to bring it
                             status = "ok"
                             return version
-                        last = self._submit_replace(link, file_id, chunk_index, snap[1], snap[0], chain)
+                        last = self._submit_replace(link, file_id, chunk_index, snap[1], snap[2], snap[0], chain)
                     await self._await_replace(link, key, last, version, deadline)
                 status = "ok"
                 return version

@@ -28,7 +28,7 @@ class SparseRows(SharedExtents):
 
     if TYPE_CHECKING:
         def _get_or_create(self, file_id: int, chunk_index: int, chunk_size: int,
-                           existing: bool = False) -> Chunk: ...
+                           existing: bool = False, reach: int | None = None) -> Chunk: ...
 
         def _state_for(self, file_id: int, chunk_index: int, chunk_size: int, update: Update,
                        existing: bool) -> Chunk: ...
@@ -38,6 +38,8 @@ class SparseRows(SharedExtents):
         def abandon(self, reserved: list[tuple[ChunkKey, Chunk]]) -> None: ...
 
         def _bump(self, chunk: Chunk) -> int: ...
+
+        def _grow(self, key: ChunkKey, chunk: Chunk, end: int) -> None: ...
 
     def gather(self, file_id: int, chunk: np.ndarray, offset: np.ndarray, length: np.ndarray,
                out: memoryview) -> np.ndarray:
@@ -63,19 +65,27 @@ class SparseRows(SharedExtents):
         names, inv = np.unique(chunk, return_inverse=True)
         base = np.full(len(names), -1, dtype=np.int64)
         size = np.zeros(len(names), dtype=np.int64)
+        extent = np.zeros(len(names), dtype=np.int64)
         ver = np.zeros(len(names), dtype=np.uint64)
         for k, index in enumerate(names.tolist()):
             c = self._chunks.get((file_id, index))
             if c is not None:
                 self._refuse_lost(file_id, index)
-                base[k], size[k], ver[k] = c.offset, c.size, self.versions[c.slot]
+                base[k], size[k], extent[k], ver[k] = c.offset, c.size, c.extent, self.versions[c.slot]
         inv = inv.reshape(-1)
         held = base[inv] >= 0
         if bool((held & (offset + length > size[inv])).any()):
             raise BadRequest(f"an extent leaves its chunk of file {file_id}")
         at = pos[:-1]
-        move(dst, at[held], np.frombuffer(self.region.view, dtype=np.uint8), (base[inv] + offset)[held], length[held])
-        fill(dst, at[~held], length[~held])
+        inside = held & (offset + length <= extent[inv])  # past a chunk's extent it reads as zeros
+        region = np.frombuffer(self.region.view, dtype=np.uint8)
+        move(dst, at[inside], region, (base[inv] + offset)[inside], length[inside])
+        fill(dst, at[~inside], length[~inside])
+        for k in np.flatnonzero(held & ~inside).tolist():  # rows across an extent's end: its part in it
+            n = int(extent[inv[k]] - offset[k])
+            if n > 0:
+                start = int(base[inv[k]] + offset[k])
+                dst[at[k] : at[k] + n] = region[start : start + n]
         return ver[inv]
 
     def scatter(self, file_id: int, chunk_size: int, parts: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]],
@@ -106,7 +116,7 @@ class SparseRows(SharedExtents):
         chunks: list[Chunk] = []
         states: list[Chunk] = []
         try:
-            for index, _, _, _ in parts:
+            for index, o, n, _ in parts:
                 if kind.is_optimizer:
                     assert isinstance(op, Update)
                     skey = (file_id, optimizers.state_index(index))
@@ -120,7 +130,8 @@ class SparseRows(SharedExtents):
                 key = (file_id, index)
                 had = key in self._chunks
                 try:
-                    chunks.append(self._get_or_create(file_id, index, chunk_size, existing))
+                    chunks.append(self._get_or_create(file_id, index, chunk_size, existing, int((o + n).max())
+                                                      if len(o) else 0))
                 except ChunksPending as more:
                     pending.add(more)
                 if not had and key in self._chunks:
@@ -133,10 +144,18 @@ class SparseRows(SharedExtents):
             raise
         if pending:
             raise pending
-        for index, _, _, _ in parts:  # copy-on-write first: nothing applied yet if it finds no room
-            self._unshare((file_id, index))
-            if kind.is_optimizer:
-                self._unshare((file_id, optimizers.state_index(index)))
+        try:
+            for (index, offs, lens, _), c in zip(parts, chunks, strict=True):
+                # grown and copied on write first: nothing applied yet if either finds no room
+                self._grow((file_id, index), c, int((offs + lens).max()) if len(offs) else 0)
+                self._unshare((file_id, index))
+                if kind.is_optimizer:
+                    self._unshare((file_id, optimizers.state_index(index)))
+        except BaseException:
+            for key in reversed(made):
+                if key in self._chunks:
+                    self._drop(*key)
+            raise
         src = np.frombuffer(data, dtype=np.uint8)
         if kind.is_optimizer:
             assert isinstance(op, Update)

@@ -11,6 +11,8 @@ import functools
 import logging
 import os
 import signal
+import sqlite3
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +26,7 @@ from irdma.wire import auth
 from irdma.wire import protocol as P
 
 from .dispatch import Dispatcher, ThreadWork
-from .shard import Shard
+from .shard import PARK_SYNC_S, Shard
 from .tcp import (
     FRAME_TIMEOUT_S,
     HANDSHAKE_TIMEOUT_S,
@@ -120,9 +122,17 @@ async def _stop_on_signal(signals: AsyncIterator[int], scope: trio.CancelScope, 
 
 async def _trim_freed(shard: Shard) -> None:
     """Zero, once a second, the extents freed more than :data:`irdma.server.shard.TRIM_DELAY_S` ago that no
-    chunk took since (:meth:`Shard.trim`)."""
+    chunk took since (:meth:`Shard.trim`); and sync (off the event loop) when an extent a chunk grew out of
+    has waited :data:`irdma.server.shard.PARK_SYNC_S` for a client's sync, so that it is free again
+    (:meth:`Shard.reclaim`) even if no client ever syncs."""
     while True:
         await trio.sleep(1.0)
+        since = shard.parked_since()
+        if since is not None and time.monotonic() - since >= PARK_SYNC_S:
+            try:
+                await trio.to_thread.run_sync(shard.sync)
+            except (OSError, sqlite3.Error) as exc:  # they stay held (counted as used) until a sync works
+                log.warning("%s could not sync to free the extents chunks grew out of: %s", shard.name, exc)
         try:
             shard.trim()
         except OSError as exc:  # the bytes stay in a free extent: never read, zeroed before reuse

@@ -1,9 +1,14 @@
 """One shard's memory: a single preallocated memory region carved into chunks.
 
 A chunk is the unit of striping, ``chunk_size`` bytes of one file, named by
-``(file_id, chunk_index)``. It is allocated, zero-filled, on its first write, at its full
-``chunk_size``, and never moves until freed, so a remote reader may address it directly (the
-one-sided RDMA READ of iRDMA, HPCC 2017). Free space in the region is always zero.
+``(file_id, chunk_index)``. It is allocated, zero-filled, on its first write, as an extent of
+the size class that holds the bytes written (:func:`irdma.server.region.extent_for`: 4 KiB
+doubling up to ``chunk_size``; its bytes past the extent read as zeros), and a write past the
+extent's end moves it to a bigger one (:meth:`Shard._grow`, journaled as copy-on-write moves
+are). A chunk a client LOCATEs (a remote reader addresses it directly: the one-sided RDMA READ
+of iRDMA, HPCC 2017) is grown to its whole ``chunk_size`` first and never grows again, so no
+cached place ever goes stale by growth. Free space in a region without a data directory is
+always zero.
 
 Update ops are applied synchronously, so under trio they are atomic per chunk: no other
 request of any connection runs between the read and the write of an ``add``. Each applied
@@ -40,22 +45,26 @@ from irdma.wire import (
 from irdma.wire.protocol import Encoding, Update, UpdateOp, op_kind
 
 from . import optim
-from .region import MAX_CHUNK_SIZE, PAGE, Allocator, Chunk, ChunkKey, ChunksPending, Region
+from .region import MAX_CHUNK_SIZE, PAGE, Allocator, Chunk, ChunkKey, ChunksPending, Region, extent_for
 from .rows import SparseRows, split_extents
 
 if TYPE_CHECKING:
     from .store import ShardStore
 
-__all__ = ["COPIES_REMEMBERED", "MAX_CHUNK_SIZE", "PAGE", "TRIM_DELAY_S", "Chunk", "ChunkKey", "ChunksPending",
-           "Region", "Shard", "split_extents"]
+__all__ = ["COPIES_REMEMBERED", "MAX_CHUNK_SIZE", "PAGE", "PARK_SYNC_S", "TRIM_DELAY_S", "Chunk", "ChunkKey", "ChunksPending",
+           "Region", "Shard", "extent_for", "split_extents"]
 
 log = logging.getLogger("irdma.server")
+_ZEROS = memoryview(bytes(1 << 20))
 #: Whole-chunk copies (REPLACE) a shard remembers the signature of, so that a later copy of the
 #: same bytes shares that chunk's extent (:meth:`Shard.replace`); the oldest are forgotten first.
 COPIES_REMEMBERED = 65536
 #: Seconds a freed extent of a shard with a data directory keeps its pages before it is
 #: zeroed (punched out of the region file) if no chunk took it meanwhile (:meth:`Shard.trim`).
 TRIM_DELAY_S = 60.0
+#: Seconds an extent a chunk grew out of waits for a sync (:meth:`Shard.parked_since`) before
+#: the shard server syncs by itself to free it (the kernel's own writeback runs every 5 s).
+PARK_SYNC_S = 1.0
 
 
 class Shard(SparseRows):
@@ -107,8 +116,18 @@ class Shard(SparseRows):
         #: region offset -> the keys, the extent's *owner* first (the key that had it first).
         #: Absent for an extent held by one key (the usual case).
         self._sharers: dict[int, list[ChunkKey]] = {}
+        #: Bytes of the region the chunks' extents hold (shared extents once), what STAT answers.
         self.used = 0
         self.copies = 0  # copy-on-write copies made (a metric)
+        self.grown = 0  # chunks moved to a bigger extent (a metric)
+        #: Extents chunks grew out of on a shard with durability ``fsync``: ``(number, time.monotonic()
+        #: when parked, offset, size)``, counted as used and kept out of use until a sync made the
+        #: move durable (:meth:`reclaim`): before that a machine crash may bring back an index
+        #: that has the chunk there, and the extent must still hold its bytes. A server syncs
+        #: within :data:`PARK_SYNC_S` of a park if no client does (:meth:`parked_since`).
+        self._parked: collections.deque[tuple[int, float, int, int]] = collections.deque()
+        self._parks = 0  # extents parked so far
+        self._synced_parks = 0  # of those, how many a finished sync made durable
         #: Whole-chunk copies received (REPLACE: a resync's, a drain's, a rebalance's): (chunk
         #: index, size, version, CRC-32 of the bytes) -> the key that took them. A copy of a
         #: snapshot's or clone's key comes with the bytes and version of the key it shares an
@@ -130,15 +149,15 @@ class Shard(SparseRows):
         if store is not None:
             self.incarnation = store.incarnation
             first: dict[int, ChunkKey] = {}  # extent -> the first key found at it
-            for file_id, index, offset, size in store.chunks():
+            for file_id, index, offset, size, extent in store.extents():
                 key = (file_id, index)
                 if offset in first:  # an extent shared with a snapshot's clone
                     self._sharers.setdefault(offset, [first[offset]]).append(key)
                 else:
                     first[offset] = key
-                    self._alloc.reserve(offset, size)
-                    self.used += size
-                self._chunks[key] = Chunk(offset, size)
+                    self._alloc.reserve(offset, extent)
+                    self.used += extent
+                self._chunks[key] = Chunk(offset, size, extent)
                 self._by_file.setdefault(file_id, set()).add(index)
             self.lost = store.lost()
             if self.lost:
@@ -150,9 +169,98 @@ class Shard(SparseRows):
 
     def sync(self) -> None:
         """Make every update applied so far durable (a shard with a data directory and
-        durability ``fsync``); otherwise nothing to do."""
+        durability ``fsync``); otherwise nothing to do. May run in a worker thread: it only
+        counts the parked extents it covers; the event loop frees them (:meth:`reclaim`)."""
         if self.store is not None:
+            covered = self._parks  # read first: the moves of these were journaled before the sync
             self.store.sync()
+            self._synced_parks = max(self._synced_parks, covered)
+
+    def reclaim(self) -> int:
+        """Free the extents chunks grew out of whose moves a sync made durable (call it on the
+        event loop once :meth:`sync` returned); returns bytes."""
+        done = 0
+        while self._parked and self._parked[0][0] < self._synced_parks:
+            _, _, offset, size = self._parked.popleft()
+            self._release(offset, size)
+            done += size
+        return done
+
+    def parked_since(self) -> float | None:
+        """``time.monotonic()`` when the oldest extent a chunk grew out of was parked (waiting
+        for a sync: :attr:`_parked`), or None."""
+        return self._parked[0][1] if self._parked else None
+
+    def _release(self, offset: int, size: int) -> None:
+        """An extent no key holds any more goes back to the allocator (zeroed now without a data
+        directory, some seconds later with one: :meth:`trim`)."""
+        if self.store is not None:
+            self._freed.append((time.monotonic(), offset, size))
+        else:
+            self.region.zero(offset, size)
+        self.versions[offset // PAGE] = 0
+        self._alloc.free(offset, size)
+        self.used -= size
+
+    def _alloc_extent(self, size: int, what: str) -> int:
+        """A free extent of ``size`` bytes (parked ones a sync released taken back first).
+
+        Raises:
+            NoSpace: none; nothing changed.
+        """
+        to = self._alloc.alloc(size)
+        if to is None and self.reclaim():
+            to = self._alloc.alloc(size)
+        if to is None:
+            parked = sum(n for _, _, _, n in self._parked)
+            raise NoSpace(f"shard {self.shard_id} is full: {self.used} of {self.capacity} bytes used, no free extent"
+                          f" of {size} bytes {what}" + (f" ({parked} bytes that chunks grew out of come back at the"
+                                                        " next sync, within seconds)" if parked else ""))
+        return to
+
+    def _grow(self, key: ChunkKey, chunk: Chunk, end: int) -> None:
+        """Make ``chunk``'s extent hold bytes ``[0, end)`` at least: move it to an extent of the
+        size class of ``end`` (:func:`extent_for`), its bytes copied and the rest zeroed, its
+        version with it, the move journaled as a copy-on-write move is
+        (:meth:`ShardStore.move_chunks`: the new extent is written before the index moves the
+        key to it). The extent left is freed (parked until the next sync with durability
+        ``fsync``: :attr:`_parked`); one a snapshot shares stays with its other keys. A chunk
+        a client LOCATEd holds its whole size already and never gets here.
+
+        Raises:
+            NoSpace: no free extent of the new size; nothing changed.
+        """
+        need = extent_for(end, chunk.size)
+        if need <= chunk.extent:
+            return
+        assert not chunk.located, "a located chunk holds its whole size"
+        old, have = chunk.offset, chunk.extent
+        to = self._alloc_extent(need, f"to grow a chunk of {have} bytes into")
+        view = self.region.view
+        view[to : to + have] = view[old : old + have]
+        if self.store is not None:  # a free extent may hold old bytes until trimmed
+            view[to + have : to + need] = bytes(need - have)
+        self.versions[to // PAGE] = self.versions[chunk.slot]
+        self.used += need
+        if self.store is not None:
+            try:
+                self.store.move_chunks([key], to, chunk.size, need)
+            except BaseException:
+                self._alloc.free(to, need)
+                self.used -= need
+                raise
+        keys = self._sharers.get(old)
+        if keys is not None:  # the others keep the old extent
+            keys.remove(key)
+            if len(keys) < 2:
+                del self._sharers[old]
+        elif self.store is not None and self.store.durability == "fsync":
+            self._parked.append((self._parks, time.monotonic(), old, have))
+            self._parks += 1
+        else:
+            self._release(old, have)
+        chunk.offset, chunk.extent = to, need
+        self.grown += 1
 
     @property
     def capacity(self) -> int:
@@ -162,7 +270,11 @@ class Shard(SparseRows):
     def chunk_count(self) -> int:
         return len(self._chunks)
 
-    def _get_or_create(self, file_id: int, chunk_index: int, chunk_size: int, existing: bool = False) -> Chunk:
+    def _get_or_create(self, file_id: int, chunk_index: int, chunk_size: int, existing: bool = False,
+                       reach: int | None = None) -> Chunk:
+        """The chunk, made if missing (unless ``existing``) with an extent that holds bytes
+        ``[0, reach)`` (the whole chunk when None); an existing chunk is not grown here
+        (:meth:`_grow`)."""
         chunk = self._chunks.get((file_id, chunk_index))
         if chunk is not None:
             self._refuse_lost(file_id, chunk_index)
@@ -178,24 +290,24 @@ class Shard(SparseRows):
         deferred = self.defer_creation and self.store is not None
         if deferred and (file_id, chunk_index) in self._making:
             raise ChunksPending(waiting=[(file_id, chunk_index)])  # made by another request now
-        offset = self._alloc.alloc(chunk_size)
-        if offset is None:
-            raise NoSpace(
-                f"shard {self.shard_id} is full: {self.used} of {self.capacity} bytes used,"
-                f" no free extent of {chunk_size} bytes"
-            )
-        chunk = Chunk(offset, chunk_size)
+        extent = extent_for(chunk_size if reach is None else reach, chunk_size)
+        offset = self._alloc_extent(extent, f"for a new chunk of {chunk_size}")
+        chunk = Chunk(offset, chunk_size, extent)
         if deferred:
             self._making[(file_id, chunk_index)] = chunk
             self.versions[chunk.slot] = 0
-            self.used += chunk_size
+            self.used += extent
             raise ChunksPending(new=[((file_id, chunk_index), chunk)])
         if self.store is not None:
-            self.store.add_chunk(file_id, chunk_index, offset, chunk_size)
+            try:
+                self.store.add_chunk(file_id, chunk_index, offset, chunk_size, extent)
+            except BaseException:
+                self._alloc.free(offset, extent)
+                raise
         self.versions[chunk.slot] = 0
         self._chunks[(file_id, chunk_index)] = chunk
         self._by_file.setdefault(file_id, set()).add(chunk_index)
-        self.used += chunk_size
+        self.used += extent
         return chunk
 
     def install(self, made: list[tuple[ChunkKey, Chunk]]) -> None:
@@ -212,15 +324,16 @@ class Shard(SparseRows):
         for key, chunk in reserved:
             if self._making.get(key) is chunk:
                 del self._making[key]
-                self._alloc.free(chunk.offset, chunk.size)
-                self.used -= chunk.size
+                self._alloc.free(chunk.offset, chunk.extent)
+                self.used -= chunk.extent
 
     def read(self, file_id: int, chunk_index: int, offset: int, length: int) -> tuple[int, memoryview | None]:
         """Bytes ``[offset, offset+length)`` of a chunk.
 
         Returns:
             ``(version, view)``; ``view`` is None when the chunk does not exist (a hole: zeros,
-            version 0). The view aliases the region: it is not a snapshot.
+            version 0). The view aliases the region (it is not a snapshot) when the range lies
+            in the chunk's extent; a range past the extent's end is a copy, zeros past it.
 
         Raises:
             BadRequest: the range leaves the chunk.
@@ -229,10 +342,15 @@ class Shard(SparseRows):
         if chunk is None:
             return 0, None
         self._refuse_lost(file_id, chunk_index)
-        if offset + length > chunk.size:
+        if offset < 0 or length < 0 or offset + length > chunk.size:
             raise BadRequest(f"range [{offset}, {offset + length}) leaves the {chunk.size}-byte chunk")
         start = chunk.offset + offset
-        return int(self.versions[chunk.slot]), self.region.view[start : start + length]
+        if offset + length <= chunk.extent:
+            return int(self.versions[chunk.slot]), self.region.view[start : start + length]
+        out = bytearray(length)
+        inside = max(0, chunk.extent - offset)
+        out[:inside] = self.region.view[start : start + inside]
+        return int(self.versions[chunk.slot]), memoryview(out)
 
     def write(
         self,
@@ -294,7 +412,9 @@ class Shard(SparseRows):
             except ChunksPending as more:
                 pending.add(more)
             try:
-                chunk = self._get_or_create(file_id, chunk_index, chunk_size, existing)
+                chunk = self._get_or_create(file_id, chunk_index, chunk_size, existing, offset + n)
+                if not pending:
+                    self._grow((file_id, chunk_index), chunk, offset + n)
             except ChunksPending as more:
                 pending.add(more)
             except Exception:
@@ -317,9 +437,11 @@ class Shard(SparseRows):
                 (file_id, chunk_index) in self.lost:  # a refused chunk rewritten whole: trusted again
             was = self._chunks[(file_id, chunk_index)]
             return self.replace(file_id, chunk_index, chunk_size, data, int(self.versions[was.slot]) + 1)
-        chunk = self._get_or_create(file_id, chunk_index, chunk_size, existing)
-        if chunk.offset in self._sharers and self._redirect((file_id, chunk_index), chunk, offset, n, kind, data):
+        chunk = self._get_or_create(file_id, chunk_index, chunk_size, existing, offset + n)
+        if chunk.offset in self._sharers and offset + n <= chunk.extent and \
+                self._redirect((file_id, chunk_index), chunk, offset, n, kind, data):
             return self._bump(chunk)
+        self._grow((file_id, chunk_index), chunk, offset + n)  # a shared one: this key alone, to its own copy
         self._unshare((file_id, chunk_index))
         start = chunk.offset + offset
         if kind == UpdateOp.ASSIGN:
@@ -342,6 +464,7 @@ class Shard(SparseRows):
             state = None
         fresh = state is None
         state = self._get_or_create(file_id, optimizers.state_index(chunk_index), size)
+        self._grow(key, state, size)  # read whole by the step (a copy received may have held less)
         self._unshare(key)  # before init_state may rewrite it (another optimizer): a snapshot keeps its own
         view = self.region.view[state.offset : state.offset + state.size]
         if fresh or optimizers.header_op(view) != update.op:
@@ -367,46 +490,72 @@ class Shard(SparseRows):
         if chunk is None:
             return None
         self._refuse_lost(file_id, chunk_index)
-        return int(self.versions[chunk.slot]), bytes(self.region.view[chunk.offset : chunk.offset + chunk.size])
+        held = bytes(self.region.view[chunk.offset : chunk.offset + chunk.extent])
+        return int(self.versions[chunk.slot]), held + bytes(chunk.size - chunk.extent)
+
+    def copy_of(self, file_id: int, chunk_index: int) -> tuple[int, int, bytes] | None:
+        """``(version, chunk size, a copy of the bytes its extent holds)`` (the rest of the chunk
+        is zeros: what a whole-chunk copy, REPLACE, sends since protocol 12), or None when the
+        shard has no such chunk.
+
+        Raises:
+            DataLost: the shard refuses the chunk (:attr:`lost`).
+        """
+        chunk = self._chunks.get((file_id, chunk_index))
+        if chunk is None:
+            return None
+        self._refuse_lost(file_id, chunk_index)
+        return int(self.versions[chunk.slot]), chunk.size, bytes(self.region.view[chunk.offset : chunk.offset + chunk.extent])
 
     def checksum(self, file_id: int, chunk_index: int) -> tuple[int, int]:
-        """``(version, zlib CRC-32 of the whole chunk)``; ``(0, 0)`` when there is no such chunk
-        or the shard refuses it (:attr:`lost`: as absent, so fsck and resync see it missing)."""
+        """``(version, zlib CRC-32 of the whole chunk)`` (its extent's bytes, then zeros up to its
+        size); ``(0, 0)`` when there is no such chunk or the shard refuses it (:attr:`lost`: as
+        absent, so fsck and resync see it missing)."""
         chunk = self._chunks.get((file_id, chunk_index))
         if chunk is None or (file_id, chunk_index) in self.lost:
             return 0, 0
-        return int(self.versions[chunk.slot]), zlib.crc32(self.region.view[chunk.offset : chunk.offset + chunk.size])
+        return int(self.versions[chunk.slot]), crc_padded(self.region.view[chunk.offset : chunk.offset + chunk.extent],
+                                                          chunk.size)
 
     def replace(self, file_id: int, chunk_index: int, chunk_size: int, data: memoryview | bytes, version: int) -> int:
         """Set a whole chunk (creating it if needed) and its version: how a replica that missed
         updates is brought level with its predecessor's copy.
 
+        ``data`` is the chunk's first bytes, zeros after them (protocol 12: a copy sends what its
+        extent holds; the whole chunk before). The chunk here takes the extent that holds its
+        bytes up to the last one not zero (:func:`extent_of`), whatever the sender's was.
         A chunk the shard refused (:attr:`lost`) is trusted again once its bytes are written.
         A new key whose bytes and version equal a chunk copied here before shares its extent
         (:meth:`_share_copy`): a move copies a shared extent once.
 
         Raises:
-            BadRequest: ``data`` is not ``chunk_size`` bytes, or the version is 0. NoSpace.
+            BadRequest: ``data`` is longer than ``chunk_size`` bytes, or the version is 0. NoSpace.
+            Nothing changed in each case.
         """
-        if len(data) != chunk_size or version <= 0:
-            raise BadRequest(f"a whole-chunk copy needs {chunk_size} bytes and a version > 0,"
+        if len(data) > chunk_size or version <= 0:
+            raise BadRequest(f"a whole-chunk copy needs at most {chunk_size} bytes and a version > 0,"
                              f" got {len(data)} bytes at version {version}")
         key = (file_id, chunk_index)
-        sig = (chunk_index, chunk_size, version, zlib.crc32(data))
-        if key not in self._chunks and key not in self._making and self._share_copy(key, sig, data):
+        extent = extent_of(data, chunk_size)
+        body = memoryview(data).cast("B")[:extent]
+        sig = (chunk_index, chunk_size, version, crc_padded(body, extent))
+        if key not in self._chunks and key not in self._making and self._share_copy(key, sig, body):
             return version
         why = self.lost.pop(key, None)  # rewritten whole below: trusted again
         try:
             chunk = self._chunks.get(key)
             if chunk is not None and chunk.size != chunk_size:
                 self._drop(file_id, chunk_index)
-            chunk = self._get_or_create(file_id, chunk_index, chunk_size)
+            chunk = self._get_or_create(file_id, chunk_index, chunk_size, reach=extent)
+            self._grow(key, chunk, extent)
             self._unshare(key)
         except BaseException:
             if why is not None and key in self._chunks:
                 self.lost[key] = why
             raise
-        self.region.view[chunk.offset : chunk.offset + chunk_size] = data
+        start = chunk.offset
+        self.region.view[start : start + len(body)] = body
+        self.region.view[start + len(body) : start + chunk.extent] = bytes(chunk.extent - len(body))
         self.versions[chunk.slot] = version
         if why is not None and self.store is not None:
             self.store.forget_lost([key])
@@ -459,6 +608,9 @@ class Shard(SparseRows):
             self._chunks.get((file_id, chunk_index))
         if chunk is not None:
             self._refuse_lost(file_id, chunk_index)
+            # a client reads and writes the whole chunk from this place: its extent holds it
+            # all, so it never grows (and never moves by growing) after this
+            self._grow((file_id, chunk_index), chunk, chunk.size)
             chunk.located = True
         return chunk
 
@@ -478,6 +630,9 @@ class Shard(SparseRows):
         self._refuse_lost(file_id, chunk_index)
         if offset + length > chunk.size:
             raise BadRequest(f"range [{offset}, {offset + length}) leaves the {chunk.size}-byte chunk")
+        if not chunk.located or offset + length > chunk.extent:  # never told where: not this place
+            raise BadRequest(f"chunk ({file_id}, {chunk_index}) was not located at region offset {region_offset}:"
+                             " locate it again")
         if chunk.offset in self._sharers:
             # the bytes landed in an extent a snapshot shares: a client must stage such writes
             log.error("an in-place write landed in chunk (%d, %d), which a snapshot shares", file_id, chunk_index)
@@ -500,7 +655,8 @@ class Shard(SparseRows):
             return 0
         self._refuse_lost(file_id, chunk_index)
         self._unshare((file_id, chunk_index))
-        self.region.view[chunk.offset + offset : chunk.offset + chunk.size] = bytes(chunk.size - offset)
+        if offset < chunk.extent:  # past the extent it is zeros already
+            self.region.view[chunk.offset + offset : chunk.offset + chunk.extent] = bytes(chunk.extent - offset)
         return self._bump(chunk)
 
     def free(self, file_id: int, first_chunk: int) -> int:
@@ -546,6 +702,7 @@ class Shard(SparseRows):
         """
         if self.store is None:
             return 0
+        self.reclaim()
         limit = time.monotonic() - older_than
         done = 0
         while self._freed and self._freed[0][0] <= limit:
@@ -575,12 +732,33 @@ class Shard(SparseRows):
             return
         if self.store is not None:
             self._unrecorded(file_id, chunk_index)
-            self._freed.append((time.monotonic(), chunk.offset, chunk.size))  # zeroed by trim
-        else:
-            self.region.zero(chunk.offset, chunk.size)
-        self.versions[chunk.slot] = 0
-        self._alloc.free(chunk.offset, chunk.size)
-        self.used -= chunk.size
+        self._release(chunk.offset, chunk.extent)
+
+
+def crc_padded(data: memoryview | bytes, size: int) -> int:
+    """zlib CRC-32 of ``data`` followed by zeros up to ``size`` bytes (a chunk's bytes past its
+    extent; :func:`irdma.client.cache.chunk_crc` computes the same on the client)."""
+    crc = zlib.crc32(data)
+    left = size - len(data)
+    while left > 0:
+        n = min(left, len(_ZEROS))
+        crc = zlib.crc32(_ZEROS[:n], crc)
+        left -= n
+    return crc
+
+
+def extent_of(data: memoryview | bytes, chunk_size: int) -> int:
+    """The size class (:func:`extent_for`) of the extent that holds ``data``, a chunk's first
+    bytes, up to its last byte that is not zero (one page for all zeros): what a whole-chunk
+    copy takes, so that equal chunks take equal extents whatever extent they came from."""
+    raw = np.frombuffer(data, dtype=np.uint8)
+    extent = extent_for(len(raw), chunk_size)
+    while extent > PAGE:
+        smaller = max(PAGE, 1 << ((extent - 1).bit_length() - 1))  # the class below
+        if raw[smaller:extent].any():
+            break
+        extent = smaller
+    return extent
 
 
 def _decoded(op: Update, payload: memoryview | bytes, offset: int, chunk_size: int) -> memoryview:

@@ -2,17 +2,19 @@
 
 Layout of ``--data-dir DIR`` (one directory per shard)::
 
-    shard.json   {"format": 1, "shard_id": N, "capacity": BYTES, "incarnation": U63,
+    shard.json   {"format": 2, "shard_id": N, "capacity": BYTES, "incarnation": U63,
                   "cluster_id": HEX}  (the cluster it belongs to, when it runs with a key)
     region       the memory region: a sparse file of ``capacity`` bytes, memory-mapped
                  MAP_SHARED; chunk bytes live at their region offset
     versions     the chunk version table: little-endian u64, one slot per 4 KiB page of the
                  region (slot = region offset // 4096), memory-mapped MAP_SHARED
-    chunks.db    the chunk index (SQLite): (file id, chunk index) -> (region offset, size);
-                 several keys at one offset share that extent (a snapshot's clone, copied
-                 on the next write: :meth:`irdma.server.shard.Shard.clone`)
-    moves.log    the moves journal: the keys moved to a copy-on-write copy since the index's
-                 last transaction, 44-byte records (:data:`MOVE_RECORD`), replayed into the
+    chunks.db    the chunk index (SQLite): (file id, chunk index) -> (region offset, chunk size,
+                 extent size: the bytes of the region it holds from that offset, a size class
+                 of :func:`irdma.server.region.extent_for`; 0 in rows of format 1: the whole
+                 chunk); several keys at one offset share that extent (a snapshot's clone,
+                 copied on the next write: :meth:`irdma.server.shard.Shard.clone`)
+    moves.log    the moves journal: the keys moved to a copy-on-write copy or to a bigger
+                 extent (a chunk that grew) since the index's last transaction, 44-byte records (:data:`MOVE_RECORD`), replayed into the
                  index when the shard opens the directory; empty after a clean close. A torn
                  tail (a cut record or zero records at the end: a machine crash in mid-append)
                  is dropped; a journal with any other bad record is kept as
@@ -61,19 +63,32 @@ from irdma._errors import IrdmaError
 
 log = logging.getLogger("irdma.server")
 PAGE = 4096
-FORMAT = 1
+FORMAT = 2
+#: Data formats this code opens: 1 (every extent a whole chunk) is upgraded to 2 in place (the
+#: index gains its ``extent`` column) and is then no longer opened by an irdma of format 1.
+FORMATS = (1, 2)
 #: ``sync`` makes data durable (msync + fsync) in this mode; ``memory`` keeps it in the page
 #: cache only (it survives the shard process, not the machine): for scratch data.
 DURABILITY_MODES = ("fsync", "memory")
 
-#: A moves-journal record: sequence number, file id, chunk index, new region offset, size in
-#: bytes (little-endian u64 each), then the CRC-32 (zlib) of those 40 bytes (u32). Records
+#: A moves-journal record: sequence number, file id, chunk index, new region offset, sizes
+#: (little-endian u64 each: the chunk size in bytes in the low 32 bits, its extent's in the high
+#: 32, 0 there for the whole chunk), then the CRC-32 (zlib) of those 40 bytes (u32). Records
 #: whose sequence number is not past the index's ``journal.seq`` are in the index already.
 _MOVE_BODY = struct.Struct("<QQQQQ")
 MOVE_RECORD = struct.Struct(_MOVE_BODY.format + "I")
 #: Moves the journal holds before :meth:`ShardStore.move_chunks` folds them into the index
 #: itself (most are folded sooner, by the next clone, free or new chunk).
 JOURNAL_FOLD = 4096
+
+_RECORD = "INSERT OR REPLACE INTO chunks(file, idx, offset, size, extent) VALUES (?,?,?,?,?)"
+#: A chunk-index row: (file id, chunk index, region offset, chunk size, extent size), bytes; the
+#: extent may be left out, or 0, for the whole chunk.
+Row = tuple[int, int, int, int] | tuple[int, int, int, int, int]
+
+
+def _rows(chunks: Sequence[Row]) -> list[tuple[int, int, int, int, int]]:
+    return [(r[0], r[1], r[2], r[3], (r[4:5] or (0,))[0]) for r in chunks]
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
@@ -147,6 +162,7 @@ class ShardStore:
                              "pass --data-dir a directory you can write") from None
         meta_path = os.path.join(self.path, "shard.json")
         self.fresh = not os.path.exists(meta_path)
+        self._upgrade = False
         if self.fresh:
             if capacity is None:
                 raise IrdmaError(f"{self.path} holds no shard", "pass --capacity to make a new one there")
@@ -161,8 +177,10 @@ class ShardStore:
                     fmt, sid, cap, inc = info["format"], info["shard_id"], info["capacity"], info["incarnation"]
                 except (ValueError, KeyError, TypeError) as exc:
                     raise IrdmaError(f"{meta_path} is damaged ({exc})", "restore it, or remove the directory") from None
-            if fmt != FORMAT:
-                raise IrdmaError(f"{self.path} has data format {fmt}; this irdma reads format {FORMAT}")
+            if fmt not in FORMATS:
+                raise IrdmaError(f"{self.path} has data format {fmt}; this irdma reads formats"
+                                 f" {', '.join(map(str, FORMATS))}", "open it with the irdma that made it")
+            self._upgrade = fmt != FORMAT
             if sid != shard_id:
                 raise IrdmaError(f"{self.path} holds shard {sid}, not shard {shard_id}",
                                  f"pass --shard-id {sid}, or another --data-dir")
@@ -195,7 +213,10 @@ class ShardStore:
         # checkpoint every 4 MB on the event loop (copy-on-write records one row per chunk copied)
         self._db.execute("PRAGMA wal_autocheckpoint=10000")
         self._db.execute("CREATE TABLE IF NOT EXISTS chunks(file INTEGER NOT NULL, idx INTEGER NOT NULL,"
-                         " offset INTEGER NOT NULL, size INTEGER NOT NULL, PRIMARY KEY(file, idx))")
+                         " offset INTEGER NOT NULL, size INTEGER NOT NULL, extent INTEGER NOT NULL DEFAULT 0,"
+                         " PRIMARY KEY(file, idx))")
+        if "extent" not in [r[1] for r in self._db.execute("PRAGMA table_info(chunks)")]:  # format 1
+            self._db.execute("ALTER TABLE chunks ADD COLUMN extent INTEGER NOT NULL DEFAULT 0")
         # the moves journal: the last record folded into the index
         self._db.execute("CREATE TABLE IF NOT EXISTS journal(seq INTEGER NOT NULL)")
         # chunks the shard refuses to serve: a damaged moves-journal record may have moved them
@@ -208,8 +229,8 @@ class ShardStore:
             self._db.execute("INSERT INTO journal VALUES (0)")
         self._seq = int(row[0]) if row is not None else 0  # the last sequence number spent
         self._folded = self._seq  # the index's journal.seq: records up to it are in the index
-        # (file id, chunk index, offset, size, sequence number): in the journal, not yet in the index
-        self._moves: list[tuple[int, int, int, int, int]] = []
+        # (file id, chunk index, offset, size, extent, sequence number): in the journal, not yet in the index
+        self._moves: list[tuple[int, int, int, int, int, int]] = []
         self._direct = False  # the journal failed: moves go to the index, one transaction each
         self._log_path = os.path.join(self.path, "moves.log")
         #: Where this open kept a damaged journal (None: the journal replayed whole).
@@ -224,7 +245,7 @@ class ShardStore:
         except OSError as exc:
             raise IrdmaError(f"cannot open the moves journal {self._log_path}: {exc.strerror or exc}",
                              "check the disk has room and the directory is writable") from None
-        if self.fresh:  # written last: a directory with shard.json is complete
+        if self.fresh or self._upgrade:  # written last: a directory with shard.json is complete
             self._write_info(meta_path)
 
     def _write_info(self, meta_path: str) -> None:
@@ -247,27 +268,36 @@ class ShardStore:
 
     # the chunk index
     def chunks(self) -> Iterator[tuple[int, int, int, int]]:
-        """Every chunk as ``(file id, chunk index, region offset, size)``."""
-        yield from self._db.execute("SELECT file, idx, offset, size FROM chunks")
+        """Every chunk as ``(file id, chunk index, region offset, chunk size)``."""
+        for f, i, o, size, _ in self.extents():
+            yield f, i, o, size
 
-    def add_chunk(self, file_id: int, chunk_index: int, offset: int, size: int) -> None:
-        self.add_chunks([(file_id, chunk_index, offset, size)])
+    def extents(self) -> Iterator[tuple[int, int, int, int, int]]:
+        """Every chunk as ``(file id, chunk index, region offset, chunk size, extent size)``
+        (bytes; the extent is the chunk size in rows of format 1)."""
+        for f, i, o, size, extent in self._db.execute("SELECT file, idx, offset, size, extent FROM chunks"):
+            yield f, i, o, size, extent or size
 
-    def add_chunks(self, chunks: Sequence[tuple[int, int, int, int]]) -> None:
-        """Make new chunks ``(file id, chunk index, region offset, size)``: zero their extents,
-        then record them in the chunk index, all in one transaction. Disk I/O: a shard server
-        calls it in a worker thread (the extents are reserved, nothing else touches them).
+    def add_chunk(self, file_id: int, chunk_index: int, offset: int, size: int, extent: int = 0) -> None:
+        self.add_chunks([(file_id, chunk_index, offset, size, extent)])
+
+    def add_chunks(self, chunks: Sequence[Row]) -> None:
+        """Make new chunks ``(file id, chunk index, region offset, chunk size[, extent size])``
+        (:data:`Row`): zero their extents (only those: the rest of a chunk holds nothing), then
+        record them in the chunk index, all in one transaction. Disk I/O: a shard server calls
+        it in a worker thread (the extents are reserved, nothing else touches them).
 
         Raises:
             OSError: an extent could not be zeroed. sqlite3.Error: the index could not be
                 written. Nothing was recorded in either case.
         """
-        for _, _, offset, size in chunks:
-            self._zero(offset, size)  # a new chunk starts as zeros, whatever a crash left
-        self.record_chunks(chunks)
+        rows = _rows(chunks)
+        for _, _, offset, size, extent in rows:
+            self._zero(offset, extent or size)  # a new chunk starts as zeros, whatever a crash left
+        self.record_chunks(rows)
 
-    def record_chunks(self, chunks: Sequence[tuple[int, int, int, int]]) -> None:
-        """Record chunk keys ``(file id, chunk index, region offset, size)`` at extents whose
+    def record_chunks(self, chunks: Sequence[Row]) -> None:
+        """Record chunk keys (:data:`Row`) at extents whose
         bytes are already there (a snapshot's clone sharing an extent, or keys moved to a
         copy-on-write copy), in one transaction; the region is not touched.
 
@@ -275,11 +305,12 @@ class ShardStore:
             sqlite3.Error: the index could not be written; nothing was recorded.
         """
         with self._db_lock:
-            self._transact("INSERT OR REPLACE INTO chunks VALUES (?,?,?,?)", chunks)
+            self._transact(_RECORD, _rows(chunks))
 
-    def move_chunks(self, keys: Sequence[tuple[int, int]], offset: int, size: int) -> None:
-        """Record that chunk keys ``(file id, chunk index)`` now live at extent ``offset``
-        (``size`` bytes: a copy-on-write copy, already written): one append to the moves
+    def move_chunks(self, keys: Sequence[tuple[int, int]], offset: int, size: int, extent: int = 0) -> None:
+        """Record that chunk keys ``(file id, chunk index)`` of ``size`` bytes now live at the
+        extent at ``offset`` (``extent`` bytes: a copy-on-write copy, or a bigger extent the
+        chunk grew into, already written; 0: the whole chunk): one append to the moves
         journal, folded into the chunk index by its next transaction. It survives the shard
         process once this returns (the page cache holds it, as it holds the region); ``sync``
         makes it durable against a machine crash.
@@ -291,7 +322,7 @@ class ShardStore:
         """
         with self._db_lock:
             if self._direct:
-                self._transact("INSERT OR REPLACE INTO chunks VALUES (?,?,?,?)", [(f, i, offset, size) for f, i in keys])
+                self._transact(_RECORD, [(f, i, offset, size, extent) for f, i in keys])
                 return
             if len(self._moves) >= JOURNAL_FOLD:
                 self._transact(None, ())  # before the append: if it fails, nothing is recorded
@@ -299,7 +330,7 @@ class ShardStore:
             self._seq += len(keys)  # spent, whatever happens below: a number is never used twice
             recs = bytearray()
             for n, (f, i) in enumerate(keys):
-                body = _MOVE_BODY.pack(first + n, f, i, offset, size)
+                body = _MOVE_BODY.pack(first + n, f, i, offset, size | extent << 32)
                 recs += body + zlib.crc32(body).to_bytes(4, "little")
             try:
                 if os.write(self._log_fd, recs) != len(recs):
@@ -315,7 +346,7 @@ class ShardStore:
                     self._transact(None, ())
                 raise
             self._log_len += len(recs)
-            self._moves.extend((f, i, offset, size, first + n) for n, (f, i) in enumerate(keys))
+            self._moves.extend((f, i, offset, size, extent, first + n) for n, (f, i) in enumerate(keys))
 
     def unrecord_chunks(self, keys: Sequence[tuple[int, int]]) -> None:
         """Forget chunk keys ``(file id, chunk index)``, in one transaction; their bytes stay
@@ -330,13 +361,13 @@ class ShardStore:
         ``rows``; the journal is emptied once it commits and holds nothing unfolded. Raises
         sqlite3.Error (nothing changed: the moves stay journaled)."""
         seq = self._seq if upto is None else upto
-        fold = self._moves if upto is None else [m for m in self._moves if m[4] <= upto]
+        fold = self._moves if upto is None else [m for m in self._moves if m[5] <= upto]
         if sql is None and not fold and seq <= self._folded:
             return
         self._db.execute("BEGIN")
         try:
             if fold:
-                self._db.executemany("INSERT OR REPLACE INTO chunks VALUES (?,?,?,?)", [m[:4] for m in fold])
+                self._db.executemany(_RECORD, [m[:5] for m in fold])
             if seq > self._folded:
                 self._db.execute("UPDATE journal SET seq=?", (seq,))
             if sql is not None:
@@ -392,9 +423,10 @@ class ShardStore:
         extent (a snapshot's bytes) as if no write had been acknowledged since. Then the good
         records are folded in, the journal is copied whole to ``moves.log.damaged`` first (the
         evidence, never truncated), and every key the damaged records may have moved is
-        recorded as lost (:meth:`lost`): the keys that share an extent in the index (a move is
-        always of a key sharing its extent, and the keys it left keep that extent; which one
-        moved cannot be told). A damaged record is taken as past ``journal.seq`` unless a good
+        recorded as lost (:meth:`lost`): the keys that share an extent in the index (a
+        copy-on-write move is of a key sharing its extent, and the keys it left keep that
+        extent; which one moved cannot be told) and the keys whose extent is smaller than their
+        chunk (a growth moves a key alone to a bigger extent). A damaged record is taken as past ``journal.seq`` unless a good
         record after it shows it is not (numbers rise by at least one a record): one older
         than that (a journal left unemptied) changes nothing.
 
@@ -420,9 +452,10 @@ class ShardStore:
                 damaged.append(n)  # its number may be past the index's: a move the index lacks
         moves = []
         for n in range(last + 1):
-            seq, f_id, idx, offset, nbytes, _ = recs[n]
+            seq, f_id, idx, offset, sizes, _ = recs[n]
             if good[n] and seq > self._seq:
-                moves.append((f_id, idx, offset, nbytes, seq))
+                size = sizes & 0xFFFFFFFF
+                moves.append((f_id, idx, offset, size, sizes >> 32 or size, seq))
                 self._seq = seq
         if torn:
             log.warning("%s: dropped a torn tail of %d bytes (a cut record or zeros after the last good one: a"
@@ -442,14 +475,17 @@ class ShardStore:
         if self._log_len:
             self._truncate_log()
 
-    def _sharing(self, moves: Sequence[tuple[int, int, int, int, int]]) -> list[tuple[int, int]]:
-        """The keys that share an extent in the index with ``moves`` folded in."""
-        where = {(int(f), int(i)): int(o) for f, i, o in self._db.execute("SELECT file, idx, offset FROM chunks")}
-        where.update({(f, i): o for f, i, o, _, _ in moves})
+    def _sharing(self, moves: Sequence[tuple[int, int, int, int, int, int]]) -> list[tuple[int, int]]:
+        """The keys that share an extent, or hold less than their chunk, in the index with
+        ``moves`` folded in: the keys a lost move may have moved."""
+        where = {(int(f), int(i)): (int(o), int(n), int(e) or int(n))
+                 for f, i, o, n, e in self._db.execute("SELECT file, idx, offset, size, extent FROM chunks")}
+        where.update({(f, i): (o, n, e) for f, i, o, n, e, _ in moves})
         at: dict[int, list[tuple[int, int]]] = {}
-        for key, offset in where.items():
+        for key, (offset, _, _) in where.items():
             at.setdefault(offset, []).append(key)
-        return sorted(k for keys in at.values() if len(keys) > 1 for k in keys)
+        small = {k for k, (_, n, e) in where.items() if e < n}
+        return sorted({k for keys in at.values() if len(keys) > 1 for k in keys} | small)
 
     def _keep_damaged(self, data: bytes) -> str:
         """Copy a damaged journal beside it (``moves.log.damaged``, or ``.damaged.N`` if that

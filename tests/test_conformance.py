@@ -424,19 +424,20 @@ def test_a_full_region_answers_enospc_and_keeps_what_it_holds(small_shard: Shard
     async def body(nursery: trio.Nursery) -> None:
         c = await _connect(small_shard.address, transport_name, nursery)
         fid = new_file()
+        end = CHUNK - 100  # each chunk's last bytes: it takes its whole extent
         for i in range(4):
-            await c.write(fid, i, CHUNK, 0, UpdateOp.ASSIGN, bytes([i + 1]) * 100)
+            await c.write(fid, i, CHUNK, end, UpdateOp.ASSIGN, bytes([i + 1]) * 100)
         with pytest.raises(NoSpace):
             await c.write(fid, 4, CHUNK, 0, UpdateOp.ASSIGN, b"x")
         st = await c.stat()
         assert (st.used, st.chunks) == (4 * CHUNK, 4)
         buf = bytearray(100)
-        await c.read(fid, 3, 0, memoryview(buf))
+        await c.read(fid, 3, end, memoryview(buf))
         assert buf == bytes([4]) * 100
         assert await c.free(fid, 2) == 2
         # an optimizer step whose state fits but whose chunk then does not: refused, nothing kept
         with pytest.raises(NoSpace):
-            await c.write(fid, 9, CHUNK, 0, parse_update("sgd momentum=0.9"), bytes(8))
+            await c.write(fid, 9, CHUNK, CHUNK - 8, parse_update("sgd momentum=0.9"), bytes(8))
         assert (await c.stat()).used == 2 * CHUNK
         await c.write(fid, 4, CHUNK, 0, UpdateOp.ASSIGN, b"y")  # room again
         assert await c.free(fid, 0) == 3

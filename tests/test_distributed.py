@@ -149,7 +149,7 @@ def test_the_optimizer_round_trips_through_model_save_and_load_model(job: str, t
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     path = os.path.join(str(tmp_path), "m.keras")
     model.save(path)
-    loaded = keras.models.load_model(path)
+    loaded = hvd.load_model(path)
     assert isinstance(loaded.optimizer, hvd.DistributedOptimizer)
     assert isinstance(loaded.optimizer.inner, keras.optimizers.AdamW)
     assert loaded.optimizer.inner.weight_decay == pytest.approx(0.1) and loaded.optimizer.clipnorm == 1.0
@@ -202,7 +202,7 @@ def test_a_checkpoint_holds_the_shards_optimizer_state_and_resuming_is_bit_ident
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     want = [np.array(w) for w in model.get_weights()]
     if how == "model.save":
-        model = keras.models.load_model(path + ".keras")
+        model = hvd.load_model(path + ".keras")
     else:
         ckpt.read(path).assert_consumed()
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)

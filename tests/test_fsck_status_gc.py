@@ -261,7 +261,9 @@ def test_gc_dry_run_reports_exactly_what_gc_frees_after_a_mount_is_killed_mid_wr
         dry = irdma_cli("gc", "--dry-run", "--meta", c.meta_url)
         assert "would free: 1 dead sessions" in dry.stdout, dry.stdout
         found = leaked(dry.stdout)
-        assert found[0] >= 4, dry.stdout  # 16 MiB or more on the shards, in 4 MiB chunks
+        # 16 MiB or more on the shards: 3 whole 4 MiB chunks at least (the rest may be the extents
+        # a growing chunk left, held until the shard's next sync)
+        assert found[0] >= 3, dry.stdout
         fsck = irdma_cli("fsck", "--meta", c.meta_url, check=False)
         assert fsck.returncode == 1 and leaked(fsck.stdout) == found, _out(fsck)
         assert "dead sessions: 1" in fsck.stdout, fsck.stdout

@@ -59,15 +59,16 @@ def test_concurrent_add_from_several_client_processes_sums_exactly(cluster: Clus
 def test_enospc_when_full_changes_nothing(tmp_path: object) -> None:
     with running_cluster(str(tmp_path), shards=2, replicas=1, capacity=2 << 20) as small:
         with irdma.connect(small.meta_url, transport="tcp") as c:
-            c.write("/a", b"a" * 100, chunk_size=1 << 20)
-            c.write("/b", b"b" * 100, chunk_size=1 << 20)
-            c.write("/c", b"c" * 100, chunk_size=1 << 20)
-            c.write("/d", b"d" * 100, chunk_size=1 << 20)
+            mb = 1 << 20  # files of a whole chunk each: two fill a shard
+            c.write("/a", b"a" * mb, chunk_size=mb)
+            c.write("/b", b"b" * mb, chunk_size=mb)
+            c.write("/c", b"c" * mb, chunk_size=mb)
+            c.write("/d", b"d" * mb, chunk_size=mb)
             with pytest.raises(irdma.NoSpace) as full:
-                c.write("/e", b"e" * 100, chunk_size=1 << 20)
+                c.write("/e", b"e" * 100, chunk_size=mb)
             assert str(full.value).count(irdma.NoSpace.hint) == 1, str(full.value)  # the advice, once
             assert c.stat("/e").size == 0  # the failed write did not grow the file
-            assert c.read("/a") == b"a" * 100 and c.read("/d") == b"d" * 100
+            assert c.read("/a") == b"a" * mb and c.read("/d") == b"d" * mb
             c.unlink("/a")
             c.write("/e", b"e" * 100)  # space came back
             assert c.read("/e") == b"e" * 100

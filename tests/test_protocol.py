@@ -287,11 +287,13 @@ def test_encoding_assign_or_a_scatter_is_a_local_error() -> None:
         P.decode_request(frame)
 
 
-def test_protocol_12_is_spoken_and_9_still_understood() -> None:
+def test_protocol_13_is_spoken_and_9_still_understood() -> None:
     """Protocol 10 changed no frame (a CLONE ends its freeze; THAW of one that is over is a
-    no-op), 11 only added the round bit of the op byte and 12 two flags of a round, so a client
-    of protocol 9 still works with these shards; 8 and older are refused."""
-    assert (P.MIN_PROTOCOL_VERSION, P.PROTOCOL_VERSION) == (9, 12)
+    no-op), 11 only added the round bit of the op byte, 12 two flags of a round and lets a
+    whole-chunk copy between shards be shorter than its chunk (sent to a successor of 12 only),
+    and 13 a flag of a staged SCATTER, so a client of protocol 9 still works with these shards;
+    8 and older are refused."""
+    assert (P.MIN_PROTOCOL_VERSION, P.PROTOCOL_VERSION) == (9, 13)
     wire = bytearray(b"".join(P.encode_request(P.Thaw(5), 1)))
     wire[2] = 9  # the header's version byte (!2sB...)
     [frame] = _frames(bytes(wire))
@@ -299,6 +301,35 @@ def test_protocol_12_is_spoken_and_9_still_understood() -> None:
     wire[2] = 8
     with pytest.raises(RemoteProtocolError, match="protocol version 8"):
         _frames(bytes(wire))
+
+
+def test_a_staged_scatters_extents_may_travel_in_the_staging_buffer() -> None:
+    """FLAG_STAGED_EXTENTS (protocol 13, verbs): the frame carries only the extents' count; the
+    shard reads them from the staging buffer, ahead of the rows, and finds the rows after them."""
+    ext = P.extents([0, 0, 1], [0, 64, 8], [4, 8, 4])
+    msg = P.Scatter(7, 4096, ext[:0], P.Update(P.UpdateOp.ADD, round=P.Round(1, 0, 0, 2)), staged=True,
+                    staging_offset=32, staged_extents=3)
+    wire = b"".join(P.encode_request(msg, 5))
+    [frame] = _frames(wire)
+    got = P.decode_request(frame)
+    assert isinstance(got, P.Scatter) and _norm(got) == _norm(msg)
+    staging = memoryview(bytes(32) + ext.tobytes() + b"r" * 16)
+    rows = got.unstaged(staging)
+    assert rows.extents.tolist() == ext.tolist() and (rows.staging_offset, rows.staged_extents, rows.length) == (80, 0, 16)
+    assert P.Scatter(7, 4096, ext, P.UpdateOp.ADD, b"a" * 16).unstaged(None).length == 16  # extents in the frame
+    with pytest.raises(RemoteProtocolError, match="leave the 0-byte staging buffer"):
+        got.unstaged(None)  # a TCP connection has none
+    with pytest.raises(RemoteProtocolError, match="leave the 60-byte staging buffer"):
+        got.unstaged(staging[:60])
+    with pytest.raises(LocalProtocolError, match="staged extents go with a staged payload"):
+        P.encode_request(P.Scatter(7, 4096, ext[:0], P.UpdateOp.ADD, staged_extents=3), 1)
+    with pytest.raises(LocalProtocolError, match="no extent in the frame"):
+        P.encode_request(P.Scatter(7, 4096, ext, P.UpdateOp.ADD, staged=True, staged_extents=3), 1)
+    bad = bytearray(wire)
+    struct.pack_into("!H", bad, 10, P.FLAG_STAGED_EXTENTS)  # the header's flags: the payload not staged
+    [frame] = _frames(bytes(bad))
+    with pytest.raises(RemoteProtocolError, match="payload is not"):
+        P.decode_request(frame)
 
 
 @pytest.mark.parametrize("part", [(0, 0, 2), (5, 2, 2), (5, 0, 1)], ids=["push id 0", "index past count", "one part"])

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import trio
 from helpers import Cluster, running_cluster
 from optim_ref import CONFIGS, Reference, relative_error, spec_text
 
@@ -304,3 +305,44 @@ def test_an_elastic_round_whose_member_died_completes_with_those_that_pushed_whe
             contribute(c, "/e-dense", gs[m], Round(SERIES, 6, m, 3, P.ROUND_ELASTIC))
         want -= 0.5 * (gs[0].astype(np.float64) + gs[1] + gs[2]) / 3
         assert relative_error(c.pull("/e-dense"), want) <= 1e-6
+
+
+def test_a_members_rows_with_their_extents_staged_are_one_contribution() -> None:
+    """Verbs (protocol 13): a member's rows of one chunk that take more extents than a SEND
+    carries come as one staged SCATTER, its extents in the staging buffer ahead of the rows
+    (FLAG_STAGED_EXTENTS). The shard reads them from there: one contribution, the round's mean
+    added once. Extents that leave the buffer, or come over TCP, are refused and change nothing.
+    Driven through the dispatcher, frame by frame (tests/test_verbs.py on real verbs)."""
+    from irdma.server.serve import ShardServer
+    from irdma.server.shard import Region, Shard
+    from test_admit import _frame, _reply
+
+    shard = Shard(1, Region(1 << 20))
+    server = ShardServer(shard)
+    staging = memoryview(bytearray(1 << 20))
+    rng = np.random.default_rng(12)
+    ids = [rng.choice(CHUNK // (4 * DIM), 500, replace=False), np.array([3, 9])]  # 500 rows: 500 extents
+    grads = [rng.standard_normal((len(i), DIM)).astype("<f4") for i in ids]
+
+    def push(member: int, soff: int, rid: int, stage_extents: bool, buffer: memoryview | None = staging) -> P.Reply:
+        ext = P.extents(np.zeros(len(ids[member])), ids[member] * 4 * DIM, np.full(len(ids[member]), 4 * DIM))
+        blob = (ext.tobytes() if stage_extents else b"") + grads[member].tobytes()
+        if soff + len(blob) <= len(staging):  # what the client's RDMA WRITE puts there
+            staging[soff : soff + len(blob)] = blob
+        op = P.Update(P.UpdateOp.ADD, round=Round(SERIES, 0, member, 2))
+        msg = (P.Scatter(7, CHUNK, ext[:0], op, staged=True, staging_offset=soff, staged_extents=len(ext))
+               if stage_extents else P.Scatter(7, CHUNK, ext, op, staged=True, staging_offset=soff))
+        return trio.run(_reply, server.handle(_frame(msg, rid), buffer, "verbs"))
+
+    assert push(0, 4096, 1, True) == P.VersionReply(0)
+    bad = push(0, len(staging) - 64, 2, True)  # its extents leave the buffer
+    assert isinstance(bad, P.ErrorReply) and "leave" in bad.message
+    bad = push(0, 0, 3, True, None)  # a TCP connection: no staging buffer
+    assert isinstance(bad, P.ErrorReply) and bad.status == P.Status.BAD_REQUEST
+    assert push(0, 8192, 4, True) == P.VersionReply(0)  # sent again: counts once
+    assert push(1, 0, 5, False) == P.VersionReply(1)  # the round's last contribution: applied
+    want = np.zeros((CHUNK // (4 * DIM), DIM))
+    for i, g in zip(ids, grads, strict=True):
+        want[i] += g.astype(np.float64) / 2
+    got = np.frombuffer(shard.read(7, 0, 0, CHUNK)[1], "<f4").reshape(-1, DIM)  # type: ignore[arg-type]
+    assert relative_error(got, want) <= 1e-6

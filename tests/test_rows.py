@@ -177,7 +177,8 @@ def test_a_scatter_the_shard_cannot_hold_changes_nothing(op: str) -> None:
     shard = Shard(1, Region(2 * CHUNK + (64 << 10)))  # room for two chunks and their states
     shard.write(7, 0, CHUNK, 0, P.UpdateOp.ASSIGN, np.ones(CHUNK // 4, "<f4").tobytes())
     before = (shard.snapshot(7, 0), shard.used, shard.chunk_count)
-    ext = P.extents([0, 1, 2], [0, 0, 0], [1024, 1024, 1024])
+    end = CHUNK - 1024  # each chunk's last 1 KiB: a new one takes its whole extent
+    ext = P.extents([0, 1, 2], [end, end, end], [1024, 1024, 1024])
     update = parse_update(op)
     parts = split_extents(ext, CHUNK, update, 3 * 1024)
     with pytest.raises(irdma.NoSpace):

@@ -201,7 +201,7 @@ def test_a_new_chunk_is_zeroed_and_recorded_in_a_worker_thread_while_the_loop_se
         trio.run(main)
         assert len(gate.threads) == 1 and not gate.on_the_loop
         assert [(f, i, size) for f, i, _, size in store.chunks()] == [(7, 0, MB)]  # recorded, once
-        assert shard.used == MB and shard.chunk_count == 1
+        assert shard.used == PAGE and shard.chunk_count == 1  # the extent of 16 bytes written
 
 
 def test_two_requests_creating_one_chunk_make_it_once_and_a_retried_request_id_applies_once(

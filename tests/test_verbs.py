@@ -1,7 +1,7 @@
 """End to end on real RDMA verbs (run inside the Soft-RoCE VM: ``make test-verbs``).
 
 Shard servers with transport ``verbs``, the native client on verbs, a FUSE mount on verbs,
-and the errors a user meets where verbs cannot run.
+synchronous rounds summed from staged pushes, and the errors a user meets where verbs cannot run.
 """
 
 from __future__ import annotations
@@ -11,18 +11,21 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import trio
 from helpers import irdma_cli
+from optim_ref import CONFIGS, Reference, relative_error, spec_text
 from test_conformance import cancelled_after
+from test_rounds import CHUNK, DIM, ROWS, SERIES, N, contribute, replicas_agree, rows_round, step_rows
 
 import irdma
 from irdma._errors import BadRequest
 from irdma.ops import cluster as _cluster
 from irdma.transport import make_transport
-from irdma.wire.protocol import UpdateOp
+from irdma.wire.protocol import ROUND_ELASTIC, Round, UpdateOp
 
 pytestmark = pytest.mark.verbs
 
@@ -36,7 +39,8 @@ def _need_verbs(transport_name: str) -> None:
 @pytest.fixture(scope="module")
 def vcluster_dir(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     d = str(tmp_path_factory.mktemp("vcluster"))
-    _cluster.up(d, 2, 64 << 20, transport="verbs", fresh=True)
+    # registering file-backed regions under TCG takes a while, longer on a loaded host: 180 s
+    _cluster.up(d, 2, 64 << 20, transport="verbs", fresh=True, timeout=180)
     yield d
     _cluster.down(d)
 
@@ -121,7 +125,7 @@ def test_mount_on_verbs_write_and_read_back(vcluster: str, tmp_path: object) -> 
     log = mnt + ".log"
     from irdma.fs.mount import spawn_mount, unmount
 
-    spawn_mount(vcluster, mnt, transport="verbs", log_file=log)
+    spawn_mount(vcluster, mnt, transport="verbs", log_file=log, timeout=120)  # a mount starts slowly under TCG
     try:
         data = os.urandom(3 * (1 << 20) + 5)
         with open(os.path.join(mnt, "via-mount"), "wb") as f:
@@ -430,3 +434,125 @@ def test_snapshots_copy_on_write_on_verbs(vcluster: str) -> None:
     from test_snapshots import fsx_with_snapshots
 
     assert fsx_with_snapshots(vcluster, "verbs", seed=2) >= 5
+
+
+
+@pytest.fixture(scope="module")
+def members(vcluster: str) -> Iterator[tuple[irdma.SyncClient, irdma.SyncClient]]:
+    """Two verbs clients of the cluster: a round's members (connected once: under TCG each
+    connection registers the shards' memory again)."""
+    with irdma.connect(vcluster, transport="verbs") as a, irdma.connect(vcluster, transport="verbs") as b:
+        yield a, b
+
+
+@pytest.mark.parametrize(("name", "args"), [CONFIGS[0], CONFIGS[2]], ids=[spec_text(*CONFIGS[k]) for k in (0, 2)])
+def test_a_round_of_verbs_pushes_applies_one_step_to_the_mean(members: tuple[irdma.SyncClient, irdma.SyncClient],
+                                                              name: str, args: dict[str, float | bool]) -> None:
+    """Two verbs clients are a round's members (tests/test_rounds.py on TCP): their pushes, staged
+    REMOTE_WRITEs, are summed on each chunk's head and the optimizer takes one step on their mean,
+    on both replicas; a round's first push changes nothing, one sent again counts once."""
+    a, b = members
+    rng = np.random.default_rng(21)
+    w0 = rng.standard_normal(N).astype("<f4")
+    path = f"/vround-{name}"
+    ref = Reference(name, args, N)
+    want = w0.astype(np.float64)
+    a.write(path, w0, chunk_size=CHUNK)
+    a.set_update_op(path, spec_text(name, args))
+    now = w0
+    for k in range(2):
+        g0, g1 = rng.standard_normal(N).astype("<f4"), rng.standard_normal(N).astype("<f4")
+        contribute(a, path, g0, Round(SERIES, k, 0, 2))
+        assert np.array_equal(b.pull(path), now), "a round's first push changed the weights"
+        contribute(a, path, g0, Round(SERIES, k, 0, 2))  # sent again: counts once
+        contribute(b, path, g1, Round(SERIES, k, 1, 2))
+        ref.step(want, (g0.astype(np.float64) + g1) / 2, slice(None))
+        got = a.pull(path)
+        assert relative_error(got, want) <= 1e-5, (k, relative_error(got, want))
+        now = got
+    assert replicas_agree(a, path), "the replicas hold other bytes than the head"
+
+
+def test_a_round_of_sparse_rows_on_verbs_applies_one_step_to_the_mean_of_the_rows(
+        members: tuple[irdma.SyncClient, irdma.SyncClient]) -> None:
+    """Staged SCATTERs as a round's contributions (Adam, lazy per row): rows both members push are
+    their sum over two, a chunk nobody pushed keeps its weights; a member's rows of one chunk are
+    one contribution even when they take more extents than one SEND carries (SCATTER_EXTENTS:
+    their extents then travel in the staging slot); a member with no rows ends the round with
+    its empty contribution."""
+    from irdma.transport.verbs import SCATTER_EXTENTS
+
+    a, b = members
+    name, args = CONFIGS[2]
+    rng = np.random.default_rng(22)
+    w0 = rng.standard_normal(ROWS * DIM).astype("<f4")
+    path = "/vround-rows"
+    ref = Reference(name, args, ROWS * DIM)
+    want = w0.astype(np.float64)
+    per_chunk = CHUNK // (4 * DIM)
+    many = min(per_chunk, SCATTER_EXTENTS + 64)
+    assert many > SCATTER_EXTENTS, "chunk 0's rows must take more extents than one SEND carries"
+    a.write(path, w0, chunk_size=CHUNK)
+    a.set_shape(path, [ROWS, DIM])
+    a.set_update_op(path, spec_text(name, args))
+    ids_a = np.r_[rng.choice(per_chunk, many, replace=False), rng.integers(per_chunk, 2 * per_chunk, 20), [600, 600]]
+    ids_b = np.r_[ids_a[:10], ids_a[-30:], rng.integers(3 * per_chunk, 4 * per_chunk, 30)]  # chunk 2 untouched
+    ga = rng.standard_normal((len(ids_a), DIM)).astype("<f4")
+    gb = rng.standard_normal((len(ids_b), DIM)).astype("<f4")
+    rows_round(a, path, ids_a, ga, Round(SERIES, 0, 0, 2))
+    assert np.array_equal(b.pull(path), w0), "a round's first rows changed the table"
+    rows_round(a, path, ids_a, ga, Round(SERIES, 0, 0, 2))  # sent again: counts once
+    rows_round(b, path, ids_b, gb, Round(SERIES, 0, 1, 2))
+    mean = np.zeros(ROWS * DIM)
+    for ids, g in ((ids_a, ga), (ids_b, gb)):
+        for r, row in zip(ids.tolist(), g.astype(np.float64), strict=True):
+            mean[r * DIM : (r + 1) * DIM] += row / 2
+    step_rows(ref, want, mean, np.r_[ids_a, ids_b])
+    got = a.pull(path)
+    assert relative_error(got, want) <= 1e-5, relative_error(got, want)
+    untouched = slice(2 * CHUNK // 4, 3 * CHUNK // 4)
+    assert np.array_equal(got[untouched], w0[untouched])
+    # a member with no rows this round: its empty contribution ends the round
+    ids, g = np.array([3, 700]), rng.standard_normal((2, DIM)).astype("<f4")
+    rows_round(b, path, ids, g, Round(SERIES, 1, 1, 2))
+    rows_round(a, path, np.zeros(0, np.int64), np.zeros((0, DIM), "<f4"), Round(SERIES, 1, 0, 2))
+    mean = np.zeros(ROWS * DIM)
+    for r, row in zip(ids.tolist(), g.astype(np.float64), strict=True):
+        mean[r * DIM : (r + 1) * DIM] = row / 2
+    step_rows(ref, want, mean, ids)
+    assert relative_error(a.pull(path), want) <= 1e-5
+    assert replicas_agree(a, path), "the replicas hold other bytes than the head"
+
+
+def test_an_elastic_round_on_verbs_completes_with_the_members_that_pushed_when_closed(
+        members: tuple[irdma.SyncClient, irdma.SyncClient]) -> None:
+    """An elastic round of 3 expected members over verbs: members 0 and 2 push (dense and rows),
+    member 1 died. Nothing is applied until member 0 closes the run's rounds (a ROUND_CLOSE
+    REMOTE_WRITE without payload to each shard); then one step on the mean of the 2, on both
+    replicas. A second close and the dead member's late push change nothing."""
+    a, b = members
+    rng = np.random.default_rng(23)
+    w0 = rng.standard_normal(N).astype("<f4")
+    t0 = rng.standard_normal(ROWS * DIM).astype("<f4")
+    gs = [rng.standard_normal(N).astype("<f4") for _ in range(3)]
+    rows = [rng.standard_normal((2, DIM)).astype("<f4") for _ in range(3)]
+    ids = np.array([7, 1500])  # chunks 0 and 2 of the table
+    a.write("/ve-dense", w0, chunk_size=CHUNK)
+    a.set_update_op("/ve-dense", "sgd learning_rate=0.5")
+    a.write("/ve-rows", t0, chunk_size=CHUNK)
+    a.set_shape("/ve-rows", [ROWS, DIM])
+    a.set_update_op("/ve-rows", "sgd learning_rate=0.5")
+    for c, m in ((a, 0), (b, 2)):
+        contribute(c, "/ve-dense", gs[m], Round(SERIES, 5, m, 3, ROUND_ELASTIC))
+        rows_round(c, "/ve-rows", ids, rows[m], Round(SERIES, 5, m, 3, ROUND_ELASTIC))
+    assert np.array_equal(b.pull("/ve-dense"), w0) and np.array_equal(b.pull("/ve-rows"), t0)
+    assert a.run(a.client.close_round, Round(SERIES, 5, 0, 1, ROUND_ELASTIC)) > 0, "the close says rounds were short"
+    want = w0.astype(np.float64) - 0.5 * (gs[0].astype(np.float64) + gs[2]) / 2
+    assert relative_error(b.pull("/ve-dense"), want) <= 1e-6
+    table = t0.astype(np.float64).reshape(ROWS, DIM)
+    table[ids] -= 0.5 * (rows[0].astype(np.float64) + rows[2]) / 2
+    assert relative_error(b.pull("/ve-rows"), table.reshape(-1)) <= 1e-6
+    assert b.run(b.client.close_round, Round(SERIES, 5, 2, 1, ROUND_ELASTIC)) == 0
+    contribute(b, "/ve-dense", gs[1], Round(SERIES, 5, 1, 3, ROUND_ELASTIC))  # the dead member's, late
+    assert relative_error(a.pull("/ve-dense"), want) <= 1e-6
+    assert replicas_agree(a, "/ve-dense") and replicas_agree(a, "/ve-rows"), "the replicas disagree"

@@ -39,7 +39,8 @@ under-replicated, 0 otherwise.
 
 Sizes are bytes throughout; a shard's share counts its in-sync replicas only: ``bytes`` are the
 file bytes they hold (a chunk's length within its file), ``allocated_bytes`` the memory the
-shard gives them (whole chunks).
+shard gives them (each chunk's extent: the size class of its length,
+:func:`irdma.server.region.extent_for`; a chunk truncated since may hold a larger one).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from .._errors import NotADirectory, NotFound, ShardUnavailable
 from ..client.native import Client, layout_of
 from ..meta.base import OUT_OF_SYNC, XATTR_IO, Inode, ShardRecord
 from ..placement import Layout
+from ..server.region import extent_for
 from ..transport import ShardConnection
 from .mountpath import (  # noqa: F401  (irdma.ops.info's names before the paths had a module)
     ASK_MOUNT_S,
@@ -139,7 +141,7 @@ class ShardShare:
     """What one shard holds of a path: its in-sync replicas.
 
     Attributes:
-        chunks: replicas held. bytes: the file bytes in them. allocated_bytes: whole chunks.
+        chunks: replicas held. bytes: the file bytes in them. allocated_bytes: their extents.
         share_pct: ``bytes`` as a percentage of every shard's ``bytes`` together (0 to 100).
     """
 
@@ -387,7 +389,7 @@ def _add(totals: Totals, shares: dict[int, ShardShare], chunk: Chunk, chunk_size
         if r.state == "in-sync" and chunk.state != "hole":
             share.chunks += 1
             share.bytes += chunk.length
-            share.allocated_bytes += chunk_size
+            share.allocated_bytes += extent_for(chunk.length, chunk_size)
             totals.replicas_held += 1
 
 

@@ -24,7 +24,7 @@ import keras
 import numpy as np
 
 from .._errors import InvalidArgument, IrdmaError
-from .distributed import MIN_CHUNK, DistributedOptimizer
+from .distributed import MIN_CHUNK, Compression, DistributedOptimizer
 from .world import _job_barrier, _member, _need, _world, job_dir, rank, size
 
 log = logging.getLogger("irdma.keras")
@@ -179,5 +179,33 @@ class LearningRateScheduleCallback(_LearningRateCallback):
         return self.initial_lr * float(m)
 
 
-__all__ = ["BroadcastInitialWeights", "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
+__all__ = ["load_model", "BroadcastInitialWeights", "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
            "LearningRateScheduleCallback"]
+
+
+def load_model(filepath: str, custom_optimizers: list[type] | None = None, custom_objects: dict[str, Any] | None = None,
+               compression: str = Compression.none, **options: Any) -> Any:
+    """Horovod's ``hvd.load_model``: ``keras.models.load_model(filepath)`` (``.keras``, ``.h5``; saved
+    with a :class:`DistributedOptimizer` or a plain Keras optimizer), its optimizer wrapped in a
+    :class:`DistributedOptimizer` (``compression``, ``options``: its arguments), the model compiled
+    with it as saved (loss, metrics), and the loaded ``iterations``, learning rate and slots
+    (Adam's moments ...) written to the job's shards with the weights when this worker joins
+    (:func:`irdma.keras.init` first). A model without an optimizer, or saved by irdma before its
+    files named stock classes, is returned as loaded. ``custom_optimizers``: classes the file
+    names (Horovod's); ``custom_objects``: as ``keras.models.load_model`` takes them.
+
+    Raises:
+        InvalidArgument: an optimizer the shards do not apply (:func:`update_of`); what
+            ``keras.models.load_model`` raises (no such file, an unknown class).
+    """
+    objects = {**{c.__name__: c for c in custom_optimizers or ()}, **(custom_objects or {})}
+    model = keras.models.load_model(filepath, custom_objects=objects or None)
+    saved = getattr(model, "optimizer", None)
+    if saved is None or isinstance(saved, DistributedOptimizer):
+        return model
+    opt = DistributedOptimizer(saved, compression=compression, **options)
+    model.compile(**{**keras.saving.deserialize_keras_object(model.get_compile_config()), "optimizer": opt})
+    if saved.built:
+        opt.build(model.trainable_variables)
+    opt._take_state_of(saved)
+    return model

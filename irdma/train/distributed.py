@@ -35,6 +35,11 @@ one optimizer step.
 
 With one worker, every step equals the wrapped Keras optimizer's (float32, to rounding).
 
+Saved files (``model.save`` to ``.keras``/``.h5``, ``save_weights``, ``ModelCheckpoint``) name the
+wrapped optimizer's stock Keras class, its slots holding the shards' state (any Keras loads them,
+without irdma: :class:`irdma.train.keras_updates.SavedAsKeras`); :func:`load_model` (Horovod's
+``hvd.load_model``) wraps the loaded optimizer again and writes its state to the shards.
+
 Joining the job: rank 0 writes the initial weights (op ``assign``) unless the job already holds
 parameters of this model (a job run again resumes from the shards' weights), then every rank
 passes the barrier ``JOB-start`` and pulls them. That happens at ``on_train_begin`` with
@@ -63,7 +68,15 @@ from ..wire.protocol import ROUND_ELASTIC, ROUND_SUM, Round, Update, UpdateOp
 from . import coord
 from .comm import DEFAULT_SLICE_ELEMS
 from .coord import XATTR_SYNC_TIMEOUT
-from .keras_updates import _lr_at, _spec, _with_learning_rate, learning_rate_of, update_of
+from .keras_updates import (
+    CHUNK_SIZES,
+    SavedAsKeras,
+    _lr_at,
+    _spec,
+    _with_learning_rate,
+    learning_rate_of,
+    update_of,
+)
 from .world import _host_group, _member, _need, _wait_for, _world, barrier_name
 
 #: ``op=`` of :class:`DistributedOptimizer` (Horovod's ``hvd.Average`` and ``hvd.Sum``): what a BSP
@@ -86,7 +99,7 @@ class Compression:
 PARAMS = "params"
 LAYOUT = "layout.json"
 #: Bounds of a job's chunk size (bytes).
-MIN_CHUNK, MAX_CHUNK = 4096, 4 << 20
+MIN_CHUNK, MAX_CHUNK = CHUNK_SIZES[0], CHUNK_SIZES[-1]
 
 log = logging.getLogger("irdma.keras")
 
@@ -122,7 +135,9 @@ class _JobState:
     layout: Any = None
     chunks: Any = None
     joined: bool = False
-    restore: bytes | None = None  # a checkpoint's state image, written at the next join or step
+    restore: Any = None  # a checkpoint's state (an image, or a Keras optimizer's variables): written at the next join or step
+    view: Any = None  # the wrapped optimizer as stock Keras has it, with this one's state (SavedAsKeras._keras_optimizer)
+    view_key: Any = None  # what the view was read at: (rounds, iterations, the restore's id, joined, built)
     codec: Any = None  # the gradients' compression, or None
     residual: np.ndarray | None = None  # error feedback: what compression left out so far (float32)
     rounds: Any = None  # overlap "fifo"/"p3": the per-layer rounds (irdma.train.overlap.Rounds)
@@ -136,7 +151,7 @@ class _JobState:
 
 
 @keras.saving.register_keras_serializable(package="irdma")
-class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  # Keras ships no types
+class DistributedOptimizer(SavedAsKeras, keras.optimizers.Optimizer):  # type: ignore[misc]  # Keras ships no types
     """Wrap a Keras optimizer so that its steps run on the shards for every worker of the job
     (Horovod's ``hvd.DistributedOptimizer``; see the module docstring).
 
@@ -280,21 +295,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
     def joined(self) -> bool:
         """Whether this worker joined the job already (:meth:`join`): its weights came from the
         shards."""
-        return self._job.joined
-
-    def get_config(self) -> dict[str, Any]:
-        inner = self.inner.get_config()
-        if not isinstance(self._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
-            inner["learning_rate"] = float(keras.ops.convert_to_numpy(self._learning_rate))
-        return {"optimizer": keras.optimizers.serialize(type(self.inner).from_config(inner)),
-                "sync_timeout": self.sync_timeout, "name": self.name, "compress": self.compress,
-                "overlap": self.overlap, "slice_elems": self.slice_elems, "drop": self.drop,
-                "hierarchy": self.hierarchy, "sync_every": self.sync_every, "op": self.reduce_op,
-                "backward_passes_per_step": self.backward_passes_per_step,
-                "average_aggregated_gradients": self.average_aggregated_gradients}
+        return bool(self._job.joined)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> DistributedOptimizer:
+        """A file saved by irdma before its files named the wrapped optimizer (``irdma>DistributedOptimizer``)."""
         config = dict(config)
         inner = keras.optimizers.deserialize(config.pop("optimizer"), custom_objects=custom_objects)
         return cls(inner, **config)
@@ -454,6 +459,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
             return
         params = f"{job}/{PARAMS}"
         client.write(params, _flat([np.asarray(v.numpy()) for v in self._job.vars]), op="assign")
+        if image is not None:  # as an image under the file's chunks (the join calls this before it reads the layout)
+            image = self._image_at(image, client.stat(params).chunk_size)
         if image:
             client.run(client.client.write_state, params, image)
 
@@ -468,34 +475,25 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  #
         self._write_checkpoint()
 
     def _state_image(self) -> bytes:
+        """The job's state image: the shards' (read now), or a restored one not written yet (before the join: any chunks)."""
+        restore = self._job.restore
+        if restore is not None:
+            return restore if isinstance(restore, bytes) else self._image_at(
+                restore, self._job.layout.chunk_size if self._job.joined else MIN_CHUNK)
         if not self._job.joined:
-            return self._job.restore or b""
+            return b""
         self.flush()  # the model's weights are saved too: the pulls in flight first
         return bytes(_need("client").run(_need("client").client.read_state, f"{_need('job')}/{PARAMS}"))
 
-    def save_own_variables(self, store: Any) -> None:
-        """Keras saving (``model.save``, ``save_weights``, ``ModelCheckpoint``,
-        ``BackupAndRestore``): the optimizer's variables and the shards' optimizer state image
-        (``irdma_state``, uint8), read now."""
-        super().save_own_variables(store)
-        store["irdma_state"] = np.frombuffer(self._state_image(), dtype=np.uint8)
-
-    def load_own_variables(self, store: Any) -> None:
-        """The inverse of :meth:`save_own_variables`: the state image is written to the shards
-        (with the model's weights) at the next join or step."""
-        state = np.asarray(store["irdma_state"]) if "irdma_state" in store.keys() else None
-        rest = {k: store[k] for k in store.keys() if k != "irdma_state"}
-        super().load_own_variables(rest)
-        if state is not None:
-            self._job.restore = state.astype(np.uint8).tobytes()
-
     def _serialize_to_tensors(self) -> dict[str, Any]:
-        """``tf.train.Checkpoint``: the shards' optimizer state image, read at save time (the
-        optimizer's variables are saved as its children)."""
-        return {"irdma_state": tf.constant(self._state_image(), dtype=tf.string)}
+        """``tf.train.Checkpoint``, ``tf.saved_model.save``: the shards' optimizer state image, read
+        at save time (the optimizer's variables are its children). Traced (a SavedModel's save and
+        restore functions, which run without irdma), empty."""
+        return {"irdma_state": tf.constant(self._state_image() if tf.executing_eagerly() else b"", dtype=tf.string)}
 
     def _restore_from_tensors(self, restored_tensors: dict[str, Any]) -> Any:
-        self._job.restore = bytes(restored_tensors["irdma_state"].numpy())
+        if tf.executing_eagerly():
+            self._job.restore = bytes(restored_tensors["irdma_state"].numpy())
         return tf.no_op()
 
     # ------------------------------------------------------------ the step

@@ -484,13 +484,21 @@ class VerbsConnection(ShardConnection):
         WRITE into a staging slot, then a SCATTER naming it by SEND. Batches hold whole chunks
         (request id: the chain's); a chunk too large for one is cut in pieces, piece j with the
         chain's request id plus j. So a (request id, chunk) pair always names the same extents,
-        however a retry groups the chunks, and the shard applies each exactly once."""
+        however a retry groups the chunks, and the shard applies each exactly once.
+
+        A round's rows (an ``op`` with a :class:`~irdma.wire.protocol.Round`) are never cut: the
+        shard counts a member's contribution to a chunk once, so the call is one request (the
+        client sizes it to fit a staging slot, :meth:`irdma.client.sparse.SparseRows.push_rows`);
+        extents beyond what a SEND carries travel in the staging slot ahead of the rows
+        (FLAG_STAGED_EXTENTS)."""
         src = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
         chunk = extents["chunk"].astype(np.int64)
         length = extents["length"].astype(np.int64)
         pos = positions(length)
         if pos[-1] != len(src):
             raise BadRequest(f"a scatter of {len(src)} bytes into extents of {pos[-1]}")
+        if P.as_update(op).round is not None:
+            return await self._scatter_round(file_id, chunk_size, extents, op, src, existing, chain)
         size = self._pool.size
         if len(length) and int(length.max()) > size:
             raise BadRequest(f"an extent of {int(length.max())} bytes exceeds the {size}-byte transfer buffer")
@@ -539,6 +547,25 @@ class VerbsConnection(ShardConnection):
                                      r.staging_rkey, msg, staging=soff)
             version = max(version, self._expect(reply, P.VersionReply, msg).version)
         return version
+
+    async def _scatter_round(self, file_id: int, chunk_size: int, extents: np.ndarray, op: UpdateOp | P.Update,
+                             src: np.ndarray, existing: bool, chain: P.Chain | None) -> int:
+        """A round's rows as one staged SCATTER (see :meth:`scatter`), its extents in the staging
+        slot when a SEND cannot carry them."""
+        ext = np.ascontiguousarray(extents, dtype=P.EXTENT)
+        staged = len(ext) > SCATTER_EXTENTS
+        payload = np.concatenate([ext.view(np.uint8), src]) if staged else src
+        if len(payload) > self._pool.size:
+            raise BadRequest(f"a round's rows of {len(src)} bytes in {len(ext)} extents exceed the {self._pool.size}-byte"
+                             " staging buffer: push fewer rows per step")
+        assert self.remote is not None
+        r = self.remote
+        soff = await self._staging.take()
+        msg = P.Scatter(file_id, chunk_size, ext[:0] if staged else ext, op, b"", existing, chain, True, soff,
+                        len(ext) if staged else 0)
+        reply = await self._push(memoryview(payload), r.staging_addr + soff, r.staging_rkey, msg,  # type: ignore[arg-type]
+                                 staging=soff)
+        return self._expect(reply, P.VersionReply, msg).version
 
     async def _push(self, view: memoryview, raddr: int, rkey: int, commit: P.RemoteWrite | P.Scatter,
                     staging: int | None = None) -> P.Reply:

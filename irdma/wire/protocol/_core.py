@@ -20,7 +20,7 @@ from typing import ClassVar, Self
 
 from ..._errors import RemoteProtocolError
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 #: Oldest protocol version this code speaks (3 added chain replication, 4 authentication, 5 GMAC
 #: frame tags, 6 optimizer update ops, 7 GATHER and SCATTER of extents: sparse rows, 8 encoded
 #: (compressed) gradients in WRITE and REMOTE_WRITE, 9 push parts (FLAG_PART) and ADMIT: a
@@ -28,8 +28,14 @@ PROTOCOL_VERSION = 12
 #: and a frozen shard holds forwarded updates until its clone, so pushes wait one round trip
 #: of the snapshot's creator, not three; a creator of protocol 9 still sends THAW, a no-op then;
 #: 11 rounds: a push may be one member's contribution to a synchronous round, ROUND_BIT;
-#: 12 elastic rounds: ROUND_ELASTIC and ROUND_CLOSE, and a SCATTER's rounds with empty extents).
+#: 12 elastic rounds: ROUND_ELASTIC and ROUND_CLOSE, and a SCATTER's rounds with empty extents;
+#: and a whole-chunk copy, FLAG_REPLACE, may carry the chunk's first bytes only, zeros after
+#: them, as a shard holds a chunk in an extent sized to its bytes: a shard sends such a copy
+#: only to a successor of protocol 12, :data:`SHORT_COPIES`;
+#: 13 FLAG_STAGED_EXTENTS: a staged SCATTER's extents in the staging buffer too, verbs).
 MIN_PROTOCOL_VERSION = 9
+#: The protocol version from which a whole-chunk copy (FLAG_REPLACE) may be shorter than its chunk.
+SHORT_COPIES = 12
 MAGIC = b"IR"
 HEADER = struct.Struct("!2sBBIHHI")
 HEADER_SIZE = HEADER.size  # 16
@@ -57,6 +63,10 @@ FLAG_STAGED = 0x80
 #: On WRITE, REMOTE_WRITE and SCATTER with FLAG_CHAIN: a :class:`Part` follows the chain (the
 #: update is one of several requests of one push; a snapshot's cut keeps a push whole).
 FLAG_PART = 0x100
+#: On a staged SCATTER (protocol 13): its extents are in the staging buffer too, at
+#: ``staging_offset``, ahead of the payload; the frame carries only their count (verbs: a round's
+#: rows of one chunk are one request however many extents they take).
+FLAG_STAGED_EXTENTS = 0x200
 
 
 class Opcode(enum.IntEnum):

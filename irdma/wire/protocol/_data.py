@@ -22,6 +22,7 @@ dense write of them. ``assign`` and SCATTER are never encoded.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from dataclasses import dataclass
 from typing import ClassVar
@@ -37,6 +38,7 @@ from ._core import (
     FLAG_HOLE,
     FLAG_REPLACE,
     FLAG_STAGED,
+    FLAG_STAGED_EXTENTS,
     Opcode,
     VersionReply,
     _exact,
@@ -142,7 +144,9 @@ class Write:
     data: memoryview | bytes = b""  # with an encoded op (protocol 8): the encoded gradient
     existing: bool = False  # FLAG_EXISTING: never create the chunk
     chain: Chain | None = None  # FLAG_CHAIN: replicate along this chain
-    replace: bool = False  # FLAG_REPLACE (forwards only): data is the whole chunk
+    #: FLAG_REPLACE (forwards only): a whole-chunk copy, ``data`` its first bytes and zeros
+    #: after them up to ``chunk_size`` (protocol 12; the whole chunk before)
+    replace: bool = False
 
     def encode(self) -> tuple[_Parts, int]:
         flags = 0
@@ -226,12 +230,16 @@ class Scatter:
 
     ``data`` is the extents' bytes one after the other in request order; with ``staged`` (FLAG_STAGED,
     verbs) it is not in the frame but at ``staging_offset`` of the connection's staging buffer.
+    ``staged_extents`` (FLAG_STAGED_EXTENTS, protocol 13; staged only): that many extents are in
+    the staging buffer too, at ``staging_offset``, the payload right after them, and none in the
+    frame (``extents`` is empty until :meth:`unstaged` reads them): more than a verbs SEND carries.
     The extents of one chunk are applied atomically, one version bump per chunk; a chained
     SCATTER is applied once per (request id, chunk) and forwarded chunk by chunk. Answered with a
     :class:`VersionReply` of the highest chunk version reached.
 
     Body ``!QIIB3xQ`` (file id, chunk size, extent count, op byte, staging offset), the
-    optimizer's arguments, the chain and its part, the extents, then the payload (not staged).
+    optimizer's arguments, the chain and its part, the extents (not staged), then the payload
+    (not staged).
     """
 
     OPCODE: ClassVar[Opcode] = Opcode.SCATTER
@@ -246,6 +254,7 @@ class Scatter:
     chain: Chain | None = None  # FLAG_CHAIN
     staged: bool = False  # FLAG_STAGED
     staging_offset: int = 0
+    staged_extents: int = 0  # FLAG_STAGED_EXTENTS: extents at staging_offset, ahead of the payload
 
     @property
     def length(self) -> int:
@@ -255,15 +264,19 @@ class Scatter:
     def encode(self) -> tuple[_Parts, int]:
         flags = 0
         ext = np.ascontiguousarray(self.extents, dtype=EXTENT)
+        if self.staged_extents and (not self.staged or len(ext)):
+            raise LocalProtocolError("a SCATTER's staged extents go with a staged payload and no extent in the frame")
         opv, optim = _encode_update(self.op, encodable=False)
         chain, flags = _chain_bytes(self.chain)
-        fixed = self.LAYOUT.pack(self.file_id, self.chunk_size, len(ext), opv, self.staging_offset) + optim + chain
+        fixed = self.LAYOUT.pack(self.file_id, self.chunk_size, self.staged_extents or len(ext), opv,
+                                 self.staging_offset) + optim + chain
         if not self.staged and len(self.data) != self.length:
             raise LocalProtocolError(f"SCATTER of {len(self.data)} bytes into extents of {self.length}")
         parts: _Parts = [fixed, ext.tobytes()]
         if not self.staged and len(self.data):
             parts.append(self.data)
-        return parts, flags | (FLAG_EXISTING if self.existing else 0) | (FLAG_STAGED if self.staged else 0)
+        return parts, (flags | (FLAG_EXISTING if self.existing else 0) | (FLAG_STAGED if self.staged else 0)
+                       | (FLAG_STAGED_EXTENTS if self.staged_extents else 0))
 
     @classmethod
     def decode(cls, body: memoryview, flags: int) -> Scatter:
@@ -271,14 +284,37 @@ class Scatter:
         fid, csize, count, opv, soff = cls.LAYOUT.unpack_from(body)
         uop, at = _decode_update(opv, body, cls.LAYOUT.size, encodable=False)
         chain, at = _chain_of(body, at, flags)
-        ext, at = _decode_extents(body, at, count, "SCATTER")
         staged = bool(flags & FLAG_STAGED)
-        msg = cls(fid, csize, ext, uop, b"" if staged else body[at:], bool(flags & FLAG_EXISTING), chain, staged, soff)
+        in_staging = count if flags & FLAG_STAGED_EXTENTS else 0
+        if in_staging and not staged:
+            raise RemoteProtocolError("a SCATTER's extents are staged (FLAG_STAGED_EXTENTS) but its payload is not")
+        ext, at = _decode_extents(body, at, count - in_staging, "SCATTER")
+        msg = cls(fid, csize, ext, uop, b"" if staged else body[at:], bool(flags & FLAG_EXISTING), chain, staged, soff,
+                  in_staging)
         if staged:
             _exact(body, at, "SCATTER (staged)")
         elif len(body) - at != msg.length:
             raise RemoteProtocolError(f"SCATTER carries {len(body) - at} bytes for extents of {msg.length}")
         return msg
+
+    def unstaged(self, staging: memoryview | None) -> Scatter:
+        """This SCATTER with its staged extents (:attr:`staged_extents`) read out of ``staging``,
+        the connection's staging buffer (copied: the buffer is reused), and its payload's place
+        after them; itself when its extents are in the frame.
+
+        Raises:
+            RemoteProtocolError: no staging buffer (not verbs), or the extents leave it.
+        """
+        n = self.staged_extents
+        if not n:
+            return self
+        end = self.staging_offset + n * EXTENT_SIZE
+        if staging is None or end > len(staging):
+            raise RemoteProtocolError(f"a SCATTER's {n} staged extents at offset {self.staging_offset} leave the"
+                                      f" {0 if staging is None else len(staging)}-byte staging buffer"
+                                      " (staged extents come only over the verbs transport)")
+        ext, _ = _decode_extents(staging, self.staging_offset, n, "SCATTER's staged extents")
+        return dataclasses.replace(self, extents=ext.copy(), staging_offset=end, staged_extents=0)
 
     @classmethod
     def decode_reply(cls, body: memoryview, flags: int) -> VersionReply:
