@@ -4,7 +4,7 @@ One :class:`FileState` per inode open on this mount (made at its first open, dro
 release: :class:`irdma.fs.openfile.OpenFiles`), one :class:`Handle` per open file handle. An open
 decides, from the file and the opener, how its handle sends bytes: whether its writes clear
 S_ISUID/S_ISGID (:func:`kills_setid`), whether they are compressed and how P3 schedules them
-(:func:`communication_of`, applied by :func:`scheduled`). Pure bookkeeping: no request is
+(:func:`communication_from`, applied by :func:`scheduled`). Pure bookkeeping: no request is
 translated here, and no byte is held but through :mod:`irdma.fs.cache`.
 """
 
@@ -57,6 +57,12 @@ class FileState:
     #: seconds) it answers the kernel's ``getxattr`` of it before each write (OpenFiles.capability)
     caps: bytes | None = None
     caps_until: float = 0.0
+    #: the file's attributes as this mount last read or wrote them (open, create, the drain's
+    #: ``extend``) and until when (monotonic seconds) they answer the kernel's ``getattr``: the
+    #: mount's attribute cache (OpenFiles.cached_attr); dropped by any change of this mount that
+    #: may move an inode's attributes other than by its own writes
+    attr: Inode | None = None
+    attr_until: float = 0.0
 
     def invalidate(self) -> None:
         """Drop the read-ahead windows: every write, truncate and open (close-to-open)."""
@@ -106,10 +112,15 @@ async def getattr_or_stale(meta: AsyncMeta, ino: int) -> Inode:
         raise Stale(f"inode {ino} was removed") from None
 
 
-async def communication_of(meta: AsyncMeta, inode: Inode) -> tuple[Compression | None, comm.Scheduling | None]:
+#: The xattrs that decide how a parameter file's bytes are sent, the file's or else its directory's
+#: (:func:`communication_from`): an open reads them with the inode (``MetaStore.open_file``).
+COMM_XATTRS = (XATTR_COMPRESS, xattrs.XATTR_PRIORITY, xattrs.XATTR_SLICE)
+
+
+def communication_from(inode: Inode, found: dict[bytes, bytes]) -> tuple[Compression | None, comm.Scheduling | None]:
     """How this mount sends a parameter file's bytes (update op add or an optimizer; None,
-    None for any other file), from the file's xattrs, else its directory's, read in one
-    metadata hop:
+    None for any other file), from ``found``: the :data:`COMM_XATTRS` set on the file, else
+    on its directory:
 
     * compression of its writes: ``user.irdma.compress`` (None: dense);
     * P3's scheduling of its pulls and pushes: ``user.irdma.priority`` and
@@ -121,7 +132,6 @@ async def communication_of(meta: AsyncMeta, inode: Inode) -> tuple[Compression |
     """
     if not parse_update(inode.update_op or "assign").op.is_float32:
         return None, None
-    found = await meta.inherited_xattrs(inode.ino, (XATTR_COMPRESS, xattrs.XATTR_PRIORITY, xattrs.XATTR_SLICE))
     coded, sched = None, None
     try:
         if XATTR_COMPRESS in found:

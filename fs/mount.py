@@ -172,6 +172,7 @@ async def _serve_mount(
                     nursery.start_soon(fs.run_heartbeats)
                     nursery.start_soon(fs.refresh_pulled_pages)  # read-only parameter files held open
                     nursery.start_soon(fs.expire_gathered_writes)  # a slow writer's bytes go out anyway
+                    nursery.start_soon(fs.run_closes)  # released files leave the session in batches
                     log.info("mounted %s on %s (transport %s)", redact(meta_url), mountpoint, client.transport.name)
                     if exporter is not None:
                         try:

@@ -46,6 +46,9 @@ MTIME_LAZY_S = 1.0
 #: Kernel page invalidations (they may block: :meth:`OpenFiles.drop_pulled_pages`) in worker threads
 #: at once; a limiter of their own, so a blocked one never holds a thread the metadata calls need.
 INVALIDATIONS_IN_THREADS = 4
+#: Seconds the files released here wait to be closed in the session together, one metadata
+#: transaction for all (:meth:`OpenFiles.run_closes`).
+CLOSE_GATHER_S = 0.05
 
 
 class OpenFiles:
@@ -55,10 +58,14 @@ class OpenFiles:
         client: the mount's open :class:`irdma.Client`.
         sid: this mount's session in the metadata now (it changes when the session is
             registered again: :class:`irdma.fs.session.MountSession`).
+        attr_ttl: seconds the attributes of a file open here, as its open or a drain read them
+            from the metadata engine, answer the kernel's ``getattr`` (the mount's
+            ``--attr-cache``: the kernel trusts what it is told that long anyway).
     """
 
-    def __init__(self, client: Client, sid: Callable[[], int]) -> None:
+    def __init__(self, client: Client, sid: Callable[[], int], attr_ttl: float = 0.0) -> None:
         self.client = client
+        self.attr_ttl = attr_ttl
         self.meta = client.meta
         self.sid = sid
         self.files: dict[int, FileState] = {}
@@ -78,6 +85,11 @@ class OpenFiles:
         self.budget = WriteBudget()
         #: the mount's nursery: the pushes of gathered writes run in it (set before serving)
         self.nursery: trio.Nursery | None = None
+        # files released here whose open record the session still holds (run_closes), and those
+        # being closed now (an open of one waits for it: keep_open_record)
+        self._closing: dict[int, None] = {}
+        self._closing_now: dict[int, trio.Event] = {}
+        self._close_wake = trio.Event()
 
     def new_fh(self) -> int:
         """A new file handle number (the mount's one counter: files, directories, control files)."""
@@ -110,10 +122,12 @@ class OpenFiles:
 
     def open_handle(self, inode: Inode, io_mode: bytes, chunks: ChunkMap, *, direct_io: bool, append: bool = False,
                     compress: Compression | None = None, sched: comm.Scheduling | None = None,
-                    writable: bool = True) -> pyfuse3.FileInfo:
+                    writable: bool = True, caps: bytes | None | object = ...) -> pyfuse3.FileInfo:
         """A new handle of ``inode`` (its file state made at its first open here), and how the
         kernel is to cache it: direct I/O (``direct_io``: the mount's ``--direct-io``) or the
-        page cache, kept only for an unchanged file (close-to-open)."""
+        page cache, kept only for an unchanged file (close-to-open). ``inode`` was just read
+        from the metadata engine: it answers ``getattr`` for ``attr_ttl`` s; ``caps``: its
+        ``security.capability`` read with it (None: it has none; ``...``: not read)."""
         st = self.files.get(inode.ino)
         if st is None:
             self.client.forget_file(inode.ino)  # close-to-open: no stale chunk places
@@ -126,6 +140,9 @@ class OpenFiles:
                 st.size = st.persisted_size = inode.size
         st.invalidate()  # close-to-open: a new open pulls fresh bytes
         st.open_count += 1
+        self.remember_attrs(inode)
+        if caps is not ...:
+            st.caps, st.caps_until = caps if isinstance(caps, bytes) else None, time.monotonic() + self.attr_ttl
         op = parse_update(inode.update_op or "assign")
         # a handle that writes a file with an update op pushes deltas: never through the page
         # cache; one opened read-only holds pulled bytes only, so it may (and maps shared)
@@ -172,6 +189,32 @@ class OpenFiles:
                 caps = None
             st.caps, st.caps_until = caps, now + ttl
         return st.caps
+
+    # ------------------------------------------------------------ attributes
+    def remember_attrs(self, inode: Inode) -> Inode:
+        """``inode``, just read from (or written to) the metadata engine, answers the kernel's
+        ``getattr`` of it for ``attr_ttl`` seconds if it is open here (:meth:`cached_attr`);
+        returns it. Another mount's change is seen at the next open (close-to-open) or once
+        that time is over, as the kernel's own attribute cache of ``attr_ttl`` does."""
+        st = self.files.get(inode.ino)
+        if st is not None:
+            st.attr, st.attr_until = inode, time.monotonic() + self.attr_ttl
+        return inode
+
+    def cached_attr(self, ino: int) -> Inode | None:
+        """The attributes of file ``ino`` if it is open here and they are fresh (else None):
+        its size as this mount's writes made it is in the entry :meth:`IrdmaFS._entry` makes."""
+        st = self.files.get(ino)
+        if st is None or st.attr is None or time.monotonic() >= st.attr_until:
+            return None
+        return st.attr
+
+    def forget_attrs(self, ino: int | None = None) -> None:
+        """This mount changed what the attributes of ``ino`` (None: of any file) may show (a
+        rename, an unlink, an xattr: ctime, nlink): the next ``getattr`` reads them again."""
+        for st in [self.files.get(ino)] if ino is not None else list(self.files.values()):
+            if st is not None:
+                st.attr_until = 0.0
 
     def forget_capability(self, ino: int) -> None:
         """``security.capability`` of ``ino`` changed through this mount: read it again."""
@@ -227,7 +270,7 @@ class OpenFiles:
         if wb.error is not None:  # reported here and kept for the next fsync/close
             raise wb.error
         if h.kill_setid:  # forgotten only once cleared: a write that failed to clear them retries
-            await self.meta.clear_setid(h.ino)
+            self.remember_attrs(await self.meta.clear_setid(h.ino))
             h.kill_setid = False
         if h.append:  # at the end as the metadata knows it now (see irdma.fs.operations)
             st.size = max(st.size, (await getattr_or_stale(self.meta, h.ino)).size)
@@ -334,7 +377,7 @@ class OpenFiles:
                 now = time.monotonic()
                 if (chunks or new_size > st.persisted_size or st.cached_handles
                         or now - self._mtime_at.get(ino, 0.0) >= MTIME_LAZY_S):
-                    await self.meta.extend(ino, new_size, time.time_ns(), chunks)
+                    self.remember_attrs(await self.meta.extend(ino, new_size, time.time_ns(), chunks))
                     st.persisted_size = max(st.persisted_size, new_size)
                     self._mtime_at[ino] = now
                 # recorded: forget what this drain saw (pushes that ended meanwhile appended after it)
@@ -413,6 +456,7 @@ class OpenFiles:
             await self.meta.setattr(inode.ino, size=size)
         if st is not None:
             st.size = st.persisted_size = size
+            st.attr_until = 0.0  # its mtime and ctime moved
             first_gone = layout.chunk_count(size)
             for idx in [i for i in st.chunks if i >= first_gone]:
                 del st.chunks[idx]
@@ -439,7 +483,7 @@ class OpenFiles:
     async def release(self, h: Handle, nursery: trio.Nursery | None) -> None:
         """The release of handle ``h`` (already out of :attr:`handles`): drain the file for it
         (an error was reported by flush and is only logged here); at the file's last handle
-        here, forget its state and close it in the session (:meth:`close_inode`)."""
+        here, forget its state and leave its close in the session to :meth:`run_closes`."""
         st = self.files[h.ino]
         try:
             with fuse_errors("release"):
@@ -455,24 +499,69 @@ class OpenFiles:
                     async with self.ino_lock(h.ino):
                         if st.open_count == 0 and self.files.get(h.ino) is st:
                             del self.files[h.ino]
-                            await self.close_inode(h, nursery)
+                            if not h.direct and st.attr is not None:  # close-to-open: as this mount saw it last
+                                self.cached[h.ino] = (st.attr.mtime_ns, st.attr.size)
+                            self._closing[h.ino] = None  # closed in the session by run_closes
+                            self._close_wake.set()
                 finally:
                     self.ino_unlock_done(h.ino)
 
-    async def close_inode(self, h: Handle, nursery: trio.Nursery | None) -> None:
-        """Close the file of ``h`` in the session: free it if that was its last open anywhere and
-        it has no name (in its grace period: a task in ``nursery`` frees it after); remember
-        the mtime and size of a page-cached one (close-to-open)."""
+    async def keep_open_record(self, ino: int) -> None:
+        """An open of ``ino`` (under its :meth:`ino_lock`): a close of it in the session that is
+        still to run is called off (the open record stays), one under way is waited for."""
+        if ino in self._closing:
+            del self._closing[ino]
+            return
+        done = self._closing_now.get(ino)
+        if done is not None:
+            await done.wait()  # an engine call: bounded by the engine's own timeout
+
+    async def run_closes(self, gather: float = CLOSE_GATHER_S) -> None:
+        """For the mount's life: once a file's last handle here was released, wait ``gather``
+        seconds for others, then close all of them in the session in one metadata transaction
+        (:meth:`close_pending`). The release itself never waits for the metadata engine: the
+        kernel sends RELEASE after ``close(2)`` returned, and the size and chunk map were
+        recorded by the FLUSH before (close-to-open)."""
+        while True:
+            await self._close_wake.wait()
+            self._close_wake = trio.Event()
+            await trio.sleep(gather)
+            try:
+                await self.close_pending()
+            except Exception:  # noqa: BLE001 - a bug here must not end the mount; the next batch runs
+                log.exception("closing released files in the session failed (`irdma gc` frees what is left)")
+
+    async def close_pending(self) -> None:
+        """Close the files released here in the session (shielded: an open of one of them
+        waits for it): free each that was its last open anywhere and has no name (in its grace
+        period: a task in the mount's nursery frees it after). A failure is logged; ``irdma
+        gc`` frees what is left."""
+        batch = list(self._closing)
+        if not batch:
+            return
+        self._closing.clear()
+        done = trio.Event()
+        for ino in batch:
+            self._closing_now[ino] = done
         try:
-            with fuse_errors("release"):
-                inode, reclaim = await self.meta.close_inode(self.sid(), h.ino)
-                if reclaim and inode is not None:
-                    self.cached.pop(h.ino, None)
-                    await self.destroy(inode)
-                elif inode is not None and inode.nlink <= 0:  # in its grace period: free it after
-                    assert nursery is not None
-                    nursery.start_soon(self.client.destroy_later, h.ino)
-                elif inode is not None and not h.direct:
-                    self.cached[h.ino] = (inode.mtime_ns, inode.size)
-        except pyfuse3.FUSEError:
-            pass  # logged; `irdma gc` frees what is left
+            with trio.CancelScope(shield=True):
+                results = await self.meta.close_inodes(self.sid(), batch)
+        except IrdmaError as exc:
+            log.warning("closing %d released files in the session failed (`irdma gc` frees what is left): %s",
+                        len(batch), exc)
+            return
+        finally:
+            for ino in batch:
+                if self._closing_now.get(ino) is done:
+                    del self._closing_now[ino]
+            done.set()
+        for ino, inode, reclaim in results:
+            if reclaim and inode is not None:
+                self.cached.pop(ino, None)
+                try:
+                    with fuse_errors("release"):
+                        await self.destroy(inode)
+                except pyfuse3.FUSEError:
+                    pass  # logged; `irdma gc` frees what is left
+            elif inode is not None and inode.nlink <= 0 and self.nursery is not None:  # in its grace period
+                self.nursery.start_soon(self.client.destroy_later, ino)

@@ -32,6 +32,18 @@ new open sees other workers' pushes and an unchanged file is read again from mem
 itself drops pages a mount wrote once the file's size or mtime changes: libfuse3 turns on
 auto_inval_data.)
 
+What a small file costs in metadata round trips (issue 39): a ``create`` is one transaction (the
+file, recorded open, with what its directory gives it: ``create_open``), an ``open`` one (the
+inode, I/O mode, chunk map, capabilities and compression settings, and the open record:
+``open_file``), a ``close`` of a written file one (size and chunk map: ``extend``); the session's
+open records of the files released meanwhile are dropped together, in one more transaction
+(:meth:`irdma.fs.openfile.OpenFiles.run_closes`), since RELEASE comes after ``close(2)`` returned.
+Attributes are cached by the mount too (``getattr``: a file held open here as its open or last
+drain read it, a directory as this mount's last create in it left it), for ``attr_cache`` s and
+never across any other change this mount makes (:data:`FORGET_ATTRS`). Close-to-open holds for
+the kernel's own attribute cache: an open of a file that changed drops the kernel's attributes of
+it, so a read through the page cache does not stop at the size it kept.
+
 Never lies, never dies. Every handler runs inside :func:`fuse_errors`: an unexpected
 exception fails that request with EIO and the mount serves on. A file's size grows only by
 bytes the shards acknowledged (a failed push leaves the size of what is stored), and the
@@ -109,7 +121,7 @@ from irdma.wire.optimizers import parse_update
 
 from .control import CLOCK_PREFIX, CONTROL, STATE_PREFIX, XATTR_MOUNT, Control, caller_of
 from .errors import fuse_errors
-from .handles import communication_of, getattr_or_stale, kills_setid
+from .handles import COMM_XATTRS, communication_from, getattr_or_stale, kills_setid
 from .openfile import INVALIDATIONS_IN_THREADS, MTIME_LAZY_S, XATTR_CAPS, OpenFiles
 from .options import ATTR_TIMEOUT, ENTRY_TIMEOUT
 from .session import HEARTBEAT_S, CollectGarbage, MountSession
@@ -123,6 +135,11 @@ log = logging.getLogger("irdma.fs")
 #: Requests that change the namespace or a file: a read-only mount answers them EROFS.
 WRITE_OPS = frozenset({"write", "create", "mkdir", "mknod", "symlink", "link", "unlink", "rmdir", "rename", "setattr",
                        "setxattr", "removexattr"})
+#: Requests before which the mount forgets the attributes it caches (:meth:`IrdmaFS.forget_attrs`):
+#: they may change an inode's mode, owner, times, link count or size other than by the request's
+#: own reply (a ``write`` changes only its file's size, which the mount tracks; a ``create``
+#: gets the new file and its directory as they are now).
+FORGET_ATTRS = WRITE_OPS - {"write", "create"}
 #: Shortest period, in seconds, of :meth:`IrdmaFS.refresh_pulled_pages` (it runs every
 #: ``--attr-cache`` seconds, so at this rate with ``--attr-cache 0``).
 PULL_REFRESH_MIN_S = 0.1
@@ -159,10 +176,12 @@ class IrdmaFS(pyfuse3.Operations):
         self.meta = client.meta
         self.after_init: Callable[[], object] | None = None
         #: the files and handles open here (their state, reads, writes and drains)
-        self.files = OpenFiles(client, lambda: self.sid)
+        self.files = OpenFiles(client, lambda: self.sid, attr_ttl=attr_cache)
         #: readdir snapshots per open directory: (name, inode), or (b"..", parent's inode number)
         self._dirs: dict[int, list[tuple[bytes, Inode | int]]] = {}
         self._control_dirs: dict[int, list[tuple[bytes, int]]] = {}
+        #: directories as this mount's last create in each left them, and until when (monotonic s)
+        self._dir_attrs: dict[int, tuple[Inode, float]] = {}
         #: ``.irdma/``: barriers, locks and counters as files (:mod:`irdma.fs.control`)
         self.control = Control(self.meta, 0, tick=client.clock_at)
         #: open ``.irdma-state@NAME`` handles
@@ -221,6 +240,11 @@ class IrdmaFS(pyfuse3.Operations):
         for the mount's life."""
         await self.files.expire_gathers()
 
+    async def run_closes(self) -> None:
+        """Close the files released here in the session, together (:meth:`irdma.fs.openfile.OpenFiles.run_closes`),
+        for the mount's life."""
+        await self.files.run_closes()
+
     async def end_session(self) -> None:
         await self.session.end()
 
@@ -245,6 +269,21 @@ class IrdmaFS(pyfuse3.Operations):
         e.st_mtime_ns = inode.mtime_ns
         e.st_ctime_ns = inode.ctime_ns
         return e
+
+    def _dir_attr(self, ino: int) -> Inode | None:
+        got = self._dir_attrs.get(ino)
+        if got is None:
+            return None
+        if time.monotonic() >= got[1]:
+            del self._dir_attrs[ino]
+            return None
+        return got[0]
+
+    def forget_attrs(self) -> None:
+        """This mount is about to change the namespace or a file's attributes (any of
+        :data:`FORGET_ATTRS`): the attributes it caches are read again at the next ``getattr``."""
+        self._dir_attrs.clear()
+        self.files.forget_attrs()
 
     async def _getattr(self, ino: int) -> Inode:
         return await getattr_or_stale(self.meta, ino)
@@ -279,7 +318,13 @@ class IrdmaFS(pyfuse3.Operations):
                 if self.control.target_of(inode) is not None:
                     return await self._state_entry(inode)
                 return await self._control_entry(inode, ctx)
-            return self._entry(await self._getattr(inode))
+            # a file open here as its open or last drain read it, a directory as this mount's
+            # last create in it left it (the mount's attribute cache: ATTR_CACHING)
+            node = self.files.cached_attr(inode) or self._dir_attr(inode)
+            if node is None:
+                node = await self._getattr(inode)
+                self.files.remember_attrs(node)
+            return self._entry(node)
 
     async def _state_entry(self, ino: int) -> pyfuse3.EntryAttributes:
         """Attributes of a state image: its file's owner and mode (so the kernel's permission
@@ -326,8 +371,8 @@ class IrdmaFS(pyfuse3.Operations):
                     # stamps its own time over it (the NFS client flushes before a SETATTR too).
                     async with st.write_behind.admit:
                         await self.files.drain(st, inode, keep_error=True)
-                        return self._entry(await self.meta.setattr(inode, **kw))
-            return self._entry(await self.meta.setattr(inode, **kw))
+                        return self._entry(self.files.remember_attrs(await self.meta.setattr(inode, **kw)))
+            return self._entry(self.files.remember_attrs(await self.meta.setattr(inode, **kw)))
 
     @staticmethod
     def _new_name(name: bytes) -> None:
@@ -373,7 +418,7 @@ class IrdmaFS(pyfuse3.Operations):
         """A hard link: the file's chunks stay until its last name and its last open handle go."""
         with fuse_errors("link"):
             self._new_name(new_name)
-            return self._entry(await self.meta.link(inode, new_parent_inode, new_name))
+            return self._entry(self.files.remember_attrs(await self.meta.link(inode, new_parent_inode, new_name)))
 
     async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
         with fuse_errors("symlink"):
@@ -528,12 +573,16 @@ class IrdmaFS(pyfuse3.Operations):
                 return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
             try:
                 async with self.files.ino_lock(inode):
+                    await self.files.keep_open_record(inode)  # its deferred close, if any, is off
                     return await self._open(inode, flags, ctx)
             finally:
                 self.files.ino_unlock_done(inode)
 
     async def _open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
-        node, io_mode, chunks = await self.meta.open_inode(self.sid, inode)
+        # one metadata round trip: the inode, its I/O mode, chunk map, capabilities and how its
+        # bytes are sent, and the record that this session holds it open
+        opened = await self.meta.open_file(self.sid, inode, own=(XATTR_CAPS,), inherited=COMM_XATTRS)
+        node, io_mode, chunks = opened.inode, opened.io_mode, opened.chunks
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
         try:
@@ -547,13 +596,16 @@ class IrdmaFS(pyfuse3.Operations):
                 await self.files.truncate(node, 0)
                 node = await self._getattr(inode)
                 chunks = {}
-            coded, sched = await communication_of(self.meta, node)
+            coded, sched = communication_from(node, opened.xattrs)
             if self.client.cached is not None:  # close-to-open: the local read cache checks chunk versions
                 await self.client.cache_open(node, chunks)
             fi = self.files.open_handle(node, io_mode, chunks, direct_io=self.direct_io,
                                         append=bool(flags & os.O_APPEND), compress=coded, sched=sched,
-                                        writable=flags & os.O_ACCMODE != os.O_RDONLY)
+                                        writable=flags & os.O_ACCMODE != os.O_RDONLY,
+                                        caps=opened.xattrs.get(XATTR_CAPS))
             self.files.handles[fi.fh].kill_setid = kill_setid
+            if not fi.keep_cache:
+                _kernel_forgets_attrs(inode)
             return fi
         except BaseException:
             if inode not in self.files.files:
@@ -566,13 +618,17 @@ class IrdmaFS(pyfuse3.Operations):
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         with fuse_errors("create"):
             self._new_name(name)
-            inode = await self.meta.create(parent_inode, name, stat.S_IFREG | (mode & ~ctx.umask & 0o7777), ctx.uid,
-                                           ctx.gid)
-            inode, io_mode, chunks = await self.meta.open_inode(self.sid, inode.ino)
-            coded, sched = await communication_of(self.meta, inode)
+            # one metadata transaction: the new file, recorded open, with what its directory gives it
+            opened = await self.meta.create_open(self.sid, parent_inode, name,
+                                                 stat.S_IFREG | (mode & ~ctx.umask & 0o7777), ctx.uid, ctx.gid,
+                                                 inherited=COMM_XATTRS)
+            inode, io_mode, chunks = opened.inode, opened.io_mode, opened.chunks
+            if opened.parent is not None and self.attr_cache > 0:  # the kernel asks for it at its next path walk
+                self._dir_attrs[parent_inode] = (opened.parent, time.monotonic() + self.attr_cache)
+            coded, sched = communication_from(inode, opened.xattrs)
             fi = self.files.open_handle(inode, io_mode, chunks, direct_io=self.direct_io,
                                         append=bool(flags & os.O_APPEND), compress=coded, sched=sched,
-                                        writable=flags & os.O_ACCMODE != os.O_RDONLY)
+                                        writable=flags & os.O_ACCMODE != os.O_RDONLY, caps=None)
             self.files.handles[fi.fh].kill_setid = kills_setid(inode, flags, ctx)
             return fi, self._entry(inode)
 
@@ -632,11 +688,24 @@ class IrdmaFS(pyfuse3.Operations):
             self.files.residuals.drop(ino)
 
 
+def _kernel_forgets_attrs(ino: int) -> None:
+    """Close-to-open for the kernel's own attribute cache: an open of a file that changed since
+    this mount last closed it (or that it never opened) drops the attributes the kernel keeps of
+    it (for up to ``attr_cache`` s), so its next read or ``stat`` asks the mount, which answers
+    with what the open just read (a read through the page cache stops at the kernel's size).
+    Attributes only (offset -1: no page is locked), so the notification never blocks."""
+    try:
+        pyfuse3.invalidate_inode(ino, attr_only=True)
+    except OSError as exc:  # ENOENT: the kernel does not know the inode (nothing cached)
+        log.debug("cannot drop the kernel's attributes of inode %d: %s", ino, exc)
+
+
 def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` inside :func:`fuse_errors`, timed and counted in :class:`irdma.metrics.FuseMetrics`
     (``irdma_fuse_*``: requests, latency, bytes of read and write, errors by errno)."""
     metrics = fuse_metrics()
     sized = name in ("read", "write")
+    forgets = name in FORGET_ATTRS
 
     inode_args = [i - 1 for i, p in enumerate(inspect.signature(fn).parameters) if p.endswith("inode")]
 
@@ -646,7 +715,14 @@ def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             with fuse_errors(name):
                 if self.read_only or self.root != ROOT_INO:
                     args = _mount_view(self, name, inode_args, args)
-                out = await fn(self, *args, **kwargs)
+                if forgets:  # before and after: a getattr meanwhile may have read it half-changed
+                    self.forget_attrs()
+                    try:
+                        out = await fn(self, *args, **kwargs)
+                    finally:
+                        self.forget_attrs()
+                else:
+                    out = await fn(self, *args, **kwargs)
         except pyfuse3.FUSEError as exc:
             metrics.end(t0, name, exc.errno)
             raise

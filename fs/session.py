@@ -153,7 +153,9 @@ class MountSession:
                 files.ino_unlock_done(ino)
 
     async def end(self) -> None:
-        """Close the session (shielded, at most 10 s): the mount's open records go with it."""
+        """Close the files released but not yet closed in the session (freeing those with no
+        name left), then the session (shielded, at most 10 s): the mount's open records go with it."""
         if self.sid:
             with trio.CancelScope(shield=True), trio.move_on_after(10):
+                await self.files.close_pending()
                 await self.meta.close_session(self.sid)

@@ -69,6 +69,11 @@ the shards), ``irdma_cache_evictions_total{tier}``, ``irdma_cache_bytes{tier}`` 
 ``irdma_cache_validations_total{result}`` (kept chunks checked at an open: ``valid``, ``stale``,
 ``checksum``).
 
+The metadata engine (``irdma_meta_*``, every process with a client, mounts included; see
+:class:`MetaMetrics` and :class:`irdma.meta.aio.AsyncMeta`): ``irdma_meta_calls_total{call}``,
+the engine calls made, by method (``create_open``, ``open_file``, ``extend``, ``close_inodes``:
+what a small file costs through a mount).
+
 Every exporter (shard and mount alike) also serves what describes the process:
 ``irdma_build_info{version,python,transport}`` (always 1: the irdma version, the Python version,
 the transports the process speaks: ``tcp``, ``tcp,verbs`` for a shard with an RDMA device, or
@@ -411,6 +416,27 @@ class FuseMetrics:
             _warn_once("fuse", exc)
 
 
+class MetaMetrics:
+    """Metadata engine calls of a client (:class:`irdma.meta.aio.AsyncMeta`; one per process:
+    :func:`meta_metrics`): each is one worker-thread hop and, on PostgreSQL, one or more round
+    trips to the server. ``call`` is the engine method's name."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.calls = Counter("irdma_meta_calls", "Metadata engine calls a client made, by method.", ("call",),
+                             registry=registry)
+        self._children: dict[str, Any] = {}
+
+    def note(self, call: str) -> None:
+        """Count one call of engine method ``call``."""
+        try:
+            child = self._children.get(call)
+            if child is None:
+                child = self._children[call] = self.calls.labels(call)
+            child.inc()
+        except Exception as exc:  # noqa: BLE001
+            _warn_once("meta", exc)
+
+
 class CacheMetrics:
     """The local read cache of a client (:mod:`irdma.client.cache`; one per process:
     :func:`cache_metrics`). ``tier`` is ``memory`` or ``disk``."""
@@ -456,6 +482,11 @@ def client_metrics() -> ClientMetrics:
 def fuse_metrics() -> FuseMetrics:
     """This process's :class:`FuseMetrics` (made, and registered, on first use)."""
     return _singleton("fuse", FuseMetrics)  # type: ignore[no-any-return]
+
+
+def meta_metrics() -> MetaMetrics:
+    """This process's :class:`MetaMetrics` (made, and registered, on first use)."""
+    return _singleton("meta", MetaMetrics)  # type: ignore[no-any-return]
 
 
 def cache_metrics() -> CacheMetrics:
@@ -658,7 +689,7 @@ def forget_mount(mountpoint: str) -> None:
 
 __all__ = [
     "REGISTRY", "LATENCY_BUCKETS", "SHARD_METRICS_ENV", "ShardMetrics", "ClientMetrics", "FuseMetrics", "NOT_ERRORS",
-    "CacheMetrics", "cache_metrics",
+    "CacheMetrics", "cache_metrics", "MetaMetrics", "meta_metrics",
     "Exporter",
     "error_kind", "shard_metrics", "client_metrics", "fuse_metrics", "serve", "set_transport", "shard_address", "run_dir",
     "mount_state_file", "record_mount", "forget_mount", "parse_metrics_address", "format_host",

@@ -290,6 +290,49 @@ def test_sessions_heartbeats_and_reaping(meta: MetaStore) -> None:
     assert meta.sessions() == []
 
 
+def test_a_file_opens_creates_and_closes_in_one_call_each(meta: MetaStore) -> None:
+    """The calls a small file's open, create and close cost (issue 39): create_open makes the
+    file and records it open, with its directory's inherited xattrs; open_file reads the inode,
+    I/O mode, chunk map, its own xattrs and the inherited ones (the file's over its
+    directory's); close_inodes drops several open records at once and says which files are
+    now reclaimable; resolve_chunks resolves (or creates) a path and reads its chunk map."""
+    sid = meta.open_session("mount")
+    d = meta.create(ROOT_INO, b"job", D, 0, 0)
+    meta.setxattr(d.ino, b"user.irdma.priority", b"3")
+    meta.setxattr(d.ino, b"user.irdma.io", b"direct")
+    got = meta.create_open(sid, d.ino, b"f", F, 5, 6, inherited=(b"user.irdma.priority", b"user.irdma.slice"))
+    f = got.inode
+    assert (f.uid, f.gid, f.size, got.io_mode, got.chunks) == (5, 6, 0, b"direct", {})
+    assert got.xattrs == {b"user.irdma.priority": b"3"}
+    assert meta.lookup(d.ino, b"f").ino == f.ino and got.parent == meta.getattr(d.ino)  # its new mtime
+    with pytest.raises(E.Exists):
+        meta.create_open(sid, d.ino, b"f", F, 0, 0)
+    meta.extend(f.ino, 4096, 7, ((0, 1, 0),))
+    meta.setxattr(f.ino, b"user.irdma.priority", b"1")
+    meta.setxattr(f.ino, b"security.capability", b"caps")
+    opened = meta.open_file(sid, f.ino, own=(b"security.capability",),
+                            inherited=(b"user.irdma.priority", b"user.irdma.slice"))
+    assert (opened.inode.size, opened.inode.mtime_ns, opened.chunks) == (4096, 7, {0: {1: 0}})
+    assert opened.xattrs == {b"security.capability": b"caps", b"user.irdma.priority": b"1"}
+    assert meta.open_file(sid, f.ino).xattrs == {}
+    # open elsewhere: not reclaimable once unlinked; reclaimable when the last session closes it
+    other = meta.open_session("other")
+    meta.open_file(other, f.ino)
+    g = meta.create_open(sid, ROOT_INO, b"g", F, 0, 0).inode
+    meta.unlink(d.ino, b"f")
+    out = meta.close_inodes(sid, [f.ino, g.ino, 10**9])
+    assert [(ino, inode is not None, reclaim) for ino, inode, reclaim in out] == [
+        (f.ino, True, False), (g.ino, True, False), (10**9, False, False)]
+    assert meta.close_inodes(other, [f.ino])[0][2] is (meta.reclaimable(f.ino) is not None)
+    # the native client's open: resolve (or create) and the chunk map in one call
+    inode, chunks = meta.resolve_chunks("/job/h", create_mode=0o600, uid=5, gid=6, chunk_size=65536)
+    assert (inode.mode, inode.chunk_size, chunks) == (F & ~0o777 | 0o600, 65536, {})
+    meta.extend(inode.ino, 10, 8, ((0, 2, 0),))
+    assert meta.resolve_chunks("/job/h", create_mode=0o600) == (meta.getattr(inode.ino), {0: {2: 0}})
+    with pytest.raises(E.NotFound):
+        meta.resolve_chunks("/job/missing")
+
+
 def test_the_unlink_grace_only_rises(meta: MetaStore) -> None:
     """A mount with a longer entry cache raises it to twice that (irdma.meta.base.UNLINK_GRACE_S);
     a shorter one leaves it; an unlinked file stays openable for that long."""

@@ -420,17 +420,20 @@ class Client:
             DataLost, NoSpace, ShardUnavailable, BadRequest, InvalidArgument: see :meth:`write_from`.
         """
         coded = _compression(compress)
-        inode = await self.create(path, chunk_size=chunk_size)
+        # one metadata call to open (resolve or create, with the chunk map), one to close (extend)
+        inode, chunks = await self.meta.resolve_chunks(path, 0o644, os.getuid(), os.getgid(), chunk_size)
         writable(inode, path)
         uop = parse_update(op) if isinstance(op, str) else (op if op is not None else parse_update(inode.update_op or "assign"))
-        return await self._write_inode(inode, data, offset, uop, coded, feedback)
+        return await self._write_inode(inode, data, offset, uop, coded, feedback, chunks)
 
     async def _write_inode(self, inode: Inode, data: object, offset: int, uop: UpdateOp | Update,
-                           coded: Compression | None, feedback: np.ndarray | None) -> int:
-        """:meth:`write` of a file already looked up (and checked writable), with its op."""
+                           coded: Compression | None, feedback: np.ndarray | None, chunks: ChunkMap | None = None) -> int:
+        """:meth:`write` of a file already looked up (and checked writable), with its op
+        (``chunks``: its chunk map, if just read)."""
         view = as_bytes_view(data)
         layout = layout_of(inode)
-        chunks = await self.meta.chunk_map(inode.ino)
+        if chunks is None:
+            chunks = await self.meta.chunk_map(inode.ino)
         if offset > inode.size:
             # the gap must read as zeros: clear what an earlier, failed writer may have left there
             await self.truncate_data(layout, inode.size)
@@ -444,11 +447,10 @@ class Client:
         Raises:
             DataLost: part of the range was lost with a shard's memory; ShardUnavailable.
         """
-        inode = await self.meta.resolve(path)
+        inode, chunks = await self.meta.resolve_chunks(path)  # one metadata call
         n = max(0, min(inode.size - offset, inode.size if length is None else length))
         buf = bytearray(n)
         if n:
-            chunks = await self.meta.chunk_map(inode.ino)
             if self.cached is not None:  # close-to-open: each read is an open
                 await self.cache_open(inode, chunks)
             await self.read_into(layout_of(inode), offset, memoryview(buf), chunks)

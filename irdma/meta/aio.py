@@ -17,6 +17,8 @@ from typing import Any
 
 import trio
 
+from irdma.metrics import meta_metrics
+
 from .base import MetaStore
 
 #: Metadata calls running at once per client (each worker thread has its own connection).
@@ -28,7 +30,8 @@ class AsyncMeta:
 
     ``meta.lookup(parent, name)`` becomes ``await ameta.lookup(parent, name)``; errors are the
     engine's (IrdmaError subclasses). ``store`` is the synchronous engine, for code that is
-    not on an event loop.
+    not on an event loop. Each call is counted in ``irdma_meta_calls_total{call=NAME}``
+    (:class:`irdma.metrics.MetaMetrics`: a mount's ``--metrics`` serve it).
     """
 
     def __init__(self, store: MetaStore, threads: int = META_THREADS) -> None:
@@ -41,7 +44,10 @@ class AsyncMeta:
         if name.startswith("_") or not callable(fn):
             return fn  # type: ignore[no-any-return]
 
+        note = meta_metrics().note
+
         async def call(*args: Any, **kwargs: Any) -> Any:
+            note(name)
             return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), limiter=self._limiter)
 
         call.__name__ = name
@@ -71,7 +77,7 @@ def stub() -> str:
         "",
         "from irdma.placement import Move",
         "",
-        "from .base import DamagedFile, Inode, Member, MetaStore, Session, ShardRecord, Snapshot",
+        "from .base import DamagedFile, Inode, Member, MetaStore, Opened, Session, ShardRecord, Snapshot",
         "",
         "META_THREADS: int",
         "",

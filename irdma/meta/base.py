@@ -105,6 +105,21 @@ class Inode:
         return stat.S_ISDIR(self.mode)
 
 
+@dataclass
+class Opened:
+    """What an open of a file needs, read in one transaction (:meth:`MetaStore.open_file`,
+    :meth:`MetaStore.create_open`)."""
+
+    inode: Inode
+    io_mode: bytes  # its ``user.irdma.io`` (``cached`` if unset)
+    chunks: dict[int, dict[int, int]]  # chunk index -> {shard id: incarnation}
+    #: the extended attributes asked for that are set: ``own`` ones on the file, ``inherited``
+    #: ones on the file, else on its directory (as :meth:`MetaStore.inherited_xattrs` at depth 1)
+    xattrs: dict[bytes, bytes] = field(default_factory=dict)
+    #: :meth:`MetaStore.create_open`: the directory as the create left it (mtime, ctime, size)
+    parent: Inode | None = None
+
+
 def setid_bits(mode: int) -> int:
     """The bits of ``mode`` that a change of owner, or a write or truncate by an unprivileged
     process, clears: S_ISUID, and S_ISGID where group-execute is set (S_ISGID without it marks
@@ -597,6 +612,43 @@ class MetaStore(abc.ABC):
 
         Raises:
             Stale: the inode was removed or has no name left (the kernel looks the path up again).
+        """
+
+    @abc.abstractmethod
+    def open_file(self, sid: int, ino: int, own: Sequence[bytes] = (), inherited: Sequence[bytes] = ()) -> Opened:
+        """:meth:`open_inode` and the extended attributes an open reads (``own``: set on the
+        file; ``inherited``: set on it, else on its directory), in one transaction: an open of a
+        file is one metadata round trip.
+
+        Raises:
+            Stale: as :meth:`open_inode`.
+        """
+
+    @abc.abstractmethod
+    def create_open(self, sid: int, parent: int, name: bytes, mode: int, uid: int, gid: int,
+                    inherited: Sequence[bytes] = ()) -> Opened:
+        """:meth:`create` of a regular file and :meth:`open_file` of it in one transaction (its
+        chunk map is empty; it has no own xattr but the inherited I/O mode).
+
+        Raises:
+            as :meth:`create`.
+        """
+
+    @abc.abstractmethod
+    def close_inodes(self, sid: int, inos: Sequence[int]) -> list[tuple[int, Inode | None, bool]]:
+        """:meth:`close_inode` of each of ``inos`` in one transaction: ``(ino, inode or None,
+        reclaimable)`` each, in order (a mount closes the files released meanwhile together)."""
+
+    @abc.abstractmethod
+    def resolve_chunks(self, path: str, create_mode: int | None = None, uid: int = 0, gid: int = 0,
+                       chunk_size: int | None = None) -> tuple[Inode, dict[int, dict[int, int]]]:
+        """The inode at ``path`` and its chunk map, in one call; with ``create_mode``, a missing
+        regular file is created first (``mode``, ``uid``, ``gid``, ``chunk_size`` as
+        :meth:`create`): the native client's open of a file.
+
+        Raises:
+            NotFound (the file without ``create_mode``, or a parent), NotADirectory,
+            InvalidArgument: as :meth:`create`.
         """
 
     @abc.abstractmethod

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -11,7 +12,7 @@ from irdma._errors import DataLost, Exists, InvalidArgument, NotFound, Stale
 from irdma._proc import pid_alive
 from irdma.placement import MOVE_ALL, Move
 
-from .base import OUT_OF_SYNC, ROOT_INO, UNLINK_GRACE_S, DamagedFile, Inode, Session, ShardRecord
+from .base import OUT_OF_SYNC, ROOT_INO, UNLINK_GRACE_S, DamagedFile, Inode, Opened, Session, ShardRecord
 from .sql_rows import (
     BUMP_EPOCH,
     COLS,
@@ -41,6 +42,20 @@ class SqlCluster:
         def _get(self, c: Cursor, ino: int) -> Inode: ...
 
         def _get_io(self, c: Cursor, ino: int) -> tuple[Inode, bytes] | None: ...
+
+        def _writable(self, c: Cursor, *inos: int) -> None: ...
+
+        def _insert(self, c: Cursor, parent: int, name: bytes, mode: int, uid: int, gid: int, *,
+                    chunk_size: int | None = None) -> Inode: ...
+
+        def resolve(self, path: str) -> Inode: ...
+
+        def _shown(self, c: Cursor, inode: Inode) -> Inode: ...
+
+        def lookup(self, parent: int, name: bytes) -> Inode: ...
+
+        def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int, *,
+                   chunk_size: int | None = None) -> Inode: ...
 
     # ---------------------------------------------------------------- shard map
     def add_shard(self, address: str) -> ShardRecord:
@@ -365,6 +380,81 @@ class SqlCluster:
             if sid:
                 c.execute("INSERT INTO open_files VALUES (?,?) ON CONFLICT DO NOTHING", (sid, ino))
             return inode, io_mode, self._chunk_map(c, ino)
+
+    def open_file(self, sid: int, ino: int, own: Sequence[bytes] = (), inherited: Sequence[bytes] = ()) -> Opened:
+        with self._tx() as c:
+            got = self._get_io(c, ino)
+            if got is None:
+                raise Stale(f"inode {ino} was removed")
+            inode, io_mode = got
+            if (inode.nlink <= 0 and now() - inode.ctime_ns > self._grace_ns(c)
+                    and not c.execute("SELECT 1 FROM open_files WHERE sid=? AND ino=?", (sid, ino)).fetchone()):
+                raise Stale(f"inode {ino} has no name left")
+            if sid:
+                c.execute("INSERT INTO open_files VALUES (?,?) ON CONFLICT DO NOTHING", (sid, ino))
+            return Opened(inode, io_mode, self._chunk_map(c, ino), self._open_xattrs(c, ino, own, inherited))
+
+    def create_open(self, sid: int, parent: int, name: bytes, mode: int, uid: int, gid: int,
+                    inherited: Sequence[bytes] = ()) -> Opened:
+        if not stat.S_ISREG(mode):
+            raise InvalidArgument("create_open makes regular files (create, mknod, symlink: the others)")
+        with self._tx() as c:
+            self._writable(c, parent)
+            ino = self._insert(c, parent, name, mode, uid, gid).ino
+            got = self._get_io(c, ino)
+            assert got is not None
+            if sid:
+                c.execute("INSERT INTO open_files VALUES (?,?)", (sid, ino))
+            xattrs = self._open_xattrs(c, ino, (), inherited)
+            return Opened(got[0], got[1], {}, xattrs, self._shown(c, self._get(c, parent)))
+
+    @staticmethod
+    def _open_xattrs(c: Cursor, ino: int, own: Sequence[bytes], inherited: Sequence[bytes]) -> dict[bytes, bytes]:
+        """``own`` xattrs set on ``ino``, and ``inherited`` ones set on it, else on its parent
+        (the root's parent: itself), in one query."""
+        names = [*own, *inherited]
+        if not names:
+            return {}
+        marks = ",".join("?" * len(names))
+        found: dict[bytes, bytes] = {}
+        parent: dict[bytes, bytes] = {}
+        for at, name, value in c.execute(
+                f"SELECT ino, name, value FROM xattrs WHERE name IN ({marks}) AND (ino=?"
+                " OR ino=(SELECT parent FROM dentries WHERE ino=? LIMIT 1))", (*names, ino, ino)):
+            (found if int(at) == ino else parent)[bytes(name)] = bytes(value)
+        for name in inherited:
+            if name not in found and name in parent:
+                found[name] = parent[name]
+        return {n: v for n, v in found.items() if n in own or n in inherited}
+
+    def close_inodes(self, sid: int, inos: Sequence[int]) -> list[tuple[int, Inode | None, bool]]:
+        out: list[tuple[int, Inode | None, bool]] = []
+        with self._tx() as c:
+            for ino in inos:
+                c.execute("DELETE FROM open_files WHERE sid=? AND ino=?", (sid, ino))
+                try:
+                    inode = self._get(c, ino)
+                except NotFound:
+                    out.append((ino, None, False))
+                    continue
+                out.append((ino, inode, self._reclaimable(c, ino) is not None))
+            return out
+
+    def resolve_chunks(self, path: str, create_mode: int | None = None, uid: int = 0, gid: int = 0,
+                       chunk_size: int | None = None) -> tuple[Inode, dict[int, dict[int, int]]]:
+        try:
+            inode = self.resolve(path)
+        except NotFound:
+            if create_mode is None:
+                raise
+            head, _, name = path.rstrip("/").rpartition("/")
+            parent = self.resolve(head or "/").ino
+            try:
+                return self.create(parent, name.encode(), stat.S_IFREG | create_mode, uid, gid,
+                                   chunk_size=chunk_size), {}
+            except Exists:  # made meanwhile by another client
+                inode = self.lookup(parent, name.encode())
+        return inode, self._chunk_map(self._db, inode.ino)
 
     def close_inode(self, sid: int, ino: int) -> tuple[Inode | None, bool]:
         with self._tx() as c:
