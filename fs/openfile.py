@@ -564,4 +564,7 @@ class OpenFiles:
                 except pyfuse3.FUSEError:
                     pass  # logged; `irdma gc` frees what is left
             elif inode is not None and inode.nlink <= 0 and self.nursery is not None:  # in its grace period
-                self.nursery.start_soon(self.client.destroy_later, ino)
+                try:
+                    self.nursery.start_soon(self.client.destroy_later, ino)
+                except RuntimeError:  # the mount is ending (its nursery takes no new task): `irdma gc` frees it
+                    log.debug("inode %d: no name and in its grace period as the mount ends: left to irdma gc", ino)

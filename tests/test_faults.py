@@ -287,12 +287,16 @@ def test_sizes_count_only_stored_bytes_after_enospc(tmp_path: object) -> None:
         assert 0 < size < len(data)
         with open(path, "rb") as f:
             assert f.read() == data[:size], "the file's size counts bytes that were never stored"
-        # a 1-byte file whose close failed keeps size 0, not 1 byte of \0
+        # 1-byte files (a page of shard memory each) until one fails: it keeps size 0, not 1 byte of \0
+        k = 0
         with pytest.raises(OSError) as info:
-            with open(os.path.join(m, "one"), "wb") as f:
-                f.write(b"x")
+            while k < 10_000:
+                with open(os.path.join(m, f"one{k}"), "wb") as f:
+                    f.write(b"x")
+                k += 1
         assert info.value.errno == errno.ENOSPC
-        assert os.path.getsize(os.path.join(m, "one")) == 0
+        assert os.path.getsize(os.path.join(m, f"one{k}")) == 0
+        assert all(os.path.getsize(os.path.join(m, f"one{j}")) == 1 for j in range(k))
 
 
 def test_rename_over_with_a_reader_on_another_mount(tmp_path: object) -> None:
