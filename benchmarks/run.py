@@ -335,6 +335,25 @@ def tmpfs_ceiling(size: int, block: int = 4 * MiB) -> dict[str, float]:
     return {"write": w, "read": r}
 
 
+def small_files_held(files: int = 1000, size: int = 4096) -> dict[str, Any]:
+    """Shard bytes held by ``files`` files of ``size`` bytes (random, written by the native
+    client, default 4 MiB chunks) on 2 shards with 2 replicas: what each shard's STAT says is
+    used, all shards together, against the files' bytes times the replicas (issue 39: a 4 KiB
+    file holds at most 8 KiB a replica). ``{"files", "size", "replicas", "held"}``, bytes."""
+    rng = np.random.default_rng(39)
+
+    async def run(meta: str) -> int:
+        async with Client.open(meta, transport="tcp") as c:
+            await c.makedirs("/small")
+            for k in range(files):
+                await c.write(f"/small/f{k}", rng.integers(0, 256, size, dtype=np.uint8))
+            return sum(st.used for _, st, _ in await c.shard_stats() if st is not None)
+
+    with cluster(2, 256 * MiB, replicas=2) as (meta, _):
+        held = trio.run(run, meta)
+    return {"files": files, "size": size, "replicas": 2, "held": held}
+
+
 def dd_into_mount(size: int, repeats: int = 3) -> dict[str, Any]:
     """``dd bs=4k`` and ``dd bs=1M`` of ``size`` bytes (``conv=fsync``: the time includes every
     push) into a mount (page cache, as a user's dd gets; 4 shards, 1 replica) and into
@@ -543,7 +562,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the suite, not figures")
     ap.add_argument("--out", default=os.path.join(REPO, "docs"))
     ap.add_argument("--only", choices=["replication", "authentication", "rounds", "fio", "rows", "cache", "snapshots",
-                                       "dd"],
+                                       "dd", "smallfiles"],
                     help="run one section, print its figures as JSON and compare only its ratios")
     ap.add_argument("--cache-file-size", default="1GiB",
                     help="--only cache: bytes of the hot file 4 readers read (benchmarks/readcache.py)")
@@ -566,9 +585,11 @@ def main() -> int:
         print(json.dumps(part, indent=1))
         regression_check({args.only: part}, previous, against, [args.only], args.quick)
         return 0
-    if args.only in ("rounds", "fio", "rows", "snapshots", "dd"):  # measure one section again into the last report
+    if args.only in ("rounds", "fio", "rows", "snapshots", "dd", "smallfiles"):  # one section again into the last report
         if args.only == "rounds":
             part = model_rounds(model_shapes(), 1 if args.quick else 3)
+        elif args.only == "smallfiles":
+            part = small_files_held(100 if args.quick else 1000)
         elif args.only == "dd":
             part = dd_into_mount((8 if args.quick else 64) * MiB)
         elif args.only == "rows":
@@ -701,6 +722,9 @@ def main() -> int:
 
     say("dd: bs=4k against bs=1M, 64 MiB into the mount and into a pyfuse3 passthrough of tmpfs")
     R["dd"] = dd_into_mount((8 if args.quick else 64) * MiB)
+
+    say("small files: shard bytes held by 1,000 files of 4 KiB, 2 replicas")
+    R["smallfiles"] = small_files_held(100 if args.quick else 1000)
 
     import snapshots
 

@@ -33,6 +33,7 @@ OPTIMIZERS = {
     "adam-p3": lambda: keras.optimizers.Adam(0.01),
     "adam-p3-drop": lambda: keras.optimizers.Adam(0.01),
     "adam-p3-drops": lambda: keras.optimizers.Adam(0.01),
+    "momentum-hier": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
     "embedding-sgd": lambda: keras.optimizers.SGD(0.5),
     "embedding-adagrad": lambda: keras.optimizers.Adagrad(0.3),
 }
@@ -102,6 +103,8 @@ def main() -> None:
         extra: dict[str, object] = {"overlap": "p3", "slice_elems": P3_SLICE[kind]} if kind in P3_SLICE else {}
         if kind in DROP:
             extra["drop"] = DROP[kind]
+        if kind.endswith("-hier"):  # the host's workers sum in shared memory, its local rank 0 pushes
+            extra["hierarchy"] = True
         opt = hvd.DistributedOptimizer(OPTIMIZERS[kind](), backward_passes_per_step=passes,
                                        average_aggregated_gradients=passes > 1, **extra)
         m.compile(optimizer=opt, loss="sparse_categorical_crossentropy")

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 import bsp_worker  # noqa: E402  (the workers' script: its model, data and optimizers)
 
 KINDS = ["sgd", "momentum", "nesterov", "adam", "adagrad", "rmsprop", "adamw", "adam-bpps2", "adam-p3",
-         "adam-p3-drop", "embedding-sgd", "embedding-adagrad", "adam-p3-drops"]
+         "adam-p3-drop", "embedding-sgd", "embedding-adagrad", "adam-p3-drops", "momentum-hier"]
 #: Kinds whose steps are not one process's: layers dropped for a while (their gradients wait on
 #: the worker) push zero contributions meanwhile; the rounds go on, none waits for a push.
 NOT_ONE_PROCESS = {"adam-p3-drops"}

@@ -77,7 +77,7 @@ from .keras_updates import (
     learning_rate_of,
     update_of,
 )
-from .world import _host_group, _member, _need, _wait_for, _world, barrier_name
+from .world import _host_group, _member, _need, _wait_for, _world, barrier_name, cross_rank, cross_size
 
 #: ``op=`` of :class:`DistributedOptimizer` (Horovod's ``hvd.Average`` and ``hvd.Sum``): what a BSP
 #: round applies, the mean of the workers' gradients or their sum.
@@ -186,8 +186,9 @@ class DistributedOptimizer(SavedAsKeras, keras.optimizers.Optimizer):  # type: i
             as one process with batch N B; under SSP and ASP each push is a step of its own. In
             an elastic job (``--elastic``) a round whose worker died mid-round completes with the
             workers that pushed, its step on their mean (logged); a layer ``drop`` skips is a zero
-            contribution. Not yet with ``hierarchy`` or ``sync_every`` > 1: those keep one step
-            per push.
+            contribution; with ``hierarchy`` the hosts' local ranks 0 are the round's members, each
+            pushing its host's sum times hosts / workers, so the round's mean is the workers'. Not
+            with ``sync_every`` > 1: DASO's global step keeps its own average.
         compression: Horovod's ``hvd.Compression.none`` (``fp16`` is refused; ``compress`` is irdma's).
         backward_passes_per_step: Horovod's local gradient aggregation: the gradients of this many
             steps are added up on the worker (divided by their count with
@@ -359,11 +360,11 @@ class DistributedOptimizer(SavedAsKeras, keras.optimizers.Optimizer):  # type: i
             staleness = None  # ASP
         if self._job.rounds is not None:  # ASP: no clock wait between a layer's push and its pull
             self._job.rounds.asp = staleness is None
-        if staleness == 0 and self.sync_every == 1 and not self.hierarchy:
+        if staleness == 0 and self.sync_every == 1:
             # a round sums every member's push of each range (a layer drop= skips pushes zero; an
             # elastic job's rounds are closed after each clock)
             self._job.series = series_of(job_ino)
-            if self.backward_passes_per_step == 1:  # hvd.Embedding's rows join the round (a push per step)
+            if self.backward_passes_per_step == 1 and not self.hierarchy:  # hvd.Embedding's rows join the round
                 _world["in_round"] = self._in_round
         if self.hierarchy and self._job.group is None:
             if _world.get("elastic") is not None:
@@ -523,6 +524,8 @@ class DistributedOptimizer(SavedAsKeras, keras.optimizers.Optimizer):  # type: i
         u = update if isinstance(update, Update) else Update(UpdateOp(update))
         me = _need("rank")
         flags = ROUND_SUM if self.reduce_op == Sum else 0
+        if self.hierarchy:  # a host's local rank 0 pushes for the host: the round's members are the hosts
+            return dataclasses.replace(u, round=Round(series, self._job.clock, cross_rank(), cross_size(), flags))
         if _world.get("elastic") is not None:  # members may die mid-round: closed by _close_round
             return dataclasses.replace(u, round=Round(series, self._job.clock, me, max(_need("size"), me + 1),
                                                       flags | ROUND_ELASTIC))
@@ -571,6 +574,10 @@ class DistributedOptimizer(SavedAsKeras, keras.optimizers.Optimizer):  # type: i
                 self.rounds += 1
                 return self._split(group.broadcast(None))
             data = np.ascontiguousarray(total, dtype="<f4")
+            if self._job.series is not None and self.reduce_op != Sum:
+                # a BSP round averages over the hosts: each host's sum times hosts / workers makes
+                # that mean the workers' (Horovod's average, whatever the hosts' sizes)
+                data *= np.float32(cross_size() / _need("size"))
         codec = self._job.codec
         if codec is not None:  # error feedback: what earlier pushes left out goes now
             if self._job.residual is None:
@@ -579,7 +586,7 @@ class DistributedOptimizer(SavedAsKeras, keras.optimizers.Optimizer):  # type: i
         decay = None
         if decays:
             decay = _flat([-d.numpy() for d in decays])
-            if group is not None:  # every worker of the host would have pushed its own
+            if group is not None and self._job.series is None:  # every worker of the host would have pushed its own
                 decay *= np.float32(group.size)
         layout, chunks = self._job.layout, self._job.chunks
 
