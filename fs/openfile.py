@@ -555,6 +555,7 @@ class OpenFiles:
                 if self._closing_now.get(ino) is done:
                     del self._closing_now[ino]
             done.set()
+        ending: list[int] = []  # nameless files in their grace period as the mount ends
         for ino, inode, reclaim in results:
             if reclaim and inode is not None:
                 self.cached.pop(ino, None)
@@ -566,5 +567,12 @@ class OpenFiles:
             elif inode is not None and inode.nlink <= 0 and self.nursery is not None:  # in its grace period
                 try:
                     self.nursery.start_soon(self.client.destroy_later, ino)
-                except RuntimeError:  # the mount is ending (its nursery takes no new task): `irdma gc` frees it
-                    log.debug("inode %d: no name and in its grace period as the mount ends: left to irdma gc", ino)
+                except RuntimeError:  # the mount is ending: its nursery takes no new task
+                    ending.append(ino)
+        if ending:  # the session's end (shielded, with its deadline): the grace period waited out here
+            await trio.sleep(await self.meta.unlink_grace() + 0.1)
+            for ino in ending:
+                try:
+                    await self.client.destroy_if_unused(ino)
+                except IrdmaError as exc:
+                    log.warning("freeing removed file %d as the mount ends failed (`irdma gc` will): %s", ino, exc)
