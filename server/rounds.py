@@ -131,13 +131,7 @@ class Rounds:
             And what ``apply`` raises (the round stays complete: the last contribution sent
             again applies it).
         """
-        u = as_update(msg.op)
-        r = u.round
-        assert r is not None
-        if not u.op.is_float32:
-            raise BadRequest("a round sums float32 gradients: its update op is add or an optimizer, not assign")
-        if r.members < 1:
-            raise BadRequest("a round has at least one member")
+        u, r = _round_of(msg)
         grad = self._dense(msg, u, data)
         key: Key = (msg.file_id, msg.chunk_index, msg.offset, 4 * len(grad), int(u.op))
         done = self._done.get(key)
@@ -226,13 +220,7 @@ class Rounds:
                 changed. And what ``apply`` raises (the rounds stay complete, applied again when the
                 last contribution is sent again).
         """
-        u = as_update(msg.op)
-        r = u.round
-        assert r is not None
-        if not u.op.is_float32:
-            raise BadRequest("a round sums float32 gradients: its update op is add or an optimizer, not assign")
-        if r.members < 1:
-            raise BadRequest("a round has at least one member")
+        u, r = _round_of(msg)
         chunk = msg.extents["chunk"].astype(np.int64)
         length = msg.extents["length"].astype(np.int64)
         if not len(chunk):
@@ -424,6 +412,22 @@ class Rounds:
                     " %s pushed, %s did not; its step was not applied", self.shard_id, acc.round, acc.series, key[0],
                     key[1], "(its rows)" if key[2] == ROWS else f"at offset {key[2]}", why, sorted(acc.contributed),
                     missing)
+
+
+def _round_of(msg: P.Write | P.Scatter) -> tuple[Update, P.Round]:
+    """A contribution's update and round (float32 ops only, one member at least).
+
+    Raises:
+        BadRequest: an assign, or a round of no member.
+    """
+    u = as_update(msg.op)
+    r = u.round
+    assert r is not None
+    if not u.op.is_float32:
+        raise BadRequest("a round sums float32 gradients: its update op is add or an optimizer, not assign")
+    if r.members < 1:
+        raise BadRequest("a round has at least one member")
+    return u, r
 
 
 def _elements(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
