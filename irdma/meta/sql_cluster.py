@@ -368,30 +368,28 @@ class SqlCluster:
             "SELECT COUNT(*) FROM open_files o JOIN sessions s ON s.sid = o.sid"
             " WHERE o.ino=? AND o.sid<>? AND s.heartbeat_ns>=?", (ino, exclude, limit)).fetchone()[0])
 
+    def _open_in(self, c: Any, sid: int, ino: int) -> tuple[Inode, bytes]:
+        """Record session ``sid``'s open of ``ino`` in transaction ``c``: its inode and I/O mode.
+        Raises Stale: removed, or without a name past its grace period (and not open here)."""
+        got = self._get_io(c, ino)
+        if got is None:
+            raise Stale(f"inode {ino} was removed")
+        inode, io_mode = got
+        if (inode.nlink <= 0 and now() - inode.ctime_ns > self._grace_ns(c)
+                and not c.execute("SELECT 1 FROM open_files WHERE sid=? AND ino=?", (sid, ino)).fetchone()):
+            raise Stale(f"inode {ino} has no name left")
+        if sid:
+            c.execute("INSERT INTO open_files VALUES (?,?) ON CONFLICT DO NOTHING", (sid, ino))
+        return inode, io_mode
+
     def open_inode(self, sid: int, ino: int) -> tuple[Inode, bytes, dict[int, dict[int, int]]]:
         with self._tx() as c:
-            got = self._get_io(c, ino)
-            if got is None:
-                raise Stale(f"inode {ino} was removed")
-            inode, io_mode = got
-            if (inode.nlink <= 0 and now() - inode.ctime_ns > self._grace_ns(c)
-                    and not c.execute("SELECT 1 FROM open_files WHERE sid=? AND ino=?", (sid, ino)).fetchone()):
-                raise Stale(f"inode {ino} has no name left")
-            if sid:
-                c.execute("INSERT INTO open_files VALUES (?,?) ON CONFLICT DO NOTHING", (sid, ino))
+            inode, io_mode = self._open_in(c, sid, ino)
             return inode, io_mode, self._chunk_map(c, ino)
 
     def open_file(self, sid: int, ino: int, own: Sequence[bytes] = (), inherited: Sequence[bytes] = ()) -> Opened:
         with self._tx() as c:
-            got = self._get_io(c, ino)
-            if got is None:
-                raise Stale(f"inode {ino} was removed")
-            inode, io_mode = got
-            if (inode.nlink <= 0 and now() - inode.ctime_ns > self._grace_ns(c)
-                    and not c.execute("SELECT 1 FROM open_files WHERE sid=? AND ino=?", (sid, ino)).fetchone()):
-                raise Stale(f"inode {ino} has no name left")
-            if sid:
-                c.execute("INSERT INTO open_files VALUES (?,?) ON CONFLICT DO NOTHING", (sid, ino))
+            inode, io_mode = self._open_in(c, sid, ino)
             return Opened(inode, io_mode, self._chunk_map(c, ino), self._open_xattrs(c, ino, own, inherited))
 
     def create_open(self, sid: int, parent: int, name: bytes, mode: int, uid: int, gid: int,
