@@ -247,3 +247,37 @@ def test_a_sync_client_whose_loop_died_says_why(cluster: Cluster) -> None:
         assert info.value.__cause__ is not None
     finally:
         c._token = None  # the loop is gone: nothing to close
+
+
+def test_clients_racing_to_make_the_same_directories_and_files_all_succeed(cluster: Cluster) -> None:
+    """``makedirs`` and ``create`` are ``mkdir -p`` and ``open(O_CREAT)``: a client that loses
+    the race to another's create gets the winner's inode, not ``Exists`` (two ranks of a job
+    writing their first collective at once)."""
+    rounds, n = 20, 3
+    start = threading.Barrier(n, timeout=60)
+    got: dict[int, list[tuple[int, int]]] = {}
+    errors: list[BaseException] = []
+
+    def racer(k: int) -> None:
+        try:
+            with irdma.connect(cluster.meta_url, transport="tcp") as c:
+                seen = []
+                for i in range(rounds):
+                    start.wait()
+                    d = c.makedirs(f"/race/d{i}/sub")
+                    f = c.create(f"/race/d{i}/sub/f")
+                    seen.append((d.ino, f.ino))
+                got[k] = seen
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+            start.abort()
+
+    threads = [threading.Thread(target=racer, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert got[0] == got[1] == got[2]  # every client got the same directory and file each round
+    with irdma.connect(cluster.meta_url, transport="tcp") as c:
+        assert sorted(c.listdir("/race")) == sorted(f"d{i}" for i in range(rounds))

@@ -47,7 +47,7 @@ import trio
 
 from .. import xattrs
 from .._concurrency import open_nursery
-from .._errors import InvalidArgument, IrdmaError, NoAttribute, NotFound
+from .._errors import Exists, InvalidArgument, IrdmaError, NoAttribute, NotFound
 from ..meta import Inode, MetaStore, ShardRecord, default_key_file, open_meta
 from ..meta.aio import AsyncMeta
 from ..meta.base import XATTR_SHAPE, XATTR_UPDATE
@@ -385,7 +385,11 @@ class Client:
             try:
                 inode = await self.meta.lookup(inode.ino, part.encode())
             except NotFound:
-                inode = await self.meta.create(inode.ino, part.encode(), stat.S_IFDIR | mode, os.getuid(), os.getgid())
+                try:
+                    inode = await self.meta.create(inode.ino, part.encode(), stat.S_IFDIR | mode, os.getuid(),
+                                                   os.getgid())
+                except Exists:  # another client made it between the lookup and the create
+                    inode = await self.meta.lookup(inode.ino, part.encode())
         return inode
 
     async def create(self, path: str, *, chunk_size: int | None = None, mode: int = 0o644) -> Inode:
@@ -398,8 +402,12 @@ class Client:
         try:
             return await self.meta.lookup(parent, name)
         except NotFound:
+            pass
+        try:
             return await self.meta.create(parent, name, stat.S_IFREG | mode, os.getuid(), os.getgid(),
                                           chunk_size=chunk_size)
+        except Exists:  # another client created it between the lookup and the create
+            return await self.meta.lookup(parent, name)
 
     async def write(self, path: str, data: object, offset: int = 0, *, op: UpdateOp | Update | str | None = None,
                     chunk_size: int | None = None, compress: Compression | str | None = None,
