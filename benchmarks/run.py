@@ -354,6 +354,47 @@ def small_files_held(files: int = 1000, size: int = 4096) -> dict[str, Any]:
     return {"files": files, "size": size, "replicas": 2, "held": held}
 
 
+def small_files_time(files: int = 2000, size: int = 4096, repeats: int = 2) -> dict[str, Any]:
+    """``files`` files of ``size`` random bytes written then read, one after the other: through a
+    mount (``open(O_CREAT)``, ``write``, ``close``, then ``open``, ``read``, ``close`` each: what a
+    framework saving a file per tensor does) against the native client (``write(path)``, then
+    ``read(path)`` each), in a new directory each time, alternately ``repeats`` times on one
+    cluster (2 shards, 2 replicas, durability fsync). Seconds, the mean of each:
+    ``{"files", "size", "mount_s", "native_s", "runs"}`` (issue 39: mount at most 2x native)."""
+    data = [np.random.default_rng(k).integers(0, 256, size, dtype=np.uint8).tobytes() for k in range(files)]
+
+    async def native(meta: str, d: str) -> float:
+        async with Client.open(meta, transport="tcp") as c:
+            await c.makedirs(d)
+            t0 = time.perf_counter()
+            for k in range(files):
+                await c.write(f"{d}/f{k}", data[k])
+            for k in range(files):
+                if bytes(await c.read(f"{d}/f{k}")) != data[k]:
+                    raise RuntimeError(f"native client read back other bytes from {d}/f{k}")
+            return time.perf_counter() - t0
+
+    def mount(mp: str, d: str) -> float:
+        os.makedirs(mp + d)
+        t0 = time.perf_counter()
+        for k in range(files):
+            with open(f"{mp}{d}/f{k}", "wb") as f:
+                f.write(data[k])
+        for k in range(files):
+            with open(f"{mp}{d}/f{k}", "rb") as f:
+                if f.read() != data[k]:
+                    raise RuntimeError(f"the mount read back other bytes from {d}/f{k}")
+        return time.perf_counter() - t0
+
+    runs: dict[str, list[float]] = {"mount": [], "native": []}
+    with cluster(2, 256 * MiB, replicas=2) as (meta, _), mounted(meta) as (mp, _):
+        for i in range(repeats):
+            runs["native"].append(trio.run(native, meta, f"/native-{i}"))
+            runs["mount"].append(mount(mp, f"/mount-{i}"))
+    return {"files": files, "size": size, "mount_s": sum(runs["mount"]) / repeats,
+            "native_s": sum(runs["native"]) / repeats, "runs": runs}
+
+
 def dd_into_mount(size: int, repeats: int = 3) -> dict[str, Any]:
     """``dd bs=4k`` and ``dd bs=1M`` of ``size`` bytes (``conv=fsync``: the time includes every
     push) into a mount (page cache, as a user's dd gets; 4 shards, 1 replica) and into
@@ -589,7 +630,8 @@ def main() -> int:
         if args.only == "rounds":
             part = model_rounds(model_shapes(), 1 if args.quick else 3)
         elif args.only == "smallfiles":
-            part = small_files_held(100 if args.quick else 1000)
+            part = {**small_files_held(100 if args.quick else 1000),
+                    "timed": small_files_time(200 if args.quick else 2000)}
         elif args.only == "dd":
             part = dd_into_mount((8 if args.quick else 64) * MiB)
         elif args.only == "rows":
@@ -725,6 +767,8 @@ def main() -> int:
 
     say("small files: shard bytes held by 1,000 files of 4 KiB, 2 replicas")
     R["smallfiles"] = small_files_held(100 if args.quick else 1000)
+    say("small files: 2,000 files of 4 KiB written then read, through a mount and by the native client")
+    R["smallfiles"]["timed"] = small_files_time(200 if args.quick else 2000)
 
     import snapshots
 

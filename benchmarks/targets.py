@@ -36,7 +36,8 @@ AUTHENTICATION_WANTED = 0.9
 def _section(what: str) -> str:
     """The ``--only`` section a target's figures come from ("main": only a full run measures it)."""
     for prefix, section in (("model round", "rounds"), ("fio ", "fio"), ("sparse rows", "rows"),
-                            ("snapshot", "snapshots"), ("dd ", "dd"), ("shard bytes held", "smallfiles")):
+                            ("snapshot", "snapshots"), ("dd ", "dd"), ("shard bytes held", "smallfiles"),
+                           ("small files", "smallfiles")):
         if what.startswith(prefix):
             return section
     return "main"
@@ -72,6 +73,10 @@ def targets(R: dict[str, Any]) -> list[dict[str, Any]]:
         f"{nat_u * 1e3:.0f} vs {r['redis'] * 1e3:.0f} ms")
     add("model round, mount (unified buffer) vs ParameterServerStrategy", r["tf-ps"] / mnt_u,
         "TF PS round time (x faster)", 1.0, f"{mnt_u * 1e3:.0f} vs {r['tf-ps'] * 1e3:.0f} ms")
+    if "irdma-mount" in r:  # issue 39: a framework's save of a file per tensor
+        add("model round, a file per tensor, through the mount vs ParameterServerStrategy", r["tf-ps"] /
+            r["irdma-mount"], "TF PS round time (x faster)", 1.0,
+            f"{r['irdma-mount'] * 1e3:.0f} vs {r['tf-ps'] * 1e3:.0f} ms")
     if "bsp-round" in r:  # issue 38: BSP's one step per round costs at most 1.1x a step per push
         add("model round, BSP: one step per round on the summed pushes, over a step per push", r["bsp-round"] /
             r["bsp-push"], "BSP round, a step per worker's push", 1.1,
@@ -110,6 +115,12 @@ def targets(R: dict[str, Any]) -> list[dict[str, Any]]:
         add(f"shard bytes held by {sf['files']:,} files of {fmt_size(sf['size'])}, {sf['replicas']} replicas, over"
             " their bytes x replicas", sf["held"] / stored, "the files' bytes x replicas", 2.0,
             f"{fmt_size(sf['held'])} held for {fmt_size(stored)} (wanted <= 64 MiB)", lower_is_better=True)
+        tm = sf.get("timed")
+        if tm:
+            add(f"small files: {tm['files']:,} of {fmt_size(tm['size'])} written then read, mount time over native"
+                " client time", tm["mount_s"] / tm["native_s"], "the native client's time", 2.0,
+                f"{tm['mount_s']:.1f} vs {tm['native_s']:.1f} s ({tm['mount_s'] / tm['files'] * 1e3:.1f} vs"
+                f" {tm['native_s'] / tm['files'] * 1e3:.1f} ms a file)", lower_is_better=True)
     rt = R.get("round_trip")
     if rt:
         add("4 KiB native read p50, over a Python socket ping-pong", rt["irdma_p50_us"] / rt["socket_p50_us"],

@@ -30,7 +30,7 @@ from irdma.client.native import ChunkMap, Client, layout_of
 from irdma.meta import Inode
 from irdma.wire.compress import Compression
 from irdma.wire.optimizers import parse_update
-from irdma.wire.protocol import Update, UpdateOp
+from irdma.wire.protocol import SYNC_INTERVAL_S, Update, UpdateOp
 
 from .cache import GATHER_AGE_S, GATHER_WRITE_MAX, ReadAhead, Residuals, WriteBehind, WriteBudget
 from .errors import fuse_errors
@@ -74,6 +74,10 @@ class OpenFiles:
         # file keeps its page cache (how a restore right after a save skips the round trips)
         self.cached: dict[int, tuple[int, int]] = {}
         self._mtime_at: dict[int, float] = {}  # time.monotonic() of each file's last mtime update
+        #: Files with pushes acknowledged but not synced by this mount: ``time.monotonic()`` of
+        #: the drain that saw the last; an ``fsync`` of one syncs the shards (forgotten after
+        #: :data:`SYNC_INTERVAL_S`: the shards have synced them by then by themselves).
+        self._unsynced: dict[int, float] = {}
         self._next_fh = 1
         # an open and the last release of one inode never interleave (FUSE sends RELEASE
         # asynchronously: a reopen may arrive while the last close is freeing the file)
@@ -323,7 +327,7 @@ class OpenFiles:
 
     # ------------------------------------------------------------ drains
     async def drain(self, st: FileState, ino: int, h: Handle | None = None, advance: bool = True,
-                    keep_error: bool = False) -> None:
+                    keep_error: bool = False, durable: bool = False) -> None:
         """Wait for every transfer of the file; persist the size of what the shards
         acknowledged and the chunks created; raise the first error.
 
@@ -342,6 +346,11 @@ class OpenFiles:
         as ``filemap_check_wb_err``: a child's close must not take the error from the
         writer's fsync. ``keep_error`` (a setattr of mtime, which drains first): a push's error
         is neither raised nor forgotten; the writers hear of it at their flush, fsync or close.
+        ``durable`` (fsync): the shards written also sync (SYNC: on disk, every replica) before
+        it returns; without it (close, a truncate) the pushes are acknowledged by every replica
+        (in their memory: they survive a shard process's death, not its machine's) and the
+        shards sync them within :data:`irdma.wire.protocol.SYNC_INTERVAL_S`, as a local
+        filesystem's ``close`` leaves its pages to writeback.
 
         Raises:
             IrdmaError: a push's error (see ``h``), the metadata engine's error (the records
@@ -360,11 +369,20 @@ class OpenFiles:
             return
         async with wb.persist:
             if st.dirty and wb.acked_ends:
+                self._note_unsynced(ino)
+            if durable and self._needs_sync(ino):
+                started = time.monotonic()
                 try:
-                    await self.client.flush()  # durable on the shards before close/fsync return
+                    await self.client.flush()  # on disk on every replica written before fsync returns
                 except IrdmaError as exc:  # every writer hears of it, not just this drain's caller
                     self.tell_writers(ino, exc, but=h)
+                    if h is not None and advance:  # this fsync reports EIO, once (as errseq): the next one
+                        h.error = None           # returns 0, the shards sync by themselves when back
+                        wb.error = None
+                        self._unsynced.pop(ino, None)
                     raise
+                # every shard this client wrote synced: every push acknowledged before it began is on disk
+                self._unsynced = {i: t for i, t in self._unsynced.items() if t > started}
             if st.dirty:
                 seen = wb.seen(st.persisted_size)
                 new_size, chunks = seen.size, seen.chunks
@@ -395,6 +413,16 @@ class OpenFiles:
         first = wb.take_error()
         if first is not None:
             raise first
+
+    def _note_unsynced(self, ino: int) -> None:
+        now = time.monotonic()
+        if len(self._unsynced) >= 4096:  # the shards synced those older than SYNC_INTERVAL_S themselves
+            self._unsynced = {i: t for i, t in self._unsynced.items() if now - t < SYNC_INTERVAL_S}
+        self._unsynced[ino] = now
+
+    def _needs_sync(self, ino: int) -> bool:
+        t = self._unsynced.get(ino)
+        return t is not None and time.monotonic() - t < SYNC_INTERVAL_S + 1.0
 
     async def refresh_pulled_pages(self, period: float) -> None:
         """Every ``period`` seconds, drop the kernel's pages and the read-ahead windows of each

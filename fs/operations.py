@@ -673,7 +673,7 @@ class IrdmaFS(pyfuse3.Operations):
             if fh in self.control._handles:
                 return
             h = self.files.handles[fh]
-            await self.files.drain(self.files.files[h.ino], h.ino, h, advance=advance)
+            await self.files.drain(self.files.files[h.ino], h.ino, h, advance=advance, durable=advance)
 
     async def release(self, fh: int) -> None:
         await self.control.release(fh)

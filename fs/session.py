@@ -153,9 +153,16 @@ class MountSession:
                 files.ino_unlock_done(ino)
 
     async def end(self) -> None:
-        """Close the files released but not yet closed in the session (freeing those with no
-        name left), then the session (shielded, at most 10 s): the mount's open records go with it."""
+        """Sync the shards this mount wrote since its last ``fsync`` (as ``umount`` of a local
+        filesystem writes its pages back), close the files released but not yet closed in the
+        session (freeing those with no name left), then the session (shielded, at most 10 s):
+        the mount's open records go with it."""
         if self.sid:
             with trio.CancelScope(shield=True), trio.move_on_after(10):
+                try:
+                    await self.client.flush()
+                except IrdmaError as exc:  # the shards sync what they applied within SYNC_INTERVAL_S anyway
+                    log.warning("syncing the shards as the mount ends failed (each syncs its updates within"
+                                " 5 s by itself): %s", exc)
                 await self.files.close_pending()
                 await self.meta.close_session(self.sid)

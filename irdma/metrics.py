@@ -300,6 +300,9 @@ class _ShardCollector(Collector):
                                     labels=("shard",))
         dirty = GaugeMetricFamily("irdma_shard_dirty_chunks", "Chunks with forwarded updates not yet acknowledged.",
                                   labels=("shard",))
+        unsynced = GaugeMetricFamily("irdma_shard_unsynced_seconds",
+                                     "Age of the oldest update applied but not yet synced to disk (0: none; what a"
+                                     " power loss could take; the shard syncs within 5 s).", labels=("shard",))
         for server in list(self._servers):
             try:
                 # read without a lock, from the exporter's thread: plain ints and a dict copy;
@@ -312,9 +315,11 @@ class _ShardCollector(Collector):
                 lag = dict(server.replicator._dirty)
                 pending.add_metric([sid], sum(lag.values()))
                 dirty.add_metric([sid], len(lag))
+                since = shard.unsynced_since
+                unsynced.add_metric([sid], 0.0 if since is None else max(0.0, time.monotonic() - since))
             except Exception as exc:  # noqa: BLE001 - a scrape never breaks the shard
                 _warn_once("shard gauges", exc)
-        yield from (chunks, held, cap, pending, dirty)
+        yield from (chunks, held, cap, pending, dirty, unsynced)
 
 
 # ---------------------------------------------------------------- the client

@@ -37,6 +37,7 @@ from irdma.wire.framing import ServerHandshake
 from .replicate import Replicator
 from .request_kinds import (
     PARTED,
+    READ_ONLY,
     UPDATES,
     detached,
     file_of,
@@ -159,6 +160,8 @@ class Dispatcher:
             except RemoteProtocolError as exc:
                 metrics.end(t0, op_of(msg), transport, "bad_request")
                 return P.ErrorReply(P.Status.BAD_REQUEST, str(exc))
+        if not isinstance(msg, READ_ONLY):
+            self.shard.note_update()
         if isinstance(msg, P.Sync) and self.shard.store is not None:
             return ThreadWork(self._sync(msg, t0, transport))
         if isinstance(msg, P.Clone):

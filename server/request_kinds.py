@@ -27,6 +27,9 @@ OP_NAMES = {P.Read: "read", P.Write: "write", P.RemoteWrite: "remote_write", P.R
 
 #: The requests that may carry a push part.
 PARTED = (P.Write, P.RemoteWrite, P.Scatter)
+#: The requests that change neither the region nor the chunk index (all others may: a shard
+#: syncs what they did within :data:`irdma.wire.protocol.SYNC_INTERVAL_S`).
+READ_ONLY = (P.Read, P.Checksum, P.List, P.Sync, P.Stat, P.Gather, P.Usage)
 #: The requests a freeze holds (updates).
 UPDATES = (P.Write, P.Scatter, P.RemoteWrite, P.Punch, P.Free)
 

@@ -124,15 +124,20 @@ async def _trim_freed(shard: Shard) -> None:
     """Zero, once a second, the extents freed more than :data:`irdma.server.shard.TRIM_DELAY_S` ago that no
     chunk took since (:meth:`Shard.trim`); and sync (off the event loop) when an extent a chunk grew out of
     has waited :data:`irdma.server.shard.PARK_SYNC_S` for a client's sync, so that it is free again
-    (:meth:`Shard.reclaim`) even if no client ever syncs."""
+    (:meth:`Shard.reclaim`) even if no client ever syncs, or an update has waited
+    :data:`irdma.wire.protocol.SYNC_INTERVAL_S` for one (a mount's ``close`` does not sync: ``fsync`` does)."""
     while True:
         await trio.sleep(1.0)
         since = shard.parked_since()
-        if since is not None and time.monotonic() - since >= PARK_SYNC_S:
+        now = time.monotonic()
+        updated = shard.unsynced_since
+        if ((since is not None and now - since >= PARK_SYNC_S)
+                or (updated is not None and now - updated >= P.SYNC_INTERVAL_S)):
             try:
                 await trio.to_thread.run_sync(shard.sync)
             except (OSError, sqlite3.Error) as exc:  # they stay held (counted as used) until a sync works
-                log.warning("%s could not sync to free the extents chunks grew out of: %s", shard.name, exc)
+                log.warning("%s could not sync (tried again in a second; the extents chunks grew out of stay"
+                            " held until then): %s", shard.name, exc)
         try:
             shard.trim()
         except OSError as exc:  # the bytes stay in a free extent: never read, zeroed before reuse

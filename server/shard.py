@@ -127,6 +127,9 @@ class Shard(SparseRows):
         #: within :data:`PARK_SYNC_S` of a park if no client does (:meth:`parked_since`).
         self._parked: collections.deque[tuple[int, float, int, int]] = collections.deque()
         self._parks = 0  # extents parked so far
+        #: ``time.monotonic()`` of the first update applied since the last sync began (None:
+        #: none); the dispatcher sets it (:meth:`note_update`), :meth:`sync` clears it.
+        self.unsynced_since: float | None = None
         self._synced_parks = 0  # of those, how many a finished sync made durable
         #: Whole-chunk copies received (REPLACE: a resync's, a drain's, a rebalance's): (chunk
         #: index, size, version, CRC-32 of the bytes) -> the key that took them. A copy of a
@@ -173,8 +176,20 @@ class Shard(SparseRows):
         counts the parked extents it covers; the event loop frees them (:meth:`reclaim`)."""
         if self.store is not None:
             covered = self._parks  # read first: the moves of these were journaled before the sync
-            self.store.sync()
+            since, self.unsynced_since = self.unsynced_since, None  # updates from here on: the next sync's
+            try:
+                self.store.sync()
+            except BaseException:
+                if since is not None:
+                    self.unsynced_since = min(since, self.unsynced_since or since)
+                raise
             self._synced_parks = max(self._synced_parks, covered)
+
+    def note_update(self) -> None:
+        """An update (or a request that may change the region or the chunk index) is being
+        applied: the server syncs it within :data:`irdma.wire.protocol.SYNC_INTERVAL_S` if no client does."""
+        if self.unsynced_since is None and self.store is not None and self.store.durability == "fsync":
+            self.unsynced_since = time.monotonic()
 
     def reclaim(self) -> int:
         """Free the extents chunks grew out of whose moves a sync made durable (call it on the

@@ -41,6 +41,11 @@ HEADER = struct.Struct("!2sBBIHHI")
 HEADER_SIZE = HEADER.size  # 16
 #: Default largest payload (bytes) of one READ or WRITE; shards advertise theirs in HELLO.
 DEFAULT_MAX_PAYLOAD = 16 << 20
+#: Seconds at most between an update a shard with a data directory (durability ``fsync``)
+#: applied and its own sync of it when no client asks (SYNC: ``fsync(2)`` on a mount,
+#: ``Client.flush()``): a mount's ``close`` leaves the sync to the shards, as a local
+#: filesystem's ``close`` leaves its pages to writeback (ext4's ``commit=5``).
+SYNC_INTERVAL_S = 5.0
 #: Room for the fixed part of any body on top of the payload.
 BODY_SLACK = 256
 
