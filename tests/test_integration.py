@@ -281,3 +281,29 @@ def test_clients_racing_to_make_the_same_directories_and_files_all_succeed(clust
     assert got[0] == got[1] == got[2]  # every client got the same directory and file each round
     with irdma.connect(cluster.meta_url, transport="tcp") as c:
         assert sorted(c.listdir("/race")) == sorted(f"d{i}" for i in range(rounds))
+
+
+def test_a_write_of_many_windows_queues_without_missing_deadlines(tmp_path: object) -> None:
+    """A request waiting behind this client's own for room in a shard's window does not count
+    that wait against its deadline while the shard keeps answering: one write of 160 chunks to
+    one shard (a window of 2) with a 0.2 s deadline takes several deadlines in all, and must
+    succeed without a shard marked down (before, the last requests missed their deadline in the
+    queue and the write failed with ShardUnavailable)."""
+    import trio
+
+    from irdma.client.native import Client
+
+    data = np.random.default_rng(5).integers(0, 256, 160 << 20, dtype=np.uint8)
+
+    async def run(meta: str) -> float:
+        async with Client.open(meta, transport="tcp", window=2, timeout=0.2) as c:
+            t0 = trio.current_time()
+            await c.write("/big", data, chunk_size=1 << 20)
+            took = trio.current_time() - t0
+            c.timeout = 10.0
+            assert bytes(await c.read("/big")) == data.tobytes()
+            return took
+
+    with running_cluster(str(tmp_path), shards=1, capacity=192 << 20, replicas=1) as small:
+        took = trio.run(run, small.meta_url)
+    assert took > 0.6, f"the write took {took:.2f} s: not several deadlines, the test proves nothing here"

@@ -111,7 +111,8 @@ class Client:
             changes; None to connect without one (shards with a key refuse it).
         window: requests in flight per shard, for pulls and for the rest each; waiting ones are admitted by priority
             (:func:`irdma.train.comm.priority`: P3, lower levels first), FIFO among equal levels.
-        timeout: seconds each request to a shard may take, queueing and connecting included.
+        timeout: seconds each request to a shard may take, connecting included (a wait behind
+            this client's own requests for room in a shard's window lasts while the shard answers).
         cache: the local read cache (:class:`irdma.client.cache.ChunkCache`: memory and disk
             tiers of whole chunks, validated by chunk version at each open; see
             :meth:`cache_open`), or None for none.

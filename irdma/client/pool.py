@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import NoReturn, TypeVar, TypeVarTuple
 
@@ -59,7 +60,12 @@ class ShardPool:
         transport: how to reach shards. nursery: where connection tasks and the watchdog live.
         keys: the cluster key to prove to shards (None: connect without one).
         name: the client's name in HELLO. window: requests in flight per shard and direction.
-        The deadline of each request (queueing and connecting included) is ``view.timeout``.
+        The deadline of each request (connecting included) is ``view.timeout``. A request
+        queued behind this client's own in the shard's window waits as long as the shard keeps
+        answering (one of its requests ended within the last ``view.timeout`` seconds): a large
+        write is many requests in one window, and the last of them must not miss a deadline
+        for the time the first took (the shard is slow, not gone); its own deadline starts once
+        it is admitted.
     """
 
     def __init__(self, view: ShardView, transport: Transport, nursery: trio.Nursery, keys: auth.KeySource | None,
@@ -77,6 +83,9 @@ class ShardPool:
         self.limits: dict[int, comm.PriorityWindow] = {}
         self.pull_limits: dict[int, comm.PriorityWindow] = {}
         self.connect_locks: dict[int, trio.Lock] = {}
+        #: trio time at which a request to each shard last ended (answered or failed): a
+        #: request waiting for room in that shard's window waits while this stays recent
+        self.progress: dict[int, float] = {}
         # requests on the fast path of run: no cancel scope each, one watchdog for all
         self.deadlines: set[_Deadline] = set()
         self._watchdog = False
@@ -265,6 +274,7 @@ class ShardPool:
                 finally:
                     self.deadlines.discard(d)
                     limit.release()
+                    self.progress[shard_id] = trio.current_time()
                 if self.down_until:
                     self.down_until.pop(shard_id, None)
                 return result
@@ -326,7 +336,7 @@ class ShardPool:
         failed; this is the once-more on a fresh one."""
         conn: ShardConnection | None = None
         sent = False
-        with trio.move_on_at(deadline):
+        with trio.move_on_at(deadline) as scope:
             for attempt in ((2,) if retry else (1, 2)):
                 conn = self.conns.get(shard_id)
                 reused = conn is not None and not conn.broken
@@ -341,7 +351,7 @@ class ShardPool:
                 try:
                     limit.acquire_nowait()
                 except trio.WouldBlock:
-                    await limit.acquire()
+                    await self._admit(shard_id, limit, scope)
                 try:
                     sent = True
                     try:
@@ -359,10 +369,26 @@ class ShardPool:
                         continue
                 finally:
                     limit.release()
+                    self.progress[shard_id] = trio.current_time()
                 if self.down_until:
                     self.down_until.pop(shard_id, None)
                 return result
         return await self._missed_deadline(shard_id, conn if sent else None)
+
+    async def _admit(self, shard_id: int, limit: comm.PriorityWindow, scope: trio.CancelScope) -> None:
+        """Wait for room in ``limit``, shard ``shard_id``'s window, for as long as the shard
+        keeps answering (a request to it ended within the last deadline); once admitted, the
+        request's deadline (``scope``'s) starts anew. A shard that answered nothing for a
+        whole deadline while the window stayed full: ``scope`` is cancelled (missed)."""
+        scope.deadline = math.inf  # the requests ahead in the window each have their own deadline
+        while True:
+            with trio.move_on_after(self.timeout):
+                await limit.acquire()
+                scope.deadline = trio.current_time() + self.timeout
+                return
+            if trio.current_time() - self.progress.get(shard_id, -math.inf) >= self.timeout:
+                scope.cancel()  # nothing ended for a whole deadline: the caller reports it missed
+                await trio.lowlevel.checkpoint()
 
     async def _missed_deadline(self, shard_id: int, conn: ShardConnection | None) -> NoReturn:
         """A request to ``shard_id`` missed its deadline: the shard is held out of data calls for
