@@ -28,6 +28,14 @@ class IrdmaError(Exception):
         return f"{base} ({self.hint})" if self.hint else base
 
 
+def message_of(exc: BaseException | str) -> str:
+    """An error's message without its hint (an :class:`IrdmaError`'s ``str`` appends it): for
+    a new error that says the same, whose own hint is added once."""
+    if isinstance(exc, IrdmaError) and exc.args:
+        return str(exc.args[0])
+    return str(exc)
+
+
 class LocalProtocolError(IrdmaError):
     """The caller asked for something the protocol cannot express (our fault)."""
 

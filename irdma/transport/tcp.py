@@ -25,6 +25,7 @@ import trio
 from irdma._errors import (
     IrdmaError,
     ShardUnavailable,
+    message_of,
 )
 from irdma.wire import auth
 from irdma.wire import protocol as P
@@ -210,13 +211,13 @@ class TcpConnection(ShardConnection):
         other from one task reach the shard in that order (a shard forwarding a chain's updates
         relies on it)."""
         if self._broken is not None:
-            raise ShardUnavailable(str(self._broken))
+            raise ShardUnavailable(message_of(self._broken))
         rid = next(self._ids) & 0xFFFFFFFF
         pend = _Pending(P._REQUEST_OPCODE[type(msg)], into)
         parts = P.encode_request(msg, rid)
         async with self._send_lock:
             if self._broken is not None:
-                raise ShardUnavailable(str(self._broken))
+                raise ShardUnavailable(message_of(self._broken))
             self._pending[rid] = pend
             if self._macs is not None:
                 parts.append(self._macs.seal(parts))
@@ -243,7 +244,7 @@ class TcpConnection(ShardConnection):
                 self._break("a read was cancelled while its reply was arriving")
             raise
         if pend.error is not None:
-            raise ShardUnavailable(str(pend.error))
+            raise ShardUnavailable(message_of(pend.error))
         assert pend.reply is not None
         raise_for_error(pend.reply, self.address)
         return pend.reply

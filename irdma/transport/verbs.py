@@ -69,7 +69,7 @@ from typing import Any, TypeVar
 import numpy as np
 import trio
 
-from irdma._errors import BadRequest, DataLost, IrdmaError, ShardUnavailable, TransportUnavailable
+from irdma._errors import BadRequest, DataLost, IrdmaError, ShardUnavailable, TransportUnavailable, message_of
 from irdma.wire import protocol as P
 from irdma.wire.auth import AuthFailed, KeyRing
 from irdma.wire.extents import move, positions
@@ -227,7 +227,7 @@ class VerbsConnection(ShardConnection):
 
     def _check(self) -> None:
         if self._ep.error is not None:
-            raise ShardUnavailable(str(self._ep.error))
+            raise ShardUnavailable(message_of(self._ep.error))
 
     def _on_recv(self, slot: int, length: int) -> None:
         off = slot * SLOT_SIZE
@@ -286,7 +286,7 @@ class VerbsConnection(ShardConnection):
             raise
         await call.done.wait()
         if call.reply is None:
-            raise ShardUnavailable(str(self._ep.error or f"connection to shard at {self.address} failed"))
+            raise ShardUnavailable(message_of(self._ep.error or f"connection to shard at {self.address} failed"))
         raise_for_error(call.reply, self.address)
         return call.reply
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from irdma._errors import BadRequest, IrdmaError, ShardUnavailable, TransportUnavailable
+from irdma._errors import BadRequest, IrdmaError, ShardUnavailable, TransportUnavailable, message_of
 
 from ._pyverbs import (
     CQ,
@@ -241,7 +241,7 @@ class Endpoint:
                 (which breaks it).
         """
         if self.error is not None:
-            raise ShardUnavailable(str(self.error))
+            raise ShardUnavailable(message_of(self.error))
         data = b"".join(frame) if frame is not None else None
         if data is not None and len(data) > SLOT_SIZE:
             raise BadRequest(f"control frame of {len(data)} bytes exceeds the {SLOT_SIZE}-byte slot")
@@ -289,7 +289,7 @@ class Endpoint:
     def _post_one(self, wr: Wr, release: Callable[[], None]) -> _Waiter:
         op, laddr, n, lkey, raddr, rkey = wr
         if self.error is not None:
-            raise ShardUnavailable(str(self.error))
+            raise ShardUnavailable(message_of(self.error))
         wr_id = next(self._ids)
         swr = SendWR(wr_id=wr_id, opcode=op, num_sge=1, sg=[SGE(laddr, n, lkey)], send_flags=e.IBV_SEND_SIGNALED)
         if op != e.IBV_WR_SEND:
@@ -316,7 +316,7 @@ class Endpoint:
         for w in waiters:
             await w.done.wait()
         if self.error is not None or any(w.status != e.IBV_WC_SUCCESS for w in waiters):
-            raise ShardUnavailable(str(self.error or "a work request failed"))
+            raise ShardUnavailable(message_of(self.error or "a work request failed"))
 
     async def send_frame(self, parts: list[bytes | memoryview]) -> None:
         """SEND one control frame from a SEND slot and wait for its completion.

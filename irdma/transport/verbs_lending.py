@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import trio
 
-from irdma._errors import IrdmaError, ShardUnavailable
+from irdma._errors import IrdmaError, ShardUnavailable, message_of
 
 from ._pyverbs import e
 from .verbs_device import VerbsDevice, view_of
@@ -56,7 +56,7 @@ class _Lender:
         await self._sem.acquire()  # atomic: cancelled before it took one, or took one and returns
         if self.error is not None:
             self._sem.release()  # wake the next waiter: it fails the same way
-            raise ShardUnavailable(str(self.error))
+            raise ShardUnavailable(message_of(self.error))
         return self._free.pop()
 
     async def take_many(self, n: int) -> list[int]:
