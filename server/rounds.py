@@ -45,7 +45,7 @@ import trio
 from irdma._errors import BadRequest
 from irdma.wire import compress
 from irdma.wire import protocol as P
-from irdma.wire.extents import positions
+from irdma.wire.extents import elements, positions
 from irdma.wire.protocol import Encoding, Update, as_update
 
 from .region import ChunksPending
@@ -267,7 +267,7 @@ class Rounds:
             acc.msg = dataclasses.replace(msg, data=b"", extents=msg.extents[:0])
             if index in mine:
                 offs, lens, at = mine[index]
-                _add_rows(acc, _elements(offs // 4, lens // 4), values[_elements(at // 4, lens // 4)])
+                _add_rows(acc, elements(offs // 4, lens // 4), values[elements(at // 4, lens // 4)])
             acc.contributed.add(r.member)
             if len(acc.contributed) < acc.members:
                 versions.append(self._version_of(msg.file_id, index))
@@ -428,13 +428,6 @@ def _round_of(msg: P.Write | P.Scatter) -> tuple[Update, P.Round]:
     if r.members < 1:
         raise BadRequest("a round has at least one member")
     return u, r
-
-
-def _elements(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The positions ``starts[k] .. starts[k] + counts[k] - 1`` of every run, one after the other
-    (int64)."""
-    before = np.cumsum(counts) - counts
-    return np.repeat(starts - before, counts) + np.arange(int(counts.sum()), dtype=np.int64)
 
 
 def _add_rows(acc: _Open, where: np.ndarray, values: np.ndarray) -> None:

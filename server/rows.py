@@ -14,7 +14,7 @@ import numpy as np
 
 from irdma._errors import BadRequest
 from irdma.wire import optimizers  # the optimizer-state layout, shared with the client
-from irdma.wire.extents import fill, move, positions
+from irdma.wire.extents import elements, fill, move, positions
 from irdma.wire.protocol import Update, UpdateOp, op_kind
 
 from . import optim
@@ -159,11 +159,13 @@ class SparseRows(SharedExtents):
         src = np.frombuffer(data, dtype=np.uint8)
         if kind.is_optimizer:
             assert isinstance(op, Update)
+            grads = np.frombuffer(data, dtype="<f4")
             for (_, offs, lens, at), c, st in zip(parts, chunks, states, strict=True):
-                sview = self.region.view[st.offset : st.offset + st.size]
-                for o, n, p in zip(offs.tolist(), lens.tolist(), at.tolist(), strict=True):
-                    optim.apply(op, self.region.view[c.offset + o : c.offset + o + n],
-                                memoryview(src[p : p + n]), sview, chunk_size, o)  # type: ignore[arg-type]
+                # every row of the chunk in one step: gathered, stepped, scattered back
+                counts = lens // 4
+                optim.apply_rows(op, self.region.view[c.offset : c.offset + min(c.extent, chunk_size)],
+                                 grads[elements(at // 4, counts)], self.region.view[st.offset : st.offset + st.size],
+                                 chunk_size, elements(offs // 4, counts))
         else:
             move(np.frombuffer(self.region.view, dtype=np.uint8),
                  np.concatenate([c.offset + o for c, (_, o, _, _) in zip(chunks, parts, strict=True)]), src,

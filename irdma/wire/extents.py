@@ -50,3 +50,11 @@ def fill(dst: np.ndarray, dst_at: np.ndarray, length: np.ndarray, value: int = 0
     for n in np.unique(length).tolist():
         if n > 0:
             sliding_window_view(dst, n, writeable=True)[dst_at[length == n]] = value
+
+
+def elements(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The positions ``starts[k] .. starts[k] + counts[k] - 1`` of every run, one run after the
+    other (int64 arrays in, int64 out): the element indices of a request's extents, for one
+    fancy-indexed pass over all of them."""
+    before = np.cumsum(counts) - counts
+    return np.repeat(starts - before, counts) + np.arange(int(counts.sum()), dtype=np.int64)
