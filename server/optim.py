@@ -99,7 +99,7 @@ def apply_rows(update: Update, chunk: memoryview, grad: np.ndarray, state: memor
 
     def slot(k: int, dtype: str) -> np.ndarray:
         whole = _slot(state, chunk_size, k, 0, chunk_size, dtype)
-        got = whole[elements]
+        got: np.ndarray = whole[elements]
         gathered.append((whole, got))
         return got
 
