@@ -163,6 +163,6 @@ class MountSession:
                     await self.client.flush()
                 except IrdmaError as exc:  # the shards sync what they applied within SYNC_INTERVAL_S anyway
                     log.warning("syncing the shards as the mount ends failed (each syncs its updates within"
-                                " 5 s by itself): %s", exc)
+                                " 30 s by itself): %s", exc)
                 await self.files.close_pending()
                 await self.meta.close_session(self.sid)

@@ -302,7 +302,7 @@ class _ShardCollector(Collector):
                                   labels=("shard",))
         unsynced = GaugeMetricFamily("irdma_shard_unsynced_seconds",
                                      "Age of the oldest update applied but not yet synced to disk (0: none; what a"
-                                     " power loss could take; the shard syncs within 5 s).", labels=("shard",))
+                                     " power loss could take; the shard syncs within 30 s).", labels=("shard",))
         for server in list(self._servers):
             try:
                 # read without a lock, from the exporter's thread: plain ints and a dict copy;
