@@ -286,25 +286,35 @@ def test_clients_racing_to_make_the_same_directories_and_files_all_succeed(clust
 
 def test_a_write_of_many_windows_queues_without_missing_deadlines(tmp_path: object) -> None:
     """A request waiting behind this client's own for room in a shard's window does not count
-    that wait against its deadline while the shard keeps answering: one write of 160 chunks to
-    one shard (a window of 2) with a 0.2 s deadline takes several deadlines in all, and must
-    succeed without a shard marked down (before, the last requests missed their deadline in the
-    queue and the write failed with ShardUnavailable)."""
+    that wait against its deadline while the shard keeps answering: one write of 192 chunks of
+    1 MiB to one shard through a window of 1 with a deadline of a sixth of the write's time
+    (each request a few ms; the last waits for all the others) takes several deadlines in all, and must succeed (before,
+    the requests late in the queue missed their deadline there and the write failed with
+    ShardUnavailable). The chunks exist already, so no request waits on the disk to make one."""
     import trio
 
     from irdma.client.native import Client
 
-    data = np.random.default_rng(5).integers(0, 256, 160 << 20, dtype=np.uint8)
+    first = np.zeros(192 << 20, dtype=np.uint8)
+    data = np.random.default_rng(5).integers(0, 256, 192 << 20, dtype=np.uint8)
 
-    async def run(meta: str) -> float:
-        async with Client.open(meta, transport="tcp", window=2, timeout=0.2) as c:
+    async def run(meta: str) -> tuple[float, float]:
+        async with Client.open(meta, transport="tcp", window=1) as c:
+            await c.write("/big", first, chunk_size=1 << 20)  # the chunks made, at the usual deadline
+            other = data[::-1].copy()
             t0 = trio.current_time()
-            await c.write("/big", data, chunk_size=1 << 20)
+            await c.write("/big", other)  # the same write, timed at the usual deadline
+            alone = trio.current_time() - t0
+            # a deadline of a sixth of the whole write: some 32 requests' time each, and the
+            # write's last requests queue for about 6 of them
+            c.timeout = max(0.05, alone / 6)
+            t0 = trio.current_time()
+            await c.write("/big", data)
             took = trio.current_time() - t0
-            c.timeout = 10.0
+            deadline, c.timeout = c.timeout, 10.0
             assert bytes(await c.read("/big")) == data.tobytes()
-            return took
+            return took, deadline
 
-    with running_cluster(str(tmp_path), shards=1, capacity=192 << 20, replicas=1) as small:
-        took = trio.run(run, small.meta_url)
-    assert took > 0.6, f"the write took {took:.2f} s: not several deadlines, the test proves nothing here"
+    with running_cluster(str(tmp_path), shards=1, capacity=256 << 20, replicas=1) as small:
+        took, deadline = trio.run(run, small.meta_url)
+    assert took > 2 * deadline, f"the write took {took:.2f} s, {deadline:.2f} s a deadline: the test proves nothing"
