@@ -165,6 +165,75 @@ def test_rows_through_the_mount_agree_with_the_client(rows_cluster: Cluster, tmp
 
 
 
+def _meta_calls() -> float:
+    """Metadata engine calls this process's clients made (``irdma_meta_calls_total``, every method)."""
+    from irdma.metrics import REGISTRY
+
+    return sum(s.value for m in REGISTRY.collect() if m.name == "irdma_meta_calls" for s in m.samples
+               if s.name == "irdma_meta_calls_total")
+
+
+def test_pulls_and_pushes_by_path_spare_the_metadata_and_still_see_every_change(rows_cluster: Cluster) -> None:
+    """A training loop's pulls and pushes by path make no metadata call in the steady state
+    (the table is read at most once a TABLE_CACHE_S, issue 40), and the cache is never seen:
+    another client's growth of the table is there for the next pull of a new row; its
+    replacement of the table (other bytes, same path) within the second; this client's own
+    replacement at once."""
+    import time
+
+    from irdma.client.sparse import TABLE_CACHE_S
+
+    rng = np.random.default_rng(40)
+    path = "/emb-cached"
+    with irdma.connect(rows_cluster.meta_url, transport="tcp") as a, \
+            irdma.connect(rows_cluster.meta_url, transport="tcp") as b:
+        table = _table(rng, 1000)
+        a.write(path, table, chunk_size=256 << 10)  # 1 MB: chunks on every shard
+        a.set_shape(path, (1000, ROW))
+        ids = rng.integers(0, 1000, size=300)
+        np.testing.assert_array_equal(a.pull_rows(path, ids), table[ids])  # reads the table
+
+        calls, t0, steps = _meta_calls(), time.monotonic(), 30
+        for _ in range(steps):
+            ids = rng.integers(0, 1000, size=300)
+            np.testing.assert_array_equal(a.pull_rows(path, ids), table[ids])
+            delta = (rng.integers(-64, 64, size=(len(ids), ROW)) / 8).astype("<f4")
+            a.push_rows(path, ids, delta, op="add")
+            np.add.at(table, ids, delta)
+        # at most one table read (2 calls) and one mtime refresh per TABLE_CACHE_S, against 7 calls a step before
+        seconds = time.monotonic() - t0
+        assert _meta_calls() - calls <= 3 * (seconds / TABLE_CACHE_S + 1) < 7 * steps
+        np.testing.assert_array_equal(b.pull(path).reshape(1000, ROW), table)
+
+        # another client grows the table: the next pull of a new row has it at once
+        grown = np.concatenate([table, _table(rng, 500)])
+        b.write(path, grown[1000:], offset=table.nbytes)
+        b.set_shape(path, (1500, ROW))
+        np.testing.assert_array_equal(a.pull_rows(path, [1499, 3, 1200]), grown[[1499, 3, 1200]])
+        a.push_rows(path, [1499], np.ones((1, ROW), "<f4"), op="add")
+        grown[1499] += 1
+        np.testing.assert_array_equal(b.pull_rows(path, [1499]), grown[[1499]])
+
+        # another client replaces it (other bytes at the same path): seen within the second
+        other = _table(rng, 1500)
+        b.unlink(path)
+        b.write(path, other, chunk_size=256 << 10)
+        b.set_shape(path, (1500, ROW))
+        deadline = time.monotonic() + TABLE_CACHE_S + 5
+        while not np.array_equal(a.pull_rows(path, [0, 777, 1499]), other[[0, 777, 1499]]):
+            assert time.monotonic() < deadline, "a pull still saw the replaced table"
+        # this client replaces it: its next pull and push act on the new table
+        mine = _table(rng, 1500)
+        a.unlink(path)
+        a.write(path, mine, chunk_size=256 << 10)
+        a.set_shape(path, (1500, ROW))
+        np.testing.assert_array_equal(a.pull_rows(path, [0, 777, 1499]), mine[[0, 777, 1499]])
+        a.push_rows(path, [777], np.ones((1, ROW), "<f4"), op="add")
+        mine[777] += 1
+        np.testing.assert_array_equal(b.pull(path).reshape(1500, ROW), mine)
+        a.unlink(path)
+
+
 @pytest.mark.parametrize("op", ["add", "sgd learning_rate=0.5"])
 def test_a_scatter_the_shard_cannot_hold_changes_nothing(op: str) -> None:
     """A SCATTER over three chunks whose third finds no room: NoSpace, and no chunk was stepped

@@ -9,6 +9,18 @@ Li et al., OSDI 2014).
 ``user.irdma.shape``, duplicates summed, the chunk map and mtime kept). A row is
 ``row_bytes`` bytes at byte ``id * row_bytes`` of the file; one that crosses a chunk boundary is
 two extents.
+
+A pull or push by path costs no metadata call in the steady state: the table's inode, shape
+and chunk map, read with two calls, serve this client's pulls and pushes of that path for
+:data:`TABLE_CACHE_S` seconds while the shard map's epoch stays the same (as a mount's attribute
+cache and the kernel's trust what they were told for a second), with the chunks this client's
+pushes create added. A change this client makes to the namespace, a file's size, attributes or
+chunks (a call of :data:`irdma.meta.aio.CHANGES`, other than this module's own mtime
+refreshes), a restart of a shard the map names, or a pull of a row past the cached size drops
+them; another client's change is seen within the second.
+Bytes are never taken on trust: a pull that meets a chunk the cached map does not name and the
+shard does not hold (a hole, or a chunk another client made on a shard that lost it since) reads
+the map again and pulls again with it, so a lost chunk is DataLost, never zeros.
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ import numpy as np
 import trio
 
 from .._concurrency import open_nursery
-from .._errors import Dirty, InvalidArgument, IrdmaError, NoAttribute, ShardUnavailable
+from .._errors import DataLost, Dirty, InvalidArgument, IrdmaError, NoAttribute, ShardUnavailable
 from ..meta import Inode
 from ..meta.base import XATTR_SHAPE, parse_shape
 from ..placement import Layout
@@ -38,6 +50,24 @@ from .view import layout_of, writable
 MAX_EXTENTS = 1 << 16
 #: Seconds between mtime refreshes by sparse pushes that neither grow a file nor make chunks.
 MTIME_LAZY_S = 1.0
+#: Seconds a table's inode, shape and chunk map serve pulls and pushes by path (module docstring).
+TABLE_CACHE_S = 1.0
+
+
+@dataclasses.dataclass
+class _Table:
+    """A table as a pull or push by path read it: the inode, its ``user.irdma.shape`` (raw, or
+    None), its chunk map (this client's pushes add what they create), when (monotonic s) and at
+    which shard-map epoch, and the incarnations of the shards its map names as this client's
+    connections knew them then (a shard that restarted since makes the map suspect)."""
+
+    inode: Inode
+    shape: bytes | None
+    chunks: ChunkMap
+    at: float
+    epoch: int
+    incarnations: dict[int, int | None]  # of the shards the map names, as this client knew them then
+    changes: int  # the client's AsyncMeta.changes when it was read
 
 
 class SparseRows:
@@ -53,6 +83,43 @@ class SparseRows:
         self.pool = data.pool
         self.meta = data.meta
         self._mtime_at: dict[int, float] = {}  # when push_rows last refreshed a file's mtime (monotonic s)
+        self._tables: dict[str, _Table] = {}
+        #: Metadata reads of tables by pulls and pushes by path (what :data:`TABLE_CACHE_S` spares).
+        self.table_reads = 0
+
+    def _incarnation(self, shard_id: int) -> int | None:
+        conn = self.pool.conns.get(shard_id)
+        return conn.info.incarnation if conn is not None else None
+
+    async def _table(self, path: str, fresh: bool = False) -> tuple[_Table, bool]:
+        """The table at ``path`` (see the module docstring), read from the metadata engine if
+        the cached one is older than :data:`TABLE_CACHE_S`, of another shard-map epoch, or
+        ``fresh``; returns it and whether it was read now.
+
+        Raises:
+            NotFound: no such path. The metadata engine's errors.
+        """
+        t = self._tables.get(path)
+        now = time.monotonic()
+        if (t is not None and not fresh and now - t.at < TABLE_CACHE_S and t.epoch == self.view.epoch
+                and t.changes == self.meta.changes
+                and all(self._incarnation(sid) == inc for sid, inc in t.incarnations.items())):
+            return t, False
+        epoch, changes = self.view.epoch, self.meta.changes
+        inode, chunks = await self.meta.resolve_chunks(path)
+        try:
+            raw: bytes | None = await self.meta.getxattr(inode.ino, XATTR_SHAPE)
+        except NoAttribute:
+            raw = None
+        self.table_reads += 1
+        mapped = {i: dict(r) for i, r in chunks.items()}
+        t = _Table(inode, raw or None, mapped, now, epoch,
+                   {sid: self._incarnation(sid) for rec in mapped.values() for sid in rec}, changes)
+        if len(self._tables) >= 1024:  # a client of many tables: the oldest go
+            for old in sorted(self._tables, key=lambda k: self._tables[k].at)[:512]:
+                del self._tables[old]
+        self._tables[path] = t
+        return t, True
 
     @staticmethod
     def row_extents(layout: Layout, ids: np.ndarray, row_bytes: int) -> tuple[np.ndarray, ...]:
@@ -114,13 +181,16 @@ class SparseRows:
         return out
 
     async def read_rows_into(self, layout: Layout, ids: np.ndarray, row_bytes: int, into: memoryview,
-                             chunks: ChunkMap | None = None) -> None:
+                             chunks: ChunkMap | None = None, unmapped: set[int] | None = None) -> None:
         """Pull rows ``ids`` (distinct, in-range, int64) of ``row_bytes`` bytes each into ``into``
         (row ``ids[k]`` at byte ``k * row_bytes``): one GATHER per shard (more when the rows'
         bytes exceed a request's payload limit), all shards at once. ps-lite's sparse pull (Li
         et al., OSDI 2014). A replicated chunk is read from its chain's tail (always clean,
         CRAQ); a replica that fails or lost the chunk is left for the next one, read clean (one
         with an update still in flight is asked again shortly).
+
+        ``unmapped``: a set the chunks read as holes that ``chunks`` does not name are added to
+        (a caller whose map may be older than the chunks asks again with a fresh one).
 
         Raises:
             DataLost: a recorded chunk is gone from every replica. ShardUnavailable: no replica
@@ -168,7 +238,7 @@ class SparseRows:
                 clean = layout.replicas > 1 and any(tails[c] != sid for c in cs)
                 for part in self._batches(chunk, length, sel, limit):
                     lost, outcome = await self._gather_part(layout, sid, chunk[part], offset[part], length[part],
-                                                            at[part], out, chunks, errors, clean)
+                                                            at[part], out, chunks, errors, clean, unmapped)
                     if outcome == "down":  # the replica failed: every chunk asked of it goes to the next one
                         failed.extend((c, sid) for c in cs)
                         return
@@ -195,7 +265,8 @@ class SparseRows:
 
     async def _gather_part(self, layout: Layout, shard_id: int, chunk: np.ndarray, offset: np.ndarray,
                            length: np.ndarray, at: np.ndarray, out: np.ndarray, chunks: ChunkMap | None,
-                           errors: dict[int, IrdmaError], clean: bool = False) -> tuple[list[int], str]:
+                           errors: dict[int, IrdmaError], clean: bool = False,
+                           unmapped: set[int] | None = None) -> tuple[list[int], str]:
         """One GATHER of these extents from one shard into ``out``; returns the chunks it lost
         (another replica may have them) and ``ok``, ``down`` (the replica failed: nothing read)
         or ``dirty`` (a clean read met an update in flight: nothing read)."""
@@ -220,6 +291,8 @@ class SparseRows:
         conn = self.pool.conns.get(shard_id)
         inc = conn.info.incarnation if conn is not None else None
         lost: list[int] = []
+        if unmapped is not None:
+            unmapped.update(c for c in np.unique(chunk[versions == 0]).tolist() if chunks is None or c not in chunks)
         if chunks:
             holes = set(np.unique(chunk[versions == 0]).tolist())
             for c in names:
@@ -345,6 +418,11 @@ class SparseRows:
             raw = await self.meta.getxattr(inode.ino, XATTR_SHAPE)
         except NoAttribute:
             raw = None
+        return self._geometry(inode, raw, row_len)
+
+    @staticmethod
+    def _geometry(inode: Inode, raw: bytes | None, row_len: int | None) -> tuple[int, int | None]:
+        """:meth:`_rows_of` given the raw ``user.irdma.shape`` (None: the file has none)."""
         shape = parse_shape(raw) if raw else None
         per_row = int(np.prod(shape[1:])) if shape else None
         if row_len is None:
@@ -379,8 +457,19 @@ class SparseRows:
             InvalidArgument: bad ids, a row past the end of the file, no row length, a bad ``out``.
             DataLost, ShardUnavailable: as :meth:`irdma.Client.pull`.
         """
-        inode = await self.meta.resolve(path)
-        rb, _ = await self._rows_of(inode, row_len)
+        return await self._pull(path, ids, row_len, out, fresh=False)
+
+    async def _pull(self, path: str, ids: Sequence[int] | np.ndarray, row_len: int | None,
+                    out: np.ndarray | None, fresh: bool) -> np.ndarray:
+        """:meth:`pull_rows`; ``fresh``: with the table read afresh (its cached state was suspect)."""
+        table, fetched = await self._table(path, fresh=fresh)
+        inode = table.inode
+        try:
+            rb, _ = self._geometry(inode, table.shape, row_len)
+        except InvalidArgument:
+            if fetched:
+                raise
+            return await self._pull(path, ids, row_len, out, fresh=True)  # its shape changed since it was read?
         ids_arr = self._row_ids(ids)
         if out is None:
             out = np.empty((len(ids_arr), rb // 4), dtype="<f4")
@@ -389,15 +478,26 @@ class SparseRows:
                                   f" got {out.dtype} {out.shape}")
         if not len(ids_arr):
             return out
+        if (int(ids_arr.max()) + 1) * rb > inode.size and not fetched:  # grown since it was read?
+            return await self._pull(path, ids, row_len, out, fresh=True)
         if (int(ids_arr.max()) + 1) * rb > inode.size:
             raise InvalidArgument(f"row {int(ids_arr.max())} of {rb} bytes is past the end of {path}"
                                   f" ({inode.size} bytes, {inode.size // rb} rows)")
         uniq, inv = np.unique(ids_arr, return_inverse=True)
         dups = len(uniq) < len(ids_arr)  # without duplicates each row lands in place, in the order asked
         got = np.empty((len(uniq), rb // 4), dtype="<f4") if dups else out
-        await self.read_rows_into(layout_of(inode), uniq if dups else ids_arr, rb,
-                                  memoryview(got).cast("B"),  # type: ignore[arg-type]
-                                  await self.meta.chunk_map(inode.ino))
+        unmapped: set[int] = set()
+        try:
+            await self.read_rows_into(layout_of(inode), uniq if dups else ids_arr, rb,
+                                      memoryview(got).cast("B"),  # type: ignore[arg-type]
+                                      table.chunks, None if fetched else unmapped)
+        except IrdmaError as exc:
+            self._tables.pop(path, None)  # the next call reads the table afresh
+            if fetched or not isinstance(exc, DataLost):
+                raise
+            return await self._pull(path, ids, row_len, out, fresh=True)  # a restart since it was read?
+        if unmapped:  # a hole the cached map cannot vouch for: pull again with the map as it is now
+            return await self._pull(path, ids, row_len, out, fresh=True)
         if dups:
             out[:] = got[inv.reshape(-1)]
         return out
@@ -417,10 +517,22 @@ class SparseRows:
                 ShardUnavailable, BadRequest: as :meth:`irdma.Client.write` (other chunks' rows may have
                 been applied).
         """
-        inode = await self.meta.resolve(path)
-        writable(inode, path)
-        rb, nrows = await self._rows_of(inode, row_len)
         ids_arr = self._row_ids(ids)
+        table, fetched = await self._table(path)
+        while True:
+            inode = table.inode
+            writable(inode, path)
+            try:
+                rb, nrows = self._geometry(inode, table.shape, row_len)
+            except InvalidArgument:
+                if fetched:
+                    raise
+                table, fetched = await self._table(path, fresh=True)  # its shape changed since it was read?
+                continue
+            limit = inode.size // rb if nrows is None else min(nrows, inode.size // rb)
+            if fetched or not len(ids_arr) or int(ids_arr.max()) < limit:
+                break
+            table, fetched = await self._table(path, fresh=True)  # grown since it was read?
         data = np.asarray(rows, dtype="<f4")
         if data.size != len(ids_arr) * (rb // 4):
             raise InvalidArgument(f"{len(ids_arr)} row ids need {len(ids_arr)} x {rb // 4} values, got an array of"
@@ -429,7 +541,6 @@ class SparseRows:
         in_round = isinstance(uop, Update) and uop.round is not None
         if not len(ids_arr) and not in_round:
             return
-        limit = inode.size // rb if nrows is None else min(nrows, inode.size // rb)
         if len(ids_arr) and int(ids_arr.max()) >= limit:
             raise InvalidArgument(f"row {int(ids_arr.max())} is past the last row of {path} ({limit} rows;"
                                   f" set_shape sizes a table)")
@@ -444,10 +555,20 @@ class SparseRows:
         layout = layout_of(inode)
         end = (int(sorted_ids[-1]) + 1) * rb if len(ids_arr) else 0  # inside the file: never changes its size
         payload = memoryview(np.ascontiguousarray(summed, dtype="<f4")) if summed.size else b""  # type: ignore[arg-type]
-        created = await self.write_rows_from(layout, uniq, rb, payload, uop, await self.meta.chunk_map(inode.ino), table_bytes=limit * rb)
+        try:
+            created = await self.write_rows_from(layout, uniq, rb, payload, uop, table.chunks, table_bytes=limit * rb)
+        except IrdmaError:
+            self._tables.pop(path, None)  # the next call reads the table afresh
+            raise
+        for idx, shard, incarnation in created:  # this client's map names what it made
+            table.chunks.setdefault(idx, {})[shard] = incarnation
+            table.incarnations.setdefault(shard, incarnation)
         # mtime is refreshed at most once a second by pushes that neither grow the file nor make
         # chunks (as a mount's direct-I/O pushes, and lazytime): no metadata transaction per push
         now = time.monotonic()
         if created or now - self._mtime_at.get(inode.ino, -MTIME_LAZY_S) >= MTIME_LAZY_S:
+            before = self.meta.changes
             await self.meta.extend(inode.ino, end, time.time_ns(), tuple(created))
             self._mtime_at[inode.ino] = now
+            if self.meta.changes == before + 1 and table.changes == before:  # only this refresh meanwhile
+                table.changes = self.meta.changes

@@ -23,6 +23,14 @@ from .base import MetaStore
 
 #: Metadata calls running at once per client (each worker thread has its own connection).
 META_THREADS = 4
+#: The calls after which what a client cached of a file by path may be wrong (its name, size,
+#: attributes, xattrs, chunk map or replicas): each adds one to :attr:`AsyncMeta.changes`.
+CHANGES = frozenset({
+    "rename", "unlink", "rmdir", "link", "symlink", "mknod", "setattr", "extend", "setxattr", "removexattr",
+    "restore_contents", "clone_tree", "remove_tree", "delete_inode", "copy_chunk_maps", "set_replicas",
+    "withdraw_replicas", "note_replica", "remove_shard", "drain_shard", "finish_move", "snapshot_commit",
+    "clear_setid",
+})
 
 
 class AsyncMeta:
@@ -32,12 +40,17 @@ class AsyncMeta:
     engine's (IrdmaError subclasses). ``store`` is the synchronous engine, for code that is
     not on an event loop. Each call is counted in ``irdma_meta_calls_total{call=NAME}``
     (:class:`irdma.metrics.MetaMetrics`: a mount's ``--metrics`` serve it).
+
+    :attr:`changes` counts this client's calls of :data:`CHANGES` begun (before they run: a
+    cache filled meanwhile is already suspect), so what a client caches by path (the tables of
+    :mod:`irdma.client.sparse`) can tell that it changed the namespace since.
     """
 
     def __init__(self, store: MetaStore, threads: int = META_THREADS) -> None:
         self.store = store
         self.url = store.url
         self._limiter = trio.CapacityLimiter(threads)
+        self.changes = 0
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         fn = getattr(self.store, name)
@@ -45,9 +58,12 @@ class AsyncMeta:
             return fn  # type: ignore[no-any-return]
 
         note = meta_metrics().note
+        changes = name in CHANGES
 
         async def call(*args: Any, **kwargs: Any) -> Any:
             note(name)
+            if changes:
+                self.changes += 1
             return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), limiter=self._limiter)
 
         call.__name__ = name
@@ -80,10 +96,12 @@ def stub() -> str:
         "from .base import DamagedFile, Inode, Member, MetaStore, Opened, Session, ShardRecord, Snapshot",
         "",
         "META_THREADS: int",
+        "CHANGES: frozenset[str]",
         "",
         "class AsyncMeta:",
         "    store: MetaStore",
         "    url: str",
+        "    changes: int",
         "    def __init__(self, store: MetaStore, threads: int = ...) -> None: ...",
     ]
     for name in sorted(dir(SqlMeta)):

@@ -7,10 +7,12 @@ from irdma.placement import Move
 from .base import DamagedFile, Inode, Member, MetaStore, Opened, Session, ShardRecord, Snapshot
 
 META_THREADS: int
+CHANGES: frozenset[str]
 
 class AsyncMeta:
     store: MetaStore
     url: str
+    changes: int
     def __init__(self, store: MetaStore, threads: int = ...) -> None: ...
     async def abandoned_snapshots(self, before_ns: int) -> list[Snapshot]: ...
     async def add_shard(self, address: str) -> ShardRecord: ...
