@@ -1,4 +1,4 @@
-"""Server-side optimizers: one step of SGD, Adam, Adagrad or RMSprop on a chunk's elements.
+"""Server-side optimizers: one step of SGD, Adam, Adagrad, RMSprop or FTRL on a chunk's elements.
 
 Where the state lives
 ---------------------
@@ -16,13 +16,14 @@ chunk's size in bytes, ``n = chunk_size // 4`` elements)::
     adam     slot 0 m (first moment), slot 1 v (second moment), slot 2 step (u32)
     adagrad  slot 0 accumulator (starts at initial_accumulator_value)
     rmsprop  slot 0 velocity, slot 1 momentum, slot 2 average gradient (centered)
+    ftrl     slot 0 accumulator (starts at initial_accumulator_value), slot 1 linear
 
 Adam's step is counted *per element* (how many gradients reached it), not per chunk: Keras
 counts steps per optimizer and applies each to every variable once, which per element is the
 same count, and per element stays right when a chunk holds several tensors pushed separately
 (the unified buffer of SoftMemoryBox II) or a push covers part of a chunk.
 
-The arithmetic follows Keras 3 (``keras/src/optimizers/{sgd,adam,adagrad,rmsprop}.py``)
+The arithmetic follows Keras 3 (``keras/src/optimizers/{sgd,adam,adagrad,rmsprop,ftrl}.py``)
 operation by operation in float32 (IEEE-754, round to nearest even): the hyperparameters are
 cast to float32 as ``ops.cast`` does, and ``1 - beta`` is formed in float64 first, as Python
 does before TensorFlow converts it. A different optimizer name than the header's starts the
@@ -59,7 +60,7 @@ def init_state(update: Update, state: memoryview, chunk_size: int) -> None:
     state[:] = bytes(len(state))
     state[:4] = MAGIC
     state[4] = int(update.op)
-    if update.op == UpdateOp.ADAGRAD:
+    if update.op in (UpdateOp.ADAGRAD, UpdateOp.FTRL):  # both: the accumulator in slot 0
         acc = np.frombuffer(state[HEADER : HEADER + chunk_size], dtype="<f4")
         acc[:] = _F32(update.args[1])
 
@@ -163,5 +164,17 @@ def _step(update: Update, var: np.ndarray, g: np.ndarray, slot: Callable[[int, s
                 var -= velocity_m
             else:
                 var -= increment
+        elif update.op == UpdateOp.FTRL:
+            # Keras's Ftrl.update_step at learning_rate_power -0.5, beta 0, no shrinkage
+            # (irdma.wire.optimizers.FIXED): FTRL-Proximal, McMahan et al., KDD 2013, Algorithm 1
+            l1, l2 = _F32(a[2]), _F32(a[3])
+            acc = slot(0, "<f4")
+            linear = slot(1, "<f4")
+            new_acc = acc + np.square(g)
+            half = _F32(0.5)
+            linear += g - ((np.power(new_acc, half) - np.power(acc, half)) / lr) * var
+            quadratic = np.power(new_acc, half) / lr + _F32(2) * l2
+            var[:] = (np.clip(linear, -l1, l1) - linear) / quadratic
+            acc[:] = new_acc
         else:  # pragma: no cover - callers dispatch only optimizer ops here
             raise ValueError(f"{update.op!r} is not an optimizer")

@@ -382,7 +382,7 @@ class Shard(SparseRows):
 
         ``data`` for ``ADD`` is little-endian float32; the sum is float32 (IEEE-754, round to
         nearest even), the same as numpy's ``+=``. For an optimizer (:class:`Update` of SGD,
-        ADAM, ADAGRAD, RMSPROP) ``data`` is a float32 gradient and one step is applied with the
+        ADAM, ADAGRAD, RMSPROP, FTRL) ``data`` is a float32 gradient and one step is applied with the
         chunk's state chunk (created on the first step; :mod:`irdma.server.optim`). A state
         chunk (index ``optimizers.STATE_BASE + i``) takes only ``assign`` (restoring a checkpoint).
         An :class:`Update` with an ``encoding`` (protocol 8) carries a compressed gradient:

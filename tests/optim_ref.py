@@ -1,4 +1,4 @@
-"""A float64 reference of the four server-side optimizers, written from the papers' update
+"""A float64 reference of the five server-side optimizers, written from the papers' update
 rules in Keras 3's form (not from irdma's code): what the shards' float32 steps are checked
 against where TensorFlow is not installed (the verbs VM). ``tests/test_optimizers.py`` checks
 the shards against Keras itself."""
@@ -15,7 +15,7 @@ class Reference:
     def __init__(self, name: str, args: dict[str, float | bool], n: int) -> None:
         self.name, self.a, self.t = name, args, np.zeros(n)
         self.s1, self.s2, self.s3 = np.zeros(n), np.zeros(n), np.zeros(n)
-        if name == "adagrad":
+        if name in ("adagrad", "ftrl"):
             self.s1[:] = args.get("initial_accumulator_value", 0.1)
 
     def step(self, w: np.ndarray, g: np.ndarray, sl: slice) -> None:
@@ -56,6 +56,13 @@ class Reference:
                 x -= self.s2[sl]
             else:
                 x -= inc
+        elif self.name == "ftrl":  # FTRL-Proximal (McMahan et al., KDD 2013), Keras's form, beta 0
+            lr = a.get("learning_rate", 1e-3)
+            l1, l2 = a.get("l1_regularization_strength", 0.0), a.get("l2_regularization_strength", 0.0)
+            acc = self.s1[sl] + g * g
+            self.s2[sl] += g - (np.sqrt(acc) - np.sqrt(self.s1[sl])) / lr * x
+            x[:] = (np.clip(self.s2[sl], -l1, l1) - self.s2[sl]) / (np.sqrt(acc) / lr + 2 * l2)
+            self.s1[sl] = acc
         else:
             raise ValueError(self.name)
 
@@ -76,4 +83,5 @@ CONFIGS: list[tuple[str, dict[str, float | bool]]] = [
     ("adam", {"learning_rate": 0.01, "beta_1": 0.8}),
     ("adagrad", {"learning_rate": 0.05}),
     ("rmsprop", {"learning_rate": 0.01, "momentum": 0.5, "centered": True}),
+    ("ftrl", {"learning_rate": 0.1, "l1_regularization_strength": 0.01, "l2_regularization_strength": 0.1}),
 ]

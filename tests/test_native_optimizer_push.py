@@ -98,28 +98,30 @@ def test_a_compressed_push_steps_the_optimizer_with_the_decoded_gradient(cl: Clu
     assert relative_error(got, want) <= 1e-5, relative_error(got, want)
 
 
-def test_push_rows_steps_only_the_rows_pushed(cl: Cluster) -> None:
-    """The sparse path: the file's Adam on the rows pushed (duplicates summed), others untouched."""
+@pytest.mark.parametrize(("name", "args"), CONFIGS, ids=[spec_text(n, a) for n, a in CONFIGS])
+def test_push_rows_steps_only_the_rows_pushed(cl: Cluster, name: str, args: dict[str, float | bool]) -> None:
+    """The sparse path, every optimizer: the file's op on the rows pushed (duplicates summed
+    first, then one step), state included over three pushes, other rows untouched."""
     rows, cols = 600, 64  # 256-byte rows, 256 to a chunk: rows in three chunks
     rng = np.random.default_rng(3)
     w0 = rng.standard_normal((rows, cols)).astype("<f4")
-    args: dict[str, float | bool] = {"learning_rate": 0.01, "beta_1": 0.8}
-    ref = Reference("adam", args, rows * cols)
+    ref = Reference(name, args, rows * cols)
     want = w0.astype(np.float64).reshape(-1)
+    path = f"/emb-{name}-{len(args)}"
     with irdma.connect(cl.meta_url, transport="tcp") as c:
-        c.write("/emb", w0, chunk_size=CHUNK)
-        c.set_shape("/emb", (rows, cols))
-        c.set_update_op("/emb", spec_text("adam", args))
-        for ids in (np.array([5, 300, 5, 599]), np.array([0, 5, 257])):
+        c.write(path, w0, chunk_size=CHUNK)
+        c.set_shape(path, (rows, cols))
+        c.set_update_op(path, spec_text(name, args))
+        for ids in (np.array([5, 300, 5, 599]), np.array([0, 5, 257]), np.array([257, 257, 299, 5])):
             grads = rng.standard_normal((len(ids), cols)).astype("<f4")
-            c.push_rows("/emb", ids, grads)
+            c.push_rows(path, ids, grads)
             summed: dict[int, np.ndarray] = {}
             for i, r in zip(ids.tolist(), grads, strict=True):
                 summed[i] = summed.get(i, np.zeros(cols)) + r.astype(np.float64)
             for i, g in summed.items():
                 ref.step(want, g, slice(i * cols, (i + 1) * cols))
-        got = c.pull("/emb", shape=(rows, cols))
-    touched = [0, 5, 257, 300, 599]
+        got = c.pull(path, shape=(rows, cols))
+    touched = [0, 5, 257, 299, 300, 599]
     untouched = np.setdiff1d(np.arange(rows), touched)
     assert np.array_equal(got[untouched], w0[untouched])
     assert relative_error(got.reshape(-1), want) <= 1e-5

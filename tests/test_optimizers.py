@@ -36,6 +36,8 @@ def test_specs_take_keras_names_and_defaults_and_print_canonically() -> None:
     sgd = parse_update("sgd momentum=0.9 nesterov=true")
     assert sgd.args[:2] == (0.01, 0.9) and sgd.flags & OPT_NESTEROV
     assert parse_update("ADD").op == UpdateOp.ADD and format_update(parse_update("assign")) == "assign"
+    ftrl = parse_update("ftrl l1_regularization_strength=0.01 beta=0 learning_rate_power=-0.5")  # Keras's defaults taken
+    assert ftrl.op == UpdateOp.FTRL and ftrl.args == (0.001, 0.1, 0.01, 0.0) and parse_update(format_update(ftrl)) == ftrl
 
 
 @pytest.mark.parametrize("text,why", [
@@ -43,6 +45,8 @@ def test_specs_take_keras_names_and_defaults_and_print_canonically() -> None:
     ("adam learning_rate=abc", "not a number"), ("rmsprop centered=maybe", "true or false"),
     ("adam amsgrad=true", "not applied on the shards"), ("sgd clipnorm=1", "clip"), ("lamb", "unknown update op"),
     ("add x=1", "no arguments"), ("adam beta_1", "name=value"), ("", "empty"),
+    ("ftrl beta=1", "beta / \\(2 \\* learning_rate\\)"), ("ftrl learning_rate_power=-1", "must be -0.5"),
+    ("ftrl l1_regularization_strength=-1", ">= 0"),
 ])
 def test_bad_specs_are_refused_with_the_reason(text: str, why: str) -> None:
     with pytest.raises(ValueError, match=why):
@@ -54,7 +58,7 @@ def _keras_optimizer(name: str, args: dict[str, float | bool]):  # type: ignore[
     import keras
 
     cls = {"sgd": keras.optimizers.SGD, "adam": keras.optimizers.Adam, "adagrad": keras.optimizers.Adagrad,
-           "rmsprop": keras.optimizers.RMSprop}[name]
+           "rmsprop": keras.optimizers.RMSprop, "ftrl": keras.optimizers.Ftrl}[name]
     return cls(**args)
 
 

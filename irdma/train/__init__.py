@@ -8,7 +8,7 @@
 * :mod:`.hier` (with :mod:`._hier_wire`): hierarchical aggregation inside a host before the shards.
 * :mod:`.costmodel`: the model that picks shard counts and placements for a job.
 * :mod:`.distributed`: the Horovod-shaped Keras API (``import irdma.keras as hvd``):
-  ``DistributedOptimizer`` wrapping any Keras SGD/Adam/AdamW/Adagrad/RMSprop, checkpoints that
+  ``DistributedOptimizer`` wrapping any Keras SGD/Adam/AdamW/Adagrad/RMSprop/Ftrl, checkpoints that
   hold the shards' optimizer state, and as its options P3 and layer dropping (:mod:`.overlap`),
   compression, the host hierarchy and DASO's global step every K steps.
 * :mod:`.keras`: ``ShardOptimizer`` (the step through a FUSE mount).

@@ -156,7 +156,7 @@ class DistributedOptimizer(SavedAsKeras, keras.optimizers.Optimizer):  # type: i
     (Horovod's ``hvd.DistributedOptimizer``; see the module docstring).
 
     Args:
-        optimizer: a ``keras.optimizers`` SGD, Adam, AdamW, Adagrad or RMSprop (or its name).
+        optimizer: a ``keras.optimizers`` SGD, Adam, AdamW, Adagrad, RMSprop or Ftrl (or its name).
             Its class and config decide what the shards apply; its ``learning_rate`` (a number
             or a schedule), ``weight_decay`` and clipping what the worker does each step.
         sync_timeout: seconds a clock or barrier wait, or a step's pushes, may take before the

@@ -58,8 +58,8 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]  # Keras ships no typ
     Args:
         input_dim: rows of the table (ids are ``0 .. input_dim - 1``).
         output_dim: floats per row.
-        optimizer: what the shards apply to the rows pushed: a Keras SGD, Adam, Adagrad or
-            RMSprop (its learning rate at step 0; no schedule, weight decay or clipping), or a
+        optimizer: what the shards apply to the rows pushed: a Keras SGD, Adam, Adagrad,
+            RMSprop or Ftrl (its learning rate at step 0; no schedule, weight decay or clipping), or a
             ``user.irdma.update`` string. Default: Adagrad(0.05), the usual choice for sparse
             features.
         embeddings_initializer: a Keras initializer for the new table (rank 0, first step).

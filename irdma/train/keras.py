@@ -264,7 +264,7 @@ def keras_optimizer(update: str) -> keras.optimizers.Optimizer:
     kwargs: dict[str, Any] = {k: argument(u, k) for k, _ in ARGUMENTS[u.op]}
     kwargs.update({k: bool(u.flags & bit) for k, bit in FLAGS.get(u.op, ())})
     cls = {"SGD": keras.optimizers.SGD, "ADAM": keras.optimizers.Adam, "ADAGRAD": keras.optimizers.Adagrad,
-           "RMSPROP": keras.optimizers.RMSprop}[u.op.name]
+           "RMSPROP": keras.optimizers.RMSprop, "FTRL": keras.optimizers.Ftrl}[u.op.name]
     return cls(**kwargs)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from .._errors import InvalidArgument
-from ..wire.optimizers import ARGUMENTS, HEADER, MAGIC, SLOT_NAMES, parse_update, state_size
+from ..wire.optimizers import ARGUMENTS, FIXED, HEADER, MAGIC, SLOT_NAMES, parse_update, state_size
 from ..wire.protocol import Update, UpdateOp
 
 #: Every chunk size a job's parameters get (bytes; :func:`irdma.train.distributed.chunk_size_for`):
@@ -36,6 +36,7 @@ KERAS_SLOTS: dict[UpdateOp, dict[str, str]] = {
     UpdateOp.ADAM: {"m": "_momentums", "v": "_velocities"},
     UpdateOp.ADAGRAD: {"accumulator": "_accumulators"},
     UpdateOp.RMSPROP: {"velocity": "_velocities", "momentum": "_momentums", "average_gradient": "_average_gradients"},
+    UpdateOp.FTRL: {"accumulator": "_accumulators", "linear": "_linears"},
 }
 
 
@@ -45,16 +46,19 @@ def update_of(optimizer: keras.optimizers.Optimizer) -> Update:
 
     Raises:
         InvalidArgument: an optimizer the shards do not apply (SGD with momentum and Nesterov,
-            Adam, AdamW, Adagrad, RMSprop are), or one that uses what they cannot do
+            Adam, AdamW, Adagrad, RMSprop, Ftrl are), or one that uses what they cannot do
             (``amsgrad``, ``use_ema``, gradient accumulation, a loss scale).
     """
     cfg = optimizer.get_config()
     kinds = {keras.optimizers.SGD: "sgd", keras.optimizers.Adam: "adam", keras.optimizers.AdamW: "adam",
-             keras.optimizers.Adagrad: "adagrad", keras.optimizers.RMSprop: "rmsprop"}
+             keras.optimizers.Adagrad: "adagrad", keras.optimizers.RMSprop: "rmsprop", keras.optimizers.Ftrl: "ftrl"}
     kind = kinds.get(type(optimizer))
     if kind is None:
         raise InvalidArgument(f"the shards do not apply {type(optimizer).__name__}",
-                              "wrap SGD, Adam, AdamW, Adagrad or RMSprop")
+                              "wrap SGD, Adam, AdamW, Adagrad, RMSprop or Ftrl")
+    for name, (value, why) in FIXED.get(parse_update(kind).op, {}).items():
+        if name in cfg and float(cfg[name]) != value:
+            raise InvalidArgument(f"{type(optimizer).__name__}({name}={cfg[name]!r}) cannot run on the shards", why)
     for name, why in (("amsgrad", "use Adam without amsgrad"), ("use_ema", "keep an EMA on the worker"),
                       ("gradient_accumulation_steps", "accumulate on the worker"),
                       ("loss_scale_factor", "unscale the gradient before the optimizer")):

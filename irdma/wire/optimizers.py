@@ -10,17 +10,22 @@ A file's update op says what a write (a push) does to the bytes already on the s
 ``adam [learning_rate=F] [beta_1=F] [beta_2=F] [epsilon=F]``
 ``adagrad [learning_rate=F] [initial_accumulator_value=F] [epsilon=F]``
 ``rmsprop [learning_rate=F] [rho=F] [momentum=F] [epsilon=F] [centered=true|false]``
+``ftrl [learning_rate=F] [initial_accumulator_value=F] [l1_regularization_strength=F] [l2_regularization_strength=F]``
     a server-side optimizer step (MXNet's ``update_on_kvstore``, TensorFlow's parameter-server
     training): the bytes written are a *gradient* (little-endian float32, offset and length
     multiples of 4) and the shard applies one step of the optimizer to the elements written,
     with Keras 3's names, defaults and float32 arithmetic (``keras.optimizers.SGD`` and
     friends; Kingma & Ba, ICLR 2015 for Adam; Duchi et al., JMLR 2011 for Adagrad; Hinton's
-    lecture 6e for RMSprop). The optimizer state (momentum, moments, per-element step count)
+    lecture 6e for RMSprop; McMahan et al., KDD 2013, "Ad Click Prediction: a View from the
+    Trenches", for FTRL-Proximal, the recommendation models' choice). The optimizer state (momentum, moments, per-element step count)
     lives on the shard beside each chunk: see :mod:`irdma.server.optim`.
 
 The Keras arguments that change what a step computes beyond these (``weight_decay``,
 ``clipnorm``, ``clipvalue``, ``global_clipnorm``, ``use_ema``, ``amsgrad``, ...) are refused:
-clip or decay on the worker before the push. A learning-rate schedule is a rewrite of the xattr
+clip or decay on the worker before the push. FTRL takes Keras's ``learning_rate_power``,
+``beta`` and ``l2_shrinkage_regularization_strength`` at their defaults only (-0.5, 0, 0: the
+paper's per-coordinate rate; fold a ``beta`` into ``l2_regularization_strength + beta / (2 *
+learning_rate)``, which is what Keras computes). A learning-rate schedule is a rewrite of the xattr
 with a new ``learning_rate``: the state is kept (only a different optimizer *name* starts it
 afresh).
 
@@ -40,6 +45,16 @@ ARGUMENTS: dict[UpdateOp, tuple[tuple[str, float], ...]] = {
     UpdateOp.ADAM: (("learning_rate", 0.001), ("beta_1", 0.9), ("beta_2", 0.999), ("epsilon", 1e-7)),
     UpdateOp.ADAGRAD: (("learning_rate", 0.001), ("initial_accumulator_value", 0.1), ("epsilon", 1e-7)),
     UpdateOp.RMSPROP: (("learning_rate", 0.001), ("rho", 0.9), ("momentum", 0.0), ("epsilon", 1e-7)),
+    UpdateOp.FTRL: (("learning_rate", 0.001), ("initial_accumulator_value", 0.1), ("l1_regularization_strength", 0.0),
+                    ("l2_regularization_strength", 0.0)),
+}
+#: Keras arguments the shards take at one value only: (the value, what to do instead).
+FIXED: dict[UpdateOp, dict[str, tuple[float, str]]] = {
+    UpdateOp.FTRL: {
+        "learning_rate_power": (-0.5, "the shards apply FTRL-Proximal's 1/sqrt(n) rate only"),
+        "beta": (0.0, "add beta / (2 * learning_rate) to l2_regularization_strength instead (what Keras does)"),
+        "l2_shrinkage_regularization_strength": (0.0, "apply the shrinkage to the gradient on the worker"),
+    },
 }
 #: Boolean arguments and the flag bit each sets.
 FLAGS: dict[UpdateOp, tuple[tuple[str, int], ...]] = {
@@ -78,7 +93,7 @@ def parse_update(text: str | bytes) -> Update:
         text = text.decode("ascii", "replace")
     words = text.replace(",", " ").split()
     if not words:
-        raise ValueError("empty update op: use assign, add, sgd, adam, adagrad or rmsprop")
+        raise ValueError("empty update op: use assign, add, sgd, adam, adagrad, rmsprop or ftrl")
     op = UpdateOp.parse(words[0])
     if op in (UpdateOp.ASSIGN, UpdateOp.ADD):
         if len(words) > 1:
@@ -94,6 +109,15 @@ def parse_update(text: str | bytes) -> Update:
             raise ValueError(f"{op.name.lower()}: argument {word!r} must be name=value")
         if key in _REFUSED:
             raise ValueError(f"{op.name.lower()}: {key} is not applied on the shards ({_REFUSED[key]})")
+        fixed = FIXED.get(op, {}).get(key)
+        if fixed is not None:
+            try:
+                same = float(raw) == fixed[0]
+            except ValueError:
+                same = False
+            if not same:
+                raise ValueError(f"{op.name.lower()}: {key} must be {fixed[0]:g} on the shards, not {raw} ({fixed[1]})")
+            continue
         if key in flags:
             if raw.lower() not in ("true", "false", "1", "0"):
                 raise ValueError(f"{op.name.lower()}: {key} must be true or false, not {raw!r}")
@@ -126,6 +150,8 @@ def _check(op: UpdateOp, values: dict[str, float]) -> None:
             raise ValueError(f"{name}: momentum must be in [0, 1], not {value:g}")
         if key == "initial_accumulator_value" and not value >= 0:
             raise ValueError(f"{name}: initial_accumulator_value must be >= 0, not {value:g}")
+        if key.endswith("_regularization_strength") and not value >= 0:
+            raise ValueError(f"{name}: {key} must be >= 0, not {value:g}")
 
 
 def format_update(update: Update) -> str:
@@ -158,13 +184,14 @@ STATE_BASE = 1 << 62
 HEADER = 4096
 MAGIC = b"IRST"
 #: Slots of state per element for each optimizer.
-SLOTS = {UpdateOp.SGD: 1, UpdateOp.ADAM: 3, UpdateOp.ADAGRAD: 1, UpdateOp.RMSPROP: 3}
+SLOTS = {UpdateOp.SGD: 1, UpdateOp.ADAM: 3, UpdateOp.ADAGRAD: 1, UpdateOp.RMSPROP: 3, UpdateOp.FTRL: 2}
 #: Slot names, in order (what :func:`slot_names` and ``irdma.Client.optimizer_state`` give).
 SLOT_NAMES = {
     UpdateOp.SGD: ("momentum",),
     UpdateOp.ADAM: ("m", "v", "step"),
     UpdateOp.ADAGRAD: ("accumulator",),
     UpdateOp.RMSPROP: ("velocity", "momentum", "average_gradient"),
+    UpdateOp.FTRL: ("accumulator", "linear"),
 }
 
 

@@ -20,7 +20,7 @@ from typing import ClassVar, Self
 
 from ..._errors import RemoteProtocolError
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 #: Oldest protocol version this code speaks (3 added chain replication, 4 authentication, 5 GMAC
 #: frame tags, 6 optimizer update ops, 7 GATHER and SCATTER of extents: sparse rows, 8 encoded
 #: (compressed) gradients in WRITE and REMOTE_WRITE, 9 push parts (FLAG_PART) and ADMIT: a
@@ -32,7 +32,8 @@ PROTOCOL_VERSION = 13
 #: and a whole-chunk copy, FLAG_REPLACE, may carry the chunk's first bytes only, zeros after
 #: them, as a shard holds a chunk in an extent sized to its bytes: a shard sends such a copy
 #: only to a successor of protocol 12, :data:`SHORT_COPIES`;
-#: 13 FLAG_STAGED_EXTENTS: a staged SCATTER's extents in the staging buffer too, verbs).
+#: 13 FLAG_STAGED_EXTENTS: a staged SCATTER's extents in the staging buffer too, verbs;
+#: 14 the FTRL update op: a shard of 13 answers it BadRequest).
 MIN_PROTOCOL_VERSION = 9
 #: The protocol version from which a whole-chunk copy (FLAG_REPLACE) may be shorter than its chunk.
 SHORT_COPIES = 12

@@ -30,8 +30,8 @@ class UpdateOp(enum.IntEnum):
     """What a write does to the bytes already in a chunk.
 
     ``ASSIGN`` overwrites. ``ADD`` adds element-wise as little-endian float32: offset and
-    length must be multiples of 4. ``SGD``, ``ADAM``, ``ADAGRAD`` and ``RMSPROP`` (protocol 6)
-    take the bytes as a float32 gradient and apply one optimizer step (:class:`Update` carries
+    length must be multiples of 4. ``SGD``, ``ADAM``, ``ADAGRAD``, ``RMSPROP`` (protocol 6) and
+    ``FTRL`` (protocol 14) take the bytes as a float32 gradient and apply one optimizer step (:class:`Update` carries
     their arguments; :mod:`irdma.wire.optimizers` parses them, :mod:`irdma.server.optim` applies them).
     """
 
@@ -41,6 +41,7 @@ class UpdateOp(enum.IntEnum):
     ADAM = 3
     ADAGRAD = 4
     RMSPROP = 5
+    FTRL = 6
 
     @property
     def is_optimizer(self) -> bool:
