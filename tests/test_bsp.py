@@ -59,7 +59,7 @@ def max_relative_error(got: list[np.ndarray], want: list[np.ndarray]) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("workers", [2, pytest.param(3, marks=pytest.mark.long)])  # N=3: make test-long (34 s)
 def test_n_workers_with_batch_b_train_as_one_process_with_batch_n_b(tmp_path: Any, workers: int) -> None:
     out = tmp_path / "out"
     out.mkdir()

@@ -241,6 +241,7 @@ def _start_hand_shard(tmp: str, key_file: str, port_file: str) -> subprocess.Pop
     return proc
 
 
+@pytest.mark.long  # 26 s: make test-long
 def test_up_leaves_a_hand_added_shard_alone_and_names_the_command_for_it(tmp_path: object) -> None:
     """The README's own steps: `irdma up`, a shard started by hand and `irdma shard add`ed,
     files on it, `irdma down` (the hand-started shard keeps running), `irdma up`: it restarts
