@@ -111,6 +111,36 @@ def apply_rows(update: Update, chunk: memoryview, grad: np.ndarray, state: memor
         whole[elements] = got
 
 
+def apply_region(update: Update, region: memoryview, grad: np.ndarray, weights: np.ndarray, states: np.ndarray,
+                 slot_stride: int) -> None:
+    """One optimizer step on float32 elements anywhere in a shard's memory region: the rows of
+    a sparse push to many chunks at once (one gather, step and scatter for the whole request,
+    not one per chunk). ``weights``: each element's index in ``region`` seen as float32 (int64,
+    distinct); ``states``: the index of its state's slot 0 element (slot ``k`` is ``k *
+    slot_stride`` further: ``chunk_size // 4``, the layout of the module docstring; a u32 slot
+    reads the same positions as u32); ``grad``: float32, one value per element, in the same
+    order. Element for element the arithmetic of :func:`apply`.
+
+    Raises nothing for well-formed input; the caller checks alignment, ranges, that each
+    element's chunk and state exist and that no element is named twice.
+    """
+    f32 = np.frombuffer(region, dtype="<f4")
+    gathered: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def slot(k: int, dtype: str) -> np.ndarray:
+        whole = f32 if dtype == "<f4" else np.frombuffer(region, dtype=dtype)
+        at = states + k * slot_stride
+        got: np.ndarray = whole[at]
+        gathered.append((whole, at, got))
+        return got
+
+    var = f32[weights]
+    _step(update, var, grad, slot)
+    f32[weights] = var
+    for whole, at, got in gathered:
+        whole[at] = got
+
+
 def _step(update: Update, var: np.ndarray, g: np.ndarray, slot: Callable[[int, str], np.ndarray]) -> None:
     """The step itself, in place on ``var`` and on the state arrays ``slot(k, dtype)`` gives
     (views of the state, or gathered copies the caller writes back)."""

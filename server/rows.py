@@ -159,13 +159,15 @@ class SparseRows(SharedExtents):
         src = np.frombuffer(data, dtype=np.uint8)
         if kind.is_optimizer:
             assert isinstance(op, Update)
-            grads = np.frombuffer(data, dtype="<f4")
-            for (_, offs, lens, at), c, st in zip(parts, chunks, states, strict=True):
-                # every row of the chunk in one step: gathered, stepped, scattered back
-                counts = lens // 4
-                optim.apply_rows(op, self.region.view[c.offset : c.offset + min(c.extent, chunk_size)],
-                                 grads[elements(at // 4, counts)], self.region.view[st.offset : st.offset + st.size],
-                                 chunk_size, elements(offs // 4, counts))
+            # every row of every chunk in one step: gathered from the region, stepped, scattered back
+            counts = np.concatenate([lens for _, _, lens, _ in parts]) // 4
+            per_extent = np.repeat(np.arange(len(parts)), [len(o) for _, o, _, _ in parts])
+            within = elements(np.concatenate([offs for _, offs, _, _ in parts]) // 4, counts)
+            at_chunk = np.repeat(np.array([c.offset // 4 for c in chunks], dtype=np.int64)[per_extent], counts)
+            at_state = np.repeat(np.array([(st.offset + optimizers.HEADER) // 4 for st in states],
+                                          dtype=np.int64)[per_extent], counts)
+            grads = np.frombuffer(data, dtype="<f4")[elements(np.concatenate([a for _, _, _, a in parts]) // 4, counts)]
+            optim.apply_region(op, self.region.view, grads, at_chunk + within, at_state + within, chunk_size // 4)
         else:
             move(np.frombuffer(self.region.view, dtype=np.uint8),
                  np.concatenate([c.offset + o for c, (_, o, _, _) in zip(chunks, parts, strict=True)]), src,
