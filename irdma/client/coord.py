@@ -70,11 +70,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .._errors import InvalidArgument, IrdmaError, SyncTimeout
+from .._errors import InvalidArgument, IrdmaError, NoAttribute, SyncTimeout
 from ..meta.base import MEMBER_EXPIRY_S, Member
-from ..xattrs import (
-    Consistency,
-)
+from ..xattrs import XATTR_CONSISTENCY, XATTR_ELASTIC, XATTR_SYNC_TIMEOUT, XATTR_WORKERS, Consistency
 
 if TYPE_CHECKING:
     from ..meta.aio import AsyncMeta
@@ -143,6 +141,50 @@ async def _poll(check: Any, deadline: float, what: str, hint: str = _CLOCK_HINT)
             raise SyncTimeout(f"{what}: gave up at the deadline", hint)
         await trio.sleep(min(interval, max(0.0, deadline - trio.current_time())))
         interval = min(interval * 2, POLL_MAX)
+
+
+#: Seconds a job directory's settings (consistency, workers, sync timeout, elastic) serve its
+#: clock ticks (:meth:`irdma.Client.clock_at`) before they are read again.
+JOB_SETTINGS_S = 1.0
+
+
+class JobSettings:
+    """Job directories' inodes and settings xattrs as one client's clock ticks read them."""
+
+    def __init__(self, meta: AsyncMeta) -> None:
+        self.meta = meta
+        #: job (path or inode) -> (inode, xattrs, when read (monotonic s), meta.changes then)
+        self._jobs: dict[int | str, tuple[int, tuple[bytes | None, ...], float, int]] = {}
+
+    async def get(self, job: int | str) -> tuple[int, tuple[bytes | None, ...]]:
+        """A job directory's inode and its consistency, workers, sync timeout and elastic
+        xattrs (None: not set), as read at most :data:`JOB_SETTINGS_S` ago and not since this
+        client changed the namespace or an xattr (``AsyncMeta.changes``): a step's clock tick
+        is then one metadata call, not six. Another client's change of them is seen within
+        that time.
+
+        Raises:
+            NotFound: no such directory. The metadata engine's errors.
+        """
+        got = self._jobs.get(job)
+        now = time.monotonic()
+        if got is not None and now - got[2] < JOB_SETTINGS_S and got[3] == self.meta.changes:
+            return got[0], got[1]
+        changes = self.meta.changes
+        ino = job if isinstance(job, int) else (await self.meta.resolve(job)).ino
+
+        async def xattr(name: bytes) -> bytes | None:
+            try:
+                return await self.meta.getxattr(ino, name)
+            except NoAttribute:
+                return None
+
+        raw = (await xattr(XATTR_CONSISTENCY), await xattr(XATTR_WORKERS), await xattr(XATTR_SYNC_TIMEOUT),
+               await xattr(XATTR_ELASTIC))
+        if len(self._jobs) >= 256:
+            self._jobs.clear()
+        self._jobs[job] = self._jobs[ino] = (ino, raw, now, changes)
+        return ino, raw
 
 
 async def tick(meta: AsyncMeta, job: int, worker: int, workers: int, consistency: Consistency, timeout: float,

@@ -47,7 +47,7 @@ import trio
 
 from .. import xattrs
 from .._concurrency import open_nursery
-from .._errors import Exists, InvalidArgument, IrdmaError, NoAttribute, NotFound
+from .._errors import Exists, InvalidArgument, IrdmaError, NotFound
 from ..meta import Inode, MetaStore, ShardRecord, default_key_file, open_meta
 from ..meta.aio import AsyncMeta
 from ..meta.base import XATTR_SHAPE, XATTR_UPDATE
@@ -146,6 +146,7 @@ class Client:
         self.rows = SparseRows(self.data)
         self.states = StateImages(self.data)
         self._admin = ShardMoves(self.pool)  # resync, drain, rebalance, removal
+        self._jobs = coord.JobSettings(self.meta)  # what a clock tick reads of its job, cached
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -677,15 +678,7 @@ class Client:
             w = int(worker)
         except ValueError:
             raise InvalidArgument(f"the clock takes a worker id, not {worker!r}") from None
-
-        async def xattr(name: bytes) -> bytes | None:
-            try:
-                return await self.meta.getxattr(job, name)
-            except NoAttribute:
-                return None
-
-        raw_c, raw_n, raw_t, raw_e = (await xattr(xattrs.XATTR_CONSISTENCY), await xattr(xattrs.XATTR_WORKERS),
-                                      await xattr(xattrs.XATTR_SYNC_TIMEOUT), await xattr(xattrs.XATTR_ELASTIC))
+        _, (raw_c, raw_n, raw_t, raw_e) = await self._jobs.get(job)
         if raw_n is None:
             raise InvalidArgument(f"inode {job} is not a job directory: set {xattrs.XATTR_WORKERS.decode()} on it first")
         consistency = xattrs.parse_consistency(raw_c or b"asp")
@@ -695,7 +688,8 @@ class Client:
 
     async def clock(self, job_dir: str, worker: int) -> int:
         """The end of worker ``worker``'s push round in ``job_dir``: see :meth:`clock_at`."""
-        return await self.clock_at((await self.meta.resolve(job_dir)).ino, worker)
+        ino, _ = await self._jobs.get(job_dir)
+        return await self.clock_at(ino, worker)
 
     async def barrier(self, name: str, n: int, timeout: float = xattrs.DEFAULT_SYNC_TIMEOUT) -> None:
         """Return once ``n`` callers (any client or mount of the namespace) arrived at barrier
