@@ -395,6 +395,18 @@ def small_files_time(files: int = 2000, size: int = 4096, repeats: int = 2) -> d
             "native_s": sum(runs["native"]) / repeats, "runs": runs}
 
 
+def embedding_training(quick: bool) -> dict[str, Any]:
+    """benchmarks/embedding.py (issue 40): the recommendation example's training rows/s, 2
+    workers, irdma (``irdma run -n 2``, the table on 2 shards) against TensorFlow's
+    ParameterServerStrategy (2 ps, 2 workers), the same model, data and batch; its JSON."""
+    res = subprocess.run([PY, os.path.join(HERE, "embedding.py"), *(["--quick"] if quick else [])], capture_output=True,
+                         text=True, timeout=1800, env={**os.environ, "PYTHONPATH": REPO})
+    if res.returncode != 0:
+        raise RuntimeError(f"benchmarks/embedding.py failed ({res.returncode}):\n{res.stderr[-3000:]}")
+    out: dict[str, Any] = json.loads(res.stdout[res.stdout.index("{"):])
+    return out
+
+
 def dd_into_mount(size: int, repeats: int = 3) -> dict[str, Any]:
     """``dd bs=4k`` and ``dd bs=1M`` of ``size`` bytes (``conv=fsync``: the time includes every
     push) into a mount (page cache, as a user's dd gets; 4 shards, 1 replica) and into
@@ -603,7 +615,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the suite, not figures")
     ap.add_argument("--out", default=os.path.join(REPO, "docs"))
     ap.add_argument("--only", choices=["replication", "authentication", "rounds", "fio", "rows", "cache", "snapshots",
-                                       "dd", "smallfiles"],
+                                       "dd", "smallfiles", "embedding"],
                     help="run one section, print its figures as JSON and compare only its ratios")
     ap.add_argument("--cache-file-size", default="1GiB",
                     help="--only cache: bytes of the hot file 4 readers read (benchmarks/readcache.py)")
@@ -626,7 +638,7 @@ def main() -> int:
         print(json.dumps(part, indent=1))
         regression_check({args.only: part}, previous, against, [args.only], args.quick)
         return 0
-    if args.only in ("rounds", "fio", "rows", "snapshots", "dd", "smallfiles"):  # one section again into the last report
+    if args.only in ("rounds", "fio", "rows", "snapshots", "dd", "smallfiles", "embedding"):  # one section again
         if args.only == "rounds":
             part = model_rounds(model_shapes(), 1 if args.quick else 3)
         elif args.only == "smallfiles":
@@ -634,6 +646,8 @@ def main() -> int:
                     "timed": small_files_time(200 if args.quick else 2000)}
         elif args.only == "dd":
             part = dd_into_mount((8 if args.quick else 64) * MiB)
+        elif args.only == "embedding":
+            part = embedding_training(args.quick)
         elif args.only == "rows":
             import rows
 
@@ -756,6 +770,8 @@ def main() -> int:
 
     say("sparse rows: 10,000 random rows of 256 float32, pull_rows/push_rows against contiguous transfers")
     R["rows"] = rows.run(args.quick, say)
+    say("embedding training: examples/recommend.py (1M x 64 table, Adagrad, 2 workers) against ParameterServerStrategy")
+    R["embedding"] = embedding_training(args.quick)
 
     import fio
 

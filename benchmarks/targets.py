@@ -37,7 +37,7 @@ def _section(what: str) -> str:
     """The ``--only`` section a target's figures come from ("main": only a full run measures it)."""
     for prefix, section in (("model round", "rounds"), ("fio ", "fio"), ("sparse rows", "rows"),
                             ("snapshot", "snapshots"), ("dd ", "dd"), ("shard bytes held", "smallfiles"),
-                           ("small files", "smallfiles")):
+                           ("small files", "smallfiles"), ("embedding", "embedding")):
         if what.startswith(prefix):
             return section
     return "main"
@@ -134,6 +134,11 @@ def targets(R: dict[str, Any]) -> list[dict[str, Any]]:
         add("sparse rows push (add), 10,000 of 256 float32, native", rw["add_ratio"],
             "contiguous push (add) of the same bytes", 0.4,
             f"{rw['rows-add']['mb_s']:.0f} vs {rw['contig-add']['mb_s']:.0f} MB/s")
+    em = R.get("embedding")
+    if em:  # issue 40
+        add("embedding training rows/s vs TF ParameterServerStrategy", em["ratio_irdma_over_tf_ps"],
+            "ParameterServerStrategy rows/s (same model, data, batch; 2 workers)", 1.5,
+            f"{em['irdma']['rows_per_s']:.0f} vs {em['tf_ps']['rows_per_s']:.0f} rows/s")
     sn = R.get("snapshots")
     if sn:
         for key, what in (("file", f"a {fmt_size(sn['create']['file']['bytes'])} file"),
