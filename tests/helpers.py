@@ -26,6 +26,43 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str, interval: fl
         time.sleep(interval)
 
 
+#: Prometheus samples by name: each sample's labels and value.
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def parse_samples(text: str) -> Samples:
+    """The samples of a Prometheus text exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: Samples = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def scrape(address: str) -> Samples:
+    """The samples a process serves at ``http://ADDRESS/metrics`` (its ``--metrics``)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+        return parse_samples(resp.read().decode())
+
+
+def total(samples: Samples, name: str, **match: str) -> float:
+    """The sum of the samples ``name`` whose labels include ``match``."""
+    return sum(v for labels, v in samples.get(name, []) if all(labels.get(k) == w for k, w in match.items()))
+
+
+def meta_calls() -> float:
+    """Metadata engine calls this process's clients made so far (``irdma_meta_calls_total``,
+    every method), as a mount's or worker's ``--metrics`` serves them."""
+    from irdma.metrics import REGISTRY
+
+    return sum(s.value for m in REGISTRY.collect() if m.name == "irdma_meta_calls" for s in m.samples
+               if s.name == "irdma_meta_calls_total")
+
+
 def irdma_cli(*args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     res = subprocess.run([sys.executable, "-m", "irdma.ops.cli", *args], capture_output=True, text=True, env=env,
                          timeout=120)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import trio
-from helpers import Cluster, irdma_cli, mounted, wait_until
+from helpers import Cluster, irdma_cli, meta_calls, mounted, wait_until
 
 from irdma.train import coord
 
@@ -509,20 +509,15 @@ def test_a_clock_tick_is_one_metadata_call_and_sees_the_jobs_settings_change(clu
     time (a tick by a worker id past the new count is refused), this client's own at once."""
     import irdma
     from irdma.client.coord import JOB_SETTINGS_S
-    from irdma.metrics import REGISTRY
-
-    def calls() -> float:
-        return sum(s.value for m in REGISTRY.collect() if m.name == "irdma_meta_calls" for s in m.samples
-                   if s.name == "irdma_meta_calls_total")
 
     with irdma.connect(cluster.meta_url, transport="tcp") as a, irdma.connect(cluster.meta_url, transport="tcp") as b:
         ino = a.makedirs("/jobs/settings").ino
         a.client.store.setxattr(ino, b"user.irdma.workers", b"2")
         assert a.run(a.client.clock, "/jobs/settings", 1) == 1
-        before, t0 = calls(), time.monotonic()
+        before, t0 = meta_calls(), time.monotonic()
         for k in range(30):
             assert a.run(a.client.clock, "/jobs/settings", 1) == k + 2
-        assert calls() - before <= 30 + 6 * ((time.monotonic() - t0) / JOB_SETTINGS_S + 1) < 6 * 30
+        assert meta_calls() - before <= 30 + 6 * ((time.monotonic() - t0) / JOB_SETTINGS_S + 1) < 6 * 30
         b.run(b.client.meta.setxattr, ino, b"user.irdma.workers", b"1")  # another client: worker 1 is gone
         deadline = time.monotonic() + JOB_SETTINGS_S + 5
         with pytest.raises(irdma.InvalidArgument, match="not one of the job's 1 workers"):

@@ -161,10 +161,12 @@ def test_the_optimizer_round_trips_through_model_save_and_load_model(job: str, t
 def test_optimizers_the_shards_cannot_apply_are_refused_with_the_alternatives(job: str) -> None:
     from irdma import InvalidArgument
 
-    with pytest.raises(InvalidArgument, match="wrap SGD, Adam, AdamW, Adagrad or RMSprop"):
+    with pytest.raises(InvalidArgument, match="wrap SGD, Adam, AdamW, Adagrad, RMSprop or Ftrl"):
         hvd.DistributedOptimizer(keras.optimizers.Nadam())
     with pytest.raises(InvalidArgument, match="amsgrad"):
         hvd.DistributedOptimizer(keras.optimizers.Adam(amsgrad=True))
+    with pytest.raises(InvalidArgument, match=r"beta / \(2 \* learning_rate\)"):  # FTRL at Keras's fixed defaults only
+        hvd.DistributedOptimizer(keras.optimizers.Ftrl(0.1, beta=1.0))
 
 
 def test_without_init_the_error_says_how_to_run_the_script(monkeypatch: Any) -> None:

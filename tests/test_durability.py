@@ -8,32 +8,14 @@ written. Seen as an operator sees it: the shards' ``irdma_shard_requests_total{o
 from __future__ import annotations
 
 import os
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from helpers import assert_clean_log, mounted, wait_until
-from prometheus_client.parser import text_string_to_metric_families
+from helpers import assert_clean_log, mounted, scrape, total, wait_until
 
 import irdma
 from irdma.ops import cluster
 from irdma.wire.protocol import SYNC_INTERVAL_S
-
-Samples = dict[str, list[tuple[dict[str, str], float]]]
-
-
-def scrape(address: str) -> Samples:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out: Samples = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
-
-
-def value(samples: Samples, name: str, **match: str) -> float:
-    return sum(v for labels, v in samples.get(name, []) if all(labels.get(k) == w for k, w in match.items()))
 
 
 @pytest.fixture
@@ -54,11 +36,11 @@ def durable(tmp_path: object) -> Iterator[tuple[str, list[str]]]:
 
 
 def syncs(addrs: list[str]) -> list[float]:
-    return [value(scrape(a), "irdma_shard_requests_total", op="sync", status="ok") for a in addrs]
+    return [total(scrape(a), "irdma_shard_requests_total", op="sync", status="ok") for a in addrs]
 
 
 def unsynced(addrs: list[str]) -> list[float]:
-    return [value(scrape(a), "irdma_shard_unsynced_seconds") for a in addrs]
+    return [total(scrape(a), "irdma_shard_unsynced_seconds") for a in addrs]
 
 
 def test_close_leaves_the_sync_to_the_shards_and_fsync_and_unmount_wait_for_it(

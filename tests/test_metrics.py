@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import assert_clean_log, mounted, wait_until
+from helpers import Samples, assert_clean_log, mounted, parse_samples, scrape, total, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
@@ -134,31 +134,10 @@ def mmnt(mcluster: MetricsCluster, tmp_path_factory: pytest.TempPathFactory) -> 
             os.environ["IRDMA_RUN_DIR"] = old
 
 
-Samples = dict[str, list[tuple[dict[str, str], float]]]
-
-
-def scrape(address: str) -> Samples:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out: Samples = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
-
-
 def local() -> Samples:
     from prometheus_client import generate_latest
 
-    out: Samples = {}
-    for fam in text_string_to_metric_families(generate_latest(metrics.REGISTRY).decode()):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
-
-
-def total(samples: Samples, name: str, **match: str) -> float:
-    return sum(v for labels, v in samples.get(name, []) if all(labels.get(k) == w for k, w in match.items()))
+    return parse_samples(generate_latest(metrics.REGISTRY).decode())
 
 
 def shards_total(scrapes: list[Samples], name: str, **match: str) -> float:

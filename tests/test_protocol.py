@@ -287,13 +287,13 @@ def test_encoding_assign_or_a_scatter_is_a_local_error() -> None:
         P.decode_request(frame)
 
 
-def test_protocol_13_is_spoken_and_9_still_understood() -> None:
+def test_protocol_14_is_spoken_and_9_still_understood() -> None:
     """Protocol 10 changed no frame (a CLONE ends its freeze; THAW of one that is over is a
     no-op), 11 only added the round bit of the op byte, 12 two flags of a round and lets a
     whole-chunk copy between shards be shorter than its chunk (sent to a successor of 12 only),
-    and 13 a flag of a staged SCATTER, so a client of protocol 9 still works with these shards;
-    8 and older are refused."""
-    assert (P.MIN_PROTOCOL_VERSION, P.PROTOCOL_VERSION) == (9, 13)
+    13 a flag of a staged SCATTER, and 14 an op value (FTRL), so a client of protocol 9 still
+    works with these shards; 8 and older are refused."""
+    assert (P.MIN_PROTOCOL_VERSION, P.PROTOCOL_VERSION) == (9, 14)
     wire = bytearray(b"".join(P.encode_request(P.Thaw(5), 1)))
     wire[2] = 9  # the header's version byte (!2sB...)
     [frame] = _frames(bytes(wire))

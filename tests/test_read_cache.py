@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import errno
 import os
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from helpers import irdma_cli, mounted, running_cluster, wait_until
+from helpers import Samples, irdma_cli, mounted, running_cluster, scrape, total, wait_until
 from irdma.fs.mount import spawn_mount
-from prometheus_client.parser import text_string_to_metric_families
 
 import irdma
 from irdma import metrics
@@ -26,7 +24,6 @@ from irdma.ops import stats
 
 CHUNK = 4 << 20  # the namespace's default chunk size
 
-Samples = dict[str, list[tuple[dict[str, str], float]]]
 
 
 class Cached:
@@ -63,20 +60,6 @@ class Cached:
         """A write by another client (the native one), as a second host would make it."""
         with irdma.connect(self.meta_url, transport="tcp") as c:
             c.write(path, data, offset=offset)
-
-
-def scrape(address: str) -> Samples:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out: Samples = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
-
-
-def total(samples: Samples, name: str, **match: str) -> float:
-    return sum(v for labels, v in samples.get(name, []) if all(labels.get(k) == w for k, w in match.items()))
 
 
 def mount_metrics(mnt: str) -> Samples:

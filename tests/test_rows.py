@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from helpers import Cluster, mounted, running_cluster
+from helpers import Cluster, meta_calls, mounted, running_cluster
 
 import irdma
 
@@ -165,14 +165,6 @@ def test_rows_through_the_mount_agree_with_the_client(rows_cluster: Cluster, tmp
 
 
 
-def _meta_calls() -> float:
-    """Metadata engine calls this process's clients made (``irdma_meta_calls_total``, every method)."""
-    from irdma.metrics import REGISTRY
-
-    return sum(s.value for m in REGISTRY.collect() if m.name == "irdma_meta_calls" for s in m.samples
-               if s.name == "irdma_meta_calls_total")
-
-
 def test_pulls_and_pushes_by_path_spare_the_metadata_and_still_see_every_change(rows_cluster: Cluster) -> None:
     """A training loop's pulls and pushes by path make no metadata call in the steady state
     (the table is read at most once a TABLE_CACHE_S, issue 40), and the cache is never seen:
@@ -193,7 +185,7 @@ def test_pulls_and_pushes_by_path_spare_the_metadata_and_still_see_every_change(
         ids = rng.integers(0, 1000, size=300)
         np.testing.assert_array_equal(a.pull_rows(path, ids), table[ids])  # reads the table
 
-        calls, t0, steps = _meta_calls(), time.monotonic(), 30
+        calls, t0, steps = meta_calls(), time.monotonic(), 30
         for _ in range(steps):
             ids = rng.integers(0, 1000, size=300)
             np.testing.assert_array_equal(a.pull_rows(path, ids), table[ids])
@@ -202,7 +194,7 @@ def test_pulls_and_pushes_by_path_spare_the_metadata_and_still_see_every_change(
             np.add.at(table, ids, delta)
         # at most one table read (2 calls) and one mtime refresh per TABLE_CACHE_S, against 7 calls a step before
         seconds = time.monotonic() - t0
-        assert _meta_calls() - calls <= 3 * (seconds / TABLE_CACHE_S + 1) < 7 * steps
+        assert meta_calls() - calls <= 3 * (seconds / TABLE_CACHE_S + 1) < 7 * steps
         np.testing.assert_array_equal(b.pull(path).reshape(1000, ROW), table)
 
         # another client grows the table: the next pull of a new row has it at once
