@@ -183,6 +183,21 @@ def run_tf_ps(args: argparse.Namespace, ps: _Ps, data: dict[str, Any], stock: bo
             "last_loss": float(last.fetch()) if done else None}
 
 
+def section(quick: bool) -> dict[str, Any]:
+    """The ``embedding`` section of ``benchmarks/run.py`` (issue 40): this script in a process of
+    its own (TensorFlow stays out of the caller), ``--quick`` if ``quick``; its JSON.
+
+    Raises:
+        RuntimeError: the run failed (its stderr's end attached).
+    """
+    res = subprocess.run([sys.executable, os.path.abspath(__file__), *(["--quick"] if quick else [])],
+                         capture_output=True, text=True, timeout=1800, env={**os.environ, "PYTHONPATH": REPO})
+    if res.returncode != 0:
+        raise RuntimeError(f"benchmarks/embedding.py failed ({res.returncode}):\n{res.stderr[-3000:]}")
+    out: dict[str, Any] = json.loads(res.stdout[res.stdout.index("{"):])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1_000_000)

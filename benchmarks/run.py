@@ -395,18 +395,6 @@ def small_files_time(files: int = 2000, size: int = 4096, repeats: int = 2) -> d
             "native_s": sum(runs["native"]) / repeats, "runs": runs}
 
 
-def embedding_training(quick: bool) -> dict[str, Any]:
-    """benchmarks/embedding.py (issue 40): the recommendation example's training rows/s, 2
-    workers, irdma (``irdma run -n 2``, the table on 2 shards) against TensorFlow's
-    ParameterServerStrategy (2 ps, 2 workers), the same model, data and batch; its JSON."""
-    res = subprocess.run([PY, os.path.join(HERE, "embedding.py"), *(["--quick"] if quick else [])], capture_output=True,
-                         text=True, timeout=1800, env={**os.environ, "PYTHONPATH": REPO})
-    if res.returncode != 0:
-        raise RuntimeError(f"benchmarks/embedding.py failed ({res.returncode}):\n{res.stderr[-3000:]}")
-    out: dict[str, Any] = json.loads(res.stdout[res.stdout.index("{"):])
-    return out
-
-
 def dd_into_mount(size: int, repeats: int = 3) -> dict[str, Any]:
     """``dd bs=4k`` and ``dd bs=1M`` of ``size`` bytes (``conv=fsync``: the time includes every
     push) into a mount (page cache, as a user's dd gets; 4 shards, 1 replica) and into
@@ -647,7 +635,9 @@ def main() -> int:
         elif args.only == "dd":
             part = dd_into_mount((8 if args.quick else 64) * MiB)
         elif args.only == "embedding":
-            part = embedding_training(args.quick)
+            import embedding
+
+            part = embedding.section(args.quick)
         elif args.only == "rows":
             import rows
 
@@ -771,7 +761,9 @@ def main() -> int:
     say("sparse rows: 10,000 random rows of 256 float32, pull_rows/push_rows against contiguous transfers")
     R["rows"] = rows.run(args.quick, say)
     say("embedding training: examples/recommend.py (1M x 64 table, Adagrad, 2 workers) against ParameterServerStrategy")
-    R["embedding"] = embedding_training(args.quick)
+    import embedding
+
+    R["embedding"] = embedding.section(args.quick)
 
     import fio
 
