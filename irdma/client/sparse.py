@@ -84,8 +84,6 @@ class SparseRows:
         self.meta = data.meta
         self._mtime_at: dict[int, float] = {}  # when push_rows last refreshed a file's mtime (monotonic s)
         self._tables: dict[str, _Table] = {}
-        #: Metadata reads of tables by pulls and pushes by path (what :data:`TABLE_CACHE_S` spares).
-        self.table_reads = 0
 
     def _incarnation(self, shard_id: int) -> int | None:
         conn = self.pool.conns.get(shard_id)
@@ -111,7 +109,6 @@ class SparseRows:
             raw: bytes | None = await self.meta.getxattr(inode.ino, XATTR_SHAPE)
         except NoAttribute:
             raw = None
-        self.table_reads += 1
         mapped = {i: dict(r) for i, r in chunks.items()}
         t = _Table(inode, raw or None, mapped, now, epoch,
                    {sid: self._incarnation(sid) for rec in mapped.values() for sid in rec}, changes)
@@ -291,10 +288,10 @@ class SparseRows:
         conn = self.pool.conns.get(shard_id)
         inc = conn.info.incarnation if conn is not None else None
         lost: list[int] = []
+        holes = set(np.unique(chunk[versions == 0]).tolist()) if chunks or unmapped is not None else set()
         if unmapped is not None:
-            unmapped.update(c for c in np.unique(chunk[versions == 0]).tolist() if chunks is None or c not in chunks)
+            unmapped.update(c for c in holes if chunks is None or c not in chunks)
         if chunks:
-            holes = set(np.unique(chunk[versions == 0]).tolist())
             for c in names:
                 rec = chunks.get(c)
                 if rec is None:
@@ -407,22 +404,14 @@ class SparseRows:
 
         await self.data.chained_update(layout, sorted(set(chunk.tolist())), send, chunks, created, rid, "scatter", parted)
 
-    async def _rows_of(self, inode: Inode, row_len: int | None) -> tuple[int, int | None]:
+    @staticmethod
+    def _geometry(inode: Inode, raw: bytes | None, row_len: int | None) -> tuple[int, int | None]:
         """``(row bytes, row count or None)`` of a file read as float32 rows: ``row_len`` if
-        given, else from its ``user.irdma.shape`` xattr.
+        given, else from ``raw``, its ``user.irdma.shape`` xattr (None: it has none).
 
         Raises:
             InvalidArgument: neither says, or ``row_len`` disagrees with the shape.
         """
-        try:
-            raw = await self.meta.getxattr(inode.ino, XATTR_SHAPE)
-        except NoAttribute:
-            raw = None
-        return self._geometry(inode, raw, row_len)
-
-    @staticmethod
-    def _geometry(inode: Inode, raw: bytes | None, row_len: int | None) -> tuple[int, int | None]:
-        """:meth:`_rows_of` given the raw ``user.irdma.shape`` (None: the file has none)."""
         shape = parse_shape(raw) if raw else None
         per_row = int(np.prod(shape[1:])) if shape else None
         if row_len is None:
