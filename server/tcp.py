@@ -205,40 +205,55 @@ class ShardServer(Dispatcher):
         macs: Macs | None = None
         max_body = self.max_payload + P.BODY_SLACK
         handshake_deadline = trio.current_time() + HANDSHAKE_TIMEOUT_S
+        hview = memoryview(hdr)
+        tview = memoryview(tag)
         while True:
             # before the connection is open the whole handshake has a deadline; after, a frame
-            # may be awaited forever (an idle client) but must then arrive whole in time
-            with trio.move_on_at(handshake_deadline if not opened else math.inf) as idle:
-                try:
-                    if not await rx.exactly(memoryview(hdr)):
+            # may be awaited forever (an idle client: no cancel scope, which costs two passes of
+            # trio's deadline bookkeeping a request) but must then arrive whole in time
+            try:
+                if opened:
+                    got: bool | None = await rx.exactly(hview)
+                else:
+                    got = None
+                    with trio.move_on_at(handshake_deadline):
+                        got = await rx.exactly(hview)
+                    if got is None:
+                        self.warnings.warn(peer, "closing connection from %s: no handshake within %g s", peer,
+                                           HANDSHAKE_TIMEOUT_S)
                         break
-                    # before HELLO only a HELLO-sized body is accepted, in any header version
-                    frame = P.parse_header(hdr, max_body if opened else HELLO_MAX_BODY, any_version=not opened)
-                except RemoteProtocolError as exc:
-                    self.warnings.warn(peer, "closing connection from %s: %s", peer, exc)
-                    status = P.Status.TOO_LARGE if isinstance(exc, P.FrameTooLarge) else P.Status.BAD_FRAME
-                    await wire.queue((0, 0, P.ErrorReply(status, str(exc)), macs))
+                if not got:
                     break
-                except (OSError, trio.ClosedResourceError):
-                    break
-            if idle.cancelled_caught:
-                self.warnings.warn(peer, "closing connection from %s: no handshake within %g s", peer,
-                                   HANDSHAKE_TIMEOUT_S)
+                # before HELLO only a HELLO-sized body is accepted, in any header version
+                frame = P.parse_header(hdr, max_body if opened else HELLO_MAX_BODY, any_version=not opened)
+            except RemoteProtocolError as exc:
+                self.warnings.warn(peer, "closing connection from %s: %s", peer, exc)
+                status = P.Status.TOO_LARGE if isinstance(exc, P.FrameTooLarge) else P.Status.BAD_FRAME
+                await wire.queue((0, 0, P.ErrorReply(status, str(exc)), macs))
+                break
+            except (OSError, trio.ClosedResourceError):
                 break
             if frame.body_len > len(staging):
                 staging = bytearray(frame.body_len)
             body = memoryview(staging)[: frame.body_len]
-            with trio.move_on_at(min(handshake_deadline if not opened else math.inf,
-                                     trio.current_time() + FRAME_TIMEOUT_S)) as partial:
-                try:
-                    await rx.exactly(body)
-                    if macs is not None:
-                        await rx.exactly(memoryview(tag))
-                except (RemoteProtocolError, OSError, trio.ClosedResourceError):
-                    break  # truncated frame: nothing applied
-            if partial.cancelled_caught:
-                self.warnings.warn(peer, "closing connection from %s: a frame did not arrive whole in time", peer)
-                break
+            try:
+                if opened and rx.buffered >= frame.body_len + len(tag):
+                    # the whole frame came with its header (a small request): taken without a wait
+                    rx.take(body)
+                    rx.take(tview)
+                else:
+                    whole = False
+                    with trio.move_on_at(min(handshake_deadline if not opened else math.inf,
+                                             trio.current_time() + FRAME_TIMEOUT_S)):
+                        await rx.exactly(body)
+                        await rx.exactly(tview)
+                        whole = True
+                    if not whole:
+                        self.warnings.warn(peer, "closing connection from %s: a frame did not arrive whole in time",
+                                           peer)
+                        break
+            except (RemoteProtocolError, OSError, trio.ClosedResourceError):
+                break  # truncated frame: nothing applied
             if macs is not None:
                 try:
                     macs.open([hdr, body], tag)
@@ -255,6 +270,7 @@ class ShardServer(Dispatcher):
                     break
                 macs = hs.macs
                 tag = bytearray(macs.trailer if macs is not None else 0)
+                tview = memoryview(tag)
                 continue
             elif frame.opcode == P.Opcode.VERBS_CONNECT:
                 reply = await self._verbs_connect(frame, verbs_nursery)

@@ -38,6 +38,7 @@ from irdma.wire.framing import (  # noqa: F401 - re-exported: the names this mod
     recv_exactly,
     send_parts,
     tune_socket,
+    write_now,
 )
 from irdma.wire.protocol import Update, UpdateOp
 
@@ -96,6 +97,7 @@ class TcpConnection(ShardConnection):
         fixed = bytearray(P.READ_REPLY_FIXED)
         macs = self._macs
         tag = bytearray(macs.trailer if macs is not None else 0)
+        fview, tview = memoryview(fixed), memoryview(tag)
         pend: _Pending | None = None
         rx = Receiver(self._sock)
         try:
@@ -124,7 +126,7 @@ class TcpConnection(ShardConnection):
                     pend.receiving = True
                     await rx.exactly(pend.into, pend.is_abandoned)
                     if macs is not None:
-                        await rx.exactly(memoryview(tag))
+                        await rx.exactly(tview)
                         macs.open([hdr, pend.into], tag)
                     pend.receiving = False
                     frame.body = pend.into
@@ -134,10 +136,15 @@ class TcpConnection(ShardConnection):
                     # the caller may be cancelled while we fill its buffer: it then breaks the
                     # connection (see _call), which stops us before the next byte lands
                     pend.receiving = True
-                    await rx.exactly(memoryview(fixed))
-                    await rx.exactly(pend.into, pend.is_abandoned)
+                    if rx.buffered >= frame.body_len + len(tag):  # a small reply, whole: no wait
+                        rx.take(fview)
+                        rx.take(pend.into)
+                        rx.take(tview)
+                    else:
+                        await rx.exactly(fview)
+                        await rx.exactly(pend.into, pend.is_abandoned)
+                        await rx.exactly(tview)
                     if macs is not None:  # checked before the caller sees the bytes
-                        await rx.exactly(memoryview(tag))
                         macs.open([hdr, fixed, pend.into], tag)
                     pend.receiving = False
                     pend.reply = P.ReadReply(int.from_bytes(fixed, "big"), pend.into)
@@ -146,7 +153,7 @@ class TcpConnection(ShardConnection):
                     if frame.body_len:
                         await rx.exactly(memoryview(body))
                     if macs is not None:
-                        await rx.exactly(memoryview(tag))
+                        await rx.exactly(tview)
                         macs.open([hdr, body], tag)
                     frame.body = memoryview(body)
                     if pend is None:
@@ -215,14 +222,23 @@ class TcpConnection(ShardConnection):
         rid = next(self._ids) & 0xFFFFFFFF
         pend = _Pending(P._REQUEST_OPCODE[type(msg)], into)
         parts = P.encode_request(msg, rid)
-        async with self._send_lock:
+        # one checkpoint a request (the wait for its reply): a free send lock is taken and a
+        # frame the socket takes at once is written without a pass of the scheduler
+        await trio.lowlevel.checkpoint_if_cancelled()  # a cancelled caller sends nothing
+        try:
+            self._send_lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._send_lock.acquire()
+        try:
             if self._broken is not None:
                 raise ShardUnavailable(message_of(self._broken))
             self._pending[rid] = pend
             if self._macs is not None:
                 parts.append(self._macs.seal(parts))
             try:
-                await send_parts(self._sock, parts)
+                rest = write_now(self._sock, parts)
+                if rest:
+                    await send_parts(self._sock, rest)
             except (OSError, trio.ClosedResourceError) as exc:
                 self._break(f"send failed: {exc}")
             except BaseException:
@@ -230,6 +246,8 @@ class TcpConnection(ShardConnection):
                 self._pending.pop(rid, None)
                 self._break("a request was cancelled while being sent")
                 raise
+        finally:
+            self._send_lock.release()
         pend.rid = rid
         return pend
 

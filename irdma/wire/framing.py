@@ -89,6 +89,15 @@ class Receiver:
         """Bytes received and not yet read."""
         return self._hi - self._lo
 
+    def take(self, view: memoryview) -> None:
+        """Fill ``view`` from what is buffered, without a wait: only when :attr:`buffered` is at
+        least ``len(view)`` (the rest of a small frame that came with its header)."""
+        n = len(view)
+        if n > self._hi - self._lo:
+            raise ValueError(f"take of {n} bytes with {self._hi - self._lo} buffered")
+        view[:] = self._buf[self._lo : self._lo + n]
+        self._lo += n
+
     async def exactly(self, view: memoryview, abandoned: Callable[[], bool] | None = None) -> bool:
         """Fill ``view``. Returns False on a clean EOF before its first byte.
 
@@ -168,6 +177,28 @@ def send_now(sock: Any, parts: list[bytes | memoryview]) -> bytes:
         except BlockingIOError:
             break
     return b"".join(_skip(bufs, sent)) if sent < total else b""
+
+
+def write_now(sock: Any, parts: list[bytes | memoryview]) -> list[bytes | memoryview]:
+    """:func:`send_now` that returns what the socket did not take as views of ``parts`` (no
+    copy: the caller sends them with :func:`send_parts` before it reuses ``parts``' buffers).
+    Never yields, so a request whose frame the socket takes at once costs no pass of the
+    scheduler (trio's ``send`` ends with one even when it did not block).
+
+    Raises:
+        OSError: the connection failed (EPIPE, ECONNRESET, a closed socket's EBADF).
+    """
+    bufs = [memoryview(p).cast("B") for p in parts]
+    total = sum(len(b) for b in bufs)
+    sent = 0
+    fd = sock.fileno()
+    while sent < total:
+        try:
+            sent += os.writev(fd, _skip(bufs, sent) if sent else bufs)
+        except BlockingIOError:
+            break
+    rest: list[bytes | memoryview] = [*_skip(bufs, sent)] if sent < total else []
+    return rest
 
 
 def _skip(bufs: list[memoryview], n: int) -> list[memoryview]:
