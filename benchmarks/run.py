@@ -603,7 +603,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the suite, not figures")
     ap.add_argument("--out", default=os.path.join(REPO, "docs"))
     ap.add_argument("--only", choices=["replication", "authentication", "rounds", "fio", "rows", "cache", "snapshots",
-                                       "dd", "smallfiles", "embedding"],
+                                       "dd", "smallfiles", "embedding", "round_trip"],
                     help="run one section, print its figures as JSON and compare only its ratios")
     ap.add_argument("--cache-file-size", default="1GiB",
                     help="--only cache: bytes of the hot file 4 readers read (benchmarks/readcache.py)")
@@ -619,6 +619,12 @@ def main() -> int:
         from irdma.units import parse_size
 
         print(json.dumps(readcache.run(64 * MiB if args.quick else parse_size(args.cache_file_size), say), indent=1))
+        return 0
+    if args.only == "round_trip":  # the 4 KiB read against a socket ping-pong: figures printed, no report
+        with cluster(1, 256 * MiB) as (meta, _):
+            part = round_trip(meta, 500 if args.quick else 2000)
+        print(json.dumps(part, indent=1))
+        regression_check({"round_trip": part}, previous, against, ["round_trip"], args.quick)
         return 0
     if args.only in ("replication", "authentication"):  # figures printed, no report written
         size = 64 * MiB if args.quick else (256 if args.only == "replication" else 512) * MiB
