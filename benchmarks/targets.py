@@ -37,7 +37,8 @@ def _section(what: str) -> str:
     """The ``--only`` section a target's figures come from ("main": only a full run measures it)."""
     for prefix, section in (("model round", "rounds"), ("fio ", "fio"), ("sparse rows", "rows"),
                             ("snapshot", "snapshots"), ("dd ", "dd"), ("shard bytes held", "smallfiles"),
-                           ("small files", "smallfiles"), ("embedding", "embedding")):
+                           ("small files", "smallfiles"), ("embedding", "embedding"),
+                            ("4 KiB native read p50", "round_trip")):
         if what.startswith(prefix):
             return section
     return "main"
