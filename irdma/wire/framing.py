@@ -162,26 +162,19 @@ async def send_parts(sock: Any, parts: list[bytes | memoryview]) -> None:
 
 def send_now(sock: Any, parts: list[bytes | memoryview]) -> bytes:
     """Write ``parts`` to the non-blocking ``sock`` with ``writev`` (writev(2)) until it would
-    block, without yielding; returns a copy of what it did not take (empty when all went).
+    block, without yielding; returns a copy of what it did not take (empty when all went):
+    :func:`write_now`, its rest joined.
 
     Raises:
         OSError: the connection failed (EPIPE, ECONNRESET, a closed socket's EBADF).
     """
-    bufs = [memoryview(p).cast("B") for p in parts]
-    total = sum(len(b) for b in bufs)
-    sent = 0
-    fd = sock.fileno()
-    while sent < total:
-        try:
-            sent += os.writev(fd, _skip(bufs, sent))
-        except BlockingIOError:
-            break
-    return b"".join(_skip(bufs, sent)) if sent < total else b""
+    rest = write_now(sock, parts)
+    return b"".join(rest) if rest else b""
 
 
 def write_now(sock: Any, parts: list[bytes | memoryview]) -> list[bytes | memoryview]:
-    """:func:`send_now` that returns what the socket did not take as views of ``parts`` (no
-    copy: the caller sends them with :func:`send_parts` before it reuses ``parts``' buffers).
+    """Write ``parts`` to the non-blocking ``sock`` with ``writev`` (writev(2)) until it would
+    block; returns what the socket did not take as views of ``parts`` (no copy: the caller sends them with :func:`send_parts` before it reuses ``parts``' buffers).
     Never yields, so a request whose frame the socket takes at once costs no pass of the
     scheduler (trio's ``send`` ends with one even when it did not block).
 
