@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from targets import AUTHENTICATION_WANTED, REPLICATION_WANTED, targets
+from targets import AUTHENTICATION_WANTED, REPLICATION_WANTED, _section, targets
 
 THRESHOLD = 0.15  # a ratio FELL when it got worse by more than this (relative)
 _EPS = 1e-9  # "exactly 15%" computed in floating point is not "more than 15%"
@@ -76,8 +76,12 @@ def compare(previous: dict[str, Any] | None, new: dict[str, Any],
     lacks). ``only``: the sections measured (``--only``): other ratios are left out."""
     sections = None if only is None else set(only)
 
+    def section(r: dict[str, Any]) -> str:  # a run recorded before a target had its section: named again
+        sec = str(r.get("section", "main"))
+        return _section(r["what"]) if sec == "main" else sec
+
     def wanted(rs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        return {r["what"]: r for r in rs if sections is None or r.get("section", "main") in sections}
+        return {r["what"]: r for r in rs if sections is None or section(r) in sections}
 
     old, cur = wanted(ratios_of(previous)), wanted(ratios_of(new))
     rows = []
