@@ -62,6 +62,7 @@ def _pids(d: str) -> list[int]:
     return [p.pid for p in cluster.read_state(d)]
 
 
+@pytest.mark.long  # 36 s: make test-long (CI's time)
 @pytest.mark.fuse
 def test_down_and_destroy_act_on_the_cluster_irdma_meta_names(tmp_path: object) -> None:
     a, b = f"{tmp_path}/a", f"{tmp_path}/b"

@@ -313,6 +313,7 @@ np.save(out, np.concatenate([w.ravel() for w in model.get_weights()]))
 """
 
 
+@pytest.mark.long  # 29 s: make test-long (CI's time)
 @pytest.mark.slow
 def test_a_worker_killed_mid_epoch_resumes_from_backup_and_restore_bit_identically(cluster: str, tmp_path: Any) -> None:
     """SIGKILL a worker during epoch 2 (the shards have taken steps past its last backup), run

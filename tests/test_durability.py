@@ -43,6 +43,7 @@ def unsynced(addrs: list[str]) -> list[float]:
     return [total(scrape(a), "irdma_shard_unsynced_seconds") for a in addrs]
 
 
+@pytest.mark.long  # 31 s: make test-long (CI's time)
 def test_close_leaves_the_sync_to_the_shards_and_fsync_and_unmount_wait_for_it(
         durable: tuple[str, list[str]], tmp_path: object) -> None:
     url, addrs = durable

@@ -146,6 +146,7 @@ def _accuracy(out: str) -> float:
     return float(found[-1])
 
 
+@pytest.mark.long  # 72 s: make test-long (CI's time)
 @pytest.mark.slow
 def test_a_worker_killed_mid_epoch_is_restarted_and_the_elastic_job_finishes_within_a_point(tmp_path: Any) -> None:
     """Rank 1 SIGKILLs itself in epoch 3 of 40 on its first run; ``irdma run --elastic 2:2``

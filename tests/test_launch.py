@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 from helpers import irdma_cli, running_cluster, wait_until
 
 from irdma.meta import open_meta
@@ -183,6 +184,7 @@ for epoch in range(2):
 """
 
 
+@pytest.mark.long  # 15 s: make test-long (CI's time)
 def test_metric_average_callback_gives_every_rank_the_mean_of_each_number(tmp_path: object) -> None:
     res = irdma_cli("run", "-n", "3", "--", sys.executable, "-c", AVERAGING_WORKER)
     for rank in range(3):

@@ -149,6 +149,7 @@ def _started_by(root: int, marker: str) -> dict[int, tuple[str, str]]:
     return {pid: (table[pid][1], table[pid][2]) for pid in found if pid in table and pid != root}
 
 
+@pytest.mark.long  # 25 s: make test-long (CI's time)
 @pytest.mark.tf
 def test_sigterm_to_the_demo_leaves_no_process_and_no_mount(tmp_path: object) -> None:
     tmp = str(tmp_path)

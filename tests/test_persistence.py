@@ -49,6 +49,7 @@ def _digests(m: str, names: list[str]) -> dict[str, str]:
     return out
 
 
+@pytest.mark.long  # 30 s: make test-long (CI's time)
 @pytest.mark.fuse
 @pytest.mark.slow
 def test_down_then_up_and_killed_shards_bring_back_every_file(tmp_path: object) -> None:

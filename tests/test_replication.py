@@ -301,6 +301,7 @@ def test_adds_stay_exact_on_every_replica_through_a_killed_and_restarted_shard_a
         assert "under-replicated chunks" in st.stdout and "healthy" in st.stdout
 
 
+@pytest.mark.long  # 55 s; test_adds_stay_exact_... keeps a killed shard in make test: make test-long (CI's time)
 @pytest.mark.tf
 @pytest.mark.fuse
 def test_two_worker_training_survives_a_killed_shard(tmp_path: object) -> None:

@@ -47,6 +47,7 @@ def _used(meta_url: str, states: tuple[str, ...] = ("up",)) -> dict[int, int]:
     return {rec.shard_id: st.used for rec, st, _ in stats if rec.state in states and st is not None}
 
 
+@pytest.mark.long  # 24 s: make test-long (CI's time)
 def test_add_rebalance_drain_and_remove_shards_under_load(tmp_path: object) -> None:
     """4 shards, 2 replicas; 4 processes on 2 mounts add a known vector 200 times to one file
     while a fifth shard is added, the cluster rebalanced (every shard then holds the mean

@@ -98,6 +98,7 @@ def _finish(proc: subprocess.Popen[str], stdin: str | None = None) -> str:
     return err
 
 
+@pytest.mark.long  # 16 s: make test-long (CI's time)
 def test_a_fresh_process_resumes_from_an_epoch_snapshot_bit_identically(tmp_path: Any) -> None:
     tmp = str(tmp_path)
     job = "/jobs/digits"

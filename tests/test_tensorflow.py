@@ -59,6 +59,7 @@ def test_checkpoint_saved_to_the_mount_restores_bit_identical_in_a_fresh_process
     assert restored == saved
 
 
+@pytest.mark.long  # 43 s; test_bsp and test_train_keras train in make test: make test-long (CI's time)
 def test_training_example_reaches_the_accuracy_bound(mnt: str) -> None:
     res = subprocess.run(
         [sys.executable, os.path.join(REPO, "examples", "train_digits.py"), "--mount", mnt, "--steps", "250",
