@@ -59,7 +59,8 @@ demo-ha: install
 test: install
 	$(PY) -m pytest -v --durations=10 -m "not long" tests
 
-# What `make test` leaves out for CI's time (about 12 min here): nemesis schedules 4-10, more fsx seeds,
+# What `make test` leaves out for CI's time (about 20 min here, from the tests' times; not run whole this stop):
+# nemesis schedules 4-10, more fsx seeds,
 # the benchmark tools' smoke runs, and the longest training-under-faults and lifecycle tests
 # (each marked `@pytest.mark.long` with its time).
 test-long: install

@@ -3,8 +3,8 @@
 - ``test_nemesis_schedule[seed]``: the Jepsen-style nemesis of :mod:`nemesis` (writers through
   a mount and the native client, a seeded schedule of SIGKILL, SIGSTOP, restarts by hand and by
   ``irdma up``, overlapping failures of every replica of a chain, ``irdma down``/``up`` and power
-  loss; a checker after recovery). 10 schedules of 2 s of faults here (CI's time); ``make chaos`` runs more
-  and longer ones. ``NEMESIS_SEED=N`` runs schedule N alone (with the ``NEMESIS_SECONDS`` it
+  loss; a checker after recovery). 10 schedules of 2 s of faults here, 1-3 in ``make test`` (CI's
+  time) and 4-10 in ``make test-long``; ``make chaos`` runs more and longer ones. ``NEMESIS_SEED=N`` runs schedule N alone (with the ``NEMESIS_SECONDS`` it
   failed with); ``NEMESIS_SCHEDULES``, ``NEMESIS_SECONDS`` set how many and how long.
 - The recipe of the issue's point 1 and its mirror orders, each a named test: 3 shards,
   ``--replicas 2``, 12 MiB written before and after shard 2 (or 3) is SIGKILLed, then the other

@@ -154,8 +154,8 @@ def test_every_optimizer_matches_keras_through_failover_resync_and_a_new_learnin
         irdma_cli("down", "--dir", d, check=False)
 
 
-@pytest.mark.long  # 18 s: make test-long (CI's time)
 # ---------------------------------------------------------------- the state in a checkpoint
+@pytest.mark.long  # 18 s: make test-long (CI's time)
 @pytest.mark.fuse
 def test_the_optimizer_state_checkpoints_and_restores_through_the_mount(tmp_path: object) -> None:
     """Save the weights and ``.irdma-state@w`` (Adam's m, v and steps) to a local directory,
