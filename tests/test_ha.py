@@ -329,7 +329,7 @@ def test_a_partitioned_primary_is_fenced_and_the_mount_follows_the_new_one(ha_be
                                                                 "starting up", "not accepting")), refusals
     ha.heal(old)
     ha.wait_healthy(120)
-    assert "split_brain" not in ha.psql(ha.primary(), "SELECT tablename FROM pg_tables", database="irdma")
+    assert "split_brain" not in ha.psql_primary("SELECT tablename FROM pg_tables", database="irdma")
 
 
 @pytest.fixture
@@ -360,7 +360,7 @@ def test_the_tier_starts_from_a_working_directory_postgres_cannot_enter(private:
         assert server.psql("SELECT 1").strip() == "1"
     with TestBed(3, rate=None) as bed, patroni.PatroniCluster(bed, bed.hosts) as ha:
         assert ha.healthy(), ha.members()
-        assert ha.psql(ha.primary(), "SELECT current_user", database="irdma").strip() == "postgres"
+        assert ha.psql_primary("SELECT current_user", database="irdma").strip() == "postgres"
         assert "could not change directory" not in ha.logs(tail=1 << 20)
 
 

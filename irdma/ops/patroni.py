@@ -308,6 +308,24 @@ class PatroniCluster:
             raise IrdmaError(f"psql on metadata host {i} failed: {res.stderr.strip()[-600:]}")
         return str(res.stdout)
 
+    def psql_primary(self, sql: str, database: str = "postgres", timeout: float = 60.0) -> str:
+        """Run ``sql`` (as :meth:`psql`) on the primary, retrying until one answers or ``timeout``
+        s pass. Patroni's health endpoints lag PostgreSQL by up to a loop: just after
+        :meth:`wait_healthy`, the member that answered ``GET /primary`` may still be restarting
+        (psql: "the database system is shutting down").
+
+        Raises:
+            IrdmaError: no primary answered within ``timeout`` (the last error quoted)."""
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                return self.psql(self.primary(), sql, database=database)
+            except IrdmaError as e:
+                if time.monotonic() > end:
+                    raise IrdmaError(f"no primary answered within {timeout:.0f} s: {e}\n{self.members()}",
+                                     "see the Patroni logs") from e
+            time.sleep(0.5)
+
     # ------------------------------------------------------------ faults
     def kill_host(self, i: int) -> None:
         """Host ``i`` dies: its link goes down and every process on it is SIGKILLed."""
