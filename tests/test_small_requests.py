@@ -3,6 +3,7 @@ lock (issue 39, "a 4 KiB request costs close to a socket's round trip")."""
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 
@@ -127,3 +128,62 @@ def test_a_latency_lands_in_the_bucket_prometheus_would_put_it_in() -> None:
     assert le("0.0025") == 2 and le("10.0") == 2 and le("+Inf") == 3
     assert got[("irdma_shard_request_duration_seconds_sum", (("op", "read"), ("transport", "tcp")))] == pytest.approx(
         1e-3 + 2e-3 + 20.0)
+
+
+def test_callers_sharing_a_connection_each_get_their_own_bytes_and_a_cancelled_reader_hands_it_on(
+        one_shard: Cluster) -> None:
+    """Leader/followers on one TCP connection (irdma.transport.tcp): many tasks read at once,
+    each caller in turn reads the socket for all. Every read gets its own bytes; callers
+    cancelled at random points (while reading for others, or parked) leave no byte in their
+    buffers after they returned, and the others go on (on a fresh connection if it broke)."""
+    from irdma._errors import ShardUnavailable
+
+    async def main() -> None:
+        with trio.fail_after(WAIT_S):
+            async with Client.open(one_shard.meta_url, transport="tcp") as c:
+                ino = await c.create("/shared-conn", chunk_size=4 * MiB)
+                layout = layout_of(ino)
+                data = np.random.default_rng(11).integers(0, 255, 4 * MiB, dtype=np.uint8)
+                await c.write_from(layout, 0, memoryview(data), UpdateOp.ASSIGN)
+                shard = layout.shard_of(0)
+                first = await c.pool.connection(shard)
+                done = {"reads": 0, "cancelled": 0, "broken": 0}
+                returned: list[bytearray] = []  # buffers of cancelled reads: must stay as left
+
+                async def reader(seed: int, cancel: bool) -> None:
+                    rng = np.random.default_rng(seed)
+                    for _ in range(40):
+                        off = int(rng.integers(0, 1024)) * 4096
+                        buf = bytearray(4096)
+                        conn = await c.pool.connection(shard)
+                        finished = False
+                        try:
+                            with trio.move_on_after(float(rng.uniform(0, 400e-6)) if cancel else math.inf):
+                                await conn.read(layout.file_id, 0, off, memoryview(buf))
+                                finished = True
+                        except ShardUnavailable:
+                            done["broken"] += 1  # a cancelled caller broke it mid-reply: a fresh one next
+                            continue
+                        if finished:
+                            assert bytes(buf) == data[off:off + 4096].tobytes()
+                            done["reads"] += 1
+                        else:
+                            buf[:] = b"\xa5" * 4096
+                            returned.append(buf)
+                            done["cancelled"] += 1
+
+                async with trio.open_nursery() as n:
+                    for i in range(24):
+                        n.start_soon(reader, i, False)
+                assert done["reads"] == 24 * 40 and not first.broken  # no cancellation: nothing broke
+                async with trio.open_nursery() as n:
+                    for i in range(24):
+                        n.start_soon(reader, 100 + i, i % 2 == 0)
+                assert done["cancelled"] > 0 and done["reads"] > 24 * 40 + 12 * 40 // 2, done
+                conn = await c.pool.connection(shard)
+                buf = bytearray(4096)
+                await conn.read(layout.file_id, 0, 8192, memoryview(buf))
+                assert bytes(buf) == data[8192:12288].tobytes()
+                assert all(b == b"\xa5" * 4096 for b in returned)  # nothing landed after its call returned
+
+    trio.run(main)

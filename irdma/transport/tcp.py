@@ -2,21 +2,24 @@
 
 Bytes are received with ``recv_into`` straight into the caller's buffer (a pull lands in the
 destination array with no intermediate copy) and payloads are sent as views, never joined.
-Many requests are pipelined on one connection; a reader task matches replies to requests by
-``request_id``.
+Many requests are pipelined on one connection; replies are matched to requests by
+``request_id`` and read by the waiting callers themselves, one at a time (leader/followers).
 
 Cancellation follows the rule of :mod:`irdma.transport.base`: no send is shielded. A call
-cancelled while its frame is being sent, or while the reader is receiving its reply into the
-caller's buffer, breaks the connection (the socket is closed, every pending call fails);
-a call cancelled while it waits for the send lock or for a reply that has not started had no
-effect on the stream (a late reply is read into a scratch buffer and dropped).
+cancelled while its frame is being sent, while its reply is being received into its buffer,
+or while it reads another call's reply, breaks the connection (the socket is closed, every
+pending call fails); a call cancelled while it waits for the send lock or for a reply that has
+not started had no effect on the stream (a late reply is read into a scratch buffer and
+dropped).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field
+import socket as stdlib_socket
+import time
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -50,6 +53,10 @@ log = logging.getLogger("irdma.transport.tcp")
 #: Seconds a TCP connect plus HELLO may take before the shard counts as unreachable.
 CONNECT_TIMEOUT = 10.0
 
+#: Seconds without a reply after which :attr:`TcpConnection.broken` asks the socket whether the
+#: shard hung up (one system call; a busy connection is not asked).
+IDLE_CHECK_S = 1e-3
+
 _R = TypeVar("_R")
 
 
@@ -61,23 +68,34 @@ raise_for_error = P.raise_for_error
 class _Pending:
     opcode: int
     into: memoryview | None = None
-    receiving: bool = False  # the reader is filling ``into`` now
-    done: trio.Event = field(default_factory=trio.Event)
+    receiving: bool = False  # a reader is filling ``into`` now
+    done: bool = False
     reply: P.Reply | None = None
     error: IrdmaError | None = None
     rid: int = 0
     abandoned: bool = False  # its caller returned (cancelled) while the reply was arriving
+    task: Any = None  # its caller, parked in :meth:`TcpConnection.finish` while another task reads
 
     def is_abandoned(self) -> bool:
         return self.abandoned
 
 
 class TcpConnection(ShardConnection):
-    """One pipelined TCP connection to a shard. Create with :meth:`TcpTransport.connect`."""
+    """One pipelined TCP connection to a shard. Create with :meth:`TcpTransport.connect`.
+
+    Replies are read by the callers themselves, leader/follower style (Schmidt et al.,
+    "Leader/Followers", PLoP 2000): the first caller waiting in :meth:`finish` reads frames off
+    the socket and completes whichever call each answers, until its own reply came; then it
+    hands the socket to another waiting caller. A lone request so costs one pass of the
+    scheduler (its caller wakes on the socket itself), not the two of a reader task that wakes
+    and then reschedules the caller.
+    """
 
     def __init__(self, sock: Any, address: str, info: ShardInfo, nursery: trio.Nursery,
-                 macs: Macs | None = None) -> None:
+                 macs: Macs | None = None, raw: stdlib_socket.socket | None = None) -> None:
         self._sock = sock
+        self._raw = raw  # the stdlib socket under ``sock``, to see that an idle peer hung up
+        self._heard = time.monotonic()  # when a frame last arrived
         self._macs = macs
         self._nursery = nursery
         self.address = address
@@ -87,108 +105,155 @@ class TcpConnection(ShardConnection):
         self._send_lock = trio.Lock()
         self._broken: IrdmaError | None = None
         self._max_body = info.max_payload + P.BODY_SLACK
-        # The reader lives in the client's nursery and owns the socket: when the nursery is
-        # cancelled or the peer goes away, it fails every pending call and closes the socket.
-        nursery.start_soon(self._reader, name=f"irdma-tcp-reader {address}")
+        self._rx = Receiver(sock)
+        self._hdr = bytearray(P.HEADER_SIZE)
+        self._fixed = bytearray(P.READ_REPLY_FIXED)
+        self._tag = bytearray(macs.trailer if macs is not None else 0)
+        self._leading = False  # a caller reads the socket now
+        self._arriving: _Pending | None = None  # the call whose reply is being read (out of _pending)
+        self._mid_frame = False  # a frame's header was read and the rest of it not yet
+        self._followers: dict[int, _Pending] = {}  # callers parked in finish, by request id, oldest first
+        # the socket lives as long as the client's nursery: when it is cancelled, this closes it
+        # and fails every pending call (no task reads it between requests); it ends with the socket
+        self._keeper_scope = trio.CancelScope()
+        nursery.start_soon(self._keeper, name=f"irdma-tcp {address}")
 
-    async def _reader(self) -> None:
-        hdr = bytearray(P.HEADER_SIZE)
-        hview = memoryview(hdr)
-        fixed = bytearray(P.READ_REPLY_FIXED)
-        macs = self._macs
-        tag = bytearray(macs.trailer if macs is not None else 0)
-        fview, tview = memoryview(fixed), memoryview(tag)
-        pend: _Pending | None = None
-        rx = Receiver(self._sock)
+    async def _keeper(self) -> None:
         try:
-            while True:
-                if not await rx.exactly(hview):
-                    raise ShardUnavailable(f"shard at {self.address} closed the connection")
-                frame = P.parse_header(hdr, self._max_body)
-                pend = self._pending.pop(frame.request_id, None)
-                direct = (
-                    pend is not None
-                    and pend.into is not None
-                    and frame.status == P.Status.OK
-                    and not frame.flags & P.FLAG_HOLE
-                    and frame.body_len == P.READ_REPLY_FIXED + len(pend.into)
-                    and pend.opcode == P.Opcode.READ
-                )
-                whole = (  # a GATHER reply: its whole body into the caller's buffer (not zeroed first)
-                    pend is not None
-                    and pend.into is not None
-                    and frame.status == P.Status.OK
-                    and pend.opcode == P.Opcode.GATHER
-                    and frame.body_len == len(pend.into)
-                )
-                if whole:
-                    assert pend is not None and pend.into is not None
-                    pend.receiving = True
-                    await rx.exactly(pend.into, pend.is_abandoned)
-                    if macs is not None:
-                        await rx.exactly(tview)
-                        macs.open([hdr, pend.into], tag)
-                    pend.receiving = False
-                    frame.body = pend.into
-                    pend.reply = P.decode_reply(frame)
-                elif direct:
-                    assert pend is not None and pend.into is not None
-                    # the caller may be cancelled while we fill its buffer: it then breaks the
-                    # connection (see _call), which stops us before the next byte lands
-                    pend.receiving = True
-                    if rx.buffered >= frame.body_len + len(tag):  # a small reply, whole: no wait
-                        rx.take(fview)
-                        rx.take(pend.into)
-                        rx.take(tview)
-                    else:
-                        await rx.exactly(fview)
-                        await rx.exactly(pend.into, pend.is_abandoned)
-                        await rx.exactly(tview)
-                    if macs is not None:  # checked before the caller sees the bytes
-                        macs.open([hdr, fixed, pend.into], tag)
-                    pend.receiving = False
-                    pend.reply = P.ReadReply(int.from_bytes(fixed, "big"), pend.into)
-                else:
-                    body = bytearray(frame.body_len)
-                    if frame.body_len:
-                        await rx.exactly(memoryview(body))
-                    if macs is not None:
-                        await rx.exactly(tview)
-                        macs.open([hdr, body], tag)
-                    frame.body = memoryview(body)
-                    if pend is None:
-                        continue  # its caller was cancelled
-                    pend.reply = P.decode_reply(frame)
-                pend.done.set()
+            with self._keeper_scope:
+                await trio.sleep_forever()
+        finally:
+            self._fail_all(ShardUnavailable(f"connection to shard at {self.address} was closed"))
+            self._sock.close()
+
+    async def _read_frame(self) -> None:
+        """Read one frame and complete the call it answers (a reply whose caller was cancelled
+        is read and dropped). Cancellation before its first byte has no effect (the bytes
+        that came stay buffered); after it, the caller breaks the connection."""
+        rx, hdr, macs, tag = self._rx, self._hdr, self._macs, self._tag
+        if not await rx.fill(P.HEADER_SIZE):
+            raise ShardUnavailable(f"shard at {self.address} closed the connection")
+        self._mid_frame = True
+        rx.take(memoryview(hdr))
+        frame = P.parse_header(hdr, self._max_body)
+        pend = self._arriving = self._pending.pop(frame.request_id, None)
+        if (pend is not None and pend.into is not None and frame.status == P.Status.OK
+                and pend.opcode == P.Opcode.GATHER and frame.body_len == len(pend.into)):
+            # a GATHER reply: its whole body into the caller's buffer (not zeroed first)
+            pend.receiving = True
+            await rx.exactly(pend.into, pend.is_abandoned)
+            if macs is not None:
+                await rx.exactly(memoryview(tag))
+                macs.open([hdr, pend.into], tag)
+            pend.receiving = False
+            frame.body = pend.into
+            pend.reply = P.decode_reply(frame)
+        elif (pend is not None and pend.into is not None and frame.status == P.Status.OK
+              and not frame.flags & P.FLAG_HOLE and frame.body_len == P.READ_REPLY_FIXED + len(pend.into)
+              and pend.opcode == P.Opcode.READ):
+            # a READ's bytes straight into the caller's buffer; the caller may be cancelled
+            # while they land: it then breaks the connection, which stops us before the next byte
+            fixed = self._fixed
+            pend.receiving = True
+            if rx.buffered >= frame.body_len + len(tag):  # a small reply, whole: no wait
+                rx.take(memoryview(fixed))
+                rx.take(pend.into)
+                rx.take(memoryview(tag))
+            else:
+                await rx.exactly(memoryview(fixed))
+                await rx.exactly(pend.into, pend.is_abandoned)
+                await rx.exactly(memoryview(tag))
+            if macs is not None:  # checked before the caller sees the bytes
+                macs.open([hdr, fixed, pend.into], tag)
+            pend.receiving = False
+            pend.reply = P.ReadReply(int.from_bytes(fixed, "big"), pend.into)
+        else:
+            body = bytearray(frame.body_len)
+            if frame.body_len:
+                await rx.exactly(memoryview(body))
+            if macs is not None:
+                await rx.exactly(memoryview(tag))
+                macs.open([hdr, body], tag)
+            frame.body = memoryview(body)
+            if pend is not None:
+                pend.reply = P.decode_reply(frame)
+        self._mid_frame = False
+        self._arriving = None
+        self._heard = time.monotonic()
+        if pend is not None:
+            self._complete(pend)
+
+    def _complete(self, pend: _Pending) -> None:
+        pend.done = True
+        self._wake(pend)
+
+    def _wake(self, pend: _Pending) -> None:
+        """Reschedule ``pend``'s caller if it is parked in :meth:`finish`."""
+        task, pend.task = pend.task, None
+        if task is not None:
+            self._followers.pop(pend.rid, None)
+            trio.lowlevel.reschedule(task)
+
+    async def _lead(self, pend: _Pending) -> None:
+        """Read frames until ``pend`` is answered (or the connection fails), then hand the
+        socket to the oldest parked caller."""
+        self._leading = True
+        try:
+            while not pend.done:
+                await self._read_frame()
         except (IrdmaError, OSError, trio.ClosedResourceError) as exc:
             if isinstance(exc, auth.AuthFailed):
                 log.error("shard at %s: %s", self.address, exc)
-            err = exc if isinstance(exc, ShardUnavailable) else ShardUnavailable(
-                f"connection to shard at {self.address} failed: {exc}"
-            )
-            if pend is not None and not pend.done.is_set():  # its reply was arriving: out of _pending
-                pend.error = err
-                pend.done.set()
-            self._fail_all(err)
+            self._break_with(exc if isinstance(exc, ShardUnavailable) else ShardUnavailable(
+                f"connection to shard at {self.address} failed: {exc}"))
+        except BaseException:
+            if self._mid_frame:  # cancelled with a frame half read: the stream cannot go on
+                self._break("a call was cancelled while reading a reply")
+            raise
         finally:
-            self._sock.close()
+            self._leading = False
+            if self._followers:
+                self._wake(next(iter(self._followers.values())))
+
+    def _break_with(self, err: IrdmaError) -> None:
+        arriving, self._arriving = self._arriving, None
+        if arriving is not None and not arriving.done:  # its reply was arriving: out of _pending
+            arriving.error = err
+            self._complete(arriving)
+        self._fail_all(err)
+        self._sock.close()
+        self._keeper_scope.cancel()
 
     def _fail_all(self, err: IrdmaError) -> None:
         if self._broken is None:
             self._broken = err
-        for pend in self._pending.values():
+        pending, self._pending = self._pending, {}
+        for pend in pending.values():
             pend.error = err
-            pend.done.set()
-        self._pending.clear()
+            self._complete(pend)
 
     def _break(self, why: str) -> None:
-        """Declare the connection broken: fail every pending call and close the socket (the
-        reader stops at once, so no byte lands in a buffer whose call has returned)."""
-        self._fail_all(ShardUnavailable(f"connection to shard at {self.address} closed: {why}"))
-        self._sock.close()
+        """Declare the connection broken: fail every pending call and close the socket (a
+        caller reading it stops at once, so no byte lands in a buffer whose call has returned)."""
+        self._break_with(ShardUnavailable(f"connection to shard at {self.address} closed: {why}"))
 
     @property
     def broken(self) -> bool:
+        """Whether the connection failed. No task reads an idle connection, so one quiet for
+        :data:`IDLE_CHECK_S` is asked whether the shard hung up since (a peek of the socket: a
+        restarted shard's old connection is not used for a request it would fail)."""
+        if self._broken is None and self._raw is not None and not self._pending and not self._leading \
+                and time.monotonic() - self._heard > IDLE_CHECK_S:
+            self._heard = time.monotonic()
+            try:
+                hung_up = not self._raw.recv(1, stdlib_socket.MSG_PEEK | stdlib_socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                hung_up = False
+            except OSError as exc:
+                self._break_with(ShardUnavailable(f"connection to shard at {self.address} failed: {exc}"))
+                return True
+            if hung_up:
+                self._break_with(ShardUnavailable(f"shard at {self.address} closed the connection"))
         return self._broken is not None
 
     async def _call(self, msg: P.Call[Any], into: memoryview | None = None) -> P.Reply:
@@ -220,7 +285,7 @@ class TcpConnection(ShardConnection):
         if self._broken is not None:
             raise ShardUnavailable(message_of(self._broken))
         rid = next(self._ids) & 0xFFFFFFFF
-        pend = _Pending(P._REQUEST_OPCODE[type(msg)], into)
+        pend = _Pending(P._REQUEST_OPCODE[type(msg)], into, rid=rid)
         parts = P.encode_request(msg, rid)
         # one checkpoint a request (the wait for its reply): a free send lock is taken and a
         # frame the socket takes at once is written without a pass of the scheduler
@@ -248,17 +313,29 @@ class TcpConnection(ShardConnection):
                 raise
         finally:
             self._send_lock.release()
-        pend.rid = rid
         return pend
 
     async def finish(self, pend: _Pending) -> P.Reply:
-        """Wait for the reply of a request :meth:`start` sent; raise its error as an exception."""
+        """Wait for the reply of a request :meth:`start` sent; raise its error as an exception.
+        The caller reads the socket itself when no other caller does (see the class)."""
         try:
-            await pend.done.wait()
+            while not pend.done:
+                if not self._leading:
+                    await self._lead(pend)
+                    continue
+                pend.task = trio.lowlevel.current_task()
+                self._followers[pend.rid] = pend
+
+                def abort(_: Any, pend: _Pending = pend) -> trio.lowlevel.Abort:
+                    pend.task = None
+                    self._followers.pop(pend.rid, None)
+                    return trio.lowlevel.Abort.SUCCEEDED
+
+                await trio.lowlevel.wait_task_rescheduled(abort)
         except BaseException:
             self._pending.pop(pend.rid, None)
             if pend.receiving:
-                pend.abandoned = True  # the reader copies nothing more into its buffer
+                pend.abandoned = True  # no reader copies anything more into its buffer
                 self._break("a read was cancelled while its reply was arriving")
             raise
         if pend.error is not None:
@@ -310,6 +387,7 @@ class TcpConnection(ShardConnection):
         if self._broken is None:
             self._fail_all(ShardUnavailable(f"connection to shard at {self.address} was closed"))
         self._sock.close()
+        self._keeper_scope.cancel()
 
 
 class TcpTransport(Transport):
@@ -327,7 +405,9 @@ class TcpTransport(Transport):
             host, port = parse_address(address)
         except ValueError as exc:
             raise ShardUnavailable(str(exc), "fix the address in the shard map (`irdma shard list`)") from None
-        sock = trio.socket.socket(trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+        raw = stdlib_socket.socket(stdlib_socket.AF_INET6 if ":" in host else stdlib_socket.AF_INET,
+                                   stdlib_socket.SOCK_STREAM)
+        sock = trio.socket.from_stdlib_socket(raw)
         try:
             with trio.fail_after(timeout):
                 await sock.connect((host, port))
@@ -353,4 +433,4 @@ class TcpTransport(Transport):
             sock.close()
             raise
         info = ShardInfo(hello.shard_id, hello.capacity, hello.max_payload, hello.incarnation, hello.version)
-        return TcpConnection(sock, address, info, nursery, macs)
+        return TcpConnection(sock, address, info, nursery, macs, raw)

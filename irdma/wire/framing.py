@@ -89,6 +89,31 @@ class Receiver:
         """Bytes received and not yet read."""
         return self._hi - self._lo
 
+    async def fill(self, n: int) -> bool:
+        """Wait until at least ``n`` bytes (at most :attr:`BUFFER`) are buffered, consuming
+        none: cancelled, it had no effect (what came stays buffered). Returns False on a clean
+        EOF with nothing buffered.
+
+        Raises:
+            RemoteProtocolError: EOF with fewer than ``n`` bytes buffered.
+        """
+        if self._hi - self._lo >= n:
+            return True
+        if not self._buf:
+            self._buf = memoryview(bytearray(self.BUFFER))
+        if self._lo:  # what is left to the front, so ``n`` bytes fit behind it
+            rest = self._hi - self._lo
+            self._buf[:rest] = self._buf[self._lo : self._hi]
+            self._lo, self._hi = 0, rest
+        while self._hi < n:
+            k = await self.sock.recv_into(self._buf[self._hi :], self.BUFFER - self._hi)
+            if k == 0:
+                if self._hi == self._lo:
+                    return False
+                raise RemoteProtocolError(f"connection closed after {self._hi - self._lo} of {n} bytes")
+            self._hi += k
+        return True
+
     def take(self, view: memoryview) -> None:
         """Fill ``view`` from what is buffered, without a wait: only when :attr:`buffered` is at
         least ``len(view)`` (the rest of a small frame that came with its header)."""
