@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from irdma import Client
 from irdma.client.view import layout_of
 from irdma.metrics import LATENCY_BUCKETS, ClientMetrics, ShardMetrics
+from irdma.placement import Layout
 from irdma.wire.protocol import UpdateOp
 
 MiB = 1 << 20
@@ -26,6 +27,14 @@ WAIT_S = 60.0
 def one_shard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with running_cluster(str(tmp_path_factory.mktemp("small")), shards=1, capacity=64 * MiB) as c:
         yield c
+
+
+async def _one_chunk_file(c: Client, path: str, seed: int) -> tuple[Layout, np.ndarray]:
+    """A new file of one 4 MiB chunk of random bytes (uint8, seeded): its layout and its bytes."""
+    layout = layout_of(await c.create(path, chunk_size=4 * MiB))
+    data = np.random.default_rng(seed).integers(0, 255, 4 * MiB, dtype=np.uint8)
+    await c.write_from(layout, 0, memoryview(data), UpdateOp.ASSIGN)
+    return layout, data
 
 
 class _Steps(trio.abc.Instrument):
@@ -45,10 +54,7 @@ def test_a_small_read_costs_its_caller_one_pass_of_the_scheduler_and_a_cancelled
     async def main() -> None:
         with trio.fail_after(WAIT_S):
             async with Client.open(one_shard.meta_url, transport="tcp") as c:
-                ino = await c.create("/steps", chunk_size=4 * MiB)
-                layout = layout_of(ino)
-                data = np.random.default_rng(7).integers(0, 255, 4 * MiB, dtype=np.uint8)
-                await c.write_from(layout, 0, memoryview(data), UpdateOp.ASSIGN)
+                layout, data = await _one_chunk_file(c, "/steps", 7)
                 conn = await c.pool.connection(layout.shard_of(0))
                 buf = memoryview(bytearray(4096))
                 await conn.read(layout.file_id, 0, 0, buf)  # warm: the connection is open
@@ -141,10 +147,7 @@ def test_callers_sharing_a_connection_each_get_their_own_bytes_and_a_cancelled_r
     async def main() -> None:
         with trio.fail_after(WAIT_S):
             async with Client.open(one_shard.meta_url, transport="tcp") as c:
-                ino = await c.create("/shared-conn", chunk_size=4 * MiB)
-                layout = layout_of(ino)
-                data = np.random.default_rng(11).integers(0, 255, 4 * MiB, dtype=np.uint8)
-                await c.write_from(layout, 0, memoryview(data), UpdateOp.ASSIGN)
+                layout, data = await _one_chunk_file(c, "/shared-conn", 11)
                 shard = layout.shard_of(0)
                 first = await c.pool.connection(shard)
                 done = {"reads": 0, "cancelled": 0, "broken": 0}
