@@ -51,6 +51,7 @@ from ..wire.compress import max_elements as compress_max_elements
 from ..wire.extents import move, positions
 from ..wire.protocol import DEFAULT_MAX_PAYLOAD, Chain, Part, Update, UpdateOp, as_update
 from . import comm
+from .buffers import BufferPool
 from .pool import ShardPool
 from .view import ShardView
 
@@ -79,10 +80,11 @@ def as_bytes_view(data: object) -> memoryview:
     return view.cast("B")
 
 
-def pack(src: np.ndarray, at: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """The bytes ``src[at[k] : at[k] + length[k]]`` one after the other."""
+def pack(src: np.ndarray, at: np.ndarray, length: np.ndarray, pool: BufferPool | None = None) -> np.ndarray:
+    """The bytes ``src[at[k] : at[k] + length[k]]`` one after the other (in a buffer of
+    ``pool``'s when given: give it back when its request has completed)."""
     pos = positions(length)
-    out = np.empty(int(pos[-1]), dtype=np.uint8)
+    out = pool.take(int(pos[-1])) if pool is not None else np.empty(int(pos[-1]), dtype=np.uint8)
     move(out, pos[:-1], src, at, length)
     return out
 
@@ -98,6 +100,7 @@ class DataPath:
     Attributes:
         cached: the local read cache's read path (:mod:`irdma.client.readcache`), or None: reads
             of the files it serves go there; writes and truncates drop what it keeps of them.
+        buffers: reused payload buffers (:mod:`irdma.client.buffers`) of sparse pushes.
     """
 
     def __init__(self, view: ShardView, pool: ShardPool, meta: AsyncMeta) -> None:
@@ -105,6 +108,7 @@ class DataPath:
         self.pool = pool
         self.meta = meta
         self.cached: CachedReads | None = None
+        self.buffers = BufferPool()  # packed payloads of sparse pushes, reused once their request completed
         self._unsynced: set[int] = set()  # shards written since the last flush
         self._unsynced_single: set[int] = set()  # those of them written the only copy of a chunk
         self._flush_lock = trio.Lock()  # a flush returns only after the one in flight covered it

@@ -386,7 +386,7 @@ class SparseRows:
         """One SCATTER along its chunks' chain (:meth:`DataPath.chained_update`); a group whose chunks'
         chains parted since it was formed is split, one request per chain, same request id."""
         ext = P_extents(chunk, offset, length)
-        payload = pack(src, at, length)
+        payload = pack(src, at, length, self.data.buffers)
 
         async def parted() -> bool:
             units = self._scatter_units(layout, chunk, chunks)
@@ -403,6 +403,7 @@ class SparseRows:
                                existing, chain if part is None else dataclasses.replace(chain, part=part))
 
         await self.data.chained_update(layout, sorted(set(chunk.tolist())), send, chunks, created, rid, "scatter", parted)
+        self.data.buffers.give(payload)  # completed: no transport holds it (a failed request's is dropped)
 
     @staticmethod
     def _geometry(inode: Inode, raw: bytes | None, row_len: int | None) -> tuple[int, int | None]:
