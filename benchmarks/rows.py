@@ -38,6 +38,8 @@ from irdma.client.native import layout_of  # noqa: E402
 MiB = 1 << 20
 ROW = 256  # float32 per row
 PICK = 10_000  # rows per call
+#: The Zipf exponent of the skewed ids (row of rank r drawn with probability ~ r**-s).
+ZIPF_S = 1.1
 
 
 def _median_pair(fa: Callable[[], float], fb: Callable[[], float], repeats: int) -> tuple[float, float]:
@@ -97,6 +99,39 @@ def measure(meta: str, mountpoint: str | None, nrows: int, repeats: int = 7,
             for k in range(0, PICK, 1000):
                 await c.pull_rows("/.bench-rows", ids[k : k + 1000])
             out["rows-pull-batches-of-1000"] = {"seconds": time.perf_counter() - t}
+            # Zipf ids (issue 40): a batch of PICK ids drawn as a recommendation model's are, the
+            # popular rows spread over the table by a fixed permutation; against the contiguous
+            # pull/push of the distinct rows' bytes (what crosses the wire either way)
+            cdf = np.cumsum(np.arange(1, nrows + 1, dtype=np.float64) ** -ZIPF_S)
+            cdf /= cdf[-1]
+            spread = rng.permutation(nrows)
+            zt: dict[str, list[float]] = {k: [] for k in ("contig-pull", "rows-pull", "contig-add", "rows-add")}
+            distinct = []
+            for _ in range(repeats):
+                zids = spread[np.minimum(np.searchsorted(cdf, rng.random(PICK)), nrows - 1)]
+                u = len(np.unique(zids))
+                distinct.append(u)
+                start = int(rng.integers(0, nrows - u)) * rb
+                view = memoryview(buf).cast("B")[: u * rb]
+                dview = memoryview(delta).cast("B")[: u * rb]
+                t = time.perf_counter()
+                await c.read_into(layout, start, view, chunks)  # type: ignore[arg-type]
+                zt["contig-pull"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                await c.pull_rows("/.bench-rows", zids, out=rows_buf)
+                zt["rows-pull"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                await c.write_from(layout, start, dview, UpdateOp.ADD, chunks)  # type: ignore[arg-type]
+                zt["contig-add"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                await c.push_rows("/.bench-rows", zids, delta)
+                zt["rows-add"].append(time.perf_counter() - t)
+            z: dict[str, Any] = {"s": ZIPF_S, "distinct": statistics.median(distinct)}
+            for k, v in zt.items():
+                z[k] = {"seconds": statistics.median(v)}
+            z["pull_ratio"] = z["contig-pull"]["seconds"] / z["rows-pull"]["seconds"]
+            z["add_ratio"] = z["contig-add"]["seconds"] / z["rows-add"]["seconds"]
+            out["zipf"] = z
 
     trio.run(main)
     if mountpoint is not None:
@@ -121,6 +156,10 @@ def measure(meta: str, mountpoint: str | None, nrows: int, repeats: int = 7,
     say(f"rows: sparse pull {out['rows-pull']['mb_s']:.0f} vs contiguous {out['contig-pull']['mb_s']:.0f} MB/s"
         f" ({out['pull_ratio']:.2f}x); sparse add {out['rows-add']['mb_s']:.0f} vs {out['contig-add']['mb_s']:.0f}"
         f" MB/s ({out['add_ratio']:.2f}x)")
+    z = out["zipf"]
+    say(f"rows, Zipf s={z['s']} ({z['distinct']:.0f} distinct of {PICK}): pull {z['rows-pull']['seconds'] * 1e3:.1f}"
+        f" vs contiguous {z['contig-pull']['seconds'] * 1e3:.1f} ms ({z['pull_ratio']:.2f}x); add"
+        f" {z['rows-add']['seconds'] * 1e3:.1f} vs {z['contig-add']['seconds'] * 1e3:.1f} ms ({z['add_ratio']:.2f}x)")
     return out
 
 

@@ -1,6 +1,7 @@
 """The byte movers under every sparse row (:func:`irdma.wire.extents.move`: GATHER on the shard,
-SCATTER's assign and add, the client's pack and unpack) against one slice per extent, and the
-payload buffers a sparse push reuses (:class:`irdma.client.buffers.BufferPool`)."""
+SCATTER's assign and add, the client's pack and unpack) against one slice per extent, the
+duplicate rows a sparse push sums (:func:`irdma.client.sparse.sum_duplicates`) against a sum
+per id, and the payload buffers a sparse push reuses (:class:`irdma.client.buffers.BufferPool`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from irdma.client.buffers import MIN_POOLED, BufferPool
+from irdma.client.sparse import sum_duplicates
 from irdma.wire.extents import move, positions
 
 
@@ -104,3 +106,32 @@ def test_buffer_pool_reuses_only_what_was_given_back() -> None:
     small = pool.take(100)
     pool.give(small)  # below MIN_POOLED: not kept
     assert all(len(x) >= MIN_POOLED for x in pool._free)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 3000), st.sampled_from([1, 3, 64, 256]), st.integers(1, 4000), st.integers(0, 2**32 - 1),
+       st.booleans())
+def test_sum_duplicates_is_a_sum_per_id(n: int, k: int, span: int, seed: int, zipf: bool) -> None:
+    rng = np.random.default_rng(seed)
+    if zipf:  # a few ids repeated hundreds of times, most once: a recommendation batch
+        ids = (rng.zipf(1.3, n) % span).astype(np.int64)
+    else:
+        ids = rng.integers(0, span, n).astype(np.int64)
+    rows = rng.standard_normal((n, k)).astype("<f4")
+    before = rows.copy()
+    uniq, summed = sum_duplicates(ids, rows)
+    want: dict[int, np.ndarray] = {}
+    size: dict[int, np.ndarray] = {}  # the sum of magnitudes, for the rounding bound
+    for i, r in zip(ids.tolist(), rows.astype(np.float64), strict=True):
+        want[i] = want[i] + r if i in want else r.copy()
+        size[i] = size[i] + np.abs(r) if i in size else np.abs(r)
+    assert (rows == before).all()  # the caller's rows are left as they were
+    if len(want) == n:
+        assert uniq is ids and summed is rows  # nothing to sum: no copy
+        return
+    assert uniq.tolist() == sorted(want)
+    assert summed.dtype == np.float32 and summed.shape == (len(want), k)
+    ref = np.stack([want[i] for i in sorted(want)])
+    counts = np.bincount(np.searchsorted(uniq, ids), minlength=len(uniq))[:, None]
+    bound = counts * 2.0**-24 * np.stack([size[i] for i in sorted(size)])  # float32 summation, any order
+    assert (np.abs(summed - ref) <= bound).all()
