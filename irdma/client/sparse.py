@@ -85,11 +85,11 @@ def sum_duplicates(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.nd
         groups = np.flatnonzero(counts == c)
         if len(groups) == 1:  # one id repeated c times (a popular row): its rows in place
             g = int(groups[0])
-            block = as_void[order[starts[g] : starts[g] + c]].view("<f4").reshape(c, k)
-            summed[g] = np.add.reduce(block, axis=0)
+            one = as_void[order[starts[g] : starts[g] + c]].view("<f4").reshape(c, k)
+            summed[g] = np.add.reduce(one, axis=0)
         else:
-            block = as_void[order[starts[groups][:, None] + np.arange(c)]].view("<f4").reshape(len(groups), c, k)
-            summed[groups] = np.add.reduce(block, axis=1)
+            many = as_void[order[starts[groups][:, None] + np.arange(c)]].view("<f4").reshape(len(groups), c, k)
+            summed[groups] = np.add.reduce(many, axis=1)
     return sorted_ids[starts], summed
 
 
