@@ -14,7 +14,7 @@ import numpy as np
 
 from irdma._errors import BadRequest
 from irdma.wire import optimizers  # the optimizer-state layout, shared with the client
-from irdma.wire.extents import elements, fill, move, positions
+from irdma.wire.extents import elements, fill, move, positions, row_view
 from irdma.wire.protocol import Update, UpdateOp, op_kind
 
 from . import optim
@@ -157,7 +157,20 @@ class SparseRows(SharedExtents):
                     self._drop(*key)
             raise
         src = np.frombuffer(data, dtype=np.uint8)
-        if kind.is_optimizer:
+        lengths = np.concatenate([n for _, _, n, _ in parts])
+        if kind.is_optimizer and len(lengths) and int(lengths.min()) == int(lengths.max()):
+            assert isinstance(op, Update)
+            # rows of one length (no row across a chunk's end): each row taken out, stepped, put back whole
+            row_bytes = int(lengths[0])
+            per_extent = np.repeat(np.arange(len(parts)), [len(o) for _, o, _, _ in parts])
+            within = np.concatenate([offs for _, offs, _, _ in parts])
+            base = np.array([c.offset for c in chunks], dtype=np.int64)[per_extent]
+            state = np.array([st.offset + optimizers.HEADER for st in states], dtype=np.int64)[per_extent]
+            at = np.concatenate([a for _, _, _, a in parts])
+            grads = np.frombuffer(data, dtype=np.uint8)
+            rows = row_view(grads, row_bytes)[at].view("<f4").reshape(len(at), row_bytes // 4)  # a copy: the payload stays as sent
+            optim.apply_rows(op, self.region.view, rows, base + within, state + within, chunk_size)
+        elif kind.is_optimizer:
             assert isinstance(op, Update)
             # every row of every chunk in one step: gathered from the region, stepped, scattered back
             counts = np.concatenate([lens for _, _, lens, _ in parts]) // 4
@@ -171,8 +184,7 @@ class SparseRows(SharedExtents):
         else:
             move(np.frombuffer(self.region.view, dtype=np.uint8),
                  np.concatenate([c.offset + o for c, (_, o, _, _) in zip(chunks, parts, strict=True)]), src,
-                 np.concatenate([a for _, _, _, a in parts]), np.concatenate([n for _, _, n, _ in parts]),
-                 add=kind == UpdateOp.ADD)
+                 np.concatenate([a for _, _, _, a in parts]), lengths, add=kind == UpdateOp.ADD)
         versions = [self._bump(c) for c in chunks]
         for st, v in zip(states, versions, strict=False):
             self.versions[st.slot] = v  # the state's version follows its chunk's

@@ -236,19 +236,18 @@ class SparseRows:
             return
         out = np.frombuffer(into, dtype=np.uint8)
         chunk, offset, length, at = self.row_extents(layout, ids, row_bytes)
-        cuts = np.flatnonzero(np.diff(chunk)) + 1
-        groups = {int(chunk[g[0]]): g for g in np.split(np.arange(len(chunk)), cuts) if len(g)}
+        names = chunk[np.r_[0, np.flatnonzero(np.diff(chunk)) + 1]].tolist()  # the chunks named, ascending
 
         def candidates(c: int) -> list[int]:
             placed, joining = self.view.placed(layout, c)
             reps = [x for x in placed if x != joining]
             return reps if len(reps) == 1 else [x for x in reversed(reps) if self.view.current(x)]  # the tail first
 
-        cands = {c: candidates(c) for c in groups}
+        cands = {c: candidates(c) for c in names}
         tails = {c: (v[0] if v else None) for c, v in cands.items()}
         tried: dict[int, set[int]] = collections.defaultdict(set)  # replicas that failed or lost a chunk
         errors: dict[int, IrdmaError] = {}
-        pending = set(groups)
+        pending = set(names)
         limit = self.data.max_piece(layout) or DEFAULT_MAX_PAYLOAD
         refreshed, dirty_rounds = False, 0
         while pending:
@@ -270,7 +269,7 @@ class SparseRows:
 
             async def from_shard(sid: int, cs: list[int], failed: list[tuple[int, int]] = failed,
                                  again: list[int] = again) -> None:
-                sel = np.concatenate([groups[c] for c in cs])
+                sel = np.flatnonzero(np.isin(chunk, cs))  # its chunks' extents, in order
                 clean = layout.replicas > 1 and any(tails[c] != sid for c in cs)
                 for part in self._batches(chunk, length, sel, limit):
                     lost, outcome = await self._gather_part(layout, sid, chunk[part], offset[part], length[part],

@@ -36,6 +36,9 @@ from ..meta.aio import AsyncMeta
 from ..placement import Layout, Move, substitute
 from ..wire.protocol import Chain
 
+#: Chunks whose placement a view keeps (a table of 1M rows has 61; a checkpoint's files a few thousand).
+PLACED_CACHE = 1 << 16
+
 log = logging.getLogger("irdma.client")
 
 
@@ -75,6 +78,7 @@ class ShardView:
         self.shard_map: dict[int, ShardRecord] = {}
         self.epoch = 0
         self.moves: list[Move] = []
+        self._placed: dict[tuple[int, tuple[int, ...], int, int], tuple[tuple[int, ...], int | None]] = {}
         self.health: dict[int, str] = {}
         self.down_until: dict[int, float] = {}
         # replicas this client took out of their chunks' in-sync sets in this view:
@@ -86,6 +90,7 @@ class ShardView:
     async def refresh(self) -> None:
         """Read the shard map and its epoch again (the view requests carry)."""
         self.epoch, records, self.moves = await self.meta.shard_view()
+        self._placed.clear()
         self.shard_map = {r.shard_id: r for r in records}
         for r in records:
             if r.health == "up" and self.health.get(r.shard_id) in ("down", "syncing"):
@@ -126,7 +131,14 @@ class ShardView:
         """A chunk's replicas in this view, head first, and the one joining them
         (the target of a move in progress: the tail, never read) or None
         (:func:`irdma.placement.substitute`)."""
-        return substitute(layout.replicas_of(index), self.moves, layout.placed_as + index, file_id=layout.placed_as)
+        key = (layout.placed_as, layout.stripe, layout.replicas, index)
+        hit = self._placed.get(key)
+        if hit is None:  # a pure function of the layout, the chunk and the moves: kept until the map is read again
+            hit = substitute(layout.replicas_of(index), self.moves, layout.placed_as + index, file_id=layout.placed_as)
+            if len(self._placed) >= PLACED_CACHE:
+                self._placed.clear()
+            self._placed[key] = hit
+        return hit
 
     def shards_of(self, layout: Layout) -> set[int]:
         """Every shard that may hold a chunk of the file: its stripe and where moves took them,

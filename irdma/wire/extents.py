@@ -3,7 +3,7 @@
 An extent is ``(position, length)`` in a buffer of bytes (a numpy ``uint8`` array). Copying
 thousands of them one Python slice at a time costs a microsecond or more each; :func:`move`
 does it with one fancy-indexed copy per distinct length over a view of each buffer as
-overlapping ``n``-byte void elements, one starting at every byte (:func:`_elements_of`): any
+overlapping ``n``-byte void elements, one starting at every byte (:func:`row_view`): any
 alignment works, not only rows that tile the buffer, and numpy copies each element as one
 ``memcpy`` of ``n`` bytes (a float32 or uint8 view copies element by element, 2-4x slower
 on rows of 1 KiB here). ``add`` takes the rows out, adds, and puts them back, so the
@@ -24,7 +24,7 @@ def positions(length: np.ndarray) -> np.ndarray:
     return pos
 
 
-def _elements_of(buf: np.ndarray, n: int) -> np.ndarray:
+def row_view(buf: np.ndarray, n: int) -> np.ndarray:
     """``buf`` (1-D uint8, contiguous) as ``len(buf) - n + 1`` void elements of ``n`` bytes,
     element ``i`` being bytes ``i .. i + n - 1`` (they overlap: a view, no copy; writable
     when ``buf`` is)."""
@@ -49,7 +49,7 @@ def move(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np.ndarra
             continue
         sel = slice(None) if len(lengths) == 1 else length == n
         d_at, s_at = dst_at[sel], src_at[sel]
-        d, s = _elements_of(dst, n), _elements_of(src, n)
+        d, s = row_view(dst, n), row_view(src, n)
         if not add:
             d[d_at] = s[s_at]
             continue
