@@ -26,9 +26,10 @@ Both figures exclude the first ``--warmup`` batches per worker (tracing, the tab
 
 ``rows_per_s`` is training examples per second of the whole job (2 workers).
 
-Measured (``--stock``, the defaults: 1,000,000 x 64, 300 timed steps of 512 per worker; one
-2-core machine, 110 s in all): irdma 12,959 rows/s (6,550 and 6,596 per worker), TF PS 47,348
-rows/s, ratio 0.27; TF PS with Keras 3's own ``Embedding.call`` 362 rows/s.
+Measured (the defaults: 1,000,000 x 64, 300 timed steps of 512 per worker; one 2-core machine,
+35 s in all, 2026-12-04): irdma 43,000-53,000 rows/s, TF PS 59,000-77,000 rows/s, ratio
+0.67-0.75 over six runs (docs/keras.md says what bounds it); TF PS with Keras 3's own
+``Embedding.call`` (``--stock``) 362 rows/s when last measured.
 """
 
 from __future__ import annotations

@@ -292,6 +292,17 @@ def write_report(R: dict[str, Any], out: str) -> None:
             L.append(f"| `pull_rows` in 10 calls of 1,000 rows | {rw['rows-pull-batches-of-1000']['seconds']:.4f} |"
                      f" {mb / rw['rows-pull-batches-of-1000']['seconds']:.0f} |")
         L.append("")
+        z = rw.get("zipf")
+        if z:
+            L += [f"Zipf ids (issue 40): {rw['picked']:,} ids drawn with p(rank r) ~ r^-{z['s']} (the popular rows spread"
+                  f" over the table), {z['distinct']:.0f} of them distinct (median), against the contiguous pull and push"
+                  " of the distinct rows' bytes (what crosses the wire either way).", "",
+                  "| how | seconds | ratio |", "|---|---|---|",
+                  f"| contiguous pull of the distinct rows' bytes | {z['contig-pull']['seconds']:.4f} | |",
+                  f"| `pull_rows` of the {rw['picked']:,} ids | {z['rows-pull']['seconds']:.4f} | {z['pull_ratio']:.2f} |",
+                  f"| contiguous push (add) of the distinct rows' bytes | {z['contig-add']['seconds']:.4f} | |",
+                  f"| `push_rows` (add) of the {rw['picked']:,} ids, duplicates summed | {z['rows-add']['seconds']:.4f} |"
+                  f" {z['add_ratio']:.2f} |", ""]
     sn = R.get("snapshots")
     if sn:
         L += _snapshots_section(sn, R.get("snapshots_date"))

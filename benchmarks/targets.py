@@ -135,6 +135,13 @@ def targets(R: dict[str, Any]) -> list[dict[str, Any]]:
         add("sparse rows push (add), 10,000 of 256 float32, native", rw["add_ratio"],
             "contiguous push (add) of the same bytes", 0.4,
             f"{rw['rows-add']['mb_s']:.0f} vs {rw['contig-add']['mb_s']:.0f} MB/s")
+        z = rw.get("zipf")
+        if z:  # issue 40
+            add("sparse rows pull, Zipf ids, native", z["pull_ratio"], "contiguous pull of the distinct rows' bytes", 0.6,
+                f"{z['rows-pull']['seconds'] * 1e3:.1f} vs {z['contig-pull']['seconds'] * 1e3:.1f} ms,"
+                f" {z['distinct']:.0f} distinct of {rw['picked']:,}")
+            add("sparse rows push (add), Zipf ids, native", z["add_ratio"], "contiguous push (add) of the distinct rows'"
+                " bytes", 0.5, f"{z['rows-add']['seconds'] * 1e3:.1f} vs {z['contig-add']['seconds'] * 1e3:.1f} ms")
     em = R.get("embedding")
     if em:  # issue 40
         add("embedding training rows/s vs TF ParameterServerStrategy", em["ratio_irdma_over_tf_ps"],

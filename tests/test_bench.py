@@ -60,6 +60,7 @@ def test_benchmark_suite_quick_run_writes_the_report(tmp_path: object) -> None:
     assert data["rounds"]["irdma-native"] > 0 and data["tcp"]["pull"] > 0
     assert data["rounds"]["irdma-mount-unified"] > 0 and data["fio"]["irdma mount"]["rand read 4 KiB x1"]["iops"] > 0
     assert data["rows"]["rows-pull"]["mb_s"] > 0 and data["rows"]["mount-pread-x16"]["mb_s"] > 0
+    assert 0 < data["rows"]["zipf"]["distinct"] < data["rows"]["picked"] and data["rows"]["zipf"]["rows-pull"]["seconds"] > 0
     assert data["round_trip"]["irdma_p50_us"] > 0 and data["round_trip"]["socket_p50_us"] > 0
 
 
