@@ -424,7 +424,7 @@ class SparseRows:
         """One SCATTER along its chunks' chain (:meth:`DataPath.chained_update`); a group whose chunks'
         chains parted since it was formed is split, one request per chain, same request id."""
         ext = P_extents(chunk, offset, length)
-        payload = pack(src, at, length, self.data.buffers)
+        packed: list[np.ndarray] = []  # packed at the first send: a request parted() splits packs its own parts
 
         async def parted() -> bool:
             units = self._scatter_units(layout, chunk, chunks)
@@ -437,11 +437,14 @@ class SparseRows:
             return True
 
         async def send(conn: ShardConnection, existing: bool, chain: Chain) -> None:
-            await conn.scatter(layout.file_id, layout.chunk_size, ext, op, memoryview(payload),  # type: ignore[arg-type]
+            if not packed:
+                packed.append(pack(src, at, length, self.data.buffers))
+            await conn.scatter(layout.file_id, layout.chunk_size, ext, op, memoryview(packed[0]),  # type: ignore[arg-type]
                                existing, chain if part is None else dataclasses.replace(chain, part=part))
 
         await self.data.chained_update(layout, sorted(set(chunk.tolist())), send, chunks, created, rid, "scatter", parted)
-        self.data.buffers.give(payload)  # completed: no transport holds it (a failed request's is dropped)
+        if packed:
+            self.data.buffers.give(packed[0])  # completed: no transport holds it (a failed request's is dropped)
 
     @staticmethod
     def _geometry(inode: Inode, raw: bytes | None, row_len: int | None) -> tuple[int, int | None]:

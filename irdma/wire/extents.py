@@ -28,7 +28,8 @@ def row_view(buf: np.ndarray, n: int) -> np.ndarray:
     """``buf`` (1-D uint8, contiguous) as ``len(buf) - n + 1`` void elements of ``n`` bytes,
     element ``i`` being bytes ``i .. i + n - 1`` (they overlap: a view, no copy; writable
     when ``buf`` is)."""
-    return np.ndarray((max(len(buf) - n + 1, 0),), dtype=np.dtype((np.void, n)), buffer=buf, offset=0,
+    raw = buf if buf.dtype == np.uint8 else buf.view(np.uint8)  # lengths in bytes, whatever it was typed as
+    return np.ndarray((max(len(raw) - n + 1, 0),), dtype=np.dtype((np.void, n)), buffer=raw, offset=0,
                       strides=(1,))
 
 
