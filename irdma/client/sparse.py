@@ -400,14 +400,14 @@ class SparseRows:
         incarnation and whether they exist (so one request with one FLAG_EXISTING serves it)."""
         if sel is None:
             sel = np.arange(len(chunk))
-        keys: dict[tuple[object, ...], list[np.ndarray]] = collections.defaultdict(list)
         sub = chunk[sel]
-        cuts = np.flatnonzero(np.diff(sub)) + 1
+        if not len(sub):
+            return []
+        starts = np.r_[0, np.flatnonzero(np.diff(sub)) + 1]  # each run of one chunk's extents
         single = layout.replicas == 1
-        for g in np.split(np.arange(len(sub)), cuts):
-            if not len(g):
-                continue
-            c = int(sub[g[0]])
+        keys: dict[tuple[object, ...], int] = {}
+        run_key = np.empty(len(starts), dtype=np.int64)
+        for j, c in enumerate(sub[starts].tolist()):
             try:
                 chain: tuple[int, ...] | None = self.view.chain_of(layout, c)
             except ShardUnavailable:
@@ -415,8 +415,12 @@ class SparseRows:
             rec = chunks.get(c) if chunks else None
             head = chain[0] if chain else None
             existing = rec is not None and (head in rec or single)
-            keys[(chain, existing, rec.get(head) if rec is not None and head is not None else None)].append(sel[g])
-        return [np.concatenate(v) for v in keys.values()]
+            run_key[j] = keys.setdefault((chain, existing, rec.get(head) if rec is not None and head is not None else None),
+                                         len(keys))
+        if len(keys) == 1:
+            return [sel]
+        per_extent = np.repeat(run_key, np.diff(np.r_[starts, len(sub)]))
+        return [sel[per_extent == k] for k in range(len(keys))]  # in the order the keys first appear
 
     async def _scatter_chain(self, layout: Layout, chunk: np.ndarray, offset: np.ndarray, length: np.ndarray,
                              src: np.ndarray, at: np.ndarray, op: UpdateOp | Update, chunks: ChunkMap | None,
