@@ -306,7 +306,7 @@ class SparseRows:
         (another replica may have them) and ``ok``, ``down`` (the replica failed: nothing read)
         or ``dirty`` (a clean read met an update in flight: nothing read)."""
         ext = P_extents(chunk, offset, length)
-        names = sorted(set(chunk.tolist()))
+        names = np.unique(chunk).tolist()
 
         async def fn(conn: ShardConnection) -> tuple[np.ndarray, memoryview]:
             return await conn.gather(layout.file_id, ext, clean and not conn.one_sided_reads)
@@ -326,7 +326,8 @@ class SparseRows:
         conn = self.pool.conns.get(shard_id)
         inc = conn.info.incarnation if conn is not None else None
         lost: list[int] = []
-        holes = set(np.unique(chunk[versions == 0]).tolist()) if chunks or unmapped is not None else set()
+        zero = versions == 0
+        holes = set(np.unique(chunk[zero]).tolist()) if (chunks or unmapped is not None) and zero.any() else set()
         if unmapped is not None:
             unmapped.update(c for c in holes if chunks is None or c not in chunks)
         if chunks:
@@ -339,9 +340,11 @@ class SparseRows:
                 if c in holes or (was and inc is not None and was != inc):
                     lost.append(c)
                     errors[c] = self.data.lost(layout, c, shard_id, "restarted with empty memory since, or no longer has it")
-        keep = ~np.isin(chunk, lost) if lost else np.ones(len(chunk), dtype=bool)
-        pos = positions(length)
-        move(out, at[keep], buf, pos[:-1][keep], length[keep])
+        pos = positions(length)[:-1]
+        if lost:  # what the lost chunks' extents read is left out (another replica's read fills it)
+            keep = ~np.isin(chunk, lost)
+            at, pos, length = at[keep], pos[keep], length[keep]
+        move(out, at, buf, pos, length)
         return lost, "ok"
 
     async def write_rows_from(self, layout: Layout, ids: np.ndarray, row_bytes: int, data: memoryview | bytes,
