@@ -64,6 +64,14 @@ def kill(pid: int) -> None:
     wait_until(lambda: not pid_alive(pid), 10, f"process {pid} to die")
 
 
+def peers_closed_on(ports: set[int]) -> int:
+    """Connections to these local ports whose peer closed and the listener has not yet (TCP
+    CLOSE_WAIT, from /proc/net/tcp): a shard still reading what a dead client sent before it died."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return sum(1 for r in rows if r[3] == "08" and int(r[1].rsplit(":", 1)[1], 16) in ports)
+
+
 def chunk_shards(meta_url: str, path: str) -> tuple[irdma.Layout, list[int]]:
     with irdma.connect(meta_url, transport="tcp") as cl:
         inode = cl.stat(path)
@@ -254,6 +262,10 @@ def test_a_killed_mount_is_recovered_and_leaks_nothing(tmp_path: object) -> None
         finally:
             writer.kill()
             writer.wait(10)
+        # what the dead mount had sent is applied (a shard closes a connection once it read it
+        # all) before gc scans: a write landing after the scan is the next gc's to free
+        ports = {int(sh.address.rsplit(":", 1)[1]) for sh in c.shards}
+        wait_until(lambda: peers_closed_on(ports) == 0, 60, "the shards to finish the dead mount's connections")
         # the file the dead mount was writing holds no acknowledged byte past what was stored
         assert irdma_cli("umount", victim_mnt).returncode == 0
         res = irdma_cli("gc", "--meta", c.meta_url, "--dry-run")
