@@ -158,33 +158,27 @@ class SparseRows(SharedExtents):
             raise
         src = np.frombuffer(data, dtype=np.uint8)
         lengths = np.concatenate([n for _, _, n, _ in parts])
-        if kind.is_optimizer and len(lengths) and int(lengths.min()) == int(lengths.max()):
+        at = np.concatenate([a for _, _, _, a in parts])  # each extent's place in the payload
+        if kind.is_optimizer:
             assert isinstance(op, Update)
-            # rows of one length (no row across a chunk's end): each row taken out, stepped, put back whole
-            row_bytes = int(lengths[0])
+            # every row of every chunk in one step: taken from the region, stepped, put back
             per_extent = np.repeat(np.arange(len(parts)), [len(o) for _, o, _, _ in parts])
             within = np.concatenate([offs for _, offs, _, _ in parts])
-            base = np.array([c.offset for c in chunks], dtype=np.int64)[per_extent]
-            state = np.array([st.offset + optimizers.HEADER for st in states], dtype=np.int64)[per_extent]
-            at = np.concatenate([a for _, _, _, a in parts])
-            grads = np.frombuffer(data, dtype=np.uint8)
-            rows = row_view(grads, row_bytes)[at].view("<f4").reshape(len(at), row_bytes // 4)  # a copy: the payload stays as sent
-            optim.apply_rows(op, self.region.view, rows, base + within, state + within, chunk_size)
-        elif kind.is_optimizer:
-            assert isinstance(op, Update)
-            # every row of every chunk in one step: gathered from the region, stepped, scattered back
-            counts = np.concatenate([lens for _, _, lens, _ in parts]) // 4
-            per_extent = np.repeat(np.arange(len(parts)), [len(o) for _, o, _, _ in parts])
-            within = elements(np.concatenate([offs for _, offs, _, _ in parts]) // 4, counts)
-            at_chunk = np.repeat(np.array([c.offset // 4 for c in chunks], dtype=np.int64)[per_extent], counts)
-            at_state = np.repeat(np.array([(st.offset + optimizers.HEADER) // 4 for st in states],
-                                          dtype=np.int64)[per_extent], counts)
-            grads = np.frombuffer(data, dtype="<f4")[elements(np.concatenate([a for _, _, _, a in parts]) // 4, counts)]
-            optim.apply_region(op, self.region.view, grads, at_chunk + within, at_state + within, chunk_size // 4)
+            base = np.array([c.offset for c in chunks], dtype=np.int64)[per_extent] + within
+            state = np.array([st.offset + optimizers.HEADER for st in states], dtype=np.int64)[per_extent] + within
+            if len(lengths) and int(lengths.min()) == int(lengths.max()):  # one length (none across a chunk's end)
+                row_bytes = int(lengths[0])  # whole rows, each one element: a copy, the payload stays as sent
+                rows = row_view(src, row_bytes)[at].view("<f4").reshape(len(at), row_bytes // 4)
+                optim.apply_rows(op, self.region.view, rows, base, state, chunk_size)
+            else:  # float by float
+                counts = lengths // 4
+                grads = np.frombuffer(data, dtype="<f4")[elements(at // 4, counts)]
+                optim.apply_region(op, self.region.view, grads, elements(base // 4, counts),
+                                   elements(state // 4, counts), chunk_size // 4)
         else:
             move(np.frombuffer(self.region.view, dtype=np.uint8),
                  np.concatenate([c.offset + o for c, (_, o, _, _) in zip(chunks, parts, strict=True)]), src,
-                 np.concatenate([a for _, _, _, a in parts]), lengths, add=kind == UpdateOp.ADD)
+                 at, lengths, add=kind == UpdateOp.ADD)
         versions = [self._bump(c) for c in chunks]
         for st, v in zip(states, versions, strict=False):
             self.versions[st.slot] = v  # the state's version follows its chunk's
