@@ -19,6 +19,7 @@ The front ends only move frames: :mod:`irdma.server.tcp` (pipelined TCP connecti
 
 from __future__ import annotations
 
+import errno
 import inspect
 import logging
 from collections import OrderedDict
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import trio
 
-from irdma._errors import BadRequest, RemoteProtocolError
+from irdma._errors import BadRequest, NoSpace, RemoteProtocolError
 from irdma.metrics import shard_metrics
 from irdma.wire import auth, optimizers
 from irdma.wire import protocol as P
@@ -493,7 +494,13 @@ class Dispatcher:
                         await trio.lowlevel.checkpoint()
             except Exception as exc:  # OSError, sqlite3.Error: this request fails, the shard goes on
                 log.error("shard %d could not make a new chunk: %s", self.shard.shard_id, exc)
-                reply = P.ErrorReply(P.Status.INTERNAL, f"shard {self.shard.shard_id}: cannot make a new chunk: {exc}")
+                if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                    reply = self._error(NoSpace(f"shard {self.shard.shard_id} cannot make a new chunk: its data"
+                                                " directory's disk has no room; free disk space there, or move"
+                                                " the shard's data to a bigger disk"), msg)
+                else:
+                    reply = P.ErrorReply(P.Status.INTERNAL,
+                                         f"shard {self.shard.shard_id}: cannot make a new chunk: {exc}")
                 self._observe(t0, msg, reply, transport)
                 return reply
             except BaseException:

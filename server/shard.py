@@ -27,6 +27,7 @@ the shard's):
 from __future__ import annotations
 
 import collections
+import errno
 import heapq
 import logging
 import os
@@ -218,11 +219,8 @@ class Shard(SparseRows):
         self.used -= size
 
     def _alloc_extent(self, size: int, what: str) -> int:
-        """A free extent of ``size`` bytes (parked ones a sync released taken back first).
-
-        Raises:
-            NoSpace: none; nothing changed.
-        """
+        """A free extent of ``size`` bytes (parked ones a sync released taken back first), its
+        disk blocks reserved. Raises NoSpace: none, or no disk room for it; nothing changed."""
         to = self._alloc.alloc(size)
         if to is None and self.reclaim():
             to = self._alloc.alloc(size)
@@ -231,6 +229,14 @@ class Shard(SparseRows):
             raise NoSpace(f"shard {self.shard_id} is full: {self.used} of {self.capacity} bytes used, no free extent"
                           f" of {size} bytes {what}" + (f" ({parked} bytes that chunks grew out of come back at the"
                                                         " next sync, within seconds)" if parked else ""))
+        try:  # a full disk: the trimmable extents' blocks given back, then once more
+            if self.store and not (self.store.reserve(to, size) or self.trim(0.0) and self.store.reserve(to, size)):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as exc:
+            self._alloc.free(to, size)
+            raise NoSpace(f"shard {self.shard_id} cannot hold {size} more bytes {what}: the disk of its data directory"
+                          f" {self.store.path if self.store else ''} is full ({exc.strerror or exc}); free disk space"
+                          " there") from None
         return to
 
     def _grow(self, key: ChunkKey, chunk: Chunk, end: int) -> None:

@@ -107,6 +107,24 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
         raise OSError(err, f"fallocate(PUNCH_HOLE) failed: {os.strerror(err)}")
 
 
+def allocate(fd: int, offset: int, length: int) -> bool:
+    """Give ``[offset, offset+length)`` of a file its disk blocks now (fallocate(2) mode 0 with
+    FALLOC_FL_KEEP_SIZE: blocks not written yet read as zeros, what was there stays). A page
+    of a shared mapping whose block the filesystem cannot allocate at the first write kills
+    the writer with SIGBUS; allocated ahead, a full disk is this call's ENOSPC instead.
+    Returns False when the filesystem cannot allocate ahead (EOPNOTSUPP, ENOSYS).
+
+    Raises:
+        OSError: the disk has no room for the range (ENOSPC), or another failure.
+    """
+    if _libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.EOPNOTSUPP, errno.ENOSYS):
+            return False
+        raise OSError(err, f"fallocate of {length} bytes failed: {os.strerror(err)}")
+    return True
+
+
 def is_hole(fd: int, offset: int, length: int) -> bool:
     """Whether ``[offset, offset+length)`` of a file holds no data: no block and no page the
     page cache holds for it (``lseek(2)`` SEEK_DATA, which counts delayed-allocation and dirty
@@ -166,6 +184,9 @@ class ShardStore:
         #: the pinned old one, so the CPU and the device would see different bytes. Extents
         #: are then zeroed by writing zeros.
         self.punch = True
+        #: New chunks' extents get their disk blocks ahead of their first writes
+        #: (:func:`allocate`); turned off when the filesystem cannot.
+        self.allocate = True
         try:
             os.makedirs(self.path, mode=0o700, exist_ok=True)
         except OSError as exc:
@@ -211,6 +232,9 @@ class ShardStore:
         try:
             self.region_fd, self.region = self._map("region", self.capacity)
             self.versions_fd, self.versions = self._map("versions", 8 * (self.capacity // PAGE))
+            # a version may be written at any page: its blocks all now (8 bytes a page of the
+            # region: 2 MiB a GiB), not a SIGBUS at the first version a full disk cannot hold
+            allocate(self.versions_fd, 0, 8 * (self.capacity // PAGE))
         except OSError as exc:
             raise IrdmaError(f"cannot map the shard's files in {self.path}: {exc.strerror or exc}",
                              "check the disk has room and the directory is writable") from None
@@ -305,6 +329,8 @@ class ShardStore:
         rows = _rows(chunks)
         for _, _, offset, size, extent in rows:
             self._zero(offset, extent or size)  # a new chunk starts as zeros, whatever a crash left
+            if not self.reserve(offset, extent or size):  # again: a punch above gave its blocks back
+                raise OSError(errno.ENOSPC, f"no room on the disk for a new chunk of {extent or size} bytes")
         self.record_chunks(rows)
 
     def record_chunks(self, chunks: Sequence[Row]) -> None:
@@ -548,6 +574,27 @@ class ShardStore:
                             out.append((page, PAGE))
             pos = stop
         return out
+
+    def reserve(self, offset: int, size: int) -> bool:
+        """Give ``[offset, offset+size)`` of the region its disk blocks before anything writes
+        there (:func:`allocate`): every extent a chunk takes is reserved so, and a full disk is
+        an error for the request that wanted the extent, never a SIGBUS that stops the shard
+        in the middle of a copy. Returns False when the disk has no room (ENOSPC; nothing that
+        matters was allocated: the range stays free). A no-op (True) on a filesystem that
+        cannot allocate ahead, and on a region an RDMA transport registered (its pages are
+        pinned, so held already).
+
+        Raises:
+            OSError: another failure of fallocate(2).
+        """
+        if self.punch and self.allocate:
+            try:
+                self.allocate = allocate(self.region_fd, offset, size)
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    return False
+                raise
+        return True
 
     def zero(self, offset: int, size: int) -> None:
         """Make ``[offset, offset+size)`` of the region read as zeros (a hole punched in the

@@ -311,6 +311,67 @@ def test_sizes_count_only_stored_bytes_after_enospc(tmp_path: object) -> None:
         assert all(os.path.getsize(os.path.join(m, f"one{j}")) == 1 for j in range(k))
 
 
+@contextlib.contextmanager
+def small_disk(path: str, size: int) -> Iterator[str]:
+    """A tmpfs of ``size`` bytes mounted at ``path`` (a disk that fills up), unmounted at the end."""
+    os.makedirs(path)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=False)
+
+
+def test_a_full_disk_under_the_data_directory_is_enospc_and_the_shard_lives_on(tmp_path: object) -> None:
+    """A shard whose region (64 MiB) is bigger than the disk its data directory is on (20 MiB):
+    4 MiB files through the mount until the disk is full. The write that finds no room fails
+    with ENOSPC (before: the shard died of SIGBUS at its first write into a page the disk had
+    no block for, and every file on it went with it); the shard goes on serving, every file
+    whose close returned reads back as written, and room freed by rm is used again."""
+    tmp = str(tmp_path)
+    with small_disk(os.path.join(tmp, "disk"), 20 * MB) as disk, \
+            running_cluster(os.path.join(disk, "c"), shards=1, replicas=1, capacity=64 * MB) as c, \
+            mount(c, tmp, "m", allow=("failed", "full", "no room")) as m:
+        rng = np.random.default_rng(5)
+        kept: dict[str, bytes] = {}
+        failed = None
+        for k in range(16):  # 64 MiB of files: the disk is full long before
+            data = rng.integers(0, 256, 4 * MB, dtype=np.uint8).tobytes()
+            path = os.path.join(m, f"f{k}")
+            try:
+                with open(path, "wb") as f:
+                    f.write(data)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+                failed = path
+                break
+            kept[path] = data
+        assert failed is not None, "64 MiB of files fitted on a 20 MiB disk"
+        assert len(kept) >= 2, "the disk held less than 8 MiB of files"
+        assert all(pid_alive(s.pid) for s in c.shards), "a shard died when its disk filled up"
+        for path, data in kept.items():
+            with open(path, "rb") as f:
+                assert f.read() == data, f"{path} does not read back as written"
+        def used() -> int:
+            with irdma.connect(c.meta_url, transport="tcp") as cl:
+                return sum(st.used for _, st, _ in cl.shard_stats() if st is not None)
+
+        held = used()
+        os.unlink(failed)
+        gone = next(iter(kept))
+        os.unlink(gone)
+        del kept[gone]
+        wait_until(lambda: used() <= held - 4 * MB, 20, "the removed file's chunks to be freed (its unlink grace)")
+        data = rng.integers(0, 256, 4 * MB, dtype=np.uint8).tobytes()
+        with open(os.path.join(m, "again"), "wb") as f:  # into the extent the rm freed
+            f.write(data)
+        with open(os.path.join(m, "again"), "rb") as f:
+            assert f.read() == data
+        assert all(pid_alive(s.pid) for s in c.shards)
+
+
 def test_rename_over_with_a_reader_on_another_mount(tmp_path: object) -> None:
     tmp = str(tmp_path)
     size = 256 * 1024
