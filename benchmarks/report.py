@@ -109,7 +109,9 @@ def plots(R: dict[str, Any], out: str) -> list[str]:
             color=[colors[n] for n in names])
     ax1.set_ylabel("ms per push-and-pull round (lower is better)")
     ax1.set_title("25.6 M float32 model, 2 workers, 2 servers")
-    bw = {"TCP ceiling": (R["tcp"]["pull"], R["tcp"]["push"]), "irdma native": (R["native"]["pull"], R["native"]["push-assign"]),
+    bw = {"TCP ceiling": (R["tcp"]["pull"], R["tcp"]["push"]),
+          **({"TCP + GMAC": (R["tcp_mac"]["pull"], R["tcp_mac"]["push"])} if "tcp_mac" in R else {}),
+          "irdma native": (R["native"]["pull"], R["native"]["push-assign"]),
           "irdma mount": (R["mount"]["pull"], R["mount"]["push-assign"]), "tmpfs": (R["tmpfs"]["read"], R["tmpfs"]["write"])}
     xs = list(bw)
     ax2.bar([i - 0.2 for i in range(len(xs))], [bw[x][0] for x in xs], 0.4, label="read / pull")
@@ -171,23 +173,37 @@ def write_report(R: dict[str, Any], out: str) -> None:
                  f" | {t['figures']} |")
     if R.get("regression_check"):
         L += ["", *markdown(R["regression_check"])]
-    runs = R.get("tcp_runs", [])
+    runs, mruns = R.get("tcp_runs", []), R.get("tcp_mac_runs", [])
+    each = ("; ".join(", ".join("{:.0f}/{:.0f}".format(r["pull"], r["push"]) for r in rr) + f" {name}"
+                      for rr, name in ((runs, "raw"), (mruns, "with the GMAC")) if rr))
     L += ["", "## Bandwidth, 1 GiB, 4 MiB requests, 4 in flight", "",
-          "The loopback TCP ceiling is the mean of two measurements, before and after irdma's"
-          + (" (" + ", ".join("{:.0f}/{:.0f}".format(r["pull"], r["push"]) for r in runs) + " MB/s pull/push)."
-             if runs else "."),
+          "Two ceilings, each the mean of two measurements, before and after irdma's"
+          + (f" ({each} MB/s pull/push)" if each else "") + ": raw loopback TCP (4 streams to another"
+          " process, 4 MiB blocks), the ceiling of `--security auth`, whose payloads go untagged; and the"
+          " *same-work ceiling* of the default `integrity` level: the same streams with a 16-byte GMAC"
+          " (AES-256-GCM, `irdma.wire.auth.FrameMac`) per 4 MiB block, computed by the sender and computed"
+          " again and compared by the receiver, the work a shard and a client must do for every frame."
+          " The integrity-level native figures are set against the second, the `--security auth` ones"
+          " (Authentication, below) against the first.",
           "",
-          "| path | read / pull | write / push (assign) | push (add) | read ratio to TCP | write ratio to TCP |",
-          "|---|---|---|---|---|---|"]
+          "| path | read / pull | write / push (assign) | push (add) | read ratio to raw TCP | write ratio to raw TCP |"
+          " read ratio to same-work | write ratio to same-work |",
+          "|---|---|---|---|---|---|---|---|"]
     tcp = R["tcp"]
-    for name, rd, wr, add in (
-        ("loopback TCP, 4 streams (ceiling)", tcp["pull"], tcp["push"], None),
+    mac = R.get("tcp_mac")
+    rows = [("loopback TCP, 4 streams (ceiling of --security auth)", tcp["pull"], tcp["push"], None)]
+    if mac:
+        rows.append(("loopback TCP, 4 streams, GMAC per 4 MiB block (same-work ceiling)", mac["pull"], mac["push"],
+                     None))
+    rows += [
         ("tmpfs, 4 MiB blocks (ceiling)", R["tmpfs"]["read"], R["tmpfs"]["write"], None),
         ("irdma native client, 4 shards", R["native"]["pull"], R["native"]["push-assign"], R["native"]["push-add"]),
         ("irdma through the mount (direct I/O)", R["mount"]["pull"], R["mount"]["push-assign"], R["mount"]["push-add"]),
-    ):
+    ]
+    for name, rd, wr, add in rows:
+        same = f" {rd / mac['pull']:.2f} | {wr / mac['push']:.2f} |" if mac else " - | - |"
         L.append(f"| {name} | {rd:.0f} | {wr:.0f} | {'-' if add is None else f'{add:.0f}'} | {rd / tcp['pull']:.2f}"
-                 f" | {wr / tcp['push']:.2f} |")
+                 f" | {wr / tcp['push']:.2f} |{same}")
     L += ["", f"A push with `assign` creates its chunks, so it writes fresh shard memory: against the tmpfs write of a"
           f" new file (fresh pages too) it is {R['native']['push-assign'] / R['tmpfs']['write']:.2f}x"
           f" ({R['native']['push-assign']:.0f} vs {R['tmpfs']['write']:.0f} MB/s)."]

@@ -43,6 +43,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)  # the other benchmark modules: harness, guard, report, the sections
 
+import ceilings  # noqa: E402
 from harness import PY, cleanup_barrier, cluster, model_shapes, mounted, pow2_chunk, start_together  # noqa: E402
 
 from irdma.client.native import Client  # noqa: E402
@@ -199,42 +200,6 @@ def through_mount(mp: str, size: int, chunk: int, concurrency: int = 4,
     return {r.name: r.mb_s for r in B.bench_mount(mp, cfg, lambda *a: None)}
 
 
-# ---------------------------------------------------------------- ceilings
-_TCP_SERVER = r"""
-import socket, sys, threading
-per, streams = int(sys.argv[1]), int(sys.argv[2])
-ls = socket.create_server(("127.0.0.1", 0)); print(ls.getsockname()[1], flush=True)
-def serve(c):
-    mode = c.recv(1); buf = bytearray(4 << 20); view = memoryview(buf)
-    if mode == b"W":
-        got = 0
-        while got < per:
-            got += c.recv_into(view[: min(len(buf), per - got)])
-        c.sendall(b"k")
-    else:
-        sent = 0
-        while sent < per:
-            n = min(len(buf), per - sent); c.sendall(view[:n]); sent += n
-    c.close()
-ts = []
-for _ in range(2 * streams):
-    c, _ = ls.accept(); t = threading.Thread(target=serve, args=(c,)); t.start(); ts.append(t)
-for t in ts: t.join()
-"""
-
-
-PING_SERVER = r"""
-import socket, sys
-listener = socket.create_server(("127.0.0.1", 0))
-print(listener.getsockname()[1], flush=True)
-conn, _ = listener.accept()
-conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-reply = bytes(int(sys.argv[1]))
-while conn.recv(64):
-    conn.sendall(reply)
-"""
-
-
 def round_trip(meta: str, ops: int = 2000) -> dict[str, float]:
     """p50/p99 in microseconds of a 4 KiB native read (``irdma bench``'s latency test, one
     request at a time) and of a plain Python socket ping-pong in the same run: a 40-byte
@@ -248,91 +213,10 @@ def round_trip(meta: str, ops: int = 2000) -> dict[str, float]:
             return await B.bench_native(c, cfg, lambda *a: None)
 
     lat = [r for r in trio.run(run) if r.name == "latency-4k-read"][0]
-    server = subprocess.Popen([PY, "-c", PING_SERVER, str(4096 + 24)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert server.stdout is not None
-        port = int(server.stdout.readline())
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            want, buf, samples = 4096 + 24, bytearray(4096 + 24), []
-            req = bytes(40)
-            for _ in range(ops):
-                t0 = time.perf_counter()
-                s.sendall(req)
-                got = 0
-                while got < want:
-                    k = s.recv_into(memoryview(buf)[got:])
-                    if not k:
-                        raise RuntimeError("the ping-pong server hung up")
-                    got += k
-                samples.append(time.perf_counter() - t0)
-    finally:
-        server.kill()
-        server.wait(30)
+    samples = ceilings.socket_ping(ops)
     us = sorted(x * 1e6 for x in samples)
     return {"irdma_p50_us": float(lat.p50_us or 0.0), "irdma_p99_us": float(lat.p99_us or 0.0),
             "socket_p50_us": us[len(us) // 2], "socket_p99_us": us[int(0.99 * (len(us) - 1))]}
-
-
-def tcp_ceiling(total: int, streams: int) -> dict[str, float]:
-    """Plain loopback TCP sockets: ``streams`` connections to another process, 4 MiB buffers."""
-    per = total // streams
-    srv = subprocess.Popen([PY, "-c", _TCP_SERVER, str(per), str(streams)], stdout=subprocess.PIPE, text=True)
-    assert srv.stdout is not None
-    port = int(srv.stdout.readline())
-    out: dict[str, float] = {}
-    for mode in ("W", "R"):
-        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
-
-        def run(s: socket.socket, mode: str = mode) -> None:
-            s.sendall(mode.encode())
-            buf = bytearray(4 * MiB)
-            view = memoryview(buf)
-            if mode == "W":
-                sent = 0
-                while sent < per:
-                    n = min(len(buf), per - sent)
-                    s.sendall(view[:n])
-                    sent += n
-                s.recv(1)
-            else:
-                got = 0
-                while got < per:
-                    got += s.recv_into(view[: min(len(buf), per - got)])
-            s.close()
-
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=run, args=(s,)) for s in socks]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        out["push" if mode == "W" else "pull"] = per * streams / (time.perf_counter() - t0) / 1e6
-    srv.wait(timeout=60)
-    return out
-
-
-def tmpfs_ceiling(size: int, block: int = 4 * MiB) -> dict[str, float]:
-    path = f"/dev/shm/irdma-bench-{os.getpid()}"
-    data = os.urandom(block)
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-        t0 = time.perf_counter()
-        for off in range(0, size, block):
-            os.pwrite(fd, data, off)
-        os.fsync(fd)
-        os.close(fd)
-        w = size / (time.perf_counter() - t0) / 1e6
-        fd = os.open(path, os.O_RDONLY)
-        buf = bytearray(block)
-        t0 = time.perf_counter()
-        for off in range(0, size, block):
-            os.preadv(fd, [buf], off)
-        os.close(fd)
-        r = size / (time.perf_counter() - t0) / 1e6
-    finally:
-        os.unlink(path)
-    return {"write": w, "read": r}
 
 
 def small_files_held(files: int = 1000, size: int = 4096) -> dict[str, Any]:
@@ -681,9 +565,11 @@ def main() -> int:
     R["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release(),
                     "quick": args.quick, "date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit}
 
-    say(f"ceilings: loopback TCP with 4 streams, tmpfs with 4 MiB blocks ({big >> 20} MiB)")
-    tcp_before = tcp_ceiling(big, 4)
-    R["tmpfs"] = tmpfs_ceiling(big)
+    say(f"ceilings: loopback TCP with 4 streams, raw and with a GMAC per 4 MiB block (the same work as the"
+        f" integrity level), tmpfs with 4 MiB blocks ({big >> 20} MiB)")
+    tcp_before = ceilings.tcp_ceiling(big, 4)
+    mac_before = ceilings.tcp_ceiling(big, 4, mac=True)
+    R["tmpfs"] = ceilings.tmpfs_ceiling(big)
 
     say(f"irdma: {big >> 20} MiB over 4 shards, native client and mount (direct I/O)")
     with cluster(4, big // 4 + 256 * MiB) as (meta, procs):
@@ -706,9 +592,12 @@ def main() -> int:
                 sampler.join()
             R["fuse_rss_peak"] = peak[0]
         # the ceiling again, right after: the machine drifts; the baseline is the mean of both
-        tcp_after = tcp_ceiling(big, 4)
+        tcp_after = ceilings.tcp_ceiling(big, 4)
+        mac_after = ceilings.tcp_ceiling(big, 4, mac=True)
         R["tcp"] = {k: (tcp_before[k] + tcp_after[k]) / 2 for k in tcp_before}
         R["tcp_runs"] = [tcp_before, tcp_after]
+        R["tcp_mac"] = {k: (mac_before[k] + mac_after[k]) / 2 for k in mac_before}
+        R["tcp_mac_runs"] = [mac_before, mac_after]
         say("checkpoints: tf.train.CheckpointManager, 100 MB, tmpfs and mount alternately,"
             f" {1 if args.quick else 3} each")
         R["ckpt"] = checkpoints(meta, 1 if args.quick else 3)  # quick: a smoke run, not figures

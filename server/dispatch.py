@@ -495,9 +495,9 @@ class Dispatcher:
             except Exception as exc:  # OSError, sqlite3.Error: this request fails, the shard goes on
                 log.error("shard %d could not make a new chunk: %s", self.shard.shard_id, exc)
                 if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-                    reply = self._error(NoSpace(f"shard {self.shard.shard_id} cannot make a new chunk: its data"
-                                                " directory's disk has no room; free disk space there, or move"
-                                                " the shard's data to a bigger disk"), msg)
+                    reply = self._error(NoSpace(f"shard {self.shard.shard_id} cannot make a new chunk: the disk of"
+                                                " its data directory is full (other files on that disk count"
+                                                " too)"), msg)
                 else:
                     reply = P.ErrorReply(P.Status.INTERNAL,
                                          f"shard {self.shard.shard_id}: cannot make a new chunk: {exc}")

@@ -235,8 +235,8 @@ class Shard(SparseRows):
         except OSError as exc:
             self._alloc.free(to, size)
             raise NoSpace(f"shard {self.shard_id} cannot hold {size} more bytes {what}: the disk of its data directory"
-                          f" {self.store.path if self.store else ''} is full ({exc.strerror or exc}); free disk space"
-                          " there") from None
+                          f" {self.store.path if self.store else ''} is full ({exc.strerror or exc}; other files on"
+                          " that disk count too)") from None
         return to
 
     def _grow(self, key: ChunkKey, chunk: Chunk, end: int) -> None:
