@@ -26,7 +26,7 @@ import trio
 from irdma._errors import RemoteProtocolError
 from irdma.wire import auth
 from irdma.wire import protocol as P
-from irdma.wire.framing import Macs, Receiver, send_parts, tune_socket, write_now
+from irdma.wire.framing import Macs, Receiver, send_now, send_parts, tune_socket
 
 from .dispatch import Dispatcher, ThreadWork
 from .shard import Shard
@@ -54,7 +54,7 @@ WARN_INTERVAL_S = 10.0
 
 #: What the reader of a connection hands its sender: opcode, request id, reply, frame tags; or
 #: (-1, request id, the unsent rest of a frame already begun on the wire, None).
-_Outgoing = tuple[int, int, "P.Reply | memoryview", "Macs | None"]
+_Outgoing = tuple[int, int, "P.Reply | bytes", "Macs | None"]
 
 
 class _Wire:
@@ -73,23 +73,6 @@ class _Wire:
         self.replies = replies
         self.lock = trio.Semaphore(1)
         self.busy = False
-        # the copy of the rest of a frame the socket did not take at once, kept for the next:
-        # there is one at a time (the wire stays held until the sender sent it), and a fresh
-        # 4 MiB buffer per READ costs its page faults every time
-        self._spill = bytearray(0)
-
-    def spill(self, rest: list[bytes | memoryview]) -> memoryview:
-        """A copy of ``rest`` (the parts :func:`write_now` left) in this wire's spill buffer;
-        valid until the next call, which comes only after the sender sent this one."""
-        n = sum(len(p) for p in rest)
-        if len(self._spill) < n:
-            self._spill = bytearray(n)
-        out = memoryview(self._spill)
-        at = 0
-        for p in rest:
-            out[at : at + len(p)] = p
-            at += len(p)
-        return out[:n]
 
     async def queue(self, item: _Outgoing) -> None:
         self.busy = True
@@ -194,11 +177,11 @@ class ShardServer(Dispatcher):
         alive = True
         async with queued:
             async for opcode, request_id, reply, macs in queued:
-                if not isinstance(reply, memoryview):  # else the rest of a frame begun on the wire, held for us
+                if not isinstance(reply, bytes):  # else the rest of a frame begun on the wire, held for us
                     await wire.lock.acquire()
                 try:
                     if alive:
-                        if isinstance(reply, memoryview):
+                        if isinstance(reply, bytes):
                             alive = await self._send_quietly(wire.sock, [reply], None)
                         else:
                             alive = await self._send_quietly(wire.sock, P.encode_reply(opcode, request_id, reply), macs)
@@ -325,11 +308,11 @@ class ShardServer(Dispatcher):
                 parts = P.encode_reply(opcode, request_id, reply)
                 if macs is not None:
                     parts.append(macs.seal(parts))
-                rest = write_now(wire.sock, parts)
+                rest = send_now(wire.sock, parts)
                 if rest:
                     # the sender is parked (not busy): it takes this at once and frees the wire after
                     wire.busy = True
-                    wire.replies.send_nowait((-1, request_id, wire.spill(rest), None))
+                    wire.replies.send_nowait((-1, request_id, rest, None))
                     handed = True
             except (OSError, trio.ClosedResourceError):
                 wire.sock.close()  # the reader's next receive fails: the connection ends

@@ -3,9 +3,8 @@ the verbs transport's control connection) and the shard's front ends (:mod:`irdm
 :mod:`irdma.server.verbs`) share, so neither imports the other's internals.
 
 * Socket set-up (:func:`tune_socket`), exact reads (:func:`recv_exactly`, :class:`Receiver`),
-  sends of a frame's parts as views (:func:`send_parts`, and :func:`write_now`: ``writev``
-  until the socket would block, before the caller yields), one whole frame read with its tag
-  checked (:func:`read_frame`).
+  sends of a frame's parts as views (:func:`send_parts`, and :func:`send_now`: one ``writev``
+  before the caller yields), one whole frame read with its tag checked (:func:`read_frame`).
 * The handshake of :mod:`irdma.wire.auth` (HELLO, the mutual challenge-response, the frame tags):
   the client's side (:func:`handshake`) and the shard's (:class:`ServerHandshake`).
 
@@ -184,6 +183,18 @@ async def send_parts(sock: Any, parts: list[bytes | memoryview]) -> None:
         while len(view):
             sent = await sock.send(view)
             view = view[sent:]
+
+
+def send_now(sock: Any, parts: list[bytes | memoryview]) -> bytes:
+    """Write ``parts`` to the non-blocking ``sock`` with ``writev`` (writev(2)) until it would
+    block, without yielding; returns a copy of what it did not take (empty when all went):
+    :func:`write_now`, its rest joined.
+
+    Raises:
+        OSError: the connection failed (EPIPE, ECONNRESET, a closed socket's EBADF).
+    """
+    rest = write_now(sock, parts)
+    return b"".join(rest) if rest else b""
 
 
 def write_now(sock: Any, parts: list[bytes | memoryview]) -> list[bytes | memoryview]:
