@@ -156,6 +156,9 @@ def tcp_ceiling(total: int, streams: int, mac: bool = False) -> dict[str, float]
 
 
 def tmpfs_ceiling(size: int, block: int = 4 * MiB) -> dict[str, float]:
+    """MB/s (10^6 bytes per second) of ``size`` bytes written (pwrite, then fsync) and read back
+    (preadv) in ``block``-byte pieces in a file on /dev/shm: the ceiling of the checkpoint and
+    mount figures that are set over tmpfs. The file is removed, also on failure."""
     path = f"/dev/shm/irdma-bench-{os.getpid()}"
     data = os.urandom(block)
     try:
