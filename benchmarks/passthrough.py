@@ -8,7 +8,8 @@ the opener asks for O_DIRECT). No caching, no metadata engine, no network: what 
 kernel's FUSE round trip plus pyfuse3's and trio's cost per request, the floor under irdma's
 mount (``benchmarks/fio.py`` measures both side by side). Enough of POSIX for fio: lookup,
 getattr, setattr (size, mode, times), create, open, read, write, fsync, release, unlink, readdir,
-statfs. Not a general-purpose filesystem (no links, no renames, no xattrs).
+statfs; mkdir, rmdir and rename, for TensorFlow's CheckpointManager (``make bench``'s checkpoint
+section measures its restore here too). Not a general-purpose filesystem (no links, no xattrs).
 """
 
 from __future__ import annotations
@@ -105,14 +106,45 @@ class Passthrough(pyfuse3.Operations):
     async def release(self, fh: int) -> None:
         os.close(self._fds.pop(fh))
 
-    async def unlink(self, parent_inode: int, name: bytes, ctx: object) -> None:
+    async def unlink(self, parent_inode: int, name: bytes, ctx: object, rmdir: bool = False) -> None:
         path = os.path.join(self._path(parent_inode), os.fsdecode(name))
         try:
             ino = os.lstat(path).st_ino
-            os.unlink(path)
+            (os.rmdir if rmdir else os.unlink)(path)
         except OSError as exc:
             raise pyfuse3.FUSEError(exc.errno) from None
         self._paths.pop(ino, None)
+
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: object) -> pyfuse3.EntryAttributes:
+        path = os.path.join(self._path(parent_inode), os.fsdecode(name))
+        try:
+            os.mkdir(path, stat.S_IMODE(mode))
+        except OSError as exc:
+            raise pyfuse3.FUSEError(exc.errno) from None
+        return self._attr(path)
+
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: object) -> None:
+        await self.unlink(parent_inode, name, ctx, rmdir=True)
+
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
+                     flags: int, ctx: object) -> None:
+        if flags:
+            raise pyfuse3.FUSEError(errno.EINVAL)  # no RENAME_NOREPLACE / RENAME_EXCHANGE here
+        old = os.path.join(self._path(parent_inode_old), os.fsdecode(name_old))
+        new = os.path.join(self._path(parent_inode_new), os.fsdecode(name_new))
+        try:
+            replaced: int | None = os.lstat(new).st_ino
+        except FileNotFoundError:
+            replaced = None
+        try:
+            os.rename(old, new)
+        except OSError as exc:
+            raise pyfuse3.FUSEError(exc.errno) from None
+        if replaced is not None:
+            self._paths.pop(replaced, None)
+        for ino, path in list(self._paths.items()):  # the entry itself and, for a directory, what is under it
+            if path == old or path.startswith(old + os.sep):
+                self._paths[ino] = new + path[len(old):]
 
     async def opendir(self, inode: int, ctx: object) -> int:
         self._path(inode)

@@ -38,7 +38,7 @@ def _section(what: str) -> str:
     for prefix, section in (("model round", "rounds"), ("fio ", "fio"), ("sparse rows", "rows"),
                             ("snapshot", "snapshots"), ("dd ", "dd"), ("shard bytes held", "smallfiles"),
                            ("small files", "smallfiles"), ("embedding", "embedding"),
-                            ("4 KiB native read p50", "round_trip")):
+                            ("4 KiB native read p50", "round_trip"), ("checkpoint", "ckpt")):
         if what.startswith(prefix):
             return section
     return "main"
@@ -105,10 +105,19 @@ def targets(R: dict[str, Any]) -> list[dict[str, Any]]:
     add("FUSE process peak RSS streaming 1 GiB, MB", R["fuse_rss_peak"] / 1e6, "absolute", 300.0,
         f"{R['fuse_rss_peak'] / 1e6:.0f} MB", lower_is_better=True)
     ck = R["ckpt"]
+    # the FUSE ceiling, where the run has it: a pyfuse3 passthrough of tmpfs saves and restores too
+    pt_save = f"; the FUSE ceiling, a pyfuse3 passthrough of tmpfs: {ck['passthrough_save_s']:.2f} s, " \
+        f"{ck['passthrough_save_s'] / ck['tmpfs_save_s']:.2f}" if "passthrough_save_s" in ck else ""
+    pt_restore = f"; the FUSE ceiling, a pyfuse3 passthrough of tmpfs: {ck['passthrough_restore_s']:.2f} s, " \
+        f"{ck['passthrough_restore_s'] / ck['tmpfs_restore_s']:.2f}" if "passthrough_restore_s" in ck else ""
     add("checkpoint save, mount over tmpfs", ck["mount_save_s"] / ck["tmpfs_save_s"], "tmpfs", 1.5,
-        f"{ck['mount_save_s']:.2f} vs {ck['tmpfs_save_s']:.2f} s", lower_is_better=True)
+        f"{ck['mount_save_s']:.2f} vs {ck['tmpfs_save_s']:.2f} s{pt_save}", lower_is_better=True)
     add("checkpoint restore, mount over tmpfs", ck["mount_restore_s"] / ck["tmpfs_restore_s"], "tmpfs", 1.5,
-        f"{ck['mount_restore_s']:.2f} vs {ck['tmpfs_restore_s']:.2f} s", lower_is_better=True)
+        f"{ck['mount_restore_s']:.2f} vs {ck['tmpfs_restore_s']:.2f} s{pt_restore}", lower_is_better=True)
+    if "passthrough_restore_s" in ck:  # what a FUSE mount can be asked for: the passthrough's own restore
+        add("checkpoint restore, mount over a pyfuse3 passthrough of tmpfs", ck["mount_restore_s"] /
+            ck["passthrough_restore_s"], "pyfuse3 passthrough of tmpfs", 1.5,
+            f"{ck['mount_restore_s']:.2f} vs {ck['passthrough_restore_s']:.2f} s", lower_is_better=True)
     fio = R.get("fio")
     if fio:
         pt, mn = fio["pyfuse3 passthrough of tmpfs"], fio["irdma mount"]

@@ -31,7 +31,8 @@ records in the metadata engine, and the bytes the shards acknowledged, are that.
   handle, a read that starts where the handle's last one ended is *sequential*. A sequential read
   is served from aligned windows (a power of two of bytes, aligned to its size) that start at
   ``READAHEAD_MIN`` and double with every sequential hit up to ``READAHEAD_WINDOW``, and the next
-  window is fetched while the kernel consumes this one. Any other read (random, strided) is one
+  window is fetched while the kernel consumes this one (the next ``READAHEAD_DEPTH`` together
+  once the windows are full-size). Any other read (random, strided) is one
   exact pull of the bytes asked for, unless a window already holds them. At most
   ``READAHEAD_BYTES`` of windows are kept per file, the oldest dropped first. Windows and exact
   pulls go through :meth:`irdma.Client.read_into`, so a mount with a local read cache
@@ -112,6 +113,10 @@ READAHEAD_MIN = 128 << 10
 READAHEAD_WINDOW = 4 << 20
 #: Bytes of windows kept per open file (the oldest dropped first).
 READAHEAD_BYTES = 6 * READAHEAD_WINDOW
+#: Full-size windows fetched ahead of a sequential read, together (a large file's chunks lie on
+#: different shards, so they are pulled in parallel). ``dd bs=4M`` of 100 MiB through a page-cache
+#: mount, 4 shards, alternated A/B in one run: 958-982 MB/s (median) with 1, 1185-1276 with 3.
+READAHEAD_DEPTH = 3
 
 
 class Residuals:
@@ -579,8 +584,18 @@ class ReadAhead:
             hi = min(end, start + len(buf))
             parts.append(buf[pos - start : hi - start])
             pos, nxt = hi, start + len(buf)
-        if nxt < file_size and self.held(nxt) is None:  # the next window, while the kernel takes this one
-            self.start_fetch(nursery, self.window_at(nxt, want), file_size)
+        # the next windows, while the kernel takes this one: one while the windows ramp up, then
+        # READAHEAD_DEPTH in flight together (a large file's chunks lie on different shards)
+        for _ in range(READAHEAD_DEPTH if want == READAHEAD_WINDOW else 1):
+            if nxt >= file_size:
+                break
+            ahead = self.held(nxt)
+            if ahead is None:
+                key = self.window_at(nxt, want)
+                self.start_fetch(nursery, key, file_size)
+            else:
+                key = ahead[0]
+            nxt = key[0] + key[1]
         # a read inside one window is answered from the window itself (pyfuse3 copies it into
         # the reply at once; a window is never written after its fetch): no copy of ours
         return parts[0] if len(parts) == 1 else b"".join(parts)
