@@ -18,6 +18,7 @@ import errno
 import os
 import stat
 import sys
+from collections.abc import Callable
 
 import pyfuse3
 import trio
@@ -106,11 +107,17 @@ class Passthrough(pyfuse3.Operations):
     async def release(self, fh: int) -> None:
         os.close(self._fds.pop(fh))
 
-    async def unlink(self, parent_inode: int, name: bytes, ctx: object, rmdir: bool = False) -> None:
+    async def unlink(self, parent_inode: int, name: bytes, ctx: object) -> None:
+        self._remove(parent_inode, name, os.unlink)
+
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: object) -> None:
+        self._remove(parent_inode, name, os.rmdir)
+
+    def _remove(self, parent_inode: int, name: bytes, remove: Callable[[str], None]) -> None:
         path = os.path.join(self._path(parent_inode), os.fsdecode(name))
         try:
             ino = os.lstat(path).st_ino
-            (os.rmdir if rmdir else os.unlink)(path)
+            remove(path)
         except OSError as exc:
             raise pyfuse3.FUSEError(exc.errno) from None
         self._paths.pop(ino, None)
@@ -122,9 +129,6 @@ class Passthrough(pyfuse3.Operations):
         except OSError as exc:
             raise pyfuse3.FUSEError(exc.errno) from None
         return self._attr(path)
-
-    async def rmdir(self, parent_inode: int, name: bytes, ctx: object) -> None:
-        await self.unlink(parent_inode, name, ctx, rmdir=True)
 
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
                      flags: int, ctx: object) -> None:

@@ -515,21 +515,18 @@ def main() -> int:
 
         print(json.dumps(readcache.run(64 * MiB if args.quick else parse_size(args.cache_file_size), say), indent=1))
         return 0
-    if args.only == "round_trip":  # the 4 KiB read against a socket ping-pong: figures printed, no report
-        with cluster(1, 256 * MiB) as (meta, _):
-            part = round_trip(meta, 500 if args.quick else 2000)
+    if args.only in ("round_trip", "ckpt"):  # figures printed, no report written
+        if args.only == "round_trip":  # the 4 KiB read against a socket ping-pong
+            with cluster(1, 256 * MiB) as (meta, _):
+                part = round_trip(meta, 500 if args.quick else 2000)
+        else:  # checkpoints, on the cluster the full run gives them
+            with cluster(4, GiB // 4 + 256 * MiB) as (meta, _):
+                part = checkpoints(meta, 1 if args.quick else 3)
         print(json.dumps(part, indent=1))
-        # its ratio is a target of the full run: computed over the committed run's figures with
-        # this section's in their place, only this section's ratio compared
+        # its ratios are targets of the full run: computed over the committed run's figures with
+        # this section's in their place, only this section's ratios compared
         merged = {k: v for k, v in (previous or {}).items() if k not in ("machine", "ratios", "regression_check")}
-        regression_check({**merged, "round_trip": part}, previous, against, ["round_trip"], args.quick)
-        return 0
-    if args.only == "ckpt":  # checkpoints: figures printed, its ratios compared, no report written
-        with cluster(4, GiB + 256 * MiB) as (meta, _):
-            part = checkpoints(meta, 1 if args.quick else 3)
-        print(json.dumps(part, indent=1))
-        merged = {k: v for k, v in (previous or {}).items() if k not in ("machine", "ratios", "regression_check")}
-        regression_check({**merged, "ckpt": part}, previous, against, ["ckpt"], args.quick)
+        regression_check({**merged, args.only: part}, previous, against, [args.only], args.quick)
         return 0
     if args.only in ("replication", "authentication"):  # figures printed, no report written
         size = 64 * MiB if args.quick else (256 if args.only == "replication" else 512) * MiB

@@ -105,15 +105,18 @@ def targets(R: dict[str, Any]) -> list[dict[str, Any]]:
     add("FUSE process peak RSS streaming 1 GiB, MB", R["fuse_rss_peak"] / 1e6, "absolute", 300.0,
         f"{R['fuse_rss_peak'] / 1e6:.0f} MB", lower_is_better=True)
     ck = R["ckpt"]
-    # the FUSE ceiling, where the run has it: a pyfuse3 passthrough of tmpfs saves and restores too
-    pt_save = f"; the FUSE ceiling, a pyfuse3 passthrough of tmpfs: {ck['passthrough_save_s']:.2f} s, " \
-        f"{ck['passthrough_save_s'] / ck['tmpfs_save_s']:.2f}" if "passthrough_save_s" in ck else ""
-    pt_restore = f"; the FUSE ceiling, a pyfuse3 passthrough of tmpfs: {ck['passthrough_restore_s']:.2f} s, " \
-        f"{ck['passthrough_restore_s'] / ck['tmpfs_restore_s']:.2f}" if "passthrough_restore_s" in ck else ""
+
+    def fuse_ceiling(kind: str) -> str:
+        """The passthrough's figure for ``kind`` (save, restore), where the run has it."""
+        if f"passthrough_{kind}_s" not in ck:
+            return ""
+        pt_s = ck[f"passthrough_{kind}_s"]
+        return f"; the FUSE ceiling, a pyfuse3 passthrough of tmpfs: {pt_s:.2f} s, {pt_s / ck[f'tmpfs_{kind}_s']:.2f}"
+
     add("checkpoint save, mount over tmpfs", ck["mount_save_s"] / ck["tmpfs_save_s"], "tmpfs", 1.5,
-        f"{ck['mount_save_s']:.2f} vs {ck['tmpfs_save_s']:.2f} s{pt_save}", lower_is_better=True)
+        f"{ck['mount_save_s']:.2f} vs {ck['tmpfs_save_s']:.2f} s{fuse_ceiling('save')}", lower_is_better=True)
     add("checkpoint restore, mount over tmpfs", ck["mount_restore_s"] / ck["tmpfs_restore_s"], "tmpfs", 1.5,
-        f"{ck['mount_restore_s']:.2f} vs {ck['tmpfs_restore_s']:.2f} s{pt_restore}", lower_is_better=True)
+        f"{ck['mount_restore_s']:.2f} vs {ck['tmpfs_restore_s']:.2f} s{fuse_ceiling('restore')}", lower_is_better=True)
     if "passthrough_restore_s" in ck:  # what a FUSE mount can be asked for: the passthrough's own restore
         add("checkpoint restore, mount over a pyfuse3 passthrough of tmpfs", ck["mount_restore_s"] /
             ck["passthrough_restore_s"], "pyfuse3 passthrough of tmpfs", 1.5,
