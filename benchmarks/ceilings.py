@@ -18,8 +18,8 @@ MiB = 1 << 20
 
 
 _TCP_SERVER = r"""
-import hmac, socket, sys, threading
-per, streams, mac = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "mac"
+import hmac, mmap, os, socket, sys, tempfile, threading
+per, streams, mac, fresh = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "mac", sys.argv[4]
 if mac:
     from irdma.wire.auth import FrameMac
 ls = socket.create_server(("127.0.0.1", 0)); print(ls.getsockname()[1], flush=True)
@@ -27,9 +27,16 @@ def serve(c):
     mode = c.recv(1); buf = bytearray(4 << 20); view = memoryview(buf); tag = bytearray(16)
     fm = FrameMac(bytes(32)) if mac else None
     if mode == b"W":
+        mm = None
+        if fresh:  # each block into the next 4 MiB of a new file's shared mapping, as a shard's region
+            fd, path = tempfile.mkstemp(dir=fresh, prefix="irdma-bench-fresh-")
+            os.unlink(path); os.posix_fallocate(fd, 0, per)
+            mm = mmap.mmap(fd, per, flags=mmap.MAP_SHARED); os.close(fd); region = memoryview(mm)
         got = 0
         while got < per:
             n, k = min(len(buf), per - got), 0
+            if mm is not None:
+                view = region[got : got + n]
             while k < n:
                 k += c.recv_into(view[k:n])
             if fm is not None:
@@ -40,6 +47,8 @@ def serve(c):
                     raise SystemExit("a block failed its tag")
             got += n
         c.sendall(b"k")
+        if mm is not None:
+            view = region = None; mm.close()
     else:
         sent = 0
         while sent < per:
@@ -49,7 +58,7 @@ def serve(c):
             sent += n
     c.close()
 ts = []
-for _ in range(2 * streams):
+for _ in range((1 if fresh else 2) * streams):
     c, _ = ls.accept(); t = threading.Thread(target=serve, args=(c,)); t.start(); ts.append(t)
 for t in ts: t.join()
 """
@@ -95,7 +104,7 @@ def socket_ping(ops: int) -> list[float]:
     return samples
 
 
-def tcp_ceiling(total: int, streams: int, mac: bool = False) -> dict[str, float]:
+def tcp_ceiling(total: int, streams: int, mac: bool = False, fresh: str | None = None) -> dict[str, float]:
     """MB/s of plain loopback TCP sockets: ``streams`` connections to another process, 4 MiB
     blocks, ``push`` (this process sends) and ``pull`` (it receives).
 
@@ -103,16 +112,24 @@ def tcp_ceiling(total: int, streams: int, mac: bool = False) -> dict[str, float]
     the same streams, and every 4 MiB block carries a 16-byte GMAC tag (AES-256-GCM with the
     block as associated data, :class:`irdma.wire.auth.FrameMac`) that the sender computes and
     the receiver computes again and compares, as a shard and a client do for every frame.
-    Raw loopback is the ceiling of ``--security auth`` (payloads untagged)."""
+    Raw loopback is the ceiling of ``--security auth`` (payloads untagged).
+
+    ``fresh``: a directory on the shards' filesystem: ``push`` only, and the receiver lands each
+    stream's ``total / streams`` bytes in memory it never held: the shared mapping of a new file
+    there, its blocks allocated first (``posix_fallocate``), block after block, as a shard
+    stores a push (assign) that creates its chunks in its region. That is the necessary work of
+    such a push, where the receiver of the other ceilings reuses one warm 4 MiB buffer. (On a
+    virtual machine whose host takes freed guest memory back, every page of it is a host fault
+    the first time: docs/benchmarks.md, Bandwidth.)"""
     from irdma.wire.auth import FrameMac
 
     per = total // streams
-    srv = subprocess.Popen([PY, "-c", _TCP_SERVER, str(per), str(streams), "mac" if mac else "raw"],
+    srv = subprocess.Popen([PY, "-c", _TCP_SERVER, str(per), str(streams), "mac" if mac else "raw", fresh or ""],
                            stdout=subprocess.PIPE, text=True)
     assert srv.stdout is not None
     port = int(srv.stdout.readline())
     out: dict[str, float] = {}
-    for mode in ("W", "R"):
+    for mode in ("W",) if fresh else ("W", "R"):
         socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
 
         def run(s: socket.socket, mode: str = mode) -> None:

@@ -64,6 +64,16 @@ def targets(R: dict[str, Any]) -> list[dict[str, Any]]:
             f"{nat['push-assign']:.0f} vs {mac['push']:.0f} MB/s")
         add("native push (add), over the same-work ceiling", nat["push-add"] / mac["push"], base, 0.5,
             f"{nat['push-add']:.0f} vs {mac['push']:.0f} MB/s")
+        fresh = R.get("tcp_fresh")
+        if fresh:  # issue 41: a push that creates its chunks lands in memory the shard never held
+            add("native push (assign) of new chunks, over the same-work ceiling into fresh memory",
+                nat["push-assign"] / fresh["mac"], "the same-work ceiling, each stream's bytes received into a new"
+                " file's shared mapping (fresh memory, as a shard's region)", 0.7,
+                f"{nat['push-assign']:.0f} vs {fresh['mac']:.0f} MB/s")
+        if "push-assign-existing" in nat:  # the same push once the chunks exist: memory already held
+            add("native push (assign) of existing chunks, over the same-work ceiling",
+                nat["push-assign-existing"] / mac["push"], base, 0.7,
+                f"{nat['push-assign-existing']:.0f} vs {mac['push']:.0f} MB/s")
     else:  # a run from before the same-work ceiling: the raw loopback rows it had
         add("native pull", nat["pull"] / tcp["pull"], "loopback TCP, 4 streams", 0.8,
             f"{nat['pull']:.0f} vs {tcp['pull']:.0f} MB/s")

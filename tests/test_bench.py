@@ -25,6 +25,14 @@ def test_irdma_bench_native_reports_every_test(cluster: Cluster) -> None:
     assert r["pull"]["bytes"] == 8 << 20
 
 
+def test_irdma_bench_assigns_again_onto_the_chunks_it_made(cluster: Cluster) -> None:
+    res = irdma_cli("bench", "--meta", cluster.meta_url, "--transport", "tcp", "--size", "8MiB", "--chunk-size",
+                    "1MiB", "--block", "1MiB", "--tests", "push-assign-existing,pull", "--json")
+    r = _results(res.stdout)
+    assert set(r) == {"pull", "push-assign-existing"}  # the first assign made the chunks, untimed
+    assert r["push-assign-existing"]["bytes"] == 8 << 20 and r["push-assign-existing"]["mb_s"] > 0
+
+
 @pytest.mark.fuse
 def test_irdma_bench_through_the_mount(mnt: str) -> None:
     res = irdma_cli("bench", "--mount", mnt, "--size", "8MiB", "--latency-ops", "50", "--json")

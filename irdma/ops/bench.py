@@ -31,7 +31,7 @@ from ..wire.protocol import UpdateOp
 class BenchResult:
     """One measured figure."""
 
-    name: str  # "pull", "push-assign", "push-add", "latency-4k-read"
+    name: str  # "pull", "push-assign", "push-assign-existing", "push-add", "latency-4k-read"
     bytes: int = 0
     seconds: float = 0.0
     mb_s: float = 0.0
@@ -112,13 +112,15 @@ async def bench_native(client: Client, cfg: BenchConfig, progress: Progress) -> 
             free.append(i)
 
     try:
-        if "push-assign" in cfg.tests or "pull" in cfg.tests or "latency" in cfg.tests:
+        if {"push-assign", "pull", "push-assign-existing", "latency"} & set(cfg.tests):
             r = await stream("push-assign", await push(UpdateOp.ASSIGN))
             await client.meta.extend(inode.ino, cfg.size, time.time_ns())
             if "push-assign" in cfg.tests:
                 results.append(r)
         if "pull" in cfg.tests:
             results.append(await stream("pull", pull))
+        if "push-assign-existing" in cfg.tests:  # the chunks exist now: no fresh shard memory
+            results.append(await stream("push-assign-existing", await push(UpdateOp.ASSIGN)))
         if "push-add" in cfg.tests:
             results.append(await stream("push-add", await push(UpdateOp.ADD)))
         if "latency" in cfg.tests:
@@ -194,6 +196,8 @@ def bench_mount(mountpoint: str, cfg: BenchConfig, progress: Progress) -> list[B
             results.append(r)
         if "pull" in cfg.tests:
             results.append(stream("pull", "read"))
+        if "push-assign-existing" in cfg.tests:
+            results.append(stream("push-assign-existing", "write"))
         if "push-add" in cfg.tests:
             os.setxattr(path, "user.irdma.update", b"add")
             results.append(stream("push-add", "write"))

@@ -23,7 +23,8 @@ from ._common import _redact, _size, console, friendly, out
 @click.option("--concurrency", "-c", default=4, show_default=True, help="Requests in flight.")
 @click.option("--transport", type=click.Choice(TRANSPORTS), default="auto", show_default=True)
 @click.option("--tests", default="push-assign,pull,push-add,latency", show_default=True,
-              help="Comma-separated: push-assign, pull, push-add, latency.")
+              help="Comma-separated: push-assign, pull, push-assign-existing (assign again, onto the chunks"
+                   " push-assign made: no fresh shard memory), push-add, latency.")
 @click.option("--latency-ops", default=1000, show_default=True, help="4 KiB reads timed for p50/p99.")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON on stdout.")
 @click.option("--page-cache", is_flag=True, help="Through a mount: use the page cache (default: direct I/O).")
@@ -42,7 +43,7 @@ def bench(meta_url: str | None, mountpoint: str | None, size: int, chunk_size: i
     if (meta_url is None) == (mountpoint is None):
         raise click.UsageError("give exactly one of --meta (native client) or --mount (through FUSE)")
     wanted = tuple(t.strip() for t in tests.split(",") if t.strip())
-    bad = set(wanted) - {"push-assign", "pull", "push-add", "latency"}
+    bad = set(wanted) - {"push-assign", "pull", "push-assign-existing", "push-add", "latency"}
     if bad:
         raise click.BadParameter(f"unknown tests {sorted(bad)}", param_hint="--tests")
     cfg = B.BenchConfig(size=size, chunk_size=chunk_size, block=block, concurrency=concurrency,
