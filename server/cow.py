@@ -4,13 +4,15 @@ A clone (a snapshot's CLONE, :meth:`SharedExtents.clone_files`) makes each chunk
 a chunk of a new file id, sharing the extent; the first later update of either key parts them
 (:meth:`SharedExtents._unshare`, or :meth:`SharedExtents._redirect` for the live file's write).
 A whole-chunk copy received (REPLACE) of bytes copied here before shares that extent too
-(:meth:`SharedExtents._share_copy`). :class:`SharedExtents` is that part of
+(:meth:`SharedExtents._share_copy`). A chunk that outgrows its extent moves too, or grows in
+place (:meth:`SharedExtents._grow`). :class:`SharedExtents` is that part of
 :class:`irdma.server.shard.Shard`; the attributes are the shard's.
 """
 
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -20,7 +22,7 @@ from irdma._errors import BadRequest
 from irdma.wire.protocol import UpdateOp
 
 from .lost import RefusedChunks
-from .region import PAGE, Chunk, ChunkKey, Region
+from .region import PAGE, Allocator, Chunk, ChunkKey, Region, extent_for
 
 if TYPE_CHECKING:
     from .store import ShardStore
@@ -34,6 +36,11 @@ class SharedExtents(RefusedChunks):
     store: ShardStore | None
     versions: np.ndarray
     copies: int
+    grown: int
+    used: int
+    _alloc: Allocator
+    _parked: collections.deque[tuple[int, float, int, int]]
+    _parks: int
     _by_file: dict[int, set[int]]
     _sharers: dict[int, list[ChunkKey]]
     _received: collections.OrderedDict[tuple[int, int, int, int], ChunkKey]
@@ -43,6 +50,8 @@ class SharedExtents(RefusedChunks):
         def capacity(self) -> int: ...
 
         def _alloc_extent(self, size: int, what: str) -> int: ...
+
+        def _release(self, offset: int, size: int) -> None: ...
 
     def _share_copy(self, key: ChunkKey, sig: tuple[int, int, int, int], data: memoryview | bytes) -> bool:
         """Make ``key`` (not here yet) share the extent of a chunk copied here before with the
@@ -206,6 +215,67 @@ class SharedExtents(RefusedChunks):
         for k in movers:
             self._chunks[k].offset = to
         self.copies += 1
+
+    def _grow(self, key: ChunkKey, chunk: Chunk, end: int) -> None:
+        """Make ``chunk``'s extent hold bytes ``[0, end)`` at least: an extent of the size class
+        of ``end`` (:func:`extent_for`). In place when the space after the extent is free and
+        no snapshot shares it (the new part zeroed, nothing copied or freed); else moved to a
+        new extent, its bytes copied and the rest zeroed, its version with it. Either is
+        journaled as a copy-on-write move is (:meth:`ShardStore.move_chunks`: the new extent is
+        written before the index moves the key to it). A moved chunk's old extent is freed
+        (parked until the next sync with durability ``fsync``: :attr:`_parked`); one a snapshot
+        shares stays with its other keys. A chunk a client LOCATEd holds its whole size already
+        and never gets here.
+
+        Raises:
+            NoSpace: no free extent of the new size; nothing changed.
+        """
+        need = extent_for(end, chunk.size)
+        if need <= chunk.extent:
+            return
+        assert not chunk.located, "a located chunk holds its whole size"
+        old, have = chunk.offset, chunk.extent
+        if old not in self._sharers and self._alloc.take(old + have, need - have):  # written front to back
+            try:
+                if self.store is not None:  # a free range may hold old bytes until trimmed
+                    self.store.zero(old + have, need - have)
+                    room = self.store.reserve(old + have, need - have)
+                    if room:
+                        self.store.move_chunks([key], old, chunk.size, need)
+            except BaseException:
+                self._alloc.free(old + have, need - have)
+                raise
+            if self.store is None or room:
+                self.used += need - have
+                chunk.extent, self.grown = need, self.grown + 1
+                return
+            self._alloc.free(old + have, need - have)  # no disk room: the move below says so (NoSpace)
+        to = self._alloc_extent(need, f"to grow a chunk of {have} bytes into")
+        view = self.region.view
+        view[to : to + have] = view[old : old + have]
+        if self.store is not None:  # a free extent may hold old bytes until trimmed
+            view[to + have : to + need] = bytes(need - have)
+        self.versions[to // PAGE] = self.versions[chunk.slot]
+        self.used += need
+        if self.store is not None:
+            try:
+                self.store.move_chunks([key], to, chunk.size, need)
+            except BaseException:
+                self._alloc.free(to, need)
+                self.used -= need
+                raise
+        keys = self._sharers.get(old)
+        if keys is not None:  # the others keep the old extent
+            keys.remove(key)
+            if len(keys) < 2:
+                del self._sharers[old]
+        elif self.store is not None and self.store.durability == "fsync":
+            self._parked.append((self._parks, time.monotonic(), old, have))
+            self._parks += 1
+        else:
+            self._release(old, have)
+        chunk.offset, chunk.extent = to, need
+        self.grown += 1
 
     def is_shared(self, chunk: Chunk) -> bool:
         return chunk.offset in self._sharers

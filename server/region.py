@@ -123,9 +123,15 @@ class Allocator:
         Raises:
             ValueError: the range is not inside one free extent (a damaged chunk index).
         """
+        if not self.take(start, size):
+            raise ValueError(f"extent [{start}, {start + size}) is not free")
+
+    def take(self, start: int, size: int) -> bool:
+        """Mark ``[start, start+size)`` used if it lies inside one free extent (True), else
+        change nothing (False): a chunk's extent grown in place into the free space after it."""
         i = bisect.bisect_right(self._starts, start) - 1
         if i < 0 or self._starts[i] + self._sizes[self._starts[i]] < start + size:
-            raise ValueError(f"extent [{start}, {start + size}) is not free")
+            return False
         ext = self._starts.pop(i)
         have = self._sizes.pop(ext)
         if start > ext:
@@ -135,6 +141,7 @@ class Allocator:
         if end > start + size:
             bisect.insort(self._starts, start + size)
             self._sizes[start + size] = end - start - size
+        return True
 
     def free(self, start: int, size: int) -> None:
         i = bisect.bisect_left(self._starts, start)

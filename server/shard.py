@@ -4,8 +4,8 @@ A chunk is the unit of striping, ``chunk_size`` bytes of one file, named by
 ``(file_id, chunk_index)``. It is allocated, zero-filled, on its first write, as an extent of
 the size class that holds the bytes written (:func:`irdma.server.region.extent_for`: 4 KiB
 doubling up to ``chunk_size``; its bytes past the extent read as zeros), and a write past the
-extent's end moves it to a bigger one (:meth:`Shard._grow`, journaled as copy-on-write moves
-are). A chunk a client LOCATEs (a remote reader addresses it directly: the one-sided RDMA READ
+extent's end gives it a bigger one, in place when the space after it is free, else moved
+(:meth:`Shard._grow`, journaled as copy-on-write moves are). A chunk a client LOCATEs (a remote reader addresses it directly: the one-sided RDMA READ
 of iRDMA, HPCC 2017) is grown to its whole ``chunk_size`` first and never grows again, so no
 cached place ever goes stale by growth. Free space in a region without a data directory is
 always zero.
@@ -120,7 +120,7 @@ class Shard(SparseRows):
         #: Bytes of the region the chunks' extents hold (shared extents once), what STAT answers.
         self.used = 0
         self.copies = 0  # copy-on-write copies made (a metric)
-        self.grown = 0  # chunks moved to a bigger extent (a metric)
+        self.grown = 0  # chunks grown into a bigger extent, in place or moved (a metric)
         #: Extents chunks grew out of on a shard with durability ``fsync``: ``(number, time.monotonic()
         #: when parked, offset, size)``, counted as used and kept out of use until a sync made the
         #: move durable (:meth:`reclaim`): before that a machine crash may bring back an index
@@ -238,50 +238,6 @@ class Shard(SparseRows):
                           f" {self.store.path if self.store else ''} is full ({exc.strerror or exc}; other files on"
                           " that disk count too)") from None
         return to
-
-    def _grow(self, key: ChunkKey, chunk: Chunk, end: int) -> None:
-        """Make ``chunk``'s extent hold bytes ``[0, end)`` at least: move it to an extent of the
-        size class of ``end`` (:func:`extent_for`), its bytes copied and the rest zeroed, its
-        version with it, the move journaled as a copy-on-write move is
-        (:meth:`ShardStore.move_chunks`: the new extent is written before the index moves the
-        key to it). The extent left is freed (parked until the next sync with durability
-        ``fsync``: :attr:`_parked`); one a snapshot shares stays with its other keys. A chunk
-        a client LOCATEd holds its whole size already and never gets here.
-
-        Raises:
-            NoSpace: no free extent of the new size; nothing changed.
-        """
-        need = extent_for(end, chunk.size)
-        if need <= chunk.extent:
-            return
-        assert not chunk.located, "a located chunk holds its whole size"
-        old, have = chunk.offset, chunk.extent
-        to = self._alloc_extent(need, f"to grow a chunk of {have} bytes into")
-        view = self.region.view
-        view[to : to + have] = view[old : old + have]
-        if self.store is not None:  # a free extent may hold old bytes until trimmed
-            view[to + have : to + need] = bytes(need - have)
-        self.versions[to // PAGE] = self.versions[chunk.slot]
-        self.used += need
-        if self.store is not None:
-            try:
-                self.store.move_chunks([key], to, chunk.size, need)
-            except BaseException:
-                self._alloc.free(to, need)
-                self.used -= need
-                raise
-        keys = self._sharers.get(old)
-        if keys is not None:  # the others keep the old extent
-            keys.remove(key)
-            if len(keys) < 2:
-                del self._sharers[old]
-        elif self.store is not None and self.store.durability == "fsync":
-            self._parked.append((self._parks, time.monotonic(), old, have))
-            self._parks += 1
-        else:
-            self._release(old, have)
-        chunk.offset, chunk.extent = to, need
-        self.grown += 1
 
     @property
     def capacity(self) -> int:

@@ -236,6 +236,54 @@ def test_copy_on_write_moves_survive_a_shard_process_that_dies(tmp_path: object)
     store.close()
 
 
+_GROWS_IN_PLACE_THEN_DIES = r"""
+import os, sys
+from irdma.server.shard import Region, Shard
+from irdma.server.store import ShardStore
+from irdma.wire.protocol import UpdateOp
+MB = 1 << 20
+store = ShardStore(sys.argv[1], 1, 16 * MB)
+shard = Shard(1, Region(store.capacity, buffer=memoryview(store.region)), memoryview(store.versions), store=store)
+shard.write(5, 0, 4 * MB, 0, UpdateOp.ASSIGN, b"a" * MB)  # a 1 MiB extent at the region's start
+shard.write(4, 0, 4 * MB, 0, UpdateOp.ASSIGN, b"\xee" * MB)  # the next 1 MiB
+shard.free(4, 0)  # freed, not trimmed: the region still holds its bytes there
+shard.write(5, 0, 4 * MB, 3 * MB, UpdateOp.ASSIGN, b"d" * MB)  # grows over the freed bytes
+for k in range(4):  # another file, front to back in 1 MiB writes, as a mount sends them
+    shard.write(6, 0, 4 * MB, k * MB, UpdateOp.ASSIGN, bytes([65 + k]) * MB)
+print(shard.used, flush=True)
+os._exit(0)  # as SIGKILL: the growths are in the moves journal only
+"""
+
+
+def test_a_chunk_grows_in_place_over_free_space_and_survives_a_process_that_dies(tmp_path: object) -> None:
+    """A chunk whose next bytes are free grows into them in place: a file written front to back
+    in 1 MiB writes holds its 4 MiB and nothing more at once (a moved extent would stay held,
+    parked, until a sync), and bytes it never wrote read as zeros even where a freed, untrimmed
+    extent left its bytes. A shard process that dies (os._exit, as SIGKILL) comes back with
+    every growth."""
+    import subprocess
+    import sys
+
+    path = os.path.join(str(tmp_path), "s")
+    out = subprocess.run([sys.executable, "-c", _GROWS_IN_PLACE_THEN_DIES, path], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == 8 * MB  # two 4 MiB chunks: nothing parked, so nothing moved
+    want5 = b"a" * MB + bytes(2 * MB) + b"d" * MB
+    want6 = b"".join(bytes([65 + k]) * MB for k in range(4))
+    store, shard = _reopen(path)
+    assert shard.used == 8 * MB
+    for f, want in ((5, want5), (6, want6)):
+        version, view = shard.read(f, 0, 0, 4 * MB)
+        assert view is not None and bytes(view) == want, f
+        del view
+    shard.write(9, 0, 4 * MB, 0, UpdateOp.ASSIGN, b"z" * 4 * MB)  # the allocator knows what is taken
+    assert bytes(shard.read(5, 0, 0, 4 * MB)[1]) == want5  # type: ignore[arg-type]
+    assert bytes(shard.read(6, 0, 0, 4 * MB)[1]) == want6  # type: ignore[arg-type]
+    del shard
+    store.close()
+
+
 def _as_killed(store: ShardStore, to: str) -> str:
     """A copy of ``store``'s directory as a SIGKILL now would leave it (no transaction is open:
     the SQLite file and its WAL are copied whole); ``store`` goes on."""
