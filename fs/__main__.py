@@ -11,6 +11,7 @@ import sys
 import trio
 
 from irdma._errors import IrdmaError
+from irdma._proc import keep_freed_buffers
 from irdma.client.cache import make_cache
 
 from .mount import serve_mount
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if opts.debug else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    keep_freed_buffers()
     try:
         cache = make_cache(opts.cache_dir, opts.cache_size, opts.cache_memory)
         trio.run(functools.partial(serve_mount, args.meta_url, args.mountpoint, **opts.serve_kwargs(), cache=cache))

@@ -101,6 +101,9 @@ def server(listen: str, capacity: int | None, shard_id: int | None, transport: s
     if shard_id is None:  # started by hand: `irdma shard add` registers it under the id the map gives
         shard_id, name = 0, "unregistered shard"
     metrics_addr = shard_address(metrics_addr, shard_id)  # also `irdma up --metrics` (its environment)
+    from ..._proc import keep_freed_buffers
+
+    keep_freed_buffers()
     process = assemble_shard(shard_id, capacity, data_dir=data_dir, durability=durability,
                              cluster=ring.cluster_hex if ring else None, transport=transport, name=name)
     with process:
