@@ -159,15 +159,7 @@ class SharedExtents(RefusedChunks):
         else:
             np.add(np.frombuffer(src[offset : offset + n], dtype="<f4"), np.frombuffer(data, dtype="<f4"),
                    out=np.frombuffer(dst[offset : offset + n], dtype="<f4"))
-        self.versions[to // PAGE] = self.versions[chunk.slot]
-        self.used += size
-        if self.store is not None:
-            try:
-                self.store.move_chunks([key], to, chunk.size, size)
-            except BaseException:
-                self._alloc.free(to, size)
-                self.used -= size
-                raise
+        self._moved([key], chunk, to, size)
         rest = keys[1:]
         if len(rest) > 1:
             self._sharers[old] = rest
@@ -197,14 +189,7 @@ class SharedExtents(RefusedChunks):
         size = chunk.extent
         to = self._alloc_extent(size, "to copy a chunk a snapshot shares into")
         self.region.view[to : to + size] = self.region.view[chunk.offset : chunk.offset + size]
-        self.versions[to // PAGE] = self.versions[chunk.slot]
-        if self.store is not None:
-            try:
-                self.store.move_chunks(movers, to, chunk.size, size)
-            except BaseException:
-                self._alloc.free(to, size)
-                raise
-        self.used += size
+        self._moved(movers, chunk, to, size)
         stay = [k for k in keys if k not in movers]
         if len(stay) > 1:
             self._sharers[chunk.offset] = stay
@@ -234,36 +219,16 @@ class SharedExtents(RefusedChunks):
         if need <= chunk.extent:
             return
         assert not chunk.located, "a located chunk holds its whole size"
+        if self._grow_in_place(key, chunk, need):
+            self.grown += 1
+            return
         old, have = chunk.offset, chunk.extent
-        if old not in self._sharers and self._alloc.take(old + have, need - have):  # written front to back
-            try:
-                if self.store is not None:  # a free range may hold old bytes until trimmed
-                    self.store.zero(old + have, need - have)
-                    room = self.store.reserve(old + have, need - have)
-                    if room:
-                        self.store.move_chunks([key], old, chunk.size, need)
-            except BaseException:
-                self._alloc.free(old + have, need - have)
-                raise
-            if self.store is None or room:
-                self.used += need - have
-                chunk.extent, self.grown = need, self.grown + 1
-                return
-            self._alloc.free(old + have, need - have)  # no disk room: the move below says so (NoSpace)
         to = self._alloc_extent(need, f"to grow a chunk of {have} bytes into")
         view = self.region.view
         view[to : to + have] = view[old : old + have]
         if self.store is not None:  # a free extent may hold old bytes until trimmed
             view[to + have : to + need] = bytes(need - have)
-        self.versions[to // PAGE] = self.versions[chunk.slot]
-        self.used += need
-        if self.store is not None:
-            try:
-                self.store.move_chunks([key], to, chunk.size, need)
-            except BaseException:
-                self._alloc.free(to, need)
-                self.used -= need
-                raise
+        self._moved([key], chunk, to, need)
         keys = self._sharers.get(old)
         if keys is not None:  # the others keep the old extent
             keys.remove(key)
@@ -276,6 +241,52 @@ class SharedExtents(RefusedChunks):
             self._release(old, have)
         chunk.offset, chunk.extent = to, need
         self.grown += 1
+
+    def _grow_in_place(self, key: ChunkKey, chunk: Chunk, need: int) -> bool:
+        """Grow ``chunk``'s extent to ``need`` bytes where it is, if the region space right after
+        it is free and no snapshot shares it (a file written front to back): the new part zeroed
+        (a free range may hold old bytes until trimmed), its disk blocks reserved, the growth
+        journaled at the same offset. False, having changed nothing, when it does not apply or
+        the disk has no room for it (the caller moves the chunk, and says NoSpace if it cannot).
+
+        Raises:
+            OSError, sqlite3.Error: zeroing or journaling failed; nothing changed.
+        """
+        start, n = chunk.offset + chunk.extent, need - chunk.extent
+        if chunk.offset in self._sharers or not self._alloc.take(start, n):
+            return False
+        try:
+            if self.store is not None:
+                self.store.zero(start, n)
+                if not self.store.reserve(start, n):
+                    self._alloc.free(start, n)
+                    return False
+                self.store.move_chunks([key], chunk.offset, chunk.size, need)
+        except BaseException:
+            self._alloc.free(start, n)
+            raise
+        self.used += n
+        chunk.extent = need
+        return True
+
+    def _moved(self, keys: list[ChunkKey], chunk: Chunk, to: int, size: int) -> None:
+        """``chunk``'s bytes now written to the ``size``-byte extent at ``to`` (taken from the
+        allocator) for ``keys``: its version follows, the extent counts as used, the move of the
+        keys is journaled (:meth:`ShardStore.move_chunks`). The caller then points them at it.
+
+        Raises:
+            OSError, sqlite3.Error: the journal could not be written; the extent is free again
+                and nothing is counted.
+        """
+        self.versions[to // PAGE] = self.versions[chunk.slot]
+        self.used += size
+        if self.store is not None:
+            try:
+                self.store.move_chunks(keys, to, chunk.size, size)
+            except BaseException:
+                self._alloc.free(to, size)
+                self.used -= size
+                raise
 
     def is_shared(self, chunk: Chunk) -> bool:
         return chunk.offset in self._sharers
